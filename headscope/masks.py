@@ -1,0 +1,260 @@
+"""Head masks: which heads keep softmax full attention (FA) and which become GDN.
+
+A :class:`HeadMask` is the hand-off between head selection (``headscope.scores``) and its two
+consumers, knockout and the hybrid (``headscope.hybrid``). Budgets follow SPEC.md §6: a head
+count, a fraction of all heads, or an ``"LA:FA"`` ratio string (``"7:1"`` keeps 1/8 = 12.5 % of
+heads as FA). Selection is "constrained global screening": every layer first receives its best
+``min_per_layer`` heads, then the remaining budget is filled from the global ranking.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+import numpy as np
+
+Budget = Union[int, float, str]
+
+
+def _kv_group_of(head: int, n_heads: int, n_kv_heads: int) -> int:
+    return head // (n_heads // n_kv_heads)
+
+
+def parse_budget(budget: Budget, n_total: int) -> int:
+    """Turn a budget into a number of FA heads.
+
+    Args:
+        budget: an ``int`` head count; a ``float`` in (0, 1] read as a fraction of all heads;
+            or a ratio string ``"LA:FA"`` (``"7:1"`` -> 1/8 of the heads), or a digit string.
+        n_total: number of heads in the model (n_layers * n_heads).
+
+    Returns:
+        The FA head count K, 1 <= K <= n_total (fractions and ratios round to nearest, at least 1
+        head must remain FA).
+
+    Raises:
+        ValueError: a count above ``n_total`` or below 1, a fraction outside (0, 1], or a
+            malformed ratio / a ratio that leaves no FA head.
+    """
+    if isinstance(budget, bool):
+        raise ValueError("budget must be a head count, a fraction or an 'LA:FA' ratio, not a bool")
+    if isinstance(budget, str):
+        s = budget.strip()
+        if ":" in s:
+            try:
+                la, fa = (float(v) for v in s.split(":"))
+            except ValueError:
+                raise ValueError(f"budget ratio {budget!r} is not of the form 'LA:FA', e.g. '7:1'") from None
+            if la < 0 or fa <= 0:
+                raise ValueError(f"budget ratio {budget!r} leaves no FA head: FA must be > 0, e.g. '7:1'")
+            k = round(n_total * fa / (la + fa))
+            if k < 1:
+                raise ValueError(
+                    f"budget ratio {budget!r} leaves no FA head among {n_total} heads; use a smaller LA:FA ratio"
+                )
+            return k
+        try:
+            budget = float(s) if "." in s else int(s)
+        except ValueError:
+            raise ValueError(f"budget {budget!r} is not a count, a fraction or an 'LA:FA' ratio") from None
+    if isinstance(budget, (int, np.integer)):
+        if budget < 1 or budget > n_total:
+            raise ValueError(
+                f"budget of {budget} FA heads is outside 1..{n_total} (the model has {n_total} heads); "
+                "pass a smaller count, a fraction like 0.125, or a ratio like '7:1'"
+            )
+        return int(budget)
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"budget fraction {budget} must lie in (0, 1]; for a head count pass an int")
+        return max(1, round(budget * n_total))
+    raise ValueError(f"budget {budget!r} of type {type(budget).__name__} is not understood")
+
+
+@dataclass(frozen=True)
+class HeadMask:
+    """Per layer, the query heads that keep softmax full attention (FA); all others are GDN.
+
+    Attributes:
+        n_layers, n_heads, n_kv_heads: geometry of the model the mask was made for.
+        fa_heads: tuple over layers of sorted tuples of FA query-head indices.
+        meta: provenance (model, tasks, n pairs, seed, budget, score source); JSON-serializable.
+    """
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    fa_heads: tuple[tuple[int, ...], ...]
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if len(self.fa_heads) != self.n_layers:
+            raise ValueError(f"mask lists {len(self.fa_heads)} layers but the geometry has {self.n_layers}")
+        for layer, heads in enumerate(self.fa_heads):
+            if len(set(heads)) != len(heads):
+                raise ValueError(f"layer {layer} lists a head twice: {list(heads)}")
+            bad = [h for h in heads if not 0 <= h < self.n_heads]
+            if bad:
+                raise ValueError(f"layer {layer} has head indices {bad} outside 0..{self.n_heads - 1}")
+        object.__setattr__(self, "fa_heads", tuple(tuple(sorted(int(h) for h in hs)) for hs in self.fa_heads))
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_heads(
+        cls, heads: Sequence[tuple[int, int]], n_layers: int, n_heads: int, n_kv_heads: int, meta: dict | None = None
+    ) -> "HeadMask":
+        """Mask from a list of (layer, head) FA pairs."""
+        per: list[list[int]] = [[] for _ in range(n_layers)]
+        for layer, head in heads:
+            if not 0 <= layer < n_layers:
+                raise ValueError(f"layer {layer} outside 0..{n_layers - 1}")
+            per[layer].append(int(head))
+        return cls(n_layers, n_heads, n_kv_heads, tuple(tuple(p) for p in per), dict(meta or {}))
+
+    @classmethod
+    def select(
+        cls,
+        scores: "np.ndarray",
+        budget: Budget,
+        n_kv_heads: int,
+        min_per_layer: int = 1,
+        meta: dict | None = None,
+    ) -> "HeadMask":
+        """Top-K heads by score under constrained global screening (SPEC.md §6).
+
+        Args:
+            scores: Float[ndarray, "layer head"], higher = more important (NaN counts as -inf).
+            budget: FA head count, fraction, or "LA:FA" ratio (see :func:`parse_budget`).
+            n_kv_heads: KV heads per layer (GQA geometry).
+            min_per_layer: every layer keeps at least this many FA heads, its best ones.
+
+        Raises:
+            ValueError: budget out of range, or ``min_per_layer * n_layers`` above the budget.
+        """
+        s = np.asarray(scores, dtype=float)
+        n_layers, n_heads = s.shape
+        k = parse_budget(budget, n_layers * n_heads)
+        if min_per_layer < 0 or min_per_layer > n_heads:
+            raise ValueError(f"min_per_layer={min_per_layer} must lie in 0..{n_heads}")
+        if min_per_layer * n_layers > k:
+            raise ValueError(
+                f"budget of {k} FA heads cannot give {min_per_layer} head(s) to each of {n_layers} layers "
+                f"(needs {min_per_layer * n_layers}); raise the budget or lower min_per_layer"
+            )
+        s = np.where(np.isnan(s), -np.inf, s)
+        chosen: set[tuple[int, int]] = set()
+        for layer in range(n_layers):
+            order = np.argsort(-s[layer], kind="stable")
+            chosen.update((layer, int(h)) for h in order[:min_per_layer])
+        flat = np.argsort(-s.ravel(), kind="stable")
+        for idx in flat:
+            if len(chosen) >= k:
+                break
+            chosen.add((int(idx // n_heads), int(idx % n_heads)))
+        meta = dict(meta or {})
+        meta.setdefault("budget", budget)
+        meta.update({"n_fa": k, "min_per_layer": min_per_layer})
+        return cls.from_heads(sorted(chosen), n_layers, n_heads, n_kv_heads, meta)
+
+    # ---- views --------------------------------------------------------------------------------
+    @property
+    def n_fa(self) -> int:
+        return sum(len(h) for h in self.fa_heads)
+
+    @property
+    def n_total(self) -> int:
+        return self.n_layers * self.n_heads
+
+    def heads(self) -> list[tuple[int, int]]:
+        """All FA heads as (layer, head) pairs, layer-major."""
+        return [(layer, h) for layer, hs in enumerate(self.fa_heads) for h in hs]
+
+    def gdn_heads(self, layer: int) -> tuple[int, ...]:
+        return tuple(h for h in range(self.n_heads) if h not in self.fa_heads[layer])
+
+    def as_array(self) -> np.ndarray:
+        """Bool[ndarray, "layer head"], True = FA."""
+        a = np.zeros((self.n_layers, self.n_heads), dtype=bool)
+        for layer, h in self.heads():
+            a[layer, h] = True
+        return a
+
+    def kv_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Per layer, the KV groups that must keep a KV cache (any of their query heads is FA)."""
+        return tuple(
+            tuple(sorted({_kv_group_of(h, self.n_heads, self.n_kv_heads) for h in hs})) for hs in self.fa_heads
+        )
+
+    @property
+    def kv_cache_fraction(self) -> float:
+        """Share of the teacher's KV cache that the hybrid keeps (kept KV groups / all KV groups)."""
+        kept = sum(len(g) for g in self.kv_groups())
+        return kept / (self.n_layers * self.n_kv_heads)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "n_fa": self.n_fa,
+            "n_total": self.n_total,
+            "fa_fraction": self.n_fa / self.n_total,
+            "kv_groups_kept": sum(len(g) for g in self.kv_groups()),
+            "kv_cache_fraction": self.kv_cache_fraction,
+        }
+
+    # ---- serialization ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "headscope.HeadMask/1",
+            "n_layers": self.n_layers,
+            "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads,
+            "fa_heads": {str(layer): list(hs) for layer, hs in enumerate(self.fa_heads)},
+            "kv_groups": {str(layer): list(g) for layer, g in enumerate(self.kv_groups())},
+            "summary": self.summary(),
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HeadMask":
+        if d.get("format", "").split("/")[0] != "headscope.HeadMask":
+            raise ValueError("not a headscope HeadMask (missing 'format': 'headscope.HeadMask/1')")
+        n_layers = int(d["n_layers"])
+        fa = tuple(tuple(d["fa_heads"].get(str(layer), [])) for layer in range(n_layers))
+        return cls(n_layers, int(d["n_heads"]), int(d["n_kv_heads"]), fa, dict(d.get("meta", {})))
+
+    def to_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, default=_json_default))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "HeadMask":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def check_geometry(self, n_layers: int, n_heads: int, n_kv_heads: int) -> None:
+        """Raise ValueError when the mask was made for another model geometry."""
+        if (self.n_layers, self.n_heads, self.n_kv_heads) != (n_layers, n_heads, n_kv_heads):
+            raise ValueError(
+                f"mask is for {self.n_layers} layers x {self.n_heads} heads ({self.n_kv_heads} KV heads) "
+                f"but the model has {n_layers} x {n_heads} ({n_kv_heads} KV heads); rank this model first"
+            )
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, Path):
+        return str(o)
+    if math.isnan(o) if isinstance(o, float) else False:
+        return None
+    return str(o)
