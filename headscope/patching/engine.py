@@ -1,0 +1,217 @@
+"""The patching engine: one forward implementation that runs clean, corrupted and patched passes.
+
+Patched passes reuse everything a patch cannot change (the reuse that makes exact patching cheap):
+
+* a patch of head ``h`` in layer ``l`` leaves layers ``< l`` and the attention pattern of layer ``l``
+  as they were, so a patched run starts from the cached residual stream and the cached ``hook_z``
+  of layer ``l``;
+* where clean and corrupted prompts agree up to position ``p``, every activation at positions
+  ``< p`` is identical in every run (causal attention), so patched runs compute positions ``>= p``
+  only, attending to the cached keys/values of positions ``< p``;
+* logits are read at the answer positions only;
+* many head patches run at once, one per batch row.
+
+The fast path drives the Llama-family modules (Llama, SmolLM2, Mistral without sliding window,
+Qwen2, Qwen3 with QK-norm) directly through the modules that the TransformerBridge wraps. The
+activation patched is the input of the output projection, i.e. TransformerLens ``hook_z``
+(``[batch, pos, n_heads, d_head]`` flattened over heads). Tests check every number against a plain
+one-hook-at-a-time reference run through the bridge's ``blocks.{l}.attn.hook_z``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ..models import LoadedModel
+
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
+
+
+class UnsupportedArchitecture(NotImplementedError):
+    pass
+
+
+@dataclass
+class RunCache:
+    """Activations of one full pass of a (pos,) prompt.
+
+    resid: Float[Tensor, "layer pos d_model"], residual stream entering each layer.
+    z: Float[Tensor, "layer pos n_heads*d_head"], hook_z of each layer (flattened heads).
+    k, v: Float[Tensor, "layer n_kv pos d_head"], keys (after RoPE / QK-norm) and values.
+    logits: Float[Tensor, "read vocab"], logits at the read positions.
+    """
+
+    resid: Tensor
+    z: Tensor
+    k: Tensor
+    v: Tensor
+    logits: Tensor
+
+
+class Engine:
+    """Runs a LoadedModel layer by layer with caching, suffix-only passes and hook_z patches.
+
+    Raises:
+        UnsupportedArchitecture: the model is not of a Llama-family type (use the reference path).
+    """
+
+    def __init__(self, model: LoadedModel):
+        hf = model.hf_model
+        cfg = hf.config
+        mtype = getattr(cfg, "model_type", "")
+        if mtype not in SUPPORTED:
+            raise UnsupportedArchitecture(
+                f"the fast patching engine supports {sorted(SUPPORTED)}; {mtype!r} is not among them"
+            )
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", mtype == "mistral"):
+            raise UnsupportedArchitecture("sliding-window attention is not supported by the fast engine")
+        self.model = model
+        self.g = model.geometry
+        self.hf = hf
+        inner = hf.model
+        self.embed = inner.embed_tokens
+        self.final_norm = inner.norm
+        self.lm_head = hf.lm_head
+        self.rotary = inner.rotary_emb
+        self.layers = []
+        for blk in inner.layers:
+            orig = getattr(blk, "original_component", blk)
+            attn = orig.self_attn
+            a = getattr(attn, "original_component", attn)
+            self.layers.append(
+                dict(
+                    ln1=orig.input_layernorm,
+                    ln2=orig.post_attention_layernorm,
+                    mlp=orig.mlp,
+                    q=a.q_proj,
+                    k=a.k_proj,
+                    v=a.v_proj,
+                    o=a.o_proj,
+                    q_norm=getattr(a, "q_norm", None),
+                    k_norm=getattr(a, "k_norm", None),
+                    scaling=float(getattr(a, "scaling", self.g.d_head**-0.5)),
+                )
+            )
+        self.device = model.device
+        self.dtype = model.dtype
+
+    # ---- pieces --------------------------------------------------------------------------------
+    def rope(self, positions: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = self.rotary(like, positions[None])
+        return cos[0].to(like.dtype), sin[0].to(like.dtype)  # [pos, d_head]
+
+    @staticmethod
+    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+    def qkv(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x: [B, S, d_model] (already layer-normed) -> q [B,H,S,dh], k, v [B,KV,S,dh] after RoPE."""
+        L = self.layers[layer]
+        B, S, _ = x.shape
+        g = self.g
+        q = L["q"](x).view(B, S, g.n_heads, g.d_head)
+        k = L["k"](x).view(B, S, g.n_kv_heads, g.d_head)
+        v = L["v"](x).view(B, S, g.n_kv_heads, g.d_head)
+        if L["q_norm"] is not None:
+            q = L["q_norm"](q)
+            k = L["k_norm"](k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
+
+    def attend(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, offset: int
+    ) -> Float[Tensor, "batch pos hd"]:
+        """Causal attention of queries at positions offset.. over all keys -> hook_z, flattened."""
+        B, H, S, dh = q.shape
+        T = k.shape[2]
+        rep = H // k.shape[1]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        qi = torch.arange(S, device=q.device)[:, None] + offset
+        kj = torch.arange(T, device=q.device)[None, :]
+        mask = kj <= qi
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.layers[layer]["scaling"])
+        return out.transpose(1, 2).reshape(B, S, H * dh)
+
+    def post_attn(self, layer: int, h: Tensor, z: Tensor) -> Tensor:
+        """Residual after layer ``layer`` given its input ``h`` and its hook_z ``z``."""
+        L = self.layers[layer]
+        h = h + L["o"](z)
+        return h + L["mlp"](L["ln2"](h))
+
+    def unembed(self, h: Tensor) -> Tensor:
+        return self.lm_head(self.final_norm(h))
+
+    # ---- full pass with cache ----------------------------------------------------------------
+    @torch.no_grad()
+    def run(
+        self,
+        ids: Int[Tensor, "pos"],
+        read: Sequence[int],
+        z_override: Callable[[int, Tensor], Tensor] | None = None,
+    ) -> RunCache:
+        """One full pass of a single prompt, caching resid, hook_z, K and V of every layer.
+
+        ``z_override(layer, z) -> z`` may replace hook_z of a layer (used for frozen/patched runs).
+        """
+        ids = ids.to(self.device)
+        T = ids.numel()
+        h = self.embed(ids[None]).to(self.dtype)
+        cos, sin = self.rope(torch.arange(T, device=self.device), h)
+        resid, zs, ks, vs = [], [], [], []
+        for layer in range(self.g.n_layers):
+            resid.append(h[0])
+            q, k, v = self.qkv(layer, self.layers[layer]["ln1"](h), cos, sin)
+            z = self.attend(layer, q, k, v, 0)
+            if z_override is not None:
+                z = z_override(layer, z)
+            zs.append(z[0])
+            ks.append(k[0])
+            vs.append(v[0])
+            h = self.post_attn(layer, h, z)
+        logits = self.unembed(h[0, list(read)])
+        return RunCache(torch.stack(resid), torch.stack(zs), torch.stack(ks), torch.stack(vs), logits)
+
+    # ---- patched suffix passes -----------------------------------------------------------------
+    @torch.no_grad()
+    def patched_logits(
+        self,
+        base: RunCache,
+        layer: int,
+        z_rows: Float[Tensor, "batch suffix hd"],
+        start: int,
+        read: Sequence[int],
+    ) -> Float[Tensor, "batch read vocab"]:
+        """Logits at ``read`` when layer ``layer``'s hook_z at positions ``start..`` is ``z_rows``.
+
+        Every row starts from ``base`` (a cached pass): layers < ``layer`` and positions < ``start``
+        are taken from the cache, later layers run on positions >= ``start`` only.
+        """
+        B, S, _ = z_rows.shape
+        T = base.resid.shape[1]
+        if start + S != T:
+            raise ValueError(f"z_rows cover positions {start}..{start + S} but the prompt has {T}")
+        cos, sin = self.rope(torch.arange(start, T, device=self.device), z_rows)
+        h = base.resid[layer, start:][None].expand(B, S, -1)
+        h = self.post_attn(layer, h, z_rows)
+        for lay in range(layer + 1, self.g.n_layers):
+            q, k, v = self.qkv(lay, self.layers[lay]["ln1"](h), cos, sin)
+            kp = base.k[lay, :, :start][None].expand(B, -1, -1, -1)
+            vp = base.v[lay, :, :start][None].expand(B, -1, -1, -1)
+            z = self.attend(lay, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start)
+            h = self.post_attn(lay, h, z)
+        idx = torch.as_tensor([r - start for r in read], device=self.device)
+        return self.unembed(h[:, idx])
+
+
+def head_slice(head: int, d_head: int) -> slice:
+    return slice(head * d_head, (head + 1) * d_head)

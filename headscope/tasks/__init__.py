@@ -1,0 +1,21 @@
+"""Calibration tasks (SPEC.md §2): seeded generators of clean/counterfactual pairs."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .base import Pair, PairError, validate_pair
+from .filler import Filler
+from .niah import build_pair, niah_single
+
+TASKS: dict[str, Callable[..., list[Pair]]] = {"niah_single": niah_single}
+
+
+def make_pairs(task: str, tokenizer: Any, **settings: Any) -> list[Pair]:
+    """Pairs of the named capability. Raises ValueError for an unknown task name."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; available: {', '.join(sorted(TASKS))}")
+    return TASKS[task](tokenizer, **settings)
+
+
+__all__ = ["Pair", "PairError", "validate_pair", "Filler", "build_pair", "niah_single", "make_pairs", "TASKS"]

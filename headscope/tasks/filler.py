@@ -1,0 +1,47 @@
+"""Haystack filler: built-in plain sentences (passkey style) or a user corpus file. No downloads."""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+# Passkey-style haystack (Mohtashami & Jaggi 2023 use one repeated sentence; a few variants read
+# less degenerate and keep every sentence free of digits, so they never collide with needles).
+BUILTIN_SENTENCES = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+)
+
+
+class Filler:
+    """Yields filler sentences; ``corpus`` (a text file path) replaces the built-in ones.
+
+    Sentences containing digits are dropped from a corpus so that they cannot be mistaken for a
+    needle value.
+    """
+
+    def __init__(self, corpus: str | Path | None = None):
+        if corpus is None:
+            self.sentences = list(BUILTIN_SENTENCES)
+            self.source = "builtin"
+        else:
+            path = Path(corpus)
+            if not path.is_file():
+                raise FileNotFoundError(f"filler corpus {path} does not exist; pass a UTF-8 text file or None")
+            text = path.read_text(encoding="utf-8", errors="replace")
+            parts = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if s.strip()]
+            self.sentences = [s for s in parts if not re.search(r"\d", s) and len(s) < 400]
+            if not self.sentences:
+                raise ValueError(f"filler corpus {path} has no usable sentences (need digit-free sentences)")
+            self.source = str(path)
+
+    def take(self, n: int, rng: random.Random) -> list[str]:
+        """``n`` consecutive sentences from a random start (cycling)."""
+        if self.source == "builtin":
+            return [self.sentences[i % len(self.sentences)] for i in range(n)]
+        start = rng.randrange(len(self.sentences))
+        return [self.sentences[(start + i) % len(self.sentences)] for i in range(n)]

