@@ -64,9 +64,15 @@ class Geometry:
 
 @dataclass
 class LoadedModel:
-    """A model ready for patching: the TransformerBridge, the tokenizer and the geometry."""
+    """A model ready for patching: the transformers model, the tokenizer and the geometry.
 
-    bridge: Any
+    ``.bridge`` is the TransformerLens ``TransformerBridge`` around the same model, booted on first
+    use (it wraps the model's modules in place, adding hook points such as
+    ``blocks.{l}.attn.hook_z``). The patching engine needs only ``.hf_model``, so headscope's
+    sweeps also run where TransformerLens is not installed.
+    """
+
+    hf_model: Any
     tokenizer: Any
     geometry: Geometry
     spec: str
@@ -74,11 +80,23 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     info: dict[str, Any] = field(default_factory=dict)
+    hub_name: str | None = None
+    _bridge: Any = field(default=None, repr=False)
 
     @property
-    def hf_model(self) -> Any:
-        """The wrapped transformers model (its modules carry the bridge's hook points)."""
-        return self.bridge.original_model
+    def bridge(self) -> Any:
+        """The TransformerBridge (TransformerLens 4) wrapping ``hf_model``; booted on first access."""
+        if self._bridge is None:
+            from transformer_lens.model_bridge import TransformerBridge
+
+            self._bridge = TransformerBridge.boot_transformers(
+                self.hub_name or f"headscope/{self.name}",
+                hf_model=self.hf_model,
+                tokenizer=self.tokenizer,
+                device=self.device,
+                dtype=self.dtype,
+            )
+        return self._bridge
 
     def provenance(self) -> dict[str, Any]:
         return {
@@ -186,8 +204,6 @@ def wrap(
     Use this for models built in memory (tests, custom checkpoints). The tokenizer is required:
     without it the bridge would try to fetch one from the hub.
     """
-    from transformer_lens.model_bridge import TransformerBridge
-
     if tokenizer is None:
         raise ValueError("wrap() needs the model's tokenizer (the bridge would otherwise ask the hub for one)")
     hf_model.eval()
@@ -197,12 +213,9 @@ def wrap(
         raise ValueError("model has no parameters") from e
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    bridge = TransformerBridge.boot_transformers(
-        hub_name or f"headscope/{name}", hf_model=hf_model, tokenizer=tokenizer, device=param.device, dtype=param.dtype
-    )
     geom = geometry_of(hf_model.config)
     return LoadedModel(
-        bridge=bridge,
+        hf_model=hf_model,
         tokenizer=tokenizer,
         geometry=geom,
         spec=spec or name,
@@ -210,6 +223,7 @@ def wrap(
         device=param.device,
         dtype=param.dtype,
         info={"architecture": type(hf_model).__name__},
+        hub_name=hub_name,
     )
 
 
