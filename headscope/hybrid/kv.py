@@ -1,0 +1,1 @@
+def kv_cache_report(): pass
