@@ -11,7 +11,7 @@ from .convert import (
     hybridize,
 )
 from .gdn import fla_available, gated_delta_rule, gdn_chunked_torch, gdn_naive
-from .kv import kv_cache_report
+from .kv import kv_cache_report, kv_cache_report_for
 from .layer import HeadwiseHybridAttention
 
 __all__ = [
@@ -29,4 +29,5 @@ __all__ = [
     "hybrid_spec",
     "hybridize",
     "kv_cache_report",
+    "kv_cache_report_for",
 ]

@@ -138,16 +138,15 @@ class HeadwiseHybridAttention(nn.Module):
         self.kv_keep = tuple(sorted({h // rep for h in self.fa_heads}))
         n_fa, n_gdn, n_keep = len(self.fa_heads), len(self.gdn_heads), len(self.kv_keep)
         self.scaling = d**-0.5
-        # index buffers are not saved: they follow from the mask in the config
-        self.register_buffer("_fa_idx", torch.tensor(self.fa_heads, dtype=torch.long), persistent=False)
-        self.register_buffer("_gdn_idx", torch.tensor(self.gdn_heads, dtype=torch.long), persistent=False)
-        self.register_buffer(
-            "_fa_kv", torch.tensor([self.kv_keep.index(h // rep) for h in self.fa_heads], dtype=torch.long),
-            persistent=False,
-        )
+        # head index maps (plain tensors built per device on use: not parameters, not saved)
         order = list(self.fa_heads) + list(self.gdn_heads)
-        self.register_buffer("_unperm", torch.tensor([order.index(h) for h in range(H)], dtype=torch.long),
-                             persistent=False)
+        self._index_lists = {
+            "fa": list(self.fa_heads),
+            "gdn": list(self.gdn_heads),
+            "fa_kv": [self.kv_keep.index(h // rep) for h in self.fa_heads],
+            "unperm": [order.index(h) for h in range(H)],
+        }
+        self._index_cache: dict[tuple[str, torch.device], Tensor] = {}
 
         self.q_proj = nn.Linear(hidden, H * d, bias=bias)
         self.o_proj = nn.Linear(H * d, hidden, bias=bias)
@@ -175,6 +174,13 @@ class HeadwiseHybridAttention(nn.Module):
             self.A_log = self.dt_bias = None
         self.gamma = nn.Parameter(torch.ones(H, d)) if options.fusion == "rmsnorm" else None
         self.reset_new_parameters()
+
+    def _idx(self, name: str, device: torch.device) -> Tensor:
+        key = (name, device)
+        t = self._index_cache.get(key)
+        if t is None:
+            t = self._index_cache[key] = torch.tensor(self._index_lists[name], dtype=torch.long, device=device)
+        return t
 
     # ------------------------------------------------------------------ initialization / migration
     @torch.no_grad()
@@ -298,12 +304,12 @@ class HeadwiseHybridAttention(nn.Module):
             q = self.q_norm(q)
         outs = []
         if self.fa_heads:
-            outs.append(self._fa(x, q.index_select(2, self._fa_idx), cos, sin, attention_mask, cache, past, position_ids))
+            outs.append(self._fa(x, q.index_select(2, self._idx('fa', x.device)), cos, sin, attention_mask, cache, past, position_ids))
         elif cache is not None:
             self._track_length(cache, B, T, x)
         if self.gdn_heads:
-            outs.append(self._gdn(x, q.index_select(2, self._gdn_idx), cos, sin, valid, cache, past))
-        y = torch.cat(outs, dim=2).index_select(2, self._unperm) if len(outs) > 1 else outs[0]
+            outs.append(self._gdn(x, q.index_select(2, self._idx('gdn', x.device)), cos, sin, valid, cache, past))
+        y = torch.cat(outs, dim=2).index_select(2, self._idx('unperm', x.device)) if len(outs) > 1 else outs[0]
         if self.gamma is not None:  # eq. 13–14: per-head RMSNorm, then γ_h
             yf = y.float()
             yf = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + opts.norm_eps)
@@ -331,7 +337,8 @@ class HeadwiseHybridAttention(nn.Module):
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # B, n_keep, T, d
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        k, v = k.index_select(1, self._fa_kv), v.index_select(1, self._fa_kv)  # one K/V per FA head
+        fkv = self._idx('fa_kv', x.device)
+        k, v = k.index_select(1, fkv), v.index_select(1, fkv)  # one K/V per FA head
         S = k.shape[2]
         mask, causal = None, False
         if attention_mask is not None and attention_mask.dim() == 4:
