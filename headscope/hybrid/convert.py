@@ -182,7 +182,7 @@ def hybridize(
             f"(counts {[s[1] for s in short]}); select the mask with HeadMask.select(..., min_per_layer="
             f"{min_per_layer}) or pass min_per_layer=0"
         )
-    opts = HybridOptions(**options)
+    opts = HybridOptions.from_dict(options)
     if opts.gdn_kernel == "fla":
         from .gdn import _import_fla
 
