@@ -29,7 +29,10 @@ Kernel = Literal["auto", "torch", "fla"]
 
 def fla_available() -> bool:
     """True when flash-linear-attention (``fla-core``) can be imported."""
-    return importlib.util.find_spec("fla") is not None
+    try:
+        return importlib.util.find_spec("fla") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor]) -> None:
