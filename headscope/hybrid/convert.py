@@ -10,7 +10,6 @@ has been imported (or with ``HybridLlamaForCausalLM.from_pretrained``). The teac
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -223,7 +222,3 @@ def hybrid_spec(model: PreTrainedModel) -> tuple[HeadMask, HybridOptions]:
     if not spec:
         raise ValueError("not a headscope hybrid model (config has no 'headscope_hybrid')")
     return HeadMask.from_dict(spec["mask"]), HybridOptions.from_dict(spec["options"])
-
-
-def _dump(obj: Any) -> str:  # small helper for debugging / reports
-    return json.dumps(obj, indent=2, default=str)

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Bool, Float
+from jaxtyping import Float
 from torch import Tensor, nn
 
 from .config import HybridOptions
