@@ -1,0 +1,80 @@
+"""Options of the head-wise hybrid (SPEC.md §8); stored in the hybrid model's config."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+_FA_POS = ("rope", "nope")
+_FUSION = ("rmsnorm", "none")
+_KERNELS = ("auto", "torch", "fla")
+
+
+@dataclass(frozen=True)
+class HybridOptions:
+    """How :class:`~headscope.hybrid.HeadwiseHybridAttention` computes its two branches.
+
+    Attributes:
+        fa_pos: position encoding of the FA heads: ``"rope"`` (the teacher's; parity with the teacher) or
+            ``"nope"`` — no rotary, the query is multiplied by s_t = log(t + a) / log(a) at position t
+            (0-based; s_0 = 1), the log-scale coefficient of HypeNet. (default ``"rope"``)
+        nope_a: the constant a of s_t (tokens, > 1). (default 512)
+        fa_gate: per-head, per-channel output gate sigmoid(W_g x + b_g) on the FA heads. W_g = 0, b_g = 0
+            at initialization (gate 0.5, which the per-head RMSNorm of the fusion cancels exactly).
+        gdn_rope: apply the teacher's rotary embedding to GDN q/k before L2 normalization. (default True)
+        gdn_conv: kernel size of the optional depthwise causal short convolution on GDN q/k/v, 0 = off.
+            Initialized to the identity (last tap 1, others 0), no activation. (default 0)
+        fusion: ``"rmsnorm"`` — eq. 13–14, every head's output RMS-normalized on its own and scaled by a
+            learnable γ_h ∈ R^{d_head}; ``"none"`` — heads concatenated as they are (teacher parity).
+        norm_eps: ε of the fusion RMSNorm.
+        gdn_kernel: ``"auto"`` (fla on CUDA when installed, else the PyTorch chunked form), ``"torch"``,
+            ``"fla"`` (CUDA only).
+        chunk_size: chunk length of the PyTorch chunked path (tokens).
+        gdn_span: (min, max) initial memory span 1 / (1 − α_h) of the GDN heads in tokens, log-spaced
+            over the GDN heads of a layer; sets dt_bias with A_log = 0 and a_proj = 0. (default (16, 1024))
+    """
+
+    fa_pos: str = "rope"
+    nope_a: float = 512.0
+    fa_gate: bool = False
+    gdn_rope: bool = True
+    gdn_conv: int = 0
+    fusion: str = "rmsnorm"
+    norm_eps: float = 1e-6
+    gdn_kernel: str = "auto"
+    chunk_size: int = 64
+    gdn_span: tuple[float, float] = (16.0, 1024.0)
+
+    def __post_init__(self) -> None:
+        if self.fa_pos not in _FA_POS:
+            raise ValueError(f"fa_pos must be one of {_FA_POS}, got {self.fa_pos!r}")
+        if not self.nope_a > 1:
+            raise ValueError(f"nope_a must be > 1 (s_t = log(t + a) / log(a)), got {self.nope_a}")
+        if self.fusion not in _FUSION:
+            raise ValueError(f"fusion must be one of {_FUSION}, got {self.fusion!r}")
+        if self.gdn_kernel not in _KERNELS:
+            raise ValueError(f"gdn_kernel must be one of {_KERNELS}, got {self.gdn_kernel!r}")
+        if self.gdn_conv < 0 or int(self.gdn_conv) != self.gdn_conv:
+            raise ValueError(f"gdn_conv is a kernel size >= 0 (0 = off), got {self.gdn_conv}")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        lo, hi = self.gdn_span
+        if not 1 < lo <= hi:
+            raise ValueError(f"gdn_span must satisfy 1 < min <= max (tokens), got {self.gdn_span}")
+        object.__setattr__(self, "gdn_span", (float(lo), float(hi)))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["gdn_span"] = list(self.gdn_span)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HybridOptions":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown hybrid option(s) {sorted(unknown)}; known: {sorted(names)}")
+        d = dict(d)
+        if "gdn_span" in d:
+            d["gdn_span"] = tuple(d["gdn_span"])
+        return cls(**d)

@@ -1,0 +1,224 @@
+"""Convert a pretrained Llama-family model into a head-wise FA/GDN hybrid (SPEC.md §8).
+
+:func:`hybridize` builds a new model of a registered hybrid class (``HybridLlamaForCausalLM`` or
+``HybridQwen3ForCausalLM``, subclasses of the transformers classes) whose config stores the HeadMask
+and the :class:`HybridOptions` under ``config.headscope_hybrid``; every layer's ``self_attn`` is a
+:class:`HeadwiseHybridAttention` with Q/K/V/O migrated from the teacher. The result saves with
+``save_pretrained`` and loads with ``AutoModelForCausalLM.from_pretrained`` once ``headscope.hybrid``
+has been imported (or with ``HybridLlamaForCausalLM.from_pretrained``). The teacher is not changed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from jaxtyping import Int
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.models.llama import LlamaConfig, LlamaForCausalLM
+from transformers.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+from ..masks import HeadMask
+from .config import HybridOptions
+from .layer import HeadwiseHybridAttention
+
+CONFIG_KEY = "headscope_hybrid"
+
+
+def _install(model: PreTrainedModel) -> None:
+    cfg = model.config
+    spec = getattr(cfg, CONFIG_KEY, None)
+    if not spec:
+        raise ValueError(
+            f"{type(model).__name__} config has no '{CONFIG_KEY}' entry (mask and options); "
+            "create hybrids with headscope.hybridize(model, mask)"
+        )
+    mask = HeadMask.from_dict(spec["mask"])
+    opts = HybridOptions.from_dict(spec["options"])
+    qk_norm = bool(spec.get("qk_norm", False))
+    for i, layer in enumerate(model.model.layers):
+        old = layer.self_attn
+        layer.self_attn = HeadwiseHybridAttention(cfg, i, mask.fa_heads[i], opts, qk_norm=qk_norm).to(
+            device=old.q_proj.weight.device, dtype=old.q_proj.weight.dtype
+        )
+
+
+class HybridLlamaConfig(LlamaConfig):
+    """LlamaConfig of a head-wise hybrid; ``headscope_hybrid`` = {"mask", "options", "qk_norm"}."""
+
+    model_type = "headscope_hybrid_llama"
+
+
+class HybridQwen3Config(Qwen3Config):
+    """Qwen3Config of a head-wise hybrid; ``headscope_hybrid`` = {"mask", "options", "qk_norm"}."""
+
+    model_type = "headscope_hybrid_qwen3"
+
+
+class HybridLlamaForCausalLM(LlamaForCausalLM):
+    """LlamaForCausalLM whose attention layers are :class:`HeadwiseHybridAttention`."""
+
+    config_class = HybridLlamaConfig
+
+    def __init__(self, config: HybridLlamaConfig):
+        super().__init__(config)
+        _install(self)
+
+
+class HybridQwen3ForCausalLM(Qwen3ForCausalLM):
+    """Qwen3ForCausalLM whose attention layers are :class:`HeadwiseHybridAttention`."""
+
+    config_class = HybridQwen3Config
+
+    def __init__(self, config: HybridQwen3Config):
+        super().__init__(config)
+        _install(self)
+
+
+# teacher class -> (hybrid config class, hybrid model class, teacher has q_norm/k_norm)
+_FAMILIES: dict[type, tuple[type, type, bool]] = {
+    LlamaForCausalLM: (HybridLlamaConfig, HybridLlamaForCausalLM, False),
+    Qwen3ForCausalLM: (HybridQwen3Config, HybridQwen3ForCausalLM, True),
+}
+
+for _cfg_cls, _model_cls, _ in _FAMILIES.values():
+    try:
+        AutoConfig.register(_cfg_cls.model_type, _cfg_cls)
+        AutoModelForCausalLM.register(_cfg_cls, _model_cls)
+    except ValueError:  # already registered (module reloaded)
+        pass
+
+
+def _as_mask(mask: Union[HeadMask, dict, str, Path]) -> HeadMask:
+    if isinstance(mask, HeadMask):
+        return mask
+    if isinstance(mask, dict):
+        return HeadMask.from_dict(mask)
+    if isinstance(mask, (str, Path)):
+        return HeadMask.from_json(mask)
+    raise TypeError(f"mask must be a HeadMask, its dict or a JSON path, not {type(mask).__name__}")
+
+
+@torch.no_grad()
+def head_output_rms(
+    model: PreTrainedModel, input_ids: Int[Tensor, "batch time"], attention_mask: Optional[Tensor] = None
+) -> Tensor:
+    """Float[Tensor, "layer head"] — RMS of each teacher head's output O_{l,h} (the input of o_proj)
+    over real tokens and channels of a calibration batch. Used to initialize γ_h (fusion, eq. 13–14)."""
+    cfg = model.config
+    H = cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    rms = torch.zeros(cfg.num_hidden_layers, H)
+    keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        def hook(mod, args, i=i):
+            z = args[0].float().view(*args[0].shape[:-1], H, d)[keep.to(args[0].device)]  # n, H, d
+            rms[i] = z.pow(2).mean(dim=(0, 2)).sqrt().cpu()
+        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(hook))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return rms
+
+
+def hybridize(
+    model: PreTrainedModel,
+    mask: Union[HeadMask, dict, str, Path],
+    *,
+    min_per_layer: Optional[int] = None,
+    calibration_ids: Optional[Int[Tensor, "batch time"]] = None,
+    calibration_mask: Optional[Tensor] = None,
+    **options: Any,
+) -> PreTrainedModel:
+    """Convert a Llama-family causal LM into a head-wise FA/GDN hybrid (SPEC.md §8, section 4.2).
+
+    Args:
+        model: a transformers ``LlamaForCausalLM`` (incl. SmolLM2) or ``Qwen3ForCausalLM``; not modified.
+        mask: a :class:`~headscope.masks.HeadMask` (or its dict / JSON path): per layer the FA heads.
+        min_per_layer: every layer must keep at least this many FA heads; default: the mask's
+            ``meta["min_per_layer"]`` if present, else 0 (an all-GDN layer is allowed).
+        calibration_ids: optional token batch; γ_h of every head is set to the teacher head's output RMS
+            on it (:func:`head_output_rms`), so the fused outputs start at the teacher's scale. Without
+            it γ_h = 1.
+        calibration_mask: padding mask [batch, time] for ``calibration_ids``.
+        **options: fields of :class:`HybridOptions` (fa_pos, nope_a, fa_gate, gdn_rope, gdn_conv,
+            fusion, norm_eps, gdn_kernel, chunk_size, gdn_span).
+
+    Returns:
+        A new hybrid model (same device and dtype as ``model``, eval/train mode copied) whose
+        ``config.headscope_hybrid`` holds the mask and options.
+
+    Raises:
+        TypeError: ``model`` is not a supported family, or ``mask`` is of an unknown type.
+        ValueError: the mask is for another geometry, lists a head twice, or leaves a layer with fewer
+            than ``min_per_layer`` FA heads; an unknown or invalid option.
+        ImportError: ``gdn_kernel="fla"`` without flash-linear-attention installed.
+    """
+    fam = next((v for k, v in _FAMILIES.items() if type(model) is k), None)
+    if fam is None:
+        if isinstance(model, (HybridLlamaForCausalLM, HybridQwen3ForCausalLM)):
+            raise TypeError("this model is already a head-wise hybrid; hybridize its teacher instead")
+        raise TypeError(
+            f"hybridize supports {[c.__name__ for c in _FAMILIES]}, got {type(model).__name__}; "
+            "load the model with AutoModelForCausalLM"
+        )
+    cfg_cls, model_cls, qk_norm = fam
+    mask = _as_mask(mask)
+    cfg = model.config
+    H, KV, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
+    mask.check_geometry(L, H, KV)
+    if min_per_layer is None:
+        min_per_layer = int(mask.meta.get("min_per_layer", 0) or 0)
+    short = [(layer, len(hs)) for layer, hs in enumerate(mask.fa_heads) if len(hs) < min_per_layer]
+    if short:
+        raise ValueError(
+            f"layers {[s[0] for s in short]} have fewer than min_per_layer={min_per_layer} FA heads "
+            f"(counts {[s[1] for s in short]}); select the mask with HeadMask.select(..., min_per_layer="
+            f"{min_per_layer}) or pass min_per_layer=0"
+        )
+    opts = HybridOptions.from_dict(options)
+    if opts.gdn_kernel == "fla":
+        from .gdn import _import_fla
+
+        _import_fla()
+    if getattr(cfg, "use_sliding_window", False):
+        raise ValueError("sliding-window attention layers are not supported; load the model without sliding window")
+
+    d = cfg.to_dict()
+    for k in ("model_type", "architectures", "transformers_version", "auto_map"):
+        d.pop(k, None)
+    d[CONFIG_KEY] = {"mask": mask.to_dict(), "options": opts.to_dict(), "qk_norm": qk_norm}
+    new_cfg = cfg_cls(**d)
+    new_cfg._attn_implementation = "sdpa"
+    ref = model.model.layers[0].self_attn.q_proj.weight
+    hybrid = model_cls(new_cfg)
+    # everything but attention is the teacher's
+    sd = {k: v for k, v in model.state_dict().items() if ".self_attn." not in k}
+    missing, unexpected = hybrid.load_state_dict(sd, strict=False)
+    bad = [k for k in missing if ".self_attn." not in k]
+    if bad or unexpected:
+        raise RuntimeError(f"weight migration failed: missing {bad[:5]}, unexpected {list(unexpected)[:5]}")
+    hybrid.to(device=ref.device, dtype=ref.dtype)
+    for t_layer, h_layer in zip(model.model.layers, hybrid.model.layers):
+        h_layer.self_attn.migrate_from(t_layer.self_attn)
+    if calibration_ids is not None and opts.fusion == "rmsnorm":
+        rms = head_output_rms(model, calibration_ids, calibration_mask)
+        for i, layer in enumerate(hybrid.model.layers):
+            layer.self_attn.gamma.data.copy_(rms[i][:, None].expand_as(layer.self_attn.gamma))
+    if getattr(model, "generation_config", None) is not None:
+        hybrid.generation_config = model.generation_config
+    hybrid.train(model.training)
+    return hybrid
+
+
+def hybrid_spec(model: PreTrainedModel) -> tuple[HeadMask, HybridOptions]:
+    """(HeadMask, HybridOptions) stored in a hybrid model's config."""
+    spec = getattr(model.config, CONFIG_KEY, None)
+    if not spec:
+        raise ValueError("not a headscope hybrid model (config has no 'headscope_hybrid')")
+    return HeadMask.from_dict(spec["mask"]), HybridOptions.from_dict(spec["options"])

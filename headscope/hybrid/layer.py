@@ -1,0 +1,449 @@
+"""The head-wise hybrid attention layer (HydraHead, SPEC.md §8, paper section 4.2).
+
+Per layer the query heads split into FA heads H_F (softmax attention over their KV group) and GDN
+heads H_L (gated delta rule, eq. 7–8). Outputs go back into the heads' original slots, are fused
+(eq. 13–14: per-head RMSNorm and a learnable γ_h) and pass through the teacher's output projection.
+
+The module has the call signature of a transformers Llama/Qwen3 attention module, so it can be
+called on a teacher's hidden states for layer-wise alignment::
+
+    cos_sin = model.model.rotary_emb(h, position_ids)          # h: [batch, time, hidden]
+    out, _ = hybrid_attn(h, position_embeddings=cos_sin)        # out: [batch, time, hidden]
+
+Caching: the FA heads' kept KV groups go into the transformers ``Cache`` as usual (``cache.update``);
+the GDN state (and short-convolution tail) is kept on the same cache layer object.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor, nn
+
+from .config import HybridOptions
+from .gdn import gated_delta_rule
+
+_STATE_ATTR = "_headscope_gdn_state"
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def apply_rope(
+    x: Float[Tensor, "batch time head d"], cos: Float[Tensor, "batch time d"], sin: Float[Tensor, "batch time d"]
+) -> Float[Tensor, "batch time head d"]:
+    """Rotary embedding in the half-split (Llama) convention, on a [batch, time, head, d] tensor."""
+    return x * cos[:, :, None, :] + _rotate_half(x) * sin[:, :, None, :]
+
+
+def nope_log_scale(positions: Tensor, a: float) -> Tensor:
+    """HypeNet's log-scale query coefficient s_t = log(t + a) / log(a) (positions t in tokens, 0-based)."""
+    return torch.log(positions.to(torch.float32) + a) / math.log(a)
+
+
+class _HeadRMSNorm(nn.Module):
+    """RMSNorm over the head dimension with one weight vector shared by all heads (Qwen3 q_norm/k_norm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+def _valid_tokens(mask: Optional[Tensor], q_len: int) -> Optional[Tensor]:
+    """Bool[batch, q_len] — which of the current tokens are real, read off an attention mask.
+
+    Accepts a 2-D padding mask [batch, kv_len] (1 = real), or a 4-D bool / additive float mask
+    [batch, 1, q_len, kv_len] from ``transformers.masking_utils`` (a token is real iff it may attend
+    to itself: the diagonal entry at kv index kv_len − q_len + i).
+    """
+    if mask is None:
+        return None
+    if mask.dim() == 2:
+        return mask[:, -q_len:].bool()
+    if mask.dim() != 4:
+        raise ValueError(f"attention mask of shape {tuple(mask.shape)} is not understood (want 2-D or 4-D)")
+    kv_len = mask.shape[-1]
+    i = torch.arange(q_len, device=mask.device)
+    if mask.shape[2] != q_len:
+        raise ValueError(f"4-D attention mask has {mask.shape[2]} query rows but the input has {q_len} tokens")
+    diag = mask[:, 0, i, kv_len - q_len + i]
+    if diag.dtype == torch.bool:
+        return diag
+    return diag > torch.finfo(diag.dtype).min / 2  # additive mask: 0 = keep, very negative = masked
+
+
+class HeadwiseHybridAttention(nn.Module):
+    """FA heads + GDN heads in one attention layer, with scale-normalized fusion (eq. 7–8, 13–14).
+
+    Args:
+        config: the transformers text config of the model (Llama / Qwen3 family): ``hidden_size``,
+            ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``attention_bias``,
+            ``rms_norm_eps``.
+        layer_idx: index of the layer (for the cache).
+        fa_heads: query heads that keep softmax attention; the others are GDN.
+        options: :class:`HybridOptions`.
+        qk_norm: the teacher normalizes q and k per head (Qwen3); creates ``q_norm``/``k_norm``.
+
+    Parameters (shapes; ``n_keep`` = KV groups with ≥ 1 FA head, ``n_gdn`` = GDN heads, d = head_dim):
+        q_proj [hidden → n_heads·d] (all heads, teacher order), k_proj / v_proj [hidden → n_keep·d]
+        (kept KV groups only), o_proj [n_heads·d → hidden]; gdn_k_proj / gdn_v_proj [hidden → n_gdn·d]
+        (the KV group's K/V copied to every GDN head: MHA); a_proj [hidden → n_gdn] (W = 0),
+        dt_bias [n_gdn], A_log [n_gdn] (= 0), b_proj [hidden → n_gdn] (W = 0, b = 0, so β = 0.5);
+        optional g_proj (FA gate), gdn_conv (short convolution); gamma [n_heads, d] (fusion γ_h, = 1
+        unless calibrated by :func:`headscope.hybrid.hybridize`).
+
+    Raises:
+        ValueError: head indices outside the geometry or listed twice.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        fa_heads: Sequence[int],
+        options: HybridOptions | None = None,
+        qk_norm: bool = False,
+    ):
+        super().__init__()
+        self.options = options = options or HybridOptions()
+        self.layer_idx = layer_idx
+        H = self.n_heads = int(config.num_attention_heads)
+        self.n_kv_heads = int(config.num_key_value_heads)
+        d = self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // H)
+        hidden = int(config.hidden_size)
+        bias = bool(getattr(config, "attention_bias", False))
+        if H % self.n_kv_heads:
+            raise ValueError(f"num_attention_heads={H} is not a multiple of num_key_value_heads={self.n_kv_heads}")
+        rep = H // self.n_kv_heads
+        fa = [int(h) for h in fa_heads]
+        if len(set(fa)) != len(fa):
+            raise ValueError(f"layer {layer_idx}: FA head listed twice in {fa}")
+        if any(not 0 <= h < H for h in fa):
+            raise ValueError(f"layer {layer_idx}: FA heads {fa} outside 0..{H - 1}")
+        self.fa_heads = tuple(sorted(fa))
+        self.gdn_heads = tuple(h for h in range(H) if h not in self.fa_heads)
+        self.kv_keep = tuple(sorted({h // rep for h in self.fa_heads}))
+        n_fa, n_gdn, n_keep = len(self.fa_heads), len(self.gdn_heads), len(self.kv_keep)
+        self.scaling = d**-0.5
+        # head index maps (plain tensors built per device on use: not parameters, not saved)
+        order = list(self.fa_heads) + list(self.gdn_heads)
+        self._index_lists = {
+            "fa": list(self.fa_heads),
+            "gdn": list(self.gdn_heads),
+            "fa_kv": [self.kv_keep.index(h // rep) for h in self.fa_heads],
+            "unperm": [order.index(h) for h in range(H)],
+        }
+        self._index_cache: dict[tuple[str, torch.device], Tensor] = {}
+
+        self.q_proj = nn.Linear(hidden, H * d, bias=bias)
+        self.o_proj = nn.Linear(H * d, hidden, bias=bias)
+        self.q_norm = _HeadRMSNorm(d, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = _HeadRMSNorm(d, config.rms_norm_eps) if qk_norm else None
+        # FA branch
+        self.k_proj = nn.Linear(hidden, n_keep * d, bias=bias) if n_keep else None
+        self.v_proj = nn.Linear(hidden, n_keep * d, bias=bias) if n_keep else None
+        self.g_proj = nn.Linear(hidden, n_fa * d, bias=True) if (options.fa_gate and n_fa) else None
+        # GDN branch
+        if n_gdn:
+            self.gdn_k_proj = nn.Linear(hidden, n_gdn * d, bias=bias)
+            self.gdn_v_proj = nn.Linear(hidden, n_gdn * d, bias=bias)
+            self.a_proj = nn.Linear(hidden, n_gdn, bias=False)
+            self.b_proj = nn.Linear(hidden, n_gdn, bias=True)
+            self.A_log = nn.Parameter(torch.zeros(n_gdn))
+            self.dt_bias = nn.Parameter(torch.zeros(n_gdn))
+            self.gdn_conv = (
+                nn.Conv1d(3 * n_gdn * d, 3 * n_gdn * d, options.gdn_conv, groups=3 * n_gdn * d, bias=False)
+                if options.gdn_conv
+                else None
+            )
+        else:
+            self.gdn_k_proj = self.gdn_v_proj = self.a_proj = self.b_proj = self.gdn_conv = None
+            self.A_log = self.dt_bias = None
+        self.gamma = nn.Parameter(torch.ones(H, d)) if options.fusion == "rmsnorm" else None
+        self.reset_new_parameters()
+
+    def _idx(self, name: str, device: torch.device) -> Tensor:
+        key = (name, device)
+        t = self._index_cache.get(key)
+        if t is None:
+            t = self._index_cache[key] = torch.tensor(self._index_lists[name], dtype=torch.long, device=device)
+        return t
+
+    # ------------------------------------------------------------------ initialization / migration
+    @torch.no_grad()
+    def reset_new_parameters(self) -> None:
+        """Set the parameters the teacher does not have to their documented initial values.
+
+        a_proj.W = 0, A_log = 0 and dt_bias_h = softplus⁻¹(−log α_h) with α_h = 1 − 1/span_h, spans
+        log-spaced over ``options.gdn_span`` (so g = −softplus(dt_bias) = log α_h at start);
+        b_proj W = 0, b = 0 (β = 0.5); FA gate W = 0, b = 0 (gate 0.5); short conv = identity; γ = 1.
+        """
+        if self.gdn_heads:
+            n = len(self.gdn_heads)
+            lo, hi = self.options.gdn_span
+            spans = torch.logspace(math.log10(lo), math.log10(hi), n) if n > 1 else torch.tensor([lo])
+            dt = -torch.log1p(-1.0 / spans)  # = -log(alpha) > 0
+            self.dt_bias.copy_(torch.log(torch.expm1(dt)))
+            self.A_log.zero_()
+            self.a_proj.weight.zero_()
+            self.b_proj.weight.zero_()
+            self.b_proj.bias.zero_()
+            if self.gdn_conv is not None:
+                self.gdn_conv.weight.zero_()
+                self.gdn_conv.weight[:, 0, -1] = 1.0
+        if self.g_proj is not None:
+            self.g_proj.weight.zero_()
+            self.g_proj.bias.zero_()
+        if self.gamma is not None:
+            self.gamma.fill_(1.0)
+
+    @torch.no_grad()
+    def migrate_from(self, teacher: nn.Module) -> None:
+        """Copy Q/K/V/O (and q_norm/k_norm) from a transformers attention module of the same geometry.
+
+        K/V of kept KV groups go to ``k_proj``/``v_proj``; each GDN head gets a copy of its KV group's
+        K/V rows (MHA expansion, h → group h // (n_heads / n_kv_heads)).
+
+        Raises:
+            ValueError: the teacher's projections do not have this layer's shapes.
+        """
+        d, rep = self.head_dim, self.n_heads // self.n_kv_heads
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if not hasattr(teacher, name):
+                raise ValueError(f"teacher attention has no {name}; only Llama-style attention can be migrated")
+        if tuple(teacher.q_proj.weight.shape) != tuple(self.q_proj.weight.shape) or teacher.k_proj.weight.shape[0] != self.n_kv_heads * d:
+            raise ValueError(
+                f"teacher attention shapes q {tuple(teacher.q_proj.weight.shape)}, k {tuple(teacher.k_proj.weight.shape)} "
+                f"do not match the hybrid layer ({self.n_heads} heads, {self.n_kv_heads} KV heads, head_dim {d})"
+            )
+
+        def rows(lin: nn.Linear, groups: Sequence[int]) -> tuple[Tensor, Optional[Tensor]]:
+            idx = torch.cat([torch.arange(g * d, (g + 1) * d) for g in groups]).to(lin.weight.device)
+            return lin.weight[idx], (lin.bias[idx] if lin.bias is not None else None)
+
+        def put(dst: nn.Linear, w: Tensor, b: Optional[Tensor]) -> None:
+            dst.weight.copy_(w)
+            if dst.bias is not None and b is not None:
+                dst.bias.copy_(b)
+
+        put(self.q_proj, teacher.q_proj.weight, teacher.q_proj.bias)
+        put(self.o_proj, teacher.o_proj.weight, teacher.o_proj.bias)
+        if self.kv_keep:
+            put(self.k_proj, *rows(teacher.k_proj, self.kv_keep))
+            put(self.v_proj, *rows(teacher.v_proj, self.kv_keep))
+        if self.gdn_heads:
+            groups = [h // rep for h in self.gdn_heads]
+            put(self.gdn_k_proj, *rows(teacher.k_proj, groups))
+            put(self.gdn_v_proj, *rows(teacher.v_proj, groups))
+        if self.q_norm is not None:
+            if getattr(teacher, "q_norm", None) is None:
+                raise ValueError("the hybrid layer expects q_norm/k_norm (Qwen3) but the teacher has none")
+            self.q_norm.weight.copy_(teacher.q_norm.weight)
+            self.k_norm.weight.copy_(teacher.k_norm.weight)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        hidden_states: Float[Tensor, "batch time hidden"],
+        position_embeddings: Optional[tuple[Tensor, Tensor]] = None,
+        attention_mask: Optional[Tensor] = None,
+        cache: Any = None,
+        past_key_values: Any = None,
+        position_ids: Optional[Tensor] = None,
+        **kwargs: Any,
+    ) -> tuple[Float[Tensor, "batch time hidden"], None]:
+        """Hybrid attention output (before the residual add), same contract as the teacher's module.
+
+        Args:
+            hidden_states: the layer's normalized input.
+            position_embeddings: (cos, sin), each [batch, time, head_dim], from the model's rotary
+                embedding; required when any branch uses RoPE.
+            attention_mask: None (causal, no padding), a 4-D mask from transformers (bool or additive)
+                or a 2-D padding mask; padded tokens do not change real tokens' outputs.
+            cache / past_key_values: a transformers ``Cache`` (FA KV of kept groups + GDN state) or None.
+            position_ids: [batch, time] absolute positions (for the NoPE coefficient); default counts
+                from the cache length.
+
+        Returns:
+            (output [batch, time, hidden], None) — no attention weights are returned.
+
+        Raises:
+            ValueError: missing position embeddings, ``gdn_kernel='fla'`` on a non-CUDA device.
+        """
+        cache = cache if cache is not None else past_key_values
+        B, T, _ = hidden_states.shape
+        d, x = self.head_dim, hidden_states
+        opts = self.options
+        past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+        valid = _valid_tokens(attention_mask, T)
+        need_rope = (opts.fa_pos == "rope" and self.fa_heads) or (opts.gdn_rope and self.gdn_heads)
+        if need_rope and position_embeddings is None:
+            raise ValueError(
+                "position_embeddings=(cos, sin) is required (RoPE is on); compute it with "
+                "model.model.rotary_emb(hidden_states, position_ids)"
+            )
+        cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+        if cos is not None and cos.shape[0] != B:
+            cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+
+        q = self.q_proj(x).view(B, T, self.n_heads, d)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        outs = []
+        if self.fa_heads:
+            outs.append(self._fa(x, q.index_select(2, self._idx('fa', x.device)), cos, sin, attention_mask, cache, past, position_ids))
+        elif cache is not None:
+            self._track_length(cache, B, T, x)
+        if self.gdn_heads:
+            outs.append(self._gdn(x, q.index_select(2, self._idx('gdn', x.device)), cos, sin, valid, cache, past))
+        y = torch.cat(outs, dim=2).index_select(2, self._idx('unperm', x.device)) if len(outs) > 1 else outs[0]
+        if self.gamma is not None:  # eq. 13–14: per-head RMSNorm, then γ_h
+            yf = y.float()
+            yf = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + opts.norm_eps)
+            y = (self.gamma.float() * yf).to(x.dtype)
+        return self.o_proj(y.reshape(B, T, self.n_heads * d)), None
+
+    def _track_length(self, cache: Any, B: int, T: int, x: Tensor) -> None:
+        # a layer without FA heads keeps a 1-channel uint8 tracker so that the cache knows the length
+        z = torch.zeros(B, 1, T, 1, dtype=torch.uint8, device=x.device)
+        cache.update(z, z, self.layer_idx)
+
+    def _fa(self, x, q, cos, sin, attention_mask, cache, past, position_ids):
+        B, T = x.shape[:2]
+        d, opts = self.head_dim, self.options
+        n_keep = len(self.kv_keep)
+        k = self.k_proj(x).view(B, T, n_keep, d)
+        v = self.v_proj(x).view(B, T, n_keep, d)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if opts.fa_pos == "rope":
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            pos = position_ids if position_ids is not None else torch.arange(past, past + T, device=x.device)[None]
+            q = q * nope_log_scale(pos.expand(B, T), opts.nope_a)[..., None, None].to(q.dtype)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # B, n_keep, T, d
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        fkv = self._idx('fa_kv', x.device)
+        k, v = k.index_select(1, fkv), v.index_select(1, fkv)  # one K/V per FA head
+        S = k.shape[2]
+        mask, causal = None, False
+        if attention_mask is not None and attention_mask.dim() == 4:
+            mask = attention_mask[:, :, -T:, -S:]
+            if mask.dtype == torch.bool:  # rows with nothing to attend (padded queries): let them see all, finite
+                mask = mask | ~mask.any(-1, keepdim=True)
+            else:
+                mask = mask.to(q.dtype)
+        elif attention_mask is not None and attention_mask.dim() == 2:
+            keep = attention_mask[:, -S:].bool()[:, None, None, :]
+            tri = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+            mask = keep & tri
+            mask = mask | ~mask.any(-1, keepdim=True)
+        elif T == S:
+            causal = True
+        elif T > 1:
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=mask, is_causal=causal, scale=self.scaling
+        ).transpose(1, 2)  # B, T, n_fa, d
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x)).view(B, T, len(self.fa_heads), d)
+        return o
+
+    def _gdn(self, x, q, cos, sin, valid, cache, past):
+        B, T = x.shape[:2]
+        d, opts = self.head_dim, self.options
+        n = len(self.gdn_heads)
+        k = self.gdn_k_proj(x).view(B, T, n, d)
+        v = self.gdn_v_proj(x).view(B, T, n, d)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        state = self._state(cache, past)
+        if self.gdn_conv is not None:
+            qkv = torch.cat([q, k, v], dim=2).reshape(B, T, 3 * n * d)
+            if valid is not None:
+                qkv = qkv * valid[..., None].to(qkv.dtype)
+            K = opts.gdn_conv
+            tail = state.get("conv") if state is not None else None
+            if tail is None:
+                tail = qkv.new_zeros(B, K - 1, qkv.shape[-1])
+            full = torch.cat([tail.to(qkv.dtype), qkv], dim=1)  # B, K-1+T, C
+            if cache is not None:
+                self._put_state(cache, conv=full[:, full.shape[1] - (K - 1):].detach())
+            qkv = self.gdn_conv(full.transpose(1, 2)).transpose(1, 2)  # B, T, C
+            q, k, v = qkv.view(B, T, 3, n, d).unbind(2)
+        if opts.gdn_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = F.normalize(q.float(), p=2, dim=-1, eps=1e-6).to(x.dtype)
+        k = F.normalize(k.float(), p=2, dim=-1, eps=1e-6).to(x.dtype)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        if valid is not None:  # padded tokens: β = 0, α = 1 -> the state passes through unchanged
+            vf = valid.to(beta.dtype)[..., None]
+            beta, g = beta * vf, g * vf
+        h0 = state.get("S") if state is not None else None
+        y, S = gated_delta_rule(
+            q, k, v, g, beta.to(x.dtype) if x.dtype != torch.float32 else beta, scale=self.scaling,
+            initial_state=h0, kernel=opts.gdn_kernel, chunk_size=opts.chunk_size,
+        )
+        if cache is not None:
+            self._put_state(cache, S=S.detach().float())
+        return y.to(x.dtype)
+
+    # ------------------------------------------------------------------ GDN state in the cache
+    def _cache_layer(self, cache: Any) -> Any:
+        layers = getattr(cache, "layers", None)
+        if layers is None or self.layer_idx >= len(layers):
+            raise ValueError(
+                f"the cache {type(cache).__name__} has no layer {self.layer_idx}; use a transformers DynamicCache"
+            )
+        return layers[self.layer_idx]
+
+    def _state(self, cache: Any, past: int) -> Optional[dict]:
+        if cache is None:
+            return None
+        layer = self._cache_layer(cache)
+        st = getattr(layer, _STATE_ATTR, None)
+        if st is None or past == 0:
+            st = {}
+            setattr(layer, _STATE_ATTR, st)
+            _patch_reorder(layer)
+        return st
+
+    def _put_state(self, cache: Any, **kv: Tensor) -> None:
+        getattr(self._cache_layer(cache), _STATE_ATTR).update(kv)
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer={self.layer_idx}, fa_heads={list(self.fa_heads)}, gdn_heads={len(self.gdn_heads)}, "
+            f"kv_keep={list(self.kv_keep)}, fa_pos={self.options.fa_pos}, fusion={self.options.fusion}"
+        )
+
+
+def _patch_reorder(layer: Any) -> None:
+    """Make beam search reorder the GDN state along with the KV cache of this cache layer."""
+    if getattr(layer, "_headscope_patched", False):
+        return
+    orig = layer.reorder_cache
+
+    def reorder_cache(beam_idx: torch.LongTensor) -> None:
+        orig(beam_idx)
+        st = getattr(layer, _STATE_ATTR, {})
+        for key, val in list(st.items()):
+            st[key] = val.index_select(0, beam_idx.to(val.device))
+
+    layer.reorder_cache = reorder_cache
+    layer._headscope_patched = True

@@ -1,0 +1,106 @@
+"""Gated delta rule (eq. 7–8): chunked PyTorch form vs brute-force recurrence, hand numbers, dispatch."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from headscope.hybrid.gdn import fla_available, gated_delta_rule, gdn_chunked_torch, gdn_naive
+
+
+def _inputs(B=2, T=37, H=3, dk=8, dv=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, dk, generator=g)
+    k = F.normalize(torch.randn(B, T, H, dk, generator=g), dim=-1)
+    v = torch.randn(B, T, H, dv, generator=g)
+    gate = F.logsigmoid(torch.randn(B, T, H, generator=g) + 2.0)
+    beta = torch.rand(B, T, H, generator=g)
+    h0 = torch.randn(B, H, dk, dv, generator=g)
+    return q, k, v, gate, beta, h0
+
+
+@pytest.mark.parametrize("T,chunk", [(1, 16), (37, 16), (64, 64), (100, 64), (129, 32)])
+def test_chunked_equals_naive_recurrence(T, chunk):
+    q, k, v, g, beta, h0 = _inputs(T=T)
+    y_ref, s_ref = gdn_naive(q, k, v, g, beta, initial_state=h0)
+    y, s = gdn_chunked_torch(q, k, v, g, beta, initial_state=h0, chunk_size=chunk)
+    assert (y - y_ref).abs().max() < 1e-5
+    assert (s - s_ref).abs().max() < 1e-5
+
+
+def test_state_carries_over_split_sequence():
+    q, k, v, g, beta, h0 = _inputs(T=50)
+    y_full, s_full = gdn_chunked_torch(q, k, v, g, beta, initial_state=h0, chunk_size=16)
+    y1, s1 = gdn_chunked_torch(q[:, :23], k[:, :23], v[:, :23], g[:, :23], beta[:, :23], initial_state=h0, chunk_size=16)
+    y2, s2 = gdn_chunked_torch(q[:, 23:], k[:, 23:], v[:, 23:], g[:, 23:], beta[:, 23:], initial_state=s1, chunk_size=16)
+    assert (torch.cat([y1, y2], 1) - y_full).abs().max() < 1e-5
+    assert (s2 - s_full).abs().max() < 1e-5
+
+
+def test_one_step_by_hand():
+    # S_0 = 0: S_1 = β k vᵀ, y_1 = scale · β (k·q) v
+    q = torch.tensor([1.0, 2.0]).view(1, 1, 1, 2)
+    k = torch.tensor([0.6, 0.8]).view(1, 1, 1, 2)
+    v = torch.tensor([3.0, -1.0, 0.5]).view(1, 1, 1, 3)
+    g = torch.tensor([math.log(0.5)]).view(1, 1, 1)
+    beta = torch.tensor([0.25]).view(1, 1, 1)
+    for fn in (gdn_naive, gdn_chunked_torch):
+        y, s = fn(q, k, v, g, beta, scale=1.0)
+        # k·q = 0.6 + 1.6 = 2.2 ; y = 0.25 * 2.2 * v = 0.55 v
+        assert torch.allclose(y.flatten(), torch.tensor([1.65, -0.55, 0.275]), atol=1e-6)
+        assert torch.allclose(s[0, 0], 0.25 * torch.outer(k.flatten(), v.flatten()), atol=1e-6)
+    # second step with k orthogonal to the first: state decays by α = 0.5 and the delta rule erases nothing
+    q2 = torch.tensor([[[[1.0, 2.0]], [[0.0, 1.0]]]]).view(1, 2, 1, 2)
+    k2 = torch.tensor([[0.6, 0.8], [-0.8, 0.6]]).view(1, 2, 1, 2)
+    v2 = torch.tensor([[3.0, -1.0, 0.5], [1.0, 1.0, 1.0]]).view(1, 2, 1, 3)
+    g2 = torch.full((1, 2, 1), math.log(0.5))
+    b2 = torch.tensor([0.25, 1.0]).view(1, 2, 1)
+    y, s = gdn_chunked_torch(q2, k2, v2, g2, b2, scale=1.0, chunk_size=2)
+    s_hand = 0.5 * 0.25 * torch.outer(k2[0, 0, 0], v2[0, 0, 0]) + 1.0 * torch.outer(k2[0, 1, 0], v2[0, 1, 0])
+    assert torch.allclose(s[0, 0], s_hand, atol=1e-6)
+    assert torch.allclose(y[0, 1, 0], s_hand.T @ q2[0, 1, 0], atol=1e-6)
+
+
+def test_padding_tokens_with_zero_beta_and_gate_leave_state_unchanged():
+    q, k, v, g, beta, h0 = _inputs(T=10)
+    beta[:, 3:6] = 0
+    g[:, 3:6] = 0
+    keep = [0, 1, 2, 6, 7, 8, 9]
+    _, s_all = gdn_chunked_torch(q, k, v, g, beta, initial_state=h0, chunk_size=4)
+    _, s_keep = gdn_naive(q[:, keep], k[:, keep], v[:, keep], g[:, keep], beta[:, keep], initial_state=h0)
+    assert (s_all - s_keep).abs().max() < 1e-5
+
+
+@pytest.mark.skipif(not fla_available(), reason="flash-linear-attention not installed (extra 'gdn')")
+def test_matches_fla_naive_reference():
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+    q, k, v, g, beta, h0 = _inputs(T=45)
+    y_ref, s_ref = naive_recurrent_gated_delta_rule(q, k, v, beta, g, initial_state=h0, output_final_state=True)
+    y, s = gdn_chunked_torch(q, k, v, g, beta, initial_state=h0, chunk_size=16)
+    assert (y - y_ref).abs().max() < 1e-5
+    assert (s - s_ref).abs().max() < 1e-5
+
+
+def test_dispatch_errors():
+    q, k, v, g, beta, _ = _inputs(T=4)
+    with pytest.raises((ValueError, ImportError), match="gdn_kernel='torch'"):
+        gated_delta_rule(q, k, v, g, beta, kernel="fla")
+    with pytest.raises(ValueError, match="'auto', 'torch' or 'fla'"):
+        gated_delta_rule(q, k, v, g, beta, kernel="cuda")
+    with pytest.raises(ValueError, match="g and beta"):
+        gdn_chunked_torch(q, k, v, g[:, :2], beta)
+    y, _ = gated_delta_rule(q, k, v, g, beta, kernel="auto")
+    assert (y - gdn_naive(q, k, v, g, beta)[0]).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla")
+def test_fla_kernels_match_reference_bf16():
+    q, k, v, g, beta, h0 = (t.cuda() for t in _inputs(B=1, T=300, H=4, dk=64, dv=64))
+    y_ref, s_ref = gdn_chunked_torch(q, k, v, g, beta, initial_state=h0)
+    bf = torch.bfloat16
+    y, s = gated_delta_rule(q.to(bf), k.to(bf), v.to(bf), g, beta.to(bf), initial_state=h0, kernel="fla")
+    assert (y.float() - y_ref).abs().max() < 5e-2 * y_ref.abs().max()
+    assert (s.float() - s_ref).abs().max() < 5e-2 * s_ref.abs().max()
