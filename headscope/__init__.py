@@ -1,6 +1,6 @@
 """headscope: find the attention heads that carry long-range retrieval, by causal intervention.
 
-Public API: :func:`load_model`, :func:`rank`, :class:`Ranking`, :class:`HeadMask`.
+Public API: :func:`load_model`, :func:`rank`, :class:`Ranking`, :class:`HeadMask`, :func:`hybridize`.
 """
 
 __version__ = "0.1.0"
@@ -9,5 +9,17 @@ from .masks import HeadMask  # noqa: E402
 from .models import LoadedModel, load_model  # noqa: E402
 from .scores import Ranking  # noqa: E402
 from .api import rank  # noqa: E402
+from .hybrid import HeadwiseHybridAttention, HybridOptions, hybridize, kv_cache_report  # noqa: E402
 
-__all__ = ["__version__", "load_model", "LoadedModel", "rank", "Ranking", "HeadMask"]
+__all__ = [
+    "__version__",
+    "load_model",
+    "LoadedModel",
+    "rank",
+    "Ranking",
+    "HeadMask",
+    "hybridize",
+    "HeadwiseHybridAttention",
+    "HybridOptions",
+    "kv_cache_report",
+]

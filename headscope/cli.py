@@ -26,6 +26,7 @@ def rank(
     seed: int = typer.Option(0),
     lam: float = typer.Option(0.9, "--lambda", help="decay λ of the span readout (eq. 9)"),
     direction: str = typer.Option("noising", help="noising (default) or denoising"),
+    min_gap: float = typer.Option(0.1, help="skip pairs whose |m(x) - m(x')| is below this (logits)"),
     budget: str = typer.Option("7:1", help="FA budget for mask.json: head count, fraction or LA:FA ratio"),
     min_per_layer: int = typer.Option(1, help="at least this many FA heads per layer in mask.json"),
     out: Path = typer.Option(Path("runs/rank"), help="output directory (resumes if it holds the same run)"),
@@ -45,6 +46,7 @@ def rank(
             depth=depth[0] if len(depth) == 1 else tuple(depth),
             lam=lam,
             direction=direction,  # type: ignore[arg-type]
+            min_gap=min_gap,
             out_dir=out,
             device=device,
         )

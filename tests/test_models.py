@@ -1,0 +1,23 @@
+import pytest
+
+from headscope.models import ModelSpecError, load_model
+
+
+def test_unknown_specs_name_the_fix(tmp_path):
+    with pytest.raises(ModelSpecError, match="unknown model spec 'gpt-17'.*smollm2-135m"):
+        load_model("gpt-17")
+    with pytest.raises(ModelSpecError, match="does not exist"):
+        load_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelSpecError, match="without config.json"):
+        load_model(str(tmp_path))
+    with pytest.raises(ModelSpecError, match="not in the local Hugging Face cache"):
+        load_model("someone/not-a-cached-model")
+
+
+def test_local_directory_round_trip(tiny, tmp_path):
+    tiny.hf_model.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    m = load_model(str(tmp_path), device="cpu")
+    g = m.geometry
+    assert (g.n_layers, g.n_heads, g.n_kv_heads, g.d_head) == (2, 4, 2, 16)
+    assert g.kv_group == (0, 0, 1, 1)
