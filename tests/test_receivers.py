@@ -90,13 +90,23 @@ def test_hooks_removed_after_exception(tiny, pairs):
 def test_store_resume_and_config_guard(tiny, pairs, tmp_path):
     full = receiver_patching(tiny, pairs, min_gap=0.0, progress=False, store_dir=str(tmp_path))
     stored = sorted(p.name for p in (tmp_path / "receivers").glob("*.pt"))
-    assert stored == ["pair00000.pt", "pair00001.pt"]
+    assert stored == [f"pair0000{i}_{k}.pt" for i in (0, 1) for k in ("L000", "L001", "base")]
     # poison one stored item: a resumed run must read it back instead of recomputing
-    item = torch.load(tmp_path / "receivers" / "pair00001.pt", weights_only=False)
-    item["patched"] = item["patched"] + 100.0
-    torch.save(item, tmp_path / "receivers" / "pair00001.pt")
+    path = tmp_path / "receivers" / "pair00001_L001.pt"
+    item = torch.load(path, weights_only=False)
+    torch.save({h: v + 100.0 for h, v in item.items()}, path)
     again = receiver_patching(tiny, pairs, min_gap=0.0, progress=False, store_dir=str(tmp_path))
     assert torch.allclose(again.patched[0], full.patched[0])
-    assert torch.allclose(again.patched[1], full.patched[1] + 100.0)
+    assert torch.allclose(again.patched[1, 1], full.patched[1, 1] + 100.0)
+    assert torch.allclose(again.patched[1, 0], full.patched[1, 0])
     with pytest.raises(ConfigMismatch, match="differs in: lam"):
         receiver_patching(tiny, pairs, lam=0.5, min_gap=0.0, progress=False, store_dir=str(tmp_path))
+
+
+def test_head_subset(tiny, pairs):
+    full = receiver_patching(tiny, pairs, min_gap=0.0, progress=False).patched
+    sub = receiver_patching(tiny, pairs, min_gap=0.0, progress=False, heads=[(1, 2), (0, 3)]).patched
+    assert torch.allclose(sub[:, 1, 2], full[:, 1, 2]) and torch.allclose(sub[:, 0, 3], full[:, 0, 3])
+    assert torch.isnan(sub[:, 0, 0]).all()
+    with pytest.raises(ValueError, match="outside the model"):
+        receiver_patching(tiny, pairs, heads=[(2, 0)])

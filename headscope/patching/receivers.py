@@ -82,32 +82,39 @@ def _auto_batch(model: LoadedModel, suffix: int, total: int, mem_bytes: float) -
     return max(1, min(g.n_heads, int(mem_bytes // max(per_row, 1))))
 
 
-def _pair_effects(
-    engine: Engine, pair: Pair, lam: float, direction: Direction, batch_size: int | None, mem_bytes: float
-) -> dict[str, Tensor]:
+class PairState:
+    """Clean and corrupted passes of one pair, computed once and shared by all its patches."""
+
+    def __init__(self, engine: Engine, pair: Pair, lam: float, direction: Direction):
+        self.pair = pair
+        clean_seq, corr_seq, self.read = sequences(pair)
+        clean = engine.run(clean_seq, self.read)
+        corr = engine.run(corr_seq, self.read)
+        self.m_clean = float(logit_diff(clean.logits, pair.answer, pair.counter_answer, lam))
+        self.m_corrupt = float(logit_diff(corr.logits, pair.answer, pair.counter_answer, lam))
+        self.base, self.src = (clean, corr) if direction == "noising" else (corr, clean)
+        # positions before the first clean/corrupted difference are identical in every run
+        self.start = min(pair.first_diff(), self.read[0])
+        self.total = clean_seq.numel()
+
+
+def patch_heads(
+    engine: Engine, st: PairState, layer: int, heads: Sequence[int], lam: float, batch_size: int
+) -> Tensor:
+    """m after patching each of ``heads`` of ``layer`` alone (one batch row per head) -> Float64[len(heads)]."""
     g = engine.g
-    clean_seq, corr_seq, read = sequences(pair)
-    clean = engine.run(clean_seq, read)
-    corr = engine.run(corr_seq, read)
-    m_clean = float(logit_diff(clean.logits, pair.answer, pair.counter_answer, lam))
-    m_corr = float(logit_diff(corr.logits, pair.answer, pair.counter_answer, lam))
-    base, src = (clean, corr) if direction == "noising" else (corr, clean)
-    start = min(pair.first_diff(), read[0])
-    T = clean_seq.numel()
-    bs = batch_size or _auto_batch(engine.model, T - start, T, mem_bytes)
-    patched = torch.empty(g.n_layers, g.n_heads, dtype=torch.float64)
-    for layer in range(g.n_layers):
-        zb = base.z[layer, start:]
-        zs = src.z[layer, start:]
-        for h0 in range(0, g.n_heads, bs):
-            heads = list(range(h0, min(g.n_heads, h0 + bs)))
-            rows = zb[None].repeat(len(heads), 1, 1)
-            for r, h in enumerate(heads):
-                sl = head_slice(h, g.d_head)
-                rows[r, :, sl] = zs[:, sl]
-            logits = engine.patched_logits(base, layer, rows, start, read)
-            patched[layer, heads] = logit_diff(logits, pair.answer, pair.counter_answer, lam).cpu()
-    return {"patched": patched, "m_clean": torch.tensor(m_clean), "m_corrupt": torch.tensor(m_corr)}
+    zb = st.base.z[layer, st.start :]
+    zs = st.src.z[layer, st.start :]
+    out = torch.empty(len(heads), dtype=torch.float64)
+    for c0 in range(0, len(heads), batch_size):
+        chunk = list(heads[c0 : c0 + batch_size])
+        rows = zb[None].repeat(len(chunk), 1, 1)
+        for r, h in enumerate(chunk):
+            sl = head_slice(h, g.d_head)
+            rows[r, :, sl] = zs[:, sl]
+        logits = engine.patched_logits(st.base, layer, rows, st.start, st.read)
+        out[c0 : c0 + len(chunk)] = logit_diff(logits, st.pair.answer, st.pair.counter_answer, lam).cpu()
+    return out
 
 
 def receiver_patching(
@@ -121,6 +128,7 @@ def receiver_patching(
     store_dir: str | None = None,
     store_config: dict[str, Any] | None = None,
     progress: bool = True,
+    heads: Sequence[tuple[int, int]] | None = None,
 ) -> PatchResult:
     """Exact activation patching of every head's hook_z, all positions, for every pair.
 
@@ -131,8 +139,9 @@ def receiver_patching(
         direction: ``"noising"`` (clean run, patch from x'; default) or ``"denoising"``.
         min_gap: pairs with |m(x) − m(x')| below this (logits) are skipped and reported.
         batch_size: head patches per forward (default: sized to ``mem_bytes``).
-        store_dir: a run directory; each finished pair is written there at once and re-used when the
-            same configuration runs again (resume after a crash).
+        store_dir: a run directory; every finished (pair, layer) item is written there at once
+            (atomically) and re-used when the same configuration runs again (resume after a crash).
+        heads: patch only these (layer, head)s (others stay NaN); default all.
 
     Returns:
         PatchResult (``.ie`` is Float[Tensor, "pair layer head"]).
@@ -140,32 +149,56 @@ def receiver_patching(
     Raises:
         ValueError: no pairs, pairs that break the pair contract or exceed the context, a bad direction.
         GapError: every pair's gap is below ``min_gap``.
+        ConfigMismatch: ``store_dir`` holds results of another configuration.
     """
     if direction not in ("noising", "denoising"):
         raise ValueError(f"direction must be 'noising' or 'denoising', not {direction!r}")
     check_pairs(model, pairs)
+    g = model.geometry
+    per_layer: dict[int, list[int]] = {}
+    for layer, h in heads if heads is not None else [(a, b) for a in range(g.n_layers) for b in range(g.n_heads)]:
+        if not (0 <= layer < g.n_layers and 0 <= h < g.n_heads):
+            raise ValueError(f"head ({layer}, {h}) is outside the model's {g.n_layers} layers x {g.n_heads} heads")
+        per_layer.setdefault(int(layer), []).append(int(h))
     engine = Engine(model)
     store = None
     if store_dir is not None:
         cfg = {"kind": "receivers", "lam": lam, "direction": direction, **(store_config or {})}
         cfg["pairs"] = [hash_pair(p) for p in pairs]
         store = Store(store_dir, cfg, name="receivers")
-    g = model.geometry
     n = len(pairs)
     patched = torch.full((n, g.n_layers, g.n_heads), math.nan, dtype=torch.float64)
     m_clean = torch.empty(n, dtype=torch.float64)
     m_corr = torch.empty(n, dtype=torch.float64)
-    for i, pair in enumerate(tqdm(pairs, desc="receiver patching", unit="pair", disable=not progress)):
-        key = f"pair{i:05d}"
-        if store is not None and store.has(key):
-            res = store.get(key)
+    bar = tqdm(total=n * sum(len(v) for v in per_layer.values()), desc="receiver patching", unit="head",
+               disable=not progress)
+    for i, pair in enumerate(pairs):
+        st = None
+        base_key = f"pair{i:05d}_base"
+        if store is not None and store.has(base_key):
+            base = store.get(base_key)
+            m_clean[i], m_corr[i] = base["m_clean"], base["m_corrupt"]
         else:
-            res = _pair_effects(engine, pair, lam, direction, batch_size, mem_bytes)
+            st = PairState(engine, pair, lam, direction)
+            m_clean[i], m_corr[i] = st.m_clean, st.m_corrupt
             if store is not None:
-                store.put(key, res)
-        patched[i] = res["patched"]
-        m_clean[i] = res["m_clean"]
-        m_corr[i] = res["m_corrupt"]
+                store.put(base_key, {"m_clean": st.m_clean, "m_corrupt": st.m_corrupt})
+        for layer, hs in sorted(per_layer.items()):
+            key = f"pair{i:05d}_L{layer:03d}"
+            done: dict[int, float] = store.get(key) if store is not None and store.has(key) else {}
+            todo = [h for h in hs if h not in done]
+            if todo:
+                if st is None:
+                    st = PairState(engine, pair, lam, direction)
+                bs = batch_size or _auto_batch(model, st.total - st.start, st.total, mem_bytes)
+                vals = patch_heads(engine, st, layer, todo, lam, bs)
+                done = {**done, **dict(zip(todo, vals.tolist()))}
+                if store is not None:
+                    store.put(key, done)
+            for h in hs:
+                patched[i, layer, h] = done[h]
+            bar.update(len(hs))
+    bar.close()
     return finish(patched, m_clean, m_corr, direction, lam, min_gap)
 
 
