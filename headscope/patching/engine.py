@@ -181,6 +181,29 @@ class Engine:
         logits = self.unembed(h[0, list(read)])
         return RunCache(torch.stack(resid), torch.stack(zs), torch.stack(ks), torch.stack(vs), logits)
 
+    def run_with_grad(self, ids: Int[Tensor, "pos"], read: Sequence[int]) -> tuple[Tensor, list[Tensor]]:
+        """A differentiable full pass: (logits at ``read``, hook_z of every layer with grad retained).
+
+        Used by attribution patching; gradients w.r.t. the returned hook_z tensors are total
+        derivatives (they flow through every later layer).
+        """
+        ids = ids.to(self.device)
+        T = ids.numel()
+        with torch.enable_grad():
+            h = self.embed(ids[None]).to(self.dtype)
+            cos, sin = self.rope(torch.arange(T, device=self.device), h)
+            zs = []
+            for layer in range(self.g.n_layers):
+                q, k, v = self.qkv(layer, self.layers[layer]["ln1"](h), cos, sin)
+                z = self.attend(layer, q, k, v, 0)
+                if not z.requires_grad:
+                    z.requires_grad_(True)
+                z.retain_grad()
+                zs.append(z)
+                h = self.post_attn(layer, h, z)
+            logits = self.unembed(h[0, list(read)])
+        return logits, zs
+
     # ---- patched suffix passes -----------------------------------------------------------------
     @torch.no_grad()
     def patched_logits(

@@ -1,0 +1,179 @@
+"""Attribution patching (AtP) as a screen, and screen-then-verify.
+
+AtP (Nanda 2023, "Attribution patching"; Syed et al. 2023) replaces each patched run by a first-order
+Taylor step: for the noising patch of head h,
+
+    m(x; z_h ← z_h(x')) − m(x)  ≈  Σ_{pos, d} ( z_h(x') − z_h(x) ) · ∂m/∂z_h |_x
+
+so one forward and one backward pass of the clean run (plus the corrupted forward for z(x'))
+estimate every head's effect at once. Kramár et al. 2024 (AtP*) name two failure modes: attention
+saturation when patching queries/keys (their QK fix) and cancellation between paths (GradDrop).
+The first does not arise here: we patch head *outputs* (hook_z), downstream of the softmax of the
+patched head, so the saturated-softmax approximation error concerns only later heads' patterns and
+is covered by the exact verification below. Instead of GradDrop we verify: heads that the screen
+ranks high are re-measured exactly, and random spot checks of the unverified heads estimate how
+many important heads the screen could have missed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from jaxtyping import Float
+from scipy import stats
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ..models import LoadedModel
+from ..readout import DEFAULT_LAMBDA, logit_diff
+from ..tasks.base import Pair
+from .engine import Engine
+from .receivers import DEFAULT_MIN_GAP, Direction, PatchResult, check_pairs, receiver_patching, sequences
+
+
+def attribution_ie(
+    model: LoadedModel,
+    pairs: Sequence[Pair],
+    lam: float = DEFAULT_LAMBDA,
+    direction: Direction = "noising",
+    progress: bool = False,
+) -> tuple[Float[Tensor, "pair layer head"], Tensor, Tensor]:
+    """AtP estimate of receiver IE (eq. 10) for every head -> (IE estimate, m(x), m(x')).
+
+    Cost per pair: two forwards and one backward, independent of the number of heads.
+
+    Raises:
+        ValueError: as :func:`~headscope.patching.receivers.receiver_patching`.
+    """
+    check_pairs(model, pairs)
+    engine = Engine(model)
+    g = model.geometry
+    est = torch.empty(len(pairs), g.n_layers, g.n_heads, dtype=torch.float64)
+    m_c = torch.empty(len(pairs), dtype=torch.float64)
+    m_x = torch.empty(len(pairs), dtype=torch.float64)
+    for i, p in enumerate(tqdm(pairs, desc="attribution patching", disable=not progress)):
+        clean_seq, corr_seq, read = sequences(p)
+        base_seq, src_seq = (clean_seq, corr_seq) if direction == "noising" else (corr_seq, clean_seq)
+        src = engine.run(src_seq, read)
+        logits, zs = engine.run_with_grad(base_seq, read)
+        m_base = logit_diff(logits, p.answer, p.counter_answer, lam)
+        grads = torch.autograd.grad(m_base, zs)
+        m_src = float(logit_diff(src.logits, p.answer, p.counter_answer, lam))
+        with torch.no_grad():
+            for layer in range(g.n_layers):
+                dz = (src.z[layer] - zs[layer][0].detach()).view(-1, g.n_heads, g.d_head)
+                gr = grads[layer][0].view(-1, g.n_heads, g.d_head)
+                est[i, layer] = (dz.double() * gr.double()).sum((0, 2)).cpu()
+        mb = float(m_base.detach())
+        m_c[i], m_x[i] = (mb, m_src) if direction == "noising" else (m_src, mb)
+        del logits, zs, grads
+    gap = (m_c - m_x)[:, None, None]
+    ie = -est / gap if direction == "noising" else est / gap
+    return ie.float(), m_c, m_x
+
+
+@dataclass
+class ScreenResult:
+    """Screen-then-verify outcome.
+
+    ie: Float[Tensor, "pair layer head"], exact IE for verified and spot-checked heads, AtP elsewhere.
+    atp: Float[Tensor, "pair layer head"], the AtP screen for every head.
+    verified, spot_checked: (layer, head) lists measured exactly.
+    missed_estimate: estimated number of unverified heads whose exact mean IE would reach the
+        verified top set (spot-check hit rate × unverified count) and its 95 % upper bound.
+    """
+
+    ie: Tensor
+    atp: Tensor
+    exact: PatchResult
+    verified: list[tuple[int, int]]
+    spot_checked: list[tuple[int, int]]
+    threshold: float
+    spot_hits: int
+    missed_estimate: float
+    missed_upper95: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def screen_then_verify(
+    model: LoadedModel,
+    pairs: Sequence[Pair],
+    verify: int | float = 0.1,
+    spot_checks: int | float = 0.05,
+    lam: float = DEFAULT_LAMBDA,
+    direction: Direction = "noising",
+    min_gap: float = DEFAULT_MIN_GAP,
+    seed: int = 0,
+    batch_size: int | None = None,
+    store_dir: str | None = None,
+    store_config: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> ScreenResult:
+    """AtP over all heads, then exact patching of the screen's top heads and of random spot checks.
+
+    Args:
+        verify: heads verified exactly: a count, or a fraction of all heads (default 10 %).
+        spot_checks: unverified heads measured exactly at random: count or fraction of the rest.
+        seed: RNG of the spot checks.
+        Other arguments as :func:`~headscope.patching.receivers.receiver_patching`.
+
+    Returns:
+        ScreenResult. A spot-checked head counts as a miss when its exact mean IE reaches the
+        smallest exact mean IE among the top-k verified heads (k = number verified // 2), i.e. it
+        would have entered the upper half of the verified set; the miss estimate scales the hit
+        rate to all unverified heads, with a Clopper–Pearson 95 % upper bound.
+    """
+    g = model.geometry
+    n_total = g.n_layers * g.n_heads
+    k_ver = verify if isinstance(verify, int) else max(1, round(verify * n_total))
+    if not 1 <= k_ver <= n_total:
+        raise ValueError(f"verify={verify} gives {k_ver} heads; must be within 1..{n_total}")
+    atp, m_c, m_x = attribution_ie(model, pairs, lam, direction, progress=progress)
+    gap_ok = (m_c - m_x).abs() >= min_gap
+    mean_atp = atp[gap_ok].double().mean(0) if bool(gap_ok.any()) else atp.double().mean(0)
+    order = torch.argsort(mean_atp.flatten(), descending=True).tolist()
+    verified = [(i // g.n_heads, i % g.n_heads) for i in order[:k_ver]]
+    rest = [(i // g.n_heads, i % g.n_heads) for i in order[k_ver:]]
+    n_spot = spot_checks if isinstance(spot_checks, int) else round(spot_checks * len(rest))
+    n_spot = max(0, min(len(rest), n_spot))
+    spot = sorted(random.Random(seed).sample(rest, n_spot))
+    exact = receiver_patching(
+        model, pairs, lam=lam, direction=direction, min_gap=min_gap, batch_size=batch_size,
+        store_dir=store_dir, store_config=store_config, progress=progress, heads=verified + spot,
+    )
+    ie = atp.clone()
+    for layer, h in verified + spot:
+        ie[:, layer, h] = exact.ie[:, layer, h]
+    used = exact.used
+    ver_means = sorted((float(exact.ie[used, layer, h].mean()) for layer, h in verified), reverse=True)
+    threshold = ver_means[max(0, len(ver_means) // 2 - 1)]
+    hits = sum(1 for layer, h in spot if float(exact.ie[used, layer, h].mean()) >= threshold)
+    n_unver = len(rest) - n_spot
+    rate = hits / n_spot if n_spot else math.nan
+    upper = float(stats.beta.ppf(0.95, hits + 1, n_spot - hits)) if n_spot else 1.0
+    return ScreenResult(
+        ie=ie,
+        atp=atp,
+        exact=exact,
+        verified=verified,
+        spot_checked=spot,
+        threshold=threshold,
+        spot_hits=hits,
+        missed_estimate=rate * n_unver if n_spot else math.nan,
+        missed_upper95=upper * n_unver,
+        details={"n_verified": k_ver, "n_spot": n_spot, "n_unverified": n_unver},
+    )
+
+
+def recall_at_k(a: np.ndarray, b: np.ndarray, k: int = 10) -> float:
+    """|top-k(a) ∩ top-k(b)| / k for two score arrays of the same shape (NaN = -inf)."""
+    fa = np.nan_to_num(np.asarray(a, float).ravel(), nan=-np.inf)
+    fb = np.nan_to_num(np.asarray(b, float).ravel(), nan=-np.inf)
+    ta = set(np.argsort(-fa, kind="stable")[:k].tolist())
+    tb = set(np.argsort(-fb, kind="stable")[:k].tolist())
+    return len(ta & tb) / k

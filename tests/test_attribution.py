@@ -1,0 +1,69 @@
+import numpy as np
+import pytest
+import torch
+
+from headscope.patching import receiver_patching
+from headscope.patching.attribution import attribution_ie, recall_at_k, screen_then_verify
+from headscope.patching.engine import Engine
+from headscope.patching.receivers import sequences
+from headscope.readout import logit_diff
+from headscope.tasks import niah_single
+
+
+@pytest.fixture(scope="module")
+def pairs(smol_tokenizer):
+    return niah_single(smol_tokenizer, n_pairs=2, seq_len=64, depth=[0.3, 0.7], seed=0)
+
+
+def test_atp_is_the_first_order_term(tiny, pairs):
+    """AtP of one head equals the directional derivative, checked by a finite difference."""
+    atp, m_c, m_x = attribution_ie(tiny, pairs[:1])
+    e = Engine(tiny)
+    p = pairs[0]
+    clean_seq, corr_seq, read = sequences(p)
+    clean, corr = e.run(clean_seq, read), e.run(corr_seq, read)
+    layer, h, dh = 0, 1, tiny.geometry.d_head
+    sl = slice(h * dh, (h + 1) * dh)
+    eps = 1e-2  # central difference: O(eps^2) truncation, float32 rounding ~1e-5
+
+    def m_at(t):
+        def override(lay, z):
+            if lay == layer:
+                z = z.clone()
+                z[0, :, sl] = clean.z[layer][:, sl] + t * (corr.z[layer][:, sl] - clean.z[layer][:, sl])
+            return z
+
+        return float(logit_diff(e.run(clean_seq, read, z_override=override).logits, p.answer, p.counter_answer))
+
+    deriv = (m_at(eps) - m_at(-eps)) / (2 * eps)
+    gap = float(m_c[0] - m_x[0])
+    assert float(atp[0, layer, h]) == pytest.approx(-deriv / gap, rel=1e-3, abs=1e-5)
+
+
+def test_atp_exact_for_last_layer_linear_heads(tiny, pairs):
+    """In the last layer a head's output reaches the logits through o_proj and the final RMSNorm only;
+    AtP and exact patching agree in sign and roughly in size there (a sanity check on real numbers)."""
+    atp, _, _ = attribution_ie(tiny, pairs, lam=0.9)
+    exact = receiver_patching(tiny, pairs, min_gap=0.0, progress=False).ie
+    a, b = atp[:, 1].flatten(), exact[:, 1].flatten()
+    assert torch.corrcoef(torch.stack([a, b]))[0, 1] > 0.9
+
+
+def test_screen_then_verify(tiny, pairs):
+    res = screen_then_verify(tiny, pairs, verify=3, spot_checks=2, min_gap=0.0, progress=False)
+    exact = receiver_patching(tiny, pairs, min_gap=0.0, progress=False).ie
+    assert len(res.verified) == 3 and len(res.spot_checked) == 2
+    for layer, h in res.verified + res.spot_checked:
+        assert torch.allclose(res.ie[:, layer, h], exact[:, layer, h])
+    assert res.details["n_unverified"] == 8 - 3 - 2
+    assert 0 <= res.spot_hits <= 2 and res.missed_upper95 >= res.missed_estimate
+    # verifying every head makes the screen exact
+    full = screen_then_verify(tiny, pairs, verify=8, spot_checks=0, min_gap=0.0, progress=False)
+    assert torch.allclose(full.ie, exact)
+
+
+def test_recall_at_k():
+    a = np.arange(10.0)
+    assert recall_at_k(a, a, 3) == 1.0
+    assert recall_at_k(a, -a, 3) == 0.0
+    assert recall_at_k(a, np.array([0, 1, 2, 3, 4, 5, 9, 6, 7, 8.0]), 3) == 2 / 3
