@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -136,10 +137,17 @@ class Engine:
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        qi = torch.arange(S, device=q.device)[:, None] + offset
-        kj = torch.arange(T, device=q.device)[None, :]
-        mask = kj <= qi
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.layers[layer]["scaling"])
+        scale = self.layers[layer]["scaling"]
+        if offset == 0 and S == T:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        elif offset + S == T:
+            # queries are the last S positions: causal mask aligned to the lower right (flash/mem-efficient
+            # kernels support it without materializing a mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(S, T), scale=scale)
+        else:
+            qi = torch.arange(S, device=q.device)[:, None] + offset
+            mask = torch.arange(T, device=q.device)[None, :] <= qi
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         return out.transpose(1, 2).reshape(B, S, H * dh)
 
     def post_attn(self, layer: int, h: Tensor, z: Tensor) -> Tensor:

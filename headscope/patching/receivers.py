@@ -124,7 +124,7 @@ def receiver_patching(
     direction: Direction = "noising",
     min_gap: float = DEFAULT_MIN_GAP,
     batch_size: int | None = None,
-    mem_bytes: float = 2e9,
+    mem_bytes: float | None = None,
     store_dir: str | None = None,
     store_config: dict[str, Any] | None = None,
     progress: bool = True,
@@ -139,6 +139,8 @@ def receiver_patching(
         direction: ``"noising"`` (clean run, patch from x'; default) or ``"denoising"``.
         min_gap: pairs with |m(x) − m(x')| below this (logits) are skipped and reported.
         batch_size: head patches per forward (default: sized to ``mem_bytes``).
+        mem_bytes: activation memory a batch may use (default: half the free GPU memory on CUDA,
+            2 GB on CPU).
         store_dir: a run directory; every finished (pair, layer) item is written there at once
             (atomically) and re-used when the same configuration runs again (resume after a crash).
         heads: patch only these (layer, head)s (others stay NaN); default all.
@@ -161,6 +163,11 @@ def receiver_patching(
             raise ValueError(f"head ({layer}, {h}) is outside the model's {g.n_layers} layers x {g.n_heads} heads")
         per_layer.setdefault(int(layer), []).append(int(h))
     engine = Engine(model)
+    if mem_bytes is None:
+        if model.device.type == "cuda":
+            mem_bytes = 0.5 * torch.cuda.mem_get_info(model.device)[0]
+        else:
+            mem_bytes = 2e9
     store = None
     if store_dir is not None:
         cfg = {"kind": "receivers", "lam": lam, "direction": direction, **(store_config or {})}
