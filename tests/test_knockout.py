@@ -174,14 +174,30 @@ def test_bad_input(tiny):
             pass
 
 
+def _check_prefix(model, pairs):
+    """Generated tokens equal the teacher-forced argmax up to and including the first miss."""
+    from headscope.knockout import answer_logits, generate_answers
+
+    gens = generate_answers(model, pairs)
+    for lg, g, p in zip(answer_logits(model, pairs), gens, pairs):
+        t = lg.argmax(-1)
+        miss = (t != p.answer).nonzero()
+        k = int(miss[0]) + 1 if len(miss) else p.n_answer
+        assert torch.equal(g[:k], t[:k])
+
+
 def test_teacher_forced_equals_generate(smol):
     from headscope.tasks import niah_single
 
-    pairs = niah_single(smol.tokenizer, n_pairs=3, seq_len=128, depth=[0.2, 0.5, 0.8], seed=7)
-    torch.testing.assert_close(retrieval_correct(smol, pairs), generate_correct(smol, pairs))
-    # also under an ablation that breaks some answers (cached generate: hooks see 1-token calls)
+    pairs = niah_single(smol.tokenizer, n_pairs=2, seq_len=96, depth=[0.3, 0.7], seed=7)
+    tf = retrieval_correct(smol, pairs)
+    torch.testing.assert_close(tf, generate_correct(smol, pairs))
+    assert tf.all()  # the un-ablated model retrieves these
+    _check_prefix(smol, pairs)
+    # under an ablation that breaks the answers (cached generate: the hooks see 1-token calls)
     heads = [(l, h) for l in range(0, 30, 2) for h in range(9)]
     with ablate(smol, heads, "zero"):
         tf = retrieval_correct(smol, pairs)
-        gen = generate_correct(smol, pairs)
-    torch.testing.assert_close(tf, gen)
+        torch.testing.assert_close(tf, generate_correct(smol, pairs))
+        _check_prefix(smol, pairs)
+    assert not tf.any()
