@@ -1,0 +1,338 @@
+"""Knockout validation (SPEC.md §7, last item): ablate heads' ``hook_z`` and measure retrieval.
+
+:func:`ablate` is a context manager that replaces the output ``hook_z`` (the per-head attention
+output before the output projection, TransformerLens ``blocks.{l}.attn.hook_z``, shape
+``[batch, pos, n_heads, d_head]``) of chosen (layer, head)s in every forward or ``generate`` call
+made on ``LoadedModel.hf_model`` while the block is open. It is a forward-pre-hook on each
+affected layer's ``o_proj`` (whose input is hook_z flattened over heads), so it works on the plain
+transformers model and on a model wrapped by the TransformerBridge alike; every hook is removed on
+exit, also when the block raises.
+
+Methods:
+
+* ``"zero"``: the head's slice is set to 0 (equivalent to deleting the head's columns of W_O);
+* ``"mean"``: the slice is set to the head's mean hook_z over a reference set of prompts, averaged
+  over prompts AND positions (one ``d_head`` vector per head, the same at every position; each
+  token of the reference set counts once, so longer prompts weigh more);
+* ``"resample"``: the slice is set to the head's hook_z on ONE other prompt (the reference),
+  aligned by absolute position: input position ``p`` (counting tokens already in the KV cache
+  during cached generation) takes the reference's row ``p``; positions past the reference's end
+  take its last row. Give a reference at least as long as the inputs (e.g. prompt ⊕ answer of a
+  prompt of the same length) to avoid the fallback; :func:`resample_reference` reports how many
+  positions used it.
+
+Retrieval accuracy (:func:`retrieval_accuracy`) is greedy exact match of the needle value read
+under teacher forcing (``headscope.readout.greedy_exact_match``: argmax at every answer position
+equals the answer token — exactly what greedy generation of the answer span produces, one forward
+per prompt). :func:`generate_answers` is the true ``generate`` path used to check that equivalence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal, Sequence
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from .models import LoadedModel
+from .readout import greedy_exact_match
+from .tasks.base import Pair
+
+Method = Literal["zero", "mean", "resample"]
+METHODS = ("zero", "mean", "resample")
+Head = tuple[int, int]
+PromptLike = Pair | Tensor | Sequence[int] | str
+
+
+# ---- module access ------------------------------------------------------------------------------
+def _attn_modules(model: LoadedModel) -> list[Any]:
+    """The attention module of each layer, looking through TransformerBridge wrappers."""
+    inner = getattr(model.hf_model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise NotImplementedError(
+            f"{type(model.hf_model).__name__} has no .model.layers; knockout supports Llama-family decoders"
+        )
+    out = []
+    for blk in layers:
+        blk = getattr(blk, "original_component", blk)
+        attn = blk.self_attn
+        out.append(getattr(attn, "original_component", attn))
+    return out
+
+
+def o_proj_module(model: LoadedModel, layer: int) -> torch.nn.Module:
+    """The ``torch.nn.Linear`` output projection of ``layer`` (its input is hook_z flattened)."""
+    o = _attn_modules(model)[layer].o_proj
+    return getattr(o, "original_component", o)
+
+
+def _model_core(model: LoadedModel) -> torch.nn.Module:
+    inner = model.hf_model.model
+    return getattr(inner, "original_component", inner)
+
+
+def normalize_heads(model: LoadedModel, heads: Any) -> list[Head]:
+    """Sorted unique (layer, head) tuples; accepts pairs, a DataFrame with layer/head columns, or a
+    ``HeadMask``-like object with ``.fa_heads`` (``{layer: [heads]}``).
+
+    Raises:
+        ValueError: a layer or head index outside the model's geometry.
+    """
+    if hasattr(heads, "columns") and {"layer", "head"} <= set(heads.columns):
+        items = list(zip(heads["layer"].astype(int), heads["head"].astype(int)))
+    elif isinstance(heads, dict):
+        items = [(int(l), int(h)) for l, hs in heads.items() for h in hs]
+    else:
+        items = [(int(l), int(h)) for l, h in heads]
+    g = model.geometry
+    bad = [(l, h) for l, h in items if not (0 <= l < g.n_layers and 0 <= h < g.n_heads)]
+    if bad:
+        raise ValueError(f"heads {bad} outside the model ({g.n_layers} layers x {g.n_heads} heads); indices start at 0")
+    return sorted(set(items))
+
+
+def _as_ids(model: LoadedModel, p: PromptLike) -> Int[Tensor, "pos"]:
+    if isinstance(p, Pair):
+        return p.clean
+    if isinstance(p, str):
+        return torch.tensor(model.tokenizer(p, add_special_tokens=True)["input_ids"])
+    return torch.as_tensor(p, dtype=torch.long).flatten()
+
+
+# ---- references --------------------------------------------------------------------------------
+@torch.no_grad()
+def record_z(model: LoadedModel, ids: Int[Tensor, "pos"], layers: Sequence[int]) -> dict[int, Float[Tensor, "pos hd"]]:
+    """hook_z (flattened over heads) of the given layers on one prompt, from an un-ablated forward."""
+    store: dict[int, Tensor] = {}
+    handles = []
+    for layer in sorted(set(layers)):
+        def hook(_mod: Any, args: tuple, layer: int = layer) -> None:
+            store[layer] = args[0][0].detach().clone()
+
+        handles.append(o_proj_module(model, layer).register_forward_pre_hook(hook))
+    try:
+        model.hf_model(ids.to(model.device)[None], use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return store
+
+
+def mean_reference(
+    model: LoadedModel, prompts: Sequence[PromptLike], layers: Sequence[int]
+) -> dict[int, Float[Tensor, "hd"]]:
+    """Mean hook_z per layer (flattened heads) over all positions of all ``prompts``.
+
+    Each token counts once (mean over prompts and positions pooled). For ``Pair`` inputs the clean
+    prompt is used. Raises ValueError for an empty reference set.
+    """
+    if len(prompts) == 0:
+        raise ValueError("mean ablation needs a non-empty reference set of prompts (reference=[...])")
+    sums: dict[int, Tensor] = {}
+    n = 0
+    for p in prompts:
+        ids = _as_ids(model, p)
+        z = record_z(model, ids, layers)
+        for layer, zl in z.items():
+            s = zl.double().sum(0)
+            sums[layer] = sums[layer] + s if layer in sums else s
+        n += ids.numel()
+    return {layer: (s / n).to(model.dtype) for layer, s in sums.items()}
+
+
+def resample_reference(model: LoadedModel, prompt: PromptLike, layers: Sequence[int]) -> dict[int, Tensor]:
+    """hook_z of every given layer on one reference prompt (for a Pair: clean ⊕ answer[:-1])."""
+    if isinstance(prompt, Pair):
+        ids = torch.cat([prompt.clean, prompt.answer[:-1]])
+    else:
+        ids = _as_ids(model, prompt)
+    return record_z(model, ids, layers)
+
+
+@dataclass
+class AblationState:
+    """What an open :func:`ablate` block did: calls seen and positions that used the resample fallback."""
+
+    heads: list[Head]
+    method: str
+    calls: int = 0
+    fallback_positions: int = 0
+    values: dict[int, Tensor] = field(default_factory=dict, repr=False)
+
+
+@contextlib.contextmanager
+def ablate(
+    model: LoadedModel,
+    heads: Any,
+    method: Method = "zero",
+    reference: Any = None,
+) -> Iterator[AblationState]:
+    """Ablate ``hook_z`` of ``heads`` in every forward / ``generate`` call on ``model.hf_model``.
+
+    Args:
+        model: a :class:`~headscope.models.LoadedModel` (bridged or not).
+        heads: (layer, head) pairs, a DataFrame with ``layer``/``head`` columns, or ``{layer: [heads]}``.
+        method: ``"zero"``, ``"mean"`` or ``"resample"`` (see the module docstring).
+        reference: for ``"mean"`` a sequence of prompts (token tensors, strings or Pairs) or a ready
+            ``{layer: Float[Tensor, "n_heads*d_head"]}`` from :func:`mean_reference`; for
+            ``"resample"`` one prompt or a ready ``{layer: Float[Tensor, "pos n_heads*d_head"]}``.
+
+    Yields:
+        AblationState (calls made, resample fallback count).
+
+    Raises:
+        ValueError: unknown method, missing reference, heads outside the model.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown ablation method {method!r}; use one of {METHODS}")
+    hs = normalize_heads(model, heads)
+    layers = sorted({l for l, _ in hs})
+    dh = model.geometry.d_head
+    values: dict[int, Tensor] = {}
+    if method != "zero":
+        if reference is None:
+            raise ValueError(f"{method} ablation needs reference=: prompts (mean) or one prompt (resample)")
+        if isinstance(reference, dict):
+            values = {int(k): v for k, v in reference.items()}
+        elif method == "mean":
+            values = mean_reference(model, list(reference), layers)
+        else:
+            values = resample_reference(model, reference, layers)
+        missing = [l for l in layers if l not in values]
+        if missing:
+            raise ValueError(f"reference has no hook_z for layers {missing}; recompute it for these heads")
+    state = AblationState(hs, method, values=values)
+    offset = {"pos": 0}
+    by_layer: dict[int, list[int]] = {}
+    for l, h in hs:
+        by_layer.setdefault(l, []).append(h)
+
+    def core_hook(_mod: Any, args: tuple, kwargs: dict) -> None:
+        # absolute position of the first token of this call (non-zero during cached generation)
+        state.calls += 1
+        pkv = kwargs.get("past_key_values")
+        offset["pos"] = int(pkv.get_seq_length()) if pkv is not None and hasattr(pkv, "get_seq_length") else 0
+
+    def make_hook(layer: int):
+        cols = torch.cat([torch.arange(h * dh, (h + 1) * dh) for h in by_layer[layer]])
+
+        def hook(_mod: Any, args: tuple) -> tuple:
+            z = args[0].clone()
+            cols_d = cols.to(z.device)
+            if method == "zero":
+                z[..., cols_d] = 0
+            elif method == "mean":
+                z[..., cols_d] = values[layer].to(z.device, z.dtype)[cols_d]
+            else:
+                ref = values[layer]
+                S = z.shape[-2]
+                pos = torch.arange(offset["pos"], offset["pos"] + S)
+                over = pos >= ref.shape[0]
+                state.fallback_positions += int(over.sum())
+                rows = ref[pos.clamp(max=ref.shape[0] - 1)].to(z.device, z.dtype)
+                z[..., cols_d] = rows[:, cols_d]
+            return (z,) + tuple(args[1:])
+
+        return hook
+
+    handles = []
+    try:
+        if method == "resample":
+            handles.append(_model_core(model).register_forward_pre_hook(core_hook, with_kwargs=True))
+        for layer in layers:
+            handles.append(o_proj_module(model, layer).register_forward_pre_hook(make_hook(layer)))
+        yield state
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ---- retrieval accuracy --------------------------------------------------------------------------
+@torch.no_grad()
+def answer_logits(
+    model: LoadedModel, pairs: Sequence[Pair], batch_size: int = 16
+) -> list[Float[Tensor, "ans vocab"]]:
+    """Teacher-forced logits at the answer positions of each pair's clean prompt ⊕ a⁺[:-1].
+
+    Pairs of equal total length run together in batches of ``batch_size``; only the last |a⁺|
+    positions are unembedded (``logits_to_keep``).
+    """
+    seqs = [torch.cat([p.clean, p.answer[:-1]]) for p in pairs]
+    out: list[Tensor | None] = [None] * len(pairs)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (s, p) in enumerate(zip(seqs, pairs)):
+        groups.setdefault((s.numel(), p.n_answer), []).append(i)
+    for (_, n_ans), idx in groups.items():
+        for b in range(0, len(idx), batch_size):
+            chunk = idx[b : b + batch_size]
+            ids = torch.stack([seqs[i] for i in chunk]).to(model.device)
+            logits = model.hf_model(ids, use_cache=False, logits_to_keep=n_ans).logits
+            for j, i in enumerate(chunk):
+                out[i] = logits[j, -n_ans:].float().cpu()
+    return out  # type: ignore[return-value]
+
+
+def retrieval_correct(model: LoadedModel, pairs: Sequence[Pair], batch_size: int = 16) -> Bool[Tensor, "pair"]:
+    """Greedy exact match of the needle value per pair (teacher-forced, see module docstring).
+
+    Call inside :func:`ablate` to measure accuracy under ablation.
+    """
+    logits = answer_logits(model, pairs, batch_size=batch_size)
+    return torch.stack([greedy_exact_match(lg, p.answer) for lg, p in zip(logits, pairs)])
+
+
+def retrieval_accuracy(model: LoadedModel, pairs: Sequence[Pair], batch_size: int = 16) -> float:
+    """Fraction of pairs whose needle value greedy decoding reproduces exactly (0..1)."""
+    if len(pairs) == 0:
+        raise ValueError("retrieval_accuracy needs at least one prompt")
+    return float(retrieval_correct(model, pairs, batch_size=batch_size).float().mean())
+
+
+@torch.no_grad()
+def generate_answers(model: LoadedModel, pairs: Sequence[Pair]) -> list[Int[Tensor, "ans"]]:
+    """The true ``generate`` path: greedy decoding of |a⁺| new tokens after each clean prompt.
+
+    Uses the KV cache on a plain model and ``use_cache=False`` once the TransformerBridge is booted
+    (cached generation is broken on bridged models, see HELPERS/models).
+    """
+    use_cache = model._bridge is None
+    out = []
+    for p in pairs:
+        ids = p.clean.to(model.device)[None]
+        gen = model.hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=p.n_answer,
+            do_sample=False,
+            use_cache=use_cache,
+            pad_token_id=model.tokenizer.pad_token_id,
+        )
+        out.append(gen[0, ids.shape[1] :].cpu())
+    return out
+
+
+def generate_correct(model: LoadedModel, pairs: Sequence[Pair]) -> Bool[Tensor, "pair"]:
+    """Exact match of generated answers against a⁺ (slow reference for :func:`retrieval_correct`)."""
+    gens = generate_answers(model, pairs)
+    return torch.tensor([g.numel() == p.n_answer and bool((g == p.answer).all()) for g, p in zip(gens, pairs)])
+
+
+__all__ = [
+    "ablate",
+    "AblationState",
+    "mean_reference",
+    "resample_reference",
+    "record_z",
+    "normalize_heads",
+    "o_proj_module",
+    "answer_logits",
+    "retrieval_correct",
+    "retrieval_accuracy",
+    "generate_answers",
+    "generate_correct",
+    "METHODS",
+]
