@@ -9,6 +9,8 @@ from .masks import HeadMask  # noqa: E402
 from .models import LoadedModel, load_model  # noqa: E402
 from .scores import Ranking  # noqa: E402
 from .api import rank  # noqa: E402
+from . import knockout  # noqa: E402
+from .knockout import ablate, retrieval_accuracy  # noqa: E402
 from .hybrid import HeadwiseHybridAttention, HybridOptions, hybridize, kv_cache_report  # noqa: E402
 
 __all__ = [
@@ -22,4 +24,7 @@ __all__ = [
     "HeadwiseHybridAttention",
     "HybridOptions",
     "kv_cache_report",
+    "knockout",
+    "ablate",
+    "retrieval_accuracy",
 ]
