@@ -34,6 +34,7 @@ def rank(
     batch_size: int | None = None,
     progress: bool = True,
     task_settings: dict[str, Any] | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> Ranking:
     """Rank every attention head by its causal importance for the given capabilities.
 
@@ -52,6 +53,8 @@ def rank(
         pairs: ready-made pairs (overrides task generation; ``tasks`` then only labels them).
         out_dir: if given, per-pair results are written there as they finish (a rerun resumes)
             and the Ranking is saved there at the end.
+        shard: ``(rank, world_size)`` of a sharded sweep (see :mod:`headscope.distributed`;
+            needs ``out_dir``); every rank returns the merged Ranking, rank 0 saves it.
 
     Returns:
         Ranking (``.scores`` DataFrame, ``.mask(budget)``, ``.heatmap()``, ``.save(dir)``).
@@ -95,8 +98,11 @@ def rank(
         min_gap=min_gap,
         batch_size=batch_size,
         store_dir=str(out_dir) if out_dir is not None else None,
-        store_config={"model": lm.provenance(), "tasks": list(tasks), "settings": settings},
+        # the device is left out: items computed on cuda:0 and cuda:1 (or resumed elsewhere) may mix
+        store_config={"model": {k: v for k, v in lm.provenance().items() if k != "device"},
+                      "tasks": list(tasks), "settings": settings},
         progress=progress,
+        shard=shard,
     )
     df = head_table(res.ie, lm.geometry.n_kv_heads)
     prov["skipped_pairs"] = res.skipped
@@ -104,6 +110,6 @@ def rank(
     prov["m_corrupt"] = res.m_corrupt.tolist()
     prov["seconds"] = round(time.time() - t0, 1)
     ranking = Ranking(df, lm.geometry.to_dict(), prov, res.ie)
-    if out_dir is not None:
+    if out_dir is not None and (shard is None or shard[0] == 0):
         ranking.save(out_dir)
     return ranking

@@ -32,24 +32,32 @@ def rank(
     out: Path = typer.Option(Path("runs/rank"), help="output directory (resumes if it holds the same run)"),
     device: Optional[str] = typer.Option(None, help="cpu / cuda (default: cuda when available)"),
     top: int = typer.Option(10, help="print this many top heads"),
+    devices: int = typer.Option(1, help="shard the sweep over this many local processes (one per GPU, or CPU/gloo)"),
 ) -> None:
     """Rank every head; write OUT/scores.csv, OUT/mask.json and OUT/heatmap.html."""
     import headscope
 
+    from headscope.distributed import init_from_env, spawn_rank
+
+    settings = dict(
+        model=model,
+        tasks=tuple(task),
+        n_pairs=pairs,
+        seq_len=seq_len,
+        seed=seed,
+        depth=depth[0] if len(depth) == 1 else tuple(depth),
+        lam=lam,
+        direction=direction,
+        min_gap=min_gap,
+    )
     try:
-        r = headscope.rank(
-            model=model,
-            tasks=tuple(task),
-            n_pairs=pairs,
-            seq_len=seq_len,
-            seed=seed,
-            depth=depth[0] if len(depth) == 1 else tuple(depth),
-            lam=lam,
-            direction=direction,  # type: ignore[arg-type]
-            min_gap=min_gap,
-            out_dir=out,
-            device=device,
-        )
+        shard = init_from_env(device)  # under torchrun: RANK / WORLD_SIZE in the environment
+        if devices > 1 and shard is None:
+            r = spawn_rank(devices, out, device=device, **settings)
+        else:
+            r = headscope.rank(out_dir=out, device=device, shard=shard, **settings)  # type: ignore[arg-type]
+        if shard is not None and shard[0] != 0:
+            return
         mask = r.mask(budget, min_per_layer=min_per_layer)
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)

@@ -67,3 +67,12 @@ def smol():
     import headscope
 
     return headscope.load_model("smollm2-135m", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(smol_tokenizer, tmp_path_factory):
+    """The `tiny` model's weights (same seed) saved as a local HF directory (un-bridged copy)."""
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama(smol_tokenizer).save_pretrained(d)
+    smol_tokenizer.save_pretrained(d)
+    return d

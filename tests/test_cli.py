@@ -7,10 +7,8 @@ from headscope.masks import HeadMask
 from headscope.scores import Ranking
 
 
-def test_rank_command_writes_outputs(tiny, tmp_path):
-    model_dir = tmp_path / "tiny"
-    tiny.hf_model.save_pretrained(model_dir)
-    tiny.tokenizer.save_pretrained(model_dir)
+def test_rank_command_writes_outputs(tiny_dir, tmp_path):
+    model_dir = tiny_dir
     out = tmp_path / "run"
     args = ["rank", "--model", str(model_dir), "--pairs", "2", "--seq-len", "64", "--budget", "3",
             "--min-gap", "0", "--out", str(out), "--device", "cpu"]
@@ -29,14 +27,12 @@ def test_rank_command_writes_outputs(tiny, tmp_path):
     assert int(best["head"]) in m.fa_heads[int(best["layer"])]
 
 
-def test_bad_input_exits_with_message(tiny, tmp_path):
+def test_bad_input_exits_with_message(tiny_dir, tmp_path):
     res = CliRunner().invoke(app, ["rank", "--model", "nope-model", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "unknown model spec" in res.output
     res = CliRunner().invoke(app, ["rank", "--model", "smollm2-135m", "--pairs", "0", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "at least one calibration pair" in res.output
-    model_dir = tmp_path / "tiny"
-    tiny.hf_model.save_pretrained(model_dir)
-    tiny.tokenizer.save_pretrained(model_dir)
+    model_dir = tiny_dir
     res = CliRunner().invoke(app, ["rank", "--model", str(model_dir), "--pairs", "1", "--seq-len", "64",
                                    "--out", str(tmp_path / "r")])
     # a random model cannot tell the two needle values apart: a zero gap is refused, not divided by

@@ -14,10 +14,8 @@ def test_unknown_specs_name_the_fix(tmp_path):
         load_model("someone/not-a-cached-model")
 
 
-def test_local_directory_round_trip(tiny, tmp_path):
-    tiny.hf_model.save_pretrained(tmp_path)
-    tiny.tokenizer.save_pretrained(tmp_path)
-    m = load_model(str(tmp_path), device="cpu")
+def test_local_directory_round_trip(tiny_dir, tmp_path):
+    m = load_model(str(tiny_dir), device="cpu")
     g = m.geometry
     assert (g.n_layers, g.n_heads, g.n_kv_heads, g.d_head) == (2, 4, 2, 16)
     assert g.kv_group == (0, 0, 1, 1)

@@ -34,10 +34,8 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_sigkill_then_resume(tiny, tmp_path):
-    model_dir = tmp_path / "tiny"
-    tiny.hf_model.save_pretrained(model_dir)
-    tiny.tokenizer.save_pretrained(model_dir)
+def test_sigkill_then_resume(tiny_dir, tmp_path):
+    model_dir = tiny_dir
     store_dir = tmp_path / "run"
     items = store_dir / "receivers"
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(model_dir), str(store_dir)])

@@ -129,6 +129,7 @@ def receiver_patching(
     store_config: dict[str, Any] | None = None,
     progress: bool = True,
     heads: Sequence[tuple[int, int]] | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> PatchResult:
     """Exact activation patching of every head's hook_z, all positions, for every pair.
 
@@ -144,6 +145,10 @@ def receiver_patching(
         store_dir: a run directory; every finished (pair, layer) item is written there at once
             (atomically) and re-used when the same configuration runs again (resume after a crash).
         heads: patch only these (layer, head)s (others stay NaN); default all.
+        shard: ``(rank, world_size)``: this process computes only every world_size-th work item
+            (pair × layer), writes it to the store (``store_dir`` required), waits at a
+            ``torch.distributed`` barrier when a process group is initialized, and returns the
+            table merged from the store (see :mod:`headscope.distributed`).
 
     Returns:
         PatchResult (``.ie`` is Float[Tensor, "pair layer head"]).
@@ -156,6 +161,8 @@ def receiver_patching(
     if direction not in ("noising", "denoising"):
         raise ValueError(f"direction must be 'noising' or 'denoising', not {direction!r}")
     check_pairs(model, pairs)
+    if shard is not None and (store_dir is None or not 0 <= shard[0] < shard[1]):
+        raise ValueError(f"shard={shard} needs 0 <= rank < world_size and a store_dir shared by all ranks")
     g = model.geometry
     per_layer: dict[int, list[int]] = {}
     for layer, h in heads if heads is not None else [(a, b) for a in range(g.n_layers) for b in range(g.n_heads)]:
@@ -179,32 +186,56 @@ def receiver_patching(
     m_corr = torch.empty(n, dtype=torch.float64)
     bar = tqdm(total=n * sum(len(v) for v in per_layer.values()), desc="receiver patching", unit="head",
                disable=not progress)
-    for i, pair in enumerate(pairs):
-        st = None
-        base_key = f"pair{i:05d}_base"
-        if store is not None and store.has(base_key):
-            base = store.get(base_key)
-            m_clean[i], m_corr[i] = base["m_clean"], base["m_corrupt"]
-        else:
-            st = PairState(engine, pair, lam, direction)
-            m_clean[i], m_corr[i] = st.m_clean, st.m_corrupt
+    states: dict[int, PairState] = {}
+
+    def state(i: int) -> PairState:
+        if i not in states:
+            states.clear()  # one pair's caches at a time
+            states[i] = PairState(engine, pairs[i], lam, direction)
+        return states[i]
+
+    def mine(idx: int) -> bool:
+        return shard is None or idx % shard[1] == shard[0]
+
+    bases: dict[int, dict[str, float]] = {}
+    for i in range(n):
+        key = f"pair{i:05d}_base"
+        if store is not None and store.has(key):
+            bases[i] = store.get(key)
+        elif mine(i):
+            st = state(i)
+            bases[i] = {"m_clean": st.m_clean, "m_corrupt": st.m_corrupt}
             if store is not None:
-                store.put(base_key, {"m_clean": st.m_clean, "m_corrupt": st.m_corrupt})
-        for layer, hs in sorted(per_layer.items()):
-            key = f"pair{i:05d}_L{layer:03d}"
-            done: dict[int, float] = store.get(key) if store is not None and store.has(key) else {}
-            todo = [h for h in hs if h not in done]
-            if todo:
-                if st is None:
-                    st = PairState(engine, pair, lam, direction)
-                bs = batch_size or _auto_batch(model, st.total - st.start, st.total, mem_bytes)
-                vals = patch_heads(engine, st, layer, todo, lam, bs)
-                done = {**done, **dict(zip(todo, vals.tolist()))}
-                if store is not None:
-                    store.put(key, done)
-            for h in hs:
-                patched[i, layer, h] = done[h]
-            bar.update(len(hs))
+                store.put(key, bases[i])
+    items = [(i, layer) for i in range(n) for layer in sorted(per_layer)]
+    done: dict[tuple[int, int], dict[int, float]] = {}
+    for idx, (i, layer) in enumerate(items):
+        key = f"pair{i:05d}_L{layer:03d}"
+        have: dict[int, float] = store.get(key) if store is not None and store.has(key) else {}
+        todo = [h for h in per_layer[layer] if h not in have]
+        if todo and mine(idx):
+            st = state(i)
+            bs = batch_size or _auto_batch(model, st.total - st.start, st.total, mem_bytes)
+            vals = patch_heads(engine, st, layer, todo, lam, bs)
+            have = {**have, **dict(zip(todo, vals.tolist()))}
+            if store is not None:
+                store.put(key, have)
+        done[(i, layer)] = have
+        bar.update(len(per_layer[layer]))
+    states.clear()
+    if shard is not None:
+        # every rank wrote its items into the shared store; wait for all, then read the others' items
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        for i in range(n):
+            bases[i] = store.get(f"pair{i:05d}_base")
+        for i, layer in items:
+            done[(i, layer)] = store.get(f"pair{i:05d}_L{layer:03d}")
+    for i in range(n):
+        m_clean[i], m_corr[i] = bases[i]["m_clean"], bases[i]["m_corrupt"]
+    for (i, layer), vals in done.items():
+        for h in per_layer[layer]:
+            patched[i, layer, h] = vals[h]
     bar.close()
     return finish(patched, m_clean, m_corr, direction, lam, min_gap)
 
