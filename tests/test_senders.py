@@ -29,13 +29,13 @@ def plain_forward(lm, ids, z_fn=None, mlp_fn=None, qkv_in=None):
     T = ids.numel()
     cos, sin = inner.rotary_emb(x, torch.arange(T)[None])
     causal = torch.ones(T, T, dtype=torch.bool).tril()
-    rec = {"z": [], "mlp": [], "ln1": []}
+    rec = {"z": [], "mlp": [], "ln1": [], "pattern": []}
     for layer, blk in enumerate(inner.layers):
         blk = _orig(blk)
         at = _orig(blk.self_attn)
         a = blk.input_layernorm(x)
         rec["ln1"].append(a[0])
-        heads = []
+        heads, pats = [], []
         for hd in range(g.n_heads):
             grp = hd // rep
             xq, xk, xv = (a, a, a) if qkv_in is None else qkv_in(layer, hd, a)
@@ -46,6 +46,8 @@ def plain_forward(lm, ids, z_fn=None, mlp_fn=None, qkv_in=None):
             sc = (q @ k.transpose(-1, -2)) * dh**-0.5
             p = torch.softmax(sc.masked_fill(~causal, -math.inf), -1)
             heads.append((p @ v)[:, 0])
+            pats.append(p[0, 0])
+        rec["pattern"].append(torch.stack(pats))  # [head, query, key]
         z = torch.cat(heads, -1)
         if z_fn is not None:
             z = z_fn(layer, z)
