@@ -91,24 +91,28 @@ def _pair_sender_effects(
         by_layer.setdefault(layer, []).append(head)
     # no path: every head that is not a candidate keeps the clean metric (IE exactly 0)
     patched = torch.full((g.n_layers, g.n_heads), m_clean, dtype=torch.float64)
-    live = [s for s in senders if s[0] < max(by_layer)]
-    for b0 in range(0, len(live), batch_size):
-        rows = live[b0 : b0 + batch_size]
-        deltas = []
-        for ls, hs in rows:
-            sl = head_slice(hs, g.d_head)
-            dz = corr.z[ls, start:, sl] - clean.z[ls, start:, sl]
-            deltas.append(F.linear(dz, engine.layers[ls]["o"].weight[:, sl]))
-        delta = torch.stack(deltas)  # [B, S, d_model]
-        x_in = {}
-        for lr in by_layer:
-            reach = torch.tensor([ls < lr for ls, _ in rows], device=delta.device, dtype=delta.dtype)
-            resid = clean.resid[lr, start:][None] + reach[:, None, None] * delta
-            x_in[lr] = engine.layers[lr]["ln1"](resid)
-        logits = engine.path_patched_logits(clean, start, read, x_in, by_layer, mode)
-        vals = logit_diff(logits, pair.answer, pair.counter_answer, lam).cpu().double()
-        for (ls, hs), val in zip(rows, vals.tolist()):
-            patched[ls, hs] = val
+    # a sender in layer l_s reaches only receivers in layers > l_s, and the run is clean up to the
+    # first of them: rows start there (exactly equal to starting at the lowest receiver layer)
+    groups: dict[int, list[Head]] = {}
+    for ls, hs in senders:
+        above = [lr for lr in by_layer if lr > ls]
+        if above:
+            groups.setdefault(min(above), []).append((ls, hs))
+    for first, members in sorted(groups.items()):
+        sub = {lr: hds for lr, hds in by_layer.items() if lr >= first}
+        for b0 in range(0, len(members), batch_size):
+            rows = members[b0 : b0 + batch_size]
+            deltas = []
+            for ls, hs in rows:
+                sl = head_slice(hs, g.d_head)
+                dz = corr.z[ls, start:, sl] - clean.z[ls, start:, sl]
+                deltas.append(F.linear(dz, engine.layers[ls]["o"].weight[:, sl]))
+            delta = torch.stack(deltas)  # [B, S, d_model]: the sender's direct write to the residual
+            x_in = {lr: engine.layers[lr]["ln1"](clean.resid[lr, start:][None] + delta) for lr in sub}
+            logits = engine.path_patched_logits(clean, start, read, x_in, sub, mode)
+            vals = logit_diff(logits, pair.answer, pair.counter_answer, lam).cpu().double()
+            for (ls, hs), val in zip(rows, vals.tolist()):
+                patched[ls, hs] = val
     return {"patched": patched, "m_clean": torch.tensor(m_clean, dtype=torch.float64),
             "m_corrupt": torch.tensor(m_corr, dtype=torch.float64)}
 
