@@ -35,6 +35,14 @@ def rank(
     progress: bool = True,
     task_settings: dict[str, Any] | None = None,
     shard: tuple[int, int] | None = None,
+    senders: bool = False,
+    weights: Sequence[float] | dict[str, float] | None = None,
+    kappa: str | None = None,
+    normalize: str = "max",
+    sender_mode: str = "qkv",
+    top_k: int = 10,
+    max_rounds: int = 3,
+    sender_batch_size: int = 16,
 ) -> Ranking:
     """Rank every attention head by its causal importance for the given capabilities.
 
@@ -55,6 +63,17 @@ def rank(
             and the Ranking is saved there at the end.
         shard: ``(rank, world_size)`` of a sharded sweep (see :mod:`headscope.distributed`;
             needs ``out_dir``); every rank returns the merged Ranking, rank 0 saves it.
+        senders: add sender path patching (SPEC.md §5), iterated from the top ``top_k`` receivers
+            for at most ``max_rounds`` rounds, patching the receivers' ``sender_mode`` inputs
+            ("qkv" default, "kv", "q"); ``sender_batch_size`` senders per forward.
+        weights: capability weights w_c (sequence in task order or dict; default uniform; must
+            sum to 1). kappa: "focus" (retrieval focus, SPEC.md §6) or "one" (κ ≡ 1).
+        normalize: ŝ per capability, "max" (default) or "minmax".
+
+    Fusion (SPEC.md §6, eq. 11–12) is used when ``senders`` is set, several tasks are given, or
+    ``weights``/``kappa`` is passed: then ``kappa`` defaults to "focus" and the table gains
+    ``ie_send``, ``kappa``, one ``s_<capability>`` per task and the fused ``score``. A single task
+    without these options keeps the receivers-only score (``score`` = mean receiver IE).
 
     Returns:
         Ranking (``.scores`` DataFrame, ``.mask(budget)``, ``.heatmap()``, ``.save(dir)``).
@@ -69,8 +88,31 @@ def rank(
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; available: {', '.join(sorted(TASKS))}")
-    if len(tasks) != 1:
-        raise NotImplementedError("fusion over several capabilities is not implemented yet; pass one task")
+    if len(set(tasks)) != len(tasks):
+        raise ValueError(f"tasks {list(tasks)} name a capability twice; give each once")
+    fusion = senders or len(tasks) > 1 or weights is not None or kappa is not None
+    if fusion and shard is not None:
+        raise NotImplementedError(
+            "sharded sweeps (--devices / torchrun) cover the receiver sweep of one task; run fused rankings "
+            "in one process"
+        )
+    if fusion:
+        from .scores import KAPPA, NORMALIZE, check_weights
+
+        w = check_weights(weights, tasks)
+        kappa = kappa or "focus"
+        if kappa not in KAPPA:
+            raise ValueError(f"kappa={kappa!r} is not one of {KAPPA}")
+        if normalize not in NORMALIZE:
+            raise ValueError(f"normalize={normalize!r} is not one of {NORMALIZE}")
+        if pairs is not None and len(tasks) != 1:
+            raise ValueError("ready-made pairs label a single task; pass pairs with one task, or let rank generate them")
+        return _rank_fused(
+            model, tasks, w, kappa, normalize, senders, sender_mode, top_k, max_rounds, sender_batch_size,
+            n_pairs=n_pairs, seq_len=seq_len, seed=seed, depth=depth, lam=lam, direction=direction,
+            min_gap=min_gap, pairs=pairs, out_dir=out_dir, device=device, dtype=dtype, batch_size=batch_size,
+            progress=progress, task_settings=task_settings,
+        )
     t0 = time.time()
     lm = load_model(model, device=device, dtype=dtype)
     settings = {"n_pairs": n_pairs, "seq_len": seq_len, "seed": seed, "depth": depth, **(task_settings or {})}
@@ -111,5 +153,115 @@ def rank(
     prov["seconds"] = round(time.time() - t0, 1)
     ranking = Ranking(df, lm.geometry.to_dict(), prov, res.ie)
     if out_dir is not None and (shard is None or shard[0] == 0):
+        ranking.save(out_dir)
+    return ranking
+
+
+def _rank_fused(
+    model: str | LoadedModel,
+    tasks: tuple[str, ...],
+    weights: dict[str, float],
+    kappa: str,
+    normalize: str,
+    senders: bool,
+    sender_mode: str,
+    top_k: int,
+    max_rounds: int,
+    sender_batch_size: int,
+    *,
+    n_pairs: int,
+    seq_len: int,
+    seed: int,
+    depth: float | Sequence[float],
+    lam: float,
+    direction: Direction,
+    min_gap: float,
+    pairs: Sequence[Pair] | None,
+    out_dir: str | Path | None,
+    device: str | None,
+    dtype: torch.dtype,
+    batch_size: int | None,
+    progress: bool,
+    task_settings: dict[str, Any] | None,
+) -> Ranking:
+    """Receivers, senders, κ and fusion over several capabilities (SPEC.md §5, §6)."""
+    from .patching.senders import iterate_senders
+    from .scores import fused_table, retrieval_focus
+
+    t0 = time.time()
+    lm = load_model(model, device=device, dtype=dtype)
+    settings = {"n_pairs": n_pairs, "seq_len": seq_len, "seed": seed, "depth": depth, **(task_settings or {})}
+    per_task: dict[str, dict[str, Any]] = {}
+    prov_tasks: dict[str, Any] = {}
+    rounds_out: dict[str, Any] = {}
+    all_ie = []
+    for task in tasks:
+        tpairs = list(pairs) if pairs is not None else make_pairs(task, lm.tokenizer, **settings)
+        sub = str(Path(out_dir) / task) if out_dir is not None else None
+        store_cfg = {"model": {k: v for k, v in lm.provenance().items() if k != "device"},
+                     "tasks": [task], "settings": settings}
+        res = receiver_patching(
+            lm, tpairs, lam=lam, direction=direction, min_gap=min_gap, batch_size=batch_size,
+            store_dir=sub, store_config=store_cfg, progress=progress,
+        )
+        used = [tpairs[i] for i in res.used]
+        recv_mean = torch.nanmean(res.ie.double(), 0)
+        ie_send = None
+        if senders:
+            it = iterate_senders(
+                lm, used, recv_mean, top_k=top_k, max_rounds=max_rounds, mode=sender_mode, lam=lam,
+                min_gap=min_gap, batch_size=sender_batch_size, store_dir=sub,
+                store_config={**store_cfg, "used_pairs": res.used}, progress=progress,
+            )
+            ie_send = it.ie_send
+            rounds_out[task] = {
+                "converged": it.converged,
+                "n_rounds": len(it.rounds),
+                "rounds": [
+                    {"round": r["round"], "receivers": r["receivers"], "top": r["top"],
+                     "ie_send_max": float(r["ie_send"].max())}
+                    for r in it.rounds
+                ],
+            }
+        kap = retrieval_focus(lm, used) if kappa == "focus" else None
+        per_task[task] = {"ie": res.ie, "ie_send": ie_send, "kappa": kap}
+        all_ie.append(res.ie)
+        prov_tasks[task] = {
+            "n_pairs": len(tpairs),
+            "skipped_pairs": res.skipped,
+            "m_clean": res.m_clean.tolist(),
+            "m_corrupt": res.m_corrupt.tolist(),
+            "pair_lengths": [p.length for p in tpairs],
+        }
+    df = fused_table(per_task, lm.geometry.n_kv_heads, weights, normalize)
+    prov: dict[str, Any] = {
+        "headscope_version": __version__,
+        **lm.provenance(),
+        "tasks": list(tasks),
+        "task_settings": settings,
+        "n_pairs": sum(v["n_pairs"] for v in prov_tasks.values()),
+        "seed": seed,
+        "direction": direction,
+        "lambda": lam,
+        "min_gap": min_gap,
+        "patching": "hook_z, all positions, exact",
+        "score": (
+            f"fused S = sum_c w_c * norm_{normalize}(max(ie_recv, ie_send) * kappa_{kappa})"
+            if senders else f"fused S = sum_c w_c * norm_{normalize}(ie_recv * kappa_{kappa})"
+        ),
+        "weights": weights,
+        "kappa": kappa,
+        "normalize": normalize,
+        "senders": {"mode": sender_mode, "top_k": top_k, "max_rounds": max_rounds} if senders else None,
+        "per_task": prov_tasks,
+        # aggregate fields of the receivers-only provenance, kept for tools that read them
+        "m_clean": [m for v in prov_tasks.values() for m in v["m_clean"]],
+        "m_corrupt": [m for v in prov_tasks.values() for m in v["m_corrupt"]],
+        "skipped_pairs": {t: v["skipped_pairs"] for t, v in prov_tasks.items()},
+    }
+    prov["seconds"] = round(time.time() - t0, 1)
+    extras = {"sender_rounds": rounds_out} if senders else {}
+    ranking = Ranking(df, lm.geometry.to_dict(), prov, torch.cat(all_ie), extras)
+    if out_dir is not None:
         ranking.save(out_dir)
     return ranking

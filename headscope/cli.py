@@ -33,6 +33,13 @@ def rank(
     device: Optional[str] = typer.Option(None, help="cpu / cuda (default: cuda when available)"),
     top: int = typer.Option(10, help="print this many top heads"),
     devices: int = typer.Option(1, help="shard the sweep over this many local processes (one per GPU, or CPU/gloo)"),
+    senders: bool = typer.Option(False, "--senders", help="add iterated sender path patching (SPEC.md §5) and fuse"),
+    weight: List[float] = typer.Option([], "--weight", help="capability weight, one per --task in order (default uniform; must sum to 1)"),
+    kappa: Optional[str] = typer.Option(None, help="'focus' (retrieval focus, default when fusing) or 'one' (κ ≡ 1)"),
+    normalize: str = typer.Option("max", help="per-capability normalization: max or minmax"),
+    sender_mode: str = typer.Option("qkv", help="receiver inputs patched by senders: qkv, kv or q"),
+    top_k: int = typer.Option(10, help="receivers of the first sender round (top heads by receiver IE)"),
+    max_rounds: int = typer.Option(3, help="sender rounds at most (senders become receivers)"),
 ) -> None:
     """Rank every head; write OUT/scores.csv, OUT/mask.json and OUT/heatmap.html."""
     import headscope
@@ -49,6 +56,13 @@ def rank(
         lam=lam,
         direction=direction,
         min_gap=min_gap,
+        senders=senders,
+        weights=list(weight) if weight else None,
+        kappa=kappa,
+        normalize=normalize,
+        sender_mode=sender_mode,
+        top_k=top_k,
+        max_rounds=max_rounds,
     )
     try:
         shard = init_from_env(device)  # under torchrun: RANK / WORLD_SIZE in the environment
@@ -70,8 +84,15 @@ def rank(
         f"lambda={lam}; m(x) mean {sum(p['m_clean']) / len(p['m_clean']):.2f}, "
         f"m(x') mean {sum(p['m_corrupt']) / len(p['m_corrupt']):.2f}; {p['seconds']} s"
     )
-    typer.echo(f"top {top} heads by receiver IE:")
-    typer.echo(r.top(top)[["rank", "layer", "head", "kv_group", "ie_recv", "ie_recv_std"]].to_string(index=False))
+    cols = ["rank", "layer", "head", "kv_group", "ie_recv", "ie_recv_std"]
+    fused = "kappa" in r.scores.columns
+    if fused:
+        cols = ["rank", "layer", "head", "kv_group", "ie_recv", "ie_send", "kappa"]
+        cols += [c for c in r.scores.columns if c.startswith("s_")] + ["score"]
+    typer.echo(f"top {top} heads by {'fused score S' if fused else 'receiver IE'}:")
+    typer.echo(r.top(top)[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    for t, info in r.extras.get("sender_rounds", {}).items():
+        typer.echo(f"senders for {t}: {info['n_rounds']} round(s), converged={info['converged']}")
     s = mask.summary()
     typer.echo(
         f"mask ({budget}, >= {min_per_layer}/layer): {s['n_fa']} FA heads of {s['n_total']}, "

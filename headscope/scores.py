@@ -1,15 +1,17 @@
 """Scores and the Ranking: per-head IE statistics -> a table, a HeadMask, saved results.
 
-For receivers only (this version) the score of a head is its mean receiver IE over the used
-calibration pairs; SPEC.md §6's full fusion (senders, κ, capabilities) extends this table.
+Receivers only: the score of a head is its mean receiver IE over the used calibration pairs.
+With senders, κ or several capabilities, :func:`fused_table` implements SPEC.md §6 (eq. 11, 12):
+s_h^(c) = max(IE_recv, IE_send)·κ_h^(c), ŝ normalized per capability, S_h = Σ_c w_c ŝ_h^(c).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
@@ -137,3 +139,154 @@ class Ranking:
         meta = json.loads((d / "ranking.json").read_text())
         ie = torch.load(d / "ie.pt") if (d / "ie.pt").exists() else None
         return cls(pd.read_csv(d / "scores.csv"), meta["geometry"], meta.get("provenance", {}), ie, meta.get("extras", {}))
+
+
+# ---- SPEC.md §6: κ, per-capability scores and fusion (eq. 11, 12) -----------------------------
+NORMALIZE = ("max", "minmax")
+KAPPA = ("focus", "one")
+
+
+def retrieval_focus(model: Any, pairs: Any) -> Float[Tensor, "layer head"]:
+    """κ (SPEC.md §6 default): each head's retrieval focus on the evidence span.
+
+    Per pair, the mean attention probability a head puts on ``pair.evidence`` from the
+    answer-reading positions (clean prompt ⊕ a⁺[:-1], read as in eq. 9), divided by the span's share
+    of the context visible from the first read position; averaged over pairs, divided by its
+    maximum over heads and clipped to [0, 1].
+
+    Raises:
+        ValueError: no pairs, or no head attends to the evidence at all (κ undefined).
+    """
+    from .patching.engine import Engine
+    from .patching.receivers import check_pairs, sequences
+
+    check_pairs(model, pairs)
+    eng = Engine(model)
+    acc = None
+    for p in pairs:
+        seq, _, read = sequences(p)
+        s, e = p.evidence
+        share = (e - s) / (read[0] + 1)
+        ratio = eng.attention_mass(seq, read, (s, e)) / share
+        acc = ratio if acc is None else acc + ratio
+    kappa = acc / len(pairs)
+    top = float(kappa.max())
+    if not top > 0:
+        raise ValueError("no head puts attention on the evidence span; κ is undefined (use kappa='one')")
+    return (kappa / top).clamp(0.0, 1.0).float()
+
+
+def capability_score(
+    ie_recv: Float[Tensor, "layer head"],
+    ie_send: Float[Tensor, "layer head"] | None = None,
+    kappa: Float[Tensor, "layer head"] | None = None,
+) -> Float[Tensor, "layer head"]:
+    """s_h^(c) = max(IE_recv, IE_send) · κ (SPEC.md §6, eq. 11); a missing IE_send / κ counts as −inf / 1."""
+    s = ie_recv.double() if ie_send is None else torch.maximum(ie_recv.double(), ie_send.double())
+    return s if kappa is None else s * kappa.double()
+
+
+def normalize_score(s: Float[Tensor, "layer head"], how: str = "max") -> Float[Tensor, "layer head"]:
+    """ŝ: ``"max"`` (default) divides by the largest score over heads; ``"minmax"`` maps to [0, 1].
+
+    Raises:
+        ValueError: an unknown ``how``; ``"max"`` when no head has a positive score; ``"minmax"``
+            when every head has the same score.
+    """
+    if how not in NORMALIZE:
+        raise ValueError(f"normalize={how!r} is not one of {NORMALIZE}")
+    s = s.double()
+    hi, lo = float(torch.nan_to_num(s, nan=-math.inf).max()), float(torch.nan_to_num(s, nan=math.inf).min())
+    if how == "max":
+        if not hi > 0:
+            raise ValueError(f"no head has a positive score (max {hi:.3g}); max-normalization is undefined, use 'minmax'")
+        return s / hi
+    if not hi > lo:
+        raise ValueError("every head has the same score; min-max normalization is undefined")
+    return (s - lo) / (hi - lo)
+
+
+def check_weights(weights: Any, tasks: Sequence[str]) -> dict[str, float]:
+    """Capability weights w_c (SPEC.md §6, eq. 12): None = uniform; a sequence in task order or a dict.
+
+    Raises:
+        ValueError: a count or keys that do not match the tasks, a negative weight, or weights
+            that do not sum to 1 (within 1e-6).
+    """
+    tasks = list(tasks)
+    if weights is None:
+        return {t: 1.0 / len(tasks) for t in tasks}
+    if isinstance(weights, dict):
+        if set(weights) != set(tasks):
+            raise ValueError(f"weights are given for {sorted(weights)} but the tasks are {tasks}; give one weight per task")
+        w = {t: float(weights[t]) for t in tasks}
+    else:
+        ws = [float(v) for v in weights]
+        if len(ws) != len(tasks):
+            raise ValueError(f"{len(ws)} weight(s) for {len(tasks)} task(s) {tasks}; give one weight per task, in task order")
+        w = dict(zip(tasks, ws))
+    if any(not (v >= 0) for v in w.values()):
+        raise ValueError(f"weights {w} must be non-negative")
+    total = sum(w.values())
+    if abs(total - 1.0) > 1e-6:
+        raise ValueError(f"weights {w} sum to {total:.6g}, not 1; rescale them so that they sum to 1")
+    return w
+
+
+def fused_table(
+    per_task: dict[str, dict[str, Any]],
+    n_kv_heads: int,
+    weights: dict[str, float],
+    normalize: str = "max",
+) -> pd.DataFrame:
+    """The fused ranking table (SPEC.md §6).
+
+    Args:
+        per_task: for each capability c, ``{"ie": Float[Tensor, "pair layer head"] receiver IE,
+            "ie_send": Float[Tensor, "layer head"] or None, "kappa": Float[Tensor, "layer head"] or None}``.
+        weights: w_c (see :func:`check_weights`); normalize: ŝ (see :func:`normalize_score`).
+
+    Returns:
+        DataFrame with layer, head, kv_group, ie_recv, ie_recv_std, n_pairs (receiver statistics; with
+        several capabilities ie_recv is the w-weighted mean and per-capability ``ie_recv_<c>``,
+        ``ie_send_<c>``, ``kappa_<c>`` are added), ie_send, kappa (likewise), one ``s_<c>`` per
+        capability (ŝ, normalized), score S_h = Σ_c w_c ŝ_h^(c), rank.
+    """
+    tasks = list(per_task)
+    multi = len(tasks) > 1
+    df = None
+    fused = None
+    recv_w = send_w = kap_w = None
+    n_pairs = 0
+    for c in tasks:
+        d = per_task[c]
+        t = head_table(d["ie"], n_kv_heads)
+        shape = (t["layer"].max() + 1, t["head"].max() + 1)
+        recv = torch.tensor(t["ie_recv"].to_numpy()).view(*shape)
+        send = d.get("ie_send")
+        kap = d.get("kappa")
+        s_hat = normalize_score(capability_score(recv, send, kap), normalize)
+        n_pairs += int(t["n_pairs"].iloc[0])
+        send_v = (send.double() if send is not None else torch.full(shape, math.nan, dtype=torch.float64))
+        kap_v = (kap.double() if kap is not None else torch.ones(shape, dtype=torch.float64))
+        w = weights[c]
+        if df is None:
+            df = t.drop(columns=["score", "rank"]).copy()
+            if multi:
+                df["ie_recv_std"] = math.nan
+            recv_w, send_w, kap_w, fused = w * recv, w * send_v, w * kap_v, w * s_hat
+        else:
+            recv_w, send_w, kap_w, fused = recv_w + w * recv, send_w + w * send_v, kap_w + w * kap_v, fused + w * s_hat
+        if multi:
+            df[f"ie_recv_{c}"] = recv.flatten().numpy()
+            df[f"ie_send_{c}"] = send_v.flatten().numpy()
+            df[f"kappa_{c}"] = kap_v.flatten().numpy()
+        df[f"s_{c}"] = s_hat.flatten().numpy()
+    assert df is not None and fused is not None
+    if multi:
+        df["ie_recv"] = recv_w.flatten().numpy()
+    df["n_pairs"] = n_pairs
+    df["ie_send"] = send_w.flatten().numpy()
+    df["kappa"] = kap_w.flatten().numpy()
+    df["score"] = fused.flatten().numpy()
+    return add_rank(df)

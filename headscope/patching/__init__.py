@@ -1,7 +1,8 @@
-"""Patching: the engine, receivers (eq. 10) and the resumable store."""
+"""Patching: the engine, receivers (eq. 10), senders (path patching, SPEC.md §5) and the resumable store."""
 
 from .engine import Engine, RunCache, UnsupportedArchitecture
 from .receivers import GapError, PatchResult, receiver_ie, receiver_patching, reference_patched_metric
+from .senders import SenderRounds, iterate_senders, sender_ie, sender_patching
 from .store import ConfigMismatch, Store
 
 __all__ = [
@@ -13,6 +14,10 @@ __all__ = [
     "receiver_ie",
     "receiver_patching",
     "reference_patched_metric",
+    "sender_ie",
+    "sender_patching",
+    "iterate_senders",
+    "SenderRounds",
     "ConfigMismatch",
     "Store",
 ]

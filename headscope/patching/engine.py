@@ -243,6 +243,86 @@ class Engine:
         idx = torch.as_tensor([r - start for r in read], device=self.device)
         return self.unembed(h[:, idx])
 
+    # ---- sender path patching and κ (SPEC.md §5, §6) -------------------------------------------
+    @torch.no_grad()
+    def path_patched_logits(
+        self,
+        base: RunCache,
+        start: int,
+        read: Sequence[int],
+        x_in: dict[int, Float[Tensor, "batch suffix d_model"]],
+        receivers: dict[int, Sequence[int]],
+        mode: str = "qkv",
+    ) -> Float[Tensor, "batch read vocab"]:
+        """Logits at ``read`` of a run of ``base``'s prompt in which only the receivers' Q/K/V inputs change.
+
+        For each receiver layer ``l`` in ``receivers``, the heads listed there compute their hook_z from
+        queries (``"q"`` in ``mode``) and/or keys and values (``"k"``/``"v"`` in ``mode``) taken from
+        ``x_in[l]`` (the layer-normed input, i.e. ln1 output, at positions ``start..``; earlier positions
+        keep ``base``'s keys/values); every other input is the run's own. All other heads and layers run
+        normally (nothing downstream is frozen). Each batch row is one independent run (path patching
+        step 3, Wang et al. 2022; SPEC.md §5).
+        """
+        layers = sorted(receivers)
+        if not layers:
+            raise ValueError("no receivers given")
+        l0 = layers[0]
+        B = next(iter(x_in.values())).shape[0]
+        T = base.resid.shape[1]
+        S = T - start
+        g = self.g
+        dh = g.d_head
+        rep = g.n_heads // g.n_kv_heads
+        with torch.no_grad():
+            cos, sin = self.rope(torch.arange(start, T, device=self.device), base.resid)
+            h = base.resid[l0, start:][None].expand(B, S, -1)
+            for lay in range(l0, g.n_layers):
+                q, k, v = self.qkv(lay, self.layers[lay]["ln1"](h), cos, sin)
+                kp = base.k[lay, :, :start][None].expand(B, -1, -1, -1)
+                vp = base.v[lay, :, :start][None].expand(B, -1, -1, -1)
+                z = self.attend(lay, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start)
+                if lay in receivers:
+                    q2, k2, v2 = self.qkv(lay, x_in[lay], cos, sin)
+                    for hd in receivers[lay]:
+                        grp = hd // rep
+                        qh = q2[:, hd : hd + 1] if "q" in mode else q[:, hd : hd + 1]
+                        kh = k2[:, grp : grp + 1] if "k" in mode else k[:, grp : grp + 1]
+                        vh = v2[:, grp : grp + 1] if "v" in mode else v[:, grp : grp + 1]
+                        zh = self.attend(lay, qh, torch.cat([kp[:, grp : grp + 1], kh], 2),
+                                         torch.cat([vp[:, grp : grp + 1], vh], 2), start)
+                        z[:, :, hd * dh : (hd + 1) * dh] = zh
+                h = self.post_attn(lay, h, z)
+            idx = torch.as_tensor([r - start for r in read], device=self.device)
+            return self.unembed(h[:, idx])
+
+
+    @torch.no_grad()
+    def attention_mass(
+        self, ids: Int[Tensor, "pos"], rows: Sequence[int], span: tuple[int, int]
+    ) -> Float[Tensor, "layer head"]:
+        """Mean attention probability that each head puts on key positions ``span`` (end exclusive),
+        averaged over the query positions ``rows``, in a clean pass of ``ids``."""
+        ids = ids.to(self.device)
+        T = ids.numel()
+        g = self.g
+        rep = g.n_heads // g.n_kv_heads
+        out = torch.empty(g.n_layers, g.n_heads, dtype=torch.float64)
+        rows_t = torch.as_tensor(list(rows), device=self.device)
+        with torch.no_grad():
+            h = self.embed(ids[None]).to(self.dtype)
+            cos, sin = self.rope(torch.arange(T, device=self.device), h)
+            for layer in range(g.n_layers):
+                q, k, v = self.qkv(layer, self.layers[layer]["ln1"](h), cos, sin)
+                kk = k.repeat_interleave(rep, dim=1) if rep > 1 else k
+                sc = (q[0, :, rows_t] @ kk[0].transpose(-1, -2)).float() * self.layers[layer]["scaling"]
+                causal = torch.arange(T, device=self.device)[None, :] <= rows_t[:, None]
+                p = torch.softmax(sc.masked_fill(~causal, float("-inf")), dim=-1)  # [H, rows, T]
+                out[layer] = p[:, :, span[0] : span[1]].sum(-1).mean(-1).double().cpu()
+                z = self.attend(layer, q, k, v, 0)
+                h = self.post_attn(layer, h, z)
+        return out
+
 
 def head_slice(head: int, d_head: int) -> slice:
     return slice(head * d_head, (head + 1) * d_head)
+

@@ -6,9 +6,17 @@ from typing import Any, Callable
 
 from .base import Pair, PairError, validate_pair
 from .filler import Filler
+from .induction import induction
 from .niah import build_pair, niah_single
+from .ruler import niah_multikey, niah_multivalue, variable_tracking
 
-TASKS: dict[str, Callable[..., list[Pair]]] = {"niah_single": niah_single}
+TASKS: dict[str, Callable[..., list[Pair]]] = {
+    "niah_single": niah_single,
+    "niah_multikey": niah_multikey,
+    "niah_multivalue": niah_multivalue,
+    "variable_tracking": variable_tracking,
+    "induction": induction,
+}
 
 
 def make_pairs(task: str, tokenizer: Any, **settings: Any) -> list[Pair]:
@@ -18,4 +26,4 @@ def make_pairs(task: str, tokenizer: Any, **settings: Any) -> list[Pair]:
     return TASKS[task](tokenizer, **settings)
 
 
-__all__ = ["Pair", "PairError", "validate_pair", "Filler", "build_pair", "niah_single", "make_pairs", "TASKS"]
+__all__ = ["Pair", "PairError", "validate_pair", "Filler", "build_pair", "niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "induction", "make_pairs", "TASKS"]

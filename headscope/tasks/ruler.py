@@ -1,0 +1,274 @@
+"""RULER-style capabilities beyond NIAH-single: multi-key, multi-value and variable tracking.
+
+RULER (Hsieh et al. 2024, "RULER: What's the Real Context Size of Your Long-Context Language
+Models?") defines these needle variants; the texts here are headscope's own. Every generator is
+seeded, builds x and x' of equal token length through :func:`headscope.tasks.niah.build_pair`, and
+records the evidence span:
+
+* ``niah_multikey``: several key/value needles; x' asks for another key whose value is also in the
+  context, so a⁻ is that value. The tokens that differ between x and x' are the query key (kept in
+  ``meta["diff_span"]``); ``pair.evidence`` is the span of the queried needle's value in x, the
+  tokens the model must retrieve from.
+* ``niah_multivalue``: one key with several values; the question asks for the key's values and the
+  answer read is the first one listed in the context; x' swaps that value (evidence = that value).
+* ``variable_tracking``: chains ``VAR A = 4821 ... VAR B = A ... VAR C = B`` (multi-hop, with a
+  distractor chain); the question asks for the last variable's value; x' swaps the root value.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Sequence
+
+from .base import Pair, PairError
+from .filler import Filler
+from .niah import MAX_REDRAWS, _fit_filler, _ids, build_pair, draw_value
+
+# single-token words for SmolLM2-style BPE (each " word" is one token there; other tokenizers may
+# split them, which build_pair tolerates as long as both keys of a pair have equal length)
+KEY_WORDS = (
+    "apple", "river", "castle", "violet", "garden", "falcon", "silver", "meadow", "copper", "lantern",
+    "harbor", "orchard", "pepper", "candle", "forest", "marble", "rocket", "basket", "mirror", "tiger",
+)
+VAR_NAMES = tuple("ABCDEFGHJKLMNPQRSTUVWXYZ")
+
+INTRO_MULTI = (
+    "Some special magic numbers are hidden inside a lot of irrelevant text. "
+    "Find them and memorize them. I will quiz you about them later."
+)
+INTRO_VARS = (
+    "Memorize the variable assignments hidden inside the following text. "
+    "I will ask you about the value of a variable later."
+)
+
+
+def _check_common(n_pairs: int, depth: float | Sequence[float]) -> list[float]:
+    if n_pairs < 1:
+        raise ValueError(f"n_pairs={n_pairs}: need at least one calibration pair")
+    depths = [depth] if isinstance(depth, (int, float)) else list(depth)
+    if not depths or any(not 0.0 <= float(d) <= 1.0 for d in depths):
+        raise ValueError(f"needle depth {depth} must lie in [0, 1]")
+    return [float(d) for d in depths]
+
+
+def _insert(intro: str, sentences: list[str], needles: list[tuple[float, str]], question: str) -> str:
+    """Text with each needle (depth fraction, sentence) inserted among the filler sentences."""
+    n = len(sentences)
+    slots: dict[int, list[str]] = {}
+    for d, s in needles:
+        slots.setdefault(round(d * n), []).append(s)
+    parts = [intro]
+    for i in range(n + 1):
+        parts.extend(slots.get(i, []))
+        if i < n:
+            parts.append(sentences[i])
+    return (" ".join(parts) + "\n" + question).replace("  ", " ")
+
+
+def _span_of(tokenizer: Any, pair: Pair, text_before: str, value: str) -> tuple[int, int]:
+    """Token span of ``value`` written right after ``text_before`` in the clean prompt."""
+    start = len(_ids(tokenizer, text_before))
+    with_v = _ids(tokenizer, text_before + value)
+    clean = pair.clean.tolist()
+    # the tokenization of the prefix is a prefix of the prompt's tokenization (whole-sentence cuts)
+    while start > 0 and with_v[:start] != clean[:start]:
+        start -= 1
+    end = len(with_v)
+    while end > start and with_v[:end] != clean[:end]:
+        end -= 1
+    if end <= start:
+        raise PairError(f"could not locate the evidence value {value!r} in the tokenized prompt")
+    return start, end
+
+
+def _generate(
+    name: str,
+    tokenizer: Any,
+    n_pairs: int,
+    seq_len: int,
+    depth: float | Sequence[float],
+    seed: int,
+    corpus: str | None,
+    draw: Callable[[random.Random, float], dict[str, Any]],
+) -> list[Pair]:
+    """Shared loop: ``draw(rng, depth)`` returns render/values; filler fitted to ``seq_len``."""
+    depths = _check_common(n_pairs, depth)
+    filler = Filler(corpus)
+    rng = random.Random(seed)
+    pairs: list[Pair] = []
+    for i in range(n_pairs):
+        d = depths[i % len(depths)]
+        fill_seed = rng.randrange(2**31)
+        for _ in range(MAX_REDRAWS):
+            spec = draw(rng, d)
+            text: Callable[[list[str], str], str] = spec["text"]
+            sentences = _fit_filler(
+                tokenizer, lambda s: text(s, spec["value"]), filler, seq_len - spec["answer_tokens"], fill_seed
+            )
+            try:
+                pair = build_pair(
+                    tokenizer,
+                    lambda v, _q, s=sentences: text(s, v),
+                    spec["value"],
+                    spec["counter_value"],
+                    answer_value=spec.get("answer"),
+                    counter_answer_value=spec.get("counter_answer"),
+                    task=name,
+                    meta={"seed": seed, "index": i, "depth": d, "seq_len": seq_len, "filler": filler.source,
+                          **spec.get("meta", {})},
+                )
+            except PairError:
+                continue
+            diff = pair.evidence
+            pair.meta["diff_span"] = list(diff)
+            if "evidence_prefix" in spec:
+                prefix_text: str = spec["evidence_prefix"](sentences)
+                ev = _span_of(tokenizer, pair, prefix_text, spec["evidence_value"])
+                pair = Pair(pair.clean, pair.corrupted, pair.answer, pair.counter_answer, ev, pair.task, pair.meta)
+            pair.meta["length"] = pair.length
+            pairs.append(pair)
+            break
+        else:
+            raise PairError(f"{name}: no equal-length counterfactual in {MAX_REDRAWS} draws; try another n_digits")
+    return pairs
+
+
+def niah_multikey(
+    tokenizer: Any,
+    n_pairs: int = 6,
+    seq_len: int = 512,
+    depth: float | Sequence[float] = 0.5,
+    seed: int = 0,
+    n_keys: int = 4,
+    n_digits: int = 4,
+    corpus: str | None = None,
+) -> list[Pair]:
+    """RULER NIAH-multikey pairs: ``n_keys`` needles "One of the special magic numbers for KEY is: V.".
+
+    x asks for one key (its needle sits at ``depth``), x' for another key whose value is also in the
+    context; a⁺ / a⁻ are the two values (they differ in every digit). ``pair.evidence`` is the
+    queried value's span in x; the tokens that differ (the query key) are ``meta["diff_span"]``.
+
+    Args: as :func:`headscope.tasks.niah_single`, plus ``n_keys`` (>= 2) needles.
+
+    Raises:
+        ValueError: n_pairs < 1, n_keys < 2, depth outside [0, 1], seq_len too short.
+        PairError: no equal-length counterfactual found.
+    """
+    if not 2 <= n_keys <= len(KEY_WORDS):
+        raise ValueError(f"n_keys={n_keys} must lie in 2..{len(KEY_WORDS)}")
+
+    def draw(rng: random.Random, d: float) -> dict[str, Any]:
+        keys = rng.sample(KEY_WORDS, n_keys)
+        vals = [draw_value(rng, n_digits)]
+        vals.append(draw_value(rng, n_digits, avoid=vals[0]))
+        while len(vals) < n_keys:
+            v = draw_value(rng, n_digits)
+            if v not in vals:
+                vals.append(v)
+        others = [rng.random() for _ in range(n_keys - 1)]
+        depths_ = [d, *others]
+        needles = [(depths_[j], f"One of the special magic numbers for {keys[j]} is: {vals[j]}.") for j in range(n_keys)]
+
+        def text(sentences: list[str], key: str) -> str:
+            q = f"What is the special magic number for {key}? The special magic number for {key} is"
+            return _insert(INTRO_MULTI, sentences, needles, q)
+
+        def evidence_prefix(sentences: list[str]) -> str:
+            full = text(sentences, keys[0])
+            marker = f"One of the special magic numbers for {keys[0]} is: "
+            return full[: full.index(marker) + len(marker)]
+
+        return {
+            "text": text, "value": keys[0], "counter_value": keys[1], "answer": vals[0], "counter_answer": vals[1],
+            "answer_tokens": n_digits + 1, "evidence_prefix": evidence_prefix, "evidence_value": vals[0],
+            "meta": {"keys": keys, "values": vals, "query_key": keys[0], "counter_key": keys[1]},
+        }
+
+    return _generate("niah_multikey", tokenizer, n_pairs, seq_len, depth, seed, corpus, draw)
+
+
+def niah_multivalue(
+    tokenizer: Any,
+    n_pairs: int = 6,
+    seq_len: int = 512,
+    depth: float | Sequence[float] = 0.5,
+    seed: int = 0,
+    n_values: int = 3,
+    n_digits: int = 4,
+    corpus: str | None = None,
+) -> list[Pair]:
+    """RULER NIAH-multivalue pairs: one key with ``n_values`` values spread through the context.
+
+    The first value (at ``depth``; the others follow later in the context) is the answer read; x'
+    swaps it for a value differing in every digit (evidence = that value).
+
+    Raises:
+        ValueError: n_pairs < 1, n_values < 2, depth outside [0, 1], seq_len too short.
+    """
+    if n_values < 2:
+        raise ValueError(f"n_values={n_values} must be >= 2 (for one value use niah_single)")
+
+    def draw(rng: random.Random, d: float) -> dict[str, Any]:
+        key = rng.choice(KEY_WORDS)
+        v = draw_value(rng, n_digits)
+        cv = draw_value(rng, n_digits, avoid=v)
+        rest = [draw_value(rng, n_digits) for _ in range(n_values - 1)]
+        later = sorted(d + (1 - d) * (j + 1) / n_values for j in range(n_values - 1))
+
+        def text(sentences: list[str], first: str) -> str:
+            needles = [(d, f"One of the special magic numbers for {key} is: {first}.")]
+            needles += [(t, f"One of the special magic numbers for {key} is: {r}.") for t, r in zip(later, rest)]
+            q = (f"What are all the special magic numbers for {key}? "
+                 f"The special magic numbers for {key} are")
+            return _insert(INTRO_MULTI, sentences, needles, q)
+
+        return {"text": text, "value": v, "counter_value": cv, "answer_tokens": n_digits + 1,
+                "meta": {"key": key, "other_values": rest}}
+
+    return _generate("niah_multivalue", tokenizer, n_pairs, seq_len, depth, seed, corpus, draw)
+
+
+def variable_tracking(
+    tokenizer: Any,
+    n_pairs: int = 6,
+    seq_len: int = 512,
+    depth: float | Sequence[float] = 0.5,
+    seed: int = 0,
+    n_hops: int = 3,
+    n_digits: int = 4,
+    corpus: str | None = None,
+) -> list[Pair]:
+    """RULER variable-tracking pairs: a chain ``VAR A = 4821``, ``VAR B = A``, ... of ``n_hops`` hops.
+
+    The chain's root sits at ``depth``, later hops between it and the end; a distractor chain with
+    another value is interleaved. The question asks for the value of the chain's last variable;
+    x' swaps the root value (evidence = the root value).
+
+    Raises:
+        ValueError: n_pairs < 1, n_hops < 1, depth outside [0, 1], seq_len too short.
+    """
+    if not 1 <= n_hops <= len(VAR_NAMES) // 2 - 1:
+        raise ValueError(f"n_hops={n_hops} must lie in 1..{len(VAR_NAMES) // 2 - 1}")
+
+    def draw(rng: random.Random, d: float) -> dict[str, Any]:
+        names = rng.sample(VAR_NAMES, 2 * (n_hops + 1))
+        chain, other = names[: n_hops + 1], names[n_hops + 1:]
+        v = draw_value(rng, n_digits)
+        cv = draw_value(rng, n_digits, avoid=v)
+        dv = draw_value(rng, n_digits, avoid=v)
+        spots = [d + (1 - d) * j / (n_hops + 1) for j in range(n_hops + 1)]
+        dspots = sorted(rng.random() for _ in range(n_hops + 1))
+
+        def text(sentences: list[str], root: str) -> str:
+            needles = [(spots[0], f"VAR {chain[0]} = {root}.")]
+            needles += [(spots[j], f"VAR {chain[j]} = {chain[j - 1]}.") for j in range(1, n_hops + 1)]
+            needles += [(dspots[0], f"VAR {other[0]} = {dv}.")]
+            needles += [(dspots[j], f"VAR {other[j]} = {other[j - 1]}.") for j in range(1, n_hops + 1)]
+            q = f"What is the value of the variable {chain[-1]}? The value of {chain[-1]} is"
+            return _insert(INTRO_VARS, sentences, needles, q)
+
+        return {"text": text, "value": v, "counter_value": cv, "answer_tokens": n_digits + 1,
+                "meta": {"chain": chain, "distractor_chain": other, "distractor_value": dv}}
+
+    return _generate("variable_tracking", tokenizer, n_pairs, seq_len, depth, seed, corpus, draw)
