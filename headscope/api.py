@@ -35,6 +35,9 @@ def rank(
     progress: bool = True,
     task_settings: dict[str, Any] | None = None,
     shard: tuple[int, int] | None = None,
+    mode: str = "exact",
+    verify: int | float = 0.1,
+    spot_checks: int | float = 0.05,
     senders: bool = False,
     weights: Sequence[float] | dict[str, float] | None = None,
     kappa: str | None = None,
@@ -61,6 +64,9 @@ def rank(
         pairs: ready-made pairs (overrides task generation; ``tasks`` then only labels them).
         out_dir: if given, per-pair results are written there as they finish (a rerun resumes)
             and the Ranking is saved there at the end.
+        mode: ``"exact"`` (default: exact patching of every head) or ``"screen"`` (attribution
+            patching of every head, exact patching of the top ``verify`` heads plus ``spot_checks``
+            random others; columns ``ie_atp`` and ``verified`` are added; receivers-only path).
         shard: ``(rank, world_size)`` of a sharded sweep (see :mod:`headscope.distributed`;
             needs ``out_dir``); every rank returns the merged Ranking, rank 0 saves it.
         senders: add sender path patching (SPEC.md §5), iterated from the top ``top_k`` receivers
@@ -91,6 +97,12 @@ def rank(
     if len(set(tasks)) != len(tasks):
         raise ValueError(f"tasks {list(tasks)} name a capability twice; give each once")
     fusion = senders or len(tasks) > 1 or weights is not None or kappa is not None
+    if mode not in ("exact", "screen"):
+        raise ValueError(f"mode={mode!r}: use 'exact' or 'screen'")
+    if fusion and mode != "exact":
+        raise NotImplementedError("mode='screen' covers the receivers-only ranking; use mode='exact' with fusion")
+    if mode == "screen" and shard is not None:
+        raise NotImplementedError("mode='screen' runs in one process; shard exact sweeps instead")
     if fusion and shard is not None:
         raise NotImplementedError(
             "sharded sweeps (--devices / torchrun) cover the receiver sweep of one task; run fused rankings "
@@ -132,9 +144,7 @@ def rank(
         "score": "ie_recv (mean over pairs)",
         "pair_lengths": [p.length for p in pairs],
     }
-    res = receiver_patching(
-        lm,
-        pairs,
+    common = dict(
         lam=lam,
         direction=direction,
         min_gap=min_gap,
@@ -144,9 +154,30 @@ def rank(
         store_config={"model": {k: v for k, v in lm.provenance().items() if k != "device"},
                       "tasks": list(tasks), "settings": settings},
         progress=progress,
-        shard=shard,
     )
-    df = head_table(res.ie, lm.geometry.n_kv_heads)
+    if mode == "screen":
+        from .patching.attribution import screen_then_verify
+
+        scr = screen_then_verify(lm, pairs, verify=verify, spot_checks=spot_checks, seed=seed, **common)
+        res = scr.exact
+        res.ie = scr.ie
+        df = head_table(res.ie, lm.geometry.n_kv_heads)
+        atp = scr.atp[res.used].double().mean(0).numpy()
+        df["ie_atp"] = atp[df["layer"], df["head"]]
+        exact_set = set(scr.verified) | set(scr.spot_checked)
+        df["verified"] = [(int(a), int(b)) in exact_set for a, b in zip(df["layer"], df["head"])]
+        prov["patching"] = "hook_z, all positions: AtP screen, exact for verified + spot-checked heads"
+        prov["screen"] = {
+            "verified": len(scr.verified),
+            "spot_checked": len(scr.spot_checked),
+            "spot_hits": scr.spot_hits,
+            "missed_estimate": scr.missed_estimate,
+            "missed_upper95": scr.missed_upper95,
+            "threshold": scr.threshold,
+        }
+    else:
+        res = receiver_patching(lm, pairs, shard=shard, **common)  # type: ignore[arg-type]
+        df = head_table(res.ie, lm.geometry.n_kv_heads)
     prov["skipped_pairs"] = res.skipped
     prov["m_clean"] = res.m_clean.tolist()
     prov["m_corrupt"] = res.m_corrupt.tolist()

@@ -67,3 +67,19 @@ def test_recall_at_k():
     assert recall_at_k(a, a, 3) == 1.0
     assert recall_at_k(a, -a, 3) == 0.0
     assert recall_at_k(a, np.array([0, 1, 2, 3, 4, 5, 9, 6, 7, 8.0]), 3) == 2 / 3
+
+
+def test_rank_screen_mode(tiny_dir, tmp_path):
+    import headscope
+
+    exact = headscope.rank(str(tiny_dir), n_pairs=2, seq_len=64, min_gap=0.0, device="cpu", progress=False)
+    r = headscope.rank(str(tiny_dir), n_pairs=2, seq_len=64, min_gap=0.0, device="cpu", progress=False,
+                       mode="screen", verify=2, spot_checks=1, out_dir=tmp_path / "s")
+    ver = r.scores[r.scores["verified"]]
+    assert len(ver) == 3 and r.provenance["screen"]["verified"] == 2
+    merged = ver.merge(exact.scores, on=["layer", "head"])
+    assert np.allclose(merged["ie_recv_x"], merged["ie_recv_y"], atol=1e-6)
+    unver = r.scores[~r.scores["verified"]]
+    assert np.allclose(unver["ie_recv"], unver["ie_atp"])
+    with pytest.raises(ValueError, match="mode="):
+        headscope.rank(str(tiny_dir), n_pairs=1, seq_len=64, mode="fast", device="cpu")
