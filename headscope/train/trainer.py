@@ -400,12 +400,15 @@ def convert_stage(
     student: Optional[nn.Module] = None,
     hybrid_options: Optional[dict[str, Any]] = None,
     deadline: Optional[float] = None,
+    rows: Optional[TokenRows] = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Run one stage of the conversion into ``out_dir/stage{stage}/``.
 
     The student is ``student`` if given, else built from the teacher and ``mask`` (stage 1) or from
     ``out_dir/stage{stage-1}/student.pt`` (stages 2, 3). Sampled teacher text is cached under
-    ``out_dir/data/`` so that a resumed or later stage reuses it.
+    ``out_dir/data/`` so that a resumed or later stage reuses it; ``rows`` replaces the data built
+    from ``data`` (e.g. rows shared by several conversions). ``deadline`` (a ``time.time()`` value)
+    stops the stage early, with a checkpoint, when reached.
 
     Returns:
         (student, summary of :meth:`Trainer.run`).
@@ -415,7 +418,8 @@ def convert_stage(
     if config.stage != stage:
         raise ValueError(f"config is for stage {config.stage}, asked for stage {stage}")
     data = data or DataConfig()
-    rows = build_rows(teacher, tokenizer, data, cache_dir=out / "data")
+    if rows is None:
+        rows = build_rows(teacher, tokenizer, data, cache_dir=out / "data")
     if student is None:
         init = None if stage == 1 else out / f"stage{stage - 1}" / "student.pt"
         student = load_student(teacher, mask, init=init, calibration_ids=rows.ids[:8].to(next(teacher.parameters()).device), **(hybrid_options or {}))
