@@ -267,7 +267,7 @@ def run(
     seq_len: int = typer.Option(512), long_len: int = typer.Option(2048),
     batch: int = typer.Option(16), batch_long: int = typer.Option(4),
     text_docs: int = typer.Option(2048), heldout_docs: int = typer.Option(64), doc_len: int = typer.Option(512),
-    sample_batch: int = typer.Option(256),
+    sample_batch: int = typer.Option(256, help="sampling batch (its fp32 KV cache: ~30 GB at 768 x 512 tokens on SmolLM2)"),
     retrieval_frac: float = typer.Option(0.25), task: List[str] = typer.Option(["niah_single"]),
     eval_lengths: List[int] = typer.Option([512, 1024, 2048, 4096]), eval_n: int = typer.Option(20), eval_batch: int = typer.Option(16),
     gdn_kernel: str = typer.Option("auto", help="auto / torch / fla"),
@@ -301,6 +301,8 @@ def run(
         m.to_json(out / "masks" / f"{name}.json")
         print(name, m.summary(), flush=True)
     prepare(out, model, device, s)
+    if torch.cuda.is_available():  # the sampler's KV cache must not stay reserved while the workers train
+        torch.cuda.empty_cache()
     print("data", (out / "data" / "info.json").read_text(), flush=True)
     deadline = time.time() + train_seconds if train_seconds else None
     todo = [n for n in only if not (out / n / "eval.json").exists()]
@@ -314,6 +316,8 @@ def run(
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
         if not (out / "teacher" / "eval.json").exists():
             eval_teacher(out, model, device)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         for p in procs:
             p.wait()
     else:
