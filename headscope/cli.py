@@ -103,6 +103,55 @@ def rank(
     typer.echo(f"wrote {out / 'scores.csv'}, {out / 'mask.json'}, {out / 'heatmap.html'}")
 
 
+@app.command()
+def convert(
+    model: str = typer.Option("smollm2-135m", help="teacher: 'smollm2-135m', a local HF directory, a .gguf path or a cached hub id"),
+    mask: Path = typer.Option(..., help="mask.json (HeadMask) with the FA heads"),
+    stage: int = typer.Option(..., help="1 = layer-wise alignment, 2 = global distillation, 3 = long-context fine-tuning"),
+    tokens: int = typer.Option(..., help="token budget of this stage"),
+    out: Path = typer.Option(..., help="conversion directory; stage k writes OUT/stage{k}/ and reads OUT/stage{k-1}/student.pt"),
+    resume: bool = typer.Option(False, "--resume", help="continue OUT/stage{k}/checkpoint.pt exactly"),
+    seq_len: Optional[int] = typer.Option(None, help="row length (default 512 for stages 1-2, 2048 for stage 3)"),
+    batch_size: int = typer.Option(8, help="rows per step"),
+    lr: Optional[float] = typer.Option(None, help="peak learning rate (default 1e-3 for stage 1, 1e-4 otherwise)"),
+    ckpt_every: int = typer.Option(100, help="checkpoint every N steps (and always on exit)"),
+    text_docs: int = typer.Option(256, help="documents sampled from the teacher (cached in OUT/data)"),
+    doc_len: int = typer.Option(512, help="tokens per sampled document"),
+    corpus: Optional[Path] = typer.Option(None, help="user text file instead of sampled text (documents split by blank lines)"),
+    retrieval_frac: float = typer.Option(0.25, help="stage 3: share of rows that are synthetic retrieval examples"),
+    retrieval_task: str = typer.Option("niah_single", help="stage 3: retrieval task (headscope.tasks)"),
+    seed: int = typer.Option(0),
+    device: Optional[str] = typer.Option(None, help="cpu / cuda (default: cuda when available)"),
+) -> None:
+    """Convert a model into a head-wise FA/GDN hybrid, one stage of the three-stage transfer at a time."""
+    import json
+
+    from .masks import HeadMask
+    from .models import load_hf
+    from .train import DataConfig, TrainConfig, convert_stage
+
+    try:
+        if stage not in (1, 2, 3):
+            raise ValueError(f"--stage must be 1, 2 or 3, got {stage}")
+        hm = HeadMask.from_json(mask)
+        teacher, tok, name = load_hf(model, device=device)
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        L = seq_len or (2048 if stage == 3 else 512)
+        cfg = TrainConfig(
+            stage=stage, tokens=tokens, batch_size=batch_size, lr=lr or (1e-3 if stage == 1 else 1e-4), ckpt_every=ckpt_every, seed=seed
+        )
+        data = DataConfig(
+            seq_len=L, text_docs=text_docs, doc_len=doc_len, corpus=str(corpus) if corpus else None,
+            retrieval_frac=retrieval_frac if stage == 3 else 0.0, retrieval_task=retrieval_task, seed=seed,
+        )
+        _, summary = convert_stage(teacher, tok, hm, stage, out, config=cfg, data=data, resume=resume)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(json.dumps(summary))
+
+
 def run() -> None:  # pragma: no cover
     app(sys.argv[1:])
 

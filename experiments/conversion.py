@@ -1,0 +1,344 @@
+"""Conversion runs that test a head mask (issue 8; SPEC.md §8–9, paper section 4.3).
+
+Converts a teacher (default SmolLM2-135M-Instruct) into head-wise FA/GDN hybrids at one FA budget
+(7:1, >= 1 FA head per layer) with four masks, trains each with the same three-stage transfer and
+the same token budget per stage, and evaluates each (and the teacher) on retrieval accuracy
+(teacher-forced greedy exact match of the answer, :func:`headscope.readout.greedy_exact_match`) at
+several context lengths and on held-out perplexity of teacher-sampled text.
+
+Masks:
+  hydrahead  top heads of a causal ranking (``--ranking DIR`` written by ``headscope rank``) or a
+             given ``--mask mask.json``, under the budget with >= 1 FA head per layer
+  random     the same constrained selection on seeded random scores
+  layerwise  whole FA layers, as many heads as the budget rounds to (K / n_heads layers), evenly spaced
+  allgdn     no FA head at all
+
+Usage::
+
+    python experiments/conversion.py run --ranking runs/rank --out runs/conversion \\
+        --tokens1 1e6 --tokens2 2e6 --tokens3 1e6 --device cuda --parallel
+
+Writes OUT/data/ (shared rows), OUT/<mask>/stage{1,2,3}/log.csv, OUT/<mask>/eval.json, OUT/teacher/eval.json,
+OUT/results.csv + OUT/results.md (the table) and OUT/curves.csv (losses of all runs). Re-running skips
+finished evaluations.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, List, Optional
+
+import numpy as np
+import pandas as pd
+import torch
+import typer
+
+from headscope.masks import HeadMask, parse_budget
+from headscope.models import load_hf
+from headscope.readout import greedy_exact_match, read_positions
+from headscope.tasks import make_pairs
+from headscope.train import (
+    TokenRows,
+    TrainConfig,
+    convert_stage,
+    load_student,
+    mix,
+    pack,
+    retrieval_rows,
+    sample_teacher_text,
+)
+
+app = typer.Typer(add_completion=False)
+torch.backends.cuda.matmul.allow_tf32 = True
+MASKS = ("hydrahead", "random", "layerwise", "allgdn")
+
+
+# ---------------------------------------------------------------------------------------------- masks
+def build_masks(
+    n_layers: int, n_heads: int, n_kv: int, hydra: HeadMask | np.ndarray, budget: str = "7:1", min_per_layer: int = 1, seed: int = 0
+) -> dict[str, HeadMask]:
+    """The four masks of the comparison at one budget (see the module docstring).
+
+    ``hydra``: a HeadMask (used as is) or a [layer, head] score matrix (selected under the budget).
+    """
+    k = parse_budget(budget, n_layers * n_heads)
+    if isinstance(hydra, HeadMask):
+        hm = hydra
+    else:
+        hm = HeadMask.select(np.asarray(hydra), budget, n_kv, min_per_layer=min_per_layer, meta={"source": "hydrahead"})
+    rnd = np.random.default_rng(seed).random((n_layers, n_heads))
+    rm = HeadMask.select(rnd, budget, n_kv, min_per_layer=min_per_layer, meta={"source": f"random(seed={seed})"})
+    n_fa_layers = max(1, round(k / n_heads))
+    layers = sorted({int((i + 0.5) * n_layers / n_fa_layers) for i in range(n_fa_layers)})
+    lw = HeadMask.from_heads(
+        [(l, h) for l in layers for h in range(n_heads)], n_layers, n_heads, n_kv,
+        meta={"source": f"layerwise({n_fa_layers} FA layers {layers})", "min_per_layer": 0},
+    )
+    ag = HeadMask(n_layers, n_heads, n_kv, tuple(() for _ in range(n_layers)), {"source": "allgdn", "min_per_layer": 0})
+    return {"hydrahead": hm, "random": rm, "layerwise": lw, "allgdn": ag}
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def retrieval_accuracy(
+    model: Any, tokenizer: Any, task: str, seq_len: int, n: int, seed: int = 1234, batch_size: int = 8
+) -> dict[str, Any]:
+    """Share of ``n`` prompts (needle depths evenly spread over [0, 1]) whose answer greedy decoding
+    reproduces exactly (teacher-forced argmax over the answer span, equal to greedy generation)."""
+    depths = list(np.linspace(0.0, 1.0, n)) if n > 1 else [0.5]
+    pairs = make_pairs(task, tokenizer, n_pairs=n, seq_len=seq_len, depth=depths, seed=seed)
+    dev = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    hits = []
+    for i in range(0, len(pairs), batch_size):
+        chunk = pairs[i : i + batch_size]
+        seqs = [torch.cat([p.clean, p.answer[:-1]]) for p in chunk]
+        T = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+        for j, s in enumerate(seqs):  # right padding: causal, the real positions are unaffected
+            ids[j, : len(s)] = s
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            logits = model(input_ids=ids.to(dev), use_cache=False).logits.float()
+        for j, p in enumerate(chunk):
+            pos = read_positions(p.length, p.n_answer)
+            hits.append(bool(greedy_exact_match(logits[j, pos], p.answer)))
+    return {"accuracy": float(np.mean(hits)), "n": len(hits), "mean_len": float(np.mean([p.length for p in pairs]))}
+
+
+@torch.no_grad()
+def perplexity(model: Any, rows: TokenRows, batch_size: int = 8) -> float:
+    """exp(mean next-token NLL) over the real tokens of ``rows``."""
+    from headscope.train import lm_loss
+
+    dev = next(model.parameters()).device
+    tot, cnt = 0.0, 0
+    for i in range(0, len(rows), batch_size):
+        ids, m = rows.ids[i : i + batch_size].to(dev), rows.mask[i : i + batch_size].to(dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            logits = model(input_ids=ids, use_cache=False).logits
+        k = int((m[:, 1:] & m[:, :-1]).sum())
+        tot += float(lm_loss(logits, ids, m)) * k
+        cnt += k
+    return math.exp(tot / cnt)
+
+
+def evaluate(model: Any, tokenizer: Any, heldout: TokenRows, tasks: list[str], lengths: list[int], n: int, batch_size: int) -> dict:
+    model.eval()
+    res: dict[str, Any] = {"ppl": perplexity(model, heldout, batch_size)}
+    for task in tasks:
+        for L in lengths:
+            bs = max(1, batch_size * 512 // L)
+            res[f"{task}@{L}"] = retrieval_accuracy(model, tokenizer, task, L, n, batch_size=bs)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- runs
+def _settings(out: Path) -> dict:
+    return json.loads((out / "settings.json").read_text())
+
+
+def prepare(out: Path, model: str, device: Optional[str], s: dict) -> None:
+    """Sample the shared training / held-out text from the teacher and build the rows of every stage."""
+    d = out / "data"
+    if (d / "done").exists():
+        return
+    d.mkdir(parents=True, exist_ok=True)
+    teacher, tok, _ = load_hf(model, device=device)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    t0 = time.time()
+    docs = sample_teacher_text(teacher, tok, s["text_docs"], s["doc_len"], seed=s["seed"], batch_size=s["sample_batch"])
+    held = sample_teacher_text(teacher, tok, s["heldout_docs"], s["doc_len"], seed=s["seed"] + 999, batch_size=s["sample_batch"])
+    eos = tok.eos_token_id
+    pack(docs, s["seq_len"], eos).save(d / "short.pt")
+    long_text = pack(docs, s["long_len"], eos)
+    n_ret = max(1, round(len(long_text) * s["retrieval_frac"] / (1 - s["retrieval_frac"])))
+    L = s["long_len"]
+    ret = retrieval_rows(tok, n_ret, L, s["tasks"][0], seed=s["seed"] + 1, lengths=[max(96, L // 4), max(96, L // 2), L])
+    mix(long_text, ret, seed=s["seed"]).save(d / "long.pt")
+    pack(held, s["seq_len"], eos).save(d / "heldout.pt")
+    info = {"sample_seconds": round(time.time() - t0, 1), "text_docs": len(docs), "text_tokens": sum(map(len, docs)),
+            "short_rows": len(pack(docs, s["seq_len"], eos)), "long_text_rows": len(long_text), "long_retrieval_rows": n_ret}
+    (d / "info.json").write_text(json.dumps(info, indent=2))
+    (d / "done").write_text("ok")
+
+
+def convert_one(out: Path, name: str, model: str, device: Optional[str], deadline: Optional[float]) -> None:
+    s = _settings(out)
+    mask = HeadMask.from_json(out / "masks" / f"{name}.json")
+    teacher, tok, _ = load_hf(model, device=device)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    short, long_rows = TokenRows.load(out / "data" / "short.pt"), TokenRows.load(out / "data" / "long.pt")
+    dev = next(teacher.parameters()).device
+    opts = {"gdn_kernel": s["gdn_kernel"]}
+    student = load_student(teacher, mask, calibration_ids=short.ids[:8].to(dev), **opts)
+    t0 = time.time()
+    total = deadline - t0 if deadline else None
+    share = {1: 0.2, 2: 0.65, 3: 1.0}
+    summaries = {}
+    for stage in (1, 2, 3):
+        cfg = TrainConfig(
+            stage=stage, tokens=int(s[f"tokens{stage}"]), batch_size=s["batch_long"] if stage == 3 else s["batch"],
+            lr=s[f"lr{stage}"], ckpt_every=s["ckpt_every"], ckpt_on_exit=s["ckpt_every"] > 0, save_student=False,
+            seed=s["seed"], progress=s["progress"],
+        )
+        dl = t0 + share[stage] * total if total else None
+        student, summ = convert_stage(
+            teacher, tok, mask, stage, out / name, config=cfg, student=student, hybrid_options=opts, deadline=dl,
+            rows=long_rows if stage == 3 else short,
+        )
+        summaries[stage] = summ
+        print(name, json.dumps(summ), flush=True)
+    heldout = TokenRows.load(out / "data" / "heldout.pt")
+    ev = evaluate(student, tok, heldout, s["tasks"], s["eval_lengths"], s["eval_n"], s["eval_batch"])
+    ev.update({"mask": name, "n_fa": mask.n_fa, "kv_cache_fraction": mask.kv_cache_fraction, "train": summaries})
+    (out / name / "eval.json").write_text(json.dumps(ev, indent=2))
+
+
+def eval_teacher(out: Path, model: str, device: Optional[str]) -> None:
+    s = _settings(out)
+    teacher, tok, _ = load_hf(model, device=device)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    heldout = TokenRows.load(out / "data" / "heldout.pt")
+    ev = evaluate(teacher, tok, heldout, s["tasks"], s["eval_lengths"], s["eval_n"], s["eval_batch"])
+    ev.update({"mask": "teacher", "n_fa": 270, "kv_cache_fraction": 1.0})
+    (out / "teacher").mkdir(parents=True, exist_ok=True)
+    (out / "teacher" / "eval.json").write_text(json.dumps(ev, indent=2))
+
+
+def _markdown(df: pd.DataFrame) -> str:
+    def fmt(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def report(out: Path) -> pd.DataFrame:
+    """OUT/results.csv, OUT/results.md, OUT/curves.csv from the finished runs."""
+    rows, curves = [], []
+    for name in ("teacher", *MASKS):
+        f = out / name / "eval.json"
+        if not f.exists():
+            continue
+        ev = json.loads(f.read_text())
+        r = {"model": name, "n_fa": ev["n_fa"], "kv_cache": round(ev["kv_cache_fraction"], 3), "ppl": round(ev["ppl"], 3)}
+        for k, v in ev.items():
+            if "@" in k:
+                r[k] = v["accuracy"]
+        for st, summ in (ev.get("train") or {}).items():
+            r[f"tokens{st}"] = summ["tokens"]
+            r[f"loss{st}"] = summ["final_loss"]
+        rows.append(r)
+        for st in (1, 2, 3):
+            lf = out / name / f"stage{st}" / "log.csv"
+            if lf.exists():
+                df = pd.read_csv(lf)[["stage", "step", "tokens", "loss", "lr", "grad_norm"]]
+                df.insert(0, "model", name)
+                curves.append(df)
+    table = pd.DataFrame(rows)
+    table.to_csv(out / "results.csv", index=False)
+    (out / "results.md").write_text(_markdown(table))
+    if curves:
+        pd.concat(curves).to_csv(out / "curves.csv", index=False)
+    return table
+
+
+@app.command()
+def run(
+    out: Path = typer.Option(Path("runs/conversion")),
+    model: str = typer.Option("smollm2-135m"),
+    ranking: Optional[Path] = typer.Option(None, help="ranking directory (headscope rank) for the HydraHead mask"),
+    mask: Optional[Path] = typer.Option(None, help="or a mask.json used as the HydraHead mask"),
+    budget: str = typer.Option("7:1"),
+    min_per_layer: int = typer.Option(1),
+    only: List[str] = typer.Option(list(MASKS), help="masks to convert"),
+    tokens1: float = typer.Option(1e6), tokens2: float = typer.Option(2e6), tokens3: float = typer.Option(1e6),
+    lr1: float = typer.Option(1e-3), lr2: float = typer.Option(2e-4), lr3: float = typer.Option(1e-4),
+    seq_len: int = typer.Option(512), long_len: int = typer.Option(2048),
+    batch: int = typer.Option(16), batch_long: int = typer.Option(4),
+    text_docs: int = typer.Option(2048), heldout_docs: int = typer.Option(64), doc_len: int = typer.Option(512),
+    sample_batch: int = typer.Option(256, help="sampling batch (its fp32 KV cache: ~30 GB at 768 x 512 tokens on SmolLM2)"),
+    retrieval_frac: float = typer.Option(0.25), task: List[str] = typer.Option(["niah_single"]),
+    eval_lengths: List[int] = typer.Option([512, 1024, 2048, 4096]), eval_n: int = typer.Option(20), eval_batch: int = typer.Option(16),
+    gdn_kernel: str = typer.Option("auto", help="auto / torch / fla"),
+    ckpt_every: int = typer.Option(0), seed: int = typer.Option(0),
+    device: Optional[str] = typer.Option(None), parallel: bool = typer.Option(False, help="one process per mask, concurrently"),
+    train_seconds: Optional[float] = typer.Option(None, help="wall-clock cap on each conversion's training (stages stop early)"),
+    progress: bool = typer.Option(True),
+) -> None:
+    """Build the masks, sample the data, run the conversions and the evaluation, write the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    s = {k: v for k, v in locals().items() if k not in ("out", "ranking", "mask", "only", "device", "parallel")}
+    s.update(tasks=list(task), eval_lengths=list(eval_lengths))
+    s.pop("task")
+    (out / "settings.json").write_text(json.dumps(s, indent=2, default=str))
+    from headscope.models import geometry_of
+    from transformers import AutoConfig
+
+    if mask is not None:
+        hydra: Any = HeadMask.from_json(mask)
+    elif ranking is not None:
+        from headscope.scores import Ranking
+
+        hydra = Ranking.load(ranking).matrix("score")
+    else:
+        raise typer.BadParameter("pass --ranking DIR or --mask mask.json for the HydraHead mask")
+    teacher, _, _ = load_hf(model, device="cpu")
+    g = geometry_of(teacher.config)
+    del teacher
+    masks = build_masks(g.n_layers, g.n_heads, g.n_kv_heads, hydra, budget, min_per_layer, seed)
+    for name, m in masks.items():
+        m.to_json(out / "masks" / f"{name}.json")
+        print(name, m.summary(), flush=True)
+    prepare(out, model, device, s)
+    if torch.cuda.is_available():  # the sampler's KV cache must not stay reserved while the workers train
+        torch.cuda.empty_cache()
+    print("data", (out / "data" / "info.json").read_text(), flush=True)
+    deadline = time.time() + train_seconds if train_seconds else None
+    todo = [n for n in only if not (out / n / "eval.json").exists()]
+    if parallel:
+        procs = []
+        for name in todo:
+            cmd = [sys.executable, __file__, "one", "--out", str(out), "--name", name, "--model", model]
+            cmd += ["--device", device] if device else []
+            cmd += ["--deadline", str(deadline)] if deadline else []
+            log = open(out / f"{name}.log", "w")
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        if not (out / "teacher" / "eval.json").exists():
+            eval_teacher(out, model, device)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        for p in procs:
+            p.wait()
+    else:
+        if not (out / "teacher" / "eval.json").exists():
+            eval_teacher(out, model, device)
+        for name in todo:
+            convert_one(out, name, model, device, deadline)
+    print(report(out).to_string(index=False))
+
+
+@app.command()
+def one(out: Path = typer.Option(...), name: str = typer.Option(...), model: str = typer.Option("smollm2-135m"),
+        device: Optional[str] = typer.Option(None), deadline: Optional[float] = typer.Option(None)) -> None:
+    """Convert and evaluate one mask (a worker of ``run --parallel``)."""
+    convert_one(out, name, model, device, deadline)
+
+
+@app.command("report")
+def report_cmd(out: Path = typer.Option(Path("runs/conversion"))) -> None:
+    print(report(out).to_string(index=False))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,28 @@
+"""Three-stage transfer of a teacher into a head-wise FA/GDN hybrid (SPEC.md §9)."""
+
+from .data import Loader, TokenRows, corpus_documents, mix, pack, retrieval_rows, sample_teacher_text
+from .stages import alignment_loss, distillation_loss, lm_loss, stage_loss, trainable_parameters
+from .trainer import DataConfig, StopTraining, TrainConfig, Trainer, build_rows, convert_stage, cosine_lambda, load_student
+
+__all__ = [
+    "DataConfig",
+    "Loader",
+    "StopTraining",
+    "TokenRows",
+    "TrainConfig",
+    "Trainer",
+    "alignment_loss",
+    "build_rows",
+    "convert_stage",
+    "corpus_documents",
+    "cosine_lambda",
+    "distillation_loss",
+    "lm_loss",
+    "load_student",
+    "mix",
+    "pack",
+    "retrieval_rows",
+    "sample_teacher_text",
+    "stage_loss",
+    "trainable_parameters",
+]

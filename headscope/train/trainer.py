@@ -1,0 +1,430 @@
+"""The three-stage transfer trainer (SPEC.md §9): AdamW, warmup + cosine schedule, gradient clipping,
+bf16 autocast on GPU, checkpoints every N steps and on exit, exact resume, tqdm + CSV/JSONL logs.
+
+One :class:`Trainer` runs one stage. Layout of its output directory::
+
+    out/checkpoint.pt   latest checkpoint: step, student weights, optimizer, scheduler, data position, RNG
+    out/log.csv         one row per step (stage, step, tokens, loss, lr, grad_norm, seconds, align_l*)
+    out/log.jsonl       the same rows as JSON lines
+    out/student.pt      final student weights (state_dict) when the stage finishes
+    out/done.json       written last: the stage's summary
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from .data import Loader, TokenRows
+from .stages import stage_loss, trainable_parameters
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one stage.
+
+    Attributes:
+        stage: 1 (layer-wise alignment), 2 (global distillation) or 3 (long-context fine-tuning).
+        tokens: token budget of the stage; steps = ceil(tokens / (batch_size · seq_len)).
+        batch_size: rows per step.
+        lr: peak AdamW learning rate; ``min_lr_ratio`` · lr at the end of the cosine.
+        warmup: fraction of the steps with linear warmup from 0.
+        weight_decay, betas: AdamW.
+        grad_clip: max global gradient norm (0 = off).
+        ckpt_every: write a checkpoint every N steps (0 = only on exit).
+        ckpt_on_exit: write a checkpoint when the run stops (finished, interrupted or failed).
+        save_student: write ``student.pt`` when the stage finishes.
+        bf16: autocast to bfloat16 (None = on CUDA only). Master weights stay fp32.
+        seed: data order seed.
+        progress: tqdm bar.
+    """
+
+    stage: int
+    tokens: int
+    batch_size: int = 8
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: float = 0.05
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    ckpt_every: int = 0
+    ckpt_on_exit: bool = True
+    save_student: bool = True
+    bf16: Optional[bool] = None
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        if self.tokens < 1 or self.batch_size < 1 or self.lr <= 0:
+            raise ValueError(f"tokens ({self.tokens}), batch_size ({self.batch_size}) and lr ({self.lr}) must be > 0")
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+
+
+class StopTraining(Exception):
+    """Raised by a ``on_step`` callback to stop a run (the exit checkpoint is still written)."""
+
+
+def cosine_lambda(total: int, warmup: int, min_ratio: float) -> Callable[[int], float]:
+    """LR multiplier at step s: linear warmup over ``warmup`` steps, then cosine from 1 to ``min_ratio``."""
+
+    def f(s: int) -> float:
+        if warmup and s < warmup:
+            return (s + 1) / warmup
+        p = min(1.0, (s - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+
+    return f
+
+
+def _rng_state() -> dict[str, Any]:
+    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+class Trainer:
+    """Runs one stage of the transfer on ``student`` (in place).
+
+    Args:
+        student: the hybrid model (from :func:`headscope.hybridize`, or the previous stage's result).
+        teacher: the original model (frozen; used by stages 1 and 2, may be None for stage 3).
+        rows: the training rows (:mod:`headscope.train.data`).
+        config: :class:`TrainConfig`.
+        out_dir: directory for checkpoint and logs.
+        resume: continue from ``out_dir/checkpoint.pt`` (weights, optimizer, scheduler, data position,
+            RNG, step); without it an existing checkpoint is an error.
+
+    Raises:
+        FileExistsError: ``out_dir`` holds a checkpoint and ``resume`` is False.
+        FileNotFoundError: ``resume`` is True but there is no checkpoint.
+        ValueError: the checkpoint is of another stage or data set.
+    """
+
+    def __init__(
+        self,
+        student: nn.Module,
+        teacher: Optional[nn.Module],
+        rows: TokenRows,
+        config: TrainConfig,
+        out_dir: str | Path,
+        resume: bool = False,
+    ):
+        self.student, self.teacher, self.cfg = student, teacher, config
+        if config.stage in (1, 2) and teacher is None:
+            raise ValueError(f"stage {config.stage} needs the teacher model")
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.device = next(student.parameters()).device
+        self.bf16 = config.bf16 if config.bf16 is not None else self.device.type == "cuda"
+        if teacher is not None:
+            teacher.eval()
+            for p in teacher.parameters():
+                p.requires_grad_(False)
+        self.params = trainable_parameters(student, config.stage)
+        self.loader = Loader(rows, config.batch_size, seed=config.seed)
+        self.tokens_per_step = config.batch_size * rows.seq_len
+        self.total_steps = max(1, math.ceil(config.tokens / self.tokens_per_step))
+        decay = [p for n, p in self.params if p.dim() >= 2]
+        other = [p for n, p in self.params if p.dim() < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": config.weight_decay}, {"params": other, "weight_decay": 0.0}],
+            lr=config.lr,
+            betas=config.betas,
+            foreach=False,
+        )
+        warm = int(config.warmup * self.total_steps)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, cosine_lambda(self.total_steps, warm, config.min_lr_ratio))
+        self.step = 0
+        self.ckpt_path = self.out / "checkpoint.pt"
+        if resume:
+            if not self.ckpt_path.exists():
+                raise FileNotFoundError(f"--resume: no checkpoint at {self.ckpt_path}; start without --resume")
+            self._load()
+        elif self.ckpt_path.exists():
+            raise FileExistsError(
+                f"{self.ckpt_path} exists: pass resume=True (--resume) to continue it, or use another output directory"
+            )
+        self._fields: Optional[list[str]] = None
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Atomically write ``checkpoint.pt`` (step, weights, optimizer, scheduler, data position, RNG)."""
+        state = {
+            "format": "headscope.train/1",
+            "stage": self.cfg.stage,
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "config": asdict(self.cfg),
+            "student": self.student.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "data": self.loader.state_dict(),
+            "rng": _rng_state(),
+        }
+        tmp = self.ckpt_path.with_suffix(".pt.tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.ckpt_path)
+        return self.ckpt_path
+
+    def _load(self) -> None:
+        st = torch.load(self.ckpt_path, map_location=self.device, weights_only=False)
+        if st.get("stage") != self.cfg.stage:
+            raise ValueError(f"{self.ckpt_path} is a stage-{st.get('stage')} checkpoint, this is stage {self.cfg.stage}")
+        if st.get("total_steps") != self.total_steps:
+            raise ValueError(
+                f"checkpoint planned {st.get('total_steps')} steps, this run {self.total_steps}: resume with the same "
+                "--tokens, batch size and sequence length"
+            )
+        self.student.load_state_dict(st["student"])
+        self.opt.load_state_dict(st["optimizer"])
+        self.sched.load_state_dict(st["scheduler"])
+        self.loader.load_state_dict(st["data"])
+        rng = st["rng"]
+        rng["torch"] = rng["torch"].cpu()
+        if "cuda" in rng:
+            rng["cuda"] = [s.cpu() for s in rng["cuda"]]
+        _set_rng_state(rng)
+        self.step = int(st["step"])
+
+    # ------------------------------------------------------------------ logging
+    def _log(self, row: dict[str, Any]) -> None:
+        with open(self.out / "log.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        path = self.out / "log.csv"
+        if self._fields is None:
+            if path.exists() and path.stat().st_size:
+                with open(path) as f:
+                    self._fields = next(csv.reader(f))
+            else:
+                self._fields = list(row)
+                with open(path, "w", newline="") as f:
+                    csv.writer(f).writerow(self._fields)
+        with open(path, "a", newline="") as f:
+            csv.DictWriter(f, self._fields, extrasaction="ignore").writerow(row)
+
+    # ------------------------------------------------------------------ training
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step on the next batch; returns the logged row."""
+        t0 = time.perf_counter()
+        ids, mask = self.loader.next()
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        self.student.train()
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        with ctx:
+            loss, scalars = stage_loss(self.cfg.stage, self.student, self.teacher, ids, mask)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        params = [p for _, p in self.params]
+        if self.cfg.grad_clip > 0:
+            gn = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+        else:
+            gn = float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
+        lr = self.sched.get_last_lr()[0]
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        row = {
+            "stage": self.cfg.stage,
+            "step": self.step,
+            "tokens": self.step * self.tokens_per_step,
+            **scalars,
+            "lr": lr,
+            "grad_norm": gn,
+            "seconds": round(time.perf_counter() - t0, 4),
+        }
+        self._log(row)
+        return row
+
+    def run(
+        self,
+        max_steps: Optional[int] = None,
+        on_step: Optional[Callable[["Trainer", dict[str, Any]], None]] = None,
+        deadline: Optional[float] = None,
+    ) -> dict[str, Any]:
+        """Train to the end of the stage (or ``max_steps`` in total, or wall-clock ``deadline`` =
+        ``time.time()`` value); checkpoint every ``ckpt_every`` steps and on exit.
+
+        ``on_step(trainer, row)`` is called after each step; raising :class:`StopTraining` in it stops
+        the run cleanly. Returns a summary {stage, steps, tokens, final_loss, finished, seconds}.
+        """
+        from tqdm.auto import tqdm
+
+        end = self.total_steps if max_steps is None else min(self.total_steps, max_steps)
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=f"stage {self.cfg.stage}", disable=not self.cfg.progress)
+        t0 = time.time()
+        last: dict[str, Any] = {}
+        stopped = "finished"
+        try:
+            while self.step < end:
+                if deadline is not None and time.time() > deadline:
+                    stopped = "deadline"
+                    break
+                last = self.train_step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{last['loss']:.4g}")
+                if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
+                    self.save_checkpoint()
+                if on_step is not None:
+                    on_step(self, last)
+        except (StopTraining, KeyboardInterrupt):
+            stopped = "interrupted"
+        finally:
+            bar.close()
+            if self.cfg.ckpt_on_exit:
+                self.save_checkpoint()
+        finished = self.step >= self.total_steps
+        summary = {
+            "stage": self.cfg.stage,
+            "steps": self.step,
+            "total_steps": self.total_steps,
+            "tokens": self.step * self.tokens_per_step,
+            "final_loss": last.get("loss"),
+            "finished": finished,
+            "stopped": stopped if not finished else "finished",
+            "seconds": round(time.time() - t0, 2),
+        }
+        if finished:
+            if self.cfg.save_student:
+                torch.save(self.student.state_dict(), self.out / "student.pt")
+            (self.out / "done.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+# ---------------------------------------------------------------------------------------------- pipeline
+@dataclass
+class DataConfig:
+    """Where a stage's rows come from.
+
+    Attributes:
+        seq_len: row length in tokens (stage 3 uses a longer one).
+        text_docs: documents sampled from the teacher (each ``doc_len`` new tokens) and cached under
+            ``out/data/``; ignored when ``corpus`` is given.
+        doc_len: tokens per sampled document.
+        corpus: a user text file (documents separated by blank lines) used instead of sampled text.
+        retrieval_frac: share of rows that are synthetic retrieval examples (stage 3 only).
+        retrieval_task: task name in :data:`headscope.tasks.TASKS`.
+        retrieval_lengths: prompt lengths of the retrieval rows (default: ``seq_len`` // 4, // 2, full).
+        seed: sampling / task seed.
+    """
+
+    seq_len: int = 512
+    text_docs: int = 256
+    doc_len: int = 512
+    corpus: Optional[str] = None
+    retrieval_frac: float = 0.0
+    retrieval_task: str = "niah_single"
+    retrieval_lengths: Optional[list[int]] = None
+    seed: int = 0
+    sample_batch: int = 64
+
+
+def build_rows(teacher: nn.Module, tokenizer: Any, data: DataConfig, cache_dir: Optional[Path] = None) -> TokenRows:
+    """Packed text rows (teacher samples or the user corpus) plus, if ``retrieval_frac`` > 0, retrieval
+    rows mixed in so that they make up that share of all rows."""
+    from .data import corpus_documents, mix, pack, retrieval_rows, sample_teacher_text
+
+    if data.corpus:
+        docs = corpus_documents(data.corpus, tokenizer)
+    else:
+        path = cache_dir / f"teacher_text_s{data.seed}_{data.text_docs}x{data.doc_len}.pt" if cache_dir else None
+        if path is not None and path.exists():
+            docs = torch.load(path)
+        else:
+            docs = sample_teacher_text(teacher, tokenizer, data.text_docs, data.doc_len, seed=data.seed, batch_size=data.sample_batch)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(docs, path)
+    rows = pack(docs, data.seq_len, tokenizer.eos_token_id)
+    if data.retrieval_frac > 0:
+        if not data.retrieval_frac < 1:
+            raise ValueError(f"retrieval_frac={data.retrieval_frac} must lie in [0, 1)")
+        n = max(1, round(len(rows) * data.retrieval_frac / (1 - data.retrieval_frac)))
+        lengths = data.retrieval_lengths or [max(96, data.seq_len // 4), max(96, data.seq_len // 2), data.seq_len]
+        rows = mix(rows, retrieval_rows(tokenizer, n, data.seq_len, data.retrieval_task, seed=data.seed + 1, lengths=lengths), seed=data.seed)
+    return rows
+
+
+def load_student(
+    teacher: nn.Module, mask: Any, init: Optional[str | Path] = None, calibration_ids: Optional[torch.Tensor] = None, **options: Any
+) -> nn.Module:
+    """A hybrid student: :func:`headscope.hybridize` (γ calibrated on ``calibration_ids``), then the weights
+    of ``init`` (a ``student.pt`` of an earlier stage) if given.
+
+    Raises:
+        FileNotFoundError: ``init`` does not exist.
+    """
+    from ..hybrid import hybridize
+
+    student = hybridize(teacher, mask, calibration_ids=calibration_ids if init is None else None, **options)
+    if init is not None:
+        p = Path(init)
+        if not p.exists():
+            raise FileNotFoundError(f"{p} does not exist: run the previous stage first (headscope convert --stage N-1)")
+        student.load_state_dict(torch.load(p, map_location=next(student.parameters()).device))
+    return student
+
+
+def convert_stage(
+    teacher: nn.Module,
+    tokenizer: Any,
+    mask: Any,
+    stage: int,
+    out_dir: str | Path,
+    config: Optional[TrainConfig] = None,
+    data: Optional[DataConfig] = None,
+    resume: bool = False,
+    student: Optional[nn.Module] = None,
+    hybrid_options: Optional[dict[str, Any]] = None,
+    deadline: Optional[float] = None,
+    rows: Optional[TokenRows] = None,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Run one stage of the conversion into ``out_dir/stage{stage}/``.
+
+    The student is ``student`` if given, else built from the teacher and ``mask`` (stage 1) or from
+    ``out_dir/stage{stage-1}/student.pt`` (stages 2, 3). Sampled teacher text is cached under
+    ``out_dir/data/`` so that a resumed or later stage reuses it; ``rows`` replaces the data built
+    from ``data`` (e.g. rows shared by several conversions). ``deadline`` (a ``time.time()`` value)
+    stops the stage early, with a checkpoint, when reached.
+
+    Returns:
+        (student, summary of :meth:`Trainer.run`).
+    """
+    out = Path(out_dir)
+    config = config or TrainConfig(stage=stage, tokens=100_000)
+    if config.stage != stage:
+        raise ValueError(f"config is for stage {config.stage}, asked for stage {stage}")
+    data = data or DataConfig()
+    if rows is None:
+        rows = build_rows(teacher, tokenizer, data, cache_dir=out / "data")
+    if student is None:
+        init = None if stage == 1 else out / f"stage{stage - 1}" / "student.pt"
+        student = load_student(teacher, mask, init=init, calibration_ids=rows.ids[:8].to(next(teacher.parameters()).device), **(hybrid_options or {}))
+    sd = out / f"stage{stage}"
+    sd.mkdir(parents=True, exist_ok=True)
+    (sd / "config.json").write_text(json.dumps({"train": asdict(config), "data": asdict(data), "hybrid": hybrid_options or {}}, indent=2, default=str))
+    tr = Trainer(student, teacher, rows, config, sd, resume=resume)
+    return student, tr.run(deadline=deadline)
