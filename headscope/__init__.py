@@ -9,7 +9,7 @@ from .masks import HeadMask  # noqa: E402
 from .models import LoadedModel, load_model  # noqa: E402
 from .scores import Ranking  # noqa: E402
 from .api import rank  # noqa: E402
-from . import knockout  # noqa: E402
+from . import knockout, train  # noqa: E402
 from .knockout import ablate, retrieval_accuracy  # noqa: E402
 from .hybrid import HeadwiseHybridAttention, HybridOptions, hybridize, kv_cache_report  # noqa: E402
 
@@ -25,6 +25,7 @@ __all__ = [
     "HybridOptions",
     "kv_cache_report",
     "knockout",
+    "train",
     "ablate",
     "retrieval_accuracy",
 ]
