@@ -519,8 +519,8 @@ def pairs_of_run(ranking: Any, tokenizer: Any) -> list[Any]:
     """Re-generate the calibration pairs of a saved run from its provenance (tasks, task_settings).
 
     Raises:
-        ValueError: the provenance lacks the task settings (pairs were passed in by hand), or more
-            than one task.
+        ValueError: the provenance lacks the task settings (pairs were passed in by hand), more
+            than one task, or a pair count that differs from the stored results.
     """
     from .tasks import make_pairs
 
@@ -531,4 +531,10 @@ def pairs_of_run(ranking: Any, tokenizer: Any) -> list[Any]:
     s = dict(settings)
     if isinstance(s.get("depth"), list):
         s["depth"] = tuple(s["depth"])
-    return make_pairs(tasks[0], tokenizer, **s)
+    pairs = make_pairs(tasks[0], tokenizer, **s)
+    n = ranking.ie.shape[0] if ranking.ie is not None else p.get("n_pairs")
+    if n is not None and len(pairs) != int(n):
+        raise ValueError(
+            f"the run's settings give {len(pairs)} pairs but its results hold {n}; pass the run's pairs explicitly"
+        )
+    return pairs

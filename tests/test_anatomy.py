@@ -201,3 +201,18 @@ def test_cli_anatomy(tmp_path):
     assert (tmp_path / "run" / "anatomy" / "stability.html").exists()
     bad = CliRunner().invoke(app, ["anatomy", str(tmp_path / "nothing")])
     assert bad.exit_code == 2 and "missing" in bad.output
+
+
+def test_pairs_of_run_regenerates_and_checks_count(smol_tokenizer):
+    from headscope.tasks import make_pairs
+
+    settings = {"n_pairs": 2, "seq_len": 64, "seed": 5, "depth": [0.3, 0.6]}
+    r = _fake_ranking(n_pairs=2)
+    r.provenance["task_settings"] = settings
+    pairs = an.pairs_of_run(r, smol_tokenizer)
+    ref = make_pairs("niah_single", smol_tokenizer, n_pairs=2, seq_len=64, seed=5, depth=(0.3, 0.6))
+    assert [torch.equal(a.clean, b.clean) and torch.equal(a.corrupted, b.corrupted) for a, b in zip(pairs, ref)] == [True, True]
+    r5 = _fake_ranking(n_pairs=5)
+    r5.provenance["task_settings"] = settings
+    with pytest.raises(ValueError, match="pass the run's pairs"):
+        an.pairs_of_run(r5, smol_tokenizer)
