@@ -186,17 +186,20 @@ def stability_curve(
     seed: int = 0,
     replace: bool = True,
     band: tuple[float, float] = (2.5, 97.5),
+    top_k: int | None = None,
 ) -> pd.DataFrame:
     """Spearman ρ between the head ranking from n pairs and the ranking from all pairs.
 
     For each n, ``n_boot`` replicates draw n of the usable pairs (with replacement by default: a
     bootstrap over pairs; ``replace=False`` subsamples), average their IE per head and compare that
     ranking with the all-pairs mean by ``scipy.stats.spearmanr`` (average ranks for ties).
-    Skipped pairs (NaN rows) are left out.
+    Skipped pairs (NaN rows) are left out. With ``top_k``, also the mean share of the all-pairs
+    top-k heads found in the n-pair top-k (``topk_overlap``): ρ over every head is dominated by
+    the order of the many near-zero heads, the overlap by the heads a mask would keep.
 
     Returns:
         DataFrame with columns n, rho_mean, rho_median, rho_lo, rho_hi (the ``band`` percentiles),
-        n_boot — one row per n (default 1..number of usable pairs).
+        n_boot (and topk_overlap) — one row per n (default 1..number of usable pairs).
 
     Raises:
         ValueError: fewer than 2 usable pairs, or an n outside the range.
@@ -205,10 +208,15 @@ def stability_curve(
     n_pairs = x.shape[0]
     ns = list(range(1, n_pairs + 1)) if ns is None else list(ns)
     full = x.mean(0)
+    top_full = set(np.argsort(-full, kind="stable")[:top_k].tolist()) if top_k else set()
     rows = []
     for n, idx in stability_samples(n_pairs, ns, n_boot, seed, replace).items():
         rhos = np.array([spearmanr(x[i].mean(0), full).statistic for i in idx], dtype=float)
         rhos = rhos[np.isfinite(rhos)]
+        extra = {}
+        if top_k:
+            ov = [len(top_full & set(np.argsort(-x[i].mean(0), kind="stable")[:top_k].tolist())) / top_k for i in idx]
+            extra = {"top_k": int(top_k), "topk_overlap": float(np.mean(ov))}
         rows.append(
             {
                 "n": n,
@@ -217,6 +225,7 @@ def stability_curve(
                 "rho_lo": float(np.percentile(rhos, band[0])) if rhos.size else math.nan,
                 "rho_hi": float(np.percentile(rhos, band[1])) if rhos.size else math.nan,
                 "n_boot": int(rhos.size),
+                **extra,
             }
         )
     return pd.DataFrame(rows)
@@ -488,12 +497,13 @@ def anatomy(
     replace: bool = True,
     rho_target: float = DEFAULT_RHO_TARGET,
     lam: float | None = None,
+    top_k: int | None = 10,
 ) -> Anatomy:
     """Head anatomy of a :class:`~headscope.scores.Ranking` (SPEC.md §7).
 
     Critical/convertible shares and per-layer Gini for every importance column (``s_<capability>``,
     ``ie_recv``, ``score``); the stability curve from ``ranking.ie`` (when stored, ≥ 2 usable
-    pairs); with ``model`` and ``pairs``, the DLA of every head (clean run) and the clean-vs-corrupted
+    pairs; with ``top_k``, the top-k overlap too); with ``model`` and ``pairs``, the DLA of every head (clean run) and the clean-vs-corrupted
     layer-output cosine matrix. ``lam`` defaults to the ranking's λ.
     """
     df = ranking.scores
@@ -505,7 +515,7 @@ def anatomy(
     curve = None
     st: dict[str, Any] = {}
     if ranking.ie is not None and (~torch.isnan(ranking.ie).all(-1).all(-1)).sum() >= 2:
-        curve = stability_curve(ranking.ie, n_boot=n_boot, seed=seed, replace=replace)
+        curve = stability_curve(ranking.ie, n_boot=n_boot, seed=seed, replace=replace, top_k=top_k)
         st = {"n_boot": n_boot, "seed": seed, "replace": replace, "statistic": "spearman rho of mean receiver IE"}
     dla = cos = None
     if model is not None and pairs is not None:

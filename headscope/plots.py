@@ -131,6 +131,18 @@ def stability_plot(curve: Any, target: float = 0.9, title: str | None = None) ->
             hovertemplate="n=%{x}<br>ρ=%{y:.3f} [%{customdata[0]:.3f}, %{customdata[1]:.3f}]<extra></extra>",
         )
     )
+    if "topk_overlap" in curve:
+        k = int(curve["top_k"].iloc[0])
+        fig.add_trace(
+            go.Scatter(
+                x=n,
+                y=curve["topk_overlap"],
+                mode="lines+markers",
+                line={"dash": "dot"},
+                name=f"top-{k} overlap",
+                hovertemplate=f"n=%{{x}}<br>share of the all-pairs top-{k} found: %{{y:.2f}}<extra></extra>",
+            )
+        )
     fig.add_hline(y=target, line_dash="dash", annotation_text=f"ρ = {target}")
     fig.update_layout(
         title=title or "ranking stability: Spearman ρ(n pairs, all pairs)",

@@ -80,7 +80,7 @@ def test_stability_curve_against_hand_spearman():
     signal = rng.normal(size=(3, 5))
     ie = signal[None] + rng.normal(scale=0.8, size=(7, 3, 5))
     ie[2] = np.nan  # a skipped pair is left out
-    curve = an.stability_curve(torch.tensor(ie), ns=[1, 3, 6], n_boot=25, seed=4)
+    curve = an.stability_curve(torch.tensor(ie), ns=[1, 3, 6], n_boot=25, seed=4, top_k=4)
     used = ie[[0, 1, 3, 4, 5, 6]].reshape(6, -1)
     full = used.mean(0)
     idx = an.stability_samples(6, [1, 3, 6], 25, seed=4)
@@ -90,6 +90,8 @@ def test_stability_curve_against_hand_spearman():
         assert row.rho_mean == pytest.approx(np.mean(rhos), abs=1e-12)
         assert row.rho_lo == pytest.approx(np.percentile(rhos, 2.5), abs=1e-12)
         assert row.n_boot == 25
+        top = set(np.argsort(-full)[:4])
+        assert row.topk_overlap == pytest.approx(np.mean([len(top & set(np.argsort(-used[i].mean(0))[:4])) / 4 for i in idx[n]]))
     # subsampling without replacement: all 6 of 6 pairs is the full ranking
     sub = an.stability_curve(torch.tensor(ie), ns=[6], n_boot=3, replace=False)
     assert sub.rho_mean.iloc[0] == pytest.approx(1.0)
