@@ -152,6 +152,54 @@ def convert(
     typer.echo(json.dumps(summary))
 
 
+@app.command()
+def anatomy(
+    run_dir: Path = typer.Argument(..., help="a run directory written by `headscope rank` / Ranking.save"),
+    out: Optional[Path] = typer.Option(None, help="output directory (default RUN_DIR/anatomy)"),
+    threshold: float = typer.Option(0.1, help="IE above this marks a head critical"),
+    boot: int = typer.Option(200, help="bootstrap replicates per n for the stability curve"),
+    seed: int = typer.Option(0, help="seed of the bootstrap"),
+    use_model: bool = typer.Option(
+        True, "--model/--no-model", help="load the run's model and re-generate its pairs for DLA and layer cosine"
+    ),
+    fmt: List[str] = typer.Option(["html", "png"], "--format", help="figure formats (repeatable): html, png"),
+    device: Optional[str] = typer.Option(None, help="cpu / cuda, for DLA and cosine"),
+) -> None:
+    """Head anatomy of a saved run: write OUT/anatomy.json and the figures (SPEC.md §7)."""
+    from . import anatomy as an
+    from .scores import Ranking
+
+    out = out or run_dir / "anatomy"
+    try:
+        r = Ranking.load(run_dir)
+        model = pairs = None
+        if use_model:
+            from .models import load_model
+
+            model = load_model(r.provenance.get("model") or "smollm2-135m", device=device)
+            pairs = an.pairs_of_run(r, model.tokenizer)
+        a = an.anatomy(r, model=model, pairs=pairs, threshold=threshold, n_boot=boot, seed=seed)
+        written = a.save(out, formats=tuple(fmt))
+    except (ValueError, NotImplementedError, FileNotFoundError, RuntimeError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    d = a.to_dict()
+    for col, c in d["critical"].items():
+        g = d["gini"][col]
+        typer.echo(
+            f"{col}: {c['n_critical']}/{c['n_heads']} critical ({c['critical_share']:.1%}, IE > {threshold}), "
+            f"{c['convertible_share']:.1%} safely convertible; Gini mean {g['mean']:.3f} "
+            f"(range {g['min']:.3f}-{g['max']:.3f})"
+        )
+    if "stability" in d:
+        curve = d["stability"]["curve"]
+        typer.echo(
+            "stability rho(n): " + ", ".join(f"{row['n']}:{row['rho_mean']:.3f}" for row in curve)
+            + f"; rho >= {a.rho_target} from n = {d['stability']['n_at_target']}"
+        )
+    typer.echo(f"wrote {out / 'anatomy.json'} and {sum(len(v) for k, v in written.items() if k != 'json')} figure file(s)")
+
+
 def run() -> None:  # pragma: no cover
     app(sys.argv[1:])
 

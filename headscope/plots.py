@@ -41,3 +41,170 @@ def heatmap(ranking: Any, column: str = "score", title: str | None = None) -> go
         width=max(400, 60 * n_heads + 200),
     )
     return fig
+
+
+def matrix_heatmap(
+    m: np.ndarray,
+    label: str,
+    title: str | None = None,
+    std: np.ndarray | None = None,
+    colorscale: str = "RdBu_r",
+) -> go.Figure:
+    """Layer × head heatmap of any Float[ndarray, "layer head"] (e.g. DLA) with hover text
+    (head, value, ± std across pairs when given, rank by value)."""
+    m = np.asarray(m, dtype=float)
+    n_layers, n_heads = m.shape
+    order = (-np.nan_to_num(m, nan=-np.inf)).ravel().argsort(kind="stable")
+    rank = np.empty(m.size, dtype=int)
+    rank[order] = np.arange(1, m.size + 1)
+    rank = rank.reshape(m.shape)
+    text = np.empty((n_layers, n_heads), dtype=object)
+    for layer in range(n_layers):
+        for head in range(n_heads):
+            s = f"L{layer}H{head}<br>{label} {m[layer, head]:.4f}"
+            if std is not None:
+                s += f" ± {std[layer, head]:.4f}"
+            text[layer, head] = s + f"<br>rank {rank[layer, head]}"
+    fig = go.Figure(
+        go.Heatmap(
+            z=m,
+            x=[f"H{h}" for h in range(n_heads)],
+            y=[f"L{layer}" for layer in range(n_layers)],
+            text=text,
+            hoverinfo="text",
+            colorscale=colorscale,
+            zmid=0.0,
+            colorbar={"title": label},
+        )
+    )
+    fig.update_layout(
+        title=title or label,
+        xaxis_title="head",
+        yaxis_title="layer",
+        yaxis={"autorange": "reversed"},
+        height=max(300, 22 * n_layers + 120),
+        width=max(400, 60 * n_heads + 200),
+    )
+    return fig
+
+
+def gini_bars(gini: dict, title: str = "per-layer Gini of head importance") -> go.Figure:
+    """Bars of the per-layer Gini coefficient (``headscope.anatomy.layer_gini`` output), with the
+    mean as a dashed line."""
+    per = [np.nan if v is None else v for v in gini["per_layer"]]
+    fig = go.Figure(
+        go.Bar(
+            x=list(range(len(per))),
+            y=per,
+            hovertemplate="layer %{x}<br>Gini %{y:.3f}<extra></extra>",
+            name="Gini",
+        )
+    )
+    fig.add_hline(y=gini["mean"], line_dash="dash", annotation_text=f"mean {gini['mean']:.3f}")
+    fig.update_layout(title=title, xaxis_title="layer", yaxis_title="Gini", yaxis_range=[0, 1], width=800, height=400)
+    return fig
+
+
+def stability_plot(curve: Any, target: float = 0.9, title: str | None = None) -> go.Figure:
+    """Spearman ρ vs number of calibration pairs n (``headscope.anatomy.stability_curve``), with the
+    bootstrap percentile band and the target line."""
+    n = curve["n"].tolist()
+    fig = go.Figure()
+    fig.add_trace(
+        go.Scatter(
+            x=n + n[::-1],
+            y=curve["rho_hi"].tolist() + curve["rho_lo"].tolist()[::-1],
+            fill="toself",
+            fillcolor="rgba(31,119,180,0.2)",
+            line={"width": 0},
+            hoverinfo="skip",
+            name="bootstrap band",
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=n,
+            y=curve["rho_mean"],
+            mode="lines+markers",
+            name="mean ρ",
+            customdata=np.stack([curve["rho_lo"], curve["rho_hi"]], -1),
+            hovertemplate="n=%{x}<br>ρ=%{y:.3f} [%{customdata[0]:.3f}, %{customdata[1]:.3f}]<extra></extra>",
+        )
+    )
+    if "topk_overlap" in curve:
+        k = int(curve["top_k"].iloc[0])
+        fig.add_trace(
+            go.Scatter(
+                x=n,
+                y=curve["topk_overlap"],
+                mode="lines+markers",
+                line={"dash": "dot"},
+                name=f"top-{k} overlap",
+                hovertemplate=f"n=%{{x}}<br>share of the all-pairs top-{k} found: %{{y:.2f}}<extra></extra>",
+            )
+        )
+    fig.add_hline(y=target, line_dash="dash", annotation_text=f"ρ = {target}")
+    fig.update_layout(
+        title=title or "ranking stability: Spearman ρ(n pairs, all pairs)",
+        xaxis_title="calibration pairs n",
+        yaxis_title="Spearman ρ",
+        width=700,
+        height=420,
+    )
+    return fig
+
+
+def cosine_matrix(c: np.ndarray, title: str = "layer-output cosine similarity, clean vs corrupted") -> go.Figure:
+    """Heatmap of C[l, l'] = cos(clean layer l output, corrupted layer l' output)
+    (``headscope.anatomy.layer_cosine``)."""
+    c = np.asarray(c, dtype=float)
+    L = c.shape[0]
+    fig = go.Figure(
+        go.Heatmap(
+            z=c,
+            x=list(range(L)),
+            y=list(range(L)),
+            colorscale="Viridis",
+            colorbar={"title": "cos"},
+            hovertemplate="clean L%{y} · corrupted L%{x}<br>cos %{z:.4f}<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=title,
+        xaxis_title="corrupted run: layer",
+        yaxis_title="clean run: layer",
+        yaxis={"autorange": "reversed"},
+        width=620,
+        height=560,
+    )
+    return fig
+
+
+def save_figure(fig: go.Figure, stem: Any, formats: Any = ("html", "png"), scale: float = 1.0) -> list:
+    """Write ``fig`` to ``stem.html`` (self-contained but for plotly.js from the CDN) and/or
+    ``stem.png`` (static export through kaleido, which needs a Chrome/Chromium on the machine:
+    Debian ``apt-get install chromium``, or ``plotly_get_chrome``).
+
+    Raises:
+        RuntimeError: PNG requested but kaleido cannot find a browser (the message names the fix).
+    """
+    from pathlib import Path
+
+    stem = Path(stem)
+    out = []
+    for f in formats:
+        p = stem.with_suffix(f".{f}")
+        if f == "html":
+            fig.write_html(str(p), include_plotlyjs="cdn")
+        elif f in ("png", "svg", "pdf"):
+            try:
+                fig.write_image(str(p), scale=scale)
+            except Exception as e:  # kaleido's errors for a missing browser vary by version
+                raise RuntimeError(
+                    f"static export to {p} failed ({type(e).__name__}: {e}); kaleido >= 1 needs Chrome or "
+                    "Chromium: `apt-get install chromium` (Debian) or `plotly_get_chrome`, or save html only"
+                ) from e
+        else:
+            raise ValueError(f"unknown figure format {f!r}; use html, png, svg or pdf")
+        out.append(p)
+    return out

@@ -1,0 +1,550 @@
+"""Head anatomy (SPEC.md §7; paper section 5.7 and figure 2): how importance is spread over heads.
+
+* :func:`critical_share` — share of heads whose IE exceeds a threshold (default 0.1), and the share
+  that is safely convertible (|IE| ≤ threshold), per capability and fused.
+* :func:`gini` / :func:`layer_gini` — per-layer Gini coefficient of head importance.
+* :func:`stability_curve` — Spearman ρ between the ranking from n calibration pairs and the ranking
+  from all pairs, bootstrap over pairs; :func:`n_for_rho` — the smallest n with ρ ≥ 0.9.
+* :func:`direct_logit_attribution` — each head's direct contribution to m = a⁺ − a⁻ (eq. 9 weights)
+  through its o_proj slice, the frozen final-norm scale and the unembedding (figure 2a).
+* :func:`layer_cosine` — cosine similarity of layer outputs of the clean and corrupted runs across
+  depth (figure 2b).
+* :func:`anatomy` — all of it for a :class:`~headscope.scores.Ranking`, as an :class:`Anatomy`
+  (``.to_dict()``, ``.figures()``, ``.save(dir)``).
+
+Paper figures to compare against: 29 of 448 heads (≈ 6.5 %) critical, ≈ 90.8 % safely convertible;
+Gini mean 0.622, range 0.399–0.915; ρ ≈ 0.921 after 6 calibration pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Float
+from scipy.stats import spearmanr
+from torch import Tensor
+
+from .readout import DEFAULT_LAMBDA, logit_diff, span_weights
+
+DEFAULT_THRESHOLD = 0.1
+DEFAULT_RHO_TARGET = 0.9
+PAPER = {
+    "critical_share": 29 / 448,
+    "convertible_share": 0.908,
+    "gini_mean": 0.622,
+    "gini_min": 0.399,
+    "gini_max": 0.915,
+    "rho_at_6": 0.921,
+}
+Negative = Literal["abs", "clip", "raise"]
+
+
+# ---- critical heads ----------------------------------------------------------------------------
+def importance_columns(scores: pd.DataFrame) -> list[str]:
+    """The columns of a score table that anatomy reports on: ``s_<capability>`` (one per
+    capability, when present), ``ie_recv`` and ``score`` (the fused score)."""
+    cols = [c for c in scores.columns if c.startswith("s_")]
+    cols += [c for c in ("ie_recv", "score") if c in scores.columns]
+    return cols
+
+
+def critical_share(
+    values: Float[np.ndarray, "n"] | pd.Series | Sequence[float],
+    threshold: float = DEFAULT_THRESHOLD,
+    convertible_threshold: float | None = None,
+) -> dict[str, float]:
+    """Share of heads that are causally critical and share that are safely convertible.
+
+    critical: value > ``threshold``; safely convertible (default reading): |value| ≤
+    ``convertible_threshold`` (default: ``threshold``) — a head whose patch moves m by at most that
+    fraction of the clean–corrupt gap in either direction. Heads with value < −threshold (the patch
+    *raises* m) are neither and are counted as ``n_negative``. NaN values raise.
+
+    Returns:
+        dict with n_heads, n_critical, n_convertible, n_negative, critical_share, convertible_share.
+
+    Raises:
+        ValueError: empty input, NaN values, or a negative threshold.
+    """
+    x = np.asarray(values, dtype=float).ravel()
+    if x.size == 0:
+        raise ValueError("no head values given")
+    if np.isnan(x).any():
+        raise ValueError("head values contain NaN; drop skipped heads/pairs before computing shares")
+    ct = threshold if convertible_threshold is None else convertible_threshold
+    if threshold < 0 or ct < 0:
+        raise ValueError(f"thresholds must be >= 0 (got {threshold}, {ct})")
+    n = x.size
+    n_crit = int((x > threshold).sum())
+    n_conv = int((np.abs(x) <= ct).sum())
+    return {
+        "threshold": float(threshold),
+        "convertible_threshold": float(ct),
+        "n_heads": n,
+        "n_critical": n_crit,
+        "n_convertible": n_conv,
+        "n_negative": int((x < -threshold).sum()),
+        "critical_share": n_crit / n,
+        "convertible_share": n_conv / n,
+    }
+
+
+# ---- concentration -----------------------------------------------------------------------------
+def _nonneg(x: np.ndarray, negative: Negative) -> np.ndarray:
+    if negative == "abs":
+        return np.abs(x)
+    if negative == "clip":
+        return np.clip(x, 0.0, None)
+    if negative == "raise":
+        if (x < 0).any():
+            raise ValueError("negative importance values; pass negative='abs' or 'clip'")
+        return x
+    raise ValueError(f"negative must be 'abs', 'clip' or 'raise', not {negative!r}")
+
+
+def gini(x: Float[np.ndarray, "n"] | Sequence[float], negative: Negative = "abs") -> float:
+    """Gini coefficient G = Σ_i Σ_j |x_i − x_j| / (2 n² μ) (mean absolute difference over twice
+    the mean; Gini 1912). 0 = importance spread evenly, (n−1)/n = all on one head.
+
+    Negative values (heads whose patch raises m) are mapped by ``negative``: ``"abs"`` (default,
+    importance = magnitude of the effect), ``"clip"`` (to 0) or ``"raise"``.
+    Returns NaN when every value is 0 (no importance to distribute).
+
+    Raises:
+        ValueError: empty input or NaN values.
+    """
+    v = np.asarray(x, dtype=float).ravel()
+    if v.size == 0:
+        raise ValueError("gini of an empty vector")
+    if np.isnan(v).any():
+        raise ValueError("gini: values contain NaN")
+    v = _nonneg(v, negative)
+    mu = v.mean()
+    if mu == 0:
+        return math.nan
+    return float(np.abs(v[:, None] - v[None, :]).sum() / (2 * v.size**2 * mu))
+
+
+def layer_gini(matrix: Float[np.ndarray, "layer head"], negative: Negative = "abs") -> dict[str, Any]:
+    """Gini of head importance within each layer, and its mean / min / max over layers.
+
+    Returns:
+        dict with per_layer (list, NaN for an all-zero layer), mean, min, max (over finite
+        layers), argmin_layer, argmax_layer.
+    """
+    m = np.asarray(matrix, dtype=float)
+    g = np.array([gini(row, negative) for row in m])
+    ok = np.isfinite(g)
+    if not ok.any():
+        raise ValueError("every layer has zero importance; nothing to measure")
+    return {
+        "negative": negative,
+        "per_layer": [None if not np.isfinite(v) else float(v) for v in g],
+        "mean": float(g[ok].mean()),
+        "min": float(g[ok].min()),
+        "max": float(g[ok].max()),
+        "argmin_layer": int(np.where(ok, g, np.inf).argmin()),
+        "argmax_layer": int(np.where(ok, g, -np.inf).argmax()),
+    }
+
+
+# ---- stability ---------------------------------------------------------------------------------
+def _used_pairs(ie: Tensor | np.ndarray) -> np.ndarray:
+    x = ie.double().numpy() if isinstance(ie, Tensor) else np.asarray(ie, dtype=float)
+    if x.ndim != 3:
+        raise ValueError(f"ie must be [pair, layer, head], got shape {x.shape}")
+    used = ~np.isnan(x).all(axis=(1, 2))
+    if used.sum() < 2:
+        raise ValueError(f"stability needs at least 2 usable pairs, got {int(used.sum())}; rank with more pairs")
+    return x[used].reshape(int(used.sum()), -1)
+
+
+def stability_samples(
+    n_pairs: int, ns: Sequence[int], n_boot: int, seed: int = 0, replace: bool = True
+) -> dict[int, np.ndarray]:
+    """The pair indices of every bootstrap replicate: {n: Int[ndarray, "boot n"]}."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for n in ns:
+        if n < 1 or (not replace and n > n_pairs):
+            raise ValueError(f"n={n} outside 1..{n_pairs} pairs")
+        out[int(n)] = np.stack([rng.choice(n_pairs, size=n, replace=replace) for _ in range(n_boot)])
+    return out
+
+
+def stability_curve(
+    ie: Float[Tensor, "pair layer head"] | np.ndarray,
+    ns: Sequence[int] | None = None,
+    n_boot: int = 200,
+    seed: int = 0,
+    replace: bool = True,
+    band: tuple[float, float] = (2.5, 97.5),
+    top_k: int | None = None,
+) -> pd.DataFrame:
+    """Spearman ρ between the head ranking from n pairs and the ranking from all pairs.
+
+    For each n, ``n_boot`` replicates draw n of the usable pairs (with replacement by default: a
+    bootstrap over pairs; ``replace=False`` subsamples), average their IE per head and compare that
+    ranking with the all-pairs mean by ``scipy.stats.spearmanr`` (average ranks for ties).
+    Skipped pairs (NaN rows) are left out. With ``top_k``, also the mean share of the all-pairs
+    top-k heads found in the n-pair top-k (``topk_overlap``): ρ over every head is dominated by
+    the order of the many near-zero heads, the overlap by the heads a mask would keep.
+
+    Returns:
+        DataFrame with columns n, rho_mean, rho_median, rho_lo, rho_hi (the ``band`` percentiles),
+        n_boot (and topk_overlap) — one row per n (default 1..number of usable pairs).
+
+    Raises:
+        ValueError: fewer than 2 usable pairs, or an n outside the range.
+    """
+    x = _used_pairs(ie)
+    n_pairs = x.shape[0]
+    ns = list(range(1, n_pairs + 1)) if ns is None else list(ns)
+    full = x.mean(0)
+    top_full = set(np.argsort(-full, kind="stable")[:top_k].tolist()) if top_k else set()
+    rows = []
+    for n, idx in stability_samples(n_pairs, ns, n_boot, seed, replace).items():
+        rhos = np.array([spearmanr(x[i].mean(0), full).statistic for i in idx], dtype=float)
+        rhos = rhos[np.isfinite(rhos)]
+        extra = {}
+        if top_k:
+            ov = [len(top_full & set(np.argsort(-x[i].mean(0), kind="stable")[:top_k].tolist())) / top_k for i in idx]
+            extra = {"top_k": int(top_k), "topk_overlap": float(np.mean(ov))}
+        rows.append(
+            {
+                "n": n,
+                "rho_mean": float(rhos.mean()) if rhos.size else math.nan,
+                "rho_median": float(np.median(rhos)) if rhos.size else math.nan,
+                "rho_lo": float(np.percentile(rhos, band[0])) if rhos.size else math.nan,
+                "rho_hi": float(np.percentile(rhos, band[1])) if rhos.size else math.nan,
+                "n_boot": int(rhos.size),
+                **extra,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def n_for_rho(curve: pd.DataFrame, target: float = DEFAULT_RHO_TARGET, column: str = "rho_mean") -> int | None:
+    """Smallest n whose ρ (``column``, default the bootstrap mean) reaches ``target``; None if none."""
+    hit = curve[curve[column] >= target]
+    return int(hit["n"].min()) if len(hit) else None
+
+
+# ---- direct logit attribution (figure 2a) -------------------------------------------------------
+@dataclass
+class DLA:
+    """Direct logit attribution of one or more pairs.
+
+    heads: Float[Tensor, "pair layer head"], each head's direct contribution to m (logits).
+    other: Float[Tensor, "pair component"], the remaining components in ``components`` order
+        (embed, then per layer the o_proj bias when it has one, then mlp.{l}).
+    total: Float[Tensor, "pair"], m computed from the final residual with the frozen norm scale
+        (equals heads.sum + other.sum).
+    m: Float[Tensor, "pair"], m from the model's own logits.
+    """
+
+    heads: Tensor
+    other: Tensor
+    components: list[str]
+    total: Tensor
+    m: Tensor
+
+    @property
+    def mean(self) -> Float[np.ndarray, "layer head"]:
+        return self.heads.mean(0).numpy()
+
+
+def _norm_parts(engine: Any) -> tuple[Tensor, float]:
+    norm = getattr(engine.final_norm, "original_component", engine.final_norm)
+    w = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if w is None or eps is None:
+        raise NotImplementedError(f"DLA needs an RMSNorm final norm with weight and eps, got {type(norm).__name__}")
+    if getattr(norm, "bias", None) is not None:
+        raise NotImplementedError("DLA with a biased final norm (LayerNorm) is not supported")
+    return w, float(eps)
+
+
+@torch.no_grad()
+def direct_logit_attribution(
+    model: Any, pairs: Sequence[Any], lam: float = DEFAULT_LAMBDA, run: Literal["clean", "corrupted"] = "clean"
+) -> DLA:
+    """Each head's direct contribution to the λ-weighted logit difference m (eq. 9), figure 2a.
+
+    For read position j the final residual is h_j = embed + Σ_l (Σ_h W_O^{l,h} z^{l,h}_j + b_O^l
+    + mlp^l_j). The final RMSNorm is linearized by freezing its scale s_j = 1/sqrt(mean(h_j²)+ε)
+    to the value of the run being attributed (standard DLA convention: the norm scale is treated
+    as a constant, so the attributions add up exactly to m of that run). A component c then
+    contributes Σ_j w_j (g ⊙ c_j · s_j) · (W_U[a⁺_j] − W_U[a⁻_j]), w_j = λ^j/Σλ^j, g the norm gain.
+    The hook_z (z) of each head comes from :meth:`Engine.run` over clean ⊕ a⁺[:-1] (teacher
+    forcing, as in :func:`headscope.patching.receivers.sequences`).
+
+    Args:
+        model: a LoadedModel (Llama-family, see :class:`~headscope.patching.engine.Engine`).
+        pairs: calibration pairs.
+        lam: λ of eq. 9; run: attribute the clean run (default) or the corrupted one.
+
+    Returns:
+        :class:`DLA` (heads [pair, layer, head] in logits).
+
+    Raises:
+        NotImplementedError: an architecture without an RMSNorm final norm or with an lm_head bias.
+    """
+    from .patching.engine import Engine, head_slice
+    from .patching.receivers import sequences
+
+    eng = Engine(model)
+    g = eng.g
+    gain, eps = _norm_parts(eng)
+    if getattr(eng.lm_head, "bias", None) is not None:
+        raise NotImplementedError("DLA with an lm_head bias is not supported")
+    WU = eng.lm_head.weight  # [vocab, d_model]
+    heads_all, other_all, total_all, m_all = [], [], [], []
+    names: list[str] = []
+    for pair in pairs:
+        clean, corr, read = sequences(pair)
+        cache = eng.run(clean if run == "clean" else corr, read)
+        ridx = torch.as_tensor(read, device=eng.device)
+        w = span_weights(len(read), lam).to(eng.device)
+        u = (WU[pair.answer.to(eng.device)] - WU[pair.counter_answer.to(eng.device)]).double()  # [ans, d]
+        comps: list[tuple[str, Tensor]] = [("embed", cache.resid[0, ridx])]
+        head_c = torch.empty(g.n_layers, g.n_heads, len(read), g.d_model, dtype=cache.resid.dtype, device=eng.device)
+        h = None
+        for layer in range(g.n_layers):
+            L = eng.layers[layer]
+            z = cache.z[layer, ridx]  # [ans, H*dh]
+            Wo = L["o"].weight  # [d_model, H*dh]
+            for hd in range(g.n_heads):
+                sl = head_slice(hd, g.d_head)
+                head_c[layer, hd] = z[:, sl] @ Wo[:, sl].T
+            attn = L["o"](z)
+            if getattr(L["o"], "bias", None) is not None:
+                comps.append((f"attn_bias.{layer}", L["o"].bias.expand_as(attn)))
+            mid = cache.resid[layer, ridx] + attn
+            mlp = L["mlp"](L["ln2"](mid))
+            comps.append((f"mlp.{layer}", mlp))
+            h = mid + mlp
+        assert h is not None
+        scale = torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + eps)  # frozen, [ans, 1]
+        direction = gain.double() * u * scale  # [ans, d]: d m_j / d component_j, weighted later
+
+        def contrib(c: Tensor) -> Tensor:
+            return ((c.double() * direction).sum(-1) * w).sum(-1)
+
+        heads_all.append(contrib(head_c).cpu())
+        names = [n for n, _ in comps]
+        other_all.append(torch.stack([contrib(c) for _, c in comps]).cpu())
+        total_all.append(contrib(h).cpu())
+        m_all.append(logit_diff(cache.logits, pair.answer, pair.counter_answer, lam).cpu())
+    return DLA(torch.stack(heads_all), torch.stack(other_all), names, torch.stack(total_all), torch.stack(m_all))
+
+
+# ---- layer-output cosine similarity (figure 2b) ------------------------------------------------
+@torch.no_grad()
+def layer_cosine(model: Any, pairs: Sequence[Any]) -> Float[np.ndarray, "layer layer"]:
+    """Cosine similarity between layer outputs of the clean and the corrupted run, across depth.
+
+    C[l, l'] = cos( h_clean^{(l)}, h_corrupted^{(l')} ) where h^{(l)} is the residual stream after
+    layer l (the layer's output) at the answer-reading positions (:func:`read_positions`); the
+    cosine is averaged over read positions and pairs. The diagonal shows where along depth the
+    corrupted run's representation departs from the clean one; off-diagonal entries show how
+    similar outputs of different depths are.
+
+    Returns:
+        Float[ndarray, "layer layer"] (rows: clean layer, columns: corrupted layer).
+    """
+    from .patching.engine import Engine
+    from .patching.receivers import sequences
+
+    eng = Engine(model)
+    g = eng.g
+    acc = np.zeros((g.n_layers, g.n_layers))
+    n = 0
+    for pair in pairs:
+        clean, corr, read = sequences(pair)
+        ridx = torch.as_tensor(read, device=eng.device)
+        outs = []
+        for seq in (clean, corr):
+            cache = eng.run(seq, read)
+            L = eng.layers[g.n_layers - 1]
+            mid = cache.resid[-1, ridx] + L["o"](cache.z[-1, ridx])
+            last = mid + L["mlp"](L["ln2"](mid))
+            outs.append(torch.cat([cache.resid[1:, ridx], last[None]]).double())  # [layer, ans, d]
+        a = torch.nn.functional.normalize(outs[0], dim=-1)
+        b = torch.nn.functional.normalize(outs[1], dim=-1)
+        acc += torch.einsum("lad,mad->lm", a, b).cpu().numpy() / len(read)
+        n += 1
+    if n == 0:
+        raise ValueError("layer_cosine needs at least one pair")
+    return acc / n
+
+
+# ---- everything for a Ranking ------------------------------------------------------------------
+@dataclass
+class Anatomy:
+    """Head anatomy of a Ranking (see :func:`anatomy`)."""
+
+    ranking: Any
+    threshold: float
+    critical: dict[str, dict[str, float]]
+    gini: dict[str, dict[str, Any]]
+    stability: pd.DataFrame | None
+    rho_target: float
+    stability_settings: dict[str, Any] = field(default_factory=dict)
+    dla: DLA | None = None
+    cosine: np.ndarray | None = None
+
+    @property
+    def n_rho(self) -> int | None:
+        return None if self.stability is None else n_for_rho(self.stability, self.rho_target)
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.ranking.provenance
+        d: dict[str, Any] = {
+            "format": "headscope.Anatomy/1",
+            "model": p.get("model"),
+            "tasks": p.get("tasks"),
+            "n_pairs": p.get("n_pairs"),
+            "task_settings": p.get("task_settings"),
+            "threshold": self.threshold,
+            "critical": self.critical,
+            "gini": self.gini,
+            "paper": PAPER,
+        }
+        if self.stability is not None:
+            d["stability"] = {
+                **self.stability_settings,
+                "target": self.rho_target,
+                "n_at_target": self.n_rho,
+                "curve": self.stability.to_dict(orient="records"),
+            }
+        if self.dla is not None:
+            mean = self.dla.mean
+            order = np.argsort(-mean.ravel())[:10]
+            d["dla"] = {
+                "unit": "logits (eq. 9 weights), final-norm scale frozen to the attributed run",
+                "heads_sum_mean": float(self.dla.heads.sum((1, 2)).mean()),
+                "other_mean": dict(zip(self.dla.components, self.dla.other.mean(0).tolist())),
+                "m_mean": float(self.dla.m.mean()),
+                "top_heads": [
+                    {"layer": int(i // mean.shape[1]), "head": int(i % mean.shape[1]), "dla": float(mean.ravel()[i])}
+                    for i in order
+                ],
+                "per_head_mean": mean.tolist(),
+            }
+        if self.cosine is not None:
+            d["cosine"] = {"diagonal": np.diag(self.cosine).tolist(), "matrix": self.cosine.tolist()}
+        return d
+
+    def figures(self) -> dict[str, Any]:
+        """{name: plotly Figure}: heatmaps of IE / score (/ DLA), Gini bars, stability curve, cosine."""
+        from . import plots
+
+        r = self.ranking
+        figs: dict[str, Any] = {"heatmap_ie": plots.heatmap(r, "ie_recv", title=f"receiver IE per head — {r.provenance.get('model', '')}")}
+        if "score" in r.scores and not np.allclose(r.scores["score"], r.scores["ie_recv"], equal_nan=True):
+            figs["heatmap_score"] = plots.heatmap(r, "score")
+        if self.dla is not None:
+            figs["heatmap_dla"] = plots.matrix_heatmap(self.dla.mean, "DLA (logits)", title="direct logit attribution to a⁺ − a⁻ per head", std=self.dla.heads.std(0).numpy() if self.dla.heads.shape[0] > 1 else None)
+        col = "score" if "score" in self.gini else next(iter(self.gini))
+        figs["gini"] = plots.gini_bars(self.gini[col], title=f"per-layer Gini of |{col}|")
+        if self.stability is not None:
+            figs["stability"] = plots.stability_plot(self.stability, target=self.rho_target)
+        if self.cosine is not None:
+            figs["cosine"] = plots.cosine_matrix(self.cosine)
+        return figs
+
+    def save(self, directory: str | Path, formats: Sequence[str] = ("html", "png")) -> dict[str, list[Path]]:
+        """Write anatomy.json and every figure (``formats``: html and/or png) into ``directory``.
+
+        Returns {"json": [path], figure name: [paths]}.
+        """
+        from .patching.store import atomic_write_text
+        from .plots import save_figure
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        out: dict[str, list[Path]] = {"json": [d / "anatomy.json"]}
+        atomic_write_text(d / "anatomy.json", json.dumps(self.to_dict(), indent=2, default=_json_default))
+        for name, fig in self.figures().items():
+            out[name] = save_figure(fig, d / name, formats)
+        return out
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return None if not np.isfinite(o) else float(o)
+    return str(o)
+
+
+def anatomy(
+    ranking: Any,
+    model: Any | None = None,
+    pairs: Sequence[Any] | None = None,
+    threshold: float = DEFAULT_THRESHOLD,
+    negative: Negative = "abs",
+    n_boot: int = 200,
+    seed: int = 0,
+    replace: bool = True,
+    rho_target: float = DEFAULT_RHO_TARGET,
+    lam: float | None = None,
+    top_k: int | None = 10,
+) -> Anatomy:
+    """Head anatomy of a :class:`~headscope.scores.Ranking` (SPEC.md §7).
+
+    Critical/convertible shares and per-layer Gini for every importance column (``s_<capability>``,
+    ``ie_recv``, ``score``); the stability curve from ``ranking.ie`` (when stored, ≥ 2 usable
+    pairs; with ``top_k``, the top-k overlap too); with ``model`` and ``pairs``, the DLA of every head (clean run) and the clean-vs-corrupted
+    layer-output cosine matrix. ``lam`` defaults to the ranking's λ.
+    """
+    df = ranking.scores
+    cols = importance_columns(df)
+    if not cols:
+        raise ValueError("the score table has none of the columns s_<capability>, ie_recv, score")
+    critical = {c: critical_share(df[c].to_numpy(), threshold) for c in cols}
+    gini_d = {c: layer_gini(ranking.matrix(c), negative) for c in cols}
+    curve = None
+    st: dict[str, Any] = {}
+    if ranking.ie is not None and (~torch.isnan(ranking.ie).all(-1).all(-1)).sum() >= 2:
+        curve = stability_curve(ranking.ie, n_boot=n_boot, seed=seed, replace=replace, top_k=top_k)
+        st = {"n_boot": n_boot, "seed": seed, "replace": replace, "statistic": "spearman rho of mean receiver IE"}
+    dla = cos = None
+    if model is not None and pairs is not None:
+        lam = float(ranking.provenance.get("lambda", DEFAULT_LAMBDA)) if lam is None else lam
+        dla = direct_logit_attribution(model, pairs, lam)
+        cos = layer_cosine(model, pairs)
+    return Anatomy(ranking, threshold, critical, gini_d, curve, rho_target, st, dla, cos)
+
+
+def pairs_of_run(ranking: Any, tokenizer: Any) -> list[Any]:
+    """Re-generate the calibration pairs of a saved run from its provenance (tasks, task_settings).
+
+    Raises:
+        ValueError: the provenance lacks the task settings (pairs were passed in by hand), more
+            than one task, or a pair count that differs from the stored results.
+    """
+    from .tasks import make_pairs
+
+    p = ranking.provenance
+    tasks, settings = p.get("tasks"), p.get("task_settings")
+    if not tasks or settings is None or len(tasks) != 1:
+        raise ValueError("the run's provenance does not say how its pairs were generated; pass pairs explicitly")
+    s = dict(settings)
+    if isinstance(s.get("depth"), list):
+        s["depth"] = tuple(s["depth"])
+    pairs = make_pairs(tasks[0], tokenizer, **s)
+    n = ranking.ie.shape[0] if ranking.ie is not None else p.get("n_pairs")
+    if n is not None and len(pairs) != int(n):
+        raise ValueError(
+            f"the run's settings give {len(pairs)} pairs but its results hold {n}; pass the run's pairs explicitly"
+        )
+    return pairs
