@@ -72,7 +72,7 @@ def accuracy(lm, prompts, heads, done: list[bool], save) -> list[bool]:
     return done
 
 
-def causal_from_store(store: Path, out: Path) -> Ranking:
+def causal_from_store(store: Path, out: Path, geometry: dict) -> Ranking:
     """Build the receivers-only causal Ranking from a headscope receiver store (read-only)."""
     from headscope.patching.receivers import finish
 
@@ -85,11 +85,10 @@ def causal_from_store(store: Path, out: Path) -> Ranking:
     cfg = json.loads((store / "receivers" / "config.json").read_text())
     t_start = (store / "receivers" / "config.json").stat().st_mtime
     secs = max(p.stat().st_mtime for p in items) - t_start
-    geo = {"n_layers": 30, "n_heads": 9, "n_kv_heads": 3, "d_head": 64, "d_model": 576, "n_ctx": 8192}
     prov = {"selector": "causal", "source_store": str(store), "store_config": cfg, "n_pairs": len(items),
             "skipped_pairs": pr.skipped, "seconds": round(secs, 1), "cpu_seconds": None,
             "score": "ie_recv (mean over pairs)"}
-    r = Ranking(head_table(pr.ie, 3), geo, prov, pr.ie)
+    r = Ranking(head_table(pr.ie, geometry["n_kv_heads"]), geometry, prov, pr.ie)
     r.save(out)
     return r
 
@@ -153,7 +152,7 @@ def main() -> None:
         if (d / "ranking.json").exists():
             r = Ranking.load(d)
         elif m == "causal" and a.causal_store:
-            r = causal_from_store(Path(a.causal_store), d)
+            r = causal_from_store(Path(a.causal_store), d, lm.geometry.to_dict())
         else:
             s = dict(sel_settings.get(m, {}))
             if m == "causal":
