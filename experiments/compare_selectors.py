@@ -6,8 +6,8 @@ For every selector in :data:`headscope.selectors.SELECTORS`:
   head scores against the causal ranking's scores;
 * knockout efficacy: greedy (teacher-forced, = greedy generation of the answer span) exact-match
   accuracy on ``--n-eval`` niah_single prompts of ``--ko-len`` tokens after zero-ablating the
-  selector's top-K heads (``hook_z`` rows zeroed by a forward pre-hook on ``o_proj``; implemented here
-  because ``headscope.knockout`` is not on main yet), against the unablated accuracy;
+  selector's top-K heads (``hook_z`` rows zeroed with ``headscope.knockout.ablate``), against the
+  unablated accuracy;
 * cost: wall and CPU seconds of the selector on this machine (the causal ranking's cost is its own run's).
 
 Results are saved as they go to ``--out`` (rankings/<name>/, knockout.json, table.csv/.md,
@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -33,42 +34,19 @@ from scipy.stats import spearmanr
 
 import headscope
 from headscope.readout import greedy_exact_match
+from headscope.knockout import ablate
 from headscope.scores import Ranking, head_table
 from headscope.selectors import select
 from headscope.selectors.base import passkey_prompts
 
 
-def zero_heads(lm, heads):
-    """Forward pre-hooks on o_proj that zero the hook_z slice of each (layer, head); returns the handles."""
-    g = lm.geometry
-    per: dict[int, list[int]] = {}
-    for layer, h in heads:
-        per.setdefault(int(layer), []).append(int(h))
-    handles = []
-    for layer, hs in per.items():
-        attn = lm.hf_model.model.layers[layer].self_attn
-        idx = torch.cat([torch.arange(h * g.d_head, (h + 1) * g.d_head) for h in hs])
-
-        def pre(mod, args, idx=idx):
-            x = args[0].clone()
-            x[..., idx] = 0.0
-            return (x,) + tuple(args[1:])
-
-        handles.append(attn.o_proj.register_forward_pre_hook(pre))
-    return handles
-
-
 @torch.inference_mode()
 def accuracy(lm, prompts, heads, done: list[bool], save) -> list[bool]:
-    handles = zero_heads(lm, heads)
-    try:
+    with ablate(lm, heads, method="zero") if heads else contextlib.nullcontext():
         for p in prompts[len(done):]:
             logits = lm.hf_model(p.ids[None]).logits[0, p.read]
             done.append(bool(greedy_exact_match(logits, p.answer)))
             save()
-    finally:
-        for h in handles:
-            h.remove()
     return done
 
 
