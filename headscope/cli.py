@@ -66,20 +66,33 @@ def rank(
         top_k=top_k,
         max_rounds=max_rounds,
     )
+    from headscope.masks import parse_budget
+    from headscope.patching.store import ConfigMismatch
+
     try:
+        # check the budget before the sweep, so a typo costs seconds, not the whole run
+        lm = headscope.load_model(model, device=device)
+        g = lm.geometry
+        k = parse_budget(budget, g.n_total)
+        if min_per_layer * g.n_layers > k:
+            raise ValueError(
+                f"budget of {k} FA heads cannot give {min_per_layer} head(s) to each of {g.n_layers} layers; "
+                "raise --budget or lower --min-per-layer"
+            )
+        settings["model"] = lm
         shard = init_from_env(device)  # under torchrun: RANK / WORLD_SIZE in the environment
         if devices > 1 and shard is None:
-            r = spawn_rank(devices, out, device=device, **settings)
+            r = spawn_rank(devices, out, device=device, **{**settings, "model": model})  # each rank loads its own
         else:
             r = headscope.rank(out_dir=out, device=device, shard=shard, **settings)  # type: ignore[arg-type]
         if shard is not None and shard[0] != 0:
             return
         mask = r.mask(budget, min_per_layer=min_per_layer)
-    except (ValueError, NotImplementedError, FileNotFoundError) as e:
+    except (ValueError, NotImplementedError, FileNotFoundError, ConfigMismatch) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
     mask.to_json(out / "mask.json")
-    r.heatmap().write_html(str(out / "heatmap.html"), include_plotlyjs="cdn")
+    r.heatmap().write_html(str(out / "heatmap.html"), include_plotlyjs=True)  # self-contained: works offline
     p = r.provenance
     typer.echo(
         f"{p['model']}: {p['n_pairs']} pair(s) of {p['tasks']} at ~{seq_len} tokens, {p['direction']}, "

@@ -180,6 +180,7 @@ def load_hf(
 
     path, kw, name = _resolve(spec)
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         tok = AutoTokenizer.from_pretrained(path, **kw)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)

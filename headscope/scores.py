@@ -73,6 +73,14 @@ class Ranking:
     ie: Tensor | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        p = self.provenance
+        top = ", ".join(f"L{int(r.layer)}H{int(r.head)}" for r in self.top(5).itertuples())
+        return (
+            f"Ranking({p.get('model', '?')}, tasks={p.get('tasks')}, n_pairs={p.get('n_pairs')}, "
+            f"{self.n_layers}x{self.n_heads} heads, top: {top})"
+        )
+
     @property
     def n_layers(self) -> int:
         return int(self.geometry["n_layers"])

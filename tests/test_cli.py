@@ -40,3 +40,4 @@ def test_bad_input_exits_with_message(tiny_dir, tmp_path):
     res = CliRunner().invoke(app, ["rank", "--model", str(model_dir), "--pairs", "1", "--seq-len", "64",
                                    "--min-gap", "0", "--budget", "9", "--out", str(tmp_path / "r2")])
     assert res.exit_code == 2 and "outside 1..8" in res.output
+    assert not (tmp_path / "r2").exists()  # the budget is checked before any patching

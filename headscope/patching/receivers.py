@@ -184,7 +184,7 @@ def receiver_patching(
     patched = torch.full((n, g.n_layers, g.n_heads), math.nan, dtype=torch.float64)
     m_clean = torch.empty(n, dtype=torch.float64)
     m_corr = torch.empty(n, dtype=torch.float64)
-    bar = tqdm(total=n * sum(len(v) for v in per_layer.values()), desc="receiver patching", unit="head",
+    bar = tqdm(total=n * sum(len(v) for v in per_layer.values()), desc="receiver patching (heads x pairs)", unit="patch",
                disable=not progress)
     states: dict[int, PairState] = {}
 

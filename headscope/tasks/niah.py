@@ -164,7 +164,13 @@ def niah_single(
             before, after = layout(sentences)
             return f"{before} {NEEDLE.format(value=value)} {after}\n{QUESTION}".replace("  ", " ")
 
-        sentences = _fit_filler(tokenizer, make_text, filler, seq_len - n_digits - 1, fill_seed)
+        try:
+            sentences = _fit_filler(tokenizer, make_text, filler, seq_len - n_digits - 1, fill_seed)
+        except ValueError:
+            base = len(_ids(tokenizer, make_text([]))) + n_digits + 1
+            raise ValueError(
+                f"seq_len={seq_len} is shorter than niah_single's fixed text and answer ({base} tokens); raise seq_len"
+            ) from None
         for _ in range(MAX_REDRAWS):
             v = draw_value(rng, n_digits)
             cv = draw_value(rng, n_digits, avoid=v)
