@@ -34,7 +34,11 @@ def test_bad_input_exits_with_message(tiny_dir, tmp_path):
     assert res.exit_code == 2 and "at least one calibration pair" in res.output
     model_dir = tiny_dir
     res = CliRunner().invoke(app, ["rank", "--model", str(model_dir), "--pairs", "1", "--seq-len", "64",
-                                   "--out", str(tmp_path / "r")])
+                                   "--out", str(tmp_path / "r0")])
+    # the default 7:1 budget keeps 1 of 8 heads: too few for one FA head in each of 2 layers
+    assert res.exit_code == 2 and "cannot give 1 head(s) to each of 2 layers" in res.output
+    res = CliRunner().invoke(app, ["rank", "--model", str(model_dir), "--pairs", "1", "--seq-len", "64",
+                                   "--budget", "2", "--out", str(tmp_path / "r")])
     # a random model cannot tell the two needle values apart: a zero gap is refused, not divided by
     assert res.exit_code == 2 and "gap below min_gap=0.1" in res.output
     res = CliRunner().invoke(app, ["rank", "--model", str(model_dir), "--pairs", "1", "--seq-len", "64",
