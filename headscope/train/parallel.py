@@ -143,7 +143,7 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         shutil.rmtree(tmp)
     barrier()
     msd, osd = get_state_dict(model, optimizer)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     if rank == 0:
         torch.save(extra, tmp / TRAINER_STATE)
         if path.exists():
@@ -174,7 +174,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
 
