@@ -41,6 +41,7 @@ def rank(
     sender_mode: str = typer.Option("qkv", help="receiver inputs patched by senders: qkv, kv or q"),
     top_k: int = typer.Option(10, help="receivers of the first sender round (top heads by receiver IE)"),
     max_rounds: int = typer.Option(3, help="sender rounds at most (senders become receivers)"),
+    device_map: Optional[str] = typer.Option(None, help="auto or balanced: spread a model that does not fit one GPU over all GPUs (layers)"),
 ) -> None:
     """Rank every head; write OUT/scores.csv, OUT/mask.json and OUT/heatmap.html."""
     import headscope
@@ -71,7 +72,9 @@ def rank(
 
     try:
         # check the budget before the sweep, so a typo costs seconds, not the whole run
-        lm = headscope.load_model(model, device=device)
+        if device_map is not None and devices > 1:
+            raise ValueError("--device-map spreads one model over the GPUs; --devices shards the sweep: use one of them")
+        lm = headscope.load_model(model, device=device, device_map=device_map)
         g = lm.geometry
         k = parse_budget(budget, g.n_total)
         if min_per_layer * g.n_layers > k:
@@ -84,7 +87,7 @@ def rank(
         if devices > 1 and shard is None:
             r = spawn_rank(devices, out, device=device, **{**settings, "model": model})  # each rank loads its own
         else:
-            r = headscope.rank(out_dir=out, device=device, shard=shard, **settings)  # type: ignore[arg-type]
+            r = headscope.rank(out_dir=out, device=device, shard=shard, device_map=device_map, **settings)  # type: ignore[arg-type]
         if shard is not None and shard[0] != 0:
             return
         mask = r.mask(budget, min_per_layer=min_per_layer)
