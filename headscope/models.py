@@ -240,6 +240,9 @@ def dispatch(hf_model: Any, device_map: str | dict[str, Any], max_memory: dict[A
                 )
             device_map = infer_auto_device_map(hf_model, max_memory=max_memory, no_split_module_classes=no_split)
     dispatch_model(hf_model, device_map=device_map)
+    for name, dev in device_map.items():  # make sure every module's weights sit on its device
+        if dev != "disk":
+            (hf_model.get_submodule(name) if name else hf_model).to(f"cuda:{dev}" if isinstance(dev, int) else dev)
     hf_model.hf_device_map = dict(device_map)
     return dict(device_map)
 
