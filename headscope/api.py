@@ -46,6 +46,7 @@ def rank(
     top_k: int = 10,
     max_rounds: int = 3,
     sender_batch_size: int = 16,
+    device_map: str | dict[str, Any] | None = None,
 ) -> Ranking:
     """Rank every attention head by its causal importance for the given capabilities.
 
@@ -75,6 +76,9 @@ def rank(
         weights: capability weights w_c (sequence in task order or dict; default uniform; must
             sum to 1). kappa: "focus" (retrieval focus, SPEC.md §6) or "one" (κ ≡ 1).
         normalize: ŝ per capability, "max" (default) or "minmax".
+        device_map: spread the model's layers over devices ("auto", "balanced", or a {module name:
+            device} dict; needs accelerate) for a model that does not fit one GPU; the patching
+            engine runs each layer on its device (exact receiver sweeps in one process).
 
     Fusion (SPEC.md §6, eq. 11–12) is used when ``senders`` is set, several tasks are given, or
     ``weights``/``kappa`` is passed: then ``kappa`` defaults to "focus" and the table gains
@@ -103,6 +107,11 @@ def rank(
         raise NotImplementedError("mode='screen' covers the receivers-only ranking; use mode='exact' with fusion")
     if mode == "screen" and shard is not None:
         raise NotImplementedError("mode='screen' runs in one process; shard exact sweeps instead")
+    if device_map is not None and (fusion or mode != "exact" or shard is not None):
+        raise NotImplementedError(
+            "device_map covers the exact receiver sweep of one task in one process; drop --device-map, or "
+            "--mode screen / --senders / several tasks / --devices"
+        )
     if fusion and shard is not None:
         raise NotImplementedError(
             "sharded sweeps (--devices / torchrun) cover the receiver sweep of one task; run fused rankings "
@@ -126,7 +135,7 @@ def rank(
             progress=progress, task_settings=task_settings,
         )
     t0 = time.time()
-    lm = load_model(model, device=device, dtype=dtype)
+    lm = load_model(model, device=device, dtype=dtype, device_map=device_map)
     settings = {"n_pairs": n_pairs, "seq_len": seq_len, "seed": seed, "depth": depth, **(task_settings or {})}
     if pairs is None:
         pairs = make_pairs(tasks[0], lm.tokenizer, **settings)

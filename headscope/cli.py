@@ -41,6 +41,7 @@ def rank(
     sender_mode: str = typer.Option("qkv", help="receiver inputs patched by senders: qkv, kv or q"),
     top_k: int = typer.Option(10, help="receivers of the first sender round (top heads by receiver IE)"),
     max_rounds: int = typer.Option(3, help="sender rounds at most (senders become receivers)"),
+    device_map: Optional[str] = typer.Option(None, help="auto or balanced: spread a model that does not fit one GPU over all GPUs (layers)"),
 ) -> None:
     """Rank every head; write OUT/scores.csv, OUT/mask.json and OUT/heatmap.html."""
     import headscope
@@ -71,7 +72,9 @@ def rank(
 
     try:
         # check the budget before the sweep, so a typo costs seconds, not the whole run
-        lm = headscope.load_model(model, device=device)
+        if device_map is not None and devices > 1:
+            raise ValueError("--device-map spreads one model over the GPUs; --devices shards the sweep: use one of them")
+        lm = headscope.load_model(model, device=device, device_map=device_map)
         g = lm.geometry
         k = parse_budget(budget, g.n_total)
         if min_per_layer * g.n_layers > k:
@@ -84,7 +87,7 @@ def rank(
         if devices > 1 and shard is None:
             r = spawn_rank(devices, out, device=device, **{**settings, "model": model})  # each rank loads its own
         else:
-            r = headscope.rank(out_dir=out, device=device, shard=shard, **settings)  # type: ignore[arg-type]
+            r = headscope.rank(out_dir=out, device=device, shard=shard, device_map=device_map, **settings)  # type: ignore[arg-type]
         if shard is not None and shard[0] != 0:
             return
         mask = r.mask(budget, min_per_layer=min_per_layer)
@@ -135,21 +138,29 @@ def convert(
     retrieval_task: str = typer.Option("niah_single", help="stage 3: retrieval task (headscope.tasks)"),
     seed: int = typer.Option(0),
     device: Optional[str] = typer.Option(None, help="cpu / cuda (default: cuda when available)"),
+    devices: int = typer.Option(1, help="data-parallel training over this many local processes (FSDP2; one per GPU, or CPU/gloo)"),
+    gdn_kernel: str = typer.Option("auto", help="GDN kernel of the student: auto, torch, naive or fla"),
 ) -> None:
-    """Convert a model into a head-wise FA/GDN hybrid, one stage of the three-stage transfer at a time."""
-    import json
+    """Convert a model into a head-wise FA/GDN hybrid, one stage of the three-stage transfer at a time.
 
+    Data parallel: ``--devices N`` spawns N processes, or start the command under
+    ``torchrun --nproc-per-node N -m headscope.cli convert ...``; a checkpoint resumes on any number
+    of devices."""
+    import json
+    import os
+
+    from .distributed import init_from_env, rank_device
     from .masks import HeadMask
     from .models import load_hf
     from .train import DataConfig, TrainConfig, convert_stage
+    from .train.trainer import spawn_convert
 
     try:
         if stage not in (1, 2, 3):
             raise ValueError(f"--stage must be 1, 2 or 3, got {stage}")
+        if devices < 1:
+            raise ValueError(f"--devices {devices}: need at least one process")
         hm = HeadMask.from_json(mask)
-        teacher, tok, name = load_hf(model, device=device)
-        if tok.pad_token_id is None:
-            tok.pad_token = tok.eos_token
         L = seq_len or (2048 if stage == 3 else 512)
         cfg = TrainConfig(
             stage=stage, tokens=tokens, batch_size=batch_size, lr=lr or (1e-3 if stage == 1 else 1e-4), ckpt_every=ckpt_every, seed=seed
@@ -158,7 +169,24 @@ def convert(
             seq_len=L, text_docs=text_docs, doc_len=doc_len, corpus=str(corpus) if corpus else None,
             retrieval_frac=retrieval_frac if stage == 3 else 0.0, retrieval_task=retrieval_task, seed=seed,
         )
-        _, summary = convert_stage(teacher, tok, hm, stage, out, config=cfg, data=data, resume=resume)
+        hybrid = {"gdn_kernel": gdn_kernel} if gdn_kernel != "auto" else None
+        shard = init_from_env(device)  # under torchrun: RANK / WORLD_SIZE in the environment
+        if devices > 1 and shard is None:
+            summary = spawn_convert(devices, model, hm, stage, out, device=device, config=cfg, data=data, resume=resume,
+                                    hybrid_options=hybrid)
+        else:
+            if shard is not None:
+                device = rank_device(device, int(os.environ.get("LOCAL_RANK", shard[0])))
+                if device.startswith("cuda"):
+                    import torch
+
+                    torch.cuda.set_device(device)
+            teacher, tok, name = load_hf(model, device=device)
+            if tok.pad_token_id is None:
+                tok.pad_token = tok.eos_token
+            _, summary = convert_stage(teacher, tok, hm, stage, out, config=cfg, data=data, resume=resume, hybrid_options=hybrid)
+            if shard is not None and shard[0] != 0:
+                return
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)

@@ -168,9 +168,16 @@ def _resolve(spec: str | os.PathLike) -> tuple[str, dict[str, Any], str]:
 
 
 def load_hf(
-    spec: str | os.PathLike = DEFAULT_MODEL, device: str | torch.device | None = None, dtype: torch.dtype = torch.float32
+    spec: str | os.PathLike = DEFAULT_MODEL,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    device_map: str | dict[str, Any] | None = None,
 ) -> tuple[Any, Any, str]:
     """Load a plain transformers causal LM and its tokenizer (no hooks) -> (model, tokenizer, name).
+
+    ``device_map`` ("auto", "balanced", "sequential" or a {module name: device} dict; needs
+    accelerate) spreads the layers over the visible devices, for models that do not fit one GPU;
+    ``device`` is then ignored.
 
     Raises:
         ModelSpecError: the spec cannot be resolved locally (message says what to pass instead).
@@ -183,6 +190,8 @@ def load_hf(
     hf_logging.disable_progress_bar()
     try:
         tok = AutoTokenizer.from_pretrained(path, **kw)
+        if device_map is not None:
+            kw = {**kw, "device_map": device_map}
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     except OSError as e:
         if kw.get("local_files_only"):
@@ -192,9 +201,50 @@ def load_hf(
             ) from e
         raise ModelSpecError(f"could not load {spec!r}: {e}") from e
     model.eval()
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(dev)
+    if device_map is None:
+        dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model.to(dev)
     return model, tok, name
+
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def dispatch(hf_model: Any, device_map: str | dict[str, Any], max_memory: dict[Any, Any] | None = None) -> dict[str, Any]:
+    """Spread an in-memory transformers model over devices (accelerate), in place -> the device map used.
+
+    Args:
+        device_map: a {module name: device} dict, or "auto"/"balanced" (decoder layers balanced over
+            the visible GPUs; CPU when there is none), "balanced_low_0", "sequential".
+        max_memory: per-device budgets for the string forms ({0: "40GiB", 1: "40GiB"}).
+
+    Raises:
+        ValueError: an unknown device-map name. ImportError: accelerate is not installed.
+    """
+    try:
+        from accelerate import dispatch_model, infer_auto_device_map
+        from accelerate.utils import get_balanced_memory
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("device_map needs accelerate: pip install accelerate") from e
+    if isinstance(device_map, str):
+        if device_map not in DEVICE_MAPS:
+            raise ValueError(f"device_map={device_map!r}: use one of {DEVICE_MAPS} or a {{module: device}} dict")
+        no_split = list(getattr(hf_model, "_no_split_modules", None) or [])
+        if not torch.cuda.is_available():
+            device_map = {"": "cpu"}
+        else:
+            if max_memory is None and device_map != "sequential":
+                max_memory = get_balanced_memory(
+                    hf_model, dtype=next(hf_model.parameters()).dtype, no_split_module_classes=no_split,
+                    low_zero=device_map == "balanced_low_0",
+                )
+            device_map = infer_auto_device_map(hf_model, max_memory=max_memory, no_split_module_classes=no_split)
+    dispatch_model(hf_model, device_map=device_map)
+    for name, dev in device_map.items():  # make sure every module's weights sit on its device
+        if dev != "disk":
+            (hf_model.get_submodule(name) if name else hf_model).to(f"cuda:{dev}" if isinstance(dev, int) else dev)
+    hf_model.hf_device_map = dict(device_map)
+    return dict(device_map)
 
 
 def wrap(
@@ -232,6 +282,7 @@ def load_model(
     spec: str | os.PathLike | LoadedModel = DEFAULT_MODEL,
     device: str | torch.device | None = None,
     dtype: torch.dtype = torch.float32,
+    device_map: str | dict[str, Any] | None = None,
 ) -> LoadedModel:
     """Load a model for patching.
 
@@ -240,6 +291,8 @@ def load_model(
             id. A :class:`LoadedModel` is returned unchanged.
         device: ``"cpu"``, ``"cuda"``, ... (default: CUDA when available).
         dtype: ``torch.float32`` (default) or ``torch.bfloat16``.
+        device_map: spread the layers over devices (see :func:`load_hf`; a model that does not fit
+            one GPU); a given :class:`LoadedModel` is dispatched in place (:func:`dispatch`).
 
     Returns:
         LoadedModel with ``.bridge`` (TransformerBridge), ``.tokenizer`` and ``.geometry``.
@@ -248,9 +301,12 @@ def load_model(
         ModelSpecError: unknown spec, missing file, or a hub id that is not cached locally.
     """
     if isinstance(spec, LoadedModel):
-        return spec
+        if device_map is None or getattr(spec.hf_model, "hf_device_map", None) is not None:
+            return spec  # already placed
+        dispatch(spec.hf_model, device_map)
+        return wrap(spec.hf_model, spec.tokenizer, name=spec.name, spec=spec.spec, hub_name=spec.hub_name)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    hf_model, tok, name = load_hf(spec, device=device, dtype=dtype)
+    hf_model, tok, name = load_hf(spec, device=device, dtype=dtype, device_map=device_map)
     hub_name = "HuggingFaceTB/SmolLM2-135M-Instruct" if name == "SmolLM2-135M-Instruct" else None
     return wrap(hf_model, tok, name=name, spec=str(spec), hub_name=hub_name)

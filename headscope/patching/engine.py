@@ -16,6 +16,13 @@ Qwen2, Qwen3 with QK-norm) directly through the modules that the TransformerBrid
 activation patched is the input of the output projection, i.e. TransformerLens ``hook_z``
 (``[batch, pos, n_heads, d_head]`` flattened over heads). Tests check every number against a plain
 one-hook-at-a-time reference run through the bridge's ``blocks.{l}.attn.hook_z``.
+
+A model spread over several devices (transformers/accelerate ``device_map``, e.g. a model that does
+not fit one GPU) runs too: every layer computes on the device of its weights, the residual stream
+moves to the next layer's device, and each layer's caches stay on its own device
+(:class:`LayerStack`), so a patched suffix pass moves only the residual stream between devices.
+Full passes and receiver patching support such models; the gradient, path-patching and
+attention-mass methods need the model on one device.
 """
 
 from __future__ import annotations
@@ -38,6 +45,40 @@ class UnsupportedArchitecture(NotImplementedError):
     pass
 
 
+class LayerStack:
+    """Per-layer tensors that live on their layers' devices, indexed like a stacked tensor:
+    ``stack[layer, ...]`` is ``items[layer][...]`` and ``shape`` is ``(n_layers, *items[0].shape)``."""
+
+    def __init__(self, items: Sequence[Tensor]):
+        self.items = list(items)
+
+    def __getitem__(self, idx):  # type: ignore[no-untyped-def]
+        if isinstance(idx, tuple):
+            return self.items[idx[0]][idx[1:]]
+        if isinstance(idx, int):
+            return self.items[idx]
+        raise TypeError("index a LayerStack with an int layer first (stack[layer, ...])")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.items), *self.items[0].shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.items[0].dtype
+
+    def stacked(self, device: torch.device | str) -> Tensor:
+        """One tensor [layer, ...] on ``device``."""
+        return torch.stack([t.to(device) for t in self.items])
+
+
+def _stack(items: list[Tensor], per_layer: bool) -> Tensor | LayerStack:
+    return LayerStack(items) if per_layer else torch.stack(items)
+
+
 @dataclass
 class RunCache:
     """Activations of one full pass of a (pos,) prompt.
@@ -46,6 +87,9 @@ class RunCache:
     z: Float[Tensor, "layer pos n_heads*d_head"], hook_z of each layer (flattened heads).
     k, v: Float[Tensor, "layer n_kv pos d_head"], keys (after RoPE / QK-norm) and values.
     logits: Float[Tensor, "read vocab"], logits at the read positions.
+
+    For a model spread over devices, resid/z/k/v are :class:`LayerStack` s (each layer's entry on its
+    layer's device) with the same ``[layer, ...]`` indexing.
     """
 
     resid: Tensor
@@ -97,13 +141,41 @@ class Engine:
                     q_norm=getattr(a, "q_norm", None),
                     k_norm=getattr(a, "k_norm", None),
                     scaling=float(getattr(a, "scaling", self.g.d_head**-0.5)),
+                    device=a.q_proj.weight.device,
                 )
             )
         self.device = model.device
         self.dtype = model.dtype
+        self.head_device = self.final_norm.weight.device
+        devs = {L["device"] for L in self.layers} | {self.device, self.head_device, self.lm_head.weight.device}
+        self.multi_device = len(devs) > 1
+
+    def layer_device(self, layer: int) -> torch.device:
+        """The device of layer ``layer``'s weights (where its computation and caches live)."""
+        return self.layers[layer]["device"]
+
+    def _one_device(self, what: str) -> None:
+        if self.multi_device:
+            raise NotImplementedError(f"{what} needs the model on one device; load it without device_map")
+
+    def _rope_by_device(self, positions: Tensor, like: Tensor) -> Callable[[torch.device], tuple[Tensor, Tensor]]:
+        """cos/sin of ``positions`` computed once, copied to each device on first use."""
+        cos, sin = self.rope(positions, like)
+        per: dict[torch.device, tuple[Tensor, Tensor]] = {cos.device: (cos, sin)}
+
+        def get(dev: torch.device) -> tuple[Tensor, Tensor]:
+            if dev not in per:
+                per[dev] = (cos.to(dev), sin.to(dev))
+            return per[dev]
+
+        return get
 
     # ---- pieces --------------------------------------------------------------------------------
     def rope(self, positions: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
+        if self.multi_device:  # the rotary embedding's buffers may sit on another device than `like`
+            dev = self.rotary.inv_freq.device
+            cos, sin = self.rotary(like.to(dev) if like.device != dev else like, positions[None].to(dev))
+            return cos[0].to(like.device, like.dtype), sin[0].to(like.device, like.dtype)
         cos, sin = self.rotary(like, positions[None])
         return cos[0].to(like.dtype), sin[0].to(like.dtype)  # [pos, d_head]
 
@@ -157,6 +229,9 @@ class Engine:
         return h + L["mlp"](L["ln2"](h))
 
     def unembed(self, h: Tensor) -> Tensor:
+        if self.multi_device:
+            x = self.final_norm(h.to(self.head_device))
+            return self.lm_head(x.to(self.lm_head.weight.device))
         return self.lm_head(self.final_norm(h))
 
     # ---- full pass with cache ----------------------------------------------------------------
@@ -174,9 +249,12 @@ class Engine:
         ids = ids.to(self.device)
         T = ids.numel()
         h = self.embed(ids[None]).to(self.dtype)
-        cos, sin = self.rope(torch.arange(T, device=self.device), h)
+        rope = self._rope_by_device(torch.arange(T, device=self.device), h)
         resid, zs, ks, vs = [], [], [], []
         for layer in range(self.g.n_layers):
+            dev = self.layers[layer]["device"]
+            h = h.to(dev)
+            cos, sin = rope(dev)
             resid.append(h[0])
             q, k, v = self.qkv(layer, self.layers[layer]["ln1"](h), cos, sin)
             z = self.attend(layer, q, k, v, 0)
@@ -187,7 +265,8 @@ class Engine:
             vs.append(v[0])
             h = self.post_attn(layer, h, z)
         logits = self.unembed(h[0, list(read)])
-        return RunCache(torch.stack(resid), torch.stack(zs), torch.stack(ks), torch.stack(vs), logits)
+        md = self.multi_device
+        return RunCache(_stack(resid, md), _stack(zs, md), _stack(ks, md), _stack(vs, md), logits)
 
     def run_with_grad(self, ids: Int[Tensor, "pos"], read: Sequence[int]) -> tuple[Tensor, list[Tensor]]:
         """A differentiable full pass: (logits at ``read``, hook_z of every layer with grad retained).
@@ -195,6 +274,7 @@ class Engine:
         Used by attribution patching; gradients w.r.t. the returned hook_z tensors are total
         derivatives (they flow through every later layer).
         """
+        self._one_device("attribution patching (run_with_grad)")
         ids = ids.to(self.device)
         T = ids.numel()
         with torch.enable_grad():
@@ -231,16 +311,19 @@ class Engine:
         T = base.resid.shape[1]
         if start + S != T:
             raise ValueError(f"z_rows cover positions {start}..{start + S} but the prompt has {T}")
-        cos, sin = self.rope(torch.arange(start, T, device=self.device), z_rows)
+        rope = self._rope_by_device(torch.arange(start, T, device=z_rows.device), z_rows)
         h = base.resid[layer, start:][None].expand(B, S, -1)
         h = self.post_attn(layer, h, z_rows)
         for lay in range(layer + 1, self.g.n_layers):
+            dev = self.layers[lay]["device"]
+            h = h.to(dev)
+            cos, sin = rope(dev)
             q, k, v = self.qkv(lay, self.layers[lay]["ln1"](h), cos, sin)
             kp = base.k[lay, :, :start][None].expand(B, -1, -1, -1)
             vp = base.v[lay, :, :start][None].expand(B, -1, -1, -1)
             z = self.attend(lay, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start)
             h = self.post_attn(lay, h, z)
-        idx = torch.as_tensor([r - start for r in read], device=self.device)
+        idx = torch.as_tensor([r - start for r in read], device=h.device)
         return self.unembed(h[:, idx])
 
     # ---- sender path patching and κ (SPEC.md §5, §6) -------------------------------------------
@@ -263,6 +346,7 @@ class Engine:
         normally (nothing downstream is frozen). Each batch row is one independent run (path patching
         step 3, Wang et al. 2022; SPEC.md §5).
         """
+        self._one_device("sender path patching")
         layers = sorted(receivers)
         if not layers:
             raise ValueError("no receivers given")
@@ -302,6 +386,7 @@ class Engine:
     ) -> Float[Tensor, "layer head"]:
         """Mean attention probability that each head puts on key positions ``span`` (end exclusive),
         averaged over the query positions ``rows``, in a clean pass of ``ids``."""
+        self._one_device("attention_mass")
         ids = ids.to(self.device)
         T = ids.numel()
         g = self.g

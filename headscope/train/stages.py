@@ -14,7 +14,7 @@ only; stages 2 and 3: the whole model).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,7 @@ def alignment_loss(
     teacher: nn.Module,
     ids: Int[Tensor, "batch time"],
     mask: Bool[Tensor, "batch time"],
+    reduce: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> tuple[Float[Tensor, ""], Float[Tensor, "layer"]]:
     """Stage 1: layer-wise alignment loss.
 
@@ -77,18 +78,33 @@ def alignment_loss(
     The total is the mean over layers. Layers are independent: gradients reach only the hybrid
     attention parameters.
 
+    Data parallel: with ``reduce`` (the sum of a tensor over all ranks, each holding a slice of the
+    global batch) the token count and the teacher statistics (mean, variance) are those of the global
+    batch, and the returned terms are this rank's shares: summed over ranks they give the global
+    batch's loss (the teacher statistics carry no gradient, so the loss is linear in the shares).
+
     Returns:
         (total loss, per-layer losses [n_layers], detached).
     """
     rec = _capture_attention_io(teacher, ids, mask)
     m = mask.to(ids.device)[..., None]
-    n = m.sum() * rec[0]["out"].shape[-1]
+    if reduce is None:
+        n_tok = m.sum()
+        n = n_tok * rec[0]["out"].shape[-1]
     per = []
     for layer, r in zip(student.model.layers, rec):
         y_s, _ = layer.self_attn(r["h"], position_embeddings=r["pe"])
         y_t = r["out"].float()
-        mean = (y_t * m).sum((0, 1)) / m.sum()
-        var = (((y_t - mean) * m) ** 2).sum() / n
+        if reduce is None:
+            mean = (y_t * m).sum((0, 1)) / n_tok
+            var = (((y_t - mean) * m) ** 2).sum() / n
+        else:
+            d = y_t.shape[-1]
+            s1 = reduce(torch.cat([(y_t * m).sum((0, 1)), m.sum().reshape(1).to(y_t.dtype)]))
+            n_tok = s1[-1]
+            n = n_tok * d
+            mean = s1[:d] / n_tok
+            var = reduce((((y_t - mean) * m) ** 2).sum()) / n
         mse = (((y_s.float() - y_t) * m) ** 2).sum() / n
         per.append(mse / var.clamp_min(1e-12))
     per_t = torch.stack(per)
@@ -99,8 +115,11 @@ def distillation_loss(
     student_logits: Float[Tensor, "batch time vocab"],
     teacher_logits: Float[Tensor, "batch time vocab"],
     mask: Bool[Tensor, "batch time"],
+    denominator: Optional[Tensor] = None,
 ) -> Float[Tensor, ""]:
-    """Stage 2: per-token forward KL(p_teacher ‖ p_student) in nats, masked mean over real tokens.
+    """Stage 2: per-token forward KL(p_teacher ‖ p_student) in nats, masked mean over real tokens
+    (divided by ``denominator`` instead of this batch's real-token count when given: the global
+    batch's count in data-parallel training).
 
     KL_t = Σ_v p_t(v) (log p_t(v) − log q_t(v)) with p = softmax(teacher_logits[t]) and q =
     softmax(student_logits[t]) at the same position t (both predict token t+1; no shift).
@@ -119,38 +138,61 @@ def distillation_loss(
     lp = F.log_softmax(teacher_logits.float(), dim=-1)
     kl = (lp.exp() * (lp - lq)).sum(-1)  # batch, time
     m = mask.to(kl.dtype)
-    return (kl * m).sum() / m.sum().clamp_min(1.0)
+    return (kl * m).sum() / (m.sum() if denominator is None else denominator).clamp_min(1.0)
 
 
 def lm_loss(
-    logits: Float[Tensor, "batch time vocab"], ids: Int[Tensor, "batch time"], mask: Bool[Tensor, "batch time"]
+    logits: Float[Tensor, "batch time vocab"],
+    ids: Int[Tensor, "batch time"],
+    mask: Bool[Tensor, "batch time"],
+    denominator: Optional[Tensor] = None,
 ) -> Float[Tensor, ""]:
     """Stage 3: next-token cross-entropy (nats/token), mean over positions t whose target t+1 and
-    input t are both real tokens."""
+    input t are both real tokens (divided by ``denominator`` instead of their count when given)."""
     tgt = ids[:, 1:]
     keep = (mask[:, 1:] & mask[:, :-1]).to(logits.device)
     ce = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
     ce = ce.view_as(tgt)
     k = keep.to(ce.dtype)
-    return (ce * k).sum() / k.sum().clamp_min(1.0)
+    return (ce * k).sum() / (k.sum() if denominator is None else denominator).clamp_min(1.0)
 
 
 def stage_loss(
-    stage: int, student: nn.Module, teacher: nn.Module, ids: Tensor, mask: Tensor
+    stage: int,
+    student: nn.Module,
+    teacher: nn.Module,
+    ids: Tensor,
+    mask: Tensor,
+    reduce: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Loss of one batch for ``stage`` and the scalars to log (``loss`` and, in stage 1,
-    ``align_l{i}`` per layer)."""
+    ``align_l{i}`` per layer).
+
+    ``reduce`` (data parallel, see :mod:`headscope.train.parallel`): the sum of a tensor over all
+    ranks. The batch is then this rank's slice of the global batch, the returned loss is this rank's
+    share (the shares sum to the global batch's loss) and the logged scalars are the global values.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
     if stage == 1:
-        loss, per = alignment_loss(student, teacher, ids, mask)
-        return loss, {"loss": float(loss.detach()), **{f"align_l{i}": float(v) for i, v in enumerate(per)}}
+        loss, per = alignment_loss(student, teacher, ids, mask, reduce=reduce)
+        logged = torch.cat([loss.detach().reshape(1), per])
+        if reduce is not None:
+            logged = reduce(logged.clone())
+        vals = logged.tolist()
+        return loss, {"loss": vals[0], **{f"align_l{i}": v for i, v in enumerate(vals[1:])}}
     if stage == 2:
         with torch.no_grad():
             t_logits = teacher(input_ids=ids, use_cache=False).logits
         s_logits = student(input_ids=ids, use_cache=False).logits
-        loss = distillation_loss(s_logits, t_logits, mask)
-        return loss, {"loss": float(loss.detach())}
-    if stage == 3:
+        denom = None if reduce is None else reduce(mask.sum().to(device=s_logits.device, dtype=torch.float32))
+        loss = distillation_loss(s_logits, t_logits, mask, denominator=denom)
+    else:
         logits = student(input_ids=ids, use_cache=False).logits
-        loss = lm_loss(logits, ids, mask)
-        return loss, {"loss": float(loss.detach())}
-    raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+        keep = (mask[:, 1:] & mask[:, :-1]).sum()
+        denom = None if reduce is None else reduce(keep.to(device=logits.device, dtype=torch.float32))
+        loss = lm_loss(logits, ids, mask, denominator=denom)
+    logged = loss.detach().reshape(1)
+    if reduce is not None:
+        logged = reduce(logged.clone())
+    return loss, {"loss": float(logged[0])}

@@ -3,11 +3,19 @@ bf16 autocast on GPU, checkpoints every N steps and on exit, exact resume, tqdm 
 
 One :class:`Trainer` runs one stage. Layout of its output directory::
 
-    out/checkpoint.pt   latest checkpoint: step, student weights, optimizer, scheduler, data position, RNG
+    out/checkpoint/     latest checkpoint (torch.distributed.checkpoint directory): student weights and
+                        optimizer state by parameter name, plus trainer.pt (step, scheduler, data
+                        position, RNG); it loads on any number of devices
     out/log.csv         one row per step (stage, step, tokens, loss, lr, grad_norm, seconds, align_l*)
     out/log.jsonl       the same rows as JSON lines
     out/student.pt      final student weights (state_dict) when the stage finishes
     out/done.json       written last: the stage's summary
+
+Data parallel: when a ``torch.distributed`` process group with more than one rank is initialized
+(``headscope convert --devices N`` or torchrun), the trainer shards the student with FSDP2 and every
+rank trains on its slice of each global batch (:mod:`headscope.train.parallel`); the loss, gradient,
+logs and checkpoints are those of the one-process run, and only rank 0 writes logs and files.
+Checkpoints of an older headscope (``out/checkpoint.pt``) still resume in one process.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import parallel
 from .data import Loader, TokenRows
 from .stages import stage_loss, trainable_parameters
 
@@ -115,13 +124,16 @@ class Trainer:
         rows: the training rows (:mod:`headscope.train.data`).
         config: :class:`TrainConfig`.
         out_dir: directory for checkpoint and logs.
-        resume: continue from ``out_dir/checkpoint.pt`` (weights, optimizer, scheduler, data position,
-            RNG, step); without it an existing checkpoint is an error.
+        resume: continue from ``out_dir/checkpoint/`` (weights, optimizer, scheduler, data position,
+            RNG, step; written by any number of ranks); without it an existing checkpoint is an error.
+        data_parallel: shard the student with FSDP2 over the initialized process group (default: when
+            one with more than one rank is initialized). Every rank must build the same ``rows``.
 
     Raises:
         FileExistsError: ``out_dir`` holds a checkpoint and ``resume`` is False.
         FileNotFoundError: ``resume`` is True but there is no checkpoint.
-        ValueError: the checkpoint is of another stage or data set.
+        ValueError: the checkpoint is of another stage or data set; a global batch smaller than the
+            number of ranks.
     """
 
     def __init__(
@@ -132,12 +144,19 @@ class Trainer:
         config: TrainConfig,
         out_dir: str | Path,
         resume: bool = False,
+        data_parallel: Optional[bool] = None,
     ):
         self.student, self.teacher, self.cfg = student, teacher, config
+        self.rank, self.world = parallel.world_info()
+        self.parallel = self.world > 1 if data_parallel is None else bool(data_parallel)
+        if self.parallel and config.batch_size < self.world:
+            raise ValueError(f"batch_size={config.batch_size} cannot feed {self.world} ranks; use a batch size >= {self.world}")
         if config.stage in (1, 2) and teacher is None:
             raise ValueError(f"stage {config.stage} needs the teacher model")
         self.out = Path(out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+        parallel.barrier()
         self.device = next(student.parameters()).device
         self.bf16 = config.bf16 if config.bf16 is not None else self.device.type == "cuda"
         if teacher is not None:
@@ -145,6 +164,11 @@ class Trainer:
             for p in teacher.parameters():
                 p.requires_grad_(False)
         self.params = trainable_parameters(student, config.stage)
+        if self.parallel and not parallel.is_sharded(student):
+            parallel.broadcast_module(student)  # identical start on every rank (random GDN init)
+            parallel.shard_student(student, config.stage)
+        if self.parallel:  # FSDP2 replaced the parameters by sharded ones
+            self.params = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
         self.loader = Loader(rows, config.batch_size, seed=config.seed)
         self.tokens_per_step = config.batch_size * rows.seq_len
         self.total_steps = max(1, math.ceil(config.tokens / self.tokens_per_step))
@@ -159,12 +183,17 @@ class Trainer:
         warm = int(config.warmup * self.total_steps)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, cosine_lambda(self.total_steps, warm, config.min_lr_ratio))
         self.step = 0
-        self.ckpt_path = self.out / "checkpoint.pt"
+        self.ckpt_path = self.out / "checkpoint"
+        self.legacy_ckpt = self.out / "checkpoint.pt"
+        found = parallel.find_checkpoint(self.ckpt_path)
         if resume:
-            if not self.ckpt_path.exists():
+            if found is not None:
+                self._load(found)
+            elif self.legacy_ckpt.exists() and not self.parallel:
+                self._load_legacy()
+            else:
                 raise FileNotFoundError(f"--resume: no checkpoint at {self.ckpt_path}; start without --resume")
-            self._load()
-        elif self.ckpt_path.exists():
+        elif found is not None or self.legacy_ckpt.exists():
             raise FileExistsError(
                 f"{self.ckpt_path} exists: pass resume=True (--resume) to continue it, or use another output directory"
             )
@@ -172,35 +201,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Atomically write ``checkpoint.pt`` (step, weights, optimizer, scheduler, data position, RNG)."""
-        state = {
-            "format": "headscope.train/1",
+        """Write the ``checkpoint/`` directory (collective when data parallel): student weights and
+        optimizer state via torch.distributed.checkpoint, plus step, scheduler, data position and
+        RNG; the previous checkpoint is replaced only once the new one is complete."""
+        extra = {
+            "format": "headscope.train/2",
             "stage": self.cfg.stage,
             "step": self.step,
             "total_steps": self.total_steps,
             "config": asdict(self.cfg),
-            "student": self.student.state_dict(),
-            "optimizer": self.opt.state_dict(),
             "scheduler": self.sched.state_dict(),
             "data": self.loader.state_dict(),
             "rng": _rng_state(),
+            "world_size": self.world if self.parallel else 1,
         }
-        tmp = self.ckpt_path.with_suffix(".pt.tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.ckpt_path)
-        return self.ckpt_path
+        return parallel.save_checkpoint(self.ckpt_path, self.student, self.opt, extra)
 
-    def _load(self) -> None:
-        st = torch.load(self.ckpt_path, map_location=self.device, weights_only=False)
+    def _check(self, st: dict[str, Any], where: Path) -> None:
         if st.get("stage") != self.cfg.stage:
-            raise ValueError(f"{self.ckpt_path} is a stage-{st.get('stage')} checkpoint, this is stage {self.cfg.stage}")
+            raise ValueError(f"{where} is a stage-{st.get('stage')} checkpoint, this is stage {self.cfg.stage}")
         if st.get("total_steps") != self.total_steps:
             raise ValueError(
                 f"checkpoint planned {st.get('total_steps')} steps, this run {self.total_steps}: resume with the same "
                 "--tokens, batch size and sequence length"
             )
-        self.student.load_state_dict(st["student"])
-        self.opt.load_state_dict(st["optimizer"])
+
+    def _restore(self, st: dict[str, Any]) -> None:
         self.sched.load_state_dict(st["scheduler"])
         self.loader.load_state_dict(st["data"])
         rng = st["rng"]
@@ -210,8 +236,24 @@ class Trainer:
         _set_rng_state(rng)
         self.step = int(st["step"])
 
+    def _load(self, path: Path) -> None:
+        st = torch.load(path / parallel.TRAINER_STATE, map_location="cpu", weights_only=False)
+        self._check(st, path)
+        parallel.load_checkpoint(path, self.student, self.opt)
+        self._restore(st)
+
+    def _load_legacy(self) -> None:
+        """A ``checkpoint.pt`` of headscope.train/1 (one process)."""
+        st = torch.load(self.legacy_ckpt, map_location=self.device, weights_only=False)
+        self._check(st, self.legacy_ckpt)
+        self.student.load_state_dict(st["student"])
+        self.opt.load_state_dict(st["optimizer"])
+        self._restore(st)
+
     # ------------------------------------------------------------------ logging
     def _log(self, row: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
         with open(self.out / "log.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         path = self.out / "log.csv"
@@ -231,15 +273,22 @@ class Trainer:
         """One optimizer step on the next batch; returns the logged row."""
         t0 = time.perf_counter()
         ids, mask = self.loader.next()
+        reduce = None
+        if self.parallel:  # this rank's slice of the global batch; losses normalized globally
+            ids, mask = parallel.local_rows(ids, mask, self.rank, self.world)
+            reduce = parallel.all_sum
         ids, mask = ids.to(self.device), mask.to(self.device)
         self.student.train()
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
         with ctx:
-            loss, scalars = stage_loss(self.cfg.stage, self.student, self.teacher, ids, mask)
+            loss, scalars = stage_loss(self.cfg.stage, self.student, self.teacher, ids, mask, reduce=reduce)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        # FSDP averages gradients over ranks; the shares sum to the global loss, so scale by the world size
+        (loss * self.world if self.parallel else loss).backward()
         params = [p for _, p in self.params]
-        if self.cfg.grad_clip > 0:
+        if self.parallel:
+            gn = parallel.grad_norm(params, self.cfg.grad_clip)
+        elif self.cfg.grad_clip > 0:
             gn = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
         else:
             gn = float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
@@ -274,13 +323,16 @@ class Trainer:
         from tqdm.auto import tqdm
 
         end = self.total_steps if max_steps is None else min(self.total_steps, max_steps)
-        bar = tqdm(total=self.total_steps, initial=self.step, desc=f"stage {self.cfg.stage}", disable=not self.cfg.progress)
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=f"stage {self.cfg.stage}",
+                   disable=not self.cfg.progress or self.rank != 0)
         t0 = time.time()
         last: dict[str, Any] = {}
         stopped = "finished"
         try:
             while self.step < end:
-                if deadline is not None and time.time() > deadline:
+                # every rank must take the same decision (collectives follow)
+                late = deadline is not None and time.time() > deadline
+                if parallel.any_rank(late, self.device) if self.parallel else late:
                     stopped = "deadline"
                     break
                 last = self.train_step()
@@ -294,7 +346,7 @@ class Trainer:
             stopped = "interrupted"
         finally:
             bar.close()
-            if self.cfg.ckpt_on_exit:
+            if self.cfg.ckpt_on_exit and self.step > 0:
                 self.save_checkpoint()
         finished = self.step >= self.total_steps
         summary = {
@@ -308,9 +360,12 @@ class Trainer:
             "seconds": round(time.time() - t0, 2),
         }
         if finished:
-            if self.cfg.save_student:
-                torch.save(self.student.state_dict(), self.out / "student.pt")
-            (self.out / "done.json").write_text(json.dumps(summary, indent=2))
+            sd = parallel.full_state_dict(self.student) if self.cfg.save_student else None  # collective if sharded
+            if self.rank == 0:
+                if sd is not None:
+                    torch.save(sd, self.out / "student.pt")
+                (self.out / "done.json").write_text(json.dumps(summary, indent=2))
+            parallel.barrier()
         return summary
 
 
@@ -401,6 +456,7 @@ def convert_stage(
     hybrid_options: Optional[dict[str, Any]] = None,
     deadline: Optional[float] = None,
     rows: Optional[TokenRows] = None,
+    max_steps: Optional[int] = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Run one stage of the conversion into ``out_dir/stage{stage}/``.
 
@@ -408,7 +464,11 @@ def convert_stage(
     ``out_dir/stage{stage-1}/student.pt`` (stages 2, 3). Sampled teacher text is cached under
     ``out_dir/data/`` so that a resumed or later stage reuses it; ``rows`` replaces the data built
     from ``data`` (e.g. rows shared by several conversions). ``deadline`` (a ``time.time()`` value)
-    stops the stage early, with a checkpoint, when reached.
+    stops the stage early, with a checkpoint, when reached; so does ``max_steps`` (steps in total).
+
+    Data parallel (a process group of more than one rank, e.g. from :func:`spawn_convert`): every
+    rank calls this with the same arguments; rank 0 builds the rows first (sampled text is cached),
+    the student is sharded with FSDP2 and the returned student holds this rank's shards.
 
     Returns:
         (student, summary of :meth:`Trainer.run`).
@@ -418,13 +478,78 @@ def convert_stage(
     if config.stage != stage:
         raise ValueError(f"config is for stage {config.stage}, asked for stage {stage}")
     data = data or DataConfig()
+    rank, _ = parallel.world_info()
     if rows is None:
-        rows = build_rows(teacher, tokenizer, data, cache_dir=out / "data")
+        # data parallel: rank 0 samples (and caches) the teacher text first, the others read the cache
+        if rank == 0:
+            rows = build_rows(teacher, tokenizer, data, cache_dir=out / "data")
+        parallel.barrier()
+        if rank != 0:
+            rows = build_rows(teacher, tokenizer, data, cache_dir=out / "data")
     if student is None:
         init = None if stage == 1 else out / f"stage{stage - 1}" / "student.pt"
         student = load_student(teacher, mask, init=init, calibration_ids=rows.ids[:8].to(next(teacher.parameters()).device), **(hybrid_options or {}))
     sd = out / f"stage{stage}"
     sd.mkdir(parents=True, exist_ok=True)
-    (sd / "config.json").write_text(json.dumps({"train": asdict(config), "data": asdict(data), "hybrid": hybrid_options or {}}, indent=2, default=str))
+    if rank == 0:
+        (sd / "config.json").write_text(json.dumps({"train": asdict(config), "data": asdict(data), "hybrid": hybrid_options or {}}, indent=2, default=str))
     tr = Trainer(student, teacher, rows, config, sd, resume=resume)
-    return student, tr.run(deadline=deadline)
+    return student, tr.run(deadline=deadline, max_steps=max_steps)
+
+
+def _convert_worker(rank: int, world: int, rendezvous: str, device: Optional[str], kwargs: dict[str, Any], result: str) -> None:
+    import torch.distributed as dist
+
+    from ..distributed import backend_for, rank_device
+    from ..masks import HeadMask
+    from ..models import load_hf
+
+    dev = rank_device(device, rank)
+    if dev.startswith("cuda"):
+        torch.cuda.set_device(dev)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
+    dist.init_process_group(backend_for(device), init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        kw = dict(kwargs)
+        teacher, tok, _ = load_hf(kw.pop("model"), device=dev, dtype=kw.pop("dtype", torch.float32))
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        mask = kw.pop("mask")
+        mask = mask if isinstance(mask, HeadMask) else HeadMask.from_json(mask)
+        _, summary = convert_stage(teacher, tok, mask, **kw)
+        if rank == 0:
+            Path(result).write_text(json.dumps(summary))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_convert(n: int, model: str, mask: Any, stage: int, out_dir: str | Path, device: Optional[str] = None, **kwargs: Any) -> dict[str, Any]:
+    """Run :func:`convert_stage` data-parallel over ``n`` local processes (one per GPU, or CPU/gloo):
+    each process loads the teacher ``model`` (a spec of :func:`headscope.models.load_hf`) on its
+    device, the student is sharded with FSDP2, and every rank takes its slice of each global batch.
+    ``kwargs`` go to :func:`convert_stage` (config, data, resume, hybrid_options, deadline,
+    max_steps) and ``dtype`` to the teacher's loading.
+
+    Returns:
+        the stage summary of :meth:`Trainer.run`.
+
+    Raises:
+        ValueError: ``n`` < 1.
+    """
+    if n < 1:
+        raise ValueError(f"--devices {n}: need at least one process")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rendezvous = out / f".rendezvous-{os.getpid()}"
+    result = out / f".summary-{os.getpid()}.json"
+    for p in (rendezvous, result):
+        if p.exists():
+            p.unlink()
+    kw = {**kwargs, "model": str(model), "mask": mask, "stage": stage, "out_dir": str(out)}
+    torch.multiprocessing.spawn(_convert_worker, args=(n, str(rendezvous), device, kw, str(result)), nprocs=n, join=True)
+    summary = json.loads(result.read_text())
+    for p in (rendezvous, result):
+        if p.exists():
+            p.unlink()
+    return summary
