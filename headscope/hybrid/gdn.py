@@ -9,6 +9,8 @@ layout (fla's, ``[batch, time, head, dim]``):
 
 - :func:`gdn_naive` — token-by-token recurrence; the brute-force reference for tests.
 - :func:`gdn_chunked_torch` — exact chunked (WY) form in PyTorch, fp32; the CPU path.
+- :func:`gdn_recurrent_torch` — the recurrence in PyTorch fp32 (matmuls and elementwise ops only, so
+  it can be captured in a CUDA graph); the torch decode step (time = 1).
 - :func:`gdn_fla` — flash-linear-attention's ``chunk_gated_delta_rule`` (prefill) and
   ``fused_recurrent_gated_delta_rule`` (decoding); CUDA only, needs the optional extra ``gdn``.
 
@@ -176,6 +178,41 @@ def gdn_chunked_torch(
     return y.to(out_dtype), S
 
 
+def gdn_recurrent_torch(
+    q: Float[Tensor, "batch time head dk"],
+    k: Float[Tensor, "batch time head dk"],
+    v: Float[Tensor, "batch time head dv"],
+    g: Float[Tensor, "batch time head"],
+    beta: Float[Tensor, "batch time head"],
+    scale: float | None = None,
+    initial_state: Optional[Float[Tensor, "batch head dk dv"]] = None,
+) -> tuple[Float[Tensor, "batch time head dv"], Float[Tensor, "batch head dk dv"]]:
+    """Token-by-token gated delta rule (eq. 7–8) in fp32, for decoding a few tokens.
+
+    Per token: S ← α S + k δᵀ with δ = β (v − α Sᵀ k) (= eq. 7: α (I − β k kᵀ) S + β k vᵀ), and
+    y = scale · Sᵀ q — the same update as :func:`gdn_chunked_torch`, one token at a time.
+
+    Args / Returns / Raises: as :func:`gdn_chunked_torch` (y in v's dtype, S_T in fp32).
+    """
+    _check_shapes(q, k, v, g, beta, initial_state)
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    scale = dk**-0.5 if scale is None else scale
+    f = torch.float32
+    S = torch.zeros(B, H, dk, dv, dtype=f, device=q.device) if initial_state is None else initial_state.to(f)
+    ys = []
+    for t in range(T):
+        qt, kt, vt = q[:, t].to(f), k[:, t].to(f), v[:, t].to(f)  # B,H,d
+        a = g[:, t].to(f).exp()[..., None]  # B,H,1
+        b = beta[:, t].to(f)[..., None]
+        aS = a[..., None] * S  # B,H,dk,dv
+        delta = b * (vt - (kt[..., None, :] @ aS)[..., 0, :])  # B,H,dv
+        S = aS + kt[..., :, None] * delta[..., None, :]
+        ys.append(scale * (qt[..., None, :] @ S)[..., 0, :])
+    y = torch.stack(ys, dim=1) if ys else v.new_zeros(B, 0, H, dv, dtype=f)
+    return y.to(v.dtype), S
+
+
 def _import_fla():
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -231,8 +268,9 @@ def gated_delta_rule(
 ) -> tuple[Float[Tensor, "batch time head dv"], Float[Tensor, "batch head dk dv"]]:
     """Dispatch the gated delta rule (eq. 7–8).
 
-    ``kernel``: ``"fla"`` (CUDA only, errors elsewhere), ``"torch"`` (:func:`gdn_chunked_torch`), or
-    ``"auto"`` (fla on CUDA when importable, else torch).
+    ``kernel``: ``"fla"`` (CUDA only, errors elsewhere), ``"torch"`` (:func:`gdn_chunked_torch`; a
+    single token, i.e. a decode step, goes to :func:`gdn_recurrent_torch`), or ``"auto"`` (fla on CUDA
+    when importable, else torch).
 
     Raises:
         ValueError: unknown kernel, bad shapes, or ``"fla"`` on a non-CUDA device.
@@ -244,4 +282,6 @@ def gated_delta_rule(
         kernel = "fla" if (q.device.type == "cuda" and fla_available()) else "torch"
     if kernel == "fla":
         return gdn_fla(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    if q.dim() == 4 and q.shape[1] == 1:
+        return gdn_recurrent_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     return gdn_chunked_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
