@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from typing import Literal, Optional
 
 import torch
@@ -33,12 +34,21 @@ FAKernel = Literal["auto", "sdpa", "flash_attn"]
 FA_KERNELS = ("auto", "sdpa", "flash_attn")
 
 
+_found: dict[str, bool] = {}
+
+
 def flash_attn_available() -> bool:
-    """True when the ``flash_attn`` package can be imported (it has no wheel for our machines)."""
-    try:
-        return importlib.util.find_spec("flash_attn") is not None
-    except (ImportError, ValueError):
-        return False
+    """True when the ``flash_attn`` package can be imported (it has no wheel for our machines).
+
+    The package search runs once per process (a decode step must not pay for it)."""
+    if "flash_attn" in sys.modules:
+        return sys.modules["flash_attn"] is not None
+    if "flash_attn" not in _found:
+        try:
+            _found["flash_attn"] = importlib.util.find_spec("flash_attn") is not None
+        except (ImportError, ValueError):
+            _found["flash_attn"] = False
+    return _found["flash_attn"]
 
 
 def _flash_attn_func():
@@ -92,7 +102,7 @@ def fa_attention(
     if Hq % Hk:
         raise ValueError(f"{Hq} query heads are not a multiple of {Hk} KV heads (GQA needs q_head = r · kv_head)")
     use_flash = mask is None and (
-        kernel == "flash_attn" or (kernel == "auto" and flash_attn_available() and flash_attn_usable(q))
+        kernel == "flash_attn" or (kernel == "auto" and flash_attn_usable(q) and flash_attn_available())
     )
     if use_flash:
         if not flash_attn_usable(q):

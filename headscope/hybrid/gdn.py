@@ -29,12 +29,17 @@ from torch import Tensor
 Kernel = Literal["auto", "torch", "fla"]
 
 
+_fla_found: list[bool] = []
+
+
 def fla_available() -> bool:
-    """True when flash-linear-attention (``fla-core``) can be imported."""
-    try:
-        return importlib.util.find_spec("fla") is not None
-    except (ImportError, ValueError):
-        return False
+    """True when flash-linear-attention (``fla-core``) can be imported (searched once per process)."""
+    if not _fla_found:
+        try:
+            _fla_found.append(importlib.util.find_spec("fla") is not None)
+        except (ImportError, ValueError):
+            _fla_found.append(False)
+    return _fla_found[0]
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor]) -> None:
@@ -151,21 +156,18 @@ def gdn_chunked_torch(
 
     qc, kc, vc, gc, bc = prep(q), prep(k), prep(v), prep(g), prep(beta)
     G = gc.cumsum(-1)  # B,H,n,C
-    diff = G[..., :, None] - G[..., None, :]  # G_t - G_i
+    # the [B,H,n,C,C] matrices are built in place (less memory; equal to the out-of-place form to 1 ulp)
     idx = torch.arange(C, device=dev)
-    incl = idx[:, None] >= idx[None, :]
-    strict = idx[:, None] > idx[None, :]
-    decay_incl = torch.where(incl, diff, torch.full_like(diff, float("-inf"))).exp()  # M
-    decay_strict = torch.where(strict, diff, torch.full_like(diff, float("-inf"))).exp()
-    KK = kc @ kc.transpose(-1, -2)  # B,H,n,C,C
-    A = bc[..., :, None] * decay_strict * KK
-    eye = torch.eye(C, dtype=f, device=dev)
-    L = eye + A
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill_(idx[:, None] < idx[None, :], float("-inf")).exp_()  # M
+    L = decay.masked_fill(idx[:, None] == idx[None, :], 0.0)  # strictly lower part (exp(-inf) = 0 above)
+    L.mul_(bc[..., :, None]).mul_(kc @ kc.transpose(-1, -2))  # A_ti = β_t e^{G_t - G_i} k_tᵀ k_i, i < t
+    L.diagonal(dim1=-2, dim2=-1).add_(1.0)  # I + A
     # U = (I+A)^{-1} diag(β) V ; W = (I+A)^{-1} diag(β Γ) K  -- independent of the state: all chunks at once
     U = torch.linalg.solve_triangular(L, bc[..., None] * vc, upper=False, unitriangular=True)
     Gam = G.exp()
     W = torch.linalg.solve_triangular(L, (bc * Gam)[..., None] * kc, upper=False, unitriangular=True)
-    QK = (qc @ kc.transpose(-1, -2)) * decay_incl  # B,H,n,C,C
+    QK = (qc @ kc.transpose(-1, -2)).mul_(decay)  # B,H,n,C,C
+    del decay, L
     Qg = Gam[..., None] * qc
     tail = (G[..., -1:] - G).exp()  # e^{G_C - G_i}
     Kt = (tail[..., None] * kc).transpose(-1, -2)  # B,H,n,dk,C
