@@ -29,6 +29,7 @@ from torch import Tensor
 Kernel = Literal["auto", "torch", "fla"]
 
 
+GROUP_TOKENS = 1024  # gdn_chunked_torch: tokens whose chunk matrices are built at once (bounds memory)
 _fla_found: list[bool] = []
 
 
@@ -119,7 +120,8 @@ def gdn_chunked_torch(
     (i < t), solved exactly; then y = scale·(diag(Γ) Q S_0 + (M ⊙ Q Kᵀ) Δ) with M_{ti} = e^{G_t − G_i}
     (i ≤ t), and S_C = Γ_C S_0 + Kᵀ diag(e^{G_C − G}) Δ. This is eq. 7–8 reorganized, not an
     approximation: it equals :func:`gdn_naive` up to fp32 round-off. A length that is not a multiple
-    of ``chunk_size`` is padded with β = 0, g = 0 tokens, which leave the state unchanged.
+    of ``chunk_size`` is padded with β = 0, g = 0 tokens, which leave the state unchanged. Chunks are
+    processed in groups of ``GROUP_TOKENS`` tokens: the [C, C] matrices held at once cover at most that many.
 
     Args:
         q, k, v, g, beta, scale, initial_state: as in :func:`gdn_naive`.
@@ -145,39 +147,45 @@ def gdn_chunked_torch(
         return v.new_zeros(B, 0, H, dv), S
     C = min(chunk_size, T)
     n = -(-T // C)
-    pad = n * C - T
+    idx = torch.arange(C, device=dev)
+    per_group = max(1, GROUP_TOKENS // C)  # chunks whose [C, C] matrices are in memory at once
+    y_out = v.new_empty(B, T, H, dv, dtype=out_dtype)
 
-    def prep(x: Tensor) -> Tensor:  # [B,T,H,...] -> [B,H,n,C,...] fp32, zero-padded in time
-        x = x.to(f)
+    def prep(x: Tensor, t0: int, t1: int, nc: int) -> Tensor:  # [B,T,H,...] -> [B,H,nc,C,...] fp32, zero-padded
+        x = x[:, t0:t1].to(f)
+        pad = nc * C - (t1 - t0)
         if pad:
             x = torch.cat([x, x.new_zeros(B, pad, *x.shape[2:])], dim=1)
         x = x.transpose(1, 2)  # B,H,T',...
-        return x.reshape(B, H, n, C, *x.shape[3:])
+        return x.reshape(B, H, nc, C, *x.shape[3:])
 
-    qc, kc, vc, gc, bc = prep(q), prep(k), prep(v), prep(g), prep(beta)
-    G = gc.cumsum(-1)  # B,H,n,C
-    # the [B,H,n,C,C] matrices are built in place (less memory; equal to the out-of-place form to 1 ulp)
-    idx = torch.arange(C, device=dev)
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill_(idx[:, None] < idx[None, :], float("-inf")).exp_()  # M
-    L = decay.masked_fill(idx[:, None] == idx[None, :], 0.0)  # strictly lower part (exp(-inf) = 0 above)
-    L.mul_(bc[..., :, None]).mul_(kc @ kc.transpose(-1, -2))  # A_ti = β_t e^{G_t - G_i} k_tᵀ k_i, i < t
-    L.diagonal(dim1=-2, dim2=-1).add_(1.0)  # I + A
-    # U = (I+A)^{-1} diag(β) V ; W = (I+A)^{-1} diag(β Γ) K  -- independent of the state: all chunks at once
-    U = torch.linalg.solve_triangular(L, bc[..., None] * vc, upper=False, unitriangular=True)
-    Gam = G.exp()
-    W = torch.linalg.solve_triangular(L, (bc * Gam)[..., None] * kc, upper=False, unitriangular=True)
-    QK = (qc @ kc.transpose(-1, -2)).mul_(decay)  # B,H,n,C,C
-    del decay, L
-    Qg = Gam[..., None] * qc
-    tail = (G[..., -1:] - G).exp()  # e^{G_C - G_i}
-    Kt = (tail[..., None] * kc).transpose(-1, -2)  # B,H,n,dk,C
-    ys = []
-    for c in range(n):
-        delta = U[:, :, c] - W[:, :, c] @ S  # B,H,C,dv
-        ys.append(scale * (Qg[:, :, c] @ S + QK[:, :, c] @ delta))
-        S = Gam[:, :, c, -1, None, None] * S + Kt[:, :, c] @ delta
-    y = torch.cat(ys, dim=2)[:, :, :T].transpose(1, 2)  # B,T,H,dv
-    return y.to(out_dtype), S
+    for c0 in range(0, n, per_group):
+        nc = min(per_group, n - c0)
+        t0, t1 = c0 * C, min(T, (c0 + nc) * C)
+        qc, kc, vc, gc, bc = (prep(x, t0, t1, nc) for x in (q, k, v, g, beta))
+        G = gc.cumsum(-1)  # B,H,nc,C
+        # the [B,H,nc,C,C] matrices are built in place (less memory; equal to the out-of-place form to 1 ulp)
+        decay = (G[..., :, None] - G[..., None, :]).masked_fill_(idx[:, None] < idx[None, :], float("-inf")).exp_()
+        L = decay.masked_fill(idx[:, None] == idx[None, :], 0.0)  # strictly lower part (exp(-inf) = 0 above)
+        L.mul_(bc[..., :, None]).mul_(kc @ kc.transpose(-1, -2))  # A_ti = β_t e^{G_t - G_i} k_tᵀ k_i, i < t
+        L.diagonal(dim1=-2, dim2=-1).add_(1.0)  # I + A
+        # U = (I+A)^{-1} diag(β) V ; W = (I+A)^{-1} diag(β Γ) K -- independent of the state: a group at once
+        U = torch.linalg.solve_triangular(L, bc[..., None] * vc, upper=False, unitriangular=True)
+        Gam = G.exp()
+        W = torch.linalg.solve_triangular(L, (bc * Gam)[..., None] * kc, upper=False, unitriangular=True)
+        QK = (qc @ kc.transpose(-1, -2)).mul_(decay)  # B,H,nc,C,C  (M ⊙ Q Kᵀ)
+        del decay, L
+        Qg = Gam[..., None] * qc
+        tail = (G[..., -1:] - G).exp()  # e^{G_C - G_i}
+        Kt = (tail[..., None] * kc).transpose(-1, -2)  # B,H,nc,dk,C
+        ys = []
+        for c in range(nc):
+            delta = U[:, :, c] - W[:, :, c] @ S  # B,H,C,dv
+            ys.append(scale * (Qg[:, :, c] @ S + QK[:, :, c] @ delta))
+            S = Gam[:, :, c, -1, None, None] * S + Kt[:, :, c] @ delta
+        y_out[:, t0:t1] = torch.cat(ys, dim=2)[:, :, : t1 - t0].transpose(1, 2)  # B,t,H,dv
+        del qc, kc, vc, gc, bc, U, W, QK, Qg, Kt, ys
+    return y_out, S
 
 
 def gdn_recurrent_torch(
