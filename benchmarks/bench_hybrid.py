@@ -313,6 +313,22 @@ def checks(dev):
 
 
 
+def _versions():
+    """Versions of the optional kernels (fla picks FlashQLA / tilelang for the chunked GDN on Hopper when
+    the ``flash_qla`` package is there, unless FLA_FLASH_QLA=0)."""
+    import importlib.metadata as md
+    import os
+
+    out = {"FLA_FLASH_QLA": os.environ.get("FLA_FLASH_QLA")}
+    for name in ("fla-core", "flash-linear-attention", "flash-qla", "flash_qla", "tilelang", "flash-attn", "triton",
+                 "transformers"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
 def _fmt_row(shape, r):
     f, hy, ra = r["fa"], r["hybrid"], r["ratio"]
     g = lambda v, s=1e3: "   -   " if v is None else f"{v * s:7.1f}"  # noqa: E731
@@ -339,6 +355,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     dev = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # shared CPUs: one thread keeps the smoke run's timings sane
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     gdn_kernel = "fla" if (dev.type == "cuda" and fla_available()) else "torch"
     probe = torch.empty(1, device=dev, dtype=dtype)
@@ -347,7 +365,7 @@ def main(argv=None):
     eager_reps = 3 if a.smoke else a.eager_reps
     results = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
                "dtype": str(dtype), "gdn_kernel": gdn_kernel, "fa_kernel": fa_kernel, "batch": 1,
-               "low_memory_block": layer_mod.BLOCK, "bench": {}}
+               "low_memory_block": layer_mod.BLOCK, "versions": _versions(), "bench": {}}
     print(f"device {results['device']}  torch {torch.__version__}  {dtype}  GDN kernel {gdn_kernel}  "
           f"FA kernel {fa_kernel}", flush=True)
     out_file = a.out / "bench_hybrid.json" if a.out else None
