@@ -1,21 +1,32 @@
-"""One head-wise hybrid attention layer (7:1, >= 1 FA head per layer) against the all-FA teacher layer.
+"""One head-wise hybrid attention layer (7:1, >= 1 FA head per layer) against the all-FA layer.
 
-Measures, in one run and one process, for B = 1 and bf16 on CUDA:
-- prefill: forward time of the whole attention module (projections included) and its peak extra memory;
-- decoding: time of one decode step with a cache holding T tokens, and the cache's bytes;
-and prints hybrid / teacher ratios (timings are only meaningful as ratios within one run).
+Measures in one run and one process, B = 1, bf16 on CUDA (fp32 on CPU):
 
-``--check`` first compares the CUDA kernels with the CPU reference (fla chunk / fused recurrent vs the
-exact chunked PyTorch form; a whole hybrid layer and a small hybrid model on CUDA vs CPU).
+- prefill: forward time of the whole attention module (projections included) over T tokens, and its
+  peak extra memory (CUDA: ``torch.cuda.max_memory_allocated`` above what was allocated before; CPU:
+  the allocator events of the torch profiler). The hybrid layer's peak is measured twice: on the
+  low-memory path (the default under ``no_grad``) and on the plain path (``layer.LOW_MEMORY = False``,
+  the elementwise stages out of place, as before the change) — same numbers, different memory;
+- decoding: one token step with T tokens cached in a :class:`HybridDecodeCache` (K/V of the FA heads'
+  KV groups, GDN state), replayed from a CUDA graph (``torch.cuda.CUDAGraph``, timed with CUDA events
+  over many replays) and run eagerly; the same step through a transformers ``DynamicCache`` (eager,
+  growing cache) for reference; and the cache's bytes at T;
+- parity: the all-FA layer vs the teacher's ``LlamaAttention`` (prefill), and the hybrid decode step
+  (eager and graph-replayed) vs the full forward's last position.
 
-    python benchmarks/bench_hybrid.py --check --lengths 4096 16384 32768 65536 --out results.json
-    python benchmarks/bench_hybrid.py --smoke      # CPU, tiny lengths, torch kernels: checks the script
+"fa" is the all-FA layer (HeadwiseHybridAttention with every head FA, fusion off: the teacher's
+numbers, same code path); "teacher" is transformers' LlamaAttention (prefill only). Ratios are
+hybrid / fa; timings are only meaningful as ratios within one run. Kernels: fla (GDN) when importable
+on CUDA, else the PyTorch GDN path; flash-attn for FA when importable, else SDPA.
+
+    python benchmarks/bench_hybrid.py --out results/             # CUDA: 4K..64K, both shapes
+    python benchmarks/bench_hybrid.py --smoke --out /tmp/smoke   # CPU, toy lengths: checks the script
+    python benchmarks/bench_hybrid.py --check ...                # + CUDA kernels vs the CPU reference
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 import time
@@ -26,8 +37,10 @@ import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
+import headscope.hybrid.layer as layer_mod
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions, hybridize
-from headscope.hybrid.gdn import gdn_chunked_torch, gated_delta_rule
+from headscope.hybrid.attn import flash_attn_available, flash_attn_usable
+from headscope.hybrid.gdn import fla_available, gdn_chunked_torch, gated_delta_rule
 from headscope.masks import HeadMask
 
 SHAPES = {
@@ -45,16 +58,13 @@ def _cfg(hidden, h, kv, d):
     return cfg
 
 
-def _cache_kw(module):
-    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
-
-
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
 
 
-def _time(fn, dev, reps, warmup=2):
+def _time(fn, dev, reps, warmup=1):
+    """Mean ms per call: CUDA events around ``reps`` calls (CUDA), perf_counter (CPU)."""
     for _ in range(warmup):
         fn()
     _sync(dev)
@@ -72,53 +82,151 @@ def _time(fn, dev, reps, warmup=2):
     return (time.perf_counter() - t) * 1e3 / reps
 
 
-def _cache_bytes(cache):
-    n = 0
-    for layer in cache.layers:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                n += t.numel() * t.element_size()
-        for t in getattr(layer, "_headscope_gdn_state", {}).values():
-            n += t.numel() * t.element_size()
-    return n
+def _peak_bytes(fn, dev):
+    """Peak bytes allocated by ``fn()`` above what was allocated before it (its output included)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del out
+        return peak
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+        del out
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
+    cur = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+def _err(a, ref):
+    a, ref = a.float().cpu(), ref.float().cpu()
+    m = (a - ref).abs().max().item()
+    return {"max_abs": m, "rel_to_max": m / max(ref.abs().max().item(), 1e-30)}
+
+
+def _decode(mod, x, pe, T, dev, graph_reps, eager_reps):
+    """Prefill T tokens into a HybridDecodeCache, then time one decode step at length T."""
+    x_pre, x1 = x[:, :T], x[:, T:]
+    pe_pre = tuple(t[:, :T] for t in pe)
+    pe1 = tuple(t[:, T:].contiguous() for t in pe)
+    dc = mod.new_decode_cache(1, T + 1)
+    mod(x_pre, position_embeddings=pe_pre, cache=dc)
+    bufs = [t for t in (dc.S, dc.conv) if t is not None]
+    snap = [t.clone() for t in bufs]
+
+    def restore():
+        for t, s in zip(bufs, snap):
+            t.copy_(s)
+
+    def step():
+        dc.length = T  # every step is the step at length T (K/V written into slot T)
+        return mod(x1, position_embeddings=pe1, cache=dc)[0]
+
+    out_eager = step().clone()
+    r = {"cache_bytes": dc.nbytes(T), "step_out": out_eager}
+    restore()
+    r["eager_ms"] = _time(step, dev, eager_reps, warmup=2)
+    if dev.type == "cuda":
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = step()
+        restore()
+        graph.replay()
+        torch.cuda.synchronize()
+        r["graph_vs_eager"] = _err(static_out, out_eager)
+        r["graph_ms"] = _time(graph.replay, dev, graph_reps, warmup=3)
+        del graph, static_out
+    else:
+        r["graph_ms"] = None
+    del dc
+    return r
+
+
+def _decode_dynamic(mod, x, pe, T, dev, reps):
+    """The same step through a transformers DynamicCache (eager; the cache grows by one per step)."""
+    cache = DynamicCache()
+    mod(x[:, :T], position_embeddings=tuple(t[:, :T] for t in pe), cache=cache)
+    x1, pe1 = x[:, T:], tuple(t[:, T:] for t in pe)
+    ms = _time(lambda: mod(x1, position_embeddings=pe1, cache=cache), dev, reps, warmup=1)
+    del cache
+    return ms
 
 
 @torch.no_grad()
-def bench_layer(shape, T, dev, dtype, kernel, decode_steps=20):
+def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30, prefill_reps=None, dynamic_reps=10):
     hidden, h, kv, d, fa = SHAPES[shape]
     cfg = _cfg(hidden, h, kv, d)
     torch.manual_seed(0)
     teacher = LlamaAttention(cfg, 0)
     for p in teacher.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    hybrid = HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel=kernel))
-    hybrid.migrate_from(teacher)
-    teacher, hybrid = teacher.to(dev, dtype).eval(), hybrid.to(dev, dtype).eval()
+    mods = {
+        "teacher": teacher,
+        "fa": HeadwiseHybridAttention(cfg, 0, tuple(range(h)), HybridOptions(fusion="none", gdn_kernel=gdn_kernel)),
+        "hybrid": HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel=gdn_kernel)),
+    }
+    mods["fa"].migrate_from(teacher)
+    mods["hybrid"].migrate_from(teacher)
+    for k in mods:
+        mods[k] = mods[k].to(dev, dtype).eval()
     rope = LlamaRotaryEmbedding(cfg).to(dev)
-    x = torch.randn(1, T, hidden, device=dev, dtype=dtype)
-    pe = rope(x, torch.arange(T, device=dev)[None])
-    x1 = torch.randn(1, 1, hidden, device=dev, dtype=dtype)
-    pe1 = rope(x1, torch.tensor([[T]], device=dev))
-    reps = max(2, min(20, (1 << 16) // T * 2))
-    out = {}
-    for name, mod in (("fa", teacher), ("hybrid", hybrid)):
+    x = torch.randn(1, T + 1, hidden, device=dev, dtype=dtype)
+    pe = rope(x, torch.arange(T + 1, device=dev)[None])
+    xp, pep = x[:, :T], tuple(t[:, :T] for t in pe)
+    reps = prefill_reps or max(3, min(20, (1 << 17) // T))
+    out = {"T": T, "reps_prefill": reps, "graph_reps": graph_reps, "eager_reps": eager_reps}
+    for name, mod in mods.items():
+        kw = {"attention_mask": None} if name == "teacher" else {}
+        call = lambda: mod(xp, position_embeddings=pep, **kw)[0]  # noqa: E731
+        r = {"prefill_ms": _time(call, dev, reps)}
+        r["prefill_peak_bytes"] = _peak_bytes(call, dev)
+        if name == "hybrid":
+            layer_mod.LOW_MEMORY = False
+            try:
+                r["prefill_peak_bytes_plain"] = _peak_bytes(call, dev)
+                r["prefill_ms_plain"] = _time(call, dev, reps)
+            finally:
+                layer_mod.LOW_MEMORY = True
+        out[name] = r
+    out["parity"] = {"fa_layer_vs_teacher_prefill": _err(mods["fa"](xp, position_embeddings=pep)[0],
+                                                          teacher(xp, position_embeddings=pep, attention_mask=None)[0])}
+    for name in ("fa", "hybrid"):
+        mod = mods[name]
+        dec = _decode(mod, x, pe, T, dev, graph_reps, eager_reps)
+        step_out = dec.pop("step_out")
+        if name == "hybrid":
+            full = mod(x, position_embeddings=pe)[0][:, -1]
+            out["parity"]["hybrid_decode_step_vs_full_forward"] = _err(step_out[:, 0], full)
+            if "graph_vs_eager" in dec:
+                out["parity"]["hybrid_graph_vs_eager_step"] = dec.pop("graph_vs_eager")
+        dec.pop("graph_vs_eager", None)
+        out[name].update({f"decode_{k}" if not k.startswith("cache") else k: v for k, v in dec.items()})
+        out[name]["decode_dynamic_cache_ms"] = _decode_dynamic(mod, x, pe, T, dev, reps=dynamic_reps)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        ms = _time(lambda: mod(x, position_embeddings=pe, attention_mask=None), dev, reps)
-        peak = (torch.cuda.max_memory_allocated() - base) if dev.type == "cuda" else 0
-        cache = DynamicCache()
-        mod(x, position_embeddings=pe, attention_mask=None, **{_cache_kw(mod): cache})
-        cb = _cache_bytes(cache)
-
-        def step():
-            mod(x1, position_embeddings=pe1, attention_mask=None, **{_cache_kw(mod): cache})
-
-        dms = _time(step, dev, decode_steps, warmup=2)
-        out[name] = {"prefill_ms": ms, "prefill_peak_bytes": peak, "decode_ms": dms, "cache_bytes": cb}
-        del cache
-    out["ratio"] = {k: out["hybrid"][k] / out["fa"][k] if out["fa"][k] else float("nan") for k in out["fa"]}
+    keys = ("prefill_ms", "prefill_peak_bytes", "decode_graph_ms", "decode_eager_ms", "decode_dynamic_cache_ms",
+            "cache_bytes")
+    out["ratio"] = {k: (out["hybrid"][k] / out["fa"][k] if out["fa"].get(k) else None) for k in keys}
+    out["ratio"]["prefill_peak_bytes_plain"] = out["hybrid"]["prefill_peak_bytes_plain"] / out["fa"]["prefill_peak_bytes"]
+    out["ratio"]["prefill_ms_vs_teacher"] = out["hybrid"]["prefill_ms"] / out["teacher"]["prefill_ms"]
+    out["ratio"]["prefill_peak_vs_teacher"] = out["hybrid"]["prefill_peak_bytes"] / out["teacher"]["prefill_peak_bytes"]
     return out
 
 
@@ -204,52 +312,107 @@ def checks(dev):
     return res
 
 
+
+def _versions():
+    """Versions of the optional kernels (fla picks FlashQLA / tilelang for the chunked GDN on Hopper when
+    the ``flash_qla`` package is there, unless FLA_FLASH_QLA=0)."""
+    import importlib.metadata as md
+    import os
+
+    out = {"FLA_FLASH_QLA": os.environ.get("FLA_FLASH_QLA")}
+    for name in ("fla-core", "flash-linear-attention", "flash-qla", "flash_qla", "tilelang", "flash-attn", "triton",
+                 "transformers"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _fmt_row(shape, r):
+    f, hy, ra = r["fa"], r["hybrid"], r["ratio"]
+    g = lambda v, s=1e3: "   -   " if v is None else f"{v * s:7.1f}"  # noqa: E731
+    return (f"{shape:13s} {r['T']:6d} | prefill ms {f['prefill_ms']:8.3f} {hy['prefill_ms']:8.3f} x{ra['prefill_ms']:.2f} "
+            f"| peak MB {f['prefill_peak_bytes'] / 2**20:7.1f} {hy['prefill_peak_bytes'] / 2**20:7.1f} "
+            f"(plain {hy['prefill_peak_bytes_plain'] / 2**20:7.1f}) x{ra['prefill_peak_bytes']:.2f} "
+            f"| decode us graph {g(f['decode_graph_ms'])} {g(hy['decode_graph_ms'])} "
+            f"x{'-' if ra['decode_graph_ms'] is None else format(ra['decode_graph_ms'], '.2f')} "
+            f"eager {g(f['decode_eager_ms'])} {g(hy['decode_eager_ms'])} x{ra['decode_eager_ms']:.2f} "
+            f"| cache MB {f['cache_bytes'] / 2**20:7.2f} {hy['cache_bytes'] / 2**20:7.2f} x{ra['cache_bytes']:.3f}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--check", action="store_true", help="CUDA kernels vs CPU reference first")
-    ap.add_argument("--smoke", action="store_true", help="CPU, torch kernels, tiny lengths")
-    ap.add_argument("--out", type=Path, default=None, help="write results as JSON")
+    ap.add_argument("--check", action="store_true", help="CUDA kernels vs the CPU reference first")
+    ap.add_argument("--smoke", action="store_true", help="CPU, toy lengths (64, 128): checks the script")
+    ap.add_argument("--out", type=Path, default=None, help="directory for bench_hybrid.json")
+    ap.add_argument("--graph-reps", type=int, default=200, help="CUDA-graph replays per decode timing")
+    ap.add_argument("--eager-reps", type=int, default=30, help="eager decode steps per timing")
+    ap.add_argument("--budget-s", type=float, default=200.0,
+                    help="skip the remaining (shape, length) cells once this many seconds have passed")
     a = ap.parse_args(argv)
+    t0 = time.perf_counter()
     dev = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # shared CPUs: one thread keeps the smoke run's timings sane
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    kernel = "torch" if dev.type == "cpu" else "fla"
-    lengths = [256, 512] if a.smoke else a.lengths
+    gdn_kernel = "fla" if (dev.type == "cuda" and fla_available()) else "torch"
+    probe = torch.empty(1, device=dev, dtype=dtype)
+    fa_kernel = "flash_attn" if (flash_attn_available() and flash_attn_usable(probe)) else "sdpa"
+    lengths = [64, 128] if a.smoke else a.lengths
+    eager_reps = 3 if a.smoke else a.eager_reps
     results = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-               "dtype": str(dtype), "kernel": kernel, "bench": {}}
+               "dtype": str(dtype), "gdn_kernel": gdn_kernel, "fa_kernel": fa_kernel, "batch": 1,
+               "low_memory_block": layer_mod.BLOCK, "versions": _versions(), "bench": {}}
+    print(f"device {results['device']}  torch {torch.__version__}  {dtype}  GDN kernel {gdn_kernel}  "
+          f"FA kernel {fa_kernel}", flush=True)
+    out_file = a.out / "bench_hybrid.json" if a.out else None
 
     def dump():
-        if a.out:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(json.dumps(results, indent=2))
+        results["wall_s"] = time.perf_counter() - t0
+        if out_file:
+            out_file.parent.mkdir(parents=True, exist_ok=True)
+            out_file.write_text(json.dumps(results, indent=2))
 
     if a.check and dev.type == "cuda":
         try:
             results["checks"] = checks(dev)
-        except Exception as e:  # keep going: the benchmark is still worth having
+        except Exception:  # keep going: the benchmark is still worth having
             import traceback
 
             results["checks"] = {"error": traceback.format_exc()[-3000:]}
         print(json.dumps(results["checks"], indent=1), flush=True)
         dump()
+    rows = []
     for shape in a.shapes:
         for T in lengths:
+            key = f"{shape}@{T}"
+            if time.perf_counter() - t0 > a.budget_s:
+                results["bench"][key] = {"skipped": f"time budget {a.budget_s:.0f} s spent"}
+                print(f"{key}: skipped (time budget)", flush=True)
+                continue
+            t1 = time.perf_counter()
             try:
-                r = bench_layer(shape, T, dev, dtype, kernel)
-            except Exception as e:  # pragma: no cover - OOM or a kernel failure: record, go on
+                r = bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=a.graph_reps, eager_reps=eager_reps,
+                                **({"prefill_reps": 2, "dynamic_reps": 2} if a.smoke else {}))
+            except Exception:  # pragma: no cover - OOM or a kernel failure: record, go on
                 import traceback
 
-                r = {"error": traceback.format_exc()[-2000:]}
+                r = {"error": traceback.format_exc()[-3000:]}
                 print(r["error"], flush=True)
-            results["bench"][f"{shape}@{T}"] = r
+            r["cell_s"] = time.perf_counter() - t1
+            results["bench"][key] = r
             dump()
             if "ratio" in r:
-                print(f"{shape:13s} T={T:6d}  FA prefill {r['fa']['prefill_ms']:8.3f} ms  hybrid "
-                      f"{r['hybrid']['prefill_ms']:8.3f} ms  ratio {r['ratio']['prefill_ms']:.3f} | decode ratio "
-                      f"{r['ratio']['decode_ms']:.3f} | peak mem ratio {r['ratio']['prefill_peak_bytes']:.3f} | "
-                      f"cache ratio {r['ratio']['cache_bytes']:.3f}", flush=True)
+                rows.append(_fmt_row(shape, r))
+                print(rows[-1], f"| parity {json.dumps(r['parity'])} | {r['cell_s']:.1f} s", flush=True)
+    print("\nshape              T | prefill ms fa / hybrid | peak MB fa / hybrid (plain path) | "
+          "decode step us fa / hybrid | cache MB fa / hybrid")
+    print("\n".join(rows))
     dump()
+    print(f"wall {results['wall_s']:.1f} s" + (f"; wrote {out_file}" if out_file else ""))
     return results
 
 

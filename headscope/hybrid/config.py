@@ -8,6 +8,7 @@ from typing import Any
 _FA_POS = ("rope", "nope")
 _FUSION = ("rmsnorm", "none")
 _KERNELS = ("auto", "torch", "fla")
+_FA_KERNELS = ("auto", "sdpa", "flash_attn")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class HybridOptions:
         gdn_kernel: ``"auto"`` (fla on CUDA when installed, else the PyTorch chunked form), ``"torch"``,
             ``"fla"`` (CUDA only).
         chunk_size: chunk length of the PyTorch chunked path (tokens).
+        fa_kernel: softmax attention of the FA heads: ``"auto"`` (flash-attn's ``flash_attn_func`` when
+            importable, on CUDA in fp16/bf16, without a padding mask; else PyTorch SDPA), ``"sdpa"``,
+            ``"flash_attn"``. Both are GQA-native (no K/V copy per query head). (default ``"auto"``)
         gdn_span: (min, max) initial memory span 1 / (1 − α_h) of the GDN heads in tokens, log-spaced
             over the GDN heads of a layer; sets dt_bias with A_log = 0 and a_proj = 0. (default (16, 1024))
     """
@@ -44,6 +48,7 @@ class HybridOptions:
     gdn_kernel: str = "auto"
     chunk_size: int = 64
     gdn_span: tuple[float, float] = (16.0, 1024.0)
+    fa_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.fa_pos not in _FA_POS:
@@ -54,6 +59,8 @@ class HybridOptions:
             raise ValueError(f"fusion must be one of {_FUSION}, got {self.fusion!r}")
         if self.gdn_kernel not in _KERNELS:
             raise ValueError(f"gdn_kernel must be one of {_KERNELS}, got {self.gdn_kernel!r}")
+        if self.fa_kernel not in _FA_KERNELS:
+            raise ValueError(f"fa_kernel must be one of {_FA_KERNELS}, got {self.fa_kernel!r}")
         if self.gdn_conv < 0 or int(self.gdn_conv) != self.gdn_conv:
             raise ValueError(f"gdn_conv is a kernel size >= 0 (0 = off), got {self.gdn_conv}")
         if self.chunk_size < 1:

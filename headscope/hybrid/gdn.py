@@ -9,6 +9,8 @@ layout (fla's, ``[batch, time, head, dim]``):
 
 - :func:`gdn_naive` — token-by-token recurrence; the brute-force reference for tests.
 - :func:`gdn_chunked_torch` — exact chunked (WY) form in PyTorch, fp32; the CPU path.
+- :func:`gdn_recurrent_torch` — the recurrence in PyTorch fp32 (matmuls and elementwise ops only, so
+  it can be captured in a CUDA graph); the torch decode step (time = 1).
 - :func:`gdn_fla` — flash-linear-attention's ``chunk_gated_delta_rule`` (prefill) and
   ``fused_recurrent_gated_delta_rule`` (decoding); CUDA only, needs the optional extra ``gdn``.
 
@@ -27,12 +29,18 @@ from torch import Tensor
 Kernel = Literal["auto", "torch", "fla"]
 
 
+GROUP_TOKENS = 1024  # gdn_chunked_torch: tokens whose chunk matrices are built at once (bounds memory)
+_fla_found: list[bool] = []
+
+
 def fla_available() -> bool:
-    """True when flash-linear-attention (``fla-core``) can be imported."""
-    try:
-        return importlib.util.find_spec("fla") is not None
-    except (ImportError, ValueError):
-        return False
+    """True when flash-linear-attention (``fla-core``) can be imported (searched once per process)."""
+    if not _fla_found:
+        try:
+            _fla_found.append(importlib.util.find_spec("fla") is not None)
+        except (ImportError, ValueError):
+            _fla_found.append(False)
+    return _fla_found[0]
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor]) -> None:
@@ -112,7 +120,8 @@ def gdn_chunked_torch(
     (i < t), solved exactly; then y = scale·(diag(Γ) Q S_0 + (M ⊙ Q Kᵀ) Δ) with M_{ti} = e^{G_t − G_i}
     (i ≤ t), and S_C = Γ_C S_0 + Kᵀ diag(e^{G_C − G}) Δ. This is eq. 7–8 reorganized, not an
     approximation: it equals :func:`gdn_naive` up to fp32 round-off. A length that is not a multiple
-    of ``chunk_size`` is padded with β = 0, g = 0 tokens, which leave the state unchanged.
+    of ``chunk_size`` is padded with β = 0, g = 0 tokens, which leave the state unchanged. Chunks are
+    processed in groups of ``GROUP_TOKENS`` tokens: the [C, C] matrices held at once cover at most that many.
 
     Args:
         q, k, v, g, beta, scale, initial_state: as in :func:`gdn_naive`.
@@ -138,42 +147,80 @@ def gdn_chunked_torch(
         return v.new_zeros(B, 0, H, dv), S
     C = min(chunk_size, T)
     n = -(-T // C)
-    pad = n * C - T
+    idx = torch.arange(C, device=dev)
+    per_group = max(1, GROUP_TOKENS // C)  # chunks whose [C, C] matrices are in memory at once
+    y_out = v.new_empty(B, T, H, dv, dtype=out_dtype)
 
-    def prep(x: Tensor) -> Tensor:  # [B,T,H,...] -> [B,H,n,C,...] fp32, zero-padded in time
-        x = x.to(f)
+    def prep(x: Tensor, t0: int, t1: int, nc: int) -> Tensor:  # [B,T,H,...] -> [B,H,nc,C,...] fp32, zero-padded
+        x = x[:, t0:t1].to(f)
+        pad = nc * C - (t1 - t0)
         if pad:
             x = torch.cat([x, x.new_zeros(B, pad, *x.shape[2:])], dim=1)
         x = x.transpose(1, 2)  # B,H,T',...
-        return x.reshape(B, H, n, C, *x.shape[3:])
+        return x.reshape(B, H, nc, C, *x.shape[3:])
 
-    qc, kc, vc, gc, bc = prep(q), prep(k), prep(v), prep(g), prep(beta)
-    G = gc.cumsum(-1)  # B,H,n,C
-    diff = G[..., :, None] - G[..., None, :]  # G_t - G_i
-    idx = torch.arange(C, device=dev)
-    incl = idx[:, None] >= idx[None, :]
-    strict = idx[:, None] > idx[None, :]
-    decay_incl = torch.where(incl, diff, torch.full_like(diff, float("-inf"))).exp()  # M
-    decay_strict = torch.where(strict, diff, torch.full_like(diff, float("-inf"))).exp()
-    KK = kc @ kc.transpose(-1, -2)  # B,H,n,C,C
-    A = bc[..., :, None] * decay_strict * KK
-    eye = torch.eye(C, dtype=f, device=dev)
-    L = eye + A
-    # U = (I+A)^{-1} diag(β) V ; W = (I+A)^{-1} diag(β Γ) K  -- independent of the state: all chunks at once
-    U = torch.linalg.solve_triangular(L, bc[..., None] * vc, upper=False, unitriangular=True)
-    Gam = G.exp()
-    W = torch.linalg.solve_triangular(L, (bc * Gam)[..., None] * kc, upper=False, unitriangular=True)
-    QK = (qc @ kc.transpose(-1, -2)) * decay_incl  # B,H,n,C,C
-    Qg = Gam[..., None] * qc
-    tail = (G[..., -1:] - G).exp()  # e^{G_C - G_i}
-    Kt = (tail[..., None] * kc).transpose(-1, -2)  # B,H,n,dk,C
+    for c0 in range(0, n, per_group):
+        nc = min(per_group, n - c0)
+        t0, t1 = c0 * C, min(T, (c0 + nc) * C)
+        qc, kc, vc, gc, bc = (prep(x, t0, t1, nc) for x in (q, k, v, g, beta))
+        G = gc.cumsum(-1)  # B,H,nc,C
+        # the [B,H,nc,C,C] matrices are built in place (less memory; equal to the out-of-place form to 1 ulp)
+        decay = (G[..., :, None] - G[..., None, :]).masked_fill_(idx[:, None] < idx[None, :], float("-inf")).exp_()
+        L = decay.masked_fill(idx[:, None] == idx[None, :], 0.0)  # strictly lower part (exp(-inf) = 0 above)
+        L.mul_(bc[..., :, None]).mul_(kc @ kc.transpose(-1, -2))  # A_ti = β_t e^{G_t - G_i} k_tᵀ k_i, i < t
+        L.diagonal(dim1=-2, dim2=-1).add_(1.0)  # I + A
+        # U = (I+A)^{-1} diag(β) V ; W = (I+A)^{-1} diag(β Γ) K -- independent of the state: a group at once
+        U = torch.linalg.solve_triangular(L, bc[..., None] * vc, upper=False, unitriangular=True)
+        Gam = G.exp()
+        W = torch.linalg.solve_triangular(L, (bc * Gam)[..., None] * kc, upper=False, unitriangular=True)
+        QK = (qc @ kc.transpose(-1, -2)).mul_(decay)  # B,H,nc,C,C  (M ⊙ Q Kᵀ)
+        del decay, L
+        Qg = Gam[..., None] * qc
+        tail = (G[..., -1:] - G).exp()  # e^{G_C - G_i}
+        Kt = (tail[..., None] * kc).transpose(-1, -2)  # B,H,nc,dk,C
+        ys = []
+        for c in range(nc):
+            delta = U[:, :, c] - W[:, :, c] @ S  # B,H,C,dv
+            ys.append(scale * (Qg[:, :, c] @ S + QK[:, :, c] @ delta))
+            S = Gam[:, :, c, -1, None, None] * S + Kt[:, :, c] @ delta
+        y_out[:, t0:t1] = torch.cat(ys, dim=2)[:, :, : t1 - t0].transpose(1, 2)  # B,t,H,dv
+        del qc, kc, vc, gc, bc, U, W, QK, Qg, Kt, ys
+    return y_out, S
+
+
+def gdn_recurrent_torch(
+    q: Float[Tensor, "batch time head dk"],
+    k: Float[Tensor, "batch time head dk"],
+    v: Float[Tensor, "batch time head dv"],
+    g: Float[Tensor, "batch time head"],
+    beta: Float[Tensor, "batch time head"],
+    scale: float | None = None,
+    initial_state: Optional[Float[Tensor, "batch head dk dv"]] = None,
+) -> tuple[Float[Tensor, "batch time head dv"], Float[Tensor, "batch head dk dv"]]:
+    """Token-by-token gated delta rule (eq. 7–8) in fp32, for decoding a few tokens.
+
+    Per token: S ← α S + k δᵀ with δ = β (v − α Sᵀ k) (= eq. 7: α (I − β k kᵀ) S + β k vᵀ), and
+    y = scale · Sᵀ q — the same update as :func:`gdn_chunked_torch`, one token at a time.
+
+    Args / Returns / Raises: as :func:`gdn_chunked_torch` (y in v's dtype, S_T in fp32).
+    """
+    _check_shapes(q, k, v, g, beta, initial_state)
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    scale = dk**-0.5 if scale is None else scale
+    f = torch.float32
+    S = torch.zeros(B, H, dk, dv, dtype=f, device=q.device) if initial_state is None else initial_state.to(f)
     ys = []
-    for c in range(n):
-        delta = U[:, :, c] - W[:, :, c] @ S  # B,H,C,dv
-        ys.append(scale * (Qg[:, :, c] @ S + QK[:, :, c] @ delta))
-        S = Gam[:, :, c, -1, None, None] * S + Kt[:, :, c] @ delta
-    y = torch.cat(ys, dim=2)[:, :, :T].transpose(1, 2)  # B,T,H,dv
-    return y.to(out_dtype), S
+    for t in range(T):
+        qt, kt, vt = q[:, t].to(f), k[:, t].to(f), v[:, t].to(f)  # B,H,d
+        a = g[:, t].to(f).exp()[..., None]  # B,H,1
+        b = beta[:, t].to(f)[..., None]
+        aS = a[..., None] * S  # B,H,dk,dv
+        delta = b * (vt - (kt[..., None, :] @ aS)[..., 0, :])  # B,H,dv
+        S = aS + kt[..., :, None] * delta[..., None, :]
+        ys.append(scale * (qt[..., None, :] @ S)[..., 0, :])
+    y = torch.stack(ys, dim=1) if ys else v.new_zeros(B, 0, H, dv, dtype=f)
+    return y.to(v.dtype), S
 
 
 def _import_fla():
@@ -231,8 +278,9 @@ def gated_delta_rule(
 ) -> tuple[Float[Tensor, "batch time head dv"], Float[Tensor, "batch head dk dv"]]:
     """Dispatch the gated delta rule (eq. 7–8).
 
-    ``kernel``: ``"fla"`` (CUDA only, errors elsewhere), ``"torch"`` (:func:`gdn_chunked_torch`), or
-    ``"auto"`` (fla on CUDA when importable, else torch).
+    ``kernel``: ``"fla"`` (CUDA only, errors elsewhere), ``"torch"`` (:func:`gdn_chunked_torch`; a
+    single token, i.e. a decode step, goes to :func:`gdn_recurrent_torch`), or ``"auto"`` (fla on CUDA
+    when importable, else torch).
 
     Raises:
         ValueError: unknown kernel, bad shapes, or ``"fla"`` on a non-CUDA device.
@@ -244,4 +292,6 @@ def gated_delta_rule(
         kernel = "fla" if (q.device.type == "cuda" and fla_available()) else "torch"
     if kernel == "fla":
         return gdn_fla(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    if q.dim() == 4 and q.shape[1] == 1:
+        return gdn_recurrent_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     return gdn_chunked_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size)

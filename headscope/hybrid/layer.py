@@ -11,7 +11,18 @@ called on a teacher's hidden states for layer-wise alignment::
     out, _ = hybrid_attn(h, position_embeddings=cos_sin)        # out: [batch, time, hidden]
 
 Caching: the FA heads' kept KV groups go into the transformers ``Cache`` as usual (``cache.update``);
-the GDN state (and short-convolution tail) is kept on the same cache layer object.
+the GDN state (and short-convolution tail) is kept on the same cache layer object. For decoding with
+fixed shapes (CUDA graphs) a layer also takes a :class:`HybridDecodeCache` — preallocated K/V buffers
+of its kept KV groups, GDN state and convolution tail, written in place::
+
+    dc = hybrid_attn.new_decode_cache(batch=1, max_len=T + 64)
+    hybrid_attn(h, position_embeddings=cos_sin, cache=dc)          # prefill: fills dc, dc.length = T
+    out, _ = hybrid_attn(h1, position_embeddings=cos_sin1, cache=dc)  # one decode step at length T
+
+Memory: under ``torch.no_grad`` (or on tensors that need no gradient) the elementwise stages — RoPE,
+the L2 normalization of GDN q/k, the fusion RMSNorm — run in place in blocks of ``BLOCK`` tokens and
+the head outputs are written straight into one output buffer, so no full-length fp32 temporaries are
+kept; the numbers are the same as the plain path (set ``LOW_MEMORY = False`` to get that path).
 """
 
 from __future__ import annotations
@@ -24,10 +35,101 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from .attn import fa_attention
 from .config import HybridOptions
 from .gdn import gated_delta_rule
 
 _STATE_ATTR = "_headscope_gdn_state"
+LOW_MEMORY = True  # in-place, time-blocked elementwise stages when no gradient is needed (same numbers)
+BLOCK = 8192  # tokens per block of those stages
+
+
+def _inplace_ok(*ts: Tensor) -> bool:
+    """The low-memory path may overwrite these fresh tensors: no autograd graph needs them."""
+    return LOW_MEMORY and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+
+
+def _blocks(T: int):
+    for s in range(0, T, BLOCK):
+        yield slice(s, min(s + BLOCK, T))
+
+
+def _rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """apply_rope, written back into x block by block (x must be a fresh tensor no one else reads)."""
+    if not _inplace_ok(x, cos) or torch.promote_types(x.dtype, cos.dtype) != x.dtype:
+        return apply_rope(x, cos, sin)
+    for b in _blocks(x.shape[1]):
+        x[:, b] = apply_rope(x[:, b], cos[:, b], sin[:, b])
+    return x
+
+
+def _l2norm_(x: Tensor) -> Tensor:
+    """F.normalize(x.float(), dim=-1, eps=1e-6).to(x.dtype), in place by time blocks when allowed."""
+    if not _inplace_ok(x):
+        return F.normalize(x.float(), p=2, dim=-1, eps=1e-6).to(x.dtype)
+    for b in _blocks(x.shape[1]):
+        x[:, b] = F.normalize(x[:, b].float(), p=2, dim=-1, eps=1e-6)
+    return x
+
+
+def _fuse_(y: Tensor, gamma: Tensor, eps: float) -> Tensor:
+    """eq. 13–14 on y [batch, time, head, d]: γ_h · y / RMS(y) per head, fp32 inside, y's dtype out."""
+    if not _inplace_ok(y, gamma):
+        yf = y.float()
+        yf = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps)
+        return (gamma.float() * yf).to(y.dtype)
+    gf = gamma.float()
+    for b in _blocks(y.shape[1]):
+        yf = y[:, b].float()
+        y[:, b] = gf * (yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps))
+    return y
+
+
+class HybridDecodeCache:
+    """Preallocated cache of one hybrid layer (fixed shapes, written in place: CUDA-graph friendly).
+
+    Attributes (n_keep = kept KV groups, n_gdn = GDN heads, d = head_dim, C = 3 · n_gdn · d):
+        k, v: [batch, n_keep, max_len, d] K/V of the kept KV groups (None without FA heads).
+        S: [batch, n_gdn, d, d] fp32 GDN state (None without GDN heads).
+        conv: [batch, gdn_conv − 1, C] short-convolution tail (None without it).
+        length: tokens cached (a Python int; a captured CUDA graph replays the step at the length it
+            was captured with, writing K/V into the same slot).
+        max_len: capacity in tokens.
+
+    Made by :meth:`HeadwiseHybridAttention.new_decode_cache`; pass it as ``cache=`` to the layer.
+    """
+
+    def __init__(self, k: Optional[Tensor], v: Optional[Tensor], S: Optional[Tensor], conv: Optional[Tensor], max_len: int):
+        self.k, self.v, self.S, self.conv = k, v, S, conv
+        self.max_len = max_len
+        self.length = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def nbytes(self, length: Optional[int] = None) -> int:
+        """Bytes held for ``length`` cached tokens (default: the current length): K/V up to the length
+        plus the fixed GDN state and convolution tail."""
+        n = self.length if length is None else length
+        total = 0
+        for t in (self.k, self.v):
+            if t is not None:
+                total += t[:, :, :n].numel() * t.element_size()
+        for t in (self.S, self.conv):
+            if t is not None:
+                total += t.numel() * t.element_size()
+        return total
+
+    def _write(self, k: Tensor, v: Tensor, past: int) -> tuple[Tensor, Tensor]:
+        T = k.shape[2]
+        if past + T > self.max_len:
+            raise ValueError(
+                f"HybridDecodeCache holds {self.max_len} tokens but {past + T} are needed; "
+                "make it with a larger max_len"
+            )
+        self.k[:, :, past : past + T].copy_(k)
+        self.v[:, :, past : past + T].copy_(v)
+        return self.k[:, :, : past + T], self.v[:, :, : past + T]
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -147,6 +249,9 @@ class HeadwiseHybridAttention(nn.Module):
             "unperm": [order.index(h) for h in range(H)],
         }
         self._index_cache: dict[tuple[str, torch.device], Tensor] = {}
+        # GQA-native FA (no K/V copy per FA head) when every kept group has the same number of FA heads
+        per_group = [sum(1 for h in self.fa_heads if h // rep == g) for g in self.kv_keep]
+        self._fa_gqa = bool(per_group) and len(set(per_group)) == 1
 
         self.q_proj = nn.Linear(hidden, H * d, bias=bias)
         self.o_proj = nn.Linear(H * d, hidden, bias=bias)
@@ -181,6 +286,31 @@ class HeadwiseHybridAttention(nn.Module):
         if t is None:
             t = self._index_cache[key] = torch.tensor(self._index_lists[name], dtype=torch.long, device=device)
         return t
+
+    def new_decode_cache(
+        self, batch: int, max_len: int, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None
+    ) -> HybridDecodeCache:
+        """A :class:`HybridDecodeCache` for ``batch`` sequences of up to ``max_len`` tokens (K/V and the
+        convolution tail in ``dtype``, default the layer's; GDN state in fp32), on the layer's device.
+
+        Raises:
+            ValueError: batch or max_len < 1.
+        """
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"batch and max_len must be >= 1, got {batch}, {max_len}")
+        p = self.q_proj.weight
+        device = p.device if device is None else device
+        dtype = p.dtype if dtype is None else dtype
+        d, n_keep, n_gdn = self.head_dim, len(self.kv_keep), len(self.gdn_heads)
+        k = v = S = conv = None
+        if n_keep:
+            k = torch.zeros(batch, n_keep, max_len, d, device=device, dtype=dtype)
+            v = torch.zeros_like(k)
+        if n_gdn:
+            S = torch.zeros(batch, n_gdn, d, d, device=device, dtype=torch.float32)
+            if self.options.gdn_conv:
+                conv = torch.zeros(batch, self.options.gdn_conv - 1, 3 * n_gdn * d, device=device, dtype=dtype)
+        return HybridDecodeCache(k, v, S, conv, max_len)
 
     # ------------------------------------------------------------------ initialization / migration
     @torch.no_grad()
@@ -302,22 +432,35 @@ class HeadwiseHybridAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_heads, d)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        outs = []
-        if self.fa_heads:
-            outs.append(self._fa(x, q.index_select(2, self._idx('fa', x.device)), cos, sin, attention_mask, cache, past, position_ids))
-        elif cache is not None:
-            self._track_length(cache, B, T, x)
-        if self.gdn_heads:
-            outs.append(self._gdn(x, q.index_select(2, self._idx('gdn', x.device)), cos, sin, valid, cache, past))
-        y = torch.cat(outs, dim=2).index_select(2, self._idx('unperm', x.device)) if len(outs) > 1 else outs[0]
+        fa_idx, gdn_idx = self._idx("fa", x.device), self._idx("gdn", x.device)
+        if self.fa_heads and self.gdn_heads and _inplace_ok(q, x):
+            # low-memory path: each branch writes its heads into one buffer and is freed before the next
+            q_fa, q_gdn = q.index_select(2, fa_idx), q.index_select(2, gdn_idx)
+            del q
+            y = x.new_empty(B, T, self.n_heads, d)
+            y.index_copy_(2, fa_idx, self._fa(x, q_fa, cos, sin, attention_mask, cache, past, position_ids))
+            del q_fa
+            y.index_copy_(2, gdn_idx, self._gdn(x, q_gdn, cos, sin, valid, cache, past))
+            del q_gdn
+        else:
+            outs = []
+            if self.fa_heads:
+                outs.append(self._fa(x, q.index_select(2, fa_idx), cos, sin, attention_mask, cache, past, position_ids))
+            elif cache is not None:
+                self._track_length(cache, B, T, x)
+            if self.gdn_heads:
+                outs.append(self._gdn(x, q.index_select(2, gdn_idx), cos, sin, valid, cache, past))
+            y = torch.cat(outs, dim=2).index_select(2, self._idx("unperm", x.device)) if len(outs) > 1 else outs[0]
+        if isinstance(cache, HybridDecodeCache):
+            cache.length = past + T
         if self.gamma is not None:  # eq. 13–14: per-head RMSNorm, then γ_h
-            yf = y.float()
-            yf = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + opts.norm_eps)
-            y = (self.gamma.float() * yf).to(x.dtype)
+            y = _fuse_(y, self.gamma, opts.norm_eps)
         return self.o_proj(y.reshape(B, T, self.n_heads * d)), None
 
     def _track_length(self, cache: Any, B: int, T: int, x: Tensor) -> None:
         # a layer without FA heads keeps a 1-channel uint8 tracker so that the cache knows the length
+        if isinstance(cache, HybridDecodeCache):
+            return  # its length is a Python int, set in forward
         z = torch.zeros(B, 1, T, 1, dtype=torch.uint8, device=x.device)
         cache.update(z, z, self.layer_idx)
 
@@ -330,17 +473,20 @@ class HeadwiseHybridAttention(nn.Module):
         if self.k_norm is not None:
             k = self.k_norm(k)
         if opts.fa_pos == "rope":
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = _rope_(q, cos, sin), _rope_(k, cos, sin)
         else:
             pos = position_ids if position_ids is not None else torch.arange(past, past + T, device=x.device)[None]
             q = q * nope_log_scale(pos.expand(B, T), opts.nope_a)[..., None, None].to(q.dtype)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # B, n_keep, T, d
-        if cache is not None:
+        if isinstance(cache, HybridDecodeCache):
+            k, v = cache._write(k, v, past)
+        elif cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        fkv = self._idx('fa_kv', x.device)
-        k, v = k.index_select(1, fkv), v.index_select(1, fkv)  # one K/V per FA head
+        if not self._fa_gqa:  # FA heads spread unevenly over the kept groups: one K/V per FA head
+            fkv = self._idx("fa_kv", x.device)
+            k, v = k.index_select(1, fkv), v.index_select(1, fkv)
         S = k.shape[2]
-        mask, causal = None, False
+        mask = None
         if attention_mask is not None and attention_mask.dim() == 4:
             mask = attention_mask[:, :, -T:, -S:]
             if mask.dtype == torch.bool:  # rows with nothing to attend (padded queries): let them see all, finite
@@ -352,13 +498,7 @@ class HeadwiseHybridAttention(nn.Module):
             tri = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
             mask = keep & tri
             mask = mask | ~mask.any(-1, keepdim=True)
-        elif T == S:
-            causal = True
-        elif T > 1:
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=mask, is_causal=causal, scale=self.scaling
-        ).transpose(1, 2)  # B, T, n_fa, d
+        o = fa_attention(q, k, v, self.scaling, causal=True, mask=mask, kernel=opts.fa_kernel)  # B, T, n_fa, d
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x)).view(B, T, len(self.fa_heads), d)
         return o
@@ -386,9 +526,8 @@ class HeadwiseHybridAttention(nn.Module):
             qkv = self.gdn_conv(full.transpose(1, 2)).transpose(1, 2)  # B, T, C
             q, k, v = qkv.view(B, T, 3, n, d).unbind(2)
         if opts.gdn_rope:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q = F.normalize(q.float(), p=2, dim=-1, eps=1e-6).to(x.dtype)
-        k = F.normalize(k.float(), p=2, dim=-1, eps=1e-6).to(x.dtype)
+            q, k = _rope_(q, cos, sin), _rope_(k, cos, sin)
+        q, k = _l2norm_(q).to(x.dtype), _l2norm_(k).to(x.dtype)
         beta = torch.sigmoid(self.b_proj(x).float())
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
         if valid is not None:  # padded tokens: β = 0, α = 1 -> the state passes through unchanged
@@ -415,6 +554,8 @@ class HeadwiseHybridAttention(nn.Module):
     def _state(self, cache: Any, past: int) -> Optional[dict]:
         if cache is None:
             return None
+        if isinstance(cache, HybridDecodeCache):  # fresh sequence (past = 0): no initial state / conv tail
+            return {"S": cache.S, "conv": cache.conv} if past else {}
         layer = self._cache_layer(cache)
         st = getattr(layer, _STATE_ATTR, None)
         if st is None or past == 0:
@@ -424,6 +565,10 @@ class HeadwiseHybridAttention(nn.Module):
         return st
 
     def _put_state(self, cache: Any, **kv: Tensor) -> None:
+        if isinstance(cache, HybridDecodeCache):  # in place: a captured graph keeps these buffers
+            for key, val in kv.items():
+                getattr(cache, key).copy_(val)
+            return
         getattr(self._cache_layer(cache), _STATE_ATTR).update(kv)
 
     def extra_repr(self) -> str:
