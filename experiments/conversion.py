@@ -149,7 +149,9 @@ def prepare(out: Path, model: str, device: Optional[str], s: dict) -> None:
     if (d / "done").exists():
         return
     d.mkdir(parents=True, exist_ok=True)
-    teacher, tok, _ = load_hf(model, device=device)
+    # sampling runs in bf16 on a GPU (2x less KV cache, faster); the text is the teacher's own either way
+    on_gpu = device is not None and str(device).startswith("cuda") or device is None and torch.cuda.is_available()
+    teacher, tok, _ = load_hf(model, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     t0 = time.time()
@@ -160,7 +162,13 @@ def prepare(out: Path, model: str, device: Optional[str], s: dict) -> None:
     long_text = pack(docs, s["long_len"], eos)
     n_ret = max(1, round(len(long_text) * s["retrieval_frac"] / (1 - s["retrieval_frac"])))
     L = s["long_len"]
-    ret = retrieval_rows(tok, n_ret, L, s["tasks"][0], seed=s["seed"] + 1, lengths=[max(96, L // 4), max(96, L // 2), L])
+    tasks = s["tasks"]  # retrieval rows of every evaluated capability, in equal shares
+    parts = [
+        retrieval_rows(tok, max(1, n_ret // len(tasks)), L, t, seed=s["seed"] + 1 + i, lengths=[max(96, L // 4), max(96, L // 2), L])
+        for i, t in enumerate(tasks)
+    ]
+    ret = TokenRows.concat(parts)
+    n_ret = len(ret)
     mix(long_text, ret, seed=s["seed"]).save(d / "long.pt")
     pack(held, s["seq_len"], eos).save(d / "heldout.pt")
     info = {"sample_seconds": round(time.time() - t0, 1), "text_docs": len(docs), "text_tokens": sum(map(len, docs)),
@@ -169,7 +177,79 @@ def prepare(out: Path, model: str, device: Optional[str], s: dict) -> None:
     (d / "done").write_text("ok")
 
 
-def convert_one(out: Path, name: str, model: str, device: Optional[str], deadline: Optional[float]) -> None:
+def _time_stages(teacher: Any, tok: Any, mask: HeadMask, out: Path, s: dict, kernel: str, steps: int) -> dict[int, float]:
+    """Tokens per second of each stage for one conversion alone on the device (mean over ``steps``
+    steps after two warm-up steps, which also compile the GDN kernels)."""
+    from headscope.train import Trainer
+
+    short, long_rows = TokenRows.load(out / "data" / "short.pt"), TokenRows.load(out / "data" / "long.pt")
+    dev = next(teacher.parameters()).device
+    student = load_student(teacher, mask, calibration_ids=short.ids[:8].to(dev), gdn_kernel=kernel)
+    rates = {}
+    for stage in (1, 2, 3):
+        rows = long_rows if stage == 3 else short
+        cfg = TrainConfig(stage=stage, tokens=10**12, batch_size=s["batch_long"] if stage == 3 else s["batch"], lr=1e-5,
+                          ckpt_on_exit=False, save_student=False, progress=False)
+        d = out / "calibration" / kernel / f"stage{stage}"
+        if d.exists():
+            import shutil
+
+            shutil.rmtree(d)
+        tr = Trainer(student, teacher, rows, cfg, d)
+        secs = [tr.train_step()["seconds"] for _ in range(steps + 2)][2:]
+        rates[stage] = tr.tokens_per_step / float(np.mean(secs))
+        print(f"calibration: stage {stage} with gdn_kernel={kernel}: {rates[stage]:.0f} tokens/s alone", flush=True)
+    del student
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rates
+
+
+def calibrate(out: Path, model: str, device: Optional[str], s: dict, n_workers: int, n_devices: int, minutes: float,
+              steps: int = 6, concurrency_gain: float = 1.2) -> dict:
+    """Size the per-stage token budgets (the same for every mask) so that ``n_workers`` conversions
+    sharing ``n_devices`` GPUs finish their training in about ``minutes``.
+
+    Times each stage on the HydraHead mask; if the chosen GDN kernel fails (e.g. fla's backward on a
+    Triton it refuses), falls back to the PyTorch kernel and records that. Per GPU, k concurrent
+    conversions are assumed to reach ``concurrency_gain`` times one conversion's throughput in total
+    (k ≥ 2). Budgets are split between the stages by ``share1..3`` of ``s``. Updates and returns ``s``.
+    """
+    teacher, tok, _ = load_hf(model, device=device)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    mask = HeadMask.from_json(out / "masks" / "hydrahead.json")
+    kernel = s["gdn_kernel"]
+    try:
+        rates = _time_stages(teacher, tok, mask, out, s, kernel, steps)
+    except Exception as e:  # noqa: BLE001 - any kernel failure: fall back and say so
+        if kernel == "torch":
+            raise
+        print(f"calibration: gdn_kernel={kernel} failed ({type(e).__name__}: {e}); falling back to 'torch'", flush=True)
+        s["kernel_fallback"] = f"{kernel} failed: {type(e).__name__}: {str(e)[:300]}"
+        kernel = "torch"
+        rates = _time_stages(teacher, tok, mask, out, s, kernel, steps)
+    per_dev = math.ceil(n_workers / max(1, n_devices))
+    speed = (concurrency_gain / per_dev) if per_dev > 1 else 1.0
+    seconds = minutes * 60
+    for st in (1, 2, 3):
+        step_tokens = (s["batch_long"] * s["long_len"]) if st == 3 else (s["batch"] * s["seq_len"])
+        tok_budget = rates[st] * speed * seconds * s[f"share{st}"]
+        s[f"tokens{st}"] = int(max(1, tok_budget // step_tokens) * step_tokens)
+    s["gdn_kernel"] = kernel
+    s["calibration"] = {"tokens_per_s_alone": {str(k): round(v) for k, v in rates.items()}, "workers": n_workers,
+                        "devices": n_devices, "assumed_speed_each": round(speed, 3), "train_minutes": minutes}
+    (out / "settings.json").write_text(json.dumps(s, indent=2, default=str))
+    print("calibration:", json.dumps(s["calibration"]), {f"tokens{k}": s[f"tokens{k}"] for k in (1, 2, 3)}, flush=True)
+    del teacher
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return s
+
+
+def convert_one(out: Path, name: str, model: str, device: Optional[str], train_seconds: Optional[float]) -> None:
+    """Train one mask through the three stages and evaluate it. ``train_seconds`` caps the training
+    time, counted from when the student is built (stage k stops by its cumulative share of it)."""
     s = _settings(out)
     mask = HeadMask.from_json(out / "masks" / f"{name}.json")
     teacher, tok, _ = load_hf(model, device=device)
@@ -180,8 +260,9 @@ def convert_one(out: Path, name: str, model: str, device: Optional[str], deadlin
     opts = {"gdn_kernel": s["gdn_kernel"]}
     student = load_student(teacher, mask, calibration_ids=short.ids[:8].to(dev), **opts)
     t0 = time.time()
-    total = deadline - t0 if deadline else None
-    share = {1: 0.2, 2: 0.65, 3: 1.0}
+    total = train_seconds
+    c1, c2 = s.get("share1", 0.2), s.get("share1", 0.2) + s.get("share2", 0.45)
+    share = {1: c1, 2: c2, 3: 1.0}  # cumulative: stage k must end by this fraction of the time
     summaries = {}
     for stage in (1, 2, 3):
         cfg = TrainConfig(
@@ -209,7 +290,10 @@ def eval_teacher(out: Path, model: str, device: Optional[str]) -> None:
         tok.pad_token = tok.eos_token
     heldout = TokenRows.load(out / "data" / "heldout.pt")
     ev = evaluate(teacher, tok, heldout, s["tasks"], s["eval_lengths"], s["eval_n"], s["eval_batch"])
-    ev.update({"mask": "teacher", "n_fa": 270, "kv_cache_fraction": 1.0})
+    from headscope.models import geometry_of
+
+    g = geometry_of(teacher.config)
+    ev.update({"mask": "teacher", "n_fa": g.n_layers * g.n_heads, "kv_cache_fraction": 1.0})
     (out / "teacher").mkdir(parents=True, exist_ok=True)
     (out / "teacher" / "eval.json").write_text(json.dumps(ev, indent=2))
 
@@ -226,7 +310,8 @@ def _markdown(df: pd.DataFrame) -> str:
 def report(out: Path) -> pd.DataFrame:
     """OUT/results.csv, OUT/results.md, OUT/curves.csv from the finished runs."""
     rows, curves = [], []
-    for name in ("teacher", *MASKS):
+    names = ["teacher", *MASKS] + sorted(p.parent.name for p in out.glob("*/eval.json") if p.parent.name not in ("teacher", *MASKS))
+    for name in names:
         f = out / name / "eval.json"
         if not f.exists():
             continue
@@ -261,7 +346,9 @@ def run(
     mask: Optional[Path] = typer.Option(None, help="or a mask.json used as the HydraHead mask"),
     budget: str = typer.Option("7:1"),
     min_per_layer: int = typer.Option(1),
-    only: List[str] = typer.Option(list(MASKS), help="masks to convert"),
+    only: Optional[List[str]] = typer.Option(None, help="masks to convert (default: all)"),
+    extra: Optional[List[str]] = typer.Option(None, help="more masks as NAME=PATH (a ranking directory, selected "
+                                              "under the same budget, or a mask.json), e.g. hydrahead_k1=runs/fused/one"),
     tokens1: float = typer.Option(1e6), tokens2: float = typer.Option(2e6), tokens3: float = typer.Option(1e6),
     lr1: float = typer.Option(1e-3), lr2: float = typer.Option(2e-4), lr3: float = typer.Option(1e-4),
     seq_len: int = typer.Option(512), long_len: int = typer.Option(2048),
@@ -274,11 +361,17 @@ def run(
     ckpt_every: int = typer.Option(0), seed: int = typer.Option(0),
     device: Optional[str] = typer.Option(None), parallel: bool = typer.Option(False, help="one process per mask, concurrently"),
     train_seconds: Optional[float] = typer.Option(None, help="wall-clock cap on each conversion's training (stages stop early)"),
+    train_minutes: Optional[float] = typer.Option(None, help="size the token budgets (same for every mask) by timing each "
+                                                  "stage first, so that the conversions train for about this long"),
+    share1: float = typer.Option(0.15), share2: float = typer.Option(0.55), share3: float = typer.Option(0.30),
+    devices: Optional[str] = typer.Option(None, help="comma-separated devices for the parallel workers, e.g. cuda:0,cuda:1"),
     progress: bool = typer.Option(True),
 ) -> None:
     """Build the masks, sample the data, run the conversions and the evaluation, write the table."""
     out.mkdir(parents=True, exist_ok=True)
-    s = {k: v for k, v in locals().items() if k not in ("out", "ranking", "mask", "only", "device", "parallel")}
+    s = {k: v for k, v in locals().items() if k not in ("out", "ranking", "mask", "only", "device", "parallel", "devices", "extra")}
+    if abs(share1 + share2 + share3 - 1) > 1e-6:
+        raise typer.BadParameter(f"share1 + share2 + share3 = {share1 + share2 + share3}, must be 1")
     s.update(tasks=list(task), eval_lengths=list(eval_lengths))
     s.pop("task")
     (out / "settings.json").write_text(json.dumps(s, indent=2, default=str))
@@ -297,6 +390,19 @@ def run(
     g = geometry_of(teacher.config)
     del teacher
     masks = build_masks(g.n_layers, g.n_heads, g.n_kv_heads, hydra, budget, min_per_layer, seed)
+    for item in extra or []:
+        name, _, path = item.partition("=")
+        if not name or not path or name in masks or name == "teacher":
+            raise typer.BadParameter(f"--extra {item!r}: give NAME=PATH with a new name")
+        pth = Path(path)
+        if pth.is_dir():
+            from headscope.scores import Ranking
+
+            masks[name] = HeadMask.select(Ranking.load(pth).matrix("score"), budget, g.n_kv_heads,
+                                          min_per_layer=min_per_layer, meta={"source": f"{name} ({pth})"})
+        else:
+            masks[name] = HeadMask.from_json(pth)
+    only = list(only) if only else list(masks)
     for name, m in masks.items():
         m.to_json(out / "masks" / f"{name}.json")
         print(name, m.summary(), flush=True)
@@ -304,18 +410,22 @@ def run(
     if torch.cuda.is_available():  # the sampler's KV cache must not stay reserved while the workers train
         torch.cuda.empty_cache()
     print("data", (out / "data" / "info.json").read_text(), flush=True)
-    deadline = time.time() + train_seconds if train_seconds else None
     todo = [n for n in only if not (out / n / "eval.json").exists()]
+    devs = devices.split(",") if devices else ([device] if device else [None])
+    if train_minutes and todo:
+        calibrate(out, model, devs[0], s, len(todo) if parallel else 1, len(devs) if parallel else 1, train_minutes)
+        train_seconds = train_seconds or train_minutes * 60 * 1.25
     if parallel:
         procs = []
-        for name in todo:
+        for i, name in enumerate(todo):
             cmd = [sys.executable, __file__, "one", "--out", str(out), "--name", name, "--model", model]
-            cmd += ["--device", device] if device else []
-            cmd += ["--deadline", str(deadline)] if deadline else []
+            dv = devs[i % len(devs)]
+            cmd += ["--device", dv] if dv else []
+            cmd += ["--train-seconds", str(train_seconds)] if train_seconds else []
             log = open(out / f"{name}.log", "w")
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
         if not (out / "teacher" / "eval.json").exists():
-            eval_teacher(out, model, device)
+            eval_teacher(out, model, devs[-1])
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         for p in procs:
@@ -324,15 +434,31 @@ def run(
         if not (out / "teacher" / "eval.json").exists():
             eval_teacher(out, model, device)
         for name in todo:
-            convert_one(out, name, model, device, deadline)
+            convert_one(out, name, model, device, train_seconds)
     print(report(out).to_string(index=False))
 
 
 @app.command()
+def data(
+    out: Path = typer.Option(Path("runs/conversion")), model: str = typer.Option("smollm2-135m"),
+    seq_len: int = typer.Option(512), long_len: int = typer.Option(2048),
+    text_docs: int = typer.Option(2048), heldout_docs: int = typer.Option(64), doc_len: int = typer.Option(512),
+    sample_batch: int = typer.Option(256), retrieval_frac: float = typer.Option(0.25),
+    task: List[str] = typer.Option(["niah_single"]), seed: int = typer.Option(0), device: Optional[str] = typer.Option(None),
+) -> None:
+    """Only sample and pack the shared data (``run`` with the same data options then reuses it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    s = {"seq_len": seq_len, "long_len": long_len, "text_docs": text_docs, "heldout_docs": heldout_docs, "doc_len": doc_len,
+         "sample_batch": sample_batch, "retrieval_frac": retrieval_frac, "tasks": list(task), "seed": seed}
+    prepare(out, model, device, s)
+    print("data", (out / "data" / "info.json").read_text(), flush=True)
+
+
+@app.command()
 def one(out: Path = typer.Option(...), name: str = typer.Option(...), model: str = typer.Option("smollm2-135m"),
-        device: Optional[str] = typer.Option(None), deadline: Optional[float] = typer.Option(None)) -> None:
+        device: Optional[str] = typer.Option(None), train_seconds: Optional[float] = typer.Option(None)) -> None:
     """Convert and evaluate one mask (a worker of ``run --parallel``)."""
-    convert_one(out, name, model, device, deadline)
+    convert_one(out, name, model, device, train_seconds)
 
 
 @app.command("report")
