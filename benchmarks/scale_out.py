@@ -53,6 +53,20 @@ def sync(dev: str) -> None:
         torch.cuda.synchronize(dev)
 
 
+def plain_copy(model):
+    """The same weights in a model without the GGUF quantization marker, so it can be saved and reloaded
+    by the spawned ranks (transformers refuses ``save_pretrained`` on a GGUF-loaded model)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(model.config)
+    cfg.__dict__.pop("quantization_config", None)
+    plain = AutoModelForCausalLM.from_config(cfg, torch_dtype=next(model.parameters()).dtype)
+    plain.load_state_dict(model.state_dict())
+    return plain.to(next(model.parameters()).device).eval()
+
+
 def qwen3_shaped(tok, dtype, device, smoke: bool, seed: int = 0):
     """The Qwen3-1.7B-shaped random model (tiny in smoke mode), built on ``device`` with ``seed``."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -231,7 +245,8 @@ def part_b(args, tok, out: Path, res: dict) -> None:
     dev = "cuda:0" if use_cuda else "cpu"
     fresh(out / "b_one_gpu", out / "b_two_gpu")
     if args.gguf and not args.smoke:
-        teacher, _, name = load_hf(args.gguf, device=dev)
+        teacher = plain_copy(load_hf(args.gguf, device=dev)[0])  # GGUF-loaded models refuse save_pretrained
+        name = str(args.gguf)
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 

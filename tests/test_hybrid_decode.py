@@ -231,3 +231,19 @@ def test_hybrid_layer_with_flash_attn_equals_sdpa(fake_flash):
         assert (out - ref).abs().max() < 1e-5
         assert (step[:, 0] - ref[:, -1]).abs().max() < 1e-5
         fake_flash.clear()
+
+
+def test_low_memory_path_under_autocast_matches_plain_path(monkeypatch):
+    """fp32 weights under bf16 autocast (how the trainer and the evaluation run on a GPU): the branch
+    outputs are bf16 while the input is fp32; the low-memory path must give the plain path's output
+    (it once failed with an index_copy_ dtype error)."""
+    layer, _, cfg = _layer((0, 4), gdn_conv=4, fa_gate=True)
+    x, cos, sin = _inputs(cfg, 2, 19)
+    monkeypatch.setattr(layer_mod, "BLOCK", 4)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        monkeypatch.setattr(layer_mod, "LOW_MEMORY", False)
+        ref, _ = layer(x, position_embeddings=(cos, sin))
+        monkeypatch.setattr(layer_mod, "LOW_MEMORY", True)
+        low, _ = layer(x, position_embeddings=(cos, sin))
+    assert ref.dtype == low.dtype == torch.bfloat16
+    assert torch.equal(low, ref)

@@ -104,3 +104,35 @@ def test_fla_kernels_match_reference_bf16():
     y, s = gated_delta_rule(q.to(bf), k.to(bf), v.to(bf), g, beta.to(bf), initial_state=h0, kernel="fla")
     assert (y.float() - y_ref).abs().max() < 5e-2 * y_ref.abs().max()
     assert (s.float() - s_ref).abs().max() < 5e-2 * s_ref.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla")
+def test_fla_training_step_under_autocast_matches_torch_kernel():
+    """How the trainer runs on a GPU: fp32 weights under bf16 autocast, so q/k (L2-normalized in fp32),
+    v (bf16) and beta (fp32) come in mixed dtypes. fla's forward and backward must run and agree with
+    the PyTorch kernel within bf16 tolerance (fla once failed to compile here)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    from headscope.hybrid import HeadwiseHybridAttention, HybridOptions
+
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      intermediate_size=64, num_hidden_layers=1, vocab_size=50)
+    torch.manual_seed(0)
+    teacher = LlamaAttention(cfg, 0)
+    outs, grads = {}, {}
+    for kernel in ("torch", "fla"):
+        layer = HeadwiseHybridAttention(cfg, 0, (1,), HybridOptions(gdn_kernel=kernel)).cuda()
+        layer.migrate_from(teacher.cuda())
+        x = torch.randn(2, 300, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        cos, sin = LlamaRotaryEmbedding(cfg).cuda()(x, torch.arange(300, device="cuda")[None].expand(2, -1))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y, _ = layer(x, position_embeddings=(cos, sin))
+        y.float().pow(2).mean().backward()
+        outs[kernel] = y.float().detach()
+        grads[kernel] = layer.q_proj.weight.grad.float().clone()
+    scale = outs["torch"].abs().max()
+    assert (outs["fla"] - outs["torch"]).abs().max() < 5e-2 * scale
+    gs = grads["torch"].abs().max()
+    assert (grads["fla"] - grads["torch"]).abs().max() < 1e-1 * gs

@@ -261,6 +261,10 @@ def gdn_fla(
         recurrent = q.shape[1] <= 8
     h0 = None if initial_state is None else initial_state.float()
     fn = rec_fn if recurrent else chunk_fn
+    # fla's Triton kernels need q, k, v and beta in one dtype (mixed fp32/bf16 fails to compile, as it
+    # does under autocast with fp32 weights); g stays fp32 as in fla's own GatedDeltaNet layer.
+    dt = v.dtype
+    q, k, beta = q.to(dt), k.to(dt), beta.to(dt)
     y, S = fn(q, k, v, g=g.float(), beta=beta, scale=scale, initial_state=h0, output_final_state=True)
     return y, S
 

@@ -436,11 +436,11 @@ class HeadwiseHybridAttention(nn.Module):
         if self.fa_heads and self.gdn_heads and _inplace_ok(q, x):
             # low-memory path: each branch writes its heads into one buffer and is freed before the next
             q_fa, q_gdn = q.index_select(2, fa_idx), q.index_select(2, gdn_idx)
+            y = q.new_empty(B, T, self.n_heads, d)  # q's dtype: under autocast it is not x's (fp32 weights)
             del q
-            y = x.new_empty(B, T, self.n_heads, d)
-            y.index_copy_(2, fa_idx, self._fa(x, q_fa, cos, sin, attention_mask, cache, past, position_ids))
+            y.index_copy_(2, fa_idx, self._fa(x, q_fa, cos, sin, attention_mask, cache, past, position_ids).to(y.dtype))
             del q_fa
-            y.index_copy_(2, gdn_idx, self._gdn(x, q_gdn, cos, sin, valid, cache, past))
+            y.index_copy_(2, gdn_idx, self._gdn(x, q_gdn, cos, sin, valid, cache, past).to(y.dtype))
             del q_gdn
         else:
             outs = []
