@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 import torch
 from jaxtyping import Float
@@ -76,10 +76,18 @@ def check_pairs(model: LoadedModel, pairs: Sequence[Pair]) -> None:
 
 
 def _auto_batch(model: LoadedModel, suffix: int, total: int, mem_bytes: float) -> int:
+    """Patch rows per forward: as many as ``mem_bytes`` of activations allow, at most 4 layers' heads.
+
+    Rows of several layers share one batch (see :meth:`Engine.patched_logits_multi`); bigger batches
+    make the matmuls more efficient, up to a few thousand (row × position) at a time on a CPU.
+    """
     g = model.geometry
     ffn = int(getattr(model.hf_model.config, "intermediate_size", 4 * g.d_model))
     per_row = suffix * (6 * g.d_model + 3 * ffn + 2 * g.n_heads * total) * (4 if model.dtype == torch.float32 else 2)
-    return max(1, min(g.n_heads, int(mem_bytes // max(per_row, 1))))
+    return max(1, min(ROWS_CAP_LAYERS * g.n_heads, int(mem_bytes // max(per_row, 1))))
+
+
+ROWS_CAP_LAYERS = 4
 
 
 class PairState:
@@ -98,23 +106,39 @@ class PairState:
         self.total = clean_seq.numel()
 
 
+def patch_rows(
+    engine: Engine, st: PairState, rows: Sequence[tuple[int, int]], lam: float, batch_size: int
+) -> Iterator[tuple[list[tuple[int, int]], Tensor]]:
+    """m after patching each (layer, head) of ``rows`` alone, ``batch_size`` rows per forward.
+
+    ``rows`` must be in ascending layer order. Yields ``(chunk, m)`` per forward, m Float64[len(chunk)].
+    """
+    g = engine.g
+    for c0 in range(0, len(rows), batch_size):
+        chunk = list(rows[c0 : c0 + batch_size])
+        entries = []
+        for layer in sorted({lay for lay, _ in chunk}):
+            heads = [h for lay, h in chunk if lay == layer]
+            zb = st.base.z[layer, st.start :]
+            zs = st.src.z[layer, st.start :]
+            z = zb[None].repeat(len(heads), 1, 1)
+            for r, h in enumerate(heads):
+                sl = head_slice(h, g.d_head)
+                z[r, :, sl] = zs[:, sl]
+            entries.append((layer, z))
+        logits = engine.patched_logits_multi(st.base, entries, st.start, st.read)
+        ordered = [(layer, h) for layer, _ in entries for h in [hh for ll, hh in chunk if ll == layer]]
+        yield ordered, logit_diff(logits, st.pair.answer, st.pair.counter_answer, lam).double().cpu()
+
+
 def patch_heads(
     engine: Engine, st: PairState, layer: int, heads: Sequence[int], lam: float, batch_size: int
 ) -> Tensor:
     """m after patching each of ``heads`` of ``layer`` alone (one batch row per head) -> Float64[len(heads)]."""
-    g = engine.g
-    zb = st.base.z[layer, st.start :]
-    zs = st.src.z[layer, st.start :]
-    out = torch.empty(len(heads), dtype=torch.float64)
-    for c0 in range(0, len(heads), batch_size):
-        chunk = list(heads[c0 : c0 + batch_size])
-        rows = zb[None].repeat(len(chunk), 1, 1)
-        for r, h in enumerate(chunk):
-            sl = head_slice(h, g.d_head)
-            rows[r, :, sl] = zs[:, sl]
-        logits = engine.patched_logits(st.base, layer, rows, st.start, st.read)
-        out[c0 : c0 + len(chunk)] = logit_diff(logits, st.pair.answer, st.pair.counter_answer, lam).cpu()
-    return out
+    vals = {}
+    for chunk, m in patch_rows(engine, st, [(layer, h) for h in heads], lam, batch_size):
+        vals.update({h: float(v) for (_, h), v in zip(chunk, m)})
+    return torch.tensor([vals[h] for h in heads], dtype=torch.float64)
 
 
 def receiver_patching(
@@ -209,19 +233,28 @@ def receiver_patching(
                 store.put(key, bases[i])
     items = [(i, layer) for i in range(n) for layer in sorted(per_layer)]
     done: dict[tuple[int, int], dict[int, float]] = {}
+    work: dict[int, list[tuple[int, int]]] = {}  # pair -> (layer, head) still to compute, layer order
     for idx, (i, layer) in enumerate(items):
         key = f"pair{i:05d}_L{layer:03d}"
         have: dict[int, float] = store.get(key) if store is not None and store.has(key) else {}
         todo = [h for h in per_layer[layer] if h not in have]
-        if todo and mine(idx):
-            st = state(i)
-            bs = batch_size or _auto_batch(model, st.total - st.start, st.total, mem_bytes)
-            vals = patch_heads(engine, st, layer, todo, lam, bs)
-            have = {**have, **dict(zip(todo, vals.tolist()))}
-            if store is not None:
-                store.put(key, have)
         done[(i, layer)] = have
-        bar.update(len(per_layer[layer]))
+        if todo and mine(idx):
+            work.setdefault(i, []).extend((layer, h) for h in todo)
+        else:
+            bar.update(len(per_layer[layer]))
+    for i, rows in work.items():
+        st = state(i)
+        bs = batch_size or _auto_batch(model, st.total - st.start, st.total, mem_bytes)
+        left = {layer: sum(1 for lay, _ in rows if lay == layer) for layer, _ in rows}
+        for chunk, vals in patch_rows(engine, st, rows, lam, bs):
+            for (layer, h), v in zip(chunk, vals.tolist()):
+                done[(i, layer)] = {**done[(i, layer)], h: v}
+                left[layer] -= 1
+                if left[layer] == 0:
+                    if store is not None:
+                        store.put(f"pair{i:05d}_L{layer:03d}", done[(i, layer)])
+                    bar.update(len(per_layer[layer]))
     states.clear()
     if shard is not None:
         # every rank wrote its items into the shared store; wait for all, then read the others' items
