@@ -33,7 +33,16 @@ from ..models import LoadedModel
 from ..readout import DEFAULT_LAMBDA, logit_diff
 from ..tasks.base import Pair
 from .engine import Engine
-from .receivers import DEFAULT_MIN_GAP, Direction, PatchResult, check_pairs, receiver_patching, sequences
+from .receivers import (
+    DEFAULT_MIN_GAP,
+    Direction,
+    PairState,
+    _auto_batch,
+    PatchResult,
+    check_pairs,
+    receiver_patching,
+    sequences,
+)
 
 
 def attribution_ie(
@@ -50,31 +59,52 @@ def attribution_ie(
     Raises:
         ValueError: as :func:`~headscope.patching.receivers.receiver_patching`.
     """
+    ie, m_c, m_x, _ = _attribution(model, pairs, lam, direction, progress, keep_bytes=0)
+    return ie, m_c, m_x
+
+
+def _attribution(
+    model: LoadedModel,
+    pairs: Sequence[Pair],
+    lam: float,
+    direction: Direction,
+    progress: bool,
+    keep_bytes: float,
+) -> tuple[Tensor, Tensor, Tensor, dict[int, PairState]]:
+    """:func:`attribution_ie` that also keeps each pair's clean/corrupted passes as a
+    :class:`PairState` (for exact verification without re-running them) while they fit in ``keep_bytes``."""
     check_pairs(model, pairs)
     engine = Engine(model)
     g = model.geometry
     est = torch.empty(len(pairs), g.n_layers, g.n_heads, dtype=torch.float64)
     m_c = torch.empty(len(pairs), dtype=torch.float64)
     m_x = torch.empty(len(pairs), dtype=torch.float64)
+    states: dict[int, PairState] = {}
+    kept = 0.0
     for i, p in enumerate(tqdm(pairs, desc="attribution patching", disable=not progress)):
         clean_seq, corr_seq, read = sequences(p)
         base_seq, src_seq = (clean_seq, corr_seq) if direction == "noising" else (corr_seq, clean_seq)
         src = engine.run(src_seq, read)
-        logits, zs = engine.run_with_grad(base_seq, read)
+        logits, zs, base = engine.run_with_grad_cache(base_seq, read)
         m_base = logit_diff(logits, p.answer, p.counter_answer, lam)
         grads = torch.autograd.grad(m_base, zs)
         m_src = float(logit_diff(src.logits, p.answer, p.counter_answer, lam))
         with torch.no_grad():
             for layer in range(g.n_layers):
-                dz = (src.z[layer] - zs[layer][0].detach()).view(-1, g.n_heads, g.d_head)
+                dz = (src.z[layer] - base.z[layer]).view(-1, g.n_heads, g.d_head)
                 gr = grads[layer][0].view(-1, g.n_heads, g.d_head)
                 est[i, layer] = (dz.double() * gr.double()).sum((0, 2)).cpu()
         mb = float(m_base.detach())
         m_c[i], m_x[i] = (mb, m_src) if direction == "noising" else (m_src, mb)
+        size = sum(t.numel() * t.element_size() for c in (src, base) for t in (c.resid, c.z, c.k, c.v))
+        if kept + size <= keep_bytes:
+            runs = (base, src) if direction == "noising" else (src, base)
+            states[i] = PairState(engine, p, lam, direction, runs=runs)
+            kept += size
         del logits, zs, grads
     gap = (m_c - m_x)[:, None, None]
     ie = -est / gap if direction == "noising" else est / gap
-    return ie.float(), m_c, m_x
+    return ie.float(), m_c, m_x, states
 
 
 @dataclass
@@ -177,3 +207,28 @@ def recall_at_k(a: np.ndarray, b: np.ndarray, k: int = 10) -> float:
     ta = set(np.argsort(-fa, kind="stable")[:k].tolist())
     tb = set(np.argsort(-fb, kind="stable")[:k].tolist())
     return len(ta & tb) / k
+
+
+@torch.no_grad()
+def layer_patch_ie(
+    engine: Engine, states: dict[int, PairState], pairs: Sequence[Pair], lam: float, direction: Direction,
+    batch_size: int | None = None,
+) -> Float[Tensor, "pair layer"]:
+    """Exact IE (eq. 10) of patching a whole layer's hook_z (all heads at once), per pair.
+
+    One patched row per layer and pair (1/n_heads of the exact per-head sweep). Pairs without a state
+    in ``states`` get a new one.
+    """
+    g = engine.g
+    out = torch.empty(len(pairs), g.n_layers, dtype=torch.float64)
+    for i, p in enumerate(pairs):
+        st = states[i] if i in states else PairState(engine, p, lam, direction)
+        bs = batch_size or _auto_batch(engine.model, st.total - st.start, st.total, 2e9)
+        for l0 in range(0, g.n_layers, bs):
+            layers = range(l0, min(g.n_layers, l0 + bs))
+            entries = [(layer, st.src.z[layer, st.start :][None]) for layer in layers]
+            m = logit_diff(engine.patched_logits_multi(st.base, entries, st.start, st.read),
+                           p.answer, p.counter_answer, lam).double().cpu()
+            gap = st.m_clean - st.m_corrupt
+            out[i, l0 : l0 + len(layers)] = (st.m_clean - m) / gap if direction == "noising" else (m - st.m_corrupt) / gap
+    return out

@@ -235,14 +235,26 @@ class Engine:
         Used by attribution patching; gradients w.r.t. the returned hook_z tensors are total
         derivatives (they flow through every later layer).
         """
+        logits, zs, _ = self.run_with_grad_cache(ids, read)
+        return logits, zs
+
+    def run_with_grad_cache(
+        self, ids: Int[Tensor, "pos"], read: Sequence[int]
+    ) -> tuple[Tensor, list[Tensor], RunCache]:
+        """:meth:`run_with_grad` that also returns the pass's (detached) :class:`RunCache`, so that
+        exact patching can start from the same pass without running it again."""
         ids = ids.to(self.device)
         T = ids.numel()
+        resid, ks, vs = [], [], []
         with torch.enable_grad():
             h = self.embed(ids[None]).to(self.dtype)
             cos, sin = self.rope(torch.arange(T, device=self.device), h)
             zs = []
             for layer in range(self.g.n_layers):
+                resid.append(h[0].detach())
                 q, k, v = self.qkv(layer, self.layers[layer]["ln1"](h), cos, sin)
+                ks.append(k[0].detach())
+                vs.append(v[0].detach())
                 z = self.attend(layer, q, k, v, 0)
                 if not z.requires_grad:
                     z.requires_grad_(True)
@@ -250,7 +262,9 @@ class Engine:
                 zs.append(z)
                 h = self.post_attn(layer, h, z)
             logits = self.unembed(h[0, list(read)])
-        return logits, zs
+        cache = RunCache(torch.stack(resid), torch.stack([z[0].detach() for z in zs]), torch.stack(ks),
+                         torch.stack(vs), logits.detach())
+        return logits, zs, cache
 
     # ---- patched suffix passes -----------------------------------------------------------------
     @torch.no_grad()

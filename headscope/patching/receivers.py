@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from ..models import LoadedModel
 from ..readout import DEFAULT_LAMBDA, logit_diff, read_positions
 from ..tasks.base import Pair, validate_pair
-from .engine import Engine, head_slice
+from .engine import Engine, RunCache, head_slice
 from .store import Store
 
 Direction = Literal["noising", "denoising"]
@@ -93,11 +93,18 @@ ROWS_CAP_LAYERS = 4
 class PairState:
     """Clean and corrupted passes of one pair, computed once and shared by all its patches."""
 
-    def __init__(self, engine: Engine, pair: Pair, lam: float, direction: Direction):
+    def __init__(
+        self, engine: Engine, pair: Pair, lam: float, direction: Direction,
+        runs: tuple[RunCache, RunCache] | None = None,
+    ):
+        """``runs``: the (clean, corrupted) :class:`RunCache` when already computed (e.g. by AtP)."""
         self.pair = pair
         clean_seq, corr_seq, self.read = sequences(pair)
-        clean = engine.run(clean_seq, self.read)
-        corr = engine.run(corr_seq, self.read)
+        if runs is None:
+            clean = engine.run(clean_seq, self.read)
+            corr = engine.run(corr_seq, self.read)
+        else:
+            clean, corr = runs
         self.m_clean = float(logit_diff(clean.logits, pair.answer, pair.counter_answer, lam))
         self.m_corrupt = float(logit_diff(corr.logits, pair.answer, pair.counter_answer, lam))
         self.base, self.src = (clean, corr) if direction == "noising" else (corr, clean)
@@ -154,6 +161,7 @@ def receiver_patching(
     progress: bool = True,
     heads: Sequence[tuple[int, int]] | None = None,
     shard: tuple[int, int] | None = None,
+    states: dict[int, PairState] | None = None,
 ) -> PatchResult:
     """Exact activation patching of every head's hook_z, all positions, for every pair.
 
@@ -173,6 +181,8 @@ def receiver_patching(
             (pair × layer), writes it to the store (``store_dir`` required), waits at a
             ``torch.distributed`` barrier when a process group is initialized, and returns the
             table merged from the store (see :mod:`headscope.distributed`).
+        states: clean/corrupted passes already computed, by pair index (built with the same ``lam``
+            and ``direction``; e.g. kept by :func:`~headscope.patching.attribution.screen_then_verify`).
 
     Returns:
         PatchResult (``.ie`` is Float[Tensor, "pair layer head"]).
@@ -210,13 +220,16 @@ def receiver_patching(
     m_corr = torch.empty(n, dtype=torch.float64)
     bar = tqdm(total=n * sum(len(v) for v in per_layer.values()), desc="receiver patching (heads x pairs)", unit="patch",
                disable=not progress)
-    states: dict[int, PairState] = {}
+    given = states
+    cached: dict[int, PairState] = {}
 
     def state(i: int) -> PairState:
-        if i not in states:
-            states.clear()  # one pair's caches at a time
-            states[i] = PairState(engine, pairs[i], lam, direction)
-        return states[i]
+        if given is not None and i in given:
+            return given[i]
+        if i not in cached:
+            cached.clear()  # one pair's caches at a time
+            cached[i] = PairState(engine, pairs[i], lam, direction)
+        return cached[i]
 
     def mine(idx: int) -> bool:
         return shard is None or idx % shard[1] == shard[0]
@@ -255,7 +268,7 @@ def receiver_patching(
                     if store is not None:
                         store.put(f"pair{i:05d}_L{layer:03d}", done[(i, layer)])
                     bar.update(len(per_layer[layer]))
-    states.clear()
+    cached.clear()
     if shard is not None:
         # every rank wrote its items into the shared store; wait for all, then read the others' items
         if torch.distributed.is_available() and torch.distributed.is_initialized():
