@@ -97,3 +97,57 @@ def test_rope_matches_rotate_half(tiny):
     half = x.shape[-1] // 2
     want = x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
     assert torch.allclose(Engine._rotate(x, cos, sin), want, atol=1e-6)
+
+
+def test_low_precision_engine_is_close_not_equal(tiny, pair):
+    """matmul_dtype=bfloat16 runs the linear maps in bf16: close to, but not the same as, fp32."""
+    e, lo = Engine(tiny), Engine(tiny, matmul_dtype=torch.bfloat16)
+    st = PairState(e, pair, 1.0, "noising")
+    z = _rows(st, 0, [0, 1, 2, 3], tiny.geometry.d_head)
+    a = e.patched_logits(st.base, 0, z, st.start, st.read)
+    b = lo.patched_logits(st.base, 0, z, st.start, st.read)
+    assert not torch.equal(a, b)
+    assert torch.allclose(a, b, atol=0.05 * float(a.abs().max()), rtol=0)
+
+
+def test_probe_ie_matches_exact_and_brute_force(tiny, pair):
+    """probe_ie with the exact engine: one-head groups equal receiver patching; a whole-layer group
+    equals a full forward with that layer's hook_z replaced."""
+    from headscope.patching import receiver_patching
+    from headscope.patching.attribution import probe_ie
+
+    e = Engine(tiny)
+    st = PairState(e, pair, 1.0, "noising")
+    g = tiny.geometry
+    patches = [(0, [1]), (0, list(range(g.n_heads))), (1, [2])]
+    got = probe_ie(e, {0: st}, [pair], patches, 1.0, "noising")[0]
+    ex = receiver_patching(tiny, [pair], lam=1.0, min_gap=0.0, progress=False).ie[0]
+    assert float(got[0]) == pytest.approx(float(ex[0, 1]), abs=1e-4)
+    assert float(got[2]) == pytest.approx(float(ex[1, 2]), abs=1e-4)
+    clean_seq, _, read = sequences(pair)
+    full = e.run(clean_seq, read, z_override=lambda lay, z: st.src.z[0][None] if lay == 0 else z)
+    m = float(logit_diff(full.logits, pair.answer, pair.counter_answer, 1.0))
+    assert float(got[1]) == pytest.approx((st.m_clean - m) / (st.m_clean - st.m_corrupt), abs=1e-4)
+
+
+def test_screen_auto_verifies_exactly(tiny, smol_tokenizer):
+    """verify='auto': verified heads carry the exact IE; when certified, the screen's top-k equals the
+    exact top-k; unverified heads are never given an exact number."""
+    import numpy as np
+
+    from headscope.patching import receiver_patching
+    from headscope.patching.attribution import recall_at_k, screen_then_verify
+
+    pairs = niah_single(smol_tokenizer, n_pairs=2, seq_len=64, depth=[0.3, 0.7], seed=0)
+    res = screen_then_verify(tiny, pairs, verify="auto", top_k=3, min_gap=0.0, progress=False)
+    exact = receiver_patching(tiny, pairs, min_gap=0.0, progress=False).ie
+    for layer, h in res.verified:
+        assert torch.allclose(res.ie[:, layer, h], exact[:, layer, h])
+    assert len(res.verified) >= 3 and res.details["n_unverified"] == 8 - len(res.verified)
+    assert res.details["certified"]
+    assert recall_at_k(exact.mean(0).numpy(), res.ie.mean(0).numpy(), 3) == 1.0
+    verified = {(a, b) for a, b in res.verified}
+    others = [(a, b) for a in range(2) for b in range(4) if (a, b) not in verified]
+    assert all(not torch.allclose(res.ie[:, a, b], exact[:, a, b], atol=1e-7) for a, b in others)
+    with pytest.raises(ValueError, match="'auto'"):
+        screen_then_verify(tiny, pairs, verify="all", progress=False)

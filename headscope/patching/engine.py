@@ -65,7 +65,10 @@ class Engine:
         UnsupportedArchitecture: the model is not of a Llama-family type (use the reference path).
     """
 
-    def __init__(self, model: LoadedModel):
+    def __init__(self, model: LoadedModel, matmul_dtype: torch.dtype | None = None):
+        """``matmul_dtype`` (e.g. ``torch.bfloat16``): run the layers' linear maps and attention in that
+        dtype (weights copied once; residual stream, norms, RoPE and unembedding stay in the model's
+        dtype). An approximation for screening only: exact patching uses the default (None)."""
         hf = model.hf_model
         cfg = hf.config
         mtype = getattr(cfg, "model_type", "")
@@ -104,6 +107,19 @@ class Engine:
             )
         self.device = model.device
         self.dtype = model.dtype
+        self.matmul_dtype = matmul_dtype
+        self._low: dict[int, dict[str, tuple[Tensor, Tensor | None]]] = {}
+        if matmul_dtype is not None:
+            for L in self.layers:
+                mlp = getattr(L["mlp"], "original_component", L["mlp"])
+                L["act"] = mlp.act_fn
+                mods = dict(q=L["q"], k=L["k"], v=L["v"], o=L["o"], gate=mlp.gate_proj, up=mlp.up_proj,
+                            down=mlp.down_proj)
+                self._low[id(L)] = {
+                    n: (m.weight.detach().to(matmul_dtype),
+                        None if m.bias is None else m.bias.detach().to(matmul_dtype))
+                    for n, m in mods.items()
+                }
 
     # ---- pieces --------------------------------------------------------------------------------
     def rope(self, positions: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
@@ -135,15 +151,15 @@ class Engine:
         g = self.g
         if q_rows is not None:
             q, _, _ = self.qkv_q(layer, x[:, q_rows], cos[q_rows], sin[q_rows])
-            k = L["k"](x).view(B, S, g.n_kv_heads, g.d_head)
-            v = L["v"](x).view(B, S, g.n_kv_heads, g.d_head)
+            k = self._lin(L, "k", x).view(B, S, g.n_kv_heads, g.d_head)
+            v = self._lin(L, "v", x).view(B, S, g.n_kv_heads, g.d_head)
             if L["k_norm"] is not None:
                 k = L["k_norm"](k)
             k, v = k.transpose(1, 2), v.transpose(1, 2)
             return q, self._rotate(k, cos, sin), v
-        q = L["q"](x).view(B, S, g.n_heads, g.d_head)
-        k = L["k"](x).view(B, S, g.n_kv_heads, g.d_head)
-        v = L["v"](x).view(B, S, g.n_kv_heads, g.d_head)
+        q = self._lin(L, "q", x).view(B, S, g.n_heads, g.d_head)
+        k = self._lin(L, "k", x).view(B, S, g.n_kv_heads, g.d_head)
+        v = self._lin(L, "v", x).view(B, S, g.n_kv_heads, g.d_head)
         if L["q_norm"] is not None:
             q = L["q_norm"](q)
             k = L["k_norm"](k)
@@ -154,7 +170,7 @@ class Engine:
         """Queries only: x [B, S, d_model] (layer-normed) -> (q [B,H,S,dh] after RoPE, None, None)."""
         L = self.layers[layer]
         B, S, _ = x.shape
-        q = L["q"](x).view(B, S, self.g.n_heads, self.g.d_head)
+        q = self._lin(L, "q", x).view(B, S, self.g.n_heads, self.g.d_head)
         if L["q_norm"] is not None:
             q = L["q_norm"](q)
         return self._rotate(q.transpose(1, 2), cos, sin), None, None
@@ -178,6 +194,9 @@ class Engine:
                 k = k.repeat_interleave(rep, dim=1)
                 v = v.repeat_interleave(rep, dim=1)
         scale = self.layers[layer]["scaling"]
+        if self.matmul_dtype is not None:
+            dt = q.dtype
+            q, k, v = q.to(self.matmul_dtype), k.to(self.matmul_dtype), v.to(self.matmul_dtype)
         if q_pos is None and offset == 0 and S == T:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **kw)
         elif q_pos is None and offset + S == T:
@@ -188,13 +207,26 @@ class Engine:
             qi = (torch.arange(S, device=q.device) + offset) if q_pos is None else q_pos
             mask = torch.arange(T, device=q.device)[None, :] <= qi[:, None]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **kw)
+        if self.matmul_dtype is not None:
+            out = out.to(dt)
         return out.transpose(1, 2).reshape(B, S, H * dh)
 
     def post_attn(self, layer: int, h: Tensor, z: Tensor) -> Tensor:
         """Residual after layer ``layer`` given its input ``h`` and its hook_z ``z``."""
         L = self.layers[layer]
-        h = h + L["o"](z)
-        return h + L["mlp"](L["ln2"](h))
+        h = h + self._lin(L, "o", z)
+        if self.matmul_dtype is None:
+            return h + L["mlp"](L["ln2"](h))
+        x = L["ln2"](h)
+        return h + self._lin(L, "down", L["act"](self._lin(L, "gate", x)) * self._lin(L, "up", x))
+
+    def _lin(self, L: dict, name: str, x: Tensor) -> Tensor:
+        """The layer's linear map ``name``, in the engine's dtype or, for a low-precision engine, with
+        inputs and weights cast to ``matmul_dtype`` and the output cast back."""
+        if self.matmul_dtype is None:
+            return L[name](x)
+        w, b = self._low[id(L)][name]
+        return F.linear(x.to(self.matmul_dtype), w, b).to(x.dtype)
 
     def unembed(self, h: Tensor) -> Tensor:
         return self.lm_head(self.final_norm(h))
