@@ -168,8 +168,8 @@ def screen_then_verify(
 
     Args:
         verify: heads verified exactly: a count, or a fraction of all heads (default 10 %); or
-            ``"auto"``: the layer-probe screen of :func:`screen_auto` (``spot_checks`` then counts
-            random extra heads, default none), which verifies until its top ``top_k`` is certified.
+            ``"auto"``: the layer-probe screen of :func:`screen_auto`, which verifies until its top
+            ``top_k`` is certified (``spot_checks`` and ``seed`` are not used then).
         spot_checks: unverified heads measured exactly at random: count or fraction of the rest.
         seed: RNG of the spot checks.
         Other arguments as :func:`~headscope.patching.receivers.receiver_patching`.
