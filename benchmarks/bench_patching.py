@@ -5,7 +5,8 @@
 Part 1 (one niah_single pair, needle at depth 0.5): times
   * TransformerLens `get_act_patch_attn_head_out_all_pos` over all heads (one forward per head),
   * headscope exact mode (same IE to float error; batched, layer/prefix reuse),
-  * headscope screen-then-verify (AtP + exact verification of the top 10 % + 5 % spot checks).
+  * headscope screen-then-verify, ``verify="auto"`` (AtP + bf16 layer/KV-group/head probes where AtP's
+    layer sums miss, exact verification until the top 10 is certified; see ``screen_auto``).
 Part 2 (``--pairs`` pairs): exact vs screen-then-verify top-10 on the mean IE.
 The final line is `speedup_exact=X speedup_screen=Y max_abs_diff=Z recall_at_k=R`.
 Times are ratios against the TransformerLens sweep measured in the same run.
@@ -14,6 +15,7 @@ Times are ratios against the TransformerLens sweep measured in the same run.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import pandas as pd
@@ -67,16 +69,17 @@ def main() -> None:
         rows.append(("TransformerLens per-head sweep", tl_s))
         max_diff = float((exact.patched[0] - tl).abs().max())
     t = time.perf_counter()
-    screen_then_verify(model, one, min_gap=0.0, progress=False)
+    scr1 = screen_then_verify(model, one, verify="auto", min_gap=0.0, progress=False)
     screen_s = time.perf_counter() - t
     rows.append(("headscope screen-then-verify", screen_s))
+    print(f"screen, 1 pair: {scr1.details}")
 
     pairs = niah_single(model.tokenizer, n_pairs=args.pairs, seq_len=args.seq_len, depth=0.5, seed=1)
     t = time.perf_counter()
     ex = receiver_patching(model, pairs, progress=False)
     ex6 = time.perf_counter() - t
     t = time.perf_counter()
-    sc = screen_then_verify(model, pairs, progress=False)
+    sc = screen_then_verify(model, pairs, verify="auto", progress=False)
     sc6 = time.perf_counter() - t
     mean_ex = ex.ie[ex.used].mean(0).numpy()
     mean_sc = sc.ie[sc.exact.used].mean(0).numpy()
@@ -90,8 +93,8 @@ def main() -> None:
         ]
     print(f"SmolLM2 niah_single, {args.seq_len} tokens, depth 0.5, torch threads={torch.get_num_threads()}")
     print(table.to_string(index=False))
-    print(f"screen: {sc.details}, spot-check hits {sc.spot_hits}, missed estimate {sc.missed_estimate:.1f} "
-          f"(95% upper {sc.missed_upper95:.1f})")
+    print(f"screen, {args.pairs} pairs: {sc.details}")
+    print(f"load average (1, 5, 15 min) at the end: {os.getloadavg()}")
     print(f"speedup_exact={tl_s / exact_s:.1f} speedup_screen={tl_s / screen_s:.1f} "
           f"max_abs_diff={max_diff:.2e} recall_at_k={rec:.2f}")
 

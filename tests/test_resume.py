@@ -51,17 +51,20 @@ def test_sigkill_then_resume(tiny_dir, tmp_path):
     model = load_model(str(model_dir), device="cpu")
     pairs = niah_single(model.tokenizer, n_pairs=3, seq_len=64, depth=[0.2, 0.6, 0.9], seed=11)
     calls = []
-    orig = receivers.patch_heads
+    orig = receivers.patch_rows
+    heads_done = []
 
-    def counting(engine, st, layer, heads, lam, bs):
-        calls.append((st.pair.meta["index"], layer))
-        return orig(engine, st, layer, heads, lam, bs)
+    def counting(engine, st, rows, lam, bs):
+        heads_done.extend((st.pair.meta["index"], layer, h) for layer, h in rows)
+        calls.extend(sorted({(st.pair.meta["index"], layer) for layer, _ in rows}))
+        return orig(engine, st, rows, lam, bs)
 
-    receivers.patch_heads = counting
+    receivers.patch_rows = counting
     try:
         resumed = receiver_patching(model, pairs, min_gap=0.0, progress=False, store_dir=str(store_dir))
     finally:
-        receivers.patch_heads = orig
+        receivers.patch_rows = orig
+    assert len(heads_done) == len(set(heads_done))  # no head computed twice
     missing = {(i, layer) for i in range(3) for layer in range(2)} - {
         (int(k[4:9]), int(k[-3:])) for k in stored if "_L" in k
     }

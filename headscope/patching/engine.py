@@ -40,6 +40,9 @@ from ..models import LoadedModel
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 
+# scaled_dot_product_attention broadcasts grouped K/V heads itself from torch 2.5 on (no K/V copies)
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
 
 class UnsupportedArchitecture(NotImplementedError):
     pass
@@ -106,7 +109,10 @@ class Engine:
         UnsupportedArchitecture: the model is not of a Llama-family type (use the reference path).
     """
 
-    def __init__(self, model: LoadedModel):
+    def __init__(self, model: LoadedModel, matmul_dtype: torch.dtype | None = None):
+        """``matmul_dtype`` (e.g. ``torch.bfloat16``): run the layers' linear maps and attention in that
+        dtype (weights copied once; residual stream, norms, RoPE and unembedding stay in the model's
+        dtype). An approximation for screening only: exact patching uses the default (None)."""
         hf = model.hf_model
         cfg = hf.config
         mtype = getattr(cfg, "model_type", "")
@@ -146,6 +152,19 @@ class Engine:
             )
         self.device = model.device
         self.dtype = model.dtype
+        self.matmul_dtype = matmul_dtype
+        self._low: dict[int, dict[str, tuple[Tensor, Tensor | None]]] = {}
+        if matmul_dtype is not None:
+            for L in self.layers:
+                mlp = getattr(L["mlp"], "original_component", L["mlp"])
+                L["act"] = mlp.act_fn
+                mods = dict(q=L["q"], k=L["k"], v=L["v"], o=L["o"], gate=mlp.gate_proj, up=mlp.up_proj,
+                            down=mlp.down_proj)
+                self._low[id(L)] = {
+                    n: (m.weight.detach().to(matmul_dtype),
+                        None if m.bias is None else m.bias.detach().to(matmul_dtype))
+                    for n, m in mods.items()
+                }
         self.head_device = self.final_norm.weight.device
         devs = {L["device"] for L in self.layers} | {self.device, self.head_device, self.lm_head.weight.device}
         self.multi_device = len(devs) > 1
@@ -181,52 +200,105 @@ class Engine:
 
     @staticmethod
     def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        half = x.shape[-1] // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rot * sin
+        """RoPE: x·cos + rotate_half(x)·sin with rotate_half(x) = (−x₂, x₁), as the HF Llama code.
 
-    def qkv(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x: [B, S, d_model] (already layer-normed) -> q [B,H,S,dh], k, v [B,KV,S,dh] after RoPE."""
+        The halves are swapped by a flip of a (2, d_head/2) view and the sign moved onto sin (one copy
+        instead of a negation plus a concatenation).
+        """
+        half = x.shape[-1] // 2
+        swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+        sign = torch.ones(2, half, dtype=sin.dtype, device=sin.device)
+        sign[0] = -1
+        return torch.addcmul(x * cos, swapped, sin * sign.flatten())
+
+    def qkv(
+        self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, q_rows: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """x: [B, S, d_model] (already layer-normed) -> q [B,H,S,dh], k, v [B,KV,S,dh] after RoPE.
+
+        ``q_rows`` (indices into S): compute queries at these positions only (q is [B,H,len,dh]).
+        """
         L = self.layers[layer]
         B, S, _ = x.shape
         g = self.g
-        q = L["q"](x).view(B, S, g.n_heads, g.d_head)
-        k = L["k"](x).view(B, S, g.n_kv_heads, g.d_head)
-        v = L["v"](x).view(B, S, g.n_kv_heads, g.d_head)
+        if q_rows is not None:
+            q, _, _ = self.qkv_q(layer, x[:, q_rows], cos[q_rows], sin[q_rows])
+            k = self._lin(L, "k", x).view(B, S, g.n_kv_heads, g.d_head)
+            v = self._lin(L, "v", x).view(B, S, g.n_kv_heads, g.d_head)
+            if L["k_norm"] is not None:
+                k = L["k_norm"](k)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            return q, self._rotate(k, cos, sin), v
+        q = self._lin(L, "q", x).view(B, S, g.n_heads, g.d_head)
+        k = self._lin(L, "k", x).view(B, S, g.n_kv_heads, g.d_head)
+        v = self._lin(L, "v", x).view(B, S, g.n_kv_heads, g.d_head)
         if L["q_norm"] is not None:
             q = L["q_norm"](q)
             k = L["k_norm"](k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
 
+    def qkv_q(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, None, None]:
+        """Queries only: x [B, S, d_model] (layer-normed) -> (q [B,H,S,dh] after RoPE, None, None)."""
+        L = self.layers[layer]
+        B, S, _ = x.shape
+        q = self._lin(L, "q", x).view(B, S, self.g.n_heads, self.g.d_head)
+        if L["q_norm"] is not None:
+            q = L["q_norm"](q)
+        return self._rotate(q.transpose(1, 2), cos, sin), None, None
+
     def attend(
-        self, layer: int, q: Tensor, k: Tensor, v: Tensor, offset: int
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, offset: int, q_pos: Tensor | None = None
     ) -> Float[Tensor, "batch pos hd"]:
-        """Causal attention of queries at positions offset.. over all keys -> hook_z, flattened."""
+        """Causal attention of queries at positions offset.. over all keys -> hook_z, flattened.
+
+        q: [B, H, S, dh]; k, v: [B or 1, KV, T, dh] (grouped K/V heads are broadcast to their query
+        heads). ``q_pos``: absolute positions of the S queries when they are not contiguous.
+        """
         B, H, S, dh = q.shape
         T = k.shape[2]
         rep = H // k.shape[1]
+        kw: dict = {}
         if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
+            if _SDPA_GQA:
+                kw["enable_gqa"] = True
+            else:
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
         scale = self.layers[layer]["scaling"]
-        if offset == 0 and S == T:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        elif offset + S == T:
+        if self.matmul_dtype is not None:
+            dt = q.dtype
+            q, k, v = q.to(self.matmul_dtype), k.to(self.matmul_dtype), v.to(self.matmul_dtype)
+        if q_pos is None and offset == 0 and S == T:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **kw)
+        elif q_pos is None and offset + S == T:
             # queries are the last S positions: causal mask aligned to the lower right (flash/mem-efficient
             # kernels support it without materializing a mask)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(S, T), scale=scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(S, T), scale=scale, **kw)
         else:
-            qi = torch.arange(S, device=q.device)[:, None] + offset
-            mask = torch.arange(T, device=q.device)[None, :] <= qi
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            qi = (torch.arange(S, device=q.device) + offset) if q_pos is None else q_pos
+            mask = torch.arange(T, device=q.device)[None, :] <= qi[:, None]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **kw)
+        if self.matmul_dtype is not None:
+            out = out.to(dt)
         return out.transpose(1, 2).reshape(B, S, H * dh)
 
     def post_attn(self, layer: int, h: Tensor, z: Tensor) -> Tensor:
         """Residual after layer ``layer`` given its input ``h`` and its hook_z ``z``."""
         L = self.layers[layer]
-        h = h + L["o"](z)
-        return h + L["mlp"](L["ln2"](h))
+        h = h + self._lin(L, "o", z)
+        if self.matmul_dtype is None:
+            return h + L["mlp"](L["ln2"](h))
+        x = L["ln2"](h)
+        return h + self._lin(L, "down", L["act"](self._lin(L, "gate", x)) * self._lin(L, "up", x))
+
+    def _lin(self, L: dict, name: str, x: Tensor) -> Tensor:
+        """The layer's linear map ``name``, in the engine's dtype or, for a low-precision engine, with
+        inputs and weights cast to ``matmul_dtype`` and the output cast back."""
+        if self.matmul_dtype is None:
+            return L[name](x)
+        w, b = self._low[id(L)][name]
+        return F.linear(x.to(self.matmul_dtype), w, b).to(x.dtype)
 
     def unembed(self, h: Tensor) -> Tensor:
         if self.multi_device:
@@ -274,15 +346,27 @@ class Engine:
         Used by attribution patching; gradients w.r.t. the returned hook_z tensors are total
         derivatives (they flow through every later layer).
         """
+        logits, zs, _ = self.run_with_grad_cache(ids, read)
+        return logits, zs
+
+    def run_with_grad_cache(
+        self, ids: Int[Tensor, "pos"], read: Sequence[int]
+    ) -> tuple[Tensor, list[Tensor], RunCache]:
+        """:meth:`run_with_grad` that also returns the pass's (detached) :class:`RunCache`, so that
+        exact patching can start from the same pass without running it again."""
         self._one_device("attribution patching (run_with_grad)")
         ids = ids.to(self.device)
         T = ids.numel()
+        resid, ks, vs = [], [], []
         with torch.enable_grad():
             h = self.embed(ids[None]).to(self.dtype)
             cos, sin = self.rope(torch.arange(T, device=self.device), h)
             zs = []
             for layer in range(self.g.n_layers):
+                resid.append(h[0].detach())
                 q, k, v = self.qkv(layer, self.layers[layer]["ln1"](h), cos, sin)
+                ks.append(k[0].detach())
+                vs.append(v[0].detach())
                 z = self.attend(layer, q, k, v, 0)
                 if not z.requires_grad:
                     z.requires_grad_(True)
@@ -290,7 +374,9 @@ class Engine:
                 zs.append(z)
                 h = self.post_attn(layer, h, z)
             logits = self.unembed(h[0, list(read)])
-        return logits, zs
+        cache = RunCache(torch.stack(resid), torch.stack([z[0].detach() for z in zs]), torch.stack(ks),
+                         torch.stack(vs), logits.detach())
+        return logits, zs, cache
 
     # ---- patched suffix passes -----------------------------------------------------------------
     @torch.no_grad()
@@ -307,24 +393,77 @@ class Engine:
         Every row starts from ``base`` (a cached pass): layers < ``layer`` and positions < ``start``
         are taken from the cache, later layers run on positions >= ``start`` only.
         """
-        B, S, _ = z_rows.shape
+        return self.patched_logits_multi(base, [(layer, z_rows)], start, read)
+
+    @torch.no_grad()
+    def patched_logits_multi(
+        self,
+        base: RunCache,
+        entries: Sequence[tuple[int, Float[Tensor, "rows suffix hd"]]],
+        start: int,
+        read: Sequence[int],
+    ) -> Float[Tensor, "batch read vocab"]:
+        """Patched passes of several layers in one batch: logits at ``read`` for every row of ``entries``.
+
+        ``entries`` is a list of ``(layer, z_rows)`` in ascending layer order; each row is one independent
+        run of ``base``'s prompt in which layer ``layer``'s hook_z at positions ``start..`` is that row.
+        Rows join the batch at their own layer (starting from the cached residual there), so rows of
+        several layers share the matmuls of the layers after. Output rows follow the order of ``entries``.
+
+        Exactness (each row equals a full forward with the patch, up to float rounding):
+        positions < ``start`` are untouched by the patch (causal), so their keys/values come from the
+        cache; in the last layer only the queries, o_proj and MLP at ``read`` are computed, since no
+        later layer reads the other positions.
+
+        Raises:
+            ValueError: layers not ascending, or rows that do not cover ``start..`` of the prompt.
+        """
+        if not entries:
+            raise ValueError("no patched rows given")
+        layers = [int(lay) for lay, _ in entries]
+        if layers != sorted(layers):
+            raise ValueError(f"entries must be in ascending layer order, got layers {layers}")
         T = base.resid.shape[1]
-        if start + S != T:
-            raise ValueError(f"z_rows cover positions {start}..{start + S} but the prompt has {T}")
-        rope = self._rope_by_device(torch.arange(start, T, device=z_rows.device), z_rows)
-        h = base.resid[layer, start:][None].expand(B, S, -1)
-        h = self.post_attn(layer, h, z_rows)
-        for lay in range(layer + 1, self.g.n_layers):
+        S = T - start
+        for lay, z in entries:
+            if z.shape[1] != S:
+                raise ValueError(f"z_rows of layer {lay} cover positions {start}..{start + z.shape[1]} "
+                                 f"but the prompt has {T}")
+        n_layers = self.g.n_layers
+        rope = self._rope_by_device(torch.arange(start, T, device=entries[0][1].device), entries[0][1])
+        h: Tensor | None = None
+        for lay in range(layers[0], n_layers):
             dev = self.layers[lay]["device"]
-            h = h.to(dev)
             cos, sin = rope(dev)
-            q, k, v = self.qkv(lay, self.layers[lay]["ln1"](h), cos, sin)
-            kp = base.k[lay, :, :start][None].expand(B, -1, -1, -1)
-            vp = base.v[lay, :, :start][None].expand(B, -1, -1, -1)
-            z = self.attend(lay, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start)
-            h = self.post_attn(lay, h, z)
-        idx = torch.as_tensor([r - start for r in read], device=h.device)
-        return self.unembed(h[:, idx])
+            ridx = torch.as_tensor([r - start for r in read], device=dev)
+            rpos = ridx + start
+            last = lay == n_layers - 1
+            z_run = None
+            if h is not None:
+                h = h.to(dev)
+                B = h.shape[0]
+                kp = base.k[lay, :, :start][None].expand(B, -1, -1, -1)
+                vp = base.v[lay, :, :start][None].expand(B, -1, -1, -1)
+                x = self.layers[lay]["ln1"](h)
+                if last:
+                    q, k, v = self.qkv(lay, x, cos, sin, q_rows=ridx)
+                    z_run = self.attend(lay, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start, q_pos=rpos)
+                    h = h[:, ridx]
+                else:
+                    q, k, v = self.qkv(lay, x, cos, sin)
+                    z_run = self.attend(lay, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start)
+            new = [z.to(dev) for l2, z in entries if l2 == lay]
+            if new:
+                zn = torch.cat(new) if len(new) > 1 else new[0]
+                hn = base.resid[lay, start:][None].expand(zn.shape[0], S, -1)
+                if last:
+                    zn, hn = zn[:, ridx], hn[:, ridx]
+                h = hn if h is None else torch.cat([h, hn])
+                z_run = zn if z_run is None else torch.cat([z_run, zn])
+            assert h is not None and z_run is not None
+            h = self.post_attn(lay, h, z_run)
+        assert h is not None
+        return self.unembed(h)
 
     # ---- sender path patching and κ (SPEC.md §5, §6) -------------------------------------------
     @torch.no_grad()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 import torch
 from jaxtyping import Float
@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from ..models import LoadedModel
 from ..readout import DEFAULT_LAMBDA, logit_diff, read_positions
 from ..tasks.base import Pair, validate_pair
-from .engine import Engine, head_slice
+from .engine import Engine, RunCache, head_slice
 from .store import Store
 
 Direction = Literal["noising", "denoising"]
@@ -76,20 +76,35 @@ def check_pairs(model: LoadedModel, pairs: Sequence[Pair]) -> None:
 
 
 def _auto_batch(model: LoadedModel, suffix: int, total: int, mem_bytes: float) -> int:
+    """Patch rows per forward: as many as ``mem_bytes`` of activations allow, at most 4 layers' heads.
+
+    Rows of several layers share one batch (see :meth:`Engine.patched_logits_multi`); bigger batches
+    make the matmuls more efficient, up to a few thousand (row × position) at a time on a CPU.
+    """
     g = model.geometry
     ffn = int(getattr(model.hf_model.config, "intermediate_size", 4 * g.d_model))
     per_row = suffix * (6 * g.d_model + 3 * ffn + 2 * g.n_heads * total) * (4 if model.dtype == torch.float32 else 2)
-    return max(1, min(g.n_heads, int(mem_bytes // max(per_row, 1))))
+    return max(1, min(ROWS_CAP_LAYERS * g.n_heads, int(mem_bytes // max(per_row, 1))))
+
+
+ROWS_CAP_LAYERS = 4
 
 
 class PairState:
     """Clean and corrupted passes of one pair, computed once and shared by all its patches."""
 
-    def __init__(self, engine: Engine, pair: Pair, lam: float, direction: Direction):
+    def __init__(
+        self, engine: Engine, pair: Pair, lam: float, direction: Direction,
+        runs: tuple[RunCache, RunCache] | None = None,
+    ):
+        """``runs``: the (clean, corrupted) :class:`RunCache` when already computed (e.g. by AtP)."""
         self.pair = pair
         clean_seq, corr_seq, self.read = sequences(pair)
-        clean = engine.run(clean_seq, self.read)
-        corr = engine.run(corr_seq, self.read)
+        if runs is None:
+            clean = engine.run(clean_seq, self.read)
+            corr = engine.run(corr_seq, self.read)
+        else:
+            clean, corr = runs
         self.m_clean = float(logit_diff(clean.logits, pair.answer, pair.counter_answer, lam))
         self.m_corrupt = float(logit_diff(corr.logits, pair.answer, pair.counter_answer, lam))
         self.base, self.src = (clean, corr) if direction == "noising" else (corr, clean)
@@ -98,23 +113,39 @@ class PairState:
         self.total = clean_seq.numel()
 
 
+def patch_rows(
+    engine: Engine, st: PairState, rows: Sequence[tuple[int, int]], lam: float, batch_size: int
+) -> Iterator[tuple[list[tuple[int, int]], Tensor]]:
+    """m after patching each (layer, head) of ``rows`` alone, ``batch_size`` rows per forward.
+
+    ``rows`` must be in ascending layer order. Yields ``(chunk, m)`` per forward, m Float64[len(chunk)].
+    """
+    g = engine.g
+    for c0 in range(0, len(rows), batch_size):
+        chunk = list(rows[c0 : c0 + batch_size])
+        entries = []
+        for layer in sorted({lay for lay, _ in chunk}):
+            heads = [h for lay, h in chunk if lay == layer]
+            zb = st.base.z[layer, st.start :]
+            zs = st.src.z[layer, st.start :]
+            z = zb[None].repeat(len(heads), 1, 1)
+            for r, h in enumerate(heads):
+                sl = head_slice(h, g.d_head)
+                z[r, :, sl] = zs[:, sl]
+            entries.append((layer, z))
+        logits = engine.patched_logits_multi(st.base, entries, st.start, st.read)
+        ordered = [(layer, h) for layer, _ in entries for h in [hh for ll, hh in chunk if ll == layer]]
+        yield ordered, logit_diff(logits, st.pair.answer, st.pair.counter_answer, lam).double().cpu()
+
+
 def patch_heads(
     engine: Engine, st: PairState, layer: int, heads: Sequence[int], lam: float, batch_size: int
 ) -> Tensor:
     """m after patching each of ``heads`` of ``layer`` alone (one batch row per head) -> Float64[len(heads)]."""
-    g = engine.g
-    zb = st.base.z[layer, st.start :]
-    zs = st.src.z[layer, st.start :]
-    out = torch.empty(len(heads), dtype=torch.float64)
-    for c0 in range(0, len(heads), batch_size):
-        chunk = list(heads[c0 : c0 + batch_size])
-        rows = zb[None].repeat(len(chunk), 1, 1)
-        for r, h in enumerate(chunk):
-            sl = head_slice(h, g.d_head)
-            rows[r, :, sl] = zs[:, sl]
-        logits = engine.patched_logits(st.base, layer, rows, st.start, st.read)
-        out[c0 : c0 + len(chunk)] = logit_diff(logits, st.pair.answer, st.pair.counter_answer, lam).cpu()
-    return out
+    vals = {}
+    for chunk, m in patch_rows(engine, st, [(layer, h) for h in heads], lam, batch_size):
+        vals.update({h: float(v) for (_, h), v in zip(chunk, m)})
+    return torch.tensor([vals[h] for h in heads], dtype=torch.float64)
 
 
 def receiver_patching(
@@ -130,6 +161,7 @@ def receiver_patching(
     progress: bool = True,
     heads: Sequence[tuple[int, int]] | None = None,
     shard: tuple[int, int] | None = None,
+    states: dict[int, PairState] | None = None,
 ) -> PatchResult:
     """Exact activation patching of every head's hook_z, all positions, for every pair.
 
@@ -149,6 +181,8 @@ def receiver_patching(
             (pair × layer), writes it to the store (``store_dir`` required), waits at a
             ``torch.distributed`` barrier when a process group is initialized, and returns the
             table merged from the store (see :mod:`headscope.distributed`).
+        states: clean/corrupted passes already computed, by pair index (built with the same ``lam``
+            and ``direction``; e.g. kept by :func:`~headscope.patching.attribution.screen_then_verify`).
 
     Returns:
         PatchResult (``.ie`` is Float[Tensor, "pair layer head"]).
@@ -186,13 +220,16 @@ def receiver_patching(
     m_corr = torch.empty(n, dtype=torch.float64)
     bar = tqdm(total=n * sum(len(v) for v in per_layer.values()), desc="receiver patching (heads x pairs)", unit="patch",
                disable=not progress)
-    states: dict[int, PairState] = {}
+    given = states
+    cached: dict[int, PairState] = {}
 
     def state(i: int) -> PairState:
-        if i not in states:
-            states.clear()  # one pair's caches at a time
-            states[i] = PairState(engine, pairs[i], lam, direction)
-        return states[i]
+        if given is not None and i in given:
+            return given[i]
+        if i not in cached:
+            cached.clear()  # one pair's caches at a time
+            cached[i] = PairState(engine, pairs[i], lam, direction)
+        return cached[i]
 
     def mine(idx: int) -> bool:
         return shard is None or idx % shard[1] == shard[0]
@@ -209,20 +246,29 @@ def receiver_patching(
                 store.put(key, bases[i])
     items = [(i, layer) for i in range(n) for layer in sorted(per_layer)]
     done: dict[tuple[int, int], dict[int, float]] = {}
+    work: dict[int, list[tuple[int, int]]] = {}  # pair -> (layer, head) still to compute, layer order
     for idx, (i, layer) in enumerate(items):
         key = f"pair{i:05d}_L{layer:03d}"
         have: dict[int, float] = store.get(key) if store is not None and store.has(key) else {}
         todo = [h for h in per_layer[layer] if h not in have]
-        if todo and mine(idx):
-            st = state(i)
-            bs = batch_size or _auto_batch(model, st.total - st.start, st.total, mem_bytes)
-            vals = patch_heads(engine, st, layer, todo, lam, bs)
-            have = {**have, **dict(zip(todo, vals.tolist()))}
-            if store is not None:
-                store.put(key, have)
         done[(i, layer)] = have
-        bar.update(len(per_layer[layer]))
-    states.clear()
+        if todo and mine(idx):
+            work.setdefault(i, []).extend((layer, h) for h in todo)
+        else:
+            bar.update(len(per_layer[layer]))
+    for i, rows in work.items():
+        st = state(i)
+        bs = batch_size or _auto_batch(model, st.total - st.start, st.total, mem_bytes)
+        left = {layer: sum(1 for lay, _ in rows if lay == layer) for layer, _ in rows}
+        for chunk, vals in patch_rows(engine, st, rows, lam, bs):
+            for (layer, h), v in zip(chunk, vals.tolist()):
+                done[(i, layer)] = {**done[(i, layer)], h: v}
+                left[layer] -= 1
+                if left[layer] == 0:
+                    if store is not None:
+                        store.put(f"pair{i:05d}_L{layer:03d}", done[(i, layer)])
+                    bar.update(len(per_layer[layer]))
+    cached.clear()
     if shard is not None:
         # every rank wrote its items into the shared store; wait for all, then read the others' items
         if torch.distributed.is_available() and torch.distributed.is_initialized():
