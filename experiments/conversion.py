@@ -466,5 +466,47 @@ def report_cmd(out: Path = typer.Option(Path("runs/conversion"))) -> None:
     print(report(out).to_string(index=False))
 
 
+@app.command()
+def figure(out: Path = typer.Option(Path("runs/conversion")), png: Optional[Path] = typer.Option(None)) -> None:
+    """Training curves (loss against tokens, one panel per stage) from OUT/curves.csv, as PNG."""
+    import plotly.express as px
+
+    df = pd.read_csv(out / "curves.csv")
+    fig = px.line(df, x="tokens", y="loss", color="model", facet_col="stage", facet_col_spacing=0.06,
+                  labels={"tokens": "tokens", "loss": "loss"}, title="Three-stage transfer: loss per step")
+    fig.update_xaxes(matches=None)
+    fig.update_yaxes(matches=None, showticklabels=True)
+    fig.for_each_annotation(lambda a: a.update(text={"stage=1": "stage 1: alignment (MSE/var)", "stage=2": "stage 2: KL to teacher",
+                                                      "stage=3": "stage 3: LM loss, 2K tokens"}.get(a.text, a.text)))
+    dest = png or out / "curves.png"
+    fig.write_image(dest, width=1400, height=450, scale=1)
+    print(dest)
+
+
+@app.command()
+def significance(out: Path = typer.Option(Path("runs/conversion")), a: str = typer.Option("hydrahead"),
+                 b: List[str] = typer.Option(["random", "layerwise", "allgdn", "hydrahead_k1"])) -> None:
+    """Fisher's exact test (two-sided) of retrieval hits of mask ``a`` against each ``b``, per task and
+    length and pooled over lengths; prints a markdown table."""
+    from scipy.stats import fisher_exact
+
+    ev = {n: json.loads((out / n / "eval.json").read_text()) for n in [a, *b] if (out / n / "eval.json").exists()}
+    keys = [k for k in ev[a] if "@" in k]
+    print("| vs | " + " | ".join(keys) + " | pooled |")
+    print("|---|" + "---|" * (len(keys) + 1))
+    for other in b:
+        if other not in ev:
+            continue
+        cells, ha, hb, na, nb = [], 0, 0, 0, 0
+        for k in keys:
+            x, y = ev[a][k], ev[other][k]
+            xa, xb = round(x["accuracy"] * x["n"]), round(y["accuracy"] * y["n"])
+            p = fisher_exact([[xa, x["n"] - xa], [xb, y["n"] - xb]])[1]
+            cells.append(f"{xa}/{x['n']} vs {xb}/{y['n']} (p={p:.2g})")
+            ha, hb, na, nb = ha + xa, hb + xb, na + x["n"], nb + y["n"]
+        p = fisher_exact([[ha, na - ha], [hb, nb - hb]])[1]
+        print(f"| {other} | " + " | ".join(cells) + f" | {ha}/{na} vs {hb}/{nb} (p={p:.2g}) |")
+
+
 if __name__ == "__main__":
     app()

@@ -36,7 +36,7 @@ def rank(
     task_settings: dict[str, Any] | None = None,
     shard: tuple[int, int] | None = None,
     mode: str = "exact",
-    verify: int | float = 0.1,
+    verify: int | float | str = "auto",
     spot_checks: int | float = 0.05,
     senders: bool = False,
     weights: Sequence[float] | dict[str, float] | None = None,
@@ -66,8 +66,11 @@ def rank(
         out_dir: if given, per-pair results are written there as they finish (a rerun resumes)
             and the Ranking is saved there at the end.
         mode: ``"exact"`` (default: exact patching of every head) or ``"screen"`` (attribution
-            patching of every head, exact patching of the top ``verify`` heads plus ``spot_checks``
-            random others; columns ``ie_atp`` and ``verified`` are added; receivers-only path).
+            patching of every head, then exact patching: with ``verify="auto"`` (default) layer /
+            KV-group / head probes and exact verification until the top 10 is certified, see
+            :func:`headscope.patching.attribution.screen_auto`; with a count or fraction, the AtP top
+            ``verify`` heads plus ``spot_checks`` random others; columns ``ie_atp`` and ``verified``
+            are added; receivers-only path).
         shard: ``(rank, world_size)`` of a sharded sweep (see :mod:`headscope.distributed`;
             needs ``out_dir``); every rank returns the merged Ranking, rank 0 saves it.
         senders: add sender path patching (SPEC.md §5), iterated from the top ``top_k`` receivers

@@ -83,3 +83,15 @@ def test_rank_screen_mode(tiny_dir, tmp_path):
     assert np.allclose(unver["ie_recv"], unver["ie_atp"])
     with pytest.raises(ValueError, match="mode="):
         headscope.rank(str(tiny_dir), n_pairs=1, seq_len=64, mode="fast", device="cpu")
+
+
+def test_rank_screen_mode_defaults_to_the_certified_auto_screen(tiny_dir):
+    """rank(mode="screen") uses verify="auto"; on a model with fewer heads than its top 10 it certifies
+    every head, so the table equals the exact sweep."""
+    import headscope
+
+    exact = headscope.rank(str(tiny_dir), n_pairs=2, seq_len=64, min_gap=0.0, device="cpu", progress=False)
+    r = headscope.rank(str(tiny_dir), n_pairs=2, seq_len=64, min_gap=0.0, device="cpu", progress=False, mode="screen")
+    assert r.provenance["screen"]["verified"] == 8 and r.scores["verified"].all()
+    merged = r.scores.merge(exact.scores, on=["layer", "head"])
+    assert np.allclose(merged["ie_recv_x"], merged["ie_recv_y"], atol=1e-6)

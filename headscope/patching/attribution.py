@@ -181,6 +181,8 @@ def screen_then_verify(
         rate to all unverified heads, with a Clopper–Pearson 95 % upper bound.
     """
     if verify == "auto":
+        g = model.geometry
+        top_k = min(top_k, g.n_layers * g.n_heads)  # a model with fewer heads than top_k: certify them all
         return screen_auto(model, pairs, top_k=top_k, lam=lam, direction=direction, min_gap=min_gap,
                            batch_size=batch_size, store_dir=store_dir, store_config=store_config,
                            progress=progress)
