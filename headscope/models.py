@@ -225,7 +225,7 @@ def dispatch(hf_model: Any, device_map: str | dict[str, Any], max_memory: dict[A
         from accelerate import dispatch_model, infer_auto_device_map
         from accelerate.utils import get_balanced_memory
     except ImportError as e:  # pragma: no cover
-        raise ImportError("device_map needs accelerate: pip install accelerate") from e
+        raise ImportError("device_map needs accelerate: pip install 'headscope[scale]' (or accelerate)") from e
     if isinstance(device_map, str):
         if device_map not in DEVICE_MAPS:
             raise ValueError(f"device_map={device_map!r}: use one of {DEVICE_MAPS} or a {{module: device}} dict")
