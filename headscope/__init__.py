@@ -1,6 +1,7 @@
 """headscope: find the attention heads that carry long-range retrieval, by causal intervention.
 
-Public API: :func:`load_model`, :func:`rank`, :class:`Ranking`, :class:`HeadMask`, :func:`hybridize`.
+Public API: :func:`load_model`, :func:`rank`, :class:`Ranking`, :class:`HeadMask`, :func:`hybridize`,
+:func:`ablate`.
 """
 
 __version__ = "0.1.0"

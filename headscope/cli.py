@@ -33,6 +33,10 @@ def rank(
     device: Optional[str] = typer.Option(None, help="cpu / cuda (default: cuda when available)"),
     top: int = typer.Option(10, help="print this many top heads"),
     mode: str = typer.Option("exact", help="exact (every head patched) or screen (AtP screen + exact verification)"),
+    verify: str = typer.Option("auto", help="screen mode: 'auto' (verify until the top 10 is certified), or a head "
+                               "count / fraction verified exactly after the AtP screen, with --spot-checks"),
+    spot_checks: float = typer.Option(0.05, help="screen mode with a count/fraction --verify: random unverified heads "
+                                      "patched exactly to estimate what the screen missed"),
     devices: int = typer.Option(1, help="shard the sweep over this many local processes (one per GPU, or CPU/gloo)"),
     senders: bool = typer.Option(False, "--senders", help="add iterated sender path patching (SPEC.md §5) and fuse"),
     weight: List[float] = typer.Option([], "--weight", help="capability weight, one per --task in order (default uniform; must sum to 1)"),
@@ -67,6 +71,13 @@ def rank(
         top_k=top_k,
         max_rounds=max_rounds,
     )
+    if mode == "screen":
+        try:
+            v: object = verify if verify == "auto" else (int(verify) if verify.isdigit() else float(verify))
+        except ValueError:
+            typer.echo(f"error: --verify {verify!r}: use auto, a head count or a fraction", err=True)
+            raise typer.Exit(2)
+        settings.update(verify=v, spot_checks=int(spot_checks) if spot_checks >= 1 else spot_checks)
     from headscope.masks import parse_budget
     from headscope.patching.store import ConfigMismatch
 
@@ -109,6 +120,12 @@ def rank(
         cols += [c for c in r.scores.columns if c.startswith("s_")] + ["score"]
     typer.echo(f"top {top} heads by {'fused score S' if fused else 'receiver IE'}:")
     typer.echo(r.top(top)[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    scr = p.get("screen")
+    if scr:
+        extra = "" if scr.get("spot_checked", 0) == 0 else (
+            f"; {scr['spot_checked']} spot checks found {scr['spot_hits']} missed head(s) "
+            f"(estimate {scr['missed_estimate']:.1f}, 95% upper bound {scr['missed_upper95']:.1f})")
+        typer.echo(f"screen: {scr['verified']} head(s) verified exactly{extra}; the others carry their AtP estimate")
     for t, info in r.extras.get("sender_rounds", {}).items():
         typer.echo(f"senders for {t}: {info['n_rounds']} round(s), converged={info['converged']}")
     s = mask.summary()
@@ -116,7 +133,8 @@ def rank(
         f"mask ({budget}, >= {min_per_layer}/layer): {s['n_fa']} FA heads of {s['n_total']}, "
         f"KV cache kept {s['kv_cache_fraction']:.1%}"
     )
-    typer.echo(f"wrote {out / 'scores.csv'}, {out / 'mask.json'}, {out / 'heatmap.html'}")
+    typer.echo(f"wrote {out}/: scores.csv, mask.json, heatmap.html, ranking.json (provenance), ie.pt and the "
+               "resumable per-item store")
 
 
 @app.command()
@@ -143,9 +161,8 @@ def convert(
 ) -> None:
     """Convert a model into a head-wise FA/GDN hybrid, one stage of the three-stage transfer at a time.
 
-    Data parallel: ``--devices N`` spawns N processes, or start the command under
-    ``torchrun --nproc-per-node N -m headscope.cli convert ...``; a checkpoint resumes on any number
-    of devices."""
+    Data parallel: --devices N spawns N processes (or run under torchrun --nproc-per-node N -m
+    headscope.cli convert ...); a checkpoint resumes on any number of devices."""
     import json
     import os
 

@@ -33,7 +33,7 @@ def head_table(ie: Float[Tensor, "pair layer head"], n_kv_heads: int) -> pd.Data
     used = ~np.isnan(x).all(axis=(1, 2))
     xu = x[used]
     mean = xu.mean(0)
-    std = xu.std(0, ddof=1) if xu.shape[0] > 1 else np.zeros_like(mean)
+    std = xu.std(0, ddof=1) if xu.shape[0] > 1 else np.full_like(mean, np.nan)  # one pair: no spread
     layer, head = np.meshgrid(np.arange(n_layers), np.arange(n_heads), indexing="ij")
     df = pd.DataFrame(
         {

@@ -45,3 +45,15 @@ def test_bad_input_exits_with_message(tiny_dir, tmp_path):
                                    "--min-gap", "0", "--budget", "9", "--out", str(tmp_path / "r2")])
     assert res.exit_code == 2 and "outside 1..8" in res.output
     assert not (tmp_path / "r2").exists()  # the budget is checked before any patching
+
+
+def test_rank_screen_mode_flags(tiny_dir, tmp_path):
+    base = ["rank", "--model", str(tiny_dir), "--pairs", "2", "--seq-len", "64", "--budget", "3", "--min-gap", "0",
+            "--device", "cpu", "--mode", "screen"]
+    res = CliRunner().invoke(app, base + ["--verify", "2", "--spot-checks", "1", "--out", str(tmp_path / "a")])
+    assert res.exit_code == 0, res.output
+    assert "screen: 2 head(s) verified exactly; 1 spot checks found" in res.output
+    r = Ranking.load(tmp_path / "a")
+    assert int(r.scores["verified"].sum()) == 3  # 2 verified + 1 spot check
+    res = CliRunner().invoke(app, base + ["--verify", "most", "--out", str(tmp_path / "b")])
+    assert res.exit_code == 2 and "--verify 'most'" in res.output
