@@ -396,7 +396,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch-size", type=int, default=16, help="part b: global batch (rows)")
     ap.add_argument("--train-seq-len", type=int, default=512, help="part b: row length")
-    ap.add_argument("--gdn-kernel", default="auto", choices=["auto", "torch", "fla", "naive"],
+    ap.add_argument("--gdn-kernel", default="auto", choices=["auto", "torch", "fla"],
                     help="part b: GDN kernel of the student (auto = fla when importable on CUDA, else torch)")
     args = ap.parse_args()
     if args.smoke:

@@ -157,7 +157,7 @@ def convert(
     seed: int = typer.Option(0),
     device: Optional[str] = typer.Option(None, help="cpu / cuda (default: cuda when available)"),
     devices: int = typer.Option(1, help="data-parallel training over this many local processes (FSDP2; one per GPU, or CPU/gloo)"),
-    gdn_kernel: str = typer.Option("auto", help="GDN kernel of the student: auto, torch, naive or fla"),
+    gdn_kernel: str = typer.Option("auto", help="GDN kernel of the student: auto, torch or fla"),
 ) -> None:
     """Convert a model into a head-wise FA/GDN hybrid, one stage of the three-stage transfer at a time.
 
