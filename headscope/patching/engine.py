@@ -423,6 +423,65 @@ class Engine:
                          torch.stack(vs), logits.detach())
         return logits, zs, cache
 
+    def run_suffix(
+        self,
+        base: RunCache,
+        ids: Int[Tensor, "pos"],
+        start: int,
+        read: Sequence[int],
+        grad: bool = False,
+    ) -> tuple[Tensor, list[Tensor], RunCache | None]:
+        """A pass of ``ids`` that shares its first ``start`` tokens with ``base``'s prompt: positions
+        < ``start`` are taken from ``base`` (causal: they cannot see the later tokens), only positions
+        ``start..`` are computed.
+
+        Returns ``(logits at read, hook_z of every layer at positions start.. [1, S, H·dh], cache)``.
+        ``grad=False``: no autograd; ``cache`` is the full :class:`RunCache` (``base``'s prefix joined
+        to the computed suffix), equal to :meth:`run` of ``ids`` up to float rounding.
+        ``grad=True``: the hook_z tensors require grad (derivatives of the logits through every later
+        layer at the suffix positions; the prefix is constant, as in the full pass since it does not
+        depend on the suffix), and ``cache`` is None.
+
+        Raises:
+            ValueError: ``start`` outside 0..len(ids)-1 or a read position before ``start``.
+        """
+        self._one_device("suffix passes (run_suffix)")
+        T = ids.numel()
+        if not 0 <= start < T or min(read) < start:
+            raise ValueError(f"start={start} must be in 0..{T - 1} and at most the first read position {min(read)}")
+        ids = ids.to(self.device)
+        resid, zs, ks, vs = [], [], [], []
+        with torch.set_grad_enabled(grad):
+            h = self.embed(ids[None, start:]).to(self.dtype)
+            cos, sin = self.rope(torch.arange(start, T, device=self.device), h)
+            for layer in range(self.g.n_layers):
+                if not grad:
+                    resid.append(h[0])
+                x = self.ln1(layer, h)
+                q, k, v = self.qkv(layer, x, cos, sin)
+                kp, vp = base.k[layer, :, :start][None], base.v[layer, :, :start][None]
+                if kp.dtype != k.dtype:
+                    kp, vp = kp.to(k.dtype), vp.to(v.dtype)
+                z = self.attend(layer, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start)
+                if grad and not z.requires_grad:
+                    z.requires_grad_(True)
+                zs.append(z)
+                if not grad:
+                    ks.append(k[0])
+                    vs.append(v[0])
+                h = self.post_attn(layer, h, z)
+            logits = self.unembed(h[0, [r - start for r in read]])
+        if grad:
+            return logits, zs, None
+        cache = RunCache(
+            torch.cat([base.resid[:, :start], torch.stack(resid)], 1),
+            torch.cat([base.z[:, :start], torch.stack([z[0] for z in zs]).to(base.z.dtype)], 1),
+            torch.cat([base.k[:, :, :start], torch.stack(ks).to(base.k.dtype)], 2),
+            torch.cat([base.v[:, :, :start], torch.stack(vs).to(base.v.dtype)], 2),
+            logits,
+        )
+        return logits, zs, cache
+
     # ---- patched suffix passes -----------------------------------------------------------------
     @torch.no_grad()
     def patched_logits(
