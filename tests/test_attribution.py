@@ -95,3 +95,46 @@ def test_rank_screen_mode_defaults_to_the_certified_auto_screen(tiny_dir):
     assert r.provenance["screen"]["verified"] == 8 and r.scores["verified"].all()
     merged = r.scores.merge(exact.scores, on=["layer", "head"])
     assert np.allclose(merged["ie_recv_x"], merged["ie_recv_y"], atol=1e-6)
+
+
+def test_run_suffix_matches_full_pass(tiny, pairs):
+    """run_suffix of the corrupted prompt from the clean cache equals a full pass of it, and its
+    gradient pass gives the full pass's hook_z gradients at the suffix positions."""
+    e = Engine(tiny)
+    p = pairs[0]
+    clean_seq, corr_seq, read = sequences(p)
+    start = min(p.first_diff(), read[0])
+    assert start > 0
+    clean, full = e.run(clean_seq, read), e.run(corr_seq, read)
+    logits, zs, cache = e.run_suffix(clean, corr_seq, start, read)
+    for a, b in ((cache.resid, full.resid), (cache.z, full.z), (cache.k, full.k), (cache.v, full.v),
+                 (cache.logits, full.logits), (logits, full.logits)):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    lg, zg = e.run_with_grad(corr_seq, read)
+    g_full = torch.autograd.grad(logit_diff(lg, p.answer, p.counter_answer), zg)
+    lg2, zg2, none = e.run_suffix(clean, corr_seq, start, read, grad=True)
+    assert none is None
+    g_suf = torch.autograd.grad(logit_diff(lg2, p.answer, p.counter_answer), zg2)
+    for a, b in zip(g_suf, g_full):
+        torch.testing.assert_close(a[0], b[0, start:], rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="first read position"):
+        e.run_suffix(clean, corr_seq, read[0] + 1, read)
+
+
+def test_low_precision_engine_close_to_exact(tiny, pairs):
+    """The bf16 screening engine (fused q|k|v and gate|up, activations in bf16) stays close to the exact
+    engine on full passes and patched suffix passes (bf16 rounding only)."""
+    e, low = Engine(tiny), Engine(tiny, matmul_dtype=torch.bfloat16)
+    p = pairs[1]
+    clean_seq, corr_seq, read = sequences(p)
+    ref, approx = e.run(clean_seq, read), low.run(clean_seq, read)
+    scale = float(ref.logits.abs().max())
+    assert float((approx.logits - ref.logits).abs().max()) < 0.05 * scale
+    assert float((approx.logits - ref.logits).abs().max()) > 0  # it is a different computation
+    corr = e.run(corr_seq, read)
+    start = min(p.first_diff(), read[0])
+    z = corr.z[0, start:][None]
+    a = e.patched_logits_multi(ref, [(0, z)], start, read)
+    b = low.patched_logits_multi(ref, [(0, z)], start, read)
+    assert float((a - b).abs().max()) < 0.05 * float(a.abs().max())

@@ -97,20 +97,23 @@ def _attribution(
     for i, p in enumerate(tqdm(pairs, desc="attribution patching", disable=not progress)):
         clean_seq, corr_seq, read = sequences(p)
         base_seq, src_seq = (clean_seq, corr_seq) if direction == "noising" else (corr_seq, clean_seq)
-        src = engine.run(src_seq, read)
+        # positions before the first difference are the same in both prompts: there dz = 0, and the
+        # source run and the gradient pass need only the suffix (prefix K/V from the base run)
+        start = min(p.first_diff(), read[0])
         if grad_engine is None:
             logits, zs, base = engine.run_with_grad_cache(base_seq, read)
             m_base = logit_diff(logits, p.answer, p.counter_answer, lam)
-            grads = torch.autograd.grad(m_base, zs)
+            grads = [gz[:, start:] for gz in torch.autograd.grad(m_base, zs)]
         else:
             base = engine.run(base_seq, read)
             m_base = logit_diff(base.logits, p.answer, p.counter_answer, lam)
-            logits, zs = grad_engine.run_with_grad(base_seq, read)
+            logits, zs, _ = grad_engine.run_suffix(base, base_seq, start, read, grad=True)
             grads = torch.autograd.grad(logit_diff(logits, p.answer, p.counter_answer, lam), zs)
+        _, _, src = engine.run_suffix(base, src_seq, start, read)
         m_src = float(logit_diff(src.logits, p.answer, p.counter_answer, lam))
         with torch.no_grad():
             for layer in range(g.n_layers):
-                dz = (src.z[layer] - base.z[layer]).view(-1, g.n_heads, g.d_head)
+                dz = (src.z[layer, start:] - base.z[layer, start:]).view(-1, g.n_heads, g.d_head)
                 gr = grads[layer][0].view(-1, g.n_heads, g.d_head)
                 est[i, layer] = (dz.double() * gr.double()).sum((0, 2)).cpu()
         mb = float(m_base.detach())

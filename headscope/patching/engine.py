@@ -160,11 +160,19 @@ class Engine:
                 L["act"] = mlp.act_fn
                 mods = dict(q=L["q"], k=L["k"], v=L["v"], o=L["o"], gate=mlp.gate_proj, up=mlp.up_proj,
                             down=mlp.down_proj)
-                self._low[id(L)] = {
+                low = {
                     n: (m.weight.detach().to(matmul_dtype),
                         None if m.bias is None else m.bias.detach().to(matmul_dtype))
                     for n, m in mods.items()
                 }
+                # fused maps (one matmul instead of three / two): q|k|v and gate|up
+                for fused, parts in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
+                    ws = [low[n][0] for n in parts]
+                    bs = [low[n][1] if low[n][1] is not None else torch.zeros(w.shape[0], dtype=matmul_dtype,
+                          device=w.device) for n, w in zip(parts, ws)]
+                    has_b = any(low[n][1] is not None for n in parts)
+                    low[fused] = (torch.cat(ws), torch.cat(bs) if has_b else None)
+                self._low[id(L)] = low
         self.head_device = self.final_norm.weight.device
         devs = {L["device"] for L in self.layers} | {self.device, self.head_device, self.lm_head.weight.device}
         self.multi_device = len(devs) > 1
@@ -198,6 +206,24 @@ class Engine:
         cos, sin = self.rotary(like, positions[None])
         return cos[0].to(like.dtype), sin[0].to(like.dtype)  # [pos, d_head]
 
+    def ln1(self, layer: int, h: Tensor) -> Tensor:
+        """Input RMSNorm of layer ``layer`` (in ``matmul_dtype`` for a low-precision engine)."""
+        return self._norm(self.layers[layer]["ln1"], h)
+
+    def _norm(self, mod: torch.nn.Module, h: Tensor) -> Tensor:
+        """An RMSNorm module applied with the fused ``F.rms_norm`` kernel where that is the same formula
+        (float32 input and weight, Llama-style ``weight * x / rms(x)``); the module itself otherwise.
+        A low-precision engine returns the result in ``matmul_dtype`` (the next op is a matmul)."""
+        mod = getattr(mod, "original_component", mod)
+        w = getattr(mod, "weight", None)
+        eps = getattr(mod, "variance_epsilon", None)
+        if (type(mod).__name__.endswith("RMSNorm") and eps is not None and w is not None
+                and h.dtype == torch.float32 and w.dtype == torch.float32 and w.shape == h.shape[-1:]):
+            x = F.rms_norm(h, (h.shape[-1],), w, eps)
+        else:
+            x = mod(h)
+        return x if self.matmul_dtype is None else x.to(self.matmul_dtype)
+
     @staticmethod
     def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """RoPE: x·cos + rotate_half(x)·sin with rotate_half(x) = (−x₂, x₁), as the HF Llama code.
@@ -206,6 +232,8 @@ class Engine:
         instead of a negation plus a concatenation).
         """
         half = x.shape[-1] // 2
+        if cos.dtype != x.dtype:  # low-precision engine: rotate in matmul_dtype
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
         sign = torch.ones(2, half, dtype=sin.dtype, device=sin.device)
         sign[0] = -1
@@ -229,6 +257,15 @@ class Engine:
                 k = L["k_norm"](k)
             k, v = k.transpose(1, 2), v.transpose(1, 2)
             return q, self._rotate(k, cos, sin), v
+        if self.matmul_dtype is not None and L["q_norm"] is None:
+            # one fused q|k|v matmul; q, k, v stay in matmul_dtype (attention runs in it anyway)
+            w, b = self._low[id(L)]["qkv"]
+            qkv = F.linear(x.to(self.matmul_dtype), w, b)
+            dq, dk = g.n_heads * g.d_head, g.n_kv_heads * g.d_head
+            q = qkv[..., :dq].view(B, S, g.n_heads, g.d_head).transpose(1, 2)
+            k = qkv[..., dq : dq + dk].view(B, S, g.n_kv_heads, g.d_head).transpose(1, 2)
+            v = qkv[..., dq + dk :].view(B, S, g.n_kv_heads, g.d_head).transpose(1, 2)
+            return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
         q = self._lin(L, "q", x).view(B, S, g.n_heads, g.d_head)
         k = self._lin(L, "k", x).view(B, S, g.n_kv_heads, g.d_head)
         v = self._lin(L, "v", x).view(B, S, g.n_kv_heads, g.d_head)
@@ -267,7 +304,7 @@ class Engine:
                 v = v.repeat_interleave(rep, dim=1)
         scale = self.layers[layer]["scaling"]
         if self.matmul_dtype is not None:
-            dt = q.dtype
+            dt = q.dtype if q.dtype == k.dtype else self.matmul_dtype
             q, k, v = q.to(self.matmul_dtype), k.to(self.matmul_dtype), v.to(self.matmul_dtype)
         if q_pos is None and offset == 0 and S == T:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **kw)
@@ -288,9 +325,14 @@ class Engine:
         L = self.layers[layer]
         h = h + self._lin(L, "o", z)
         if self.matmul_dtype is None:
-            return h + L["mlp"](L["ln2"](h))
-        x = L["ln2"](h)
-        return h + self._lin(L, "down", L["act"](self._lin(L, "gate", x)) * self._lin(L, "up", x))
+            return h + L["mlp"](self._norm(L["ln2"], h))
+        # low precision: gate|up in one matmul, activation and product in matmul_dtype, one cast back
+        x = self._norm(L["ln2"], h)
+        w, b = self._low[id(L)]["gate_up"]
+        gu = F.linear(x, w, b)
+        ffn = gu.shape[-1] // 2
+        wd, bd = self._low[id(L)]["down"]
+        return h + F.linear(L["act"](gu[..., :ffn]) * gu[..., ffn:], wd, bd).to(h.dtype)
 
     def _lin(self, L: dict, name: str, x: Tensor) -> Tensor:
         """The layer's linear map ``name``, in the engine's dtype or, for a low-precision engine, with
@@ -328,7 +370,7 @@ class Engine:
             h = h.to(dev)
             cos, sin = rope(dev)
             resid.append(h[0])
-            q, k, v = self.qkv(layer, self.layers[layer]["ln1"](h), cos, sin)
+            q, k, v = self.qkv(layer, self.ln1(layer, h), cos, sin)
             z = self.attend(layer, q, k, v, 0)
             if z_override is not None:
                 z = z_override(layer, z)
@@ -346,14 +388,15 @@ class Engine:
         Used by attribution patching; gradients w.r.t. the returned hook_z tensors are total
         derivatives (they flow through every later layer).
         """
-        logits, zs, _ = self.run_with_grad_cache(ids, read)
+        logits, zs, _ = self.run_with_grad_cache(ids, read, keep_cache=False)
         return logits, zs
 
     def run_with_grad_cache(
-        self, ids: Int[Tensor, "pos"], read: Sequence[int]
-    ) -> tuple[Tensor, list[Tensor], RunCache]:
+        self, ids: Int[Tensor, "pos"], read: Sequence[int], keep_cache: bool = True
+    ) -> tuple[Tensor, list[Tensor], RunCache | None]:
         """:meth:`run_with_grad` that also returns the pass's (detached) :class:`RunCache`, so that
-        exact patching can start from the same pass without running it again."""
+        exact patching can start from the same pass without running it again (None with
+        ``keep_cache=False``: the stacking copies are skipped)."""
         self._one_device("attribution patching (run_with_grad)")
         ids = ids.to(self.device)
         T = ids.numel()
@@ -364,7 +407,7 @@ class Engine:
             zs = []
             for layer in range(self.g.n_layers):
                 resid.append(h[0].detach())
-                q, k, v = self.qkv(layer, self.layers[layer]["ln1"](h), cos, sin)
+                q, k, v = self.qkv(layer, self.ln1(layer, h), cos, sin)
                 ks.append(k[0].detach())
                 vs.append(v[0].detach())
                 z = self.attend(layer, q, k, v, 0)
@@ -374,8 +417,69 @@ class Engine:
                 zs.append(z)
                 h = self.post_attn(layer, h, z)
             logits = self.unembed(h[0, list(read)])
+        if not keep_cache:
+            return logits, zs, None
         cache = RunCache(torch.stack(resid), torch.stack([z[0].detach() for z in zs]), torch.stack(ks),
                          torch.stack(vs), logits.detach())
+        return logits, zs, cache
+
+    def run_suffix(
+        self,
+        base: RunCache,
+        ids: Int[Tensor, "pos"],
+        start: int,
+        read: Sequence[int],
+        grad: bool = False,
+    ) -> tuple[Tensor, list[Tensor], RunCache | None]:
+        """A pass of ``ids`` that shares its first ``start`` tokens with ``base``'s prompt: positions
+        < ``start`` are taken from ``base`` (causal: they cannot see the later tokens), only positions
+        ``start..`` are computed.
+
+        Returns ``(logits at read, hook_z of every layer at positions start.. [1, S, H·dh], cache)``.
+        ``grad=False``: no autograd; ``cache`` is the full :class:`RunCache` (``base``'s prefix joined
+        to the computed suffix), equal to :meth:`run` of ``ids`` up to float rounding.
+        ``grad=True``: the hook_z tensors require grad (derivatives of the logits through every later
+        layer at the suffix positions; the prefix is constant, as in the full pass since it does not
+        depend on the suffix), and ``cache`` is None.
+
+        Raises:
+            ValueError: ``start`` outside 0..len(ids)-1 or a read position before ``start``.
+        """
+        self._one_device("suffix passes (run_suffix)")
+        T = ids.numel()
+        if not 0 <= start < T or min(read) < start:
+            raise ValueError(f"start={start} must be in 0..{T - 1} and at most the first read position {min(read)}")
+        ids = ids.to(self.device)
+        resid, zs, ks, vs = [], [], [], []
+        with torch.set_grad_enabled(grad):
+            h = self.embed(ids[None, start:]).to(self.dtype)
+            cos, sin = self.rope(torch.arange(start, T, device=self.device), h)
+            for layer in range(self.g.n_layers):
+                if not grad:
+                    resid.append(h[0])
+                x = self.ln1(layer, h)
+                q, k, v = self.qkv(layer, x, cos, sin)
+                kp, vp = base.k[layer, :, :start][None], base.v[layer, :, :start][None]
+                if kp.dtype != k.dtype:
+                    kp, vp = kp.to(k.dtype), vp.to(v.dtype)
+                z = self.attend(layer, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start)
+                if grad and not z.requires_grad:
+                    z.requires_grad_(True)
+                zs.append(z)
+                if not grad:
+                    ks.append(k[0])
+                    vs.append(v[0])
+                h = self.post_attn(layer, h, z)
+            logits = self.unembed(h[0, [r - start for r in read]])
+        if grad:
+            return logits, zs, None
+        cache = RunCache(
+            torch.cat([base.resid[:, :start], torch.stack(resid)], 1),
+            torch.cat([base.z[:, :start], torch.stack([z[0] for z in zs]).to(base.z.dtype)], 1),
+            torch.cat([base.k[:, :, :start], torch.stack(ks).to(base.k.dtype)], 2),
+            torch.cat([base.v[:, :, :start], torch.stack(vs).to(base.v.dtype)], 2),
+            logits,
+        )
         return logits, zs, cache
 
     # ---- patched suffix passes -----------------------------------------------------------------
@@ -442,9 +546,12 @@ class Engine:
             if h is not None:
                 h = h.to(dev)
                 B = h.shape[0]
-                kp = base.k[lay, :, :start][None].expand(B, -1, -1, -1)
-                vp = base.v[lay, :, :start][None].expand(B, -1, -1, -1)
-                x = self.layers[lay]["ln1"](h)
+                kp = base.k[lay, :, :start][None]
+                vp = base.v[lay, :, :start][None]
+                x = self.ln1(lay, h)
+                if kp.dtype != x.dtype:  # low-precision engine: cached K/V once in matmul_dtype
+                    kp, vp = kp.to(x.dtype), vp.to(x.dtype)
+                kp, vp = kp.expand(B, -1, -1, -1), vp.expand(B, -1, -1, -1)
                 if last:
                     q, k, v = self.qkv(lay, x, cos, sin, q_rows=ridx)
                     z_run = self.attend(lay, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start, q_pos=rpos)
@@ -459,7 +566,7 @@ class Engine:
                 if last:
                     zn, hn = zn[:, ridx], hn[:, ridx]
                 h = hn if h is None else torch.cat([h, hn])
-                z_run = zn if z_run is None else torch.cat([z_run, zn])
+                z_run = zn if z_run is None else torch.cat([z_run, zn.to(z_run.dtype)])
             assert h is not None and z_run is not None
             h = self.post_attn(lay, h, z_run)
         assert h is not None
@@ -500,7 +607,7 @@ class Engine:
             cos, sin = self.rope(torch.arange(start, T, device=self.device), base.resid)
             h = base.resid[l0, start:][None].expand(B, S, -1)
             for lay in range(l0, g.n_layers):
-                q, k, v = self.qkv(lay, self.layers[lay]["ln1"](h), cos, sin)
+                q, k, v = self.qkv(lay, self.ln1(lay, h), cos, sin)
                 kp = base.k[lay, :, :start][None].expand(B, -1, -1, -1)
                 vp = base.v[lay, :, :start][None].expand(B, -1, -1, -1)
                 z = self.attend(lay, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start)
@@ -536,7 +643,7 @@ class Engine:
             h = self.embed(ids[None]).to(self.dtype)
             cos, sin = self.rope(torch.arange(T, device=self.device), h)
             for layer in range(g.n_layers):
-                q, k, v = self.qkv(layer, self.layers[layer]["ln1"](h), cos, sin)
+                q, k, v = self.qkv(layer, self.ln1(layer, h), cos, sin)
                 kk = k.repeat_interleave(rep, dim=1) if rep > 1 else k
                 sc = (q[0, :, rows_t] @ kk[0].transpose(-1, -2)).float() * self.layers[layer]["scaling"]
                 causal = torch.arange(T, device=self.device)[None, :] <= rows_t[:, None]
