@@ -276,6 +276,87 @@ def probe_ie(
     return out
 
 
+@torch.no_grad()
+def probe_blocks_ie(
+    engine: Engine,
+    states: dict[int, PairState],
+    pairs: Sequence[Pair],
+    blocks: Sequence[tuple[int, int]],
+    lam: float,
+    direction: Direction,
+) -> Float[Tensor, "pair block"]:
+    """IE (eq. 10) of patching every head of the layers ``l0 <= layer < l1`` at once (hook_z at positions
+    ``start..`` set to the source run's, in each of those layers), per pair and per ``(l0, l1)`` in
+    ``blocks`` (ascending ``l0``), with ``engine``. All blocks of a pair run as one batch; each row joins
+    at its ``l0`` from the cached residual there, and prefix keys/values come from the cache (causal: the
+    patch changes no position before ``start``). Pairs without a state in ``states`` get a new one.
+
+    Raises:
+        ValueError: empty ``blocks``, a block outside the model's layers, or ``l0`` not ascending.
+    """
+    g = engine.g
+    if not blocks:
+        raise ValueError("no blocks given")
+    l0s = [a for a, _ in blocks]
+    if l0s != sorted(l0s) or any(not 0 <= a < b <= g.n_layers for a, b in blocks):
+        raise ValueError(f"blocks must be (l0, l1) with 0 <= l0 < l1 <= {g.n_layers}, ascending l0; got {blocks}")
+    out = torch.empty(len(pairs), len(blocks), dtype=torch.float64)
+    for i, p in enumerate(pairs):
+        st = states[i] if i in states else PairState(engine, p, lam, direction)
+        base, src, start, read = st.base, st.src, st.start, st.read
+        T = base.resid.shape[1]
+        S = T - start
+        rope = engine._rope_by_device(torch.arange(start, T, device=base.z.device), base.z)
+        h: Tensor | None = None
+        rows: list[tuple[int, int]] = []
+        for lay in range(l0s[0], g.n_layers):
+            dev = engine.layers[lay]["device"]
+            cos, sin = rope(dev)
+            ridx = torch.as_tensor([r - start for r in read], device=dev)
+            last = lay == g.n_layers - 1
+            z_src = src.z[lay, start:].to(dev)
+            if last:
+                z_src = z_src[ridx]
+            z_run = None
+            if h is not None:
+                h = h.to(dev)
+                B = h.shape[0]
+                x = engine.ln1(lay, h)
+                kp, vp = base.k[lay, :, :start][None], base.v[lay, :, :start][None]
+                if kp.dtype != x.dtype:
+                    kp, vp = kp.to(x.dtype), vp.to(x.dtype)
+                kp, vp = kp.expand(B, -1, -1, -1), vp.expand(B, -1, -1, -1)
+                if last:
+                    q, k, v = engine.qkv(lay, x, cos, sin, q_rows=ridx)
+                    z_run = engine.attend(lay, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start,
+                                          q_pos=ridx + start)
+                    h = h[:, ridx]
+                else:
+                    q, k, v = engine.qkv(lay, x, cos, sin)
+                    z_run = engine.attend(lay, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start)
+                inside = [j for j, (a, b) in enumerate(rows) if a <= lay < b]
+                if inside:
+                    z_run = z_run.clone()
+                    z_run[inside] = z_src.to(z_run.dtype)
+            new = [bl for bl in blocks if bl[0] == lay]
+            if new:
+                zn = z_src[None].expand(len(new), -1, -1)
+                hn = base.resid[lay, start:].to(dev)[None].expand(len(new), S, -1)
+                if last:
+                    hn = hn[:, ridx]
+                h = hn if h is None else torch.cat([h, hn.to(h.dtype)])
+                z_run = zn if z_run is None else torch.cat([z_run, zn.to(z_run.dtype)])
+                rows += new
+            assert h is not None and z_run is not None
+            h = engine.post_attn(lay, h, z_run)
+        assert h is not None
+        m = logit_diff(engine.unembed(h), p.answer, p.counter_answer, lam).double().cpu()
+        gap = st.m_clean - st.m_corrupt
+        ie = (st.m_clean - m) / gap if direction == "noising" else (m - st.m_corrupt) / gap
+        out[i] = ie[[rows.index(bl) for bl in blocks]] if len(set(blocks)) == len(blocks) else ie
+    return out
+
+
 def screen_auto(
     model: LoadedModel,
     pairs: Sequence[Pair],
@@ -291,6 +372,7 @@ def screen_auto(
     store_config: dict[str, Any] | None = None,
     keep_bytes: float = 2e9,
     progress: bool = True,
+    verify_cost: float = 3.0,
 ) -> ScreenResult:
     """Screen with AtP and whole-layer probes, then verify exactly until the top ``top_k`` is certified.
 
@@ -339,51 +421,116 @@ def screen_auto(
     tol = max(flag * abs(tau), 1e-3)
     flagged = [lay_ for lay_ in range(g.n_layers) if abs(float(resid[lay_])) > tol]
     score = est + resid.abs()[:, None]
-    # KV-group probes in flagged layers, then head probes in flagged groups
     rep = g.n_heads // g.n_kv_heads
-    groups = [(lay_, list(range(k * rep, (k + 1) * rep))) for lay_ in flagged for k in range(g.n_kv_heads)]
-    cand: list[tuple[int, int]] = []
-    if groups and rep > 1:
-        grp = probe_ie(low, sub_states, sub, groups, lam, direction, batch_size).mean(0)
-        for (lay_, hs), v in zip(groups, grp.tolist()):
-            r = abs(v - float(est[lay_, hs].sum()))
-            score[lay_, hs] = est[lay_, hs] + r
-            if r > tol:
-                cand += [(lay_, h) for h in hs]
-    else:
-        cand = [(lay_, h) for lay_, hs in groups for h in hs]
+    # unit covering each head and not yet refined: ("layer", l) in flagged layers, ("group", l, k) in
+    # flagged KV groups; None once the head's score no longer comes from an unrefined unit
+    unit: dict[tuple[int, int], tuple | None] = {
+        (lay_, h): (("layer", lay_) if lay_ in flagged else None) for lay_ in range(g.n_layers) for h in range(g.n_heads)
+    }
     ie = atp.clone()
-    if cand:
-        probe = probe_ie(low, sub_states, sub, [(lay_, [h]) for lay_, h in cand], lam, direction, batch_size).mean(0)
-        for (lay_, h), v in zip(cand, probe.tolist()):
-            score[lay_, h] = v + probe_margin
-            ie[:, lay_, h] = v  # the mean probe (per-pair probes are not kept)
-    del low
-    secs["group_head_probes"] = time.perf_counter() - t0 - sum(secs.values())
-    order = torch.argsort(score.flatten(), descending=True).tolist()
-    heads_order = [(i // g.n_heads, i % g.n_heads) for i in order]
     verified: list[tuple[int, int]] = []
     exact_mean: dict[tuple[int, int], float] = {}
     patched = torch.full((len(pairs), g.n_layers, g.n_heads), math.nan, dtype=torch.float64)
     res = None
     n_next = top_k + 2
     certified = False
-    while len(verified) < n_total:
-        new = heads_order[len(verified) : len(verified) + n_next]
-        verified += new
-        res = receiver_patching(
-            model, pairs, lam=lam, direction=direction, min_gap=min_gap, batch_size=batch_size,
-            store_dir=store_dir, store_config=store_config, progress=progress, heads=new, states=states,
-        )
-        for lay_, h in new:
-            patched[:, lay_, h] = res.patched[:, lay_, h]
-            exact_mean[(lay_, h)] = float(res.ie[res.used, lay_, h].double().mean())
-        kth = sorted(exact_mean.values(), reverse=True)[min(top_k, len(exact_mean)) - 1]
-        rest = [float(score[lh]) for lh in heads_order[len(verified) :]]
-        if len(exact_mean) >= top_k and (not rest or kth >= max(rest)):
+    n_group = n_probed = 0
+    expanded: list[int] = []
+    t_probe = 0.0
+
+    def value(lh: tuple[int, int]) -> float:
+        return exact_mean[lh] if lh in exact_mean else float(score[lh])
+
+    # best first: refine (probe) a unit or verify a head only while its optimistic score is above the
+    # top_k-th exact value so far (Kramár et al. 2024 use AtP the same way, as a bound to prune by)
+    while True:
+        order = sorted(unit, key=value, reverse=True)
+        n_ex = 0
+        layers_x: list[int] = []
+        groups_x: list[tuple[int, int]] = []
+        to_verify: list[tuple[int, int]] = []
+        vals = sorted(exact_mean.values(), reverse=True)
+        # cost guess only (never used to certify): the top_k-th exact value so far, else the top_k-th AtP
+        theta = vals[top_k - 1] if len(vals) >= top_k else tau
+        direct: list[tuple] = []
+        for lh in order:
+            if lh in exact_mean:
+                n_ex += 1
+                if n_ex >= top_k:
+                    break
+                continue
+            u = unit[lh]
+            if u is None:
+                to_verify.append(lh)
+                if len(to_verify) >= n_next:
+                    break
+            elif u in direct or u[1:] in groups_x or (u[0] == "layer" and u[1] in layers_x):
+                continue
+            else:
+                # refine the unit by probes, or verify its competitive heads directly where that is cheaper
+                hs = range(g.n_heads) if u[0] == "layer" else range(u[2] * rep, (u[2] + 1) * rep)
+                n_comp = sum(1 for h in hs if float(score[u[1], h]) > theta)
+                refine_cost = (g.n_kv_heads + rep if rep > 1 else g.n_heads) if u[0] == "layer" else rep
+                if n_comp * verify_cost <= refine_cost:
+                    direct.append(u)
+                elif u[0] == "layer":
+                    layers_x.append(u[1])
+                else:
+                    groups_x.append(u[1:])
+        for u in direct:
+            hs = range(g.n_heads) if u[0] == "layer" else range(u[2] * rep, (u[2] + 1) * rep)
+            for h in hs:
+                unit[(u[1], h)] = None  # keeps its optimistic score; verified once it is competitive
+        if direct and not (layers_x or groups_x):
+            continue
+        if not (layers_x or groups_x or to_verify):
             certified = True
             break
+        t1 = time.perf_counter()
+        if layers_x and rep > 1:
+            layers_x.sort()
+            groups = [(lay_, list(range(k * rep, (k + 1) * rep))) for lay_ in layers_x for k in range(g.n_kv_heads)]
+            grp = probe_ie(low, sub_states, sub, groups, lam, direction, batch_size).mean(0)
+            n_group += len(groups)
+            expanded += layers_x
+            for (lay_, hs), v in zip(groups, grp.tolist()):
+                r = abs(v - float(est[lay_, hs].sum()))
+                score[lay_, hs] = est[lay_, hs] + r
+                for h in hs:
+                    unit[(lay_, h)] = ("group", lay_, hs[0] // rep) if r > tol else None
+        elif layers_x:
+            expanded += layers_x
+            for lay_ in layers_x:
+                for h in range(g.n_heads):
+                    unit[(lay_, h)] = ("group", lay_, h)
+            groups_x = sorted(set(groups_x) | {(lay_, h) for lay_ in layers_x for h in range(g.n_heads)})
+        if groups_x:
+            cand = sorted((lay_, h) for lay_, k in groups_x for h in range(k * rep, (k + 1) * rep)
+                          if unit[(lay_, h)] is not None and unit[(lay_, h)][0] == "group")
+            probe = probe_ie(low, sub_states, sub, [(lay_, [h]) for lay_, h in cand], lam, direction, batch_size).mean(0)
+            n_probed += len(cand)
+            for (lay_, h), v in zip(cand, probe.tolist()):
+                score[lay_, h] = v + probe_margin
+                ie[:, lay_, h] = v  # the mean probe (per-pair probes are not kept)
+                unit[(lay_, h)] = None
+        t_probe += time.perf_counter() - t1
+        if layers_x or groups_x:
+            continue  # refined scores first: they may drop heads out of the verification queue
+        verified += to_verify
+        res = receiver_patching(
+            model, pairs, lam=lam, direction=direction, min_gap=min_gap, batch_size=batch_size,
+            store_dir=store_dir, store_config=store_config, progress=progress, heads=to_verify, states=states,
+        )
+        for lay_, h in to_verify:
+            patched[:, lay_, h] = res.patched[:, lay_, h]
+            exact_mean[(lay_, h)] = float(res.ie[res.used, lay_, h].double().mean())
         n_next = max(1, top_k // 2)
+        if len(verified) == n_total:
+            certified = True
+            break
+    del low
+    kth = sorted(exact_mean.values(), reverse=True)[min(top_k, len(exact_mean)) - 1]
+    secs["group_head_probes"] = t_probe
     assert res is not None
     secs["verify"] = time.perf_counter() - t0 - sum(secs.values())
     with warnings.catch_warnings():
@@ -394,6 +541,6 @@ def screen_auto(
     return ScreenResult(
         ie=ie, atp=atp, exact=exact, verified=verified, spot_checked=[], threshold=kth, spot_hits=0,
         missed_estimate=math.nan, missed_upper95=math.nan,
-        details={"n_verified": len(verified), "n_probed": len(cand), "n_group_probes": len(groups), "flagged_layers": flagged,
-                 "flag_tol": tol, "certified": certified, "seconds": secs, "n_unverified": n_total - len(verified)},
+        details={"n_verified": len(verified), "n_probed": n_probed, "n_group_probes": n_group, "flagged_layers": flagged,
+                 "refined_layers": sorted(expanded), "flag_tol": tol, "certified": certified, "seconds": secs, "n_unverified": n_total - len(verified)},
     )
