@@ -151,3 +151,43 @@ def test_screen_auto_verifies_exactly(tiny, smol_tokenizer):
     assert all(not torch.allclose(res.ie[:, a, b], exact[:, a, b], atol=1e-7) for a, b in others)
     with pytest.raises(ValueError, match="'auto'"):
         screen_then_verify(tiny, pairs, verify="all", progress=False)
+
+
+def test_probe_blocks_ie_matches_full_patched_run(tiny, smol_tokenizer):
+    """A block probe equals a full forward with every head's hook_z of the block's layers set to the
+    source run's; a one-layer block equals the whole-layer probe_ie."""
+    from headscope.patching.attribution import probe_blocks_ie, probe_ie
+
+    pair = niah_single(smol_tokenizer, n_pairs=1, seq_len=64, depth=0.5, seed=0)[0]
+    e = Engine(tiny)
+    st = PairState(e, pair, 1.0, "noising")
+    g = tiny.geometry
+    got = probe_blocks_ie(e, {0: st}, [pair], [(0, 2), (1, 2)], 1.0, "noising")[0]
+    lay = probe_ie(e, {0: st}, [pair], [(1, list(range(g.n_heads)))], 1.0, "noising")[0]
+    assert float(got[1]) == pytest.approx(float(lay[0]), abs=1e-5)
+    clean_seq, _, read = sequences(pair)
+    full = e.run(clean_seq, read, z_override=lambda lay_, z: st.src.z[lay_][None] if lay_ == 0 else z)
+    m = float(logit_diff(full.logits, pair.answer, pair.counter_answer, 1.0))
+    got0 = probe_blocks_ie(e, {0: st}, [pair], [(0, 1)], 1.0, "noising")[0, 0]
+    assert float(got0) == pytest.approx((st.m_clean - m) / (st.m_clean - st.m_corrupt), abs=1e-4)
+    with pytest.raises(ValueError, match="ascending"):
+        probe_blocks_ie(e, {0: st}, [pair], [(1, 2), (0, 1)], 1.0, "noising")
+
+
+@pytest.mark.parametrize("block,verify_cost", [(1, 3.0), (2, 0.25), (2, 8.0)])
+def test_screen_auto_blocks_certify_exact_top_k(tiny, smol_tokenizer, block, verify_cost):
+    """Block sizes and the refine-vs-verify cost switch change only the work done: when certified, the
+    screen's top-k equals the exact top-k and verified heads carry the exact IE. Probes in float32 (exact
+    probes, so probe + margin bounds the exact IE; in bfloat16 a probe of this random model is off by up
+    to 0.03, more than the 0.01 margin, the limit of the bf16 screen)."""
+    from headscope.patching import receiver_patching
+    from headscope.patching.attribution import recall_at_k, screen_auto
+
+    pairs = niah_single(smol_tokenizer, n_pairs=2, seq_len=64, depth=[0.3, 0.7], seed=0)
+    res = screen_auto(tiny, pairs, top_k=3, min_gap=0.0, progress=False, block=block, verify_cost=verify_cost,
+                      flag=0.0, probe_dtype=torch.float32)
+    exact = receiver_patching(tiny, pairs, min_gap=0.0, progress=False).ie
+    assert res.details["certified"]
+    for layer, h in res.verified:
+        assert torch.allclose(res.ie[:, layer, h], exact[:, layer, h])
+    assert recall_at_k(exact.mean(0).numpy(), res.ie.mean(0).numpy(), 3) == 1.0

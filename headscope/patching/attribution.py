@@ -17,8 +17,8 @@ many important heads the screen could have missed.
 Measured limit of AtP (SmolLM2-135M, niah_single, 6 pairs of 256 tokens): the head with the largest
 exact IE (L16H0, 0.35) gets AtP −0.011, rank 263 of 270, with the gradient taken at the clean or at
 the corrupted run alike, so no re-ranking of AtP finds it. ``verify="auto"`` (:func:`screen_auto`)
-therefore probes whole layers (and then KV groups and heads) where the layer's probed IE departs
-from the sum of its heads' AtP; that layer residual is 0.37 for layer 16.
+therefore probes blocks of layers (and then layers, KV groups and heads, best first) where the probed
+IE departs from the sum of the heads' AtP; that layer residual is 0.37 for layer 16.
 """
 
 from __future__ import annotations
@@ -373,23 +373,29 @@ def screen_auto(
     keep_bytes: float = 2e9,
     progress: bool = True,
     verify_cost: float = 3.0,
+    block: int = 4,
 ) -> ScreenResult:
-    """Screen with AtP and whole-layer probes, then verify exactly until the top ``top_k`` is certified.
+    """Screen with AtP and layer-block probes, then verify exactly until the top ``top_k`` is certified.
 
     1. AtP (Nanda 2023) of every head: exact clean and corrupted forwards (kept for step 4) and one
        forward + backward in ``probe_dtype`` for the gradient.
-    2. Layer probes: each layer's hook_z patched as a whole (all heads at once), with the linear maps in
-       ``probe_dtype`` (an approximation: residual stream, norms, softmax in the model's dtype). Where
-       AtP is right, a layer's IE is about the sum of its heads' AtP; a residual
-       ``|IE_layer − Σ_h AtP_h|`` above ``flag`` × (the ``top_k``-th largest AtP) flags the layer as one
-       where AtP's linearisation fails (saturated attention downstream, cancellation; Kramár et al. 2024).
-    3. In flagged layers, probes of each KV group (its heads at once) and the same residual test per
-       group; then probes of each head of a flagged group (all in ``probe_dtype``). Each head gets an
-       optimistic score: probed heads ``probe + probe_margin``, others ``AtP + |residual|`` of the
-       smallest probed unit (group or layer) that holds it.
-    4. Exact verification (exact engine, :func:`receiver_patching`) in order of that score, in chunks
-       (``top_k + 2`` first, then ``top_k // 2``),
-       until the ``top_k``-th largest verified exact mean IE is at least the largest unverified score.
+    2. Block probes (:func:`probe_blocks_ie`): the hook_z of all heads of ``block`` consecutive layers
+       patched at once, with the linear maps in ``probe_dtype`` (an approximation: residual stream,
+       norms, softmax in the model's dtype). Where AtP is right, a unit's IE is about the sum of its
+       heads' AtP; a residual ``|IE_unit − Σ_h AtP_h|`` above ``flag`` × (the ``top_k``-th largest AtP)
+       flags the unit as one where AtP's linearisation fails (saturated attention downstream,
+       cancellation; Kramár et al. 2024). Each head gets an optimistic score: ``AtP + |residual|`` of
+       the smallest probed unit (block, layer, KV group) that holds it, ``probe + probe_margin`` once
+       probed alone.
+    3. Best first: while an unrefined flagged unit has a head whose score is above the ``top_k``-th
+       score, refine it (block -> its layers -> its KV groups -> its heads, each level's probes in one
+       batch, same residual test), unless verifying its competitive heads exactly is cheaper (an exact
+       verification counted as ``verify_cost`` probes; "competitive" against the ``top_k``-th exact
+       value so far, or before that a guess: the ``top_k``-th AtP after giving each flagged block's
+       residual to its top head; the guess only steers cost, never the certificate). Then:
+    4. Exact verification (exact engine, :func:`receiver_patching`) of the heads that lead by that score
+       (``top_k`` first, then ``max(1, top_k // 5)`` a round), until the ``top_k``-th largest verified
+       exact mean IE is at least every unverified head's score.
 
     The ranking never uses an exact number it did not measure; the certificate in step 4 holds as
     far as the optimistic scores bound the exact IE (``details["certified"]`` says whether the loop
@@ -413,28 +419,68 @@ def screen_auto(
     est = atp[used].double().mean(0)  # [L, H]
     sub = [pairs[i] for i in used]
     sub_states = {k: states[i] for k, i in enumerate(used) if i in states}
-    lay = probe_ie(low, sub_states, sub, [(lay_, list(range(g.n_heads))) for lay_ in range(g.n_layers)],
-                   lam, direction, batch_size).mean(0)
-    resid = lay - est.sum(1)
-    secs["layer_probes"] = time.perf_counter() - t0 - sum(secs.values())
+    blocks = [(b, min(b + block, g.n_layers)) for b in range(0, g.n_layers, block)]
+    blk = probe_blocks_ie(low, sub_states, sub, blocks, lam, direction).mean(0)
+    secs["block_probes"] = time.perf_counter() - t0 - sum(secs.values())
     tau = float(est.flatten().sort(descending=True).values[top_k - 1])
     tol = max(flag * abs(tau), 1e-3)
-    flagged = [lay_ for lay_ in range(g.n_layers) if abs(float(resid[lay_])) > tol]
-    score = est + resid.abs()[:, None]
     rep = g.n_heads // g.n_kv_heads
-    # unit covering each head and not yet refined: ("layer", l) in flagged layers, ("group", l, k) in
-    # flagged KV groups; None once the head's score no longer comes from an unrefined unit
-    unit: dict[tuple[int, int], tuple | None] = {
-        (lay_, h): (("layer", lay_) if lay_ in flagged else None) for lay_ in range(g.n_layers) for h in range(g.n_heads)
-    }
+    score = est.clone()
+    # unit covering each head and not yet refined: ("block", i) in flagged blocks, ("layer", l) in
+    # flagged layers, ("group", l, k) in flagged KV groups; None once the head's score no longer comes
+    # from an unrefined unit
+    unit: dict[tuple[int, int], tuple | None] = {}
+    flagged: list[int] = []
+
+    def set_layer(lay_: int, r: float) -> None:
+        score[lay_] = est[lay_] + abs(r)
+        if abs(r) > tol:
+            flagged.append(lay_)
+        for h in range(g.n_heads):
+            unit[(lay_, h)] = ("layer", lay_) if abs(r) > tol else None
+
+    for bi, (a, b) in enumerate(blocks):
+        r = float(blk[bi]) - float(est[a:b].sum())
+        if b - a == 1:
+            set_layer(a, r)
+            continue
+        score[a:b] = est[a:b] + abs(r)
+        for lay_ in range(a, b):
+            for h in range(g.n_heads):
+                unit[(lay_, h)] = ("block", bi) if abs(r) > tol else None
+
+    # guess of the final top_k-th exact IE: AtP, with each flagged block's residual given to its top head
+    gv = est.clone()
+    for bi, (a, b) in enumerate(blocks):
+        r = abs(float(blk[bi]) - float(est[a:b].sum()))
+        if r > tol:
+            j = int(est[a:b].flatten().argmax())
+            gv[a + j // g.n_heads, j % g.n_heads] += r
+    guess = float(gv.flatten().sort(descending=True).values[top_k - 1])
+
+    def heads_of(u: tuple) -> list[tuple[int, int]]:
+        if u[0] == "block":
+            return [(lay_, h) for lay_ in range(*blocks[u[1]]) for h in range(g.n_heads)]
+        if u[0] == "layer":
+            return [(u[1], h) for h in range(g.n_heads)]
+        return [(u[1], h) for h in range(u[2] * rep, (u[2] + 1) * rep)]
+
+    def refine_cost(u: tuple) -> float:
+        if u[0] == "block":
+            return blocks[u[1]][1] - blocks[u[1]][0]
+        if u[0] == "layer":
+            return g.n_kv_heads + rep if rep > 1 else g.n_heads
+        return rep
+
     ie = atp.clone()
     verified: list[tuple[int, int]] = []
     exact_mean: dict[tuple[int, int], float] = {}
     patched = torch.full((len(pairs), g.n_layers, g.n_heads), math.nan, dtype=torch.float64)
     res = None
-    n_next = top_k + 2
+    n_next = top_k
     certified = False
-    n_group = n_probed = 0
+    n_group = n_probed = n_layer = 0
+    refined_blocks: list[tuple[int, int]] = []
     expanded: list[int] = []
     t_probe = 0.0
 
@@ -450,9 +496,10 @@ def screen_auto(
         groups_x: list[tuple[int, int]] = []
         to_verify: list[tuple[int, int]] = []
         vals = sorted(exact_mean.values(), reverse=True)
-        # cost guess only (never used to certify): the top_k-th exact value so far, else the top_k-th AtP
-        theta = vals[top_k - 1] if len(vals) >= top_k else tau
+        # cost guess only (never used to certify): the top_k-th exact value so far, else ``guess``
+        theta = vals[top_k - 1] if len(vals) >= top_k else guess
         direct: list[tuple] = []
+        blocks_x: list[tuple] = []
         for lh in order:
             if lh in exact_mean:
                 n_ex += 1
@@ -464,29 +511,36 @@ def screen_auto(
                 to_verify.append(lh)
                 if len(to_verify) >= n_next:
                     break
-            elif u in direct or u[1:] in groups_x or (u[0] == "layer" and u[1] in layers_x):
+            elif u in direct or u in blocks_x or u[1:] in groups_x or (u[0] == "layer" and u[1] in layers_x):
                 continue
             else:
                 # refine the unit by probes, or verify its competitive heads directly where that is cheaper
-                hs = range(g.n_heads) if u[0] == "layer" else range(u[2] * rep, (u[2] + 1) * rep)
-                n_comp = sum(1 for h in hs if float(score[u[1], h]) > theta)
-                refine_cost = (g.n_kv_heads + rep if rep > 1 else g.n_heads) if u[0] == "layer" else rep
-                if n_comp * verify_cost <= refine_cost:
+                n_comp = sum(1 for lh2 in heads_of(u) if float(score[lh2]) > theta)
+                if n_comp * verify_cost <= refine_cost(u):
                     direct.append(u)
+                elif u[0] == "block":
+                    blocks_x.append(u)
                 elif u[0] == "layer":
                     layers_x.append(u[1])
                 else:
                     groups_x.append(u[1:])
         for u in direct:
-            hs = range(g.n_heads) if u[0] == "layer" else range(u[2] * rep, (u[2] + 1) * rep)
-            for h in hs:
-                unit[(u[1], h)] = None  # keeps its optimistic score; verified once it is competitive
-        if direct and not (layers_x or groups_x):
+            for lh2 in heads_of(u):
+                unit[lh2] = None  # keeps its optimistic score; verified once it is competitive
+        if direct and not (blocks_x or layers_x or groups_x):
             continue
-        if not (layers_x or groups_x or to_verify):
+        if not (blocks_x or layers_x or groups_x or to_verify):
             certified = True
             break
         t1 = time.perf_counter()
+        if blocks_x:
+            lays = [lay_ for u in sorted(blocks_x) for lay_ in range(*blocks[u[1]])]
+            lp = probe_ie(low, sub_states, sub, [(lay_, list(range(g.n_heads))) for lay_ in lays],
+                          lam, direction, batch_size).mean(0)
+            n_layer += len(lays)
+            refined_blocks += [blocks[u[1]] for u in blocks_x]
+            for lay_, v in zip(lays, lp.tolist()):
+                set_layer(lay_, v - float(est[lay_].sum()))
         if layers_x and rep > 1:
             layers_x.sort()
             groups = [(lay_, list(range(k * rep, (k + 1) * rep))) for lay_ in layers_x for k in range(g.n_kv_heads)]
@@ -514,7 +568,7 @@ def screen_auto(
                 ie[:, lay_, h] = v  # the mean probe (per-pair probes are not kept)
                 unit[(lay_, h)] = None
         t_probe += time.perf_counter() - t1
-        if layers_x or groups_x:
+        if blocks_x or layers_x or groups_x:
             continue  # refined scores first: they may drop heads out of the verification queue
         verified += to_verify
         res = receiver_patching(
@@ -524,13 +578,13 @@ def screen_auto(
         for lay_, h in to_verify:
             patched[:, lay_, h] = res.patched[:, lay_, h]
             exact_mean[(lay_, h)] = float(res.ie[res.used, lay_, h].double().mean())
-        n_next = max(1, top_k // 2)
+        n_next = max(1, top_k // 5)
         if len(verified) == n_total:
             certified = True
             break
     del low
     kth = sorted(exact_mean.values(), reverse=True)[min(top_k, len(exact_mean)) - 1]
-    secs["group_head_probes"] = t_probe
+    secs["refine_probes"] = t_probe
     assert res is not None
     secs["verify"] = time.perf_counter() - t0 - sum(secs.values())
     with warnings.catch_warnings():
@@ -541,6 +595,7 @@ def screen_auto(
     return ScreenResult(
         ie=ie, atp=atp, exact=exact, verified=verified, spot_checked=[], threshold=kth, spot_hits=0,
         missed_estimate=math.nan, missed_upper95=math.nan,
-        details={"n_verified": len(verified), "n_probed": n_probed, "n_group_probes": n_group, "flagged_layers": flagged,
-                 "refined_layers": sorted(expanded), "flag_tol": tol, "certified": certified, "seconds": secs, "n_unverified": n_total - len(verified)},
+        details={"n_verified": len(verified), "n_probed": n_probed, "n_group_probes": n_group, "n_layer_probes": n_layer,
+                 "flagged_layers": sorted(flagged),
+                 "refined_blocks": sorted(refined_blocks), "refined_layers": sorted(expanded), "flag_tol": tol, "theta_guess": guess, "certified": certified, "seconds": secs, "n_unverified": n_total - len(verified)},
     )
