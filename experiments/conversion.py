@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -192,8 +193,6 @@ def _time_stages(teacher: Any, tok: Any, mask: HeadMask, out: Path, s: dict, ker
                           ckpt_on_exit=False, save_student=False, progress=False)
         d = out / "calibration" / kernel / f"stage{stage}"
         if d.exists():
-            import shutil
-
             shutil.rmtree(d)
         tr = Trainer(student, teacher, rows, cfg, d)
         secs = [tr.train_step()["seconds"] for _ in range(steps + 2)][2:]

@@ -535,11 +535,14 @@ class Engine:
                                  f"but the prompt has {T}")
         n_layers = self.g.n_layers
         rope = self._rope_by_device(torch.arange(start, T, device=entries[0][1].device), entries[0][1])
+        ridx_by_dev: dict[torch.device, Tensor] = {}
         h: Tensor | None = None
         for lay in range(layers[0], n_layers):
             dev = self.layers[lay]["device"]
             cos, sin = rope(dev)
-            ridx = torch.as_tensor([r - start for r in read], device=dev)
+            if dev not in ridx_by_dev:  # read offsets, built once per device (not once per layer)
+                ridx_by_dev[dev] = torch.as_tensor([r - start for r in read], device=dev)
+            ridx = ridx_by_dev[dev]
             rpos = ridx + start
             last = lay == n_layers - 1
             z_run = None
