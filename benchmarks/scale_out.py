@@ -9,9 +9,11 @@ a. exact receiver IE of a Qwen3-1.7B-shaped random model (28 layers, 16 query / 
    128, d_model 2048, ffn 6144) for --pairs pairs at --seq-len tokens (bf16): one GPU vs two GPUs
    sharded through ``headscope.rank(shard=...)`` (NCCL); seconds, throughput ratio, max |diff| of the
    merged table against the one-GPU table.
-b. stage-2 distillation (global KL) for --steps steps on one GPU and on two GPUs (FSDP2), the same
-   global batch and rows; SmolLM2-135M from --gguf (else a small random Llama); 7:1 hybrid student
-   from a mask of random scores; loss curves, max relative loss difference, tokens/s.
+b. stage-2 distillation (global KL): SmolLM2-135M from --gguf (else a small random Llama) as teacher, a
+   7:1 hybrid student from a mask of random scores, --stage1-steps of stage 1 first; then --steps steps
+   of stage 2 on one GPU (bf16 autocast; and fp32, the bf16-noise control) and on two GPUs (FSDP2, bf16),
+   the same global batch and rows; loss curves, relative loss differences (2 GPUs vs 1, fp32 vs bf16),
+   tokens/s; then --tp-steps at a global batch of --tp-batch-size on one and two GPUs (throughput).
 c. the Qwen3-shaped model spread over two GPUs (``device_map="balanced"``): one pair, exact
    receiver IE against the one-GPU result, peak memory per GPU against the one-GPU peak.
 
@@ -211,28 +213,46 @@ def _train(student, teacher, rows, cfg, out_dir):
     return summary, [json.loads(x) for x in (Path(out_dir) / "log.jsonl").read_text().splitlines()] if tr.rank == 0 else None
 
 
-def _student(teacher_dir, mask, kernel, state, dev):
+def _student(teacher, mask, kernel, state, dev):
     from headscope.hybrid import hybridize
-    from headscope.models import load_hf
 
-    teacher, _, _ = load_hf(teacher_dir, device=dev)
     student = hybridize(teacher, mask, gdn_kernel=kernel)
     student.load_state_dict(torch.load(state, map_location=dev))
-    return teacher, student
+    return student
 
 
-def _train_worker(rank, world, rdv, use_cuda, teacher_dir, mask, kernel, state, rows, cfg, out_dir, result):
+def _train_worker(rank, world, rdv, use_cuda, teacher_dir, mask, kernel, state, rows, jobs, result):
+    """One rank: load the teacher once, then for each (config, out_dir) job train a fresh student from
+    ``state`` (FSDP2-sharded by the Trainer). Rank 0 writes [{summary, log}] per job to ``result``."""
+    from headscope.models import load_hf
+
     dev = init_rank(rank, world, rdv, use_cuda)
     try:
-        teacher, student = _student(teacher_dir, mask, kernel, state, dev)
-        summary, rows_log = _train(student, teacher, rows, cfg, out_dir)
+        teacher = load_hf(teacher_dir, device=dev)[0]
+        done = []
+        for cfg, out_dir in jobs:
+            summary, rows_log = _train(_student(teacher, mask, kernel, state, dev), teacher, rows, cfg, out_dir)
+            done.append({"summary": summary, "log": rows_log})
         if rank == 0:
-            Path(result).write_text(json.dumps({"summary": summary, "log": rows_log}))
+            Path(result).write_text(json.dumps(done))
     finally:
         dist.destroy_process_group()
 
 
+def _tps(lg, tokens_per_step, skip):
+    """tokens/s over the steps after the first ``skip`` (kernel compilation, allocator warm-up)."""
+    secs = sum(x["seconds"] for x in lg[skip:])
+    return round((len(lg) - skip) * tokens_per_step / secs, 1)
+
+
+def _rel(a, b):
+    return [abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)]
+
+
 def part_b(args, tok, out: Path, res: dict) -> None:
+    """Stage 2 on one GPU (bf16 autocast, and fp32 as the bf16-noise control) and on two GPUs (FSDP2,
+    bf16), the same rows, global batch and start (a student after a short stage 1); then throughput at a
+    larger global batch on one and two GPUs."""
     import numpy as np
 
     from headscope.hybrid import hybridize
@@ -243,7 +263,8 @@ def part_b(args, tok, out: Path, res: dict) -> None:
 
     use_cuda = not args.smoke
     dev = "cuda:0" if use_cuda else "cpu"
-    fresh(out / "b_one_gpu", out / "b_two_gpu")
+    dirs = {k: out / f"b_{k}" for k in ("stage1", "one_bf16", "one_fp32", "two_bf16", "tp_one", "tp_two")}
+    fresh(*dirs.values())
     if args.gguf and not args.smoke:
         teacher = plain_copy(load_hf(args.gguf, device=dev)[0])  # GGUF-loaded models refuse save_pretrained
         name = str(args.gguf)
@@ -267,59 +288,82 @@ def part_b(args, tok, out: Path, res: dict) -> None:
     n_layers, n_heads = cfg_m.num_hidden_layers, cfg_m.num_attention_heads
     budget = max(parse_budget("7:1", n_layers * n_heads), n_layers)  # 7:1, at least one FA head per layer
     mask = HeadMask.select(rng.random((n_layers, n_heads)), budget, cfg_m.num_key_value_heads, min_per_layer=1)
-    seq, batch, steps = (96, 4, 4) if args.smoke else (args.train_seq_len, args.batch_size, args.steps)
-    n_rows = max(batch * 4, 32)
+    if args.smoke:
+        seq, batch, steps, s1_steps, tp_batch, tp_steps = 96, 4, 4, 2, 8, 3
+    else:
+        seq, batch, steps = args.train_seq_len, args.batch_size, args.steps
+        s1_steps, tp_batch, tp_steps = args.stage1_steps, args.tp_batch_size, args.tp_steps
+    n_rows = max(batch * 4, tp_batch, 32)
     rows = retrieval_rows(tok, n_rows, seq, seed=0, lengths=[seq])  # real filler text + needles, no download
     student = hybridize(teacher, mask, gdn_kernel=kernel, calibration_ids=rows.ids[:8].to(dev))
+    # a short stage 1 (layer-wise alignment) first, so stage 2 starts where it starts in a conversion
+    common = dict(lr=3e-4, warmup=0.05, progress=False, ckpt_on_exit=False, save_student=False, seed=0)
+    s1 = TrainConfig(stage=1, tokens=s1_steps * batch * seq, batch_size=batch, **{**common, "lr": 1e-3})
+    s1_summary, _ = _train(student, teacher, rows, s1, dirs["stage1"])
     state = out / "b_student_init.pt"
     torch.save(student.state_dict(), state)
-    cfg = TrainConfig(stage=2, tokens=steps * batch * seq, batch_size=batch, lr=3e-4, warmup=0.05, progress=False,
-                      ckpt_on_exit=False, save_student=False, seed=0)
+    del student
+    cfg = TrainConfig(stage=2, tokens=steps * batch * seq, batch_size=batch, **common)
+    cfg32 = TrainConfig(stage=2, tokens=steps * batch * seq, batch_size=batch, bf16=False, **common)
+    cfg_tp = TrainConfig(stage=2, tokens=tp_steps * tp_batch * seq, batch_size=tp_batch, **common)
     r = res.setdefault("b_stage2", {"model": name, "gdn_kernel": kernel, "mask": mask.summary(), "steps": steps,
                                     "global_batch": batch, "seq_len": seq, "tokens_per_step": batch * seq,
+                                    "stage1_steps_before": s1_steps, "stage1_final_loss": s1_summary["final_loss"],
                                     "rows": "retrieval_rows (filler text + needles)", "bf16_autocast": use_cuda})
-    log(f"b: {name}, 7:1 hybrid ({mask.summary()['n_fa']} FA heads), gdn kernel {kernel}, {steps} steps x {batch} x {seq}")
-    # one GPU
-    teacher, student = _student(str(teacher_dir), mask, kernel, state, dev)
-    summary1, log1 = _train(student, teacher, rows, cfg, out / "b_one_gpu")
-    del teacher, student
+    log(f"b: {name}, 7:1 hybrid ({mask.summary()['n_fa']} FA heads), gdn kernel {kernel}, stage 1 {s1_steps} steps, "
+        f"stage 2 {steps} steps x {batch} x {seq}; throughput {tp_steps} steps x {tp_batch} x {seq}")
+    # one GPU: bf16 (the reference), fp32 (how far bf16 rounding alone moves the curve), throughput
+    t1 = load_hf(str(teacher_dir), device=dev)[0]
+    runs = {}
+    for key, c in (("one_bf16", cfg), ("one_fp32", cfg32), ("tp_one", cfg_tp)):
+        runs[key] = _train(_student(t1, mask, kernel, state, dev), t1, rows, c, dirs[key])
+        log(f"b: {key} {runs[key][0]['seconds']} s, loss {runs[key][1][0]['loss']:.4f} -> {runs[key][1][-1]['loss']:.4f}")
+    del t1
     if use_cuda:
         torch.cuda.empty_cache()
-    # two GPUs, FSDP2
+    # two GPUs, FSDP2: the curve run, then the throughput run, in one spawn
     result = out / "b_two_gpu_result.json"
     t = time.perf_counter()
     torch.multiprocessing.spawn(
-        _train_worker, args=(2, rendezvous_file(out, "b"), use_cuda, str(teacher_dir), mask, kernel, str(state), rows, cfg,
-                             str(out / "b_two_gpu"), str(result)), nprocs=2, join=True)
+        _train_worker, args=(2, rendezvous_file(out, "b"), use_cuda, str(teacher_dir), mask, kernel, str(state), rows,
+                             [(cfg, str(dirs["two_bf16"])), (cfg_tp, str(dirs["tp_two"]))], str(result)),
+        nprocs=2, join=True)
     wall2 = time.perf_counter() - t
-    two = json.loads(result.read_text())
-    log2 = two["log"]
-    l1 = [x["loss"] for x in log1]
-    l2 = [x["loss"] for x in log2]
-    skip = min(5, steps - 1)  # the first steps include kernel compilation / allocator warm-up
-
-    def tps(lg):
-        secs = sum(x["seconds"] for x in lg[skip:])
-        return round((len(lg) - skip) * batch * seq / secs, 1)
-
+    two, tp_two = json.loads(result.read_text())
+    l1 = [x["loss"] for x in runs["one_bf16"][1]]
+    l32 = [x["loss"] for x in runs["one_fp32"][1]]
+    l2 = [x["loss"] for x in two["log"]]
+    d2, d32 = _rel(l1, l2), _rel(l1, l32)
+    skip = min(5, steps - 1)
+    tskip = min(5, tp_steps - 1)
+    last = max(1, min(10, steps // 5))
     r.update({
-        "one_gpu_seconds": summary1["seconds"], "two_gpu_seconds": two["summary"]["seconds"],
-        "two_gpu_wall_incl_spawn": round(wall2, 2),
-        "one_gpu_tokens_per_s": tps(log1), "two_gpu_tokens_per_s": tps(log2),
-        "max_rel_loss_diff": max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(l1, l2)),
-        "first_loss": [l1[0], l2[0]], "last_loss": [l1[-1], l2[-1]],
-        "max_rel_grad_norm_diff": max(abs(a["grad_norm"] - b["grad_norm"]) / max(abs(a["grad_norm"]), 1e-12)
-                                      for a, b in zip(log1, log2)),
+        "one_gpu_seconds": runs["one_bf16"][0]["seconds"], "two_gpu_seconds": two["summary"]["seconds"],
+        "two_gpu_wall_incl_spawn_and_both_runs": round(wall2, 2),
+        "one_gpu_tokens_per_s": _tps(runs["one_bf16"][1], batch * seq, skip),
+        "two_gpu_tokens_per_s": _tps(two["log"], batch * seq, skip),
+        "first_loss": [l1[0], l2[0], l32[0]], "last_loss": [l1[-1], l2[-1], l32[-1]],
+        f"mean_loss_last_{last}_steps": [float(np.mean(x[-last:])) for x in (l1, l2, l32)],
+        "rel_loss_diff_2gpu_vs_1gpu": {"max": max(d2), "mean": float(np.mean(d2)), "median": float(np.median(d2))},
+        "rel_loss_diff_fp32_vs_bf16_1gpu": {"max": max(d32), "mean": float(np.mean(d32)), "median": float(np.median(d32))},
+        "within_bf16_noise": bool(np.mean(d2) <= np.mean(d32) and max(d2) <= max(d32)),
+        "throughput": {"global_batch": tp_batch, "steps": tp_steps, "skip_first": tskip,
+                       "one_gpu_tokens_per_s": _tps(runs["tp_one"][1], tp_batch * seq, tskip),
+                       "two_gpu_tokens_per_s": _tps(tp_two["log"], tp_batch * seq, tskip)},
     })
     r["speedup_tokens_per_s"] = round(r["two_gpu_tokens_per_s"] / r["one_gpu_tokens_per_s"], 3)
+    tp = r["throughput"]
+    tp["speedup"] = round(tp["two_gpu_tokens_per_s"] / tp["one_gpu_tokens_per_s"], 3)
     with open(out / "loss_curves.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["step", "loss_1gpu", "loss_2gpu", "grad_norm_1gpu", "grad_norm_2gpu", "seconds_1gpu", "seconds_2gpu"])
-        for a, b in zip(log1, log2):
-            w.writerow([a["step"], a["loss"], b["loss"], a["grad_norm"], b["grad_norm"], a["seconds"], b["seconds"]])
-    log(f"b: loss {l1[0]:.4f} -> {l1[-1]:.4f} (1 device) / {l2[0]:.4f} -> {l2[-1]:.4f} (2 devices), max rel diff "
-        f"{r['max_rel_loss_diff']:.2e}; tokens/s {r['one_gpu_tokens_per_s']} vs {r['two_gpu_tokens_per_s']} "
-        f"({r['speedup_tokens_per_s']}x)")
+        w.writerow(["step", "loss_1gpu_bf16", "loss_2gpu_bf16", "loss_1gpu_fp32", "grad_norm_1gpu", "grad_norm_2gpu",
+                    "seconds_1gpu", "seconds_2gpu"])
+        for a, b, c in zip(runs["one_bf16"][1], two["log"], runs["one_fp32"][1]):
+            w.writerow([a["step"], a["loss"], b["loss"], c["loss"], a["grad_norm"], b["grad_norm"], a["seconds"], b["seconds"]])
+    log(f"b: loss {l1[0]:.4f} -> {l1[-1]:.4f} (1 device) / {l2[0]:.4f} -> {l2[-1]:.4f} (2 devices) / fp32 {l32[-1]:.4f}; "
+        f"rel diff 2 vs 1 mean {np.mean(d2):.2e} max {max(d2):.2e}, fp32 vs bf16 mean {np.mean(d32):.2e} max {max(d32):.2e}; "
+        f"tokens/s {r['one_gpu_tokens_per_s']} vs {r['two_gpu_tokens_per_s']} ({r['speedup_tokens_per_s']}x); "
+        f"batch {tp_batch}: {tp['one_gpu_tokens_per_s']} vs {tp['two_gpu_tokens_per_s']} ({tp['speedup']}x)")
 
 
 # ------------------------------------------------------------------------------ c: device_map
@@ -396,6 +440,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch-size", type=int, default=16, help="part b: global batch (rows)")
     ap.add_argument("--train-seq-len", type=int, default=512, help="part b: row length")
+    ap.add_argument("--stage1-steps", type=int, default=30, help="part b: stage-1 steps before stage 2")
+    ap.add_argument("--tp-batch-size", type=int, default=64, help="part b: global batch of the throughput runs")
+    ap.add_argument("--tp-steps", type=int, default=20, help="part b: steps of the throughput runs")
     ap.add_argument("--gdn-kernel", default="auto", choices=["auto", "torch", "fla"],
                     help="part b: GDN kernel of the student (auto = fla when importable on CUDA, else torch)")
     args = ap.parse_args()
