@@ -37,11 +37,25 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..models import LoadedModel
+from .linear import linear
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 
 # scaled_dot_product_attention broadcasts grouped K/V heads itself from torch 2.5 on (no K/V copies)
+MLP_BLOCK = 1024  # tokens per block of the gradient-free fp32 MLP (intermediates stay in cache)
+
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def _orig(m: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The HF module inside a TransformerBridge component (the module itself when not wrapped)."""
+    return getattr(m, "original_component", m) if m is not None else None
+
+
+def _plain_linear(m: torch.nn.Module) -> bool:
+    """An ``nn.Linear`` without forward hooks: its weight may be used directly (see ``linear``).
+    A module with hooks (e.g. a knockout's pre-hook on ``o_proj``) is called, so the hooks run."""
+    return isinstance(m, torch.nn.Linear) and not (m._forward_hooks or m._forward_pre_hooks)
 
 
 class UnsupportedArchitecture(NotImplementedError):
@@ -126,26 +140,27 @@ class Engine:
         self.g = model.geometry
         self.hf = hf
         inner = hf.model
-        self.embed = inner.embed_tokens
-        self.final_norm = inner.norm
-        self.lm_head = hf.lm_head
-        self.rotary = inner.rotary_emb
+        # once the TransformerBridge has booted, the HF modules sit inside bridge components (with
+        # hooks); the engine computes with the original modules
+        self.embed = _orig(inner.embed_tokens)
+        self.final_norm = _orig(inner.norm)
+        self.lm_head = _orig(hf.lm_head)
+        self.rotary = _orig(inner.rotary_emb)
         self.layers = []
         for blk in inner.layers:
-            orig = getattr(blk, "original_component", blk)
-            attn = orig.self_attn
-            a = getattr(attn, "original_component", attn)
+            orig = _orig(blk)
+            a = _orig(orig.self_attn)
             self.layers.append(
                 dict(
-                    ln1=orig.input_layernorm,
-                    ln2=orig.post_attention_layernorm,
-                    mlp=orig.mlp,
-                    q=a.q_proj,
-                    k=a.k_proj,
-                    v=a.v_proj,
-                    o=a.o_proj,
-                    q_norm=getattr(a, "q_norm", None),
-                    k_norm=getattr(a, "k_norm", None),
+                    ln1=_orig(orig.input_layernorm),
+                    ln2=_orig(orig.post_attention_layernorm),
+                    mlp=_orig(orig.mlp),
+                    q=_orig(a.q_proj),
+                    k=_orig(a.k_proj),
+                    v=_orig(a.v_proj),
+                    o=_orig(a.o_proj),
+                    q_norm=_orig(getattr(a, "q_norm", None)),
+                    k_norm=_orig(getattr(a, "k_norm", None)),
                     scaling=float(getattr(a, "scaling", self.g.d_head**-0.5)),
                     device=a.q_proj.weight.device,
                 )
@@ -156,10 +171,10 @@ class Engine:
         self._low: dict[int, dict[str, tuple[Tensor, Tensor | None]]] = {}
         if matmul_dtype is not None:
             for L in self.layers:
-                mlp = getattr(L["mlp"], "original_component", L["mlp"])
-                L["act"] = mlp.act_fn
-                mods = dict(q=L["q"], k=L["k"], v=L["v"], o=L["o"], gate=mlp.gate_proj, up=mlp.up_proj,
-                            down=mlp.down_proj)
+                mlp = L["mlp"]
+                L["act"] = _orig(mlp.act_fn)
+                mods = dict(q=L["q"], k=L["k"], v=L["v"], o=L["o"], gate=_orig(mlp.gate_proj), up=_orig(mlp.up_proj),
+                            down=_orig(mlp.down_proj))
                 low = {
                     n: (m.weight.detach().to(matmul_dtype),
                         None if m.bias is None else m.bias.detach().to(matmul_dtype))
@@ -237,7 +252,7 @@ class Engine:
         swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
         sign = torch.ones(2, half, dtype=sin.dtype, device=sin.device)
         sign[0] = -1
-        return torch.addcmul(x * cos, swapped, sin * sign.flatten())
+        return (x * cos).addcmul_(swapped, sin * sign.flatten())
 
     def qkv(
         self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, q_rows: Tensor | None = None
@@ -255,8 +270,9 @@ class Engine:
             v = self._lin(L, "v", x).view(B, S, g.n_kv_heads, g.d_head)
             if L["k_norm"] is not None:
                 k = L["k_norm"](k)
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
-            return q, self._rotate(k, cos, sin), v
+            # RoPE on the projection's own (contiguous) [B, S, heads, dh] layout, then the head transpose
+            k = self._rotate(k, cos[:, None], sin[:, None])
+            return q, k.transpose(1, 2), v.transpose(1, 2)
         if self.matmul_dtype is not None and L["q_norm"] is None:
             # one fused q|k|v matmul; q, k, v stay in matmul_dtype (attention runs in it anyway)
             w, b = self._low[id(L)]["qkv"]
@@ -272,8 +288,10 @@ class Engine:
         if L["q_norm"] is not None:
             q = L["q_norm"](q)
             k = L["k_norm"](k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
+        # RoPE on the projections' own (contiguous) [B, S, heads, dh] layout, then the head transpose
+        c, s_ = cos[:, None], sin[:, None]
+        q, k = self._rotate(q, c, s_), self._rotate(k, c, s_)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def qkv_q(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, None, None]:
         """Queries only: x [B, S, d_model] (layer-normed) -> (q [B,H,S,dh] after RoPE, None, None)."""
@@ -282,7 +300,7 @@ class Engine:
         q = self._lin(L, "q", x).view(B, S, self.g.n_heads, self.g.d_head)
         if L["q_norm"] is not None:
             q = L["q_norm"](q)
-        return self._rotate(q.transpose(1, 2), cos, sin), None, None
+        return self._rotate(q, cos[:, None], sin[:, None]).transpose(1, 2), None, None
 
     def attend(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, offset: int, q_pos: Tensor | None = None
@@ -306,7 +324,15 @@ class Engine:
         if self.matmul_dtype is not None:
             dt = q.dtype if q.dtype == k.dtype else self.matmul_dtype
             q, k, v = q.to(self.matmul_dtype), k.to(self.matmul_dtype), v.to(self.matmul_dtype)
-        if q_pos is None and offset == 0 and S == T:
+        if rep > 1 and q.device.type == "cpu" and k.shape[0] == B:
+            # CPU: the query heads of one KV group become one longer query sequence over that group's
+            # K/V (the same dot products; fewer, larger attention problems for the CPU kernel)
+            qi = (torch.arange(S, device=q.device) + offset) if q_pos is None else q_pos
+            mask = (torch.arange(T, device=q.device)[None, :] <= qi[:, None]).repeat(rep, 1)
+            out = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], rep * S, dh), k, v, attn_mask=mask,
+                                                 scale=scale)
+            out = out.view(B, H, S, dh)
+        elif q_pos is None and offset == 0 and S == T:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **kw)
         elif q_pos is None and offset + S == T:
             # queries are the last S positions: causal mask aligned to the lower right (flash/mem-efficient
@@ -323,9 +349,14 @@ class Engine:
     def post_attn(self, layer: int, h: Tensor, z: Tensor) -> Tensor:
         """Residual after layer ``layer`` given its input ``h`` and its hook_z ``z``."""
         L = self.layers[layer]
-        h = h + self._lin(L, "o", z)
+        h = self._lin(L, "o", z, residual=h)
         if self.matmul_dtype is None:
-            return h + L["mlp"](self._norm(L["ln2"], h))
+            mlp = L["mlp"]
+            parts = ("gate_proj", "up_proj", "down_proj", "act_fn")
+            if (not all(hasattr(mlp, a) for a in parts) or mlp._forward_hooks or mlp._forward_pre_hooks
+                    or not all(_plain_linear(_orig(getattr(mlp, a))) for a in parts[:3])):
+                return h + L["mlp"](self._norm(L["ln2"], h))
+            return self._mlp_blocks(L, mlp, h)
         # low precision: gate|up in one matmul, activation and product in matmul_dtype, one cast back
         x = self._norm(L["ln2"], h)
         w, b = self._low[id(L)]["gate_up"]
@@ -334,19 +365,47 @@ class Engine:
         wd, bd = self._low[id(L)]["down"]
         return h + F.linear(L["act"](gu[..., :ffn]) * gu[..., ffn:], wd, bd).to(h.dtype)
 
-    def _lin(self, L: dict, name: str, x: Tensor) -> Tensor:
-        """The layer's linear map ``name``, in the engine's dtype or, for a low-precision engine, with
-        inputs and weights cast to ``matmul_dtype`` and the output cast back."""
+    def _mlp_blocks(self, L: dict, mlp: torch.nn.Module, h: Tensor) -> Tensor:
+        """h + down(act(gate(x)) · up(x)) with x = ln2(h) (the Llama MLP and its residual add), computed
+        over blocks of ``MLP_BLOCK`` tokens without autograd, so that the [tokens, d_ffn]
+        intermediates stay in the CPU's cache and are updated in place. Each token's numbers are
+        those of one unblocked call; with autograd on, the module is called unblocked."""
+        if torch.is_grad_enabled() and h.requires_grad:
+            return h + mlp(self._norm(L["ln2"], h))
+        flat = h.reshape(-1, h.shape[-1])
+        out = torch.empty_like(flat)
+        act = _orig(mlp.act_fn)
+        silu = isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+        gate, up, down = _orig(mlp.gate_proj), _orig(mlp.up_proj), _orig(mlp.down_proj)
+        for s in range(0, flat.shape[0], MLP_BLOCK):
+            hb = flat[s : s + MLP_BLOCK]
+            x = self._norm(L["ln2"], hb)
+            g = linear(x, gate.weight, gate.bias)
+            u = linear(x, up.weight, up.bias)
+            g = F.silu(g, inplace=True) if silu else act(g)
+            out[s : s + MLP_BLOCK] = linear(g.mul_(u), down.weight, down.bias, residual=hb)
+        return out.view(h.shape)
+
+    def _lin(self, L: dict, name: str, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """The layer's linear map ``name`` (plus ``residual`` when given), in the engine's dtype or, for a
+        low-precision engine, with inputs and weights cast to ``matmul_dtype`` and the output cast back."""
         if self.matmul_dtype is None:
-            return L[name](x)
+            m = L[name]
+            if _plain_linear(m):
+                return linear(x, m.weight, m.bias, residual=residual)
+            return m(x) if residual is None else residual + m(x)
         w, b = self._low[id(L)][name]
-        return F.linear(x.to(self.matmul_dtype), w, b).to(x.dtype)
+        y = F.linear(x.to(self.matmul_dtype), w, b).to(x.dtype)
+        return y if residual is None else residual + y
 
     def unembed(self, h: Tensor) -> Tensor:
         if self.multi_device:
             x = self.final_norm(h.to(self.head_device))
             return self.lm_head(x.to(self.lm_head.weight.device))
-        return self.lm_head(self.final_norm(h))
+        x = self.final_norm(h)
+        if _plain_linear(self.lm_head):
+            return linear(x, self.lm_head.weight, self.lm_head.bias)
+        return self.lm_head(x)
 
     # ---- full pass with cache ----------------------------------------------------------------
     @torch.no_grad()

@@ -84,10 +84,17 @@ def _auto_batch(model: LoadedModel, suffix: int, total: int, mem_bytes: float) -
     g = model.geometry
     ffn = int(getattr(model.hf_model.config, "intermediate_size", 4 * g.d_model))
     per_row = suffix * (6 * g.d_model + 3 * ffn + 2 * g.n_heads * total) * (4 if model.dtype == torch.float32 else 2)
-    return max(1, min(ROWS_CAP_LAYERS * g.n_heads, int(mem_bytes // max(per_row, 1))))
+    cap = ROWS_CAP_LAYERS * g.n_heads
+    if torch.device(model.device).type == "cpu":
+        # on a CPU, batches of about CPU_ROW_TOKENS (row x position) keep the activations cache-sized;
+        # bigger ones only add allocation and page-fault time (measured on SmolLM2, 2 cores: 18 rows
+        # of 123 positions 11.1 s, 36 rows 12.3 s for all 270 heads)
+        cap = min(cap, max(1, CPU_ROW_TOKENS // max(suffix, 1)))
+    return max(1, min(cap, int(mem_bytes // max(per_row, 1))))
 
 
 ROWS_CAP_LAYERS = 4
+CPU_ROW_TOKENS = 2304
 
 
 class PairState:

@@ -1,0 +1,87 @@
+"""The engine's CPU fp32 linear maps (oneDNN, prepacked weights) against F.linear, and the blocked
+MLP against one unblocked pass."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from headscope.patching import engine as engine_mod
+from headscope.patching.engine import Engine
+from headscope.patching.linear import linear, onednn_available, packed_weight
+from headscope.patching.receivers import PairState
+from headscope.tasks import niah_single
+
+
+def test_linear_matches_f_linear_on_odd_shapes():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(37, 53, generator=g), torch.randn(37, generator=g)
+    x = torch.randn(3, 11, 53, generator=g)
+    want = (x.double() @ w.double().T + b.double()).float()
+    with torch.no_grad():
+        got = linear(x, w, b)
+        got_t = linear(x.transpose(0, 1), w)  # non-contiguous input, no bias
+    assert got.shape == (3, 11, 37)
+    assert torch.allclose(got, want, atol=2e-5, rtol=0)
+    assert torch.allclose(got_t, F.linear(x.transpose(0, 1), w), atol=2e-5, rtol=0)
+
+
+@pytest.mark.skipif(not onednn_available(), reason="oneDNN prepacked linear not available in this build")
+def test_packed_weight_is_cached_and_refreshed_after_in_place_change():
+    w = torch.randn(8, 16)
+    p1 = packed_weight(w)
+    assert packed_weight(w) is p1  # cached
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        w.mul_(2.0)  # the version counter moves: the packed copy is made again
+        assert packed_weight(w) is not p1
+        assert torch.allclose(linear(x, w), x @ w.T, atol=1e-5, rtol=0)
+
+
+def test_linear_keeps_autograd():
+    """With gradients on, the call goes to F.linear and the gradient is the analytic one."""
+    w = torch.randn(5, 6, requires_grad=True)
+    x = torch.randn(2, 6, requires_grad=True)
+    linear(x, w).sum().backward()
+    assert torch.allclose(x.grad, w.detach().sum(0).expand(2, 6))
+    assert torch.allclose(w.grad, x.detach().sum(0).expand(5, 6))
+
+
+def test_onednn_switch_gives_same_patched_logits(tiny, smol_tokenizer, monkeypatch):
+    """Patched logits with oneDNN, without it (HEADSCOPE_ONEDNN=0) and with the MLP cut into blocks of
+    7 tokens agree to float32 rounding."""
+    pair = niah_single(smol_tokenizer, n_pairs=1, seq_len=64, depth=0.5, seed=5)[0]
+
+    def run():
+        e = Engine(tiny)
+        st = PairState(e, pair, 1.0, "denoising")
+        z = st.src.z[0, st.start :][None].repeat(3, 1, 1)
+        return e.patched_logits(st.base, 0, z, st.start, st.read)
+
+    on = run()
+    monkeypatch.setattr(engine_mod, "MLP_BLOCK", 7)
+    blocked = run()
+    monkeypatch.setenv("HEADSCOPE_ONEDNN", "0")
+    off = run()
+    assert on.shape == off.shape and on.shape[0] == 3
+    assert torch.allclose(on, off, atol=1e-5, rtol=0)
+    assert torch.allclose(blocked, off, atol=1e-5, rtol=0)
+
+
+def test_engine_runs_module_hooks(tiny, smol_tokenizer):
+    """A forward pre-hook on o_proj (as a knockout installs) still acts on the engine's passes: the
+    fast path only takes weights of hook-free modules."""
+    from headscope.patching.engine import _orig
+
+    pair = niah_single(smol_tokenizer, n_pairs=1, seq_len=64, depth=0.5, seed=5)[0]
+    ids = pair.clean
+    plain = Engine(tiny).run(ids, [len(ids) - 1]).logits
+    o = _orig(_orig(tiny.hf_model.model.layers[0]).self_attn.o_proj)
+    h = o.register_forward_pre_hook(lambda _m, args: (torch.zeros_like(args[0]),))
+    try:
+        zeroed = Engine(tiny).run(ids, [len(ids) - 1])
+    finally:
+        h.remove()
+    assert not torch.allclose(plain, zeroed.logits, atol=1e-3)
+    # the same as a pass whose layer-0 hook_z is zero
+    want = Engine(tiny).run(ids, [len(ids) - 1], z_override=lambda layer, z: torch.zeros_like(z) if layer == 0 else z)
+    assert torch.allclose(zeroed.logits, want.logits, atol=1e-5, rtol=0)
