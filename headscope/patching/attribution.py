@@ -399,7 +399,10 @@ def screen_auto(
 
     The ranking never uses an exact number it did not measure; the certificate in step 4 holds as
     far as the optimistic scores bound the exact IE (``details["certified"]`` says whether the loop
-    stopped by it or ran out of heads).
+    stopped by it or ran out of heads). They are not a proven bound: a unit's residual can be small
+    because its heads' AtP errors cancel. Seen once: on the SmolLM2 ``niah_single`` pair of seed 1,
+    L4H4 (exact IE 0.083, rank 8; AtP 0.033) sat in a block whose AtP sum matched the block probe,
+    was never refined, and was missed (recall@10 0.9); over 6 pairs the top 10 was exact.
 
     Returns:
         ScreenResult: ``ie`` exact where verified, the probe where probed, AtP elsewhere; ``threshold``
