@@ -7,7 +7,7 @@ Part 1 (one niah_single pair, needle at depth 0.5): times
   * headscope exact mode (same IE to float error; batched, layer/prefix reuse),
   * headscope screen-then-verify, ``verify="auto"`` (AtP + bf16 probes of 4-layer blocks, refined best
     first into layers, KV groups and heads where AtP's sums miss, exact verification until the top 10 is
-    certified; see ``screen_auto``).
+    certified by the stopping rule, a heuristic; see ``screen_auto``).
 Part 2 (``--pairs`` pairs): exact vs screen-then-verify top-10 on the mean IE.
 The final line is `speedup_exact=X speedup_screen=Y max_abs_diff=Z recall_at_k=R`.
 Times are ratios against the TransformerLens sweep measured in the same run.
