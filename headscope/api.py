@@ -67,7 +67,8 @@ def rank(
             and the Ranking is saved there at the end.
         mode: ``"exact"`` (default: exact patching of every head) or ``"screen"`` (attribution
             patching of every head, then exact patching: with ``verify="auto"`` (default) layer /
-            KV-group / head probes and exact verification until the top 10 is certified, see
+            KV-group / head probes and exact verification until no unverified head's optimistic score
+            reaches the top 10 (a heuristic stopping rule, not a proof), see
             :func:`headscope.patching.attribution.screen_auto`; with a count or fraction, the AtP top
             ``verify`` heads plus ``spot_checks`` random others; columns ``ie_atp`` and ``verified``
             are added; receivers-only path).

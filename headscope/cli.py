@@ -33,7 +33,8 @@ def rank(
     device: Optional[str] = typer.Option(None, help="cpu / cuda (default: cuda when available)"),
     top: int = typer.Option(10, help="print this many top heads"),
     mode: str = typer.Option("exact", help="exact (every head patched) or screen (AtP screen + exact verification)"),
-    verify: str = typer.Option("auto", help="screen mode: 'auto' (verify until the top 10 is certified), or a head "
+    verify: str = typer.Option("auto", help="screen mode: 'auto' (verify until no unverified head's optimistic score reaches the top 10; a "
+                               "heuristic, see the README), or a head "
                                "count / fraction verified exactly after the AtP screen, with --spot-checks"),
     spot_checks: float = typer.Option(0.05, help="screen mode with a count/fraction --verify: random unverified heads "
                                       "patched exactly to estimate what the screen missed"),
