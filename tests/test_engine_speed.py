@@ -174,8 +174,8 @@ def test_probe_blocks_ie_matches_full_patched_run(tiny, smol_tokenizer):
         probe_blocks_ie(e, {0: st}, [pair], [(1, 2), (0, 1)], 1.0, "noising")
 
 
-@pytest.mark.parametrize("block,verify_cost", [(1, 3.0), (2, 0.25), (2, 8.0)])
-def test_screen_auto_blocks_certify_exact_top_k(tiny, smol_tokenizer, block, verify_cost):
+@pytest.mark.parametrize("block,verify_cost,atp_slack", [(1, 3.0, 2.0), (2, 0.25, 2.0), (2, 8.0, 2.0), (2, 3.0, 1.0)])
+def test_screen_auto_blocks_certify_exact_top_k(tiny, smol_tokenizer, block, verify_cost, atp_slack):
     """Block sizes and the refine-vs-verify cost switch change only the work done: when certified, the
     screen's top-k equals the exact top-k and verified heads carry the exact IE. Probes in float32 (exact
     probes, so probe + margin bounds the exact IE; in bfloat16 a probe of this random model is off by up
@@ -185,9 +185,24 @@ def test_screen_auto_blocks_certify_exact_top_k(tiny, smol_tokenizer, block, ver
 
     pairs = niah_single(smol_tokenizer, n_pairs=2, seq_len=64, depth=[0.3, 0.7], seed=0)
     res = screen_auto(tiny, pairs, top_k=3, min_gap=0.0, progress=False, block=block, verify_cost=verify_cost,
-                      flag=0.0, probe_dtype=torch.float32)
+                      flag=0.0, probe_dtype=torch.float32, atp_slack=atp_slack)
     exact = receiver_patching(tiny, pairs, min_gap=0.0, progress=False).ie
     assert res.details["certified"]
     for layer, h in res.verified:
         assert torch.allclose(res.ie[:, layer, h], exact[:, layer, h])
     assert recall_at_k(exact.mean(0).numpy(), res.ie.mean(0).numpy(), 3) == 1.0
+
+
+def test_atp_slack_only_adds_verification(tiny, smol_tokenizer):
+    """A larger AtP slack makes positive-AtP heads of unrefined units more competitive: more heads are
+    probed alone or verified, and the top-k stays exact."""
+    from headscope.patching import receiver_patching
+    from headscope.patching.attribution import recall_at_k, screen_auto
+
+    pairs = niah_single(smol_tokenizer, n_pairs=2, seq_len=64, depth=[0.3, 0.7], seed=1)
+    kw = dict(top_k=2, min_gap=0.0, progress=False, block=2, probe_dtype=torch.float32)
+    one = screen_auto(tiny, pairs, atp_slack=1.0, **kw)
+    big = screen_auto(tiny, pairs, atp_slack=50.0, **kw)
+    assert len(big.verified) + big.details["n_probed"] > len(one.verified) + one.details["n_probed"]
+    exact = receiver_patching(tiny, pairs, min_gap=0.0, progress=False).ie
+    assert recall_at_k(exact.mean(0).numpy(), big.ie.mean(0).numpy(), 2) == 1.0
