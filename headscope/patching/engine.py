@@ -41,9 +41,9 @@ from .linear import linear
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 
-# scaled_dot_product_attention broadcasts grouped K/V heads itself from torch 2.5 on (no K/V copies)
 MLP_BLOCK = 1024  # tokens per block of the gradient-free fp32 MLP (intermediates stay in cache)
 
+# scaled_dot_product_attention broadcasts grouped K/V heads itself from torch 2.5 on (no K/V copies)
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
@@ -353,10 +353,10 @@ class Engine:
         if self.matmul_dtype is None:
             mlp = L["mlp"]
             parts = ("gate_proj", "up_proj", "down_proj", "act_fn")
-            if (not all(hasattr(mlp, a) for a in parts) or mlp._forward_hooks or mlp._forward_pre_hooks
-                    or not all(_plain_linear(_orig(getattr(mlp, a))) for a in parts[:3])):
-                return h + L["mlp"](self._norm(L["ln2"], h))
-            return self._mlp_blocks(L, mlp, h)
+            blocked = (not (torch.is_grad_enabled() and h.requires_grad)
+                       and all(hasattr(mlp, a) for a in parts) and not (mlp._forward_hooks or mlp._forward_pre_hooks)
+                       and all(_plain_linear(_orig(getattr(mlp, a))) for a in parts[:3]))
+            return self._mlp_blocks(L, mlp, h) if blocked else h + mlp(self._norm(L["ln2"], h))
         # low precision: gate|up in one matmul, activation and product in matmul_dtype, one cast back
         x = self._norm(L["ln2"], h)
         w, b = self._low[id(L)]["gate_up"]
@@ -367,11 +367,9 @@ class Engine:
 
     def _mlp_blocks(self, L: dict, mlp: torch.nn.Module, h: Tensor) -> Tensor:
         """h + down(act(gate(x)) · up(x)) with x = ln2(h) (the Llama MLP and its residual add), computed
-        over blocks of ``MLP_BLOCK`` tokens without autograd, so that the [tokens, d_ffn]
-        intermediates stay in the CPU's cache and are updated in place. Each token's numbers are
-        those of one unblocked call; with autograd on, the module is called unblocked."""
-        if torch.is_grad_enabled() and h.requires_grad:
-            return h + mlp(self._norm(L["ln2"], h))
+        over blocks of ``MLP_BLOCK`` tokens, so that the [tokens, d_ffn] intermediates stay in the CPU's
+        cache and are updated in place. Each token's numbers are those of one unblocked call. Without
+        autograd only (``post_attn`` calls the module otherwise)."""
         flat = h.reshape(-1, h.shape[-1])
         out = torch.empty_like(flat)
         act = _orig(mlp.act_fn)
