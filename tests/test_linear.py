@@ -85,3 +85,16 @@ def test_engine_runs_module_hooks(tiny, smol_tokenizer):
     # the same as a pass whose layer-0 hook_z is zero
     want = Engine(tiny).run(ids, [len(ids) - 1], z_override=lambda layer, z: torch.zeros_like(z) if layer == 0 else z)
     assert torch.allclose(zeroed.logits, want.logits, atol=1e-5, rtol=0)
+
+
+def test_linear_rejects_wrong_weight_shape():
+    with pytest.raises(ValueError, match="expects 6"):
+        linear(torch.randn(2, 5), torch.randn(4, 6))
+
+
+def test_screen_auto_rejects_slack_below_one(tiny, smol_tokenizer):
+    from headscope.patching.attribution import screen_auto
+
+    pairs = niah_single(smol_tokenizer, n_pairs=1, seq_len=64, depth=0.5, seed=0)
+    with pytest.raises(ValueError, match="atp_slack=0.5 must be >= 1"):
+        screen_auto(tiny, pairs, top_k=2, atp_slack=0.5, progress=False)

@@ -416,6 +416,8 @@ def screen_auto(
     n_total = g.n_layers * g.n_heads
     if not 1 <= top_k <= n_total:
         raise ValueError(f"top_k={top_k} must be within 1..{n_total}")
+    if not atp_slack >= 1.0:
+        raise ValueError(f"atp_slack={atp_slack} must be >= 1 (1 = AtP taken at face value; the default is 2)")
     t0 = time.perf_counter()
     secs: dict[str, float] = {}
     low = Engine(model, matmul_dtype=probe_dtype)

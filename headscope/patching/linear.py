@@ -71,7 +71,14 @@ def linear(
 ) -> Float[Tensor, "*batch d_out"]:
     """``F.linear(x, weight, bias)`` (``+ residual`` when given); on CPU in float32 without autograd,
     through oneDNN's prepacked kernel, with the residual added in the kernel's epilogue (same float32
-    arithmetic; results equal ``F.linear``'s to float32 rounding)."""
+    arithmetic; results equal ``F.linear``'s to float32 rounding).
+
+    Raises:
+        ValueError: ``x``'s last dimension is not ``weight``'s input size.
+    """
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"x has {x.shape[-1]} features but the weight {tuple(weight.shape)} expects "
+                         f"{weight.shape[-1]}; pass the weight as [out, in]")
     if (
         x.device.type != "cpu"
         or x.dtype != torch.float32
