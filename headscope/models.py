@@ -264,6 +264,9 @@ def wrap(
         raise ValueError("model has no parameters") from e
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(hf_model.config, "architectures", None):
+        # a model built from a config has no architectures entry; the bridge picks its adapter from it
+        hf_model.config.architectures = [type(hf_model).__name__]
     geom = geometry_of(hf_model.config)
     return LoadedModel(
         hf_model=hf_model,

@@ -97,6 +97,8 @@ class Engine:
         EngineMismatch: the self-check failed (the message names the layer and part).
     """
 
+    path = "fast"
+
     def __init__(self, model: LoadedModel, matmul_dtype: torch.dtype | None = None, check: bool = True):
         self.model = model
         self.g = model.geometry

@@ -59,6 +59,7 @@ class RunCache:
     z: Float[Tensor, "layer pos n_heads*d_head"], hook_z of each layer (flattened heads).
     k, v: Float[Tensor, "layer n_kv pos d_head"], keys (after RoPE / QK-norm) and values.
     logits: Float[Tensor, "read vocab"], logits at the read positions.
+    ids: the prompt (kept by the generic bridge path, which re-runs it).
 
     For a model spread over devices, resid/z/k/v are :class:`LayerStack` s (each layer's entry on its
     layer's device) with the same ``[layer, ...]`` indexing.
@@ -69,6 +70,7 @@ class RunCache:
     k: Tensor
     v: Tensor
     logits: Tensor
+    ids: Tensor | None = None
 
 
 @dataclass

@@ -22,6 +22,7 @@ from ..models import LoadedModel
 from ..readout import DEFAULT_LAMBDA, logit_diff, read_positions
 from ..tasks.base import Pair, validate_pair
 from .engine import Engine, RunCache, head_slice
+from .generic import make_engine
 from .store import Store
 
 Direction = Literal["noising", "denoising"]
@@ -49,6 +50,7 @@ class PatchResult:
     direction: str
     lam: float
     skipped: dict[int, str] = field(default_factory=dict)
+    path: str = "fast"
 
     @property
     def used(self) -> list[int]:
@@ -176,6 +178,7 @@ def receiver_patching(
     heads: Sequence[tuple[int, int]] | None = None,
     shard: tuple[int, int] | None = None,
     states: dict[int, PairState] | None = None,
+    path: str = "auto",
 ) -> PatchResult:
     """Exact activation patching of every head's hook_z, all positions, for every pair.
 
@@ -197,6 +200,9 @@ def receiver_patching(
             table merged from the store (see :mod:`headscope.distributed`).
         states: clean/corrupted passes already computed, by pair index (built with the same ``lam``
             and ``direction``; e.g. kept by :func:`~headscope.patching.attribution.screen_then_verify`).
+        path: ``"auto"`` (the fast engine where an architecture adapter exists, else the generic bridge
+            path), ``"fast"`` or ``"generic"`` (:func:`~headscope.patching.generic.make_engine`); the
+            result's ``path`` says which ran.
 
     Returns:
         PatchResult (``.ie`` is Float[Tensor, "pair layer head"]).
@@ -217,7 +223,7 @@ def receiver_patching(
         if not (0 <= layer < g.n_layers and 0 <= h < g.n_heads):
             raise ValueError(f"head ({layer}, {h}) is outside the model's {g.n_layers} layers x {g.n_heads} heads")
         per_layer.setdefault(int(layer), []).append(int(h))
-    engine = Engine(model)
+    engine = make_engine(model, path)  # type: ignore[arg-type]
     if mem_bytes is None:
         if model.device.type == "cuda":
             mem_bytes = 0.5 * torch.cuda.mem_get_info(model.device)[0]
@@ -232,7 +238,7 @@ def receiver_patching(
     patched = torch.full((n, g.n_layers, g.n_heads), math.nan, dtype=torch.float64)
     m_clean = torch.empty(n, dtype=torch.float64)
     m_corr = torch.empty(n, dtype=torch.float64)
-    bar = tqdm(total=n * sum(len(v) for v in per_layer.values()), desc="receiver patching (heads x pairs)", unit="patch",
+    bar = tqdm(total=n * sum(len(v) for v in per_layer.values()), desc=f"receiver patching, {engine.path} path (heads x pairs)", unit="patch",
                disable=not progress)
     given = states
     cached: dict[int, PairState] = {}
@@ -297,7 +303,9 @@ def receiver_patching(
         for h in per_layer[layer]:
             patched[i, layer, h] = vals[h]
     bar.close()
-    return finish(patched, m_clean, m_corr, direction, lam, min_gap)
+    res = finish(patched, m_clean, m_corr, direction, lam, min_gap)
+    res.path = engine.path
+    return res
 
 
 def finish(

@@ -1,0 +1,107 @@
+"""Every family with an adapter, against the brute-force reference (one hook_z patch per forward through
+the TransformerLens bridge), and the paths for everything else."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from families import FAMILIES, tiny_family
+from headscope.patching import receiver_patching, reference_patched_metric
+from headscope.patching.engine import Engine, EngineMismatch
+from headscope.patching.generic import BridgeEngine, make_engine
+from headscope.tasks import niah_single
+
+
+@pytest.fixture(scope="module")
+def pair(smol_tokenizer):
+    # 64 tokens: longer than every sliding window (8) of the tiny models
+    return niah_single(smol_tokenizer, n_pairs=1, seq_len=64, depth=0.4, seed=3)[0]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fast_engine_equals_one_hook_at_a_time(family, smol_tokenizer, pair):
+    lm = tiny_family(family, smol_tokenizer)
+    res = receiver_patching(lm, [pair], min_gap=0.0, progress=False)
+    assert res.path == "fast"
+    ref, m_c, m_x = reference_patched_metric(lm, pair)
+    gap = m_c - m_x
+    assert abs(gap) > 0.05  # a usable gap, so IE is well defined
+    assert res.m_clean[0].item() == pytest.approx(m_c, abs=1e-5)
+    assert res.m_corrupt[0].item() == pytest.approx(m_x, abs=1e-5)
+    assert torch.allclose(res.patched[0], ref, atol=1e-5, rtol=0)
+    ref_ie = (m_c - ref) / gap
+    # IE = (m(x) - m_patched) / gap: float32 logit rounding (~1e-6) is divided by the gap
+    assert torch.allclose(res.ie[0].double(), ref_ie, atol=1e-5 * max(1.0, 0.1 / abs(gap)), rtol=0)
+    # the patch must matter somewhere (the comparison is not between two constants)
+    assert float((ref - m_c).abs().max()) > 1e-4
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gemma3"])
+def test_generic_path_equals_reference(family, smol_tokenizer, pair):
+    lm = tiny_family(family, smol_tokenizer)
+    res = receiver_patching(lm, [pair], min_gap=0.0, progress=False, path="generic", batch_size=5)
+    assert res.path == "generic"
+    ref, m_c, _ = reference_patched_metric(lm, pair)
+    assert torch.allclose(res.patched[0], ref, atol=1e-5, rtol=0)
+    assert res.m_clean[0].item() == pytest.approx(m_c, abs=1e-5)
+
+
+def test_unknown_family_runs_generic(smol_tokenizer, pair, monkeypatch):
+    """A model type without an adapter (here: GPT-2 under another name) runs through the bridge, with a warning."""
+    import headscope.arch.families as fam
+
+    lm = tiny_family("gpt2", smol_tokenizer)
+    monkeypatch.delitem(fam.ADAPTERS, "gpt2")
+    import headscope.arch as arch
+
+    monkeypatch.setattr(arch, "ADAPTERS", fam.ADAPTERS)
+    with pytest.warns(UserWarning, match="generic bridge path"):
+        eng = make_engine(lm)
+    assert isinstance(eng, BridgeEngine)
+    with pytest.raises(Exception, match="no fast-engine adapter"):
+        make_engine(lm, "fast")
+
+
+def test_self_check_refuses_an_unknown_variant(smol_tokenizer):
+    """A Llama whose second layer is secretly a parallel-residual block: the adapter assumes sequential,
+    the self-check sees the difference at layer 1 and refuses, naming the layer, the part and the fix."""
+    lm = tiny_family("llama", smol_tokenizer)
+    blk = lm.hf_model.model.layers[1]
+
+    def parallel_forward(self, hidden_states, **kw):
+        a, _ = self.self_attn(self.input_layernorm(hidden_states), **kw)
+        return hidden_states + a + self.mlp(self.post_attention_layernorm(hidden_states))
+
+    blk.forward = types.MethodType(parallel_forward, blk)
+    with pytest.raises(EngineMismatch, match=r"layer 1, layer output .*path='generic'"):
+        Engine(lm)
+    with pytest.raises(EngineMismatch):
+        make_engine(lm)  # auto never falls back silently on a mismatch
+    # the generic path still runs it, exactly as the model computes
+    pair = niah_single(smol_tokenizer, n_pairs=1, seq_len=64, depth=0.5, seed=1)[0]
+    res = receiver_patching(lm, [pair], min_gap=0.0, progress=False, path="generic")
+    ref, _, _ = reference_patched_metric(lm, pair)
+    assert torch.allclose(res.patched[0], ref, atol=1e-5, rtol=0)
+
+
+def test_tl_sweep_equality_on_gpt2(smol_tokenizer, pair):
+    """TransformerLens's own sweep (get_act_patch_attn_head_out_all_pos, denoising) equals the fast engine on GPT-2."""
+    from transformer_lens import patching
+
+    from headscope.patching.receivers import sequences
+    from headscope.readout import logit_diff
+
+    lm = tiny_family("gpt2", smol_tokenizer)
+    b = lm.bridge
+    clean, corr, read = sequences(pair)
+    _, cache = b.run_with_cache(clean[None], names_filter=lambda n: n.endswith("hook_z"))
+
+    def metric(logits):
+        return logit_diff(logits[0, read], pair.answer, pair.counter_answer, 0.9)
+
+    tl = patching.get_act_patch_attn_head_out_all_pos(b, corr[None], cache, metric)
+    res = receiver_patching(lm, [pair], lam=0.9, direction="denoising", min_gap=0.0, progress=False)
+    assert torch.allclose(res.patched[0].float(), tl.float(), atol=1e-4, rtol=0)
