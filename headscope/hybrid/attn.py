@@ -27,8 +27,9 @@ from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float
 from torch import Tensor
+
+from .shapes import Float
 
 FAKernel = Literal["auto", "sdpa", "flash_attn"]
 FA_KERNELS = ("auto", "sdpa", "flash_attn")

@@ -1,11 +1,15 @@
 """Convert a pretrained Llama-family model into a head-wise FA/GDN hybrid (SPEC.md §8).
 
 :func:`hybridize` builds a new model of a registered hybrid class (``HybridLlamaForCausalLM`` or
-``HybridQwen3ForCausalLM``, subclasses of the transformers classes) whose config stores the HeadMask
-and the :class:`HybridOptions` under ``config.headscope_hybrid``; every layer's ``self_attn`` is a
-:class:`HeadwiseHybridAttention` with Q/K/V/O migrated from the teacher. The result saves with
-``save_pretrained`` and loads with ``AutoModelForCausalLM.from_pretrained`` once ``headscope.hybrid``
-has been imported (or with ``HybridLlamaForCausalLM.from_pretrained``). The teacher is not changed.
+``HybridQwen3ForCausalLM`` from :mod:`.modeling_hybrid`, subclasses of the transformers classes) whose
+config stores the HeadMask and the :class:`HybridOptions` under ``config.headscope_hybrid``; every
+layer's ``self_attn`` is a :class:`HeadwiseHybridAttention` with Q/K/V/O migrated from the teacher. The
+teacher is not changed.
+
+``save_pretrained`` writes the modeling code beside the weights (``auto_map`` in config.json), so the
+result loads with ``AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)`` in any process
+with torch and transformers, and without ``trust_remote_code`` once ``headscope.hybrid`` has been
+imported (this module registers the model types with the auto classes).
 """
 
 from __future__ import annotations
@@ -15,67 +19,20 @@ from typing import Any, Optional, Union
 
 import torch
 from jaxtyping import Int
-from torch import Tensor, nn
+from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
-from transformers.models.llama import LlamaConfig, LlamaForCausalLM
-from transformers.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from transformers.models.llama import LlamaForCausalLM
+from transformers.models.qwen3 import Qwen3ForCausalLM
 
 from ..masks import HeadMask
 from .config import HybridOptions
-from .layer import HeadwiseHybridAttention
-
-CONFIG_KEY = "headscope_hybrid"
-
-
-def _install(model: PreTrainedModel) -> None:
-    cfg = model.config
-    spec = getattr(cfg, CONFIG_KEY, None)
-    if not spec:
-        raise ValueError(
-            f"{type(model).__name__} config has no '{CONFIG_KEY}' entry (mask and options); "
-            "create hybrids with headscope.hybridize(model, mask)"
-        )
-    mask = HeadMask.from_dict(spec["mask"])
-    opts = HybridOptions.from_dict(spec["options"])
-    qk_norm = bool(spec.get("qk_norm", False))
-    for i, layer in enumerate(model.model.layers):
-        old = layer.self_attn
-        layer.self_attn = HeadwiseHybridAttention(cfg, i, mask.fa_heads[i], opts, qk_norm=qk_norm).to(
-            device=old.q_proj.weight.device, dtype=old.q_proj.weight.dtype
-        )
-
-
-class HybridLlamaConfig(LlamaConfig):
-    """LlamaConfig of a head-wise hybrid; ``headscope_hybrid`` = {"mask", "options", "qk_norm"}."""
-
-    model_type = "headscope_hybrid_llama"
-
-
-class HybridQwen3Config(Qwen3Config):
-    """Qwen3Config of a head-wise hybrid; ``headscope_hybrid`` = {"mask", "options", "qk_norm"}."""
-
-    model_type = "headscope_hybrid_qwen3"
-
-
-class HybridLlamaForCausalLM(LlamaForCausalLM):
-    """LlamaForCausalLM whose attention layers are :class:`HeadwiseHybridAttention`."""
-
-    config_class = HybridLlamaConfig
-
-    def __init__(self, config: HybridLlamaConfig):
-        super().__init__(config)
-        _install(self)
-
-
-class HybridQwen3ForCausalLM(Qwen3ForCausalLM):
-    """Qwen3ForCausalLM whose attention layers are :class:`HeadwiseHybridAttention`."""
-
-    config_class = HybridQwen3Config
-
-    def __init__(self, config: HybridQwen3Config):
-        super().__init__(config)
-        _install(self)
-
+from .modeling_hybrid import (
+    CONFIG_KEY,
+    HybridLlamaConfig,
+    HybridLlamaForCausalLM,
+    HybridQwen3Config,
+    HybridQwen3ForCausalLM,
+)
 
 # teacher class -> (hybrid config class, hybrid model class, teacher has q_norm/k_norm)
 _FAMILIES: dict[type, tuple[type, type, bool]] = {

@@ -23,8 +23,9 @@ import importlib.util
 from typing import Literal, Optional
 
 import torch
-from jaxtyping import Float
 from torch import Tensor
+
+from .shapes import Float
 
 Kernel = Literal["auto", "torch", "fla"]
 

@@ -32,12 +32,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float
 from torch import Tensor, nn
 
 from .attn import fa_attention
 from .config import HybridOptions
 from .gdn import gated_delta_rule
+from .shapes import Float
 
 _STATE_ATTR = "_headscope_gdn_state"
 LOW_MEMORY = True  # in-place, time-blocked elementwise stages when no gradient is needed (same numbers)
