@@ -4,9 +4,9 @@
 output before the output projection, TransformerLens ``blocks.{l}.attn.hook_z``, shape
 ``[batch, pos, n_heads, d_head]``) of chosen (layer, head)s in every forward or ``generate`` call
 made on ``LoadedModel.hf_model`` while the block is open. It is a forward-pre-hook on each
-affected layer's ``o_proj`` (whose input is hook_z flattened over heads), so it works on the plain
-transformers model and on a model wrapped by the TransformerBridge alike; every hook is removed on
-exit, also when the block raises.
+affected layer's attention output projection (``o_proj``, GPT-2 ``attn.c_proj``: its input is
+hook_z flattened over heads), so it works on the plain transformers model and on a model wrapped
+by the TransformerBridge alike; every hook is removed on exit, also when the block raises.
 
 Methods:
 
@@ -15,11 +15,19 @@ Methods:
   over prompts AND positions (one ``d_head`` vector per head, the same at every position; each
   token of the reference set counts once, so longer prompts weigh more);
 * ``"resample"``: the slice is set to the head's hook_z on ONE other prompt (the reference),
-  aligned by absolute position: input position ``p`` (counting tokens already in the KV cache
-  during cached generation) takes the reference's row ``p``; positions past the reference's end
-  take its last row. Give a reference at least as long as the inputs (e.g. prompt ⊕ answer of a
+  aligned by absolute position: a token at position ``p`` takes the reference's row ``p``;
+  positions past the reference's end take its last row. ``p`` is the ``position_ids`` the model
+  passes to the decoder layer (a forward-pre-hook on each ablated layer reads it), so tokens already
+  in the KV cache count during cached ``generate`` and a cached generation equals an uncached one. Give a reference at least as long as the inputs (e.g. prompt ⊕ answer of a
   prompt of the same length) to avoid the fallback; :func:`resample_reference` reports how many
   positions used it.
+
+Weight processing: when the TransformerBridge's weights were processed
+(``bridge.enable_compatibility_mode()``, which folds each head's value bias b_V into the output
+bias), hook_z no longer holds the head's b_V share; ``"zero"`` then sets hook_z to −b_V (the bias
+from before processing, see :func:`folded_value_bias`), which is zero ablation of the original
+model. ``"mean"`` and ``"resample"`` references recorded on the processed model are in its basis
+and need no change (b_V cancels); do not mix references recorded before and after processing.
 
 Retrieval accuracy (:func:`retrieval_accuracy`) is greedy exact match of the needle value read
 under teacher forcing (``headscope.readout.greedy_exact_match``: argmax at every answer position
@@ -48,31 +56,110 @@ PromptLike = Pair | Tensor | Sequence[int] | str
 
 
 # ---- module access ------------------------------------------------------------------------------
-def _attn_modules(model: LoadedModel) -> list[Any]:
-    """The attention module of each layer, looking through TransformerBridge wrappers."""
-    inner = getattr(model.hf_model, "model", None)
-    layers = getattr(inner, "layers", None)
+# ``decoder_layers`` and ``attention_out_module`` stand in for ``headscope.arch`` (being added on
+# main); they cover Llama-family decoders (``model.layers[i].self_attn.o_proj``) and GPT-2
+# (``transformer.h[i].attn.c_proj``). Replace them by the import once it lands.
+def decoder_layers(hf_model: Any) -> torch.nn.ModuleList:
+    """The decoder blocks of ``hf_model`` in order (stand-in for ``headscope.arch.decoder_layers``).
+
+    Raises:
+        NotImplementedError: an architecture without ``model.layers`` / ``transformer.h``.
+    """
+    inner = getattr(hf_model, "model", None) or getattr(hf_model, "transformer", None)
+    layers = getattr(inner, "layers", None) or getattr(inner, "h", None)
     if layers is None:
-        raise NotImplementedError(
-            f"{type(model.hf_model).__name__} has no .model.layers; knockout supports Llama-family decoders"
-        )
-    out = []
-    for blk in layers:
-        blk = getattr(blk, "original_component", blk)
-        attn = blk.self_attn
-        out.append(getattr(attn, "original_component", attn))
-    return out
+        raise NotImplementedError(f"{type(hf_model).__name__}: no decoder layers found (model.layers / transformer.h)")
+    return layers
+
+
+def attention_out_module(hf_model: Any, layer: int) -> torch.nn.Module:
+    """The attention output projection of ``layer``, whose input is hook_z flattened over heads
+    (stand-in for ``headscope.arch.attention_out_module``: o_proj, or GPT-2's attn.c_proj)."""
+    blk = _unwrap(decoder_layers(hf_model)[layer])
+    attn = _unwrap(getattr(blk, "self_attn", None) or getattr(blk, "attn"))
+    return _unwrap(getattr(attn, "o_proj", None) or getattr(attn, "c_proj"))
+
+
+def _unwrap(m: Any) -> Any:
+    """The transformers module inside a TransformerBridge wrapper (itself when not wrapped)."""
+    return getattr(m, "original_component", m)
 
 
 def o_proj_module(model: LoadedModel, layer: int) -> torch.nn.Module:
-    """The ``torch.nn.Linear`` output projection of ``layer`` (its input is hook_z flattened)."""
-    o = _attn_modules(model)[layer].o_proj
-    return getattr(o, "original_component", o)
+    """The output projection of ``layer`` (its input is hook_z flattened), bridge wrappers removed."""
+    return _unwrap(attention_out_module(model.hf_model, layer))
 
 
-def _model_core(model: LoadedModel) -> torch.nn.Module:
-    inner = model.hf_model.model
-    return getattr(inner, "original_component", inner)
+def _layer_module(model: LoadedModel, layer: int) -> torch.nn.Module:
+    return _unwrap(decoder_layers(model.hf_model)[layer])
+
+
+# ---- value biases and the bridge's weight processing -------------------------------------------
+@torch.no_grad()
+def value_bias(model: LoadedModel) -> dict[int, Float[Tensor, "hd"]] | None:
+    """Per layer, the constant part of hook_z (flattened over heads): each query head's value bias
+    b_V (under GQA, its KV group's), zeros where ``v_proj`` has no bias.
+
+    Attention weights sum to 1, so head h's hook_z is (its bias-free part) + b_V[h] at every
+    position. Units: activations of hook_z. None for architectures without a separate ``v_proj``
+    (fused qkv) or whose attention input norm has a bias (its W_V-share would be part of the constant).
+    """
+    g = model.geometry
+    out: dict[int, Tensor] = {}
+    for layer in range(g.n_layers):
+        blk = _layer_module(model, layer)
+        v = _v_proj(blk)
+        if v is None or getattr(_unwrap(getattr(blk, "input_layernorm", None)), "bias", None) is not None:
+            return None
+        b = v.bias
+        if b is None:
+            out[layer] = torch.zeros(g.n_heads * g.d_head)
+        else:
+            out[layer] = b.detach().float().cpu().view(g.n_kv_heads, g.d_head).repeat_interleave(g.group_size, 0).flatten()
+    return out
+
+
+def _v_proj(blk: Any) -> Any:
+    attn = _unwrap(getattr(blk, "self_attn", None) or getattr(blk, "attn", None))
+    v = getattr(attn, "v_proj", None)
+    return None if v is None else _unwrap(v)
+
+
+def folded_value_bias(model: LoadedModel) -> dict[int, Float[Tensor, "hd"]]:
+    """Per layer, the value bias the TransformerBridge's weight processing moved into the output bias.
+
+    ``bridge.enable_compatibility_mode()`` / ``process_weights(fold_value_biases=True)``
+    (TransformerLens 4.3) set b_O ← b_O + Σ_h W_O[:, h]·b_V[h] and b_V ← 0 in place: hook_z then
+    lacks each head's b_V share, which sits in the output bias instead. Setting hook_z of head h to
+    −d[h] (d = b_V before − b_V now) removes the share again: W_O[:, h]·(−d[h]) cancels the folded
+    W_O[:, h]·b_V[h]. The b_V before processing is recorded by :attr:`LoadedModel.bridge` when it
+    boots (``model.info["value_bias"]``). Empty when there is no processed bridge or nothing was
+    folded (layers with d = 0 are left out).
+
+    Raises:
+        NotImplementedError: the weights were processed but the raw value biases are unknown (a
+            bridge booted outside ``LoadedModel.bridge``, or an architecture :func:`value_bias`
+            does not cover) and the model has value biases; the message names the fixes.
+    """
+    b = model._bridge
+    if b is None or not getattr(b, "_weights_processed", False):
+        return {}
+    now = value_bias(model)
+    raw = model.info.get("value_bias")
+    if now is not None and raw is not None:
+        d = {l: (raw[l] - now[l]) for l in raw}
+        return {l: v for l, v in d.items() if bool(v.abs().max() > 0)}
+    vs = [_v_proj(_layer_module(model, l)) for l in range(model.geometry.n_layers)]
+    if now is not None and all(v.bias is None for v in vs):
+        return {}  # no value bias anywhere: nothing was folded
+    raise NotImplementedError(
+        "zero ablation on a TransformerBridge whose weights were processed: fold_value_biases moved every "
+        "head's value bias into the output bias, so zeroing hook_z would keep the head's bias share, and "
+        "headscope does not know the biases from before processing. Boot the bridge through "
+        "LoadedModel.bridge before processing (it records them), or process with "
+        "enable_compatibility_mode(fold_value_biases=False) (or no_processing=True), or ablate on the "
+        "unprocessed model"
+    )
 
 
 def normalize_heads(model: LoadedModel, heads: Any) -> list[Head]:
@@ -186,6 +273,10 @@ def ablate(
 
     Raises:
         ValueError: unknown method, missing reference, heads outside the model.
+        NotImplementedError: ``"zero"`` on a bridge whose weights were processed without a record of
+            the value biases from before (see :func:`folded_value_bias`).
+        RuntimeError: (inside the block) ``"resample"`` when a decoder layer is called without
+            ``position_ids`` / ``cache_position``.
     """
     if method not in METHODS:
         raise ValueError(f"unknown ablation method {method!r}; use one of {METHODS}")
@@ -205,17 +296,33 @@ def ablate(
         missing = [l for l in layers if l not in values]
         if missing:
             raise ValueError(f"reference has no hook_z for layers {missing}; recompute it for these heads")
+    fold = folded_value_bias(model) if method == "zero" else {}
     state = AblationState(hs, method, values=values)
-    offset = {"pos": 0}
     by_layer: dict[int, list[int]] = {}
     for l, h in hs:
         by_layer.setdefault(l, []).append(h)
+    positions: dict[int, Tensor] = {}
 
-    def core_hook(_mod: Any, args: tuple, kwargs: dict) -> None:
-        # absolute position of the first token of this call (non-zero during cached generation)
-        state.calls += 1
-        pkv = kwargs.get("past_key_values")
-        offset["pos"] = int(pkv.get_seq_length()) if pkv is not None and hasattr(pkv, "get_seq_length") else 0
+    def layer_hook(layer: int):
+        def hook(_mod: Any, args: tuple, kwargs: dict) -> None:
+            # absolute positions of this call's tokens as the model itself uses them (tokens already
+            # in the KV cache counted): every supported decoder passes position_ids to its layers
+            pos = kwargs.get("position_ids")
+            if pos is None:
+                pos = kwargs.get("cache_position")
+            if layer == layers[0]:
+                state.calls += 1
+            if pos is None:
+                if method != "resample":
+                    return
+                raise RuntimeError(
+                    f"layer {layer} was called without position_ids or cache_position; position-indexed "
+                    "(resample) ablation needs them: call the model, not the layer, or use method='zero'/'mean'"
+                )
+            pos = pos[0] if pos.dim() == 3 else pos  # multimodal rope: [3, batch, pos], first row = text
+            positions[layer] = pos if pos.dim() == 2 else pos[None]
+
+        return hook
 
     def make_hook(layer: int):
         cols = torch.cat([torch.arange(h * dh, (h + 1) * dh) for h in by_layer[layer]])
@@ -224,26 +331,25 @@ def ablate(
             z = args[0].clone()
             cols_d = cols.to(z.device)
             if method == "zero":
-                z[..., cols_d] = 0
+                z[..., cols_d] = 0 if layer not in fold else -fold[layer].to(z.device, z.dtype)[cols_d]
             elif method == "mean":
                 z[..., cols_d] = values[layer].to(z.device, z.dtype)[cols_d]
             else:
                 ref = values[layer]
-                S = z.shape[-2]
-                pos = torch.arange(offset["pos"], offset["pos"] + S)
+                pos = positions.pop(layer).to(ref.device).clamp(min=0)  # [batch or 1, pos]
                 over = pos >= ref.shape[0]
-                state.fallback_positions += int(over.sum())
-                rows = ref[pos.clamp(max=ref.shape[0] - 1)].to(z.device, z.dtype)
-                z[..., cols_d] = rows[:, cols_d]
+                if layer == layers[0]:
+                    state.fallback_positions += int(over.sum()) * (z.shape[0] // pos.shape[0])
+                rows = ref[pos.clamp(max=ref.shape[0] - 1)].to(z.device, z.dtype)  # [batch or 1, pos, hd]
+                z[..., cols_d] = rows[..., cols_d].expand(z.shape[0], -1, -1)
             return (z,) + tuple(args[1:])
 
         return hook
 
     handles = []
     try:
-        if method == "resample":
-            handles.append(_model_core(model).register_forward_pre_hook(core_hook, with_kwargs=True))
         for layer in layers:
+            handles.append(_layer_module(model, layer).register_forward_pre_hook(layer_hook(layer), with_kwargs=True))
             handles.append(o_proj_module(model, layer).register_forward_pre_hook(make_hook(layer)))
         yield state
     finally:
@@ -329,6 +435,10 @@ __all__ = [
     "record_z",
     "normalize_heads",
     "o_proj_module",
+    "attention_out_module",
+    "decoder_layers",
+    "value_bias",
+    "folded_value_bias",
     "answer_logits",
     "retrieval_correct",
     "retrieval_accuracy",

@@ -158,7 +158,7 @@ def test_context_manager_restores_model(tiny):
     assert torch.equal(before, tiny.hf_model(ids[None]).logits)
     for layer in range(tiny.geometry.n_layers):
         assert len(o_proj_module(tiny, layer)._forward_pre_hooks) == 0
-        assert len(tiny.hf_model.model._forward_pre_hooks) == 0
+        assert len(tiny.hf_model.model.layers[layer]._forward_pre_hooks) == 0
 
 
 def test_bad_input(tiny):
@@ -202,3 +202,47 @@ def test_teacher_forced_equals_generate(smol):
     with ablate(smol, heads, "zero"):
         tf, gen = _check_prefix(smol, pairs)
     assert tf == gen == [False, False]
+
+
+# ---- cached generate == uncached generate under every method (positions from position_ids) -----
+def _gen_logits(model, ids, n_new, use_cache):
+    """Greedy generation of ``n_new`` tokens -> (new tokens, Float[n_new, vocab] step logits)."""
+    out = model.hf_model.generate(
+        ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=n_new, do_sample=False,
+        use_cache=use_cache, pad_token_id=model.tokenizer.pad_token_id, output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[0, ids.numel():], torch.stack(out.logits)[:, 0].float()
+
+
+def _ablation_cases(prompt_len, n_new):
+    """(method, reference, resample fallback positions of the first prefill+decode) per case."""
+    return [
+        ("zero", None, 0),
+        ("mean", [_ids(23, 9), _ids(24, 5)], 0),
+        ("resample", _ids(21, prompt_len + n_new + 3), 0),  # covers every generated position
+        # shorter than the prompt: 2 prompt positions + the n_new - 1 decoded inputs take its last row
+        ("resample", _ids(22, prompt_len - 2), 2 + n_new - 1),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_cached_generate_equals_uncached(tiny, case):
+    prompt_len, n_new = 8, 6
+    ids = _ids(20, prompt_len)
+    heads = [(0, 0), (0, 3), (1, 1)]
+    method, ref, n_fallback = _ablation_cases(prompt_len, n_new)[case]
+    base_tok, base_lg = _gen_logits(tiny, ids, n_new, True)
+    with ablate(tiny, heads, method, reference=ref) as st:
+        tok_c, lg_c = _gen_logits(tiny, ids, n_new, True)
+        assert st.calls == n_new  # prefill + n_new - 1 one-token steps
+        assert st.fallback_positions == n_fallback
+        tok_u, lg_u = _gen_logits(tiny, ids, n_new, False)
+        # brute force: one teacher-forced forward over prompt ⊕ the generated tokens
+        full = torch.cat([ids, tok_c])
+        tf = tiny.hf_model(full[None], use_cache=False).logits[0, prompt_len - 1 : -1].float()
+    assert torch.equal(tok_c, tok_u)
+    torch.testing.assert_close(lg_c, lg_u, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lg_c, tf, atol=1e-4, rtol=1e-4)
+    assert (lg_c - base_lg).abs().max() > 1e-3  # the ablation acts at every step
+    assert ((lg_c - base_lg).abs().amax(-1) > 1e-4).all()
