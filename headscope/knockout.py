@@ -107,7 +107,10 @@ def value_bias(model: LoadedModel) -> dict[int, Float[Tensor, "hd"]] | None:
     g = model.geometry
     out: dict[int, Tensor] = {}
     for layer in range(g.n_layers):
-        blk = _layer_module(model, layer)
+        try:
+            blk = _layer_module(model, layer)
+        except NotImplementedError:
+            return None
         v = _v_proj(blk)
         if v is None or getattr(_unwrap(getattr(blk, "input_layernorm", None)), "bias", None) is not None:
             return None

@@ -89,6 +89,11 @@ class LoadedModel:
         if self._bridge is None:
             from transformer_lens.model_bridge import TransformerBridge
 
+            from .knockout import value_bias
+
+            # before any weight processing can fold them away (knockout's zero ablation needs them)
+            self.info.setdefault("value_bias", value_bias(self))
+
             self._bridge = TransformerBridge.boot_transformers(
                 self.hub_name or f"headscope/{self.name}",
                 hf_model=self.hf_model,
