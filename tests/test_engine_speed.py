@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from headscope.patching import reference_patched_metric
+from headscope.arch import rotate
 from headscope.patching.engine import Engine, head_slice
 from headscope.patching.receivers import PairState, patch_rows, sequences
 from headscope.readout import logit_diff
@@ -76,7 +77,7 @@ def test_grouped_attention_matches_explicit_softmax(tiny):
     v = torch.randn(B, g.n_kv_heads, T, g.d_head)
     rep = g.n_heads // g.n_kv_heads
     kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scale = e.layers[0]["scaling"]
+    scale = e.layers[0].scaling
 
     def explicit(qpos):
         sc = q @ kk.transpose(-1, -2) * scale
@@ -84,19 +85,26 @@ def test_grouped_attention_matches_explicit_softmax(tiny):
         return (sc.softmax(-1) @ vv).transpose(1, 2).reshape(B, S, -1)
 
     suffix = torch.arange(T - S, T)
-    assert torch.allclose(e.attend(0, q, k, v, T - S), explicit(suffix), atol=1e-6)
+    assert torch.allclose(e.attend(0, q, k, v, suffix), explicit(suffix), atol=1e-6)
     scattered = torch.tensor([0, 3, 4, 8, 10])
-    assert torch.allclose(e.attend(0, q, k, v, 0, q_pos=scattered), explicit(scattered), atol=1e-6)
+    assert torch.allclose(e.attend(0, q, k, v, scattered), explicit(scattered), atol=1e-6)
 
 
 def test_rope_matches_rotate_half(tiny):
     e = Engine(tiny)
     torch.manual_seed(1)
     x = torch.randn(2, 3, 7, tiny.geometry.d_head)
-    cos, sin = e.rope(torch.arange(7), x)
+    cos, sin = e.positions(torch.arange(7), x).cos_sin(e.layers[0])
     half = x.shape[-1] // 2
     want = x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
-    assert torch.allclose(Engine._rotate(x, cos, sin), want, atol=1e-6)
+    assert torch.allclose(rotate(x, cos, sin), want, atol=1e-6)
+    # partial rotary: only the first r features turn
+    r = 8
+    got = rotate(x, cos[:, :r], sin[:, :r])
+    assert torch.equal(got[..., r:], x[..., r:])
+    xr, h2 = x[..., :r], r // 2
+    assert torch.allclose(got[..., :r], xr * cos[:, :r] + torch.cat((-xr[..., h2:], xr[..., :h2]), -1) * sin[:, :r],
+                          atol=1e-6)
 
 
 def test_low_precision_engine_is_close_not_equal(tiny, pair):

@@ -70,7 +70,7 @@ def test_onednn_switch_gives_same_patched_logits(tiny, smol_tokenizer, monkeypat
 def test_engine_runs_module_hooks(tiny, smol_tokenizer):
     """A forward pre-hook on o_proj (as a knockout installs) still acts on the engine's passes: the
     fast path only takes weights of hook-free modules."""
-    from headscope.patching.engine import _orig
+    from headscope.arch import unwrap as _orig
 
     pair = niah_single(smol_tokenizer, n_pairs=1, seq_len=64, depth=0.5, seed=5)[0]
     ids = pair.clean

@@ -41,6 +41,7 @@ from ..models import LoadedModel
 from ..readout import DEFAULT_LAMBDA, logit_diff
 from ..tasks.base import Pair
 from .engine import Engine, head_slice
+from .plan import Entry, LayerCtx, Plan
 from .receivers import (
     DEFAULT_MIN_GAP,
     Direction,
@@ -260,7 +261,6 @@ def probe_ie(
     for i, p in enumerate(pairs):
         st = states[i] if i in states else PairState(engine, p, lam, direction)
         bs = batch_size or _auto_batch(engine.model, st.total - st.start, st.total, 2e9)
-        gap = st.m_clean - st.m_corrupt
         for c0 in range(0, len(patches), bs):
             chunk = patches[c0 : c0 + bs]
             entries = []
@@ -272,7 +272,7 @@ def probe_ie(
                 entries.append((layer, z[None]))
             m = logit_diff(engine.patched_logits_multi(st.base, entries, st.start, st.read),
                            p.answer, p.counter_answer, lam).double().cpu()
-            out[i, c0 : c0 + len(chunk)] = (st.m_clean - m) / gap if direction == "noising" else (m - st.m_corrupt) / gap
+            out[i, c0 : c0 + len(chunk)] = st.ie_of(m)
     return out
 
 
@@ -303,57 +303,21 @@ def probe_blocks_ie(
     out = torch.empty(len(pairs), len(blocks), dtype=torch.float64)
     for i, p in enumerate(pairs):
         st = states[i] if i in states else PairState(engine, p, lam, direction)
-        base, src, start, read = st.base, st.src, st.start, st.read
-        T = base.resid.shape[1]
-        S = T - start
-        rope = engine._rope_by_device(torch.arange(start, T, device=base.z.device), base.z)
-        h: Tensor | None = None
-        rows: list[tuple[int, int]] = []
-        for lay in range(l0s[0], g.n_layers):
-            dev = engine.layers[lay]["device"]
-            cos, sin = rope(dev)
-            ridx = torch.as_tensor([r - start for r in read], device=dev)
-            last = lay == g.n_layers - 1
-            z_src = src.z[lay, start:].to(dev)
-            if last:
-                z_src = z_src[ridx]
-            z_run = None
-            if h is not None:
-                h = h.to(dev)
-                B = h.shape[0]
-                x = engine.ln1(lay, h)
-                kp, vp = base.k[lay, :, :start][None], base.v[lay, :, :start][None]
-                if kp.dtype != x.dtype:
-                    kp, vp = kp.to(x.dtype), vp.to(x.dtype)
-                kp, vp = kp.expand(B, -1, -1, -1), vp.expand(B, -1, -1, -1)
-                if last:
-                    q, k, v = engine.qkv(lay, x, cos, sin, q_rows=ridx)
-                    z_run = engine.attend(lay, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start,
-                                          q_pos=ridx + start)
-                    h = h[:, ridx]
-                else:
-                    q, k, v = engine.qkv(lay, x, cos, sin)
-                    z_run = engine.attend(lay, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start)
-                inside = [j for j, (a, b) in enumerate(rows) if a <= lay < b]
-                if inside:
-                    z_run = z_run.clone()
-                    z_run[inside] = z_src.to(z_run.dtype)
-            new = [bl for bl in blocks if bl[0] == lay]
-            if new:
-                zn = z_src[None].expand(len(new), -1, -1)
-                hn = base.resid[lay, start:].to(dev)[None].expand(len(new), S, -1)
-                if last:
-                    hn = hn[:, ridx]
-                h = hn if h is None else torch.cat([h, hn.to(h.dtype)])
-                z_run = zn if z_run is None else torch.cat([z_run, zn.to(z_run.dtype)])
-                rows += new
-            assert h is not None and z_run is not None
-            h = engine.post_attn(lay, h, z_run)
-        assert h is not None
-        m = logit_diff(engine.unembed(h), p.answer, p.counter_answer, lam).double().cpu()
-        gap = st.m_clean - st.m_corrupt
-        ie = (st.m_clean - m) / gap if direction == "noising" else (m - st.m_corrupt) / gap
-        out[i] = ie[[rows.index(bl) for bl in blocks]] if len(set(blocks)) == len(blocks) else ie
+        base, src, start = st.base, st.src, st.start
+
+        def inside_blocks(lay: int, z: Tensor, ctx: LayerCtx) -> Tensor:
+            # rows of a block keep the source run's hook_z in every layer of the block
+            rows = [j for j, bl in enumerate(ctx.tags) if bl is not None and bl[0] <= lay < bl[1]]
+            if not rows:
+                return z
+            z = z.clone()
+            z[rows] = src.z[lay, ctx.positions.to(src.z[lay].device)].to(z.device, z.dtype)
+            return z
+
+        entries = [Entry(a, src.z[a, start:][None].expand(1, -1, -1), tag=(a, b)) for a, b in blocks]
+        res = engine.forward(Plan(read=st.read, base=base, start=start, enter=entries, edit=inside_blocks))
+        m = logit_diff(res.out, p.answer, p.counter_answer, lam).double().cpu()
+        out[i] = st.ie_of(m)
     return out
 
 

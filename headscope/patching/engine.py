@@ -1,503 +1,472 @@
-"""The patching engine: one forward implementation that runs clean, corrupted and patched passes.
+"""The patching engine: one forward pass over a :class:`~headscope.patching.plan.Plan`, for every
+architecture an adapter describes (:mod:`headscope.arch`).
 
 Patched passes reuse everything a patch cannot change (the reuse that makes exact patching cheap):
 
 * a patch of head ``h`` in layer ``l`` leaves layers ``< l`` and the attention pattern of layer ``l``
-  as they were, so a patched run starts from the cached residual stream and the cached ``hook_z``
-  of layer ``l``;
+  as they were, so a patched row joins the batch at layer ``l`` from the cached residual stream,
+  with its hook_z given (:class:`~headscope.patching.plan.Entry`);
 * where clean and corrupted prompts agree up to position ``p``, every activation at positions
   ``< p`` is identical in every run (causal attention), so patched runs compute positions ``>= p``
   only, attending to the cached keys/values of positions ``< p``;
-* logits are read at the answer positions only;
-* many head patches run at once, one per batch row.
+* the last layer computes the read positions only, and logits are read there;
+* many patches run at once, one per batch row, rows of several layers sharing later layers' matmuls.
 
-The fast path drives the Llama-family modules (Llama, SmolLM2, Mistral without sliding window,
-Qwen2, Qwen3 with QK-norm) directly through the modules that the TransformerBridge wraps. The
-activation patched is the input of the output projection, i.e. TransformerLens ``hook_z``
-(``[batch, pos, n_heads, d_head]`` flattened over heads). Tests check every number against a plain
-one-hook-at-a-time reference run through the bridge's ``blocks.{l}.attn.hook_z``.
+The engine computes with the transformers modules themselves (looked up through TransformerBridge
+wrappers) or with views of their weights; a module that carries hooks is called, so hooks run.
+The activation patched is TransformerLens ``hook_z`` (``[batch, pos, n_heads * d_head]``).
 
-A model spread over several devices (transformers/accelerate ``device_map``, e.g. a model that does
-not fit one GPU) runs too: every layer computes on the device of its weights, the residual stream
-moves to the next layer's device, and each layer's caches stay on its own device
-(:class:`LayerStack`), so a patched suffix pass moves only the residual stream between devices.
-Full passes and receiver patching support such models; the gradient, path-patching and
-attention-mass methods need the model on one device.
+Every engine checks itself when it is built (:meth:`Engine.self_check`): one short prompt through the
+engine and through the model's own forward must agree to ``1e-4`` (fp32) at every layer, or the
+engine refuses, naming the layer and the first part that disagrees.
+
+A model spread over several devices (``device_map``) runs too: every layer computes on the device of
+its weights and keeps its caches there (:class:`~headscope.patching.plan.LayerStack`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from ..arch import Arch, LayerParts, Proj, UnsupportedArchitecture, adapt, rotate, softcap
 from ..models import LoadedModel
+from . import attention
 from .linear import linear
+from .plan import Entry, LayerCtx, LayerStack, PassResult, Plan, RunCache, stack_layers
 
-SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
+__all__ = ["Engine", "EngineMismatch", "Entry", "LayerStack", "Plan", "RunCache", "UnsupportedArchitecture",
+           "head_slice"]
 
 MLP_BLOCK = 1024  # tokens per block of the gradient-free fp32 MLP (intermediates stay in cache)
-
-# scaled_dot_product_attention broadcasts grouped K/V heads itself from torch 2.5 on (no K/V copies)
-_SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+SELF_CHECK_TOL = 1e-4
 
 
-def _orig(m: torch.nn.Module | None) -> torch.nn.Module | None:
-    """The HF module inside a TransformerBridge component (the module itself when not wrapped)."""
-    return getattr(m, "original_component", m) if m is not None else None
+class EngineMismatch(UnsupportedArchitecture):
+    """The fast engine disagrees with the model's own forward (an architecture variant no adapter covers)."""
 
 
-def _plain_linear(m: torch.nn.Module) -> bool:
-    """An ``nn.Linear`` without forward hooks: its weight may be used directly (see ``linear``).
-    A module with hooks (e.g. a knockout's pre-hook on ``o_proj``) is called, so the hooks run."""
-    return isinstance(m, torch.nn.Linear) and not (m._forward_hooks or m._forward_pre_hooks)
+def head_slice(head: int, d_head: int) -> slice:
+    return slice(head * d_head, (head + 1) * d_head)
 
 
-class UnsupportedArchitecture(NotImplementedError):
-    pass
+class Positions:
+    """cos/sin of a pass's computed positions, per RoPE kind and device, computed once each."""
+
+    def __init__(self, arch: Arch, positions: Tensor, like: Tensor):
+        self.arch, self.positions, self.like = arch, positions, like
+        self._t: dict[tuple[str, torch.device], tuple[Tensor, Tensor]] = {}
+
+    def cos_sin(self, L: LayerParts) -> tuple[Tensor, Tensor] | None:
+        if L.rope is None or self.arch.rope_tables is None:
+            return None
+        key = (L.rope.kind, L.device)
+        if key not in self._t:
+            same = [v for (kind, _), v in self._t.items() if kind == L.rope.kind]
+            self._t[key] = ((same[0][0].to(L.device), same[0][1].to(L.device)) if same
+                            else self.arch.rope_tables(L.rope.kind, self.positions, self.like))
+        return self._t[key]
 
 
-class LayerStack:
-    """Per-layer tensors that live on their layers' devices, indexed like a stacked tensor:
-    ``stack[layer, ...]`` is ``items[layer][...]`` and ``shape`` is ``(n_layers, *items[0].shape)``."""
-
-    def __init__(self, items: Sequence[Tensor]):
-        self.items = list(items)
-
-    def __getitem__(self, idx):  # type: ignore[no-untyped-def]
-        if isinstance(idx, tuple):
-            return self.items[idx[0]][idx[1:]]
-        if isinstance(idx, int):
-            return self.items[idx]
-        raise TypeError("index a LayerStack with an int layer first (stack[layer, ...])")
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (len(self.items), *self.items[0].shape)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.items[0].dtype
-
-    def stacked(self, device: torch.device | str) -> Tensor:
-        """One tensor [layer, ...] on ``device``."""
-        return torch.stack([t.to(device) for t in self.items])
-
-
-def _stack(items: list[Tensor], per_layer: bool) -> Tensor | LayerStack:
-    return LayerStack(items) if per_layer else torch.stack(items)
-
-
-@dataclass
-class RunCache:
-    """Activations of one full pass of a (pos,) prompt.
-
-    resid: Float[Tensor, "layer pos d_model"], residual stream entering each layer.
-    z: Float[Tensor, "layer pos n_heads*d_head"], hook_z of each layer (flattened heads).
-    k, v: Float[Tensor, "layer n_kv pos d_head"], keys (after RoPE / QK-norm) and values.
-    logits: Float[Tensor, "read vocab"], logits at the read positions.
-
-    For a model spread over devices, resid/z/k/v are :class:`LayerStack` s (each layer's entry on its
-    layer's device) with the same ``[layer, ...]`` indexing.
-    """
-
-    resid: Tensor
-    z: Tensor
-    k: Tensor
-    v: Tensor
-    logits: Tensor
+def _plain_rmsnorm(mod: torch.nn.Module, h: Tensor) -> bool:
+    """A Llama-style RMSNorm (``weight * x / rms(x)``, float32) that ``F.rms_norm`` computes exactly."""
+    w = getattr(mod, "weight", None)
+    return (type(mod).__name__ in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm",
+                                   "SmolLM3RMSNorm", "GraniteRMSNorm", "Phi3RMSNorm")
+            and getattr(mod, "variance_epsilon", None) is not None and w is not None
+            and h.dtype == torch.float32 and w.dtype == torch.float32 and w.shape == h.shape[-1:]
+            and not (mod._forward_hooks or mod._forward_pre_hooks))
 
 
 class Engine:
-    """Runs a LoadedModel layer by layer with caching, suffix-only passes and hook_z patches.
+    """Runs a LoadedModel layer by layer from its architecture's parts (:func:`headscope.arch.adapt`).
+
+    Args:
+        model: the model.
+        matmul_dtype: e.g. ``torch.bfloat16``: the projections and attention run in that dtype
+            (weights copied once; residual stream, norms and unembedding stay in the model's dtype).
+            An approximation for screening only: exact patching uses the default (None).
+        check: run :meth:`self_check` (default True; fp32 engines only).
 
     Raises:
-        UnsupportedArchitecture: the model is not of a Llama-family type (use the reference path).
+        UnsupportedArchitecture: no adapter for the model's family (use ``path="generic"``).
+        EngineMismatch: the self-check failed (the message names the layer and part).
     """
 
-    def __init__(self, model: LoadedModel, matmul_dtype: torch.dtype | None = None):
-        """``matmul_dtype`` (e.g. ``torch.bfloat16``): run the layers' linear maps and attention in that
-        dtype (weights copied once; residual stream, norms, RoPE and unembedding stay in the model's
-        dtype). An approximation for screening only: exact patching uses the default (None)."""
-        hf = model.hf_model
-        cfg = hf.config
-        mtype = getattr(cfg, "model_type", "")
-        if mtype not in SUPPORTED:
-            raise UnsupportedArchitecture(
-                f"the fast patching engine supports {sorted(SUPPORTED)}; {mtype!r} is not among them"
-            )
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", mtype == "mistral"):
-            raise UnsupportedArchitecture("sliding-window attention is not supported by the fast engine")
+    def __init__(self, model: LoadedModel, matmul_dtype: torch.dtype | None = None, check: bool = True):
         self.model = model
         self.g = model.geometry
-        self.hf = hf
-        inner = hf.model
-        # once the TransformerBridge has booted, the HF modules sit inside bridge components (with
-        # hooks); the engine computes with the original modules
-        self.embed = _orig(inner.embed_tokens)
-        self.final_norm = _orig(inner.norm)
-        self.lm_head = _orig(hf.lm_head)
-        self.rotary = _orig(inner.rotary_emb)
-        self.layers = []
-        for blk in inner.layers:
-            orig = _orig(blk)
-            a = _orig(orig.self_attn)
-            self.layers.append(
-                dict(
-                    ln1=_orig(orig.input_layernorm),
-                    ln2=_orig(orig.post_attention_layernorm),
-                    mlp=_orig(orig.mlp),
-                    q=_orig(a.q_proj),
-                    k=_orig(a.k_proj),
-                    v=_orig(a.v_proj),
-                    o=_orig(a.o_proj),
-                    q_norm=_orig(getattr(a, "q_norm", None)),
-                    k_norm=_orig(getattr(a, "k_norm", None)),
-                    scaling=float(getattr(a, "scaling", self.g.d_head**-0.5)),
-                    device=a.q_proj.weight.device,
-                )
-            )
+        self.hf = model.hf_model
+        self.arch: Arch = adapt(self.hf)
+        self.layers = self.arch.layers
         self.device = model.device
         self.dtype = model.dtype
         self.matmul_dtype = matmul_dtype
         self._low: dict[int, dict[str, tuple[Tensor, Tensor | None]]] = {}
         if matmul_dtype is not None:
-            for L in self.layers:
-                mlp = L["mlp"]
-                L["act"] = _orig(mlp.act_fn)
-                mods = dict(q=L["q"], k=L["k"], v=L["v"], o=L["o"], gate=_orig(mlp.gate_proj), up=_orig(mlp.up_proj),
-                            down=_orig(mlp.down_proj))
-                low = {
-                    n: (m.weight.detach().to(matmul_dtype),
-                        None if m.bias is None else m.bias.detach().to(matmul_dtype))
-                    for n, m in mods.items()
-                }
-                # fused maps (one matmul instead of three / two): q|k|v and gate|up
-                for fused, parts in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
-                    ws = [low[n][0] for n in parts]
-                    bs = [low[n][1] if low[n][1] is not None else torch.zeros(w.shape[0], dtype=matmul_dtype,
-                          device=w.device) for n, w in zip(parts, ws)]
-                    has_b = any(low[n][1] is not None for n in parts)
-                    low[fused] = (torch.cat(ws), torch.cat(bs) if has_b else None)
-                self._low[id(L)] = low
-        self.head_device = self.final_norm.weight.device
-        devs = {L["device"] for L in self.layers} | {self.device, self.head_device, self.lm_head.weight.device}
+            for i, L in enumerate(self.layers):
+                self._low[i] = self._low_weights(L, matmul_dtype)
+        devs = {L.device for L in self.layers} | {torch.device(self.device), self.arch.lm_head.weight.device}
         self.multi_device = len(devs) > 1
+        self.head_device = self.arch.lm_head.weight.device
+        if check and matmul_dtype is None:
+            self.self_check()
+
+    # ---- construction helpers ---------------------------------------------------------------
+    @staticmethod
+    def _low_weights(L: LayerParts, dt: torch.dtype) -> dict[str, tuple[Tensor, Tensor | None]]:
+        def cast(p: Proj) -> tuple[Tensor, Tensor | None]:
+            return p.weight.detach().to(dt), None if p.bias is None else p.bias.detach().to(dt)
+
+        low = {n: cast(getattr(L, n)) for n in ("q", "k", "v", "o")}
+        parts = [low[n] for n in ("q", "k", "v")]
+        has_b = any(b is not None for _, b in parts)
+        low["qkv"] = (torch.cat([w for w, _ in parts]),
+                      torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts]) if has_b else None)
+        mlp = L.mlp
+        if L.plain_block and all(isinstance(getattr(mlp, n, None), torch.nn.Linear)
+                                 for n in ("gate_proj", "up_proj", "down_proj")):
+            gate, up, down = (cast(Proj(getattr(mlp, n).weight, getattr(mlp, n).bias))
+                              for n in ("gate_proj", "up_proj", "down_proj"))
+            low["gate_up"] = (torch.cat([gate[0], up[0]]),
+                              None if gate[1] is None else torch.cat([gate[1], up[1]]))  # type: ignore[list-item]
+            low["down"] = down
+        return low
 
     def layer_device(self, layer: int) -> torch.device:
         """The device of layer ``layer``'s weights (where its computation and caches live)."""
-        return self.layers[layer]["device"]
+        return self.layers[layer].device
 
     def _one_device(self, what: str) -> None:
         if self.multi_device:
             raise NotImplementedError(f"{what} needs the model on one device; load it without device_map")
 
-    def _rope_by_device(self, positions: Tensor, like: Tensor) -> Callable[[torch.device], tuple[Tensor, Tensor]]:
-        """cos/sin of ``positions`` computed once, copied to each device on first use."""
-        cos, sin = self.rope(positions, like)
-        per: dict[torch.device, tuple[Tensor, Tensor]] = {cos.device: (cos, sin)}
+    def positions(self, positions: Tensor, like: Tensor) -> Positions:
+        """The positional tables of a pass whose computed positions are ``positions``."""
+        return Positions(self.arch, positions, like)
 
-        def get(dev: torch.device) -> tuple[Tensor, Tensor]:
-            if dev not in per:
-                per[dev] = (cos.to(dev), sin.to(dev))
-            return per[dev]
-
-        return get
-
-    # ---- pieces --------------------------------------------------------------------------------
-    def rope(self, positions: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
-        if self.multi_device:  # the rotary embedding's buffers may sit on another device than `like`
-            dev = self.rotary.inv_freq.device
-            cos, sin = self.rotary(like.to(dev) if like.device != dev else like, positions[None].to(dev))
-            return cos[0].to(like.device, like.dtype), sin[0].to(like.device, like.dtype)
-        cos, sin = self.rotary(like, positions[None])
-        return cos[0].to(like.dtype), sin[0].to(like.dtype)  # [pos, d_head]
+    # ---- the pieces of one layer -------------------------------------------------------------
+    def norm(self, mod: torch.nn.Module | None, h: Tensor) -> Tensor:
+        """A norm module (None: identity), with the fused ``F.rms_norm`` where it is the same formula."""
+        if mod is None:
+            return h
+        if _plain_rmsnorm(mod, h):
+            return F.rms_norm(h, (h.shape[-1],), mod.weight, mod.variance_epsilon)
+        return mod(h)
 
     def ln1(self, layer: int, h: Tensor) -> Tensor:
-        """Input RMSNorm of layer ``layer`` (in ``matmul_dtype`` for a low-precision engine)."""
-        return self._norm(self.layers[layer]["ln1"], h)
-
-    def _norm(self, mod: torch.nn.Module, h: Tensor) -> Tensor:
-        """An RMSNorm module applied with the fused ``F.rms_norm`` kernel where that is the same formula
-        (float32 input and weight, Llama-style ``weight * x / rms(x)``); the module itself otherwise.
-        A low-precision engine returns the result in ``matmul_dtype`` (the next op is a matmul)."""
-        mod = getattr(mod, "original_component", mod)
-        w = getattr(mod, "weight", None)
-        eps = getattr(mod, "variance_epsilon", None)
-        if (type(mod).__name__.endswith("RMSNorm") and eps is not None and w is not None
-                and h.dtype == torch.float32 and w.dtype == torch.float32 and w.shape == h.shape[-1:]):
-            x = F.rms_norm(h, (h.shape[-1],), w, eps)
-        else:
-            x = mod(h)
+        """The attention input of layer ``layer`` (its pre-attention norm; in ``matmul_dtype`` when set)."""
+        x = self.norm(self.layers[layer].ln1, h)
         return x if self.matmul_dtype is None else x.to(self.matmul_dtype)
 
-    @staticmethod
-    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """RoPE: x·cos + rotate_half(x)·sin with rotate_half(x) = (−x₂, x₁), as the HF Llama code.
+    def lin(self, p: Proj, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """``x @ p.weight.T + p.bias`` (+ ``residual``): oneDNN on CPU without autograd; the module itself
+        when it carries hooks."""
+        if p.hooked:
+            y = p.module(x)  # type: ignore[misc]
+            return y if residual is None else residual + y
+        return linear(x, p.weight, p.bias, residual=residual)
 
-        The halves are swapped by a flip of a (2, d_head/2) view and the sign moved onto sin (one copy
-        instead of a negation plus a concatenation).
-        """
-        half = x.shape[-1] // 2
-        if cos.dtype != x.dtype:  # low-precision engine: rotate in matmul_dtype
-            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
-        sign = torch.ones(2, half, dtype=sin.dtype, device=sin.device)
-        sign[0] = -1
-        return (x * cos).addcmul_(swapped, sin * sign.flatten())
-
-    def qkv(
-        self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, q_rows: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """x: [B, S, d_model] (already layer-normed) -> q [B,H,S,dh], k, v [B,KV,S,dh] after RoPE.
-
-        ``q_rows`` (indices into S): compute queries at these positions only (q is [B,H,len,dh]).
-        """
-        L = self.layers[layer]
+    def project(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Attention input x [B, S, d_model] -> q [B, S, H, dh], k, v [B, S, KV, dh] before RoPE
+        (QK-norm applied)."""
+        L, g = self.layers[layer], self.g
         B, S, _ = x.shape
-        g = self.g
-        if q_rows is not None:
-            q, _, _ = self.qkv_q(layer, x[:, q_rows], cos[q_rows], sin[q_rows])
-            k = self._lin(L, "k", x).view(B, S, g.n_kv_heads, g.d_head)
-            v = self._lin(L, "v", x).view(B, S, g.n_kv_heads, g.d_head)
-            if L["k_norm"] is not None:
-                k = L["k_norm"](k)
-            # RoPE on the projection's own (contiguous) [B, S, heads, dh] layout, then the head transpose
-            k = self._rotate(k, cos[:, None], sin[:, None])
-            return q, k.transpose(1, 2), v.transpose(1, 2)
-        if self.matmul_dtype is not None and L["q_norm"] is None:
-            # one fused q|k|v matmul; q, k, v stay in matmul_dtype (attention runs in it anyway)
-            w, b = self._low[id(L)]["qkv"]
+        if self.matmul_dtype is not None:
+            w, b = self._low[layer]["qkv"]
             qkv = F.linear(x.to(self.matmul_dtype), w, b)
             dq, dk = g.n_heads * g.d_head, g.n_kv_heads * g.d_head
-            q = qkv[..., :dq].view(B, S, g.n_heads, g.d_head).transpose(1, 2)
-            k = qkv[..., dq : dq + dk].view(B, S, g.n_kv_heads, g.d_head).transpose(1, 2)
-            v = qkv[..., dq + dk :].view(B, S, g.n_kv_heads, g.d_head).transpose(1, 2)
-            return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
-        q = self._lin(L, "q", x).view(B, S, g.n_heads, g.d_head)
-        k = self._lin(L, "k", x).view(B, S, g.n_kv_heads, g.d_head)
-        v = self._lin(L, "v", x).view(B, S, g.n_kv_heads, g.d_head)
-        if L["q_norm"] is not None:
-            q = L["q_norm"](q)
-            k = L["k_norm"](k)
-        # RoPE on the projections' own (contiguous) [B, S, heads, dh] layout, then the head transpose
-        c, s_ = cos[:, None], sin[:, None]
-        q, k = self._rotate(q, c, s_), self._rotate(k, c, s_)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
-    def qkv_q(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, None, None]:
-        """Queries only: x [B, S, d_model] (layer-normed) -> (q [B,H,S,dh] after RoPE, None, None)."""
-        L = self.layers[layer]
-        B, S, _ = x.shape
-        q = self._lin(L, "q", x).view(B, S, self.g.n_heads, self.g.d_head)
-        if L["q_norm"] is not None:
-            q = L["q_norm"](q)
-        return self._rotate(q, cos[:, None], sin[:, None]).transpose(1, 2), None, None
-
-    def attend(
-        self, layer: int, q: Tensor, k: Tensor, v: Tensor, offset: int, q_pos: Tensor | None = None
-    ) -> Float[Tensor, "batch pos hd"]:
-        """Causal attention of queries at positions offset.. over all keys -> hook_z, flattened.
-
-        q: [B, H, S, dh]; k, v: [B or 1, KV, T, dh] (grouped K/V heads are broadcast to their query
-        heads). ``q_pos``: absolute positions of the S queries when they are not contiguous.
-        """
-        B, H, S, dh = q.shape
-        T = k.shape[2]
-        rep = H // k.shape[1]
-        kw: dict = {}
-        if rep > 1:
-            if _SDPA_GQA:
-                kw["enable_gqa"] = True
-            else:
-                k = k.repeat_interleave(rep, dim=1)
-                v = v.repeat_interleave(rep, dim=1)
-        scale = self.layers[layer]["scaling"]
-        if self.matmul_dtype is not None:
-            dt = q.dtype if q.dtype == k.dtype else self.matmul_dtype
-            q, k, v = q.to(self.matmul_dtype), k.to(self.matmul_dtype), v.to(self.matmul_dtype)
-        if rep > 1 and q.device.type == "cpu" and k.shape[0] == B:
-            # CPU: the query heads of one KV group become one longer query sequence over that group's
-            # K/V (the same dot products; fewer, larger attention problems for the CPU kernel)
-            qi = (torch.arange(S, device=q.device) + offset) if q_pos is None else q_pos
-            mask = (torch.arange(T, device=q.device)[None, :] <= qi[:, None]).repeat(rep, 1)
-            out = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], rep * S, dh), k, v, attn_mask=mask,
-                                                 scale=scale)
-            out = out.view(B, H, S, dh)
-        elif q_pos is None and offset == 0 and S == T:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **kw)
-        elif q_pos is None and offset + S == T:
-            # queries are the last S positions: causal mask aligned to the lower right (flash/mem-efficient
-            # kernels support it without materializing a mask)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(S, T), scale=scale, **kw)
+            q, k, v = qkv[..., :dq], qkv[..., dq:dq + dk], qkv[..., dq + dk:]
+            if L.q_norm is not None:
+                q, k = q.to(self.dtype), k.to(self.dtype)
         else:
-            qi = (torch.arange(S, device=q.device) + offset) if q_pos is None else q_pos
-            mask = torch.arange(T, device=q.device)[None, :] <= qi[:, None]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **kw)
-        if self.matmul_dtype is not None:
-            out = out.to(dt)
-        return out.transpose(1, 2).reshape(B, S, H * dh)
+            q, k, v = self.lin(L.q, x), self.lin(L.k, x), self.lin(L.v, x)
+        if L.q_norm is not None and not L.qk_norm_per_head:
+            q, k = L.q_norm(q), L.k_norm(k)  # type: ignore[misc]
+        q = q.reshape(B, S, g.n_heads, g.d_head)
+        k = k.reshape(B, S, g.n_kv_heads, g.d_head)
+        v = v.reshape(B, S, g.n_kv_heads, g.d_head)
+        if L.q_norm is not None and L.qk_norm_per_head:
+            q, k = L.q_norm(q), L.k_norm(k)  # type: ignore[misc]
+        return q, k, v
+
+    def rotate(self, layer: int, t: Tensor, cos_sin: tuple[Tensor, Tensor] | None) -> Tensor:
+        """RoPE of layer ``layer`` on t [B, S, heads, dh] (cos/sin [S, rot]); t itself for NoPE layers."""
+        if cos_sin is None or self.layers[layer].rope is None:
+            return t
+        return rotate(t, cos_sin[0][:, None], cos_sin[1][:, None])
+
+    def qkv(self, layer: int, x: Tensor, pos: Positions, q_rows: Tensor | None = None
+            ) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, S, d_model] (attention input) -> q [B, H, S', dh], k, v [B, KV, S, dh] after RoPE.
+        ``q_rows`` (indices into S): queries at these positions only (S' = len(q_rows))."""
+        cs = pos.cos_sin(self.layers[layer])
+        q, k, v = self.project(layer, x)
+        if q_rows is not None:
+            q = q[:, q_rows]
+            qcs = None if cs is None else (cs[0][q_rows], cs[1][q_rows])
+        else:
+            qcs = cs
+        return (self.rotate(layer, q, qcs).transpose(1, 2), self.rotate(layer, k, cs).transpose(1, 2),
+                v.transpose(1, 2))
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor) -> Float[Tensor, "batch q hd"]:
+        """Layer ``layer``'s attention (its scale, window and soft-cap) of queries at absolute positions
+        ``q_pos`` over keys 0..T-1 -> hook_z [B, S, H·dh]."""
+        L = self.layers[layer]
+        return attention.attend(q, k, v, q_pos, L.scaling, L.window, L.softcap, self.matmul_dtype)
+
+    def attn_write(self, layer: int, z: Tensor) -> Tensor:
+        """What the attention branch of ``layer`` adds to the residual stream given hook_z ``z``
+        (output projection, post-attention norm, residual multiplier)."""
+        L = self.layers[layer]
+        a = self._o(layer, z)
+        a = self.norm(L.post_attn_norm, a)
+        return a * L.residual_multiplier if L.residual_multiplier != 1.0 else a
+
+    def _o(self, layer: int, z: Tensor, residual: Tensor | None = None) -> Tensor:
+        L = self.layers[layer]
+        if self.matmul_dtype is None or L.o.hooked:
+            return self.lin(L.o, z, residual)
+        w, b = self._low[layer]["o"]
+        y = F.linear(z.to(self.matmul_dtype), w, b).to(self.dtype)
+        return y if residual is None else residual + y
+
+    def mlp_write(self, layer: int, h: Tensor) -> Tensor:
+        """What the MLP branch of ``layer`` adds to the residual, given the residual ``h`` it reads
+        (pre-MLP norm, MLP, post-MLP norm, residual multiplier)."""
+        L = self.layers[layer]
+        m = L.mlp(self.norm(L.ln2, h))
+        m = self.norm(L.post_mlp_norm, m)
+        return m * L.residual_multiplier if L.residual_multiplier != 1.0 else m
 
     def post_attn(self, layer: int, h: Tensor, z: Tensor) -> Tensor:
         """Residual after layer ``layer`` given its input ``h`` and its hook_z ``z``."""
         L = self.layers[layer]
-        h = self._lin(L, "o", z, residual=h)
-        if self.matmul_dtype is None:
-            mlp = L["mlp"]
-            parts = ("gate_proj", "up_proj", "down_proj", "act_fn")
-            blocked = (not (torch.is_grad_enabled() and h.requires_grad)
-                       and all(hasattr(mlp, a) for a in parts) and not (mlp._forward_hooks or mlp._forward_pre_hooks)
-                       and all(_plain_linear(_orig(getattr(mlp, a))) for a in parts[:3]))
-            return self._mlp_blocks(L, mlp, h) if blocked else h + mlp(self._norm(L["ln2"], h))
-        # low precision: gate|up in one matmul, activation and product in matmul_dtype, one cast back
-        x = self._norm(L["ln2"], h)
-        w, b = self._low[id(L)]["gate_up"]
-        gu = F.linear(x, w, b)
-        ffn = gu.shape[-1] // 2
-        wd, bd = self._low[id(L)]["down"]
-        return h + F.linear(L["act"](gu[..., :ffn]) * gu[..., ffn:], wd, bd).to(h.dtype)
+        if L.parallel:
+            return h + self.attn_write(layer, z) + self.mlp_write(layer, h)
+        if not L.plain_block:
+            h = h + self.attn_write(layer, z)
+            return h + self.mlp_write(layer, h)
+        h = self._o(layer, z, residual=h)
+        if self.matmul_dtype is not None and "gate_up" in self._low[layer]:
+            x = self.norm(L.ln2, h).to(self.matmul_dtype)
+            w, b = self._low[layer]["gate_up"]
+            gu = F.linear(x, w, b)
+            ffn = gu.shape[-1] // 2
+            wd, bd = self._low[layer]["down"]
+            return h + F.linear(L.mlp.act_fn(gu[..., :ffn]) * gu[..., ffn:], wd, bd).to(h.dtype)
+        mlp = L.mlp
+        names = ("gate_proj", "up_proj", "down_proj")
+        blocked = (self.matmul_dtype is None and not (torch.is_grad_enabled() and h.requires_grad)
+                   and hasattr(mlp, "act_fn") and not (mlp._forward_hooks or mlp._forward_pre_hooks)
+                   and all(isinstance(getattr(mlp, n, None), torch.nn.Linear)
+                           and not (getattr(mlp, n)._forward_hooks or getattr(mlp, n)._forward_pre_hooks)
+                           for n in names))
+        return self._mlp_blocks(L, h) if blocked else h + mlp(self.norm(L.ln2, h))
 
-    def _mlp_blocks(self, L: dict, mlp: torch.nn.Module, h: Tensor) -> Tensor:
-        """h + down(act(gate(x)) · up(x)) with x = ln2(h) (the Llama MLP and its residual add), computed
-        over blocks of ``MLP_BLOCK`` tokens, so that the [tokens, d_ffn] intermediates stay in the CPU's
-        cache and are updated in place. Each token's numbers are those of one unblocked call. Without
-        autograd only (``post_attn`` calls the module otherwise)."""
+    def _mlp_blocks(self, L: LayerParts, h: Tensor) -> Tensor:
+        """h + down(act(gate(x)) · up(x)) with x = ln2(h) (the gated MLP and its residual add), over
+        blocks of ``MLP_BLOCK`` tokens, so that the [tokens, d_ffn] intermediates stay in the CPU's
+        cache and are updated in place. Each token's numbers are those of one unblocked call."""
         flat = h.reshape(-1, h.shape[-1])
         out = torch.empty_like(flat)
-        act = _orig(mlp.act_fn)
+        mlp = L.mlp
+        act = mlp.act_fn
         silu = isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
-        gate, up, down = _orig(mlp.gate_proj), _orig(mlp.up_proj), _orig(mlp.down_proj)
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         for s in range(0, flat.shape[0], MLP_BLOCK):
-            hb = flat[s : s + MLP_BLOCK]
-            x = self._norm(L["ln2"], hb)
-            g = linear(x, gate.weight, gate.bias)
+            hb = flat[s: s + MLP_BLOCK]
+            x = self.norm(L.ln2, hb)
+            gt = linear(x, gate.weight, gate.bias)
             u = linear(x, up.weight, up.bias)
-            g = F.silu(g, inplace=True) if silu else act(g)
-            out[s : s + MLP_BLOCK] = linear(g.mul_(u), down.weight, down.bias, residual=hb)
+            gt = F.silu(gt, inplace=True) if silu else act(gt)
+            out[s: s + MLP_BLOCK] = linear(gt.mul_(u), down.weight, down.bias, residual=hb)
         return out.view(h.shape)
 
-    def _lin(self, L: dict, name: str, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """The layer's linear map ``name`` (plus ``residual`` when given), in the engine's dtype or, for a
-        low-precision engine, with inputs and weights cast to ``matmul_dtype`` and the output cast back."""
-        if self.matmul_dtype is None:
-            m = L[name]
-            if _plain_linear(m):
-                return linear(x, m.weight, m.bias, residual=residual)
-            return m(x) if residual is None else residual + m(x)
-        w, b = self._low[id(L)][name]
-        y = F.linear(x.to(self.matmul_dtype), w, b).to(x.dtype)
-        return y if residual is None else residual + y
+    def final(self, h: Tensor) -> Tensor:
+        """The final norm of the residual stream (before the unembedding)."""
+        if self.multi_device:
+            h = h.to(self.head_device)
+        return self.norm(self.arch.final_norm, h)
 
     def unembed(self, h: Tensor) -> Tensor:
-        if self.multi_device:
-            x = self.final_norm(h.to(self.head_device))
-            return self.lm_head(x.to(self.lm_head.weight.device))
-        x = self.final_norm(h)
-        if _plain_linear(self.lm_head):
-            return linear(x, self.lm_head.weight, self.lm_head.bias)
-        return self.lm_head(x)
+        """Logits of residual ``h`` (final norm, unembedding, logit divisor and soft-cap)."""
+        return self.head(self.final(h))
 
-    # ---- full pass with cache ----------------------------------------------------------------
-    @torch.no_grad()
-    def run(
-        self,
-        ids: Int[Tensor, "pos"],
-        read: Sequence[int],
-        z_override: Callable[[int, Tensor], Tensor] | None = None,
-    ) -> RunCache:
-        """One full pass of a single prompt, caching resid, hook_z, K and V of every layer.
+    def head(self, x: Tensor) -> Tensor:
+        """Logits of final-normed hidden states ``x`` (unembedding, logit divisor and soft-cap)."""
+        y = self.lin(self.arch.lm_head, x)
+        if self.arch.logit_divisor != 1.0:
+            y = y / self.arch.logit_divisor
+        return softcap(y, self.arch.final_softcap)
 
-        ``z_override(layer, z) -> z`` may replace hook_z of a layer (used for frozen/patched runs).
+    def embed(self, ids: Int[Tensor, "batch pos"], positions: Tensor) -> Tensor:
+        """The residual stream entering layer 0 (embedding scales and learned positions included)."""
+        return self.arch.embed(ids, positions).to(self.dtype)
+
+    # ---- the one pass -----------------------------------------------------------------------
+    def forward(self, plan: Plan) -> PassResult:
+        """Run one :class:`~headscope.patching.plan.Plan` (see there for what each field does).
+
+        Raises:
+            ValueError: a plan without rows, ``start`` > 0 without ``base``, a read position before
+                ``start``, entries out of layer order or not covering ``start..``.
         """
-        ids = ids.to(self.device)
-        T = ids.numel()
-        h = self.embed(ids[None]).to(self.dtype)
-        rope = self._rope_by_device(torch.arange(T, device=self.device), h)
-        resid, zs, ks, vs = [], [], [], []
-        for layer in range(self.g.n_layers):
-            dev = self.layers[layer]["device"]
-            h = h.to(dev)
-            cos, sin = rope(dev)
-            resid.append(h[0])
-            q, k, v = self.qkv(layer, self.ln1(layer, h), cos, sin)
-            z = self.attend(layer, q, k, v, 0)
-            if z_override is not None:
-                z = z_override(layer, z)
-            zs.append(z[0])
-            ks.append(k[0])
-            vs.append(v[0])
-            h = self.post_attn(layer, h, z)
-        logits = self.unembed(h[0, list(read)])
+        read = [int(r) for r in plan.read]
+        start = plan.start
+        enter = list(plan.enter)
+        if plan.ids is not None:
+            T = int(plan.ids.numel())
+        elif plan.base is not None:
+            T = int(plan.base.resid.shape[1])
+        else:
+            raise ValueError("a plan needs ids or a base pass")
+        if start > 0 and plan.base is None:
+            raise ValueError("start > 0 needs a base pass for the prefix")
+        if not read or min(read) < start or max(read) >= T:
+            raise ValueError(f"read positions {read[:3]}... must lie in start={start}..{T - 1}")
+        layers_in = [e.layer for e in enter]
+        if layers_in != sorted(layers_in):
+            raise ValueError(f"entries must be in ascending layer order, got layers {layers_in}")
+        S = T - start
+        for e in enter:
+            if e.z.shape[1] != S:
+                raise ValueError(f"z rows of layer {e.layer} cover {e.z.shape[1]} positions; the suffix has {S}")
+        if plan.ids is None and plan.resid_at is None and not enter:
+            raise ValueError("a plan needs rows: ids, resid_at or enter")
+        n_layers = self.g.n_layers
+        trim = not (plan.keep or plan.grad)
+        first = 0 if plan.ids is not None else min([e.layer for e in enter] + (
+            [plan.resid_at[0]] if plan.resid_at is not None else []))
+        dev0 = self.layers[first].device
+        positions = torch.arange(start, T, device=dev0)
+        ridx = {}  # read offsets into the suffix, per device
+
+        def offsets(dev: torch.device) -> Tensor:
+            if dev not in ridx:
+                ridx[dev] = torch.as_tensor([r - start for r in read], device=dev)
+            return ridx[dev]
+
+        h: Tensor | None = None
+        tags: list = []
+        zs: list[Tensor] = []
+        kept: dict[str, list[Tensor]] = {"resid": [], "z": [], "k": [], "v": []}
+        with torch.set_grad_enabled(plan.grad):
+            if plan.ids is not None:
+                ids = plan.ids.to(dev0)[None, start:]
+                h = self.embed(ids, positions)
+                if plan.rows > 1:
+                    h = h.expand(plan.rows, -1, -1)
+                tags = [None] * plan.rows
+            pos = self.positions(positions, h if h is not None else plan.base.resid[first])  # type: ignore[union-attr]
+            for lay in range(first, n_layers):
+                L = self.layers[lay]
+                dev = L.device
+                last = trim and lay == n_layers - 1
+                if plan.resid_at is not None and plan.resid_at[0] == lay:
+                    hr = plan.resid_at[1].to(dev)
+                    h = hr if h is None else torch.cat([h.to(dev), hr])
+                    tags += [None] * hr.shape[0]
+                z = None
+                if h is not None:
+                    h = h.to(dev)
+                    if plan.keep:
+                        kept["resid"].append(h[0])
+                    B = h.shape[0]
+                    x = self.ln1(lay, h)
+                    qr = offsets(dev) if last else None
+                    q, k, v = self.qkv(lay, x, pos, q_rows=qr)
+                    if plan.keep:
+                        kept["k"].append(k[0])
+                        kept["v"].append(v[0])
+                    if start > 0:
+                        kp = plan.base.k[lay, :, :start][None].to(k.dtype)  # type: ignore[union-attr]
+                        vp = plan.base.v[lay, :, :start][None].to(v.dtype)  # type: ignore[union-attr]
+                        k = torch.cat([kp.expand(B, -1, -1, -1), k if k.shape[0] == B else k.expand(B, -1, -1, -1)], 2)
+                        v = torch.cat([vp.expand(B, -1, -1, -1), v if v.shape[0] == B else v.expand(B, -1, -1, -1)], 2)
+                    qpos = positions.to(dev)[qr] if last else positions.to(dev)
+                    z = plan.attn(lay, q, k, v) if plan.attn is not None else self.attend(lay, q, k, v, qpos)
+                    if last:
+                        h = h[:, qr]
+                    if plan.edit is not None:
+                        z = plan.edit(lay, z, LayerCtx(lay, tags, qpos, x, q, k, v, pos))
+                    if plan.grad:
+                        if not z.requires_grad:
+                            z.requires_grad_(True)
+                        z.retain_grad()
+                        zs.append(z)
+                    if plan.keep:
+                        kept["z"].append(z[0])
+                new = [e for e in enter if e.layer == lay]
+                if new:
+                    zn = torch.cat([e.z.to(dev) for e in new]) if len(new) > 1 else new[0].z.to(dev)
+                    hn = plan.base.resid[lay, start:].to(dev)[None].expand(zn.shape[0], S, -1)  # type: ignore[union-attr]
+                    if last:
+                        zn, hn = zn[:, offsets(dev)], hn[:, offsets(dev)]
+                    h = hn if h is None else torch.cat([h, hn.to(h.dtype)])
+                    z = zn if z is None else torch.cat([z, zn.to(z.dtype)])
+                    for e in new:
+                        tags += list(e.tag) if isinstance(e.tag, list) else [e.tag] * e.z.shape[0]
+                assert h is not None and z is not None
+                h = self.post_attn(lay, h, z)
+            assert h is not None
+            if not trim:
+                h = h[:, offsets(h.device)]
+            out = self.unembed(h) if plan.logits else h
+        cache = None
+        if plan.keep:
+            cache = self._cache(plan, kept, start, out[0])
+        return PassResult(out, zs, cache, tags)
+
+    def _cache(self, plan: Plan, kept: dict[str, list[Tensor]], start: int, logits: Tensor) -> RunCache:
         md = self.multi_device
-        return RunCache(_stack(resid, md), _stack(zs, md), _stack(ks, md), _stack(vs, md), logits)
+        resid = [t.detach() for t in kept["resid"]]
+        z = [t.detach() for t in kept["z"]]
+        k, v = [t.detach() for t in kept["k"]], [t.detach() for t in kept["v"]]
+        if start > 0:
+            b = plan.base
+            assert b is not None
+            resid = [torch.cat([b.resid[i, :start], t.to(b.resid[i].dtype)]) for i, t in enumerate(resid)]
+            z = [torch.cat([b.z[i, :start], t.to(b.z[i].dtype)]) for i, t in enumerate(z)]
+            k = [torch.cat([b.k[i, :, :start], t.to(b.k[i].dtype)], 1) for i, t in enumerate(k)]
+            v = [torch.cat([b.v[i, :, :start], t.to(b.v[i].dtype)], 1) for i, t in enumerate(v)]
+        return RunCache(stack_layers(resid, md), stack_layers(z, md), stack_layers(k, md), stack_layers(v, md),
+                        logits.detach())
+
+    # ---- plans everyone uses ----------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, ids: Int[Tensor, "pos"], read: Sequence[int],
+            z_override: Callable[[int, Tensor], Tensor] | None = None) -> RunCache:
+        """One full pass of a prompt, caching resid, hook_z, K and V of every layer (logits at ``read``).
+        ``z_override(layer, z) -> z`` may replace a layer's hook_z."""
+        edit = None if z_override is None else (lambda lay, z, ctx: z_override(lay, z))
+        res = self.forward(Plan(read=read, ids=ids, keep=True, edit=edit))
+        assert res.cache is not None
+        return res.cache
+
+    def run_with_grad_cache(self, ids: Int[Tensor, "pos"], read: Sequence[int], keep_cache: bool = True
+                            ) -> tuple[Tensor, list[Tensor], RunCache | None]:
+        """A differentiable full pass: (logits at ``read`` [read, vocab], every layer's hook_z [1, T, H·dh]
+        with grad retained, the detached :class:`RunCache` or None with ``keep_cache=False``)."""
+        self._one_device("attribution patching (run_with_grad)")
+        res = self.forward(Plan(read=read, ids=ids, grad=True, keep=keep_cache))
+        return res.out[0], res.z, res.cache
 
     def run_with_grad(self, ids: Int[Tensor, "pos"], read: Sequence[int]) -> tuple[Tensor, list[Tensor]]:
-        """A differentiable full pass: (logits at ``read``, hook_z of every layer with grad retained).
-
-        Used by attribution patching; gradients w.r.t. the returned hook_z tensors are total
-        derivatives (they flow through every later layer).
-        """
+        """:meth:`run_with_grad_cache` without the cache."""
         logits, zs, _ = self.run_with_grad_cache(ids, read, keep_cache=False)
         return logits, zs
 
-    def run_with_grad_cache(
-        self, ids: Int[Tensor, "pos"], read: Sequence[int], keep_cache: bool = True
-    ) -> tuple[Tensor, list[Tensor], RunCache | None]:
-        """:meth:`run_with_grad` that also returns the pass's (detached) :class:`RunCache`, so that
-        exact patching can start from the same pass without running it again (None with
-        ``keep_cache=False``: the stacking copies are skipped)."""
-        self._one_device("attribution patching (run_with_grad)")
-        ids = ids.to(self.device)
-        T = ids.numel()
-        resid, ks, vs = [], [], []
-        with torch.enable_grad():
-            h = self.embed(ids[None]).to(self.dtype)
-            cos, sin = self.rope(torch.arange(T, device=self.device), h)
-            zs = []
-            for layer in range(self.g.n_layers):
-                resid.append(h[0].detach())
-                q, k, v = self.qkv(layer, self.ln1(layer, h), cos, sin)
-                ks.append(k[0].detach())
-                vs.append(v[0].detach())
-                z = self.attend(layer, q, k, v, 0)
-                if not z.requires_grad:
-                    z.requires_grad_(True)
-                z.retain_grad()
-                zs.append(z)
-                h = self.post_attn(layer, h, z)
-            logits = self.unembed(h[0, list(read)])
-        if not keep_cache:
-            return logits, zs, None
-        cache = RunCache(torch.stack(resid), torch.stack([z[0].detach() for z in zs]), torch.stack(ks),
-                         torch.stack(vs), logits.detach())
-        return logits, zs, cache
-
-    def run_suffix(
-        self,
-        base: RunCache,
-        ids: Int[Tensor, "pos"],
-        start: int,
-        read: Sequence[int],
-        grad: bool = False,
-    ) -> tuple[Tensor, list[Tensor], RunCache | None]:
-        """A pass of ``ids`` that shares its first ``start`` tokens with ``base``'s prompt: positions
-        < ``start`` are taken from ``base`` (causal: they cannot see the later tokens), only positions
-        ``start..`` are computed.
-
-        Returns ``(logits at read, hook_z of every layer at positions start.. [1, S, H·dh], cache)``.
-        ``grad=False``: no autograd; ``cache`` is the full :class:`RunCache` (``base``'s prefix joined
-        to the computed suffix), equal to :meth:`run` of ``ids`` up to float rounding.
-        ``grad=True``: the hook_z tensors require grad (derivatives of the logits through every later
-        layer at the suffix positions; the prefix is constant, as in the full pass since it does not
-        depend on the suffix), and ``cache`` is None.
+    def run_suffix(self, base: RunCache, ids: Int[Tensor, "pos"], start: int, read: Sequence[int],
+                   grad: bool = False) -> tuple[Tensor, list[Tensor], RunCache | None]:
+        """A pass of ``ids`` that shares its first ``start`` tokens with ``base``'s prompt: only positions
+        ``start..`` are computed. Returns (logits at read, hook_z of every layer at start.. when ``grad``,
+        the joined :class:`RunCache` when not ``grad``).
 
         Raises:
             ValueError: ``start`` outside 0..len(ids)-1 or a read position before ``start``.
@@ -506,214 +475,106 @@ class Engine:
         T = ids.numel()
         if not 0 <= start < T or min(read) < start:
             raise ValueError(f"start={start} must be in 0..{T - 1} and at most the first read position {min(read)}")
-        ids = ids.to(self.device)
-        resid, zs, ks, vs = [], [], [], []
-        with torch.set_grad_enabled(grad):
-            h = self.embed(ids[None, start:]).to(self.dtype)
-            cos, sin = self.rope(torch.arange(start, T, device=self.device), h)
-            for layer in range(self.g.n_layers):
-                if not grad:
-                    resid.append(h[0])
-                x = self.ln1(layer, h)
-                q, k, v = self.qkv(layer, x, cos, sin)
-                kp, vp = base.k[layer, :, :start][None], base.v[layer, :, :start][None]
-                if kp.dtype != k.dtype:
-                    kp, vp = kp.to(k.dtype), vp.to(v.dtype)
-                z = self.attend(layer, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start)
-                if grad and not z.requires_grad:
-                    z.requires_grad_(True)
-                zs.append(z)
-                if not grad:
-                    ks.append(k[0])
-                    vs.append(v[0])
-                h = self.post_attn(layer, h, z)
-            logits = self.unembed(h[0, [r - start for r in read]])
-        if grad:
-            return logits, zs, None
-        cache = RunCache(
-            torch.cat([base.resid[:, :start], torch.stack(resid)], 1),
-            torch.cat([base.z[:, :start], torch.stack([z[0] for z in zs]).to(base.z.dtype)], 1),
-            torch.cat([base.k[:, :, :start], torch.stack(ks).to(base.k.dtype)], 2),
-            torch.cat([base.v[:, :, :start], torch.stack(vs).to(base.v.dtype)], 2),
-            logits,
-        )
-        return logits, zs, cache
-
-    # ---- patched suffix passes -----------------------------------------------------------------
-    @torch.no_grad()
-    def patched_logits(
-        self,
-        base: RunCache,
-        layer: int,
-        z_rows: Float[Tensor, "batch suffix hd"],
-        start: int,
-        read: Sequence[int],
-    ) -> Float[Tensor, "batch read vocab"]:
-        """Logits at ``read`` when layer ``layer``'s hook_z at positions ``start..`` is ``z_rows``.
-
-        Every row starts from ``base`` (a cached pass): layers < ``layer`` and positions < ``start``
-        are taken from the cache, later layers run on positions >= ``start`` only.
-        """
-        return self.patched_logits_multi(base, [(layer, z_rows)], start, read)
+        res = self.forward(Plan(read=read, ids=ids, base=base, start=start, grad=grad, keep=not grad))
+        return res.out[0], res.z, res.cache
 
     @torch.no_grad()
-    def patched_logits_multi(
-        self,
-        base: RunCache,
-        entries: Sequence[tuple[int, Float[Tensor, "rows suffix hd"]]],
-        start: int,
-        read: Sequence[int],
-    ) -> Float[Tensor, "batch read vocab"]:
-        """Patched passes of several layers in one batch: logits at ``read`` for every row of ``entries``.
-
-        ``entries`` is a list of ``(layer, z_rows)`` in ascending layer order; each row is one independent
-        run of ``base``'s prompt in which layer ``layer``'s hook_z at positions ``start..`` is that row.
-        Rows join the batch at their own layer (starting from the cached residual there), so rows of
-        several layers share the matmuls of the layers after. Output rows follow the order of ``entries``.
-
-        Exactness (each row equals a full forward with the patch, up to float rounding):
-        positions < ``start`` are untouched by the patch (causal), so their keys/values come from the
-        cache; in the last layer only the queries, o_proj and MLP at ``read`` are computed, since no
-        later layer reads the other positions.
+    def patched_logits_multi(self, base: RunCache, entries: Sequence[tuple[int, Float[Tensor, "rows suffix hd"]]],
+                             start: int, read: Sequence[int]) -> Float[Tensor, "batch read vocab"]:
+        """Patched passes of several layers in one batch: each row of ``entries`` ``(layer, z_rows)``
+        (ascending layers) is one run of ``base``'s prompt whose layer-``layer`` hook_z at ``start..`` is
+        that row. Output rows follow the order of ``entries``.
 
         Raises:
-            ValueError: layers not ascending, or rows that do not cover ``start..`` of the prompt.
+            ValueError: no entries, layers not ascending, rows that do not cover ``start..``.
         """
         if not entries:
             raise ValueError("no patched rows given")
-        layers = [int(lay) for lay, _ in entries]
-        if layers != sorted(layers):
-            raise ValueError(f"entries must be in ascending layer order, got layers {layers}")
-        T = base.resid.shape[1]
-        S = T - start
-        for lay, z in entries:
-            if z.shape[1] != S:
-                raise ValueError(f"z_rows of layer {lay} cover positions {start}..{start + z.shape[1]} "
-                                 f"but the prompt has {T}")
-        n_layers = self.g.n_layers
-        rope = self._rope_by_device(torch.arange(start, T, device=entries[0][1].device), entries[0][1])
-        ridx_by_dev: dict[torch.device, Tensor] = {}
-        h: Tensor | None = None
-        for lay in range(layers[0], n_layers):
-            dev = self.layers[lay]["device"]
-            cos, sin = rope(dev)
-            if dev not in ridx_by_dev:  # read offsets, built once per device (not once per layer)
-                ridx_by_dev[dev] = torch.as_tensor([r - start for r in read], device=dev)
-            ridx = ridx_by_dev[dev]
-            rpos = ridx + start
-            last = lay == n_layers - 1
-            z_run = None
-            if h is not None:
-                h = h.to(dev)
-                B = h.shape[0]
-                kp = base.k[lay, :, :start][None]
-                vp = base.v[lay, :, :start][None]
-                x = self.ln1(lay, h)
-                if kp.dtype != x.dtype:  # low-precision engine: cached K/V once in matmul_dtype
-                    kp, vp = kp.to(x.dtype), vp.to(x.dtype)
-                kp, vp = kp.expand(B, -1, -1, -1), vp.expand(B, -1, -1, -1)
-                if last:
-                    q, k, v = self.qkv(lay, x, cos, sin, q_rows=ridx)
-                    z_run = self.attend(lay, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start, q_pos=rpos)
-                    h = h[:, ridx]
-                else:
-                    q, k, v = self.qkv(lay, x, cos, sin)
-                    z_run = self.attend(lay, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start)
-            new = [z.to(dev) for l2, z in entries if l2 == lay]
-            if new:
-                zn = torch.cat(new) if len(new) > 1 else new[0]
-                hn = base.resid[lay, start:][None].expand(zn.shape[0], S, -1)
-                if last:
-                    zn, hn = zn[:, ridx], hn[:, ridx]
-                h = hn if h is None else torch.cat([h, hn])
-                z_run = zn if z_run is None else torch.cat([z_run, zn.to(z_run.dtype)])
-            assert h is not None and z_run is not None
-            h = self.post_attn(lay, h, z_run)
-        assert h is not None
-        return self.unembed(h)
+        return self.forward(Plan(read=read, base=base, start=start,
+                                 enter=[Entry(int(lay), z) for lay, z in entries])).out
 
-    # ---- sender path patching and κ (SPEC.md §5, §6) -------------------------------------------
-    @torch.no_grad()
-    def path_patched_logits(
-        self,
-        base: RunCache,
-        start: int,
-        read: Sequence[int],
-        x_in: dict[int, Float[Tensor, "batch suffix d_model"]],
-        receivers: dict[int, Sequence[int]],
-        mode: str = "qkv",
-    ) -> Float[Tensor, "batch read vocab"]:
-        """Logits at ``read`` of a run of ``base``'s prompt in which only the receivers' Q/K/V inputs change.
-
-        For each receiver layer ``l`` in ``receivers``, the heads listed there compute their hook_z from
-        queries (``"q"`` in ``mode``) and/or keys and values (``"k"``/``"v"`` in ``mode``) taken from
-        ``x_in[l]`` (the layer-normed input, i.e. ln1 output, at positions ``start..``; earlier positions
-        keep ``base``'s keys/values); every other input is the run's own. All other heads and layers run
-        normally (nothing downstream is frozen). Each batch row is one independent run (path patching
-        step 3, Wang et al. 2022; SPEC.md §5).
-        """
-        self._one_device("sender path patching")
-        layers = sorted(receivers)
-        if not layers:
-            raise ValueError("no receivers given")
-        l0 = layers[0]
-        B = next(iter(x_in.values())).shape[0]
-        T = base.resid.shape[1]
-        S = T - start
-        g = self.g
-        dh = g.d_head
-        rep = g.n_heads // g.n_kv_heads
-        with torch.no_grad():
-            cos, sin = self.rope(torch.arange(start, T, device=self.device), base.resid)
-            h = base.resid[l0, start:][None].expand(B, S, -1)
-            for lay in range(l0, g.n_layers):
-                q, k, v = self.qkv(lay, self.ln1(lay, h), cos, sin)
-                kp = base.k[lay, :, :start][None].expand(B, -1, -1, -1)
-                vp = base.v[lay, :, :start][None].expand(B, -1, -1, -1)
-                z = self.attend(lay, q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), start)
-                if lay in receivers:
-                    q2, k2, v2 = self.qkv(lay, x_in[lay], cos, sin)
-                    for hd in receivers[lay]:
-                        grp = hd // rep
-                        qh = q2[:, hd : hd + 1] if "q" in mode else q[:, hd : hd + 1]
-                        kh = k2[:, grp : grp + 1] if "k" in mode else k[:, grp : grp + 1]
-                        vh = v2[:, grp : grp + 1] if "v" in mode else v[:, grp : grp + 1]
-                        zh = self.attend(lay, qh, torch.cat([kp[:, grp : grp + 1], kh], 2),
-                                         torch.cat([vp[:, grp : grp + 1], vh], 2), start)
-                        z[:, :, hd * dh : (hd + 1) * dh] = zh
-                h = self.post_attn(lay, h, z)
-            idx = torch.as_tensor([r - start for r in read], device=self.device)
-            return self.unembed(h[:, idx])
-
+    def patched_logits(self, base: RunCache, layer: int, z_rows: Float[Tensor, "batch suffix hd"], start: int,
+                       read: Sequence[int]) -> Float[Tensor, "batch read vocab"]:
+        """:meth:`patched_logits_multi` for rows of one layer."""
+        return self.patched_logits_multi(base, [(layer, z_rows)], start, read)
 
     @torch.no_grad()
-    def attention_mass(
-        self, ids: Int[Tensor, "pos"], rows: Sequence[int], span: tuple[int, int]
-    ) -> Float[Tensor, "layer head"]:
+    def attention_mass(self, ids: Int[Tensor, "pos"], rows: Sequence[int], span: tuple[int, int]
+                       ) -> Float[Tensor, "layer head"]:
         """Mean attention probability that each head puts on key positions ``span`` (end exclusive),
         averaged over the query positions ``rows``, in a clean pass of ``ids``."""
         self._one_device("attention_mass")
-        ids = ids.to(self.device)
-        T = ids.numel()
-        g = self.g
-        rep = g.n_heads // g.n_kv_heads
-        out = torch.empty(g.n_layers, g.n_heads, dtype=torch.float64)
-        rows_t = torch.as_tensor(list(rows), device=self.device)
-        with torch.no_grad():
-            h = self.embed(ids[None]).to(self.dtype)
-            cos, sin = self.rope(torch.arange(T, device=self.device), h)
-            for layer in range(g.n_layers):
-                q, k, v = self.qkv(layer, self.ln1(layer, h), cos, sin)
-                kk = k.repeat_interleave(rep, dim=1) if rep > 1 else k
-                sc = (q[0, :, rows_t] @ kk[0].transpose(-1, -2)).float() * self.layers[layer]["scaling"]
-                causal = torch.arange(T, device=self.device)[None, :] <= rows_t[:, None]
-                p = torch.softmax(sc.masked_fill(~causal, float("-inf")), dim=-1)  # [H, rows, T]
-                out[layer] = p[:, :, span[0] : span[1]].sum(-1).mean(-1).double().cpu()
-                z = self.attend(layer, q, k, v, 0)
-                h = self.post_attn(layer, h, z)
+        out = torch.empty(self.g.n_layers, self.g.n_heads, dtype=torch.float64)
+        rows_t = torch.as_tensor(sorted(rows), device=self.device)
+
+        def grab(lay: int, z: Tensor, ctx: LayerCtx) -> Tensor:
+            L = self.layers[lay]
+            sel = torch.searchsorted(ctx.positions, rows_t)
+            p = attention.probs(ctx.q[:, :, sel], ctx.k, rows_t, L.scaling, L.window, L.softcap)
+            out[lay] = p[0, :, :, span[0]:span[1]].sum(-1).mean(-1).double().cpu()
+            return z
+
+        self.forward(Plan(read=list(rows_t.tolist()), ids=ids, edit=grab))
         return out
 
+    # ---- the build-time self-check ----------------------------------------------------------
+    @torch.no_grad()
+    def self_check(self, n_tokens: int = 12, tol: float = SELF_CHECK_TOL) -> float:
+        """One short prompt through the engine and through the model's own forward; every layer's
+        output and the logits must agree to ``tol`` (relative to the activations' scale).
 
-def head_slice(head: int, d_head: int) -> slice:
-    return slice(head * d_head, (head + 1) * d_head)
+        Returns the largest relative difference. Raises:
+            EngineMismatch: naming the first layer and part (attention or MLP branch) that disagrees,
+                and the fix (``path="generic"``).
+        """
+        if self.dtype != torch.float32:
+            return 0.0
+        T = min(n_tokens, max(2, int(self.g.n_ctx or n_tokens)))
+        vocab = int(self.arch.lm_head.weight.shape[0])
+        ids = (torch.arange(T) * 7919 + 11) % max(vocab - 1, 1) + 1
+        dev = self.layers[0].device
+        got: dict[str, list[Tensor]] = {"attn": [], "out": []}
+        hooks = []
+        from ..arch import attention_out_module, decoder_layers
 
+        try:
+            for i, blk in enumerate(decoder_layers(self.hf)):
+                hooks.append(attention_out_module(self.hf, i).register_forward_hook(
+                    lambda m, a, o: got["attn"].append(o.detach())))
+                hooks.append(blk.register_forward_hook(
+                    lambda m, a, o: got["out"].append((o[0] if isinstance(o, tuple) else o).detach())))
+            ref = self.hf(ids[None].to(dev), use_cache=False).logits[0].float()
+        finally:
+            for hk in hooks:
+                hk.remove()
+        res = self.forward(Plan(read=list(range(T)), ids=ids, keep=True))
+        cache = res.cache
+        assert cache is not None
+        worst = 0.0
+        for lay in range(self.g.n_layers):
+            h_in = cache.resid[lay][None].to(self.layers[lay].device)
+            o_ref = got["attn"][lay] if lay < len(got["attn"]) else None
+            o_eng = self._o(lay, cache.z[lay][None])
+            h_next = (cache.resid[lay + 1][None] if lay + 1 < self.g.n_layers
+                      else self.post_attn(lay, h_in, cache.z[lay][None]))
+            for part, a, b in (("attention output (hook_z -> output projection)", o_eng, o_ref),
+                               ("layer output (norms, MLP, residual)", h_next, got["out"][lay])):
+                if b is None:
+                    continue
+                scale = float(b.abs().max().clamp_min(1e-6))
+                d = float((a.to(b.device).float() - b.float()).abs().max()) / scale
+                worst = max(worst, d)
+                if not d <= tol:
+                    raise EngineMismatch(
+                        f"the fast engine disagrees with {type(self.hf).__name__}'s own forward at layer {lay}, "
+                        f"{part}: relative difference {d:.2e} > {tol:.0e} (family adapter {self.arch.family!r}, "
+                        f"config notes {self.arch.notes}). This variant is not covered by the adapter: pass "
+                        "path='generic' (CLI --path generic) to patch through the TransformerLens bridge's hooks.")
+        d = float((res.out[0].float() - ref.to(res.out.device)).abs().max()) / float(ref.abs().max().clamp_min(1e-6))
+        worst = max(worst, d)
+        if not d <= tol:
+            raise EngineMismatch(
+                f"the fast engine's logits differ from {type(self.hf).__name__}'s own forward by {d:.2e} (relative) "
+                f"after the last layer: the final norm / unembedding (soft-cap, logit scale) is not as the adapter "
+                f"{self.arch.family!r} assumes; pass path='generic' (CLI --path generic).")
+        return worst

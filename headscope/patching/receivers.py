@@ -120,6 +120,13 @@ class PairState:
         # positions before the first clean/corrupted difference are identical in every run
         self.start = min(pair.first_diff(), self.read[0])
         self.total = clean_seq.numel()
+        self.direction = direction
+
+    def ie_of(self, m: Tensor) -> Tensor:
+        """IE (eq. 10) of patched metrics ``m`` (logits) of this pair: (m(x) − m) / gap when noising,
+        (m − m(x')) / gap when denoising, gap = m(x) − m(x')."""
+        gap = self.m_clean - self.m_corrupt
+        return (self.m_clean - m) / gap if self.direction == "noising" else (m - self.m_corrupt) / gap
 
 
 def patch_rows(

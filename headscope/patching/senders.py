@@ -34,7 +34,9 @@ from tqdm.auto import tqdm
 from ..models import LoadedModel
 from ..readout import DEFAULT_LAMBDA, logit_diff
 from ..tasks.base import Pair
-from .engine import Engine, head_slice
+from .engine import Engine, RunCache, head_slice
+from .attention import attend
+from .plan import LayerCtx, Plan
 from .receivers import DEFAULT_MIN_GAP, PatchResult, check_pairs, finish, hash_pair, sequences
 from .store import Store
 
@@ -104,17 +106,73 @@ def _pair_sender_effects(
             rows = members[b0 : b0 + batch_size]
             deltas = []
             for ls, hs in rows:
+                # the sender's direct write to the residual: the attention branch of layer ls with this
+                # head's hook_z from the corrupted run, minus the clean branch (exact through post-norms)
                 sl = head_slice(hs, g.d_head)
-                dz = corr.z[ls, start:, sl] - clean.z[ls, start:, sl]
-                deltas.append(F.linear(dz, engine.layers[ls]["o"].weight[:, sl]))
-            delta = torch.stack(deltas)  # [B, S, d_model]: the sender's direct write to the residual
-            x_in = {lr: engine.layers[lr]["ln1"](clean.resid[lr, start:][None] + delta) for lr in sub}
-            logits = engine.path_patched_logits(clean, start, read, x_in, sub, mode)
+                z_c = clean.z[ls, start:][None]
+                z_s = z_c.clone()
+                z_s[..., sl] = corr.z[ls, start:, sl]
+                deltas.append((engine.attn_write(ls, z_s) - engine.attn_write(ls, z_c))[0])
+            delta = torch.stack(deltas)  # [B, S, d_model]
+            x_in = {lr: engine.ln1(lr, clean.resid[lr, start:][None] + delta) for lr in sub}
+            logits = path_patched_logits(engine, clean, start, read, x_in, sub, mode)
             vals = logit_diff(logits, pair.answer, pair.counter_answer, lam).cpu().double()
             for (ls, hs), val in zip(rows, vals.tolist()):
                 patched[ls, hs] = val
     return {"patched": patched, "m_clean": torch.tensor(m_clean, dtype=torch.float64),
             "m_corrupt": torch.tensor(m_corr, dtype=torch.float64)}
+
+
+@torch.no_grad()
+def path_patched_logits(
+    engine: Engine,
+    base: RunCache,
+    start: int,
+    read: Sequence[int],
+    x_in: dict[int, Float[Tensor, "batch suffix d_model"]],
+    receivers: dict[int, Sequence[int]],
+    mode: str = "qkv",
+) -> Float[Tensor, "batch read vocab"]:
+    """Logits at ``read`` of runs of ``base``'s prompt in which only the receivers' Q/K/V inputs change.
+
+    For each receiver layer ``l``, the heads listed in ``receivers[l]`` compute their hook_z from
+    queries (``"q"`` in ``mode``) and/or keys and values (``"k"``/``"v"``) projected from ``x_in[l]``
+    (the attention input at positions ``start..``; earlier positions keep ``base``'s keys/values);
+    everything else is the run's own (nothing downstream is frozen). Each batch row is one run (path
+    patching step 3, Wang et al. 2022; SPEC.md §5).
+
+    Raises:
+        ValueError: no receivers.
+    """
+    engine._one_device("sender path patching")
+    layers = sorted(receivers)
+    if not layers:
+        raise ValueError("no receivers given")
+    B = next(iter(x_in.values())).shape[0]
+    rep = engine.g.n_heads // engine.g.n_kv_heads
+    dh = engine.g.d_head
+
+    def receive(lay: int, z: Tensor, ctx: LayerCtx) -> Tensor:
+        if lay not in receivers:
+            return z
+        q2, k2, v2 = engine.qkv(lay, x_in[lay], ctx.pos)
+        T = ctx.k.shape[2]
+        pre = T - k2.shape[2]  # cached prefix positions
+        if q2.shape[2] != ctx.q.shape[2]:  # a trimmed last layer computes the read positions' queries only
+            q2 = q2[:, :, ctx.positions - pre]
+        z = z.clone()
+        for hd in receivers[lay]:
+            grp = hd // rep
+            qh = q2[:, hd:hd + 1] if "q" in mode else ctx.q[:, hd:hd + 1]
+            kh = torch.cat([ctx.k[:, grp:grp + 1, :pre], k2[:, grp:grp + 1]], 2) if "k" in mode else ctx.k[:, grp:grp + 1]
+            vh = torch.cat([ctx.v[:, grp:grp + 1, :pre], v2[:, grp:grp + 1]], 2) if "v" in mode else ctx.v[:, grp:grp + 1]
+            L = engine.layers[lay]
+            z[:, :, hd * dh:(hd + 1) * dh] = attend(qh, kh, vh, ctx.positions, L.scaling, L.window, L.softcap)
+        return z
+
+    h0 = base.resid[layers[0], start:][None].expand(B, -1, -1)
+    return engine.forward(Plan(read=read, base=base, start=start, resid_at=(layers[0], h0), edit=receive,
+                               keep=False)).out
 
 
 def sender_patching(

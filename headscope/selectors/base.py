@@ -19,7 +19,9 @@ from torch import Tensor
 
 from .. import __version__
 from ..models import LoadedModel
+from ..patching.attention import visible
 from ..patching.engine import Engine
+from ..patching.plan import Plan
 from ..readout import read_positions
 from ..scores import Ranking
 from ..tasks import niah_single
@@ -138,28 +140,34 @@ def sdpa_heads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> F
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+def own_attention(eng: Engine, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Float[Tensor, "batch head pos dh"]:
+    """The model's own attention of ``layer`` (its scale, sliding window and soft-cap) over a whole
+    prompt: q [B,H,T,dh], k/v [B,KV,T,dh] -> [B,H,T,dh]."""
+    B, H, T, dh = q.shape
+    z = eng.attend(layer, q, k, v, torch.arange(T, device=q.device))
+    return z.view(B, T, H, dh).transpose(1, 2)
+
+
+def layer_mask(eng: Engine, layer: int, T: int) -> Tensor:
+    """[T, T] mask of the layer's own attention (True = attend): causal, within its sliding window."""
+    return visible(torch.arange(T, device=eng.device), T, eng.layers[layer].window)
+
+
 def forward_final(
     eng: Engine, ids: Int[Tensor, "batch pos"], attn_fn: AttnFn | None = None
 ) -> Float[Tensor, "batch pos d_model"]:
-    """Final hidden states (after the final norm) with ``attn_fn`` in place of every attention.
+    """Final hidden states (after the final norm) of one prompt (``ids`` [1, T]) with ``attn_fn`` in
+    place of every attention (``attn_fn(layer, q, k, v) -> hook_z [1, T, H·dh]``).
 
     Gradients flow (no ``no_grad``); the model's weights should be frozen by the caller.
-    ``attn_fn=None`` is the model's own causal attention.
+    ``attn_fn=None`` is the model's own attention.
     """
-    ids = ids.to(eng.device)
+    if ids.shape[0] != 1:
+        raise ValueError(f"forward_final runs one prompt at a time; got a batch of {ids.shape[0]}")
     T = ids.shape[-1]
-    h = eng.embed(ids).to(eng.dtype)
-    cos, sin = eng.rope(torch.arange(T, device=eng.device), h)
-    mask = causal_mask(T, eng.device)
-    for layer in range(eng.g.n_layers):
-        q, k, v = eng.qkv(layer, eng.layers[layer]["ln1"](h), cos, sin)
-        if attn_fn is None:
-            o = sdpa_heads(q, k, v, mask, eng.layers[layer]["scaling"])
-            z = o.transpose(1, 2).reshape(ids.shape[0], T, -1)
-        else:
-            z = attn_fn(layer, q, k, v)
-        h = eng.post_attn(layer, h, z)
-    return eng.final_norm(h)
+    res = eng.forward(Plan(read=list(range(T)), ids=ids[0], attn=attn_fn, grad=torch.is_grad_enabled(),
+                           logits=False))
+    return eng.final(res.out)
 
 
 def frozen(model: LoadedModel) -> "_Frozen":

@@ -30,7 +30,8 @@ from torch import Tensor
 from ..models import LoadedModel
 from ..patching.engine import Engine
 from ..scores import Ranking
-from .base import causal_mask, forward_final, frozen, make_ranking, passkey_prompts, sdpa_heads, streaming_mask
+from .base import (forward_final, frozen, layer_mask, make_ranking, own_attention, passkey_prompts, sdpa_heads,
+                   streaming_mask)
 
 
 def gate_to_heads(alpha: Tensor, n_heads: int) -> Tensor:
@@ -85,14 +86,14 @@ def select_duo_gates(
             i = step % len(prompts)
             p, ref = prompts[i], refs[i]
             T = p.ids.numel()
-            full_m = causal_mask(T, eng.device)
             str_m = streaming_mask(T, sink, window, eng.device)
             a_heads = gate_to_heads(alpha, g.n_heads).to(eng.device, eng.dtype)
 
             def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-                sc = eng.layers[layer]["scaling"]
+                sc = eng.layers[layer].scaling
                 a = a_heads[layer][None, :, None, None]
-                o = a * sdpa_heads(q, k, v, full_m, sc) + (1 - a) * sdpa_heads(q, k, v, str_m, sc)
+                own = layer_mask(eng, layer, T)
+                o = a * own_attention(eng, layer, q, k, v) + (1 - a) * sdpa_heads(q, k, v, str_m & own, sc)
                 return o.transpose(1, 2).reshape(1, T, -1)
 
             h = forward_final(eng, p.ids[None], attn)[0, p.read].float()

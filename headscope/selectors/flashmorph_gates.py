@@ -34,7 +34,7 @@ from ..hybrid.gdn import gdn_chunked_torch
 from ..models import LoadedModel
 from ..patching.engine import Engine
 from ..scores import Ranking
-from .base import causal_mask, forward_final, frozen, make_ranking, passkey_prompts, sdpa_heads
+from .base import forward_final, frozen, make_ranking, own_attention, passkey_prompts
 
 
 def linear_branch(q: Tensor, k: Tensor, v: Tensor, beta: float, decay: float) -> Tensor:
@@ -108,16 +108,15 @@ def select_flashmorph_gates(
         for step in range(steps):
             p = prompts[step % len(prompts)]
             T = p.ids.numel()
-            m = causal_mask(T, eng.device)
             gate = torch.sigmoid(theta).expand(g.n_layers, g.n_heads).to(eng.device, eng.dtype)
 
             def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
                 a = gate[layer][None, :, None, None]
-                o = a * sdpa_heads(q, k, v, m, eng.layers[layer]["scaling"]) + (1 - a) * linear_branch(q, k, v, beta, decay)
+                o = a * own_attention(eng, layer, q, k, v) + (1 - a) * linear_branch(q, k, v, beta, decay)
                 return o.transpose(1, 2).reshape(1, T, -1)
 
             h = forward_final(eng, p.ids[None], attn)[0, p.read]
-            logits = eng.lm_head(h).float()
+            logits = eng.head(h).float()
             ce = F.cross_entropy(logits, p.answer.to(logits.device))
             loss = ce + lin * torch.sigmoid(theta).mean()
             opt.zero_grad()

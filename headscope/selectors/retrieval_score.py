@@ -24,6 +24,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ..models import LoadedModel
+from ..patching import attention
 from ..patching.engine import Engine
 from ..scores import Ranking
 from .base import Prompt, make_ranking, passkey_prompts
@@ -80,22 +81,16 @@ def answer_patterns(eng: Engine, ids: Int[Tensor, "pos"], read: Sequence[int]) -
     """
     cache = eng.run(ids, read)
     g = eng.g
-    T = ids.numel()
     rd = torch.as_tensor(list(read), device=eng.device)
-    cos, sin = eng.rope(rd, cache.resid)
+    pos = eng.positions(rd, cache.resid[0])
     out = []
-    keypos = torch.arange(T, device=eng.device)
     for layer in range(g.n_layers):
-        Ld = eng.layers[layer]
-        x = Ld["ln1"](cache.resid[layer, rd])  # [S, d]
-        q = Ld["q"](x).view(len(read), g.n_heads, g.d_head)
-        if Ld["q_norm"] is not None:
-            q = Ld["q_norm"](q)
-        q = eng._rotate(q.transpose(0, 1), cos, sin)  # [H, S, dh]
-        k = cache.k[layer].repeat_interleave(g.group_size, dim=0)  # [H, T, dh]
-        att = (q @ k.transpose(-1, -2)) * Ld["scaling"]
-        att = att.masked_fill(keypos[None, None, :] > rd[None, :, None], float("-inf"))
-        out.append(att.softmax(-1).transpose(0, 1))  # [S, H, T]
+        L = eng.layers[layer]
+        x = eng.ln1(layer, cache.resid[layer, rd][None])  # [1, S, d]
+        q, _, _ = eng.project(layer, x)
+        q = eng.rotate(layer, q, pos.cos_sin(L)).transpose(1, 2)  # [1, H, S, dh]
+        p = attention.probs(q, cache.k[layer][None], rd, L.scaling, L.window, L.softcap)  # [1, H, S, T]
+        out.append(p[0].transpose(0, 1))  # [S, H, T]
     return torch.stack(out, 1), cache.logits
 
 

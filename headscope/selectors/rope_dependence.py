@@ -23,6 +23,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ..models import LoadedModel
+from ..arch import LayerParts, rotate
+from ..patching import attention
 from ..patching.engine import Engine
 from ..scores import Ranking
 from .base import make_ranking, passkey_prompts
@@ -51,44 +53,48 @@ def band_slices(half: int, n_bands: int) -> list[tuple[int, int]]:
 def rope_kl(
     eng: Engine, ids: Tensor, n_queries: int | None = 64, n_bands: int = 4
 ) -> tuple[Float[Tensor, "layer head"], Float[Tensor, "band layer head"]]:
-    """Per head, mean KL(p_RoPE ‖ p_noRoPE) (RPD) and per band KL(p_RoPE ‖ p_band-removed) (RFIS) on one prompt."""
+    """Per head, mean KL(p_RoPE ‖ p_noRoPE) (RPD) and per band KL(p_RoPE ‖ p_band-removed) (RFIS) on one
+    prompt. Layers without RoPE (NoPE layers, learned positions) score 0. Attention uses the layer's own
+    scale, sliding window and soft-cap; partial rotary splits the rotated dimensions only.
+
+    Raises:
+        ValueError: a model without RoPE in any layer; n_bands outside 1..rotary_dim/2.
+    """
     g = eng.g
     ids = ids.to(eng.device)
     T = ids.numel()
+    if all(L.rope is None for L in eng.layers) or eng.arch.rope_tables is None:
+        raise ValueError(f"rope_dependence needs RoPE; {eng.arch.family} has no rotary layer")
     cache = eng.run(ids, [T - 1])
-    cos, sin = eng.rope(torch.arange(T, device=eng.device), cache.resid)
-    half = g.d_head // 2
-    bands = band_slices(half, n_bands)
+    pos = eng.positions(torch.arange(T, device=eng.device), cache.resid[0])
     nq = T if n_queries is None else min(T, n_queries)
     qpos = torch.arange(T - nq, T, device=eng.device)
-    future = torch.arange(T, device=eng.device)[None, :] > qpos[:, None]
     rpd = torch.zeros(g.n_layers, g.n_heads)
     rfis = torch.zeros(n_bands, g.n_layers, g.n_heads)
 
-    def logpat(q: Tensor, k: Tensor, scale: float) -> Tensor:
-        a = (q @ k.transpose(-1, -2)) * scale
-        return a.masked_fill(future, float("-inf")).log_softmax(-1)
+    def logpat(q: Tensor, k: Tensor, L: LayerParts) -> Tensor:
+        return attention.probs(q[None], k[None], qpos, L.scaling, L.window, L.softcap)[0].clamp_min(1e-45).log()
 
     for layer in range(g.n_layers):
-        Ld = eng.layers[layer]
-        x = Ld["ln1"](cache.resid[layer])[None]
-        q = Ld["q"](x).view(1, T, g.n_heads, g.d_head)
-        k = Ld["k"](x).view(1, T, g.n_kv_heads, g.d_head)
-        if Ld["q_norm"] is not None:
-            q, k = Ld["q_norm"](q), Ld["k_norm"](k)
+        L = eng.layers[layer]
+        cs = pos.cos_sin(L)
+        if cs is None:
+            continue
+        cos, sin = cs
+        half = cos.shape[-1] // 2
+        bands = band_slices(half, n_bands)
+        q, k, _ = eng.project(layer, eng.ln1(layer, cache.resid[layer][None]))
         q = q[0].transpose(0, 1)  # [H, T, dh]
-        k = k[0].transpose(0, 1).repeat_interleave(g.group_size, dim=0)
-        sc = Ld["scaling"]
-        qr, kr = eng._rotate(q, cos, sin), eng._rotate(k, cos, sin)
-        full = logpat(qr[:, qpos], kr, sc)
-        rpd[layer] = kl_rows(full, logpat(q[:, qpos], k, sc)).mean(-1).cpu()
+        k = k[0].transpose(0, 1)  # [KV, T, dh]
+        qr, kr = rotate(q, cos, sin), rotate(k, cos, sin)
+        full = logpat(qr[:, qpos], kr, L)
+        rpd[layer] = kl_rows(full, logpat(q[:, qpos], k, L)).mean(-1).cpu()
         for b, (lo, hi) in enumerate(bands):
-            c, s = cos.clone(), sin.clone()
+            c, s_ = cos.clone(), sin.clone()
             for off in (0, half):
                 c[:, off + lo: off + hi] = 1.0
-                s[:, off + lo: off + hi] = 0.0
-            qb, kb = eng._rotate(q, c, s), eng._rotate(k, c, s)
-            rfis[b, layer] = kl_rows(full, logpat(qb[:, qpos], kb, sc)).mean(-1).cpu()
+                s_[:, off + lo: off + hi] = 0.0
+            rfis[b, layer] = kl_rows(full, logpat(rotate(q, c, s_)[:, qpos], rotate(k, c, s_), L)).mean(-1).cpu()
     return rpd, rfis
 
 
