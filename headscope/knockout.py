@@ -45,6 +45,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from .arch import adapt, attention_out_module, decoder_layers, unwrap
 from .models import LoadedModel
 from .readout import greedy_exact_match
 from .tasks.base import Pair
@@ -56,105 +57,79 @@ PromptLike = Pair | Tensor | Sequence[int] | str
 
 
 # ---- module access ------------------------------------------------------------------------------
-# ``decoder_layers`` and ``attention_out_module`` stand in for ``headscope.arch`` (being added on
-# main); they cover Llama-family decoders (``model.layers[i].self_attn.o_proj``) and GPT-2
-# (``transformer.h[i].attn.c_proj``). Replace them by the import once it lands.
-def decoder_layers(hf_model: Any) -> torch.nn.ModuleList:
-    """The decoder blocks of ``hf_model`` in order (stand-in for ``headscope.arch.decoder_layers``).
+def o_proj_module(model: LoadedModel, layer: int) -> torch.nn.Module:
+    """The attention output projection of ``layer`` (its input is hook_z flattened over heads:
+    o_proj, GPT-2 attn.c_proj, GPT-NeoX attention.dense, ...), bridge wrappers removed.
 
     Raises:
-        NotImplementedError: an architecture without ``model.layers`` / ``transformer.h``.
+        UnsupportedArchitecture: no known output projection (see :func:`headscope.arch.attention_out_module`).
     """
-    inner = getattr(hf_model, "model", None) or getattr(hf_model, "transformer", None)
-    layers = getattr(inner, "layers", None) or getattr(inner, "h", None)
-    if layers is None:
-        raise NotImplementedError(f"{type(hf_model).__name__}: no decoder layers found (model.layers / transformer.h)")
-    return layers
-
-
-def attention_out_module(hf_model: Any, layer: int) -> torch.nn.Module:
-    """The attention output projection of ``layer``, whose input is hook_z flattened over heads
-    (stand-in for ``headscope.arch.attention_out_module``: o_proj, or GPT-2's attn.c_proj)."""
-    blk = _unwrap(decoder_layers(hf_model)[layer])
-    attn = _unwrap(getattr(blk, "self_attn", None) or getattr(blk, "attn"))
-    return _unwrap(getattr(attn, "o_proj", None) or getattr(attn, "c_proj"))
-
-
-def _unwrap(m: Any) -> Any:
-    """The transformers module inside a TransformerBridge wrapper (itself when not wrapped)."""
-    return getattr(m, "original_component", m)
-
-
-def o_proj_module(model: LoadedModel, layer: int) -> torch.nn.Module:
-    """The output projection of ``layer`` (its input is hook_z flattened), bridge wrappers removed."""
-    return _unwrap(attention_out_module(model.hf_model, layer))
+    return unwrap(attention_out_module(model.hf_model, layer))
 
 
 def _layer_module(model: LoadedModel, layer: int) -> torch.nn.Module:
-    return _unwrap(decoder_layers(model.hf_model)[layer])
+    return unwrap(decoder_layers(model.hf_model)[layer])
 
 
 # ---- value biases and the bridge's weight processing -------------------------------------------
 @torch.no_grad()
-def value_bias(model: LoadedModel) -> dict[int, Float[Tensor, "hd"]] | None:
-    """Per layer, the constant part of hook_z (flattened over heads): each query head's value bias
-    b_V (under GQA, its KV group's), zeros where ``v_proj`` has no bias.
+def value_bias(bridge: Any, n_heads: int) -> dict[int, Float[Tensor, "hd"]]:
+    """Per layer, the constant part of hook_z (flattened over heads) in a TransformerBridge's
+    current weights.
 
-    Attention weights sum to 1, so head h's hook_z is (its bias-free part) + b_V[h] at every
-    position. Units: activations of hook_z. None for architectures without a separate ``v_proj``
-    (fused qkv) or whose attention input norm has a bias (its W_V-share would be part of the constant).
+    Attention weights sum to 1, so head h's hook_z is (a part that depends on the input) + c[h] at
+    every position, with c = b_V + β·W_V: the value bias (under GQA, the head's KV group's) plus the
+    value projection of the attention norm's bias β (LayerNorm; none for RMSNorm). Read from the
+    bridge's ``blocks[l].attn.b_V`` / ``W_V`` (TransformerLens 4.3), which are the weights that run
+    also where weight processing leaves the transformers modules behind (GPT-2's fused c_attn).
+    Units: activations of hook_z; tensors on the CPU, float32.
+
+    Raises:
+        AttributeError: a bridge without per-block ``attn.b_V`` / ``attn.W_V``.
     """
-    g = model.geometry
     out: dict[int, Tensor] = {}
-    for layer in range(g.n_layers):
-        try:
-            blk = _layer_module(model, layer)
-        except NotImplementedError:
-            return None
-        v = _v_proj(blk)
-        if v is None or getattr(_unwrap(getattr(blk, "input_layernorm", None)), "bias", None) is not None:
-            return None
-        b = v.bias
-        if b is None:
-            out[layer] = torch.zeros(g.n_heads * g.d_head)
-        else:
-            out[layer] = b.detach().float().cpu().view(g.n_kv_heads, g.d_head).repeat_interleave(g.group_size, 0).flatten()
+    for layer, blk in enumerate(bridge.blocks):
+        b_v = blk.attn.b_V
+        w_v = blk.attn.W_V  # [n_kv or n_heads, d_model, d_head]
+        c = torch.zeros(w_v.shape[0], w_v.shape[-1], dtype=torch.float64) if b_v is None else b_v.detach().double().cpu()
+        beta = getattr(unwrap(getattr(blk, "ln1", None)), "bias", None)
+        if isinstance(beta, Tensor):
+            c = c + torch.einsum("m,nmd->nd", beta.detach().double().cpu(), w_v.detach().double().cpu())
+        out[layer] = c.float().repeat_interleave(n_heads // c.shape[0], 0).flatten()
     return out
 
 
-def _v_proj(blk: Any) -> Any:
-    attn = _unwrap(getattr(blk, "self_attn", None) or getattr(blk, "attn", None))
-    v = getattr(attn, "v_proj", None)
-    return None if v is None else _unwrap(v)
-
-
 def folded_value_bias(model: LoadedModel) -> dict[int, Float[Tensor, "hd"]]:
-    """Per layer, the value bias the TransformerBridge's weight processing moved into the output bias.
+    """Per layer, the value bias that the TransformerBridge's weight processing moved out of hook_z.
 
     ``bridge.enable_compatibility_mode()`` / ``process_weights(fold_value_biases=True)``
-    (TransformerLens 4.3) set b_O ← b_O + Σ_h W_O[:, h]·b_V[h] and b_V ← 0 in place: hook_z then
-    lacks each head's b_V share, which sits in the output bias instead. Setting hook_z of head h to
-    −d[h] (d = b_V before − b_V now) removes the share again: W_O[:, h]·(−d[h]) cancels the folded
-    W_O[:, h]·b_V[h]. The b_V before processing is recorded by :attr:`LoadedModel.bridge` when it
-    boots (``model.info["value_bias"]``). Empty when there is no processed bridge or nothing was
-    folded (layers with d = 0 are left out).
+    (TransformerLens 4.3) set b_O ← b_O + Σ_h W_O[:, h]·b_V[h] and b_V ← 0 (after folding the norm's
+    bias into b_V): hook_z then lacks each head's constant share c[h] (:func:`value_bias`), which
+    sits in the output bias instead. Setting hook_z of head h to −d[h], d = c before processing −
+    c now, removes the share again: W_O[:, h]·(−d[h]) cancels the folded W_O[:, h]·c[h]. The c
+    before processing is recorded by :attr:`LoadedModel.bridge` when it boots
+    (``model.info["value_bias"]``). Empty when there is no processed bridge or nothing was folded
+    (layers with d = 0 are left out).
 
     Raises:
-        NotImplementedError: the weights were processed but the raw value biases are unknown (a
-            bridge booted outside ``LoadedModel.bridge``, or an architecture :func:`value_bias`
-            does not cover) and the model has value biases; the message names the fixes.
+        NotImplementedError: the weights were processed but c before processing is unknown (a
+            bridge booted outside ``LoadedModel.bridge``) and the model may have value or norm
+            biases; the message names the fixes.
     """
     b = model._bridge
     if b is None or not getattr(b, "_weights_processed", False):
         return {}
-    now = value_bias(model)
     raw = model.info.get("value_bias")
-    if now is not None and raw is not None:
+    if raw is not None:
+        now = value_bias(b, model.geometry.n_heads)
         d = {l: (raw[l] - now[l]) for l in raw}
         return {l: v for l, v in d.items() if bool(v.abs().max() > 0)}
-    vs = [_v_proj(_layer_module(model, l)) for l in range(model.geometry.n_layers)]
-    if now is not None and all(v.bias is None for v in vs):
-        return {}  # no value bias anywhere: nothing was folded
+    try:
+        if all(p.v.bias is None and not isinstance(getattr(p.ln1, "bias", None), Tensor)
+               for p in adapt(model.hf_model).layers):
+            return {}  # no value bias and no norm bias anywhere: nothing was folded
+    except NotImplementedError:
+        pass
     raise NotImplementedError(
         "zero ablation on a TransformerBridge whose weights were processed: fold_value_biases moved every "
         "head's value bias into the output bias, so zeroing hook_z would keep the head's bias share, and "
@@ -438,8 +413,6 @@ __all__ = [
     "record_z",
     "normalize_heads",
     "o_proj_module",
-    "attention_out_module",
-    "decoder_layers",
     "value_bias",
     "folded_value_bias",
     "answer_logits",

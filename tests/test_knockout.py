@@ -311,13 +311,13 @@ def test_zero_ablation_after_bridge_weight_processing(smol_tokenizer):
     with ablate(lm, heads, "zero"):  # plain model: the brute force again
         torch.testing.assert_close(lm.hf_model(ids[None]).logits[0].log_softmax(-1), want, atol=1e-5, rtol=1e-5)
     assert "value_bias" not in lm.info
+    b_v = lm.hf_model.model.layers[1].self_attn.v_proj.bias.detach().clone().view(2, -1)  # [kv group, d_head]
     lm.bridge.enable_compatibility_mode(disable_warnings=True)  # folds b_V into b_O (TransformerLens 4.3)
     assert lm.info["value_bias"] is not None  # recorded when the bridge booted, before processing
     assert float(lm.hf_model.model.layers[1].self_attn.v_proj.bias.abs().max()) == 0.0
     d = folded_value_bias(lm)
-    b_v = lm.info["value_bias"][1].view(4, -1)
-    torch.testing.assert_close(d[1].view(4, -1), b_v)
-    torch.testing.assert_close(b_v[2], b_v[3])  # heads 2, 3 share KV group 1
+    # query heads 0, 1 read KV group 0; heads 2, 3 group 1 (RMSNorm: no norm bias term)
+    torch.testing.assert_close(d[1].view(4, -1), b_v[[0, 0, 1, 1]])
     with ablate(lm, heads, "zero"):
         got = lm.hf_model(ids[None]).logits[0].log_softmax(-1)
         got_bridge = lm.bridge(ids[None])[0].log_softmax(-1)
@@ -379,3 +379,35 @@ def test_zero_ablation_gpt2_equals_deleting_wo_rows(tiny_gpt2):
         got = tiny_gpt2.hf_model(ids[None]).logits[0]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert (got - tiny_gpt2.hf_model(ids[None]).logits[0]).abs().max() > 1e-3
+
+
+def test_zero_ablation_after_bridge_processing_gpt2(smol_tokenizer):
+    """GPT-2: LayerNorm bias β and value bias both reach hook_z (c = b_V + β·W_V); processing folds
+    β into b_V, b_V into b_O, and runs its own split q/k/v (the fused c_attn is left behind)."""
+    import copy
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from headscope.models import wrap
+
+    torch.manual_seed(5)
+    m = GPT2LMHeadModel(GPT2Config(vocab_size=len(smol_tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=128)).eval()
+    with torch.no_grad():
+        for blk in m.transformer.h:
+            blk.ln_1.bias.normal_(0, 0.5)
+            blk.attn.c_attn.bias.normal_(0, 0.5)
+    heads, ids, dh = [(0, 2), (1, 0)], _ids(34, 11), 16
+    ref = copy.deepcopy(m)
+    with torch.no_grad():
+        for l, h in heads:
+            ref.transformer.h[l].attn.c_proj.weight[h * dh : (h + 1) * dh] = 0
+        want = ref(ids[None]).logits[0].log_softmax(-1)
+        # c by hand for layer 0 before processing: b_V + β·W_V (c_attn's last third is V; Conv1D is x @ W)
+        blk = m.transformer.h[0]
+        c0 = blk.attn.c_attn.bias[128:] + blk.ln_1.bias @ blk.attn.c_attn.weight[:, 128:]
+    lm = wrap(m, smol_tokenizer, name="tiny-gpt2-biased")
+    lm.bridge.enable_compatibility_mode(disable_warnings=True)
+    torch.testing.assert_close(folded_value_bias(lm)[0], c0, atol=1e-5, rtol=1e-5)
+    with torch.no_grad(), ablate(lm, heads, "zero"):
+        got = m(ids[None]).logits[0].log_softmax(-1)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
