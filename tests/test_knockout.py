@@ -265,6 +265,20 @@ def test_cached_generate_equals_uncached(tiny, case):
 
 
 @pytest.mark.parametrize("case", range(4))
+def test_cached_generate_equals_uncached_neox(smol_tokenizer, case):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from headscope.models import wrap
+
+    torch.manual_seed(6)  # partial rotary, parallel residual, fused query_key_value, attention.dense
+    cfg = GPTNeoXConfig(vocab_size=len(smol_tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=128)
+    lm = wrap(GPTNeoXForCausalLM(cfg).eval(), smol_tokenizer, name="tiny-neox")
+    assert o_proj_module(lm, 0) is lm.hf_model.gpt_neox.layers[0].attention.dense
+    _check_cached_equals_uncached(lm, case)
+
+
+@pytest.mark.parametrize("case", range(4))
 def test_cached_generate_equals_uncached_gpt2(tiny_gpt2, case):
     # GPT-2 blocks get the cache positionally and position_ids as a keyword; its ablation point is attn.c_proj
     assert type(o_proj_module(tiny_gpt2, 1)).__name__ == "Conv1D"
