@@ -4,8 +4,9 @@
 output before the output projection, TransformerLens ``blocks.{l}.attn.hook_z``, shape
 ``[batch, pos, n_heads, d_head]``) of chosen (layer, head)s in every forward or ``generate`` call
 made on ``LoadedModel.hf_model`` while the block is open. It is a forward-pre-hook on each
-affected layer's attention output projection (``o_proj``, GPT-2 ``attn.c_proj``: its input is
-hook_z flattened over heads), so it works on the plain transformers model and on a model wrapped
+affected layer's attention output projection (:func:`headscope.arch.attention_out_module`:
+``o_proj``, GPT-2 ``attn.c_proj``, GPT-NeoX ``attention.dense``, ...; its input is hook_z
+flattened over heads), so it works on the plain transformers model and on a model wrapped
 by the TransformerBridge alike; every hook is removed on exit, also when the block raises.
 
 Methods:
@@ -18,15 +19,16 @@ Methods:
   aligned by absolute position: a token at position ``p`` takes the reference's row ``p``;
   positions past the reference's end take its last row. ``p`` is the ``position_ids`` the model
   passes to the decoder layer (a forward-pre-hook on each ablated layer reads it), so tokens already
-  in the KV cache count during cached ``generate`` and a cached generation equals an uncached one. Give a reference at least as long as the inputs (e.g. prompt ⊕ answer of a
-  prompt of the same length) to avoid the fallback; :func:`resample_reference` reports how many
-  positions used it.
+  in the KV cache count during cached ``generate`` and a cached generation equals an uncached one.
+  Give a reference at least as long as the inputs (e.g. prompt ⊕ answer of a prompt of the same
+  length) to avoid the fallback; ``AblationState.fallback_positions`` counts the positions that
+  used it.
 
 Weight processing: when the TransformerBridge's weights were processed
-(``bridge.enable_compatibility_mode()``, which folds each head's value bias b_V into the output
-bias), hook_z no longer holds the head's b_V share; ``"zero"`` then sets hook_z to −b_V (the bias
-from before processing, see :func:`folded_value_bias`), which is zero ablation of the original
-model. ``"mean"`` and ``"resample"`` references recorded on the processed model are in its basis
+(``bridge.enable_compatibility_mode()``, which folds each head's value bias b_V, and a LayerNorm's
+bias through W_V, into the output bias), hook_z no longer holds the head's constant share c;
+``"zero"`` then sets hook_z to −c (c from before processing, recorded when ``LoadedModel.bridge``
+boots; see :func:`folded_value_bias`), which is zero ablation of the original model. ``"mean"`` and ``"resample"`` references recorded on the processed model are in its basis
 and need no change (b_V cancels); do not mix references recorded before and after processing.
 
 Retrieval accuracy (:func:`retrieval_accuracy`) is greedy exact match of the needle value read
