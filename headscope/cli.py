@@ -88,12 +88,9 @@ def rank(
             raise ValueError("--device-map spreads one model over the GPUs; --devices shards the sweep: use one of them")
         lm = headscope.load_model(model, device=device, device_map=device_map)
         g = lm.geometry
-        k = parse_budget(budget, g.n_total)
-        if min_per_layer * g.n_layers > k:
-            raise ValueError(
-                f"budget of {k} FA heads cannot give {min_per_layer} head(s) to each of {g.n_layers} layers; "
-                "raise --budget or lower --min-per-layer"
-            )
+        parse_budget(budget, g.n_total)  # a budget too small for --min-per-layer is raised after ranking
+        if not 0 <= min_per_layer <= g.n_heads:
+            raise ValueError(f"--min-per-layer {min_per_layer} must lie in 0..{g.n_heads} (heads per layer)")
         settings["model"] = lm
         shard = init_from_env(device)  # under torchrun: RANK / WORLD_SIZE in the environment
         if devices > 1 and shard is None:
@@ -102,11 +99,10 @@ def rank(
             r = headscope.rank(out_dir=out, device=device, shard=shard, device_map=device_map, **settings)  # type: ignore[arg-type]
         if shard is not None and shard[0] != 0:
             return
-        mask = r.mask(budget, min_per_layer=min_per_layer)
     except (ValueError, NotImplementedError, FileNotFoundError, ConfigMismatch) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
-    mask.to_json(out / "mask.json")
+    mask, mask_error = _mask_step(r, budget, min_per_layer, out)
     r.heatmap().write_html(str(out / "heatmap.html"), include_plotlyjs=True)  # self-contained: works offline
     p = r.provenance
     typer.echo(
@@ -129,13 +125,38 @@ def rank(
         typer.echo(f"screen: {scr['verified']} head(s) verified exactly{extra}; the others carry their AtP estimate")
     for t, info in r.extras.get("sender_rounds", {}).items():
         typer.echo(f"senders for {t}: {info['n_rounds']} round(s), converged={info['converged']}")
-    s = mask.summary()
-    typer.echo(
-        f"mask ({budget}, >= {min_per_layer}/layer): {s['n_fa']} FA heads of {s['n_total']}, "
-        f"KV cache kept {s['kv_cache_fraction']:.1%}"
-    )
-    typer.echo(f"wrote {out}/: scores.csv, mask.json, heatmap.html, ranking.json (provenance), ie.pt and the "
-               "resumable per-item store")
+    if mask is not None:
+        s = mask.summary()
+        typer.echo(
+            f"mask ({budget}, >= {min_per_layer}/layer): {s['n_fa']} FA heads of {s['n_total']}, "
+            f"KV cache kept {s['kv_cache_fraction']:.1%}"
+        )
+        for note in s.get("notes", []):
+            typer.echo(f"note: {note}", err=True)
+    typer.echo(f"wrote {out}/: scores.csv, {'mask.json, ' if mask is not None else ''}heatmap.html, ranking.json "
+               "(provenance), ie.pt and the resumable per-item store")
+    if mask is None:
+        typer.echo(f"error: no mask.json written: {mask_error}; the ranking is saved, rerun with another --budget "
+                   "to get a mask from it without patching again", err=True)
+        raise typer.Exit(1)
+
+
+def _mask_step(r: "object", budget: str, min_per_layer: int, out: Path) -> tuple[object, str | None]:
+    """mask.json from a saved ranking: a budget too small for ``min_per_layer`` is raised to the
+    smallest that fits (noted in mask.json's summary); any other failure writes no mask and returns
+    its reason, never discarding the ranking."""
+    import warnings
+
+    from headscope.masks import BudgetRaisedWarning
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", BudgetRaisedWarning)  # printed from the summary's notes
+            mask = r.mask(budget, min_per_layer=min_per_layer, raise_budget=True)  # type: ignore[attr-defined]
+        mask.to_json(out / "mask.json")
+    except (ValueError, OSError) as e:
+        return None, str(e)
+    return mask, None
 
 
 @app.command()

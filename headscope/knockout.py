@@ -4,9 +4,10 @@
 output before the output projection, TransformerLens ``blocks.{l}.attn.hook_z``, shape
 ``[batch, pos, n_heads, d_head]``) of chosen (layer, head)s in every forward or ``generate`` call
 made on ``LoadedModel.hf_model`` while the block is open. It is a forward-pre-hook on each
-affected layer's ``o_proj`` (whose input is hook_z flattened over heads), so it works on the plain
-transformers model and on a model wrapped by the TransformerBridge alike; every hook is removed on
-exit, also when the block raises.
+affected layer's attention output projection (:func:`headscope.arch.attention_out_module`:
+``o_proj``, GPT-2 ``attn.c_proj``, GPT-NeoX ``attention.dense``, ...; its input is hook_z
+flattened over heads), so it works on the plain transformers model and on a model wrapped
+by the TransformerBridge alike; every hook is removed on exit, also when the block raises.
 
 Methods:
 
@@ -15,11 +16,20 @@ Methods:
   over prompts AND positions (one ``d_head`` vector per head, the same at every position; each
   token of the reference set counts once, so longer prompts weigh more);
 * ``"resample"``: the slice is set to the head's hook_z on ONE other prompt (the reference),
-  aligned by absolute position: input position ``p`` (counting tokens already in the KV cache
-  during cached generation) takes the reference's row ``p``; positions past the reference's end
-  take its last row. Give a reference at least as long as the inputs (e.g. prompt ⊕ answer of a
-  prompt of the same length) to avoid the fallback; :func:`resample_reference` reports how many
-  positions used it.
+  aligned by absolute position: a token at position ``p`` takes the reference's row ``p``;
+  positions past the reference's end take its last row. ``p`` is the ``position_ids`` the model
+  passes to the decoder layer (a forward-pre-hook on each ablated layer reads it), so tokens already
+  in the KV cache count during cached ``generate`` and a cached generation equals an uncached one.
+  Give a reference at least as long as the inputs (e.g. prompt ⊕ answer of a prompt of the same
+  length) to avoid the fallback; ``AblationState.fallback_positions`` counts the positions that
+  used it.
+
+Weight processing: when the TransformerBridge's weights were processed
+(``bridge.enable_compatibility_mode()``, which folds each head's value bias b_V, and a LayerNorm's
+bias through W_V, into the output bias), hook_z no longer holds the head's constant share c;
+``"zero"`` then sets hook_z to −c (c from before processing, recorded when ``LoadedModel.bridge``
+boots; see :func:`folded_value_bias`), which is zero ablation of the original model. ``"mean"`` and ``"resample"`` references recorded on the processed model are in its basis
+and need no change (b_V cancels); do not mix references recorded before and after processing.
 
 Retrieval accuracy (:func:`retrieval_accuracy`) is greedy exact match of the needle value read
 under teacher forcing (``headscope.readout.greedy_exact_match``: argmax at every answer position
@@ -37,6 +47,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from .arch import adapt, attention_out_module, decoder_layers, unwrap
 from .models import LoadedModel
 from .readout import greedy_exact_match
 from .tasks.base import Pair
@@ -48,31 +59,87 @@ PromptLike = Pair | Tensor | Sequence[int] | str
 
 
 # ---- module access ------------------------------------------------------------------------------
-def _attn_modules(model: LoadedModel) -> list[Any]:
-    """The attention module of each layer, looking through TransformerBridge wrappers."""
-    inner = getattr(model.hf_model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise NotImplementedError(
-            f"{type(model.hf_model).__name__} has no .model.layers; knockout supports Llama-family decoders"
-        )
-    out = []
-    for blk in layers:
-        blk = getattr(blk, "original_component", blk)
-        attn = blk.self_attn
-        out.append(getattr(attn, "original_component", attn))
+def o_proj_module(model: LoadedModel, layer: int) -> torch.nn.Module:
+    """The attention output projection of ``layer`` (its input is hook_z flattened over heads:
+    o_proj, GPT-2 attn.c_proj, GPT-NeoX attention.dense, ...), bridge wrappers removed.
+
+    Raises:
+        UnsupportedArchitecture: no known output projection (see :func:`headscope.arch.attention_out_module`).
+    """
+    return unwrap(attention_out_module(model.hf_model, layer))
+
+
+def _layer_module(model: LoadedModel, layer: int) -> torch.nn.Module:
+    return unwrap(decoder_layers(model.hf_model)[layer])
+
+
+# ---- value biases and the bridge's weight processing -------------------------------------------
+@torch.no_grad()
+def value_bias(bridge: Any, n_heads: int) -> dict[int, Float[Tensor, "hd"]]:
+    """Per layer, the constant part of hook_z (flattened over heads) in a TransformerBridge's
+    current weights.
+
+    Attention weights sum to 1, so head h's hook_z is (a part that depends on the input) + c[h] at
+    every position, with c = b_V + β·W_V: the value bias (under GQA, the head's KV group's) plus the
+    value projection of the attention norm's bias β (LayerNorm; none for RMSNorm). Read from the
+    bridge's ``blocks[l].attn.b_V`` / ``W_V`` (TransformerLens 4.3), which are the weights that run
+    also where weight processing leaves the transformers modules behind (GPT-2's fused c_attn).
+    Units: activations of hook_z; tensors on the CPU, float32.
+
+    Raises:
+        AttributeError: a bridge without per-block ``attn.b_V`` / ``attn.W_V``.
+    """
+    out: dict[int, Tensor] = {}
+    for layer, blk in enumerate(bridge.blocks):
+        b_v = blk.attn.b_V
+        w_v = blk.attn.W_V  # [n_kv or n_heads, d_model, d_head]
+        c = torch.zeros(w_v.shape[0], w_v.shape[-1], dtype=torch.float64) if b_v is None else b_v.detach().double().cpu()
+        beta = getattr(unwrap(getattr(blk, "ln1", None)), "bias", None)
+        if isinstance(beta, Tensor):
+            c = c + torch.einsum("m,nmd->nd", beta.detach().double().cpu(), w_v.detach().double().cpu())
+        out[layer] = c.float().repeat_interleave(n_heads // c.shape[0], 0).flatten()
     return out
 
 
-def o_proj_module(model: LoadedModel, layer: int) -> torch.nn.Module:
-    """The ``torch.nn.Linear`` output projection of ``layer`` (its input is hook_z flattened)."""
-    o = _attn_modules(model)[layer].o_proj
-    return getattr(o, "original_component", o)
+def folded_value_bias(model: LoadedModel) -> dict[int, Float[Tensor, "hd"]]:
+    """Per layer, the value bias that the TransformerBridge's weight processing moved out of hook_z.
 
+    ``bridge.enable_compatibility_mode()`` / ``process_weights(fold_value_biases=True)``
+    (TransformerLens 4.3) set b_O ← b_O + Σ_h W_O[:, h]·b_V[h] and b_V ← 0 (after folding the norm's
+    bias into b_V): hook_z then lacks each head's constant share c[h] (:func:`value_bias`), which
+    sits in the output bias instead. Setting hook_z of head h to −d[h], d = c before processing −
+    c now, removes the share again: W_O[:, h]·(−d[h]) cancels the folded W_O[:, h]·c[h]. The c
+    before processing is recorded by :attr:`LoadedModel.bridge` when it boots
+    (``model.info["value_bias"]``). Empty when there is no processed bridge or nothing was folded
+    (layers with d = 0 are left out).
 
-def _model_core(model: LoadedModel) -> torch.nn.Module:
-    inner = model.hf_model.model
-    return getattr(inner, "original_component", inner)
+    Raises:
+        NotImplementedError: the weights were processed but c before processing is unknown (a
+            bridge booted outside ``LoadedModel.bridge``) and the model may have value or norm
+            biases; the message names the fixes.
+    """
+    b = model._bridge
+    if b is None or not getattr(b, "_weights_processed", False):
+        return {}
+    raw = model.info.get("value_bias")
+    if raw is not None:
+        now = value_bias(b, model.geometry.n_heads)
+        d = {l: (raw[l] - now[l]) for l in raw}
+        return {l: v for l, v in d.items() if bool(v.abs().max() > 0)}
+    try:
+        if all(p.v.bias is None and not isinstance(getattr(p.ln1, "bias", None), Tensor)
+               for p in adapt(model.hf_model).layers):
+            return {}  # no value bias and no norm bias anywhere: nothing was folded
+    except NotImplementedError:
+        pass
+    raise NotImplementedError(
+        "zero ablation on a TransformerBridge whose weights were processed: fold_value_biases moved every "
+        "head's value bias into the output bias, so zeroing hook_z would keep the head's bias share, and "
+        "headscope does not know the biases from before processing. Boot the bridge through "
+        "LoadedModel.bridge before processing (it records them), or process with "
+        "enable_compatibility_mode(fold_value_biases=False) (or no_processing=True), or ablate on the "
+        "unprocessed model"
+    )
 
 
 def normalize_heads(model: LoadedModel, heads: Any) -> list[Head]:
@@ -186,6 +253,10 @@ def ablate(
 
     Raises:
         ValueError: unknown method, missing reference, heads outside the model.
+        NotImplementedError: ``"zero"`` on a bridge whose weights were processed without a record of
+            the value biases from before (see :func:`folded_value_bias`).
+        RuntimeError: (inside the block) ``"resample"`` when a decoder layer is called without
+            ``position_ids`` / ``cache_position``.
     """
     if method not in METHODS:
         raise ValueError(f"unknown ablation method {method!r}; use one of {METHODS}")
@@ -205,17 +276,33 @@ def ablate(
         missing = [l for l in layers if l not in values]
         if missing:
             raise ValueError(f"reference has no hook_z for layers {missing}; recompute it for these heads")
+    fold = folded_value_bias(model) if method == "zero" else {}
     state = AblationState(hs, method, values=values)
-    offset = {"pos": 0}
     by_layer: dict[int, list[int]] = {}
     for l, h in hs:
         by_layer.setdefault(l, []).append(h)
+    positions: dict[int, Tensor] = {}
 
-    def core_hook(_mod: Any, args: tuple, kwargs: dict) -> None:
-        # absolute position of the first token of this call (non-zero during cached generation)
-        state.calls += 1
-        pkv = kwargs.get("past_key_values")
-        offset["pos"] = int(pkv.get_seq_length()) if pkv is not None and hasattr(pkv, "get_seq_length") else 0
+    def layer_hook(layer: int):
+        def hook(_mod: Any, args: tuple, kwargs: dict) -> None:
+            # absolute positions of this call's tokens as the model itself uses them (tokens already
+            # in the KV cache counted): every supported decoder passes position_ids to its layers
+            pos = kwargs.get("position_ids")
+            if pos is None:
+                pos = kwargs.get("cache_position")
+            if layer == layers[0]:
+                state.calls += 1
+            if pos is None:
+                if method != "resample":
+                    return
+                raise RuntimeError(
+                    f"layer {layer} was called without position_ids or cache_position; position-indexed "
+                    "(resample) ablation needs them: call the model, not the layer, or use method='zero'/'mean'"
+                )
+            pos = pos[0] if pos.dim() == 3 else pos  # multimodal rope: [3, batch, pos], first row = text
+            positions[layer] = pos if pos.dim() == 2 else pos[None]
+
+        return hook
 
     def make_hook(layer: int):
         cols = torch.cat([torch.arange(h * dh, (h + 1) * dh) for h in by_layer[layer]])
@@ -224,26 +311,25 @@ def ablate(
             z = args[0].clone()
             cols_d = cols.to(z.device)
             if method == "zero":
-                z[..., cols_d] = 0
+                z[..., cols_d] = 0 if layer not in fold else -fold[layer].to(z.device, z.dtype)[cols_d]
             elif method == "mean":
                 z[..., cols_d] = values[layer].to(z.device, z.dtype)[cols_d]
             else:
                 ref = values[layer]
-                S = z.shape[-2]
-                pos = torch.arange(offset["pos"], offset["pos"] + S)
+                pos = positions.pop(layer).to(ref.device).clamp(min=0)  # [batch or 1, pos]
                 over = pos >= ref.shape[0]
-                state.fallback_positions += int(over.sum())
-                rows = ref[pos.clamp(max=ref.shape[0] - 1)].to(z.device, z.dtype)
-                z[..., cols_d] = rows[:, cols_d]
+                if layer == layers[0]:
+                    state.fallback_positions += int(over.sum()) * (z.shape[0] // pos.shape[0])
+                rows = ref[pos.clamp(max=ref.shape[0] - 1)].to(z.device, z.dtype)  # [batch or 1, pos, hd]
+                z[..., cols_d] = rows[..., cols_d].expand(z.shape[0], -1, -1)
             return (z,) + tuple(args[1:])
 
         return hook
 
     handles = []
     try:
-        if method == "resample":
-            handles.append(_model_core(model).register_forward_pre_hook(core_hook, with_kwargs=True))
         for layer in layers:
+            handles.append(_layer_module(model, layer).register_forward_pre_hook(layer_hook(layer), with_kwargs=True))
             handles.append(o_proj_module(model, layer).register_forward_pre_hook(make_hook(layer)))
         yield state
     finally:
@@ -329,6 +415,8 @@ __all__ = [
     "record_z",
     "normalize_heads",
     "o_proj_module",
+    "value_bias",
+    "folded_value_bias",
     "answer_logits",
     "retrieval_correct",
     "retrieval_accuracy",

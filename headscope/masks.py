@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence, Union
@@ -18,6 +19,19 @@ from typing import Any, Sequence, Union
 import numpy as np
 
 Budget = Union[int, float, str]
+
+
+class BudgetRaisedWarning(UserWarning):
+    """The FA budget was raised to the smallest one that gives every layer ``min_per_layer`` heads."""
+
+
+def budget_raised_note(budget: Budget, k: int, need: int, n_layers: int, n_heads: int, min_per_layer: int) -> str:
+    """The sentence recorded when a budget of ``k`` FA heads is raised to ``need`` = min_per_layer × n_layers."""
+    return (
+        f"budget {budget!r} = {k} FA head(s) of {n_layers * n_heads} cannot give {min_per_layer} head(s) to each "
+        f"of {n_layers} layers; raised to {need} ({need / (n_layers * n_heads):.1%} of the heads), the smallest "
+        f"budget that does (pass min_per_layer=0 to keep {k})"
+    )
 
 
 def _kv_group_of(head: int, n_heads: int, n_kv_heads: int) -> int:
@@ -125,6 +139,7 @@ class HeadMask:
         n_kv_heads: int,
         min_per_layer: int = 1,
         meta: dict | None = None,
+        raise_budget: bool = False,
     ) -> "HeadMask":
         """Top-K heads by score under constrained global screening (SPEC.md §6).
 
@@ -133,20 +148,33 @@ class HeadMask:
             budget: FA head count, fraction, or "LA:FA" ratio (see :func:`parse_budget`).
             n_kv_heads: KV heads per layer (GQA geometry).
             min_per_layer: every layer keeps at least this many FA heads, its best ones.
+            raise_budget: when the budget is below ``min_per_layer * n_layers``, raise it to that
+                (the smallest budget meeting the constraint) with a :class:`BudgetRaisedWarning`,
+                recorded in ``meta`` (``n_fa_requested``, ``budget_note``) and in :meth:`summary`,
+                instead of raising ValueError.
 
         Raises:
-            ValueError: budget out of range, or ``min_per_layer * n_layers`` above the budget.
+            ValueError: budget out of range, ``min_per_layer`` outside 0..n_heads, or (without
+                ``raise_budget``) ``min_per_layer * n_layers`` above the budget.
         """
         s = np.asarray(scores, dtype=float)
         n_layers, n_heads = s.shape
         k = parse_budget(budget, n_layers * n_heads)
         if min_per_layer < 0 or min_per_layer > n_heads:
             raise ValueError(f"min_per_layer={min_per_layer} must lie in 0..{n_heads}")
-        if min_per_layer * n_layers > k:
-            raise ValueError(
-                f"budget of {k} FA heads cannot give {min_per_layer} head(s) to each of {n_layers} layers "
-                f"(needs {min_per_layer * n_layers}); raise the budget or lower min_per_layer"
-            )
+        meta = dict(meta or {})
+        meta.setdefault("budget", budget)
+        need = min_per_layer * n_layers
+        if need > k:
+            if not raise_budget:
+                raise ValueError(
+                    f"budget of {k} FA heads cannot give {min_per_layer} head(s) to each of {n_layers} layers "
+                    f"(needs {need}); raise the budget, lower min_per_layer, or pass raise_budget=True"
+                )
+            note = budget_raised_note(budget, k, need, n_layers, n_heads, min_per_layer)
+            warnings.warn(note, BudgetRaisedWarning, stacklevel=2)
+            meta.update({"n_fa_requested": k, "budget_note": note})
+            k = need
         s = np.where(np.isnan(s), -np.inf, s)
         chosen: set[tuple[int, int]] = set()
         for layer in range(n_layers):
@@ -157,8 +185,6 @@ class HeadMask:
             if len(chosen) >= k:
                 break
             chosen.add((int(idx // n_heads), int(idx % n_heads)))
-        meta = dict(meta or {})
-        meta.setdefault("budget", budget)
         meta.update({"n_fa": k, "min_per_layer": min_per_layer})
         return cls.from_heads(sorted(chosen), n_layers, n_heads, n_kv_heads, meta)
 
@@ -198,13 +224,48 @@ class HeadMask:
         return kept / (self.n_layers * self.n_kv_heads)
 
     def summary(self) -> dict[str, Any]:
-        return {
+        """Counts and the KV-cache share kept, plus ``notes``: human-readable caveats (a budget
+        raised to fit ``min_per_layer``; a head-wise mask that saves no KV cache)."""
+        out: dict[str, Any] = {
             "n_fa": self.n_fa,
             "n_total": self.n_total,
             "fa_fraction": self.n_fa / self.n_total,
             "kv_groups_kept": sum(len(g) for g in self.kv_groups()),
             "kv_cache_fraction": self.kv_cache_fraction,
         }
+        notes = [self.meta["budget_note"]] if self.meta.get("budget_note") else []
+        kv = self.kv_note()
+        if kv:
+            notes.append(kv)
+        if notes:
+            out["notes"] = notes
+        return out
+
+    def kv_note(self) -> str | None:
+        """Why this mask keeps the whole KV cache, and what would save some; None when it saves some.
+
+        A KV group (the key/value heads its query heads share) must stay cached as soon as one of
+        its query heads is FA. With one KV head per layer (MQA) every layer holding an FA head keeps
+        its whole KV cache, so a head-wise mask with >= 1 FA head per layer saves nothing; only
+        whole layers without FA heads (a layer-wise mask: ``min_per_layer=0``, e.g. the
+        ``layerwise`` selector) free KV cache.
+        """
+        if self.kv_cache_fraction < 1.0 or self.n_fa == self.n_total:
+            return None
+        if self.n_kv_heads == 1:
+            k = int(self.meta.get("n_fa_requested", self.n_fa))
+            n = min(self.n_layers, max(1, round(k / self.n_heads)))
+            return (
+                f"the model has one KV head per layer, so a layer with any FA head keeps its whole KV cache: "
+                f"this head-wise mask keeps every KV group of its {sum(1 for hs in self.fa_heads if hs)} FA "
+                f"layer(s) and saves no KV cache (only softmax-attention compute). A layer-wise mask saves KV "
+                f"cache: e.g. {n} whole FA layer(s) ({n * self.n_heads} heads, about the budget of {k}) keep "
+                f"{n}/{self.n_layers} = {n / self.n_layers:.1%} of it (min_per_layer=0; the layerwise selector)"
+            )
+        return (
+            "every KV group of every layer has an FA query head, so this mask keeps the whole KV cache; FA heads "
+            "that share KV groups (or a layer-wise mask, min_per_layer=0) would save some"
+        )
 
     # ---- serialization ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

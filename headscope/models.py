@@ -96,6 +96,12 @@ class LoadedModel:
                 device=self.device,
                 dtype=self.dtype,
             )
+            from .knockout import value_bias
+
+            try:  # before any weight processing can fold them away (knockout's zero ablation needs them)
+                self.info["value_bias"] = value_bias(self._bridge, self.geometry.n_heads)
+            except AttributeError:  # a bridge without per-block b_V / W_V
+                self.info["value_bias"] = None
         return self._bridge
 
     def provenance(self) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterable, Sequence
+
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -66,3 +68,66 @@ def greedy_exact_match(logits: Float[Tensor, "... ans vocab"], answer: Int[Tenso
     """
     answer = torch.as_tensor(answer).to(logits.device)
     return (logits.argmax(-1) == answer).all(-1)
+
+
+# ---- low precision: is a pair's clean–corrupted gap resolvable in this dtype? --------------------
+#: IE error above which a pair's gap counts as too small for the dtype (see :func:`min_trusted_gap`).
+IE_TOLERANCE = 0.1
+#: Answer-logit magnitude assumed when a pair's is unknown (a run resumed from an older store);
+#: SmolLM2-135M's answer logits are about 37.
+DEFAULT_LOGIT_SCALE = 30.0
+
+
+class LowPrecisionWarning(UserWarning):
+    """A pair's clean–corrupted gap is too small for the model's dtype: its IE carries rounding noise."""
+
+
+def answer_logit_scale(
+    logits: Float[Tensor, "ans vocab"], answer: Int[Tensor, "ans"], counter_answer: Int[Tensor, "ans"]
+) -> float:
+    """max_j max(|z_j[a⁺_j]|, |z_j[a⁻_j]|): the magnitude of the logits that m is made of (logits)."""
+    idx = torch.arange(answer.numel(), device=logits.device)
+    z = torch.cat([logits[idx, answer.to(logits.device)], logits[idx, counter_answer.to(logits.device)]])
+    return float(z.double().abs().max())
+
+
+def min_trusted_gap(dtype: torch.dtype, logit_scale: float) -> float:
+    """Smallest |m(x) − m(x')| (logits) whose IE the rounding of ``dtype`` moves by at most ~``IE_TOLERANCE``.
+
+    Reasoning: a float format with machine epsilon ε (``torch.finfo(dtype).eps``: bf16 2^-7 ≈ 7.8e-3,
+    about 2.4 significant digits; fp16 2^-10; fp32 2^-23) stores a logit of magnitude S to ~ε·S/2,
+    and the forward pass adds rounding of the residual stream on top. Measured on SmolLM2-135M (bf16
+    against fp32, 16 niah_single runs of 128 tokens, answer logits S ≈ 37): |δm| ≤ 0.4·ε·S. IE =
+    (m(x) − m_patched) / gap holds two such errors, so |δIE| ≲ ε·S / |gap|; the gap is trusted when
+    that is at most IE_TOLERANCE = 0.1: |gap| ≥ ε·S / 0.1 = 10·ε·S. That is 2.9 logits in bf16 and
+    0.36 in fp16 for S = 37, and 4e-5 in fp32 (below the default min_gap: never binding). A 0.3-logit
+    gap in bf16 gives ε·S/gap ≈ 1 (issue #15: IE moved by 0.4 against fp32 at such a gap).
+
+    Args:
+        dtype: the dtype the model computes in (a floating type).
+        logit_scale: S, see :func:`answer_logit_scale` (logits).
+    """
+    return torch.finfo(dtype).eps * abs(logit_scale) / IE_TOLERANCE
+
+
+def low_precision_pairs(
+    gap: Float[Tensor, "pair"], dtype: torch.dtype, logit_scale: Sequence[float | None] | None = None,
+    skip: Iterable[int] = (),
+) -> dict[int, str]:
+    """Pairs (not in ``skip``) whose |gap| is below :func:`min_trusted_gap` for ``dtype``, with the reason.
+
+    ``logit_scale``: per pair S (None entries, or no list: :data:`DEFAULT_LOGIT_SCALE`).
+    """
+    out: dict[int, str] = {}
+    skip = set(skip)
+    for i, gp in enumerate(gap.tolist()):
+        s = logit_scale[i] if logit_scale is not None and logit_scale[i] is not None else DEFAULT_LOGIT_SCALE
+        floor = min_trusted_gap(dtype, s)
+        if i not in skip and abs(gp) < floor:
+            err = torch.finfo(dtype).eps * s / max(abs(gp), 1e-30)
+            out[i] = (
+                f"pair {i}: |m(x) - m(x')| = {abs(gp):.3g} logits is below {floor:.3g}, the smallest gap "
+                f"{str(dtype).replace('torch.', '')} resolves for answer logits of magnitude {s:.3g}; its IE may be "
+                f"off by ~{min(err, 99):.2g}"
+            )
+    return out

@@ -99,12 +99,15 @@ class Ranking:
         """The k best heads, best first."""
         return self.scores.sort_values("rank").head(k).reset_index(drop=True)
 
-    def mask(self, budget: Budget, min_per_layer: int = 1) -> HeadMask:
+    def mask(self, budget: Budget, min_per_layer: int = 1, raise_budget: bool = False) -> HeadMask:
         """FA heads for a budget (count, fraction or "LA:FA"), ≥ ``min_per_layer`` per layer.
 
+        ``raise_budget``: a budget too small for ``min_per_layer`` in every layer is raised to the
+        smallest that fits, with a warning recorded in the mask (see :meth:`HeadMask.select`).
+
         Raises:
-            ValueError: budget above the head count, a ratio leaving no FA head, or a budget too
-                small for ``min_per_layer`` in every layer.
+            ValueError: budget above the head count, a ratio leaving no FA head, or (without
+                ``raise_budget``) a budget too small for ``min_per_layer`` in every layer.
         """
         meta = {
             "model": self.provenance.get("model"),
@@ -115,7 +118,8 @@ class Ranking:
             "provenance": self.provenance,
         }
         return HeadMask.select(
-            self.matrix("score"), budget, int(self.geometry["n_kv_heads"]), min_per_layer=min_per_layer, meta={"budget": budget, **meta}
+            self.matrix("score"), budget, int(self.geometry["n_kv_heads"]), min_per_layer=min_per_layer,
+            meta={"budget": budget, **meta}, raise_budget=raise_budget,
         )
 
     def heatmap(self, column: str = "score", title: str | None = None) -> Any:

@@ -34,10 +34,6 @@ def test_bad_input_exits_with_message(tiny_dir, tmp_path):
     assert res.exit_code == 2 and "at least one calibration pair" in res.output
     model_dir = tiny_dir
     res = CliRunner().invoke(app, ["rank", "--model", str(model_dir), "--pairs", "1", "--seq-len", "64",
-                                   "--out", str(tmp_path / "r0")])
-    # the default 7:1 budget keeps 1 of 8 heads: too few for one FA head in each of 2 layers
-    assert res.exit_code == 2 and "cannot give 1 head(s) to each of 2 layers" in res.output
-    res = CliRunner().invoke(app, ["rank", "--model", str(model_dir), "--pairs", "1", "--seq-len", "64",
                                    "--budget", "2", "--out", str(tmp_path / "r")])
     # a random model cannot tell the two needle values apart: a zero gap is refused, not divided by
     assert res.exit_code == 2 and "gap below min_gap=0.1" in res.output
@@ -57,3 +53,27 @@ def test_rank_screen_mode_flags(tiny_dir, tmp_path):
     assert int(r.scores["verified"].sum()) == 3  # 2 verified + 1 spot check
     res = CliRunner().invoke(app, base + ["--verify", "most", "--out", str(tmp_path / "b")])
     assert res.exit_code == 2 and "--verify 'most'" in res.output
+
+
+def test_small_budget_is_raised_after_ranking(tiny_dir, tmp_path, monkeypatch):
+    # the default 7:1 keeps round(8/8) = 1 of 8 heads: too few for one FA head in each of 2 layers.
+    # The ranking runs and is saved; the mask's budget is raised to 2 = 1 x 2 layers, with a note.
+    out = tmp_path / "r"
+    args = ["rank", "--model", str(tiny_dir), "--pairs", "1", "--seq-len", "64", "--min-gap", "0",
+            "--device", "cpu", "--out", str(out)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "raised to 2" in res.output
+    r = Ranking.load(out)
+    m = HeadMask.from_json(out / "mask.json")
+    s = r.matrix("score")
+    assert m.fa_heads == ((int(s[0].argmax()),), (int(s[1].argmax()),))  # each layer's best head
+    d = json.loads((out / "mask.json").read_text())
+    assert d["summary"]["n_fa"] == 2 and d["meta"]["n_fa_requested"] == 1
+    assert "raised to 2" in d["summary"]["notes"][0] and d["meta"]["budget_note"] == d["summary"]["notes"][0]
+    # a mask step that fails writes no mask, keeps the ranking and says so
+    monkeypatch.setattr(Ranking, "mask", lambda self, *a, **k: (_ for _ in ()).throw(ValueError("boom")))
+    out2 = tmp_path / "r2"
+    res = CliRunner().invoke(app, args[:-1] + [str(out2)])
+    assert res.exit_code == 1 and "no mask.json written: boom" in res.output
+    assert not (out2 / "mask.json").exists() and len(Ranking.load(out2).scores) == 8

@@ -7,6 +7,7 @@ import torch
 
 from headscope.knockout import (
     ablate,
+    folded_value_bias,
     mean_reference,
     o_proj_module,
     record_z,
@@ -158,7 +159,7 @@ def test_context_manager_restores_model(tiny):
     assert torch.equal(before, tiny.hf_model(ids[None]).logits)
     for layer in range(tiny.geometry.n_layers):
         assert len(o_proj_module(tiny, layer)._forward_pre_hooks) == 0
-        assert len(tiny.hf_model.model._forward_pre_hooks) == 0
+        assert len(tiny.hf_model.model.layers[layer]._forward_pre_hooks) == 0
 
 
 def test_bad_input(tiny):
@@ -202,3 +203,225 @@ def test_teacher_forced_equals_generate(smol):
     with ablate(smol, heads, "zero"):
         tf, gen = _check_prefix(smol, pairs)
     assert tf == gen == [False, False]
+
+
+# ---- cached generate == uncached generate under every method (positions from position_ids) -----
+def _gen_logits(model, ids, n_new, use_cache):
+    """Greedy generation of ``n_new`` tokens -> (new tokens, Float[n_new, vocab] step logits)."""
+    out = model.hf_model.generate(
+        ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=n_new, do_sample=False,
+        use_cache=use_cache, pad_token_id=model.tokenizer.pad_token_id, output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[0, ids.numel():], torch.stack(out.logits)[:, 0].float()
+
+
+def _ablation_cases(prompt_len, n_new):
+    """(method, reference, resample fallback positions of the first prefill+decode) per case."""
+    return [
+        ("zero", None, 0),
+        ("mean", [_ids(23, 9), _ids(24, 5)], 0),
+        ("resample", _ids(21, prompt_len + n_new + 3), 0),  # covers every generated position
+        # shorter than the prompt: 2 prompt positions + the n_new - 1 decoded inputs take its last row
+        ("resample", _ids(22, prompt_len - 2), 2 + n_new - 1),
+    ]
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(smol_tokenizer):
+    """A 2-layer GPT-2 (learned absolute positions, fused c_attn, Conv1D c_proj) with random weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from headscope.models import wrap
+
+    torch.manual_seed(4)
+    cfg = GPT2Config(vocab_size=len(smol_tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=128)
+    return wrap(GPT2LMHeadModel(cfg).eval(), smol_tokenizer, name="tiny-gpt2")
+
+
+def _check_cached_equals_uncached(model, case):
+    prompt_len, n_new = 8, 6
+    ids = _ids(20, prompt_len)
+    heads = [(0, 0), (0, 3), (1, 1)]
+    method, ref, n_fallback = _ablation_cases(prompt_len, n_new)[case]
+    base_tok, base_lg = _gen_logits(model, ids, n_new, True)
+    with ablate(model, heads, method, reference=ref) as st:
+        tok_c, lg_c = _gen_logits(model, ids, n_new, True)
+        assert st.calls == n_new  # prefill + n_new - 1 one-token steps
+        assert st.fallback_positions == n_fallback
+        tok_u, lg_u = _gen_logits(model, ids, n_new, False)
+        # brute force: one teacher-forced forward over prompt ⊕ the generated tokens
+        full = torch.cat([ids, tok_c])
+        tf = model.hf_model(full[None], use_cache=False).logits[0, prompt_len - 1 : -1].float()
+    assert torch.equal(tok_c, tok_u)
+    torch.testing.assert_close(lg_c, lg_u, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lg_c, tf, atol=1e-4, rtol=1e-4)
+    assert ((lg_c - base_lg).abs().amax(-1) > 1e-4).all()  # the ablation acts at every step
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_cached_generate_equals_uncached(tiny, case):
+    _check_cached_equals_uncached(tiny, case)
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_cached_generate_equals_uncached_neox(smol_tokenizer, case):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from headscope.models import wrap
+
+    torch.manual_seed(6)  # partial rotary, parallel residual, fused query_key_value, attention.dense
+    cfg = GPTNeoXConfig(vocab_size=len(smol_tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=128)
+    lm = wrap(GPTNeoXForCausalLM(cfg).eval(), smol_tokenizer, name="tiny-neox")
+    assert o_proj_module(lm, 0) is lm.hf_model.gpt_neox.layers[0].attention.dense
+    _check_cached_equals_uncached(lm, case)
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_cached_generate_equals_uncached_gpt2(tiny_gpt2, case):
+    # GPT-2 blocks get the cache positionally and position_ids as a keyword; its ablation point is attn.c_proj
+    assert type(o_proj_module(tiny_gpt2, 1)).__name__ == "Conv1D"
+    _check_cached_equals_uncached(tiny_gpt2, case)
+
+
+# ---- the TransformerBridge's weight processing folds b_V into b_O ---------------------------------
+def _tiny_qwen2(tokenizer):
+    """A 2-layer GQA Qwen2 (attention biases) with large random value biases, wrapped."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from headscope.models import wrap
+
+    torch.manual_seed(3)
+    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    m = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for blk in m.model.layers:
+            blk.self_attn.v_proj.bias.normal_(0, 1.0)
+    return wrap(m, tokenizer, name="tiny-qwen2")
+
+
+@torch.no_grad()
+def _zero_by_weights(model, heads, ids):
+    """Brute force: log-probs of a copy of the plain model with the heads' W_O columns zeroed, so
+    nothing of the heads' hook_z (their value-bias share included) reaches the output."""
+    import copy
+
+    m = copy.deepcopy(model.hf_model)
+    g = model.geometry
+    for l, h in heads:
+        attn = m.model.layers[l].self_attn
+        sl = slice(h * g.d_head, (h + 1) * g.d_head)
+        attn.o_proj.weight[:, sl] = 0  # hook_z of the head (value bias included) no longer reaches the output
+    return m(ids[None]).logits[0].log_softmax(-1)
+
+
+def test_zero_ablation_after_bridge_weight_processing(smol_tokenizer):
+    heads = [(0, 1), (1, 2), (1, 3)]
+    ids = _ids(30, 12)
+    lm = _tiny_qwen2(smol_tokenizer)
+    want = _zero_by_weights(lm, heads, ids)
+    with ablate(lm, heads, "zero"):  # plain model: the brute force again
+        torch.testing.assert_close(lm.hf_model(ids[None]).logits[0].log_softmax(-1), want, atol=1e-5, rtol=1e-5)
+    assert "value_bias" not in lm.info
+    b_v = lm.hf_model.model.layers[1].self_attn.v_proj.bias.detach().clone().view(2, -1)  # [kv group, d_head]
+    lm.bridge.enable_compatibility_mode(disable_warnings=True)  # folds b_V into b_O (TransformerLens 4.3)
+    assert lm.info["value_bias"] is not None  # recorded when the bridge booted, before processing
+    assert float(lm.hf_model.model.layers[1].self_attn.v_proj.bias.abs().max()) == 0.0
+    d = folded_value_bias(lm)
+    # query heads 0, 1 read KV group 0; heads 2, 3 group 1 (RMSNorm: no norm bias term)
+    torch.testing.assert_close(d[1].view(4, -1), b_v[[0, 0, 1, 1]])
+    with ablate(lm, heads, "zero"):
+        got = lm.hf_model(ids[None]).logits[0].log_softmax(-1)
+        got_bridge = lm.bridge(ids[None])[0].log_softmax(-1)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got_bridge, want, atol=1e-3, rtol=1e-3)
+    # setting hook_z to 0 in the processed basis would keep the heads' bias share: far off
+    g = lm.geometry
+    hooks = [o_proj_module(lm, l).register_forward_pre_hook(
+        lambda m, a, l=l: (a[0].index_fill(-1, torch.cat([torch.arange(h * g.d_head, (h + 1) * g.d_head)
+                                                           for ll, h in heads if ll == l]), 0.0),))
+        for l in (0, 1)]
+    try:
+        naive = lm.hf_model(ids[None]).logits[0].log_softmax(-1)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert (naive - want).abs().max() > 0.05
+
+
+def test_processed_bridge_without_fold_or_record(smol_tokenizer):
+    heads = [(1, 0)]
+    ids = _ids(31, 10)
+    # fold_value_biases=False: hook_z keeps b_V, plain zero ablation is right (nothing to correct)
+    lm = _tiny_qwen2(smol_tokenizer)
+    want = _zero_by_weights(lm, heads, ids)
+    lm.bridge.enable_compatibility_mode(disable_warnings=True, fold_value_biases=False)
+    assert folded_value_bias(lm) == {}
+    with ablate(lm, heads, "zero"):
+        torch.testing.assert_close(lm.hf_model(ids[None]).logits[0].log_softmax(-1), want, atol=1e-3, rtol=1e-3)
+    # resample / mean need no correction: reference and ablated run share the processed basis
+    other = _ids(32, 10)
+    lm2 = _tiny_qwen2(smol_tokenizer)
+    with ablate(lm2, heads, "resample", reference=other):
+        want_rs = lm2.hf_model(ids[None]).logits[0].log_softmax(-1)
+    lm2.bridge.enable_compatibility_mode(disable_warnings=True)
+    with ablate(lm2, heads, "resample", reference=other):
+        torch.testing.assert_close(lm2.hf_model(ids[None]).logits[0].log_softmax(-1), want_rs, atol=1e-3, rtol=1e-3)
+    # processed, but the biases from before were not recorded (bridge booted outside LoadedModel.bridge)
+    lm3 = _tiny_qwen2(smol_tokenizer)
+    lm3.bridge.enable_compatibility_mode(disable_warnings=True)
+    del lm3.info["value_bias"]
+    with pytest.raises(NotImplementedError, match="fold_value_biases=False"):
+        with ablate(lm3, heads, "zero"):
+            pass
+    with ablate(lm3, heads, "mean", reference=[other]):  # mean/resample still fine
+        pass
+
+
+@torch.no_grad()
+def test_zero_ablation_gpt2_equals_deleting_wo_rows(tiny_gpt2):
+    import copy
+
+    heads, ids, dh = [(0, 2), (1, 0)], _ids(33, 11), tiny_gpt2.geometry.d_head
+    m = copy.deepcopy(tiny_gpt2.hf_model)
+    for l, h in heads:  # Conv1D stores W as [in = n_heads*d_head, out = d_model]
+        m.transformer.h[l].attn.c_proj.weight[h * dh : (h + 1) * dh] = 0
+    want = m(ids[None]).logits[0]
+    with ablate(tiny_gpt2, heads, "zero"):
+        got = tiny_gpt2.hf_model(ids[None]).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (got - tiny_gpt2.hf_model(ids[None]).logits[0]).abs().max() > 1e-3
+
+
+def test_zero_ablation_after_bridge_processing_gpt2(smol_tokenizer):
+    """GPT-2: LayerNorm bias β and value bias both reach hook_z (c = b_V + β·W_V); processing folds
+    β into b_V, b_V into b_O, and runs its own split q/k/v (the fused c_attn is left behind)."""
+    import copy
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from headscope.models import wrap
+
+    torch.manual_seed(5)
+    m = GPT2LMHeadModel(GPT2Config(vocab_size=len(smol_tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=128)).eval()
+    with torch.no_grad():
+        for blk in m.transformer.h:
+            blk.ln_1.bias.normal_(0, 0.5)
+            blk.attn.c_attn.bias.normal_(0, 0.5)
+    heads, ids, dh = [(0, 2), (1, 0)], _ids(34, 11), 16
+    ref = copy.deepcopy(m)
+    with torch.no_grad():
+        for l, h in heads:
+            ref.transformer.h[l].attn.c_proj.weight[h * dh : (h + 1) * dh] = 0
+        want = ref(ids[None]).logits[0].log_softmax(-1)
+        # c by hand for layer 0 before processing: b_V + β·W_V (c_attn's last third is V; Conv1D is x @ W)
+        blk = m.transformer.h[0]
+        c0 = blk.attn.c_attn.bias[128:] + blk.ln_1.bias @ blk.attn.c_attn.weight[:, 128:]
+    lm = wrap(m, smol_tokenizer, name="tiny-gpt2-biased")
+    lm.bridge.enable_compatibility_mode(disable_warnings=True)
+    torch.testing.assert_close(folded_value_bias(lm)[0], c0, atol=1e-5, rtol=1e-5)
+    with torch.no_grad(), ablate(lm, heads, "zero"):
+        got = m(ids[None]).logits[0].log_softmax(-1)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -19,7 +19,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..models import LoadedModel
-from ..readout import DEFAULT_LAMBDA, logit_diff, read_positions
+from ..readout import DEFAULT_LAMBDA, LowPrecisionWarning, answer_logit_scale, logit_diff, low_precision_pairs, read_positions
 from ..tasks.base import Pair, validate_pair
 from .engine import Engine, RunCache, head_slice
 from .generic import make_engine
@@ -116,6 +116,8 @@ class PairState:
             clean, corr = runs
         self.m_clean = float(logit_diff(clean.logits, pair.answer, pair.counter_answer, lam))
         self.m_corrupt = float(logit_diff(corr.logits, pair.answer, pair.counter_answer, lam))
+        # magnitude of the answer logits, for the low-precision check of the gap (readout.min_trusted_gap)
+        self.logit_scale = max(answer_logit_scale(r.logits, pair.answer, pair.counter_answer) for r in (clean, corr))
         self.base, self.src = (clean, corr) if direction == "noising" else (corr, clean)
         # positions before the first clean/corrupted difference are identical in every run
         self.start = min(pair.first_diff(), self.read[0])
@@ -261,7 +263,7 @@ def receiver_patching(
             bases[i] = store.get(key)
         elif mine(i):
             st = state(i)
-            bases[i] = {"m_clean": st.m_clean, "m_corrupt": st.m_corrupt}
+            bases[i] = {"m_clean": st.m_clean, "m_corrupt": st.m_corrupt, "logit_scale": st.logit_scale}
             if store is not None:
                 store.put(key, bases[i])
     items = [(i, layer) for i in range(n) for layer in sorted(per_layer)]
@@ -303,15 +305,22 @@ def receiver_patching(
         for h in per_layer[layer]:
             patched[i, layer, h] = vals[h]
     bar.close()
-    res = finish(patched, m_clean, m_corr, direction, lam, min_gap)
+    scales = [bases[i].get("logit_scale") for i in range(n)]
+    res = finish(patched, m_clean, m_corr, direction, lam, min_gap, dtype=model.dtype, logit_scale=scales)
     res.path = engine.path
     return res
 
 
 def finish(
-    patched: Tensor, m_clean: Tensor, m_corr: Tensor, direction: str, lam: float, min_gap: float
+    patched: Tensor, m_clean: Tensor, m_corr: Tensor, direction: str, lam: float, min_gap: float,
+    dtype: torch.dtype | None = None, logit_scale: Sequence[float | None] | None = None,
 ) -> PatchResult:
-    """Normalize patched metrics into IE (eq. 10), skipping pairs with a gap below ``min_gap``."""
+    """Normalize patched metrics into IE (eq. 10), skipping pairs with a gap below ``min_gap``.
+
+    With ``dtype`` (the model's), a used pair whose gap is too small for it gets a
+    :class:`~headscope.readout.LowPrecisionWarning` naming the pair and its gap
+    (:func:`~headscope.readout.min_trusted_gap`; ``logit_scale``: per-pair answer-logit magnitude).
+    """
     gap = m_clean - m_corr
     skipped: dict[int, str] = {}
     for i, gp in enumerate(gap.tolist()):
@@ -324,6 +333,10 @@ def finish(
         )
     if skipped:
         warnings.warn(f"skipped {len(skipped)} pair(s) with a near-zero gap: {skipped}", stacklevel=3)
+    low = low_precision_pairs(gap, dtype, logit_scale, skip=skipped) if dtype is not None else {}
+    if low:
+        warnings.warn("; ".join(low.values()) + ": compute in float32, or use pairs with a larger gap",
+                      LowPrecisionWarning, stacklevel=3)
     g3 = gap[:, None, None]
     if direction == "noising":
         ie = (m_clean[:, None, None] - patched) / g3
