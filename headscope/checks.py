@@ -310,7 +310,9 @@ def check_budget(budget: Any, geometry: Any = None, min_per_layer: int = 1, name
         return None
     k = parse_budget(budget, geometry.n_total)
     if min_per_layer > geometry.n_heads:
-        raise HeadscopeInputError(f"{mpl_name}={min_per_layer} is more than the {geometry.n_heads} heads of a layer")
+        raise HeadscopeInputError(
+            f"{mpl_name}={min_per_layer} is more than the {geometry.n_heads} heads of a layer; lower {mpl_name}"
+        )
     if min_per_layer * geometry.n_layers > k:
         raise HeadscopeInputError(
             f"budget of {k} FA heads cannot give {min_per_layer} head(s) to each of {geometry.n_layers} layers; "

@@ -54,7 +54,9 @@ def check_data(data: Any, stage: int, batch_size: int, world: int = 1, cli: bool
     frac = check_real(f("retrieval_frac"), data.retrieval_frac, 0.0, 1.0, hi_open=True,
                       fix="it is the share of retrieval rows among all rows")
     if world > batch_size:
-        raise HeadscopeInputError(f"batch_size={batch_size} cannot feed {world} processes; use a batch size >= {world}")
+        raise HeadscopeInputError(
+            f"{f('batch_size')}={batch_size} cannot feed {world} processes; use a batch size >= {world}"
+        )
     if frac > 0 and L < MIN_RETRIEVAL_SEQ_LEN:
         raise HeadscopeInputError(
             f"{f('seq_len')}={L} is too short for retrieval rows (prompts of >= {MIN_RETRIEVAL_SEQ_LEN} tokens); "
@@ -74,7 +76,7 @@ def check_data(data: Any, stage: int, batch_size: int, world: int = 1, cli: bool
         n_rows += max(1, round(n_rows * frac / (1 - frac)))
     if batch_size > n_rows:
         raise HeadscopeInputError(
-            f"batch_size={batch_size} is more than the {n_rows} training rows; lower the batch size or raise "
+            f"{f('batch_size')}={batch_size} is more than the {n_rows} training rows; lower the batch size or raise "
             f"{f('text_docs')}"
         )
     return n_rows
