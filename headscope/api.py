@@ -13,7 +13,7 @@ from .models import DEFAULT_MODEL, LoadedModel, load_model
 from .patching.receivers import DEFAULT_MIN_GAP, Direction, receiver_patching
 from .readout import DEFAULT_LAMBDA
 from .scores import Ranking, head_table
-from .tasks import TASKS, make_pairs
+from .tasks import make_pairs
 from .tasks.base import Pair
 
 

@@ -99,8 +99,8 @@ def check_stage_files(out: Any, stage: int, resume: bool, need_student: bool = T
         prev = out / f"stage{stage - 1}" / "student.pt"
         if not prev.is_file():
             raise InputFileNotFoundError(
-                f"{prev} does not exist: stage {stage} starts from stage {stage - 1}'s student; run "
-                f"`headscope convert --stage {stage - 1} --out {out}` first (and let it finish)"
+                f"{prev} does not exist: stage {stage} starts from stage {stage - 1}'s student; run the previous "
+                f"stage first (`headscope convert --stage {stage - 1} --out {out}`, to the end)"
             )
     sd = out / f"stage{stage}"
     found = find_checkpoint(sd / "checkpoint")
