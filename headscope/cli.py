@@ -110,9 +110,11 @@ def rank(
             top_k=top_k,
             max_rounds=max_rounds,
         )
+        v = parse_verify(verify)  # in every mode: a typo is not silently ignored
+        sc = int(spot_checks) if spot_checks >= 1 else spot_checks
         if mode == "screen":
-            settings.update(verify=parse_verify(verify), spot_checks=int(spot_checks) if spot_checks >= 1 else spot_checks)
-        args = {k: v for k, v in settings.items() if k != "model"}
+            settings.update(verify=v, spot_checks=sc)
+        args = {"verify": v, "spot_checks": sc, **{k: val for k, val in settings.items() if k != "model"}}
         tasks = check_rank_args(**args, out_dir=out, device=device, device_map=device_map,
                                 shard=(0, devices) if devices > 1 else None, geometry=g, cli=True)
         fused = senders or len(tasks) > 1 or bool(weight) or kappa is not None

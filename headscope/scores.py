@@ -163,7 +163,7 @@ class Ranking:
             df = pd.read_csv(d / "scores.csv")
         except (ValueError, KeyError, TypeError, UnicodeDecodeError, pd.errors.ParserError) as e:
             raise HeadscopeInputError(f"{d} holds an unreadable ranking ({type(e).__name__}: {e}); {fix}") from None
-        missing = [c for c in ("layer", "head", "rank") if c not in df.columns]
+        missing = [c for c in ("layer", "head") if c not in df.columns]
         if missing:
             raise HeadscopeInputError(f"{d / 'scores.csv'} lacks the columns {missing}; {fix}")
         ie = torch.load(d / "ie.pt") if (d / "ie.pt").exists() else None

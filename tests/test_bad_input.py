@@ -116,6 +116,7 @@ CLI_CASES = [
     ("rank-seq-len-past-context", lambda f: ["rank", "--seq-len", "9000"], "the model's context is 8192 tokens; use a shorter"),
     ("rank-zero-devices", lambda f: ["rank", "--devices", "0"], "--devices=0 must be >= 1"),
     ("rank-resume-other-config", lambda f: ["rank", "--out", str(f["root"] / "old_rank")], "another configuration (differs in: lam)"),
+    ("rank-normalize-typo", lambda f: ["rank", "--normalize", "mean"], "--normalize='mean' is not one of max, minmax"),
     ("rank-unknown-kappa", lambda f: ["rank", "--senders", "--kappa", "attention"], "--kappa='attention' is not one of focus, one"),
     # ---- headscope convert
     ("convert-stage-4", lambda f: _conv(f, "--stage", "4"), "--stage 4 does not exist; use 1 (layer-wise alignment)"),
@@ -138,6 +139,7 @@ CLI_CASES = [
     ("convert-unknown-retrieval-task", lambda f: _conv(f, "--stage", "3", "--retrieval-task", "nope"),
      "--retrieval-task='nope' is not one of"),
     ("convert-retrieval-frac-1", lambda f: _conv(f, "--stage", "3", "--retrieval-frac", "1"), "must lie in [0, 1)"),
+    ("convert-zero-lr", lambda f: _conv(f, "--stage", "1", "--lr", "0"), "--lr=0.0 must lie in (0, inf)"),
     ("convert-bad-gdn-kernel", lambda f: _conv(f, "--stage", "1", "--gdn-kernel", "fast"), "is not one of auto, torch, fla"),
     ("convert-batch-over-rows", lambda f: _conv(f, "--stage", "1", "--text-docs", "4", "--doc-len", "510",
                                                 "--seq-len", "512", "--batch-size", "8"), "--batch-size=8 is more than the 4 training rows"),
@@ -151,6 +153,7 @@ CLI_CASES = [
      "--format='gif' is not one of html, png"),
     ("anatomy-negative-threshold", lambda f: ["anatomy", str(f["root"] / "run"), "--no-model", "--threshold", "-1"],
      "--threshold=-1.0 must lie in [0, inf)"),
+    ("anatomy-zero-boot", lambda f: ["anatomy", str(f["root"] / "run"), "--no-model", "--boot", "0"], "--boot=0 must be >= 1"),
     ("anatomy-model-gone", lambda f: ["anatomy", str(f["root"] / "run"), "--format", "html"],
      "gone.gguf does not exist; pass an existing .gguf path (the run's model cannot be loaded: pass --no-model"),
 ]
@@ -252,6 +255,20 @@ def test_api_bad_input(case, files, no_model):
     assert time.perf_counter() - t0 < FAST_S
     assert isinstance(ei.value, also)  # existing `except ValueError / FileNotFoundError / TypeError` keep working
     assert want in str(ei.value), str(ei.value)
+
+
+# ------------------------------------------------------------------------------ geometry without weights
+def test_geometry_is_read_without_weights(tiny_dir):
+    """The checks judge budgets, masks and context lengths from the config / GGUF metadata alone."""
+    from headscope.checks import check_model
+    from headscope.models import Geometry, load_model
+
+    t0 = time.perf_counter()
+    g = check_model("smollm2-135m")  # the GGUF header of SmolLM2-135M-Instruct
+    assert time.perf_counter() - t0 < 2.0
+    # the values the loaded model reports (checked once against load_model: 45 s on this machine)
+    assert g == Geometry(n_layers=30, n_heads=9, n_kv_heads=3, d_head=64, d_model=576, n_ctx=8192)
+    assert check_model(str(tiny_dir)) == load_model(str(tiny_dir), device="cpu").geometry
 
 
 # ------------------------------------------------------------------------------ after the model loads

@@ -95,7 +95,7 @@ def check_rank_args(
     tasks = (tasks,) if isinstance(tasks, str) else tuple(tasks)
     if not tasks:
         raise HeadscopeInputError(f"no task given; pass {f('tasks')} with one of {', '.join(sorted(TASKS))}")
-    unknown = [t for t in tasks if t not in TASKS]
+    unknown = [t for t in tasks if not isinstance(t, str) or t not in TASKS]
     if unknown:
         raise HeadscopeInputError(f"unknown task(s) {unknown}; available: {', '.join(sorted(TASKS))}")
     if len(set(tasks)) != len(tasks):
@@ -124,18 +124,18 @@ def check_rank_args(
             raise InputNotImplementedError("mode='screen' covers the receivers-only ranking; use mode='exact' with fusion")
         if shard is not None:
             raise InputNotImplementedError("mode='screen' runs in one process; shard exact sweeps instead")
-        if verify != "auto":
-            fix = "use auto, a head count or a fraction in (0, 1]"
-            if _is_int(verify):
-                check_int(f("verify"), verify, lo=1, hi=geometry.n_total if geometry else None, fix=fix)
-            elif isinstance(verify, float):
-                check_real(f("verify"), verify, 0.0, 1.0, lo_open=True, fix=fix)
-            else:
-                raise HeadscopeInputError(f"{f('verify')} {verify!r}: {fix}")
-        if _is_int(spot_checks):
-            check_int(f("spot_checks"), spot_checks, lo=0)
+    if verify != "auto":  # checked in every mode: a typo is not silently ignored
+        fix = "use auto, a head count or a fraction in (0, 1]"
+        if _is_int(verify):
+            check_int(f("verify"), verify, lo=1, hi=geometry.n_total if geometry else None, fix=fix)
+        elif isinstance(verify, float):
+            check_real(f("verify"), verify, 0.0, 1.0, lo_open=True, fix=fix)
         else:
-            check_real(f("spot_checks"), spot_checks, 0.0, 1.0, fix="a count of heads or a fraction of the rest")
+            raise HeadscopeInputError(f"{f('verify')} {verify!r}: {fix}")
+    if _is_int(spot_checks):
+        check_int(f("spot_checks"), spot_checks, lo=0)
+    else:
+        check_real(f("spot_checks"), spot_checks, 0.0, 1.0, fix="a count of heads or a fraction of the rest")
     if device_map is not None and (fusion or mode != "exact" or shard is not None):
         raise InputNotImplementedError(
             "device_map covers the exact receiver sweep of one task in one process; drop --device-map, or "
@@ -151,19 +151,20 @@ def check_rank_args(
         r, w = shard
         check_int("shard world size", w, lo=1)
         check_int("shard rank", r, lo=0, hi=w - 1)
+    # every option is checked, also those this run does not use (a typo is not silently ignored)
+    if kappa is not None:
+        check_choice(f("kappa"), kappa, KAPPA, "focus = retrieval focus, one = κ ≡ 1")
+    check_choice(f("normalize"), normalize, NORMALIZE)
+    check_choice(f("sender_mode"), sender_mode, SENDER_MODES)
+    check_int(f("top_k"), top_k, lo=1)
+    check_int(f("max_rounds"), max_rounds, lo=1)
+    check_int(f("sender_batch_size"), sender_batch_size, lo=1)
     if fusion:
         check_weights(weights, tasks)
-        check_choice(f("kappa"), kappa or "focus", KAPPA, "focus = retrieval focus, one = κ ≡ 1")
-        check_choice(f("normalize"), normalize, NORMALIZE)
         if pairs is not None and len(tasks) != 1:
             raise HeadscopeInputError(
                 "ready-made pairs label a single task; pass pairs with one task, or let rank generate them"
             )
-    if senders:
-        check_choice(f("sender_mode"), sender_mode, SENDER_MODES)
-        check_int(f("top_k"), top_k, lo=1)
-        check_int(f("max_rounds"), max_rounds, lo=1)
-        check_int(f("sender_batch_size"), sender_batch_size, lo=1)
     if pairs is not None:
         pairs = list(pairs)
         if not pairs:
