@@ -13,7 +13,7 @@ from .models import DEFAULT_MODEL, LoadedModel, load_model
 from .patching.receivers import DEFAULT_MIN_GAP, Direction, receiver_patching
 from .readout import DEFAULT_LAMBDA
 from .scores import Ranking, head_table
-from .tasks import TASKS, make_pairs
+from .tasks import make_pairs
 from .tasks.base import Pair
 
 
@@ -93,45 +93,35 @@ def rank(
         Ranking (``.scores`` DataFrame, ``.mask(budget)``, ``.heatmap()``, ``.save(dir)``).
 
     Raises:
-        ValueError: n_pairs < 1, unknown task, bad pairs; ModelSpecError: unknown model spec;
-        GapError: no pair separates a⁺ from a⁻.
+        HeadscopeInputError (a ValueError), before the model loads: any bad argument (n_pairs < 1,
+        unknown task, depth outside [0, 1], λ outside (0, 1], unknown direction / mode / kappa,
+        weights not summing to 1, unknown task settings, CUDA on a machine without it, an output
+        path that is a file, a store of another configuration in ``out_dir``; see
+        :func:`headscope.checks.check_rank_args`); ModelSpecError (one of them): unknown model spec,
+        missing GGUF, uncached hub id. InputNotImplementedError: an unsupported combination of
+        options. After the model loads: HeadscopeInputError for a prompt too short for the task's
+        text or too long for the context; GapError: no pair separates a⁺ from a⁻.
     """
-    if n_pairs < 1:
-        raise ValueError(f"n_pairs={n_pairs}: need at least one calibration pair per task")
-    tasks = (tasks,) if isinstance(tasks, str) else tuple(tasks)
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown:
-        raise ValueError(f"unknown task(s) {unknown}; available: {', '.join(sorted(TASKS))}")
-    if len(set(tasks)) != len(tasks):
-        raise ValueError(f"tasks {list(tasks)} name a capability twice; give each once")
+    from .checks import check_model, check_rank_args, check_rank_store
+
+    # every argument before the model loads: a typo costs seconds, not a model load and a sweep
+    tasks = check_rank_args(
+        tasks=tasks, n_pairs=n_pairs, seq_len=seq_len, seed=seed, depth=depth, lam=lam, direction=direction,
+        min_gap=min_gap, pairs=pairs, out_dir=out_dir, device=device, dtype=dtype, batch_size=batch_size,
+        task_settings=task_settings, shard=shard, mode=mode, verify=verify, spot_checks=spot_checks, senders=senders,
+        weights=weights, kappa=kappa, normalize=normalize, sender_mode=sender_mode, top_k=top_k,
+        max_rounds=max_rounds, sender_batch_size=sender_batch_size, device_map=device_map, geometry=check_model(model),
+    )
     fusion = senders or len(tasks) > 1 or weights is not None or kappa is not None
-    if mode not in ("exact", "screen"):
-        raise ValueError(f"mode={mode!r}: use 'exact' or 'screen'")
-    if fusion and mode != "exact":
-        raise NotImplementedError("mode='screen' covers the receivers-only ranking; use mode='exact' with fusion")
-    if mode == "screen" and shard is not None:
-        raise NotImplementedError("mode='screen' runs in one process; shard exact sweeps instead")
-    if device_map is not None and (fusion or mode != "exact" or shard is not None):
-        raise NotImplementedError(
-            "device_map covers the exact receiver sweep of one task in one process; drop --device-map, or "
-            "--mode screen / --senders / several tasks / --devices"
-        )
-    if fusion and shard is not None:
-        raise NotImplementedError(
-            "sharded sweeps (--devices / torchrun) cover the receiver sweep of one task; run fused rankings "
-            "in one process"
-        )
+    if pairs is None:
+        check_rank_store(out_dir, tasks, fusion, model,
+                         {"n_pairs": n_pairs, "seq_len": seq_len, "seed": seed, "depth": depth, **(task_settings or {})},
+                         lam, direction)
     if fusion:
-        from .scores import KAPPA, NORMALIZE, check_weights
+        from .scores import check_weights
 
         w = check_weights(weights, tasks)
         kappa = kappa or "focus"
-        if kappa not in KAPPA:
-            raise ValueError(f"kappa={kappa!r} is not one of {KAPPA}")
-        if normalize not in NORMALIZE:
-            raise ValueError(f"normalize={normalize!r} is not one of {NORMALIZE}")
-        if pairs is not None and len(tasks) != 1:
-            raise ValueError("ready-made pairs label a single task; pass pairs with one task, or let rank generate them")
         return _rank_fused(
             model, tasks, w, kappa, normalize, senders, sender_mode, top_k, max_rounds, sender_batch_size,
             n_pairs=n_pairs, seq_len=seq_len, seed=seed, depth=depth, lam=lam, direction=direction,

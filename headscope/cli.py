@@ -1,14 +1,45 @@
-"""The ``headscope`` command line (typer)."""
+"""The ``headscope`` command line (typer).
+
+Every command checks all its arguments, paths and preconditions before it loads a model, samples
+data or starts a sweep (:mod:`headscope.checks`). An expected error (:class:`headscope.HeadscopeInputError`
+and its subclasses, such as a model spec that cannot be loaded or a bad pair; a pair set without a
+usable gap; a resume into a store of another configuration; an unsupported option) is printed as one
+line ``error: ...`` on stderr with exit code 2. Any other exception is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import typer
 
 app = typer.Typer(add_completion=False, help="Find retrieval-critical attention heads by causal intervention.")
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """The exception types the CLI reports as one line with exit code 2."""
+    from .errors import HeadscopeInputError
+    from .patching.receivers import GapError
+    from .patching.store import ConfigMismatch
+
+    return (HeadscopeInputError, GapError, ConfigMismatch, NotImplementedError)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn an expected error into ``error: <one line>`` on stderr and exit code 2; re-raise the rest."""
+    try:
+        yield
+    except Exception as e:
+        if not isinstance(e, expected_errors()):
+            raise
+        from .errors import one_line
+
+        typer.echo(f"error: {one_line(e)}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.callback()
@@ -48,60 +79,51 @@ def rank(
     max_rounds: int = typer.Option(3, help="sender rounds at most (senders become receivers)"),
     device_map: Optional[str] = typer.Option(None, help="auto or balanced: spread a model that does not fit one GPU over all GPUs (layers)"),
 ) -> None:
-    """Rank every head; write OUT/scores.csv, OUT/mask.json and OUT/heatmap.html."""
-    import headscope
+    """Rank every head; write OUT/scores.csv, OUT/mask.json and OUT/heatmap.html.
 
-    from headscope.distributed import init_from_env, spawn_rank
+    Every argument is checked before the model loads (errors: one line, exit code 2)."""
+    with user_errors():
+        from .checks import (check_budget, check_device_map, check_int, check_model, check_rank_args,
+                             check_rank_store, parse_verify)
 
-    settings = dict(
-        model=model,
-        tasks=tuple(task),
-        n_pairs=pairs,
-        seq_len=seq_len,
-        seed=seed,
-        depth=depth[0] if len(depth) == 1 else tuple(depth),
-        lam=lam,
-        direction=direction,
-        min_gap=min_gap,
-        mode=mode,
-        senders=senders,
-        weights=list(weight) if weight else None,
-        kappa=kappa,
-        normalize=normalize,
-        sender_mode=sender_mode,
-        top_k=top_k,
-        max_rounds=max_rounds,
-    )
-    if mode == "screen":
-        try:
-            v: object = verify if verify == "auto" else (int(verify) if verify.isdigit() else float(verify))
-        except ValueError:
-            typer.echo(f"error: --verify {verify!r}: use auto, a head count or a fraction", err=True)
-            raise typer.Exit(2)
-        settings.update(verify=v, spot_checks=int(spot_checks) if spot_checks >= 1 else spot_checks)
-    from headscope.masks import parse_budget
-    from headscope.patching.store import ConfigMismatch
-
-    try:
-        # check the budget before the sweep, so a typo costs seconds, not the whole run
-        if device_map is not None and devices > 1:
-            raise ValueError("--device-map spreads one model over the GPUs; --devices shards the sweep: use one of them")
-        lm = headscope.load_model(model, device=device, device_map=device_map)
-        g = lm.geometry
-        parse_budget(budget, g.n_total)  # a budget too small for --min-per-layer is raised after ranking
-        if not 0 <= min_per_layer <= g.n_heads:
-            raise ValueError(f"--min-per-layer {min_per_layer} must lie in 0..{g.n_heads} (heads per layer)")
-        settings["model"] = lm
-        shard = init_from_env(device)  # under torchrun: RANK / WORLD_SIZE in the environment
-        if devices > 1 and shard is None:
-            r = spawn_rank(devices, out, device=device, **{**settings, "model": model})  # each rank loads its own
-        else:
-            r = headscope.rank(out_dir=out, device=device, shard=shard, device_map=device_map, **settings)  # type: ignore[arg-type]
-        if shard is not None and shard[0] != 0:
+        g = check_model(model, "--model")  # the geometry from the config / GGUF metadata, no weights
+        check_int("--devices", devices, lo=1, fix="need at least one process")
+        check_int("--top", top, lo=0)
+        check_device_map(device_map, devices, "--device-map")
+        check_budget(budget, g, min_per_layer, "--budget", allow_raise=True)
+        settings = dict(
+            model=model,
+            tasks=tuple(task),
+            n_pairs=pairs,
+            seq_len=seq_len,
+            seed=seed,
+            depth=depth[0] if len(depth) == 1 else tuple(depth),
+            lam=lam,
+            direction=direction,
+            min_gap=min_gap,
+            mode=mode,
+            senders=senders,
+            weights=list(weight) if weight else None,
+            kappa=kappa,
+            normalize=normalize,
+            sender_mode=sender_mode,
+            top_k=top_k,
+            max_rounds=max_rounds,
+        )
+        v = parse_verify(verify)  # in every mode: a typo is not silently ignored
+        sc = int(spot_checks) if spot_checks >= 1 else spot_checks
+        if mode == "screen":
+            settings.update(verify=v, spot_checks=sc)
+        args = {"verify": v, "spot_checks": sc, **{k: val for k, val in settings.items() if k != "model"}}
+        tasks = check_rank_args(**args, out_dir=out, device=device, device_map=device_map,
+                                shard=(0, devices) if devices > 1 else None, geometry=g, cli=True)
+        fused = senders or len(tasks) > 1 or bool(weight) or kappa is not None
+        check_rank_store(out, tasks, fused, model, {"n_pairs": pairs, "seq_len": seq_len, "seed": seed,
+                                                   "depth": settings["depth"]}, lam, direction)
+        run_rank = _run_rank(settings, model, budget, min_per_layer, out, device, devices, device_map)
+        if run_rank is None:
             return
-    except (ValueError, NotImplementedError, FileNotFoundError, ConfigMismatch) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
+        r = run_rank
     mask, mask_error = _mask_step(r, budget, min_per_layer, out)
     r.heatmap().write_html(str(out / "heatmap.html"), include_plotlyjs=True)  # self-contained: works offline
     p = r.provenance
@@ -139,6 +161,28 @@ def rank(
         typer.echo(f"error: no mask.json written: {mask_error}; the ranking is saved, rerun with another --budget "
                    "to get a mask from it without patching again", err=True)
         raise typer.Exit(1)
+
+
+def _run_rank(settings: dict, model: str, budget: str, min_per_layer: int, out: Path, device: Optional[str],
+              devices: int, device_map: Optional[str]) -> Optional[tuple]:
+    """Load the model and run the (checked) ranking -> (Ranking, HeadMask), or None on a rank != 0."""
+    import headscope
+
+    from .checks import check_budget
+    from .distributed import init_from_env, spawn_rank
+
+    lm = headscope.load_model(model, device=device, device_map=device_map)
+    # again where the config could not be read; a budget too small for --min-per-layer is raised after ranking
+    check_budget(budget, lm.geometry, min_per_layer, "--budget", allow_raise=True)
+    settings = {**settings, "model": lm}
+    shard = init_from_env(device)  # under torchrun: RANK / WORLD_SIZE in the environment
+    if devices > 1 and shard is None:
+        r = spawn_rank(devices, out, device=device, **{**settings, "model": model})  # each rank loads its own
+    else:
+        r = headscope.rank(out_dir=out, device=device, shard=shard, device_map=device_map, **settings)
+    if shard is not None and shard[0] != 0:
+        return None
+    return r
 
 
 def _mask_step(r: "object", budget: str, min_per_layer: int, out: Path) -> tuple[object, str | None]:
@@ -184,22 +228,18 @@ def convert(
     """Convert a model into a head-wise FA/GDN hybrid, one stage of the three-stage transfer at a time.
 
     Data parallel: --devices N spawns N processes (or run under torchrun --nproc-per-node N -m
-    headscope.cli convert ...); a checkpoint resumes on any number of devices."""
+    headscope.cli convert ...); a checkpoint resumes on any number of devices. Every argument, the
+    mask against the teacher's config, OUT/stage{k-1}/student.pt and the checkpoint (--resume) are
+    checked before the teacher loads or text is sampled (errors: one line, exit code 2)."""
     import json
     import os
 
-    from .distributed import init_from_env, rank_device
-    from .masks import HeadMask
-    from .models import load_hf
-    from .train import DataConfig, TrainConfig, convert_stage
-    from .train.trainer import spawn_convert
+    with user_errors():
+        from .train import DataConfig, TrainConfig
+        from .train.checks import check_convert_args, check_stage_inputs
 
-    try:
-        if stage not in (1, 2, 3):
-            raise ValueError(f"--stage must be 1, 2 or 3, got {stage}")
-        if devices < 1:
-            raise ValueError(f"--devices {devices}: need at least one process")
-        hm = HeadMask.from_json(mask)
+        hm = check_convert_args(model=model, mask=mask, stage=stage, tokens=tokens, out=out, batch_size=batch_size,
+                                lr=lr, ckpt_every=ckpt_every, devices=devices, device=device, gdn_kernel=gdn_kernel)
         L = seq_len or (2048 if stage == 3 else 512)
         cfg = TrainConfig(
             stage=stage, tokens=tokens, batch_size=batch_size, lr=lr or (1e-3 if stage == 1 else 1e-4), ckpt_every=ckpt_every, seed=seed
@@ -208,7 +248,15 @@ def convert(
             seq_len=L, text_docs=text_docs, doc_len=doc_len, corpus=str(corpus) if corpus else None,
             retrieval_frac=retrieval_frac if stage == 3 else 0.0, retrieval_task=retrieval_task, seed=seed,
         )
+        # the previous stage's student, the checkpoint (--resume or not), the corpus, enough rows per batch
+        check_stage_inputs(out, stage, cfg, data, resume, world=devices, cli=True)
         hybrid = {"gdn_kernel": gdn_kernel} if gdn_kernel != "auto" else None
+
+        from .distributed import init_from_env, rank_device
+        from .models import load_hf
+        from .train import convert_stage
+        from .train.trainer import spawn_convert
+
         shard = init_from_env(device)  # under torchrun: RANK / WORLD_SIZE in the environment
         if devices > 1 and shard is None:
             summary = spawn_convert(devices, model, hm, stage, out, device=device, config=cfg, data=data, resume=resume,
@@ -226,9 +274,6 @@ def convert(
             _, summary = convert_stage(teacher, tok, hm, stage, out, config=cfg, data=data, resume=resume, hybrid_options=hybrid)
             if shard is not None and shard[0] != 0:
                 return
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
     typer.echo(json.dumps(summary))
 
 
@@ -245,24 +290,24 @@ def anatomy(
     fmt: List[str] = typer.Option(["html", "png"], "--format", help="figure formats (repeatable): html, png"),
     device: Optional[str] = typer.Option(None, help="cpu / cuda, for DLA and cosine"),
 ) -> None:
-    """Head anatomy of a saved run: write OUT/anatomy.json and the figures (SPEC.md §7)."""
-    from . import anatomy as an
-    from .scores import Ranking
+    """Head anatomy of a saved run: write OUT/anatomy.json and the figures (SPEC.md §7).
 
+    The run directory, the formats (png needs kaleido and Chromium) and, with --model, the run's model
+    spec and task settings are checked before the model loads (errors: one line, exit code 2)."""
     out = out or run_dir / "anatomy"
-    try:
-        r = Ranking.load(run_dir)
+    with user_errors():
+        from . import anatomy as an
+        from .checks import check_anatomy_args
+
+        r, spec = check_anatomy_args(run_dir, out, threshold, boot, fmt, use_model, device, seed)
         model = pairs = None
         if use_model:
             from .models import load_model
 
-            model = load_model(r.provenance.get("model") or "smollm2-135m", device=device)
+            model = load_model(spec, device=device)
             pairs = an.pairs_of_run(r, model.tokenizer)
         a = an.anatomy(r, model=model, pairs=pairs, threshold=threshold, n_boot=boot, seed=seed)
         written = a.save(out, formats=tuple(fmt))
-    except (ValueError, NotImplementedError, FileNotFoundError, RuntimeError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
     d = a.to_dict()
     for col, c in d["critical"].items():
         g = d["gini"][col]

@@ -48,6 +48,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from .arch import adapt, attention_out_module, decoder_layers, unwrap
+from .errors import HeadscopeInputError, InputTypeError
 from .models import LoadedModel
 from .readout import greedy_exact_match
 from .tasks.base import Pair
@@ -147,18 +148,27 @@ def normalize_heads(model: LoadedModel, heads: Any) -> list[Head]:
     ``HeadMask``-like object with ``.fa_heads`` (``{layer: [heads]}``).
 
     Raises:
-        ValueError: a layer or head index outside the model's geometry.
+        HeadscopeInputError (a ValueError): a layer or head index outside the model's geometry, or
+            ``heads`` in none of the accepted forms.
     """
-    if hasattr(heads, "columns") and {"layer", "head"} <= set(heads.columns):
-        items = list(zip(heads["layer"].astype(int), heads["head"].astype(int)))
-    elif isinstance(heads, dict):
-        items = [(int(l), int(h)) for l, hs in heads.items() for h in hs]
-    else:
-        items = [(int(l), int(h)) for l, h in heads]
+    if hasattr(heads, "fa_heads") and hasattr(heads, "heads"):  # a HeadMask
+        heads = dict(enumerate(heads.fa_heads))
+    try:
+        if hasattr(heads, "columns") and {"layer", "head"} <= set(heads.columns):
+            items = list(zip(heads["layer"].astype(int), heads["head"].astype(int)))
+        elif isinstance(heads, dict):
+            items = [(int(l), int(h)) for l, hs in heads.items() for h in hs]
+        else:
+            items = [(int(l), int(h)) for l, h in heads]
+    except (TypeError, ValueError):
+        raise HeadscopeInputError(
+            f"heads {heads!r:.80} are not (layer, head) pairs; pass [(layer, head), ...], a DataFrame with layer/head "
+            "columns, {layer: [heads]} or a HeadMask"
+        ) from None
     g = model.geometry
     bad = [(l, h) for l, h in items if not (0 <= l < g.n_layers and 0 <= h < g.n_heads)]
     if bad:
-        raise ValueError(f"heads {bad} outside the model ({g.n_layers} layers x {g.n_heads} heads); indices start at 0")
+        raise HeadscopeInputError(f"heads {bad} outside the model ({g.n_layers} layers x {g.n_heads} heads); indices start at 0")
     return sorted(set(items))
 
 
@@ -251,22 +261,32 @@ def ablate(
     Yields:
         AblationState (calls made, resample fallback count).
 
-    Raises:
-        ValueError: unknown method, missing reference, heads outside the model.
+    Raises (before any hook is installed or reference computed):
+        InputTypeError: ``model`` is not a LoadedModel.
+        HeadscopeInputError (a ValueError): unknown method, a missing or empty reference, a list of
+            prompts as the ``"resample"`` reference, heads outside the model.
         NotImplementedError: ``"zero"`` on a bridge whose weights were processed without a record of
             the value biases from before (see :func:`folded_value_bias`).
         RuntimeError: (inside the block) ``"resample"`` when a decoder layer is called without
             ``position_ids`` / ``cache_position``.
     """
+    if not isinstance(model, LoadedModel):
+        raise InputTypeError(f"ablate needs a LoadedModel (headscope.load_model(...)), not {type(model).__name__}")
     if method not in METHODS:
-        raise ValueError(f"unknown ablation method {method!r}; use one of {METHODS}")
+        raise HeadscopeInputError(f"unknown ablation method {method!r}; use one of {METHODS}")
     hs = normalize_heads(model, heads)
+    if method != "zero" and reference is not None and not isinstance(reference, dict):
+        if method == "mean" and (isinstance(reference, (str, Pair)) or len(reference) == 0):
+            raise HeadscopeInputError("mean ablation needs a non-empty list of reference prompts (reference=[...])")
+        if method == "resample" and isinstance(reference, (list, tuple)) and reference and not isinstance(reference[0], int):
+            raise HeadscopeInputError("resample ablation takes ONE reference prompt (a Pair, a string or token ids), "
+                                      "not a list of prompts")
     layers = sorted({l for l, _ in hs})
     dh = model.geometry.d_head
     values: dict[int, Tensor] = {}
     if method != "zero":
         if reference is None:
-            raise ValueError(f"{method} ablation needs reference=: prompts (mean) or one prompt (resample)")
+            raise HeadscopeInputError(f"{method} ablation needs reference=: prompts (mean) or one prompt (resample)")
         if isinstance(reference, dict):
             values = {int(k): v for k, v in reference.items()}
         elif method == "mean":
@@ -275,7 +295,7 @@ def ablate(
             values = resample_reference(model, reference, layers)
         missing = [l for l in layers if l not in values]
         if missing:
-            raise ValueError(f"reference has no hook_z for layers {missing}; recompute it for these heads")
+            raise HeadscopeInputError(f"reference has no hook_z for layers {missing}; recompute it for these heads")
     fold = folded_value_bias(model) if method == "zero" else {}
     state = AblationState(hs, method, values=values)
     by_layer: dict[int, list[int]] = {}

@@ -18,6 +18,8 @@ from typing import Any, Sequence, Union
 
 import numpy as np
 
+from .errors import HeadscopeInputError, InputFileNotFoundError
+
 Budget = Union[int, float, str]
 
 
@@ -51,42 +53,42 @@ def parse_budget(budget: Budget, n_total: int) -> int:
         head must remain FA).
 
     Raises:
-        ValueError: a count above ``n_total`` or below 1, a fraction outside (0, 1], or a
-            malformed ratio / a ratio that leaves no FA head.
+        HeadscopeInputError (a ValueError): a count above ``n_total`` or below 1, a fraction outside
+            (0, 1], or a malformed ratio / a ratio that leaves no FA head.
     """
     if isinstance(budget, bool):
-        raise ValueError("budget must be a head count, a fraction or an 'LA:FA' ratio, not a bool")
+        raise HeadscopeInputError("budget must be a head count, a fraction or an 'LA:FA' ratio, not a bool")
     if isinstance(budget, str):
         s = budget.strip()
         if ":" in s:
             try:
                 la, fa = (float(v) for v in s.split(":"))
             except ValueError:
-                raise ValueError(f"budget ratio {budget!r} is not of the form 'LA:FA', e.g. '7:1'") from None
+                raise HeadscopeInputError(f"budget ratio {budget!r} is not of the form 'LA:FA', e.g. '7:1'") from None
             if la < 0 or fa <= 0:
-                raise ValueError(f"budget ratio {budget!r} leaves no FA head: FA must be > 0, e.g. '7:1'")
+                raise HeadscopeInputError(f"budget ratio {budget!r} leaves no FA head: FA must be > 0, e.g. '7:1'")
             k = round(n_total * fa / (la + fa))
             if k < 1:
-                raise ValueError(
+                raise HeadscopeInputError(
                     f"budget ratio {budget!r} leaves no FA head among {n_total} heads; use a smaller LA:FA ratio"
                 )
             return k
         try:
             budget = float(s) if "." in s else int(s)
         except ValueError:
-            raise ValueError(f"budget {budget!r} is not a count, a fraction or an 'LA:FA' ratio") from None
+            raise HeadscopeInputError(f"budget {budget!r} is not a count, a fraction or an 'LA:FA' ratio") from None
     if isinstance(budget, (int, np.integer)):
         if budget < 1 or budget > n_total:
-            raise ValueError(
+            raise HeadscopeInputError(
                 f"budget of {budget} FA heads is outside 1..{n_total} (the model has {n_total} heads); "
                 "pass a smaller count, a fraction like 0.125, or a ratio like '7:1'"
             )
         return int(budget)
     if isinstance(budget, float):
         if not 0.0 < budget <= 1.0:
-            raise ValueError(f"budget fraction {budget} must lie in (0, 1]; for a head count pass an int")
+            raise HeadscopeInputError(f"budget fraction {budget} must lie in (0, 1]; for a head count pass an int")
         return max(1, round(budget * n_total))
-    raise ValueError(f"budget {budget!r} of type {type(budget).__name__} is not understood")
+    raise HeadscopeInputError(f"budget {budget!r} of type {type(budget).__name__} is not understood")
 
 
 @dataclass(frozen=True)
@@ -107,15 +109,15 @@ class HeadMask:
 
     def __post_init__(self) -> None:
         if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+            raise HeadscopeInputError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if len(self.fa_heads) != self.n_layers:
-            raise ValueError(f"mask lists {len(self.fa_heads)} layers but the geometry has {self.n_layers}")
+            raise HeadscopeInputError(f"mask lists {len(self.fa_heads)} layers but the geometry has {self.n_layers}")
         for layer, heads in enumerate(self.fa_heads):
             if len(set(heads)) != len(heads):
-                raise ValueError(f"layer {layer} lists a head twice: {list(heads)}")
+                raise HeadscopeInputError(f"layer {layer} lists a head twice: {list(heads)}")
             bad = [h for h in heads if not 0 <= h < self.n_heads]
             if bad:
-                raise ValueError(f"layer {layer} has head indices {bad} outside 0..{self.n_heads - 1}")
+                raise HeadscopeInputError(f"layer {layer} has head indices {bad} outside 0..{self.n_heads - 1}")
         object.__setattr__(self, "fa_heads", tuple(tuple(sorted(int(h) for h in hs)) for hs in self.fa_heads))
 
     # ---- construction -------------------------------------------------------------------------
@@ -127,7 +129,7 @@ class HeadMask:
         per: list[list[int]] = [[] for _ in range(n_layers)]
         for layer, head in heads:
             if not 0 <= layer < n_layers:
-                raise ValueError(f"layer {layer} outside 0..{n_layers - 1}")
+                raise HeadscopeInputError(f"layer {layer} outside 0..{n_layers - 1}")
             per[layer].append(int(head))
         return cls(n_layers, n_heads, n_kv_heads, tuple(tuple(p) for p in per), dict(meta or {}))
 
@@ -154,20 +156,20 @@ class HeadMask:
                 instead of raising ValueError.
 
         Raises:
-            ValueError: budget out of range, ``min_per_layer`` outside 0..n_heads, or (without
-                ``raise_budget``) ``min_per_layer * n_layers`` above the budget.
+            HeadscopeInputError (a ValueError): budget out of range, ``min_per_layer`` outside
+                0..n_heads, or (without ``raise_budget``) ``min_per_layer * n_layers`` above the budget.
         """
         s = np.asarray(scores, dtype=float)
         n_layers, n_heads = s.shape
         k = parse_budget(budget, n_layers * n_heads)
         if min_per_layer < 0 or min_per_layer > n_heads:
-            raise ValueError(f"min_per_layer={min_per_layer} must lie in 0..{n_heads}")
+            raise HeadscopeInputError(f"min_per_layer={min_per_layer} must lie in 0..{n_heads}")
         meta = dict(meta or {})
         meta.setdefault("budget", budget)
         need = min_per_layer * n_layers
         if need > k:
             if not raise_budget:
-                raise ValueError(
+                raise HeadscopeInputError(
                     f"budget of {k} FA heads cannot give {min_per_layer} head(s) to each of {n_layers} layers "
                     f"(needs {need}); raise the budget, lower min_per_layer, or pass raise_budget=True"
                 )
@@ -282,11 +284,25 @@ class HeadMask:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "HeadMask":
-        if d.get("format", "").split("/")[0] != "headscope.HeadMask":
-            raise ValueError("not a headscope HeadMask (missing 'format': 'headscope.HeadMask/1')")
-        n_layers = int(d["n_layers"])
-        fa = tuple(tuple(d["fa_heads"].get(str(layer), [])) for layer in range(n_layers))
-        return cls(n_layers, int(d["n_heads"]), int(d["n_kv_heads"]), fa, dict(d.get("meta", {})))
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            HeadscopeInputError: not a HeadMask dict, a missing or malformed field, or an invalid
+                mask (a head listed twice or outside the layer).
+        """
+        if not isinstance(d, dict) or str(d.get("format", "")).split("/")[0] != "headscope.HeadMask":
+            raise HeadscopeInputError("not a headscope HeadMask (missing 'format': 'headscope.HeadMask/1'); "
+                                      "pass the mask.json written by `headscope rank` or HeadMask.to_json")
+        try:
+            n_layers = int(d["n_layers"])
+            fa = tuple(tuple(int(h) for h in d["fa_heads"].get(str(layer), [])) for layer in range(n_layers))
+            return cls(n_layers, int(d["n_heads"]), int(d["n_kv_heads"]), fa, dict(d.get("meta", {})))
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            if isinstance(e, HeadscopeInputError):
+                raise
+            raise HeadscopeInputError(
+                f"HeadMask dict is malformed ({type(e).__name__}: {e}); write it with HeadMask.to_json"
+            ) from None
 
     def to_json(self, path: str | Path) -> Path:
         path = Path(path)
@@ -298,12 +314,31 @@ class HeadMask:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "HeadMask":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a mask written by :meth:`to_json` (``OUT/mask.json`` of ``headscope rank``).
+
+        Raises:
+            InputFileNotFoundError (a FileNotFoundError and HeadscopeInputError): no such file.
+            HeadscopeInputError: a directory, a file that is not JSON, or not a HeadMask.
+        """
+        p = Path(path).expanduser()
+        fix = "pass the mask.json written by `headscope rank` (OUT/mask.json) or HeadMask.to_json"
+        if not p.exists():
+            raise InputFileNotFoundError(f"mask file {p} does not exist; {fix}")
+        if p.is_dir():
+            raise HeadscopeInputError(f"mask {p} is a directory; {fix}")
+        try:
+            d = json.loads(p.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise HeadscopeInputError(f"mask file {p} is not JSON ({e}); {fix}") from None
+        try:
+            return cls.from_dict(d)
+        except HeadscopeInputError as e:
+            raise HeadscopeInputError(f"mask file {p}: {e}") from None
 
     def check_geometry(self, n_layers: int, n_heads: int, n_kv_heads: int) -> None:
-        """Raise ValueError when the mask was made for another model geometry."""
+        """Raise HeadscopeInputError (a ValueError) when the mask was made for another model geometry."""
         if (self.n_layers, self.n_heads, self.n_kv_heads) != (n_layers, n_heads, n_kv_heads):
-            raise ValueError(
+            raise HeadscopeInputError(
                 f"mask is for {self.n_layers} layers x {self.n_heads} heads ({self.n_kv_heads} KV heads) "
                 f"but the model has {n_layers} x {n_heads} ({n_kv_heads} KV heads); rank this model first"
             )

@@ -22,13 +22,15 @@ from typing import Any
 
 import torch
 
+from .errors import HeadscopeInputError
+
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "smollm2", "huggingfacetb/smollm2-135m-instruct"}
 
 
-class ModelSpecError(ValueError):
-    """The model spec names nothing headscope can load without a download."""
+class ModelSpecError(HeadscopeInputError):
+    """The model spec names nothing headscope can load without a download (a HeadscopeInputError)."""
 
 
 @dataclass(frozen=True)

@@ -159,9 +159,12 @@ def save_figure(fig: go.Figure, stem: Any, formats: Any = ("html", "png"), scale
     Debian ``apt-get install chromium``, or ``plotly_get_chrome``).
 
     Raises:
-        RuntimeError: PNG requested but kaleido cannot find a browser (the message names the fix).
+        InputRuntimeError (a RuntimeError and HeadscopeInputError): PNG requested but kaleido cannot
+            find a browser (the message names the fix). HeadscopeInputError: an unknown format.
     """
     from pathlib import Path
+
+    from .errors import HeadscopeInputError, InputRuntimeError
 
     stem = Path(stem)
     out = []
@@ -173,11 +176,11 @@ def save_figure(fig: go.Figure, stem: Any, formats: Any = ("html", "png"), scale
             try:
                 fig.write_image(str(p), scale=scale)
             except Exception as e:  # kaleido's errors for a missing browser vary by version
-                raise RuntimeError(
+                raise InputRuntimeError(
                     f"static export to {p} failed ({type(e).__name__}: {e}); kaleido >= 1 needs Chrome or "
                     "Chromium: `apt-get install chromium` (Debian) or `plotly_get_chrome`, or save html only"
                 ) from e
         else:
-            raise ValueError(f"unknown figure format {f!r}; use html, png, svg or pdf")
+            raise HeadscopeInputError(f"unknown figure format {f!r}; use html, png, svg or pdf")
         out.append(p)
     return out

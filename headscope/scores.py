@@ -19,6 +19,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from .errors import HeadscopeInputError, InputFileNotFoundError
 from .masks import Budget, HeadMask
 from .patching.store import atomic_write_text
 
@@ -143,14 +144,34 @@ class Ranking:
 
     @classmethod
     def load(cls, directory: str | Path) -> "Ranking":
-        """Read a directory written by :meth:`save`. Raises FileNotFoundError naming the missing file."""
-        d = Path(directory)
+        """Read a directory written by :meth:`save`.
+
+        Raises:
+            InputFileNotFoundError (a FileNotFoundError and HeadscopeInputError): the directory or
+                one of its files (scores.csv, ranking.json) is missing; the message names it.
+            HeadscopeInputError: ``directory`` is a file, or a file is unreadable / of another format.
+        """
+        d = Path(directory).expanduser()
+        fix = f"is {d} a directory written by `headscope rank` / Ranking.save?"
+        if not d.exists():
+            raise InputFileNotFoundError(f"run directory {d} is missing (no such directory); pass a directory written "
+                                         "by `headscope rank` / Ranking.save")
+        if not d.is_dir():
+            raise HeadscopeInputError(f"{d} is a file, not a run directory; pass the directory `headscope rank` wrote")
         for f in ("scores.csv", "ranking.json"):
-            if not (d / f).exists():
-                raise FileNotFoundError(f"{d / f} is missing; is {d} a directory written by Ranking.save?")
-        meta = json.loads((d / "ranking.json").read_text())
+            if not (d / f).is_file():
+                raise InputFileNotFoundError(f"{d / f} is missing; {fix}")
+        try:
+            meta = json.loads((d / "ranking.json").read_text())
+            geometry = meta["geometry"]
+            df = pd.read_csv(d / "scores.csv")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, pd.errors.ParserError) as e:
+            raise HeadscopeInputError(f"{d} holds an unreadable ranking ({type(e).__name__}: {e}); {fix}") from None
+        missing = [c for c in ("layer", "head") if c not in df.columns]
+        if missing:
+            raise HeadscopeInputError(f"{d / 'scores.csv'} lacks the columns {missing}; {fix}")
         ie = torch.load(d / "ie.pt") if (d / "ie.pt").exists() else None
-        return cls(pd.read_csv(d / "scores.csv"), meta["geometry"], meta.get("provenance", {}), ie, meta.get("extras", {}))
+        return cls(df, geometry, meta.get("provenance", {}), ie, meta.get("extras", {}))
 
 
 # ---- SPEC.md §6: κ, per-capability scores and fusion (eq. 11, 12) -----------------------------
@@ -167,7 +188,7 @@ def retrieval_focus(model: Any, pairs: Any) -> Float[Tensor, "layer head"]:
     maximum over heads and clipped to [0, 1].
 
     Raises:
-        ValueError: no pairs, or no head attends to the evidence at all (κ undefined).
+        ValueError: no pairs; HeadscopeInputError: no head attends to the evidence at all (κ undefined).
     """
     from .patching.engine import Engine
     from .patching.receivers import check_pairs, sequences
@@ -184,7 +205,7 @@ def retrieval_focus(model: Any, pairs: Any) -> Float[Tensor, "layer head"]:
     kappa = acc / len(pairs)
     top = float(kappa.max())
     if not top > 0:
-        raise ValueError("no head puts attention on the evidence span; κ is undefined (use kappa='one')")
+        raise HeadscopeInputError("no head puts attention on the evidence span; κ is undefined (use kappa='one')")
     return (kappa / top).clamp(0.0, 1.0).float()
 
 
@@ -202,19 +223,20 @@ def normalize_score(s: Float[Tensor, "layer head"], how: str = "max") -> Float[T
     """ŝ: ``"max"`` (default) divides by the largest score over heads; ``"minmax"`` maps to [0, 1].
 
     Raises:
-        ValueError: an unknown ``how``; ``"max"`` when no head has a positive score; ``"minmax"``
+        HeadscopeInputError (a ValueError): an unknown ``how``; ``"max"`` when no head has a positive
+            score; ``"minmax"``
             when every head has the same score.
     """
     if how not in NORMALIZE:
-        raise ValueError(f"normalize={how!r} is not one of {NORMALIZE}")
+        raise HeadscopeInputError(f"normalize={how!r} is not one of {NORMALIZE}")
     s = s.double()
     hi, lo = float(torch.nan_to_num(s, nan=-math.inf).max()), float(torch.nan_to_num(s, nan=math.inf).min())
     if how == "max":
         if not hi > 0:
-            raise ValueError(f"no head has a positive score (max {hi:.3g}); max-normalization is undefined, use 'minmax'")
+            raise HeadscopeInputError(f"no head has a positive score (max {hi:.3g}); max-normalization is undefined, use 'minmax'")
         return s / hi
     if not hi > lo:
-        raise ValueError("every head has the same score; min-max normalization is undefined")
+        raise HeadscopeInputError("every head has the same score; min-max normalization is undefined, use 'max'")
     return (s - lo) / (hi - lo)
 
 
@@ -222,7 +244,8 @@ def check_weights(weights: Any, tasks: Sequence[str]) -> dict[str, float]:
     """Capability weights w_c (SPEC.md §6, eq. 12): None = uniform; a sequence in task order or a dict.
 
     Raises:
-        ValueError: a count or keys that do not match the tasks, a negative weight, or weights
+        HeadscopeInputError (a ValueError): a count or keys that do not match the tasks, a negative
+            weight, or weights
             that do not sum to 1 (within 1e-6).
     """
     tasks = list(tasks)
@@ -230,18 +253,18 @@ def check_weights(weights: Any, tasks: Sequence[str]) -> dict[str, float]:
         return {t: 1.0 / len(tasks) for t in tasks}
     if isinstance(weights, dict):
         if set(weights) != set(tasks):
-            raise ValueError(f"weights are given for {sorted(weights)} but the tasks are {tasks}; give one weight per task")
+            raise HeadscopeInputError(f"weights are given for {sorted(weights)} but the tasks are {tasks}; give one weight per task")
         w = {t: float(weights[t]) for t in tasks}
     else:
         ws = [float(v) for v in weights]
         if len(ws) != len(tasks):
-            raise ValueError(f"{len(ws)} weight(s) for {len(tasks)} task(s) {tasks}; give one weight per task, in task order")
+            raise HeadscopeInputError(f"{len(ws)} weight(s) for {len(tasks)} task(s) {tasks}; give one weight per task, in task order")
         w = dict(zip(tasks, ws))
     if any(not (v >= 0) for v in w.values()):
-        raise ValueError(f"weights {w} must be non-negative")
+        raise HeadscopeInputError(f"weights {w} must be non-negative")
     total = sum(w.values())
     if abs(total - 1.0) > 1e-6:
-        raise ValueError(f"weights {w} sum to {total:.6g}, not 1; rescale them so that they sum to 1")
+        raise HeadscopeInputError(f"weights {w} sum to {total:.6g}, not 1; rescale them so that they sum to 1")
     return w
 
 

@@ -110,12 +110,16 @@ def hybridize(
         A new hybrid model (same device and dtype as ``model``, eval/train mode copied) whose
         ``config.headscope_hybrid`` holds the mask and options.
 
-    Raises:
-        TypeError: ``model`` is not a supported family, or ``mask`` is of an unknown type.
-        ValueError: the mask is for another geometry, lists a head twice, or leaves a layer with fewer
-            than ``min_per_layer`` FA heads; an unknown or invalid option.
+    Raises (checked first, :func:`headscope.checks.check_hybridize_args`):
+        InputTypeError (a TypeError and HeadscopeInputError): ``model`` is not a supported family,
+            or ``mask`` is of an unknown type.
+        HeadscopeInputError (a ValueError): the mask is for another geometry, lists a head twice, or
+            leaves a layer with fewer than ``min_per_layer`` FA heads; an unknown or invalid option.
         ImportError: ``gdn_kernel="fla"`` without flash-linear-attention installed.
     """
+    from ..checks import check_hybridize_args
+
+    mask = check_hybridize_args(model, mask, min_per_layer, options)  # before any weight is copied
     fam = next((v for k, v in _FAMILIES.items() if type(model) is k), None)
     if fam is None:
         if isinstance(model, (HybridLlamaForCausalLM, HybridQwen3ForCausalLM)):

@@ -12,7 +12,6 @@ layer gates), ``rope_dependence`` (HwH RPD / RFIS), ``random``, ``uniform_per_la
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
 from ..models import LoadedModel, load_model
@@ -49,19 +48,16 @@ def select(model: str | LoadedModel, method: str, **settings: Any) -> Ranking:
     Returns:
         Ranking (rank 1 = the head that most deserves full attention).
 
-    Raises:
-        ValueError: unknown method, or a setting the selector does not take (the message lists
-            the accepted ones).
+    Raises (before the model loads; HeadscopeInputError is a ValueError):
+        HeadscopeInputError: unknown method, a setting the selector does not take (the message
+            lists the accepted ones), a value outside the selector's choices, a bad count, length or
+            depth; for ``causal`` every check of :func:`headscope.rank`.
+        ModelSpecError: a model spec that cannot be loaded (missing file, uncached hub id).
     """
-    if method not in SELECTORS:
-        raise ValueError(f"unknown selector {method!r}; available: {', '.join(SELECTORS)}")
+    from ..checks import check_select_args
+
+    check_select_args(model, method, settings)  # before the model loads
     fn = SELECTORS[method]
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        bad = [k for k in settings if k not in params or k == "model"]
-        if bad:
-            ok = [k for k in params if k != "model"]
-            raise ValueError(f"selector {method!r} does not take {bad}; its settings are {ok}")
     return fn(load_model(model), **settings)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..errors import HeadscopeInputError
 from .base import Pair, PairError, validate_pair
 from .filler import Filler
 from .induction import induction
@@ -20,9 +21,9 @@ TASKS: dict[str, Callable[..., list[Pair]]] = {
 
 
 def make_pairs(task: str, tokenizer: Any, **settings: Any) -> list[Pair]:
-    """Pairs of the named capability. Raises ValueError for an unknown task name."""
+    """Pairs of the named capability. Raises HeadscopeInputError (a ValueError) for an unknown task name."""
     if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; available: {', '.join(sorted(TASKS))}")
+        raise HeadscopeInputError(f"unknown task {task!r}; available: {', '.join(sorted(TASKS))}")
     return TASKS[task](tokenizer, **settings)
 
 

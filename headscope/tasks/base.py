@@ -9,14 +9,16 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from ..errors import HeadscopeInputError
 
-class PairError(ValueError):
-    """A calibration pair violates the contract of SPEC.md §2."""
+
+class PairError(HeadscopeInputError):
+    """A calibration pair violates the contract of SPEC.md §2 (a HeadscopeInputError, so a ValueError)."""
 
 
 @dataclass(frozen=True)
 class Pair:
-    """One calibration pair.
+    """One calibration pair; checked on construction (:func:`validate_pair`, raises :class:`PairError`).
 
     Attributes:
         clean: Int[Tensor, "pos"] token ids of the clean prompt x.
@@ -80,7 +82,9 @@ class Pair:
 
 
 def validate_pair(p: Pair, decode: Callable[[Sequence[int]], str] | None = None) -> None:
-    """Raise :class:`PairError` naming the fix when ``p`` breaks the pair contract."""
+    """Raise :class:`PairError` naming the fix when ``p`` breaks the pair contract: prompts or answers
+    of different lengths, an empty answer, the same answer for a⁺ and a⁻ (its gap would be 0 by
+    construction), or an evidence span outside the prompt."""
 
     def show(ids: Tensor) -> str:
         return repr(decode(ids.tolist())) if decode else str(ids.tolist()[:12]) + ("..." if ids.numel() > 12 else "")
@@ -98,6 +102,11 @@ def validate_pair(p: Pair, decode: Callable[[Sequence[int]], str] | None = None)
         )
     if p.answer.numel() < 1:
         raise PairError("the answer span is empty; a pair needs at least one answer token")
+    if torch.equal(p.answer, p.counter_answer):
+        raise PairError(
+            f"answer a+ and counter_answer a- are the same tokens ({show(p.answer)}), so the gap m(x) - m(x') "
+            "is 0 by construction; give a counterfactual answer that differs from the clean one"
+        )
     s, e = p.evidence
     if not 0 <= s < e <= p.clean.numel():
         raise PairError(f"evidence span {p.evidence} is not a non-empty range inside the prompt of {p.clean.numel()} tokens")

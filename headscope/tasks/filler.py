@@ -6,6 +6,8 @@ import random
 import re
 from pathlib import Path
 
+from ..errors import HeadscopeInputError, InputFileNotFoundError
+
 # Passkey-style haystack (Mohtashami & Jaggi 2023 use one repeated sentence; a few variants read
 # less degenerate and keep every sentence free of digits, so they never collide with needles).
 BUILTIN_SENTENCES = (
@@ -31,12 +33,12 @@ class Filler:
         else:
             path = Path(corpus)
             if not path.is_file():
-                raise FileNotFoundError(f"filler corpus {path} does not exist; pass a UTF-8 text file or None")
+                raise InputFileNotFoundError(f"filler corpus {path} does not exist; pass a UTF-8 text file or None")
             text = path.read_text(encoding="utf-8", errors="replace")
             parts = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if s.strip()]
             self.sentences = [s for s in parts if not re.search(r"\d", s) and len(s) < 400]
             if not self.sentences:
-                raise ValueError(f"filler corpus {path} has no usable sentences (need digit-free sentences)")
+                raise HeadscopeInputError(f"filler corpus {path} has no usable sentences (need digit-free sentences)")
             self.source = str(path)
 
     def take(self, n: int, rng: random.Random) -> list[str]:

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..errors import HeadscopeInputError
 from .base import Pair
 
 
@@ -21,7 +22,7 @@ def _token_pool(tokenizer: Any, lo: int = 1000, hi: int = 20000) -> list[int]:
     lo = min(lo, max(0, hi - 100))
     pool = [t for t in range(lo, hi) if t not in special]
     if len(pool) < 64:
-        raise ValueError(f"the tokenizer's vocabulary ({len(tokenizer)}) is too small for induction pairs")
+        raise HeadscopeInputError(f"the tokenizer's vocabulary ({len(tokenizer)}) is too small for induction pairs")
     return pool
 
 
@@ -42,17 +43,17 @@ def induction(
         n_answer: answer tokens m (a⁺ and a⁻ differ in every token).
 
     Raises:
-        ValueError: n_pairs < 1, n_answer < 1, depth outside [0, 1], seq_len too short.
+        HeadscopeInputError (a ValueError): n_pairs < 1, n_answer < 1, depth outside [0, 1], seq_len too short.
     """
     if n_pairs < 1:
-        raise ValueError(f"n_pairs={n_pairs}: need at least one calibration pair")
+        raise HeadscopeInputError(f"n_pairs={n_pairs}: need at least one calibration pair")
     depths = [depth] if isinstance(depth, (int, float)) else list(depth)
     if not depths or any(not 0.0 <= float(d) <= 1.0 for d in depths):
-        raise ValueError(f"needle depth {depth} must lie in [0, 1]")
+        raise HeadscopeInputError(f"needle depth {depth} must lie in [0, 1]")
     if n_answer < 1:
-        raise ValueError(f"n_answer={n_answer} must be >= 1")
+        raise HeadscopeInputError(f"n_answer={n_answer} must be >= 1")
     if seq_len < 2 * n_answer + 2:
-        raise ValueError(f"seq_len={seq_len} is too short for induction with n_answer={n_answer}; raise seq_len")
+        raise HeadscopeInputError(f"seq_len={seq_len} is too short for induction with n_answer={n_answer}; raise seq_len")
     pool = _token_pool(tokenizer)
     bos = tokenizer.bos_token_id
     head = [bos] if bos is not None else []

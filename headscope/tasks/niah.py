@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..errors import HeadscopeInputError
 from .base import Pair, PairError
 from .filler import Filler
 
@@ -106,7 +107,7 @@ def _fit_filler(
     """Most filler sentences such that ``make_text(sentences)`` stays within ``seq_len`` tokens."""
     base = len(_ids(tokenizer, make_text([])))
     if base > seq_len:
-        raise ValueError(f"seq_len={seq_len} is shorter than the task's fixed text ({base} tokens); raise seq_len")
+        raise HeadscopeInputError(f"seq_len={seq_len} is shorter than the task's fixed text ({base} tokens); raise seq_len")
     probe = filler.take(20, random.Random(rng_seed))
     per = max(1.0, (len(_ids(tokenizer, make_text(probe))) - base) / 20)
     n = min(max_sentences, int((seq_len - base) / per) + 2)
@@ -141,14 +142,14 @@ def niah_single(
         corpus: optional text file replacing the built-in filler.
 
     Raises:
-        ValueError: n_pairs < 1, depth outside [0, 1], seq_len too short.
+        HeadscopeInputError (a ValueError): n_pairs < 1, depth outside [0, 1], seq_len too short.
         PairError: no equal-length counterfactual found in MAX_REDRAWS draws.
     """
     if n_pairs < 1:
-        raise ValueError(f"n_pairs={n_pairs}: need at least one calibration pair")
+        raise HeadscopeInputError(f"n_pairs={n_pairs}: need at least one calibration pair")
     depths = [depth] if isinstance(depth, (int, float)) else list(depth)
     if not depths or any(not 0.0 <= float(d) <= 1.0 for d in depths):
-        raise ValueError(f"needle depth {depth} must lie in [0, 1]")
+        raise HeadscopeInputError(f"needle depth {depth} must lie in [0, 1]")
     filler = Filler(corpus)
     rng = random.Random(seed)
     pairs: list[Pair] = []
@@ -168,7 +169,7 @@ def niah_single(
             sentences = _fit_filler(tokenizer, make_text, filler, seq_len - n_digits - 1, fill_seed)
         except ValueError:
             base = len(_ids(tokenizer, make_text([]))) + n_digits + 1
-            raise ValueError(
+            raise HeadscopeInputError(
                 f"seq_len={seq_len} is shorter than niah_single's fixed text and answer ({base} tokens); raise seq_len"
             ) from None
         for _ in range(MAX_REDRAWS):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import random
 from typing import Any, Callable, Sequence
 
+from ..errors import HeadscopeInputError
 from .base import Pair, PairError
 from .filler import Filler
 from .niah import MAX_REDRAWS, _fit_filler, _ids, build_pair, draw_value
@@ -44,10 +45,10 @@ INTRO_VARS = (
 
 def _check_common(n_pairs: int, depth: float | Sequence[float]) -> list[float]:
     if n_pairs < 1:
-        raise ValueError(f"n_pairs={n_pairs}: need at least one calibration pair")
+        raise HeadscopeInputError(f"n_pairs={n_pairs}: need at least one calibration pair")
     depths = [depth] if isinstance(depth, (int, float)) else list(depth)
     if not depths or any(not 0.0 <= float(d) <= 1.0 for d in depths):
-        raise ValueError(f"needle depth {depth} must lie in [0, 1]")
+        raise HeadscopeInputError(f"needle depth {depth} must lie in [0, 1]")
     return [float(d) for d in depths]
 
 
@@ -152,11 +153,11 @@ def niah_multikey(
     Args: as :func:`headscope.tasks.niah_single`, plus ``n_keys`` (>= 2) needles.
 
     Raises:
-        ValueError: n_pairs < 1, n_keys < 2, depth outside [0, 1], seq_len too short.
+        HeadscopeInputError (a ValueError): n_pairs < 1, n_keys < 2, depth outside [0, 1], seq_len too short.
         PairError: no equal-length counterfactual found.
     """
     if not 2 <= n_keys <= len(KEY_WORDS):
-        raise ValueError(f"n_keys={n_keys} must lie in 2..{len(KEY_WORDS)}")
+        raise HeadscopeInputError(f"n_keys={n_keys} must lie in 2..{len(KEY_WORDS)}")
 
     def draw(rng: random.Random, d: float) -> dict[str, Any]:
         keys = rng.sample(KEY_WORDS, n_keys)
@@ -204,10 +205,10 @@ def niah_multivalue(
     swaps it for a value differing in every digit (evidence = that value).
 
     Raises:
-        ValueError: n_pairs < 1, n_values < 2, depth outside [0, 1], seq_len too short.
+        HeadscopeInputError (a ValueError): n_pairs < 1, n_values < 2, depth outside [0, 1], seq_len too short.
     """
     if n_values < 2:
-        raise ValueError(f"n_values={n_values} must be >= 2 (for one value use niah_single)")
+        raise HeadscopeInputError(f"n_values={n_values} must be >= 2 (for one value use niah_single)")
 
     def draw(rng: random.Random, d: float) -> dict[str, Any]:
         key = rng.choice(KEY_WORDS)
@@ -246,10 +247,10 @@ def variable_tracking(
     x' swaps the root value (evidence = the root value).
 
     Raises:
-        ValueError: n_pairs < 1, n_hops < 1, depth outside [0, 1], seq_len too short.
+        HeadscopeInputError (a ValueError): n_pairs < 1, n_hops < 1, depth outside [0, 1], seq_len too short.
     """
     if not 1 <= n_hops <= len(VAR_NAMES) // 2 - 1:
-        raise ValueError(f"n_hops={n_hops} must lie in 1..{len(VAR_NAMES) // 2 - 1}")
+        raise HeadscopeInputError(f"n_hops={n_hops} must lie in 1..{len(VAR_NAMES) // 2 - 1}")
 
     def draw(rng: random.Random, d: float) -> dict[str, Any]:
         names = rng.sample(VAR_NAMES, 2 * (n_hops + 1))

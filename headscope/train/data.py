@@ -23,6 +23,8 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
+from ..errors import HeadscopeInputError, InputFileNotFoundError
+
 
 @dataclass
 class TokenRows:
@@ -41,7 +43,7 @@ class TokenRows:
         if self.ids.dim() != 2 or self.ids.shape != self.mask.shape:
             raise ValueError(f"ids {tuple(self.ids.shape)} and mask {tuple(self.mask.shape)} must both be [row, time]")
         if len(self.ids) == 0:
-            raise ValueError("no training rows: give more text (or a shorter seq_len)")
+            raise HeadscopeInputError("no training rows: give more text (or a shorter seq_len)")
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -75,17 +77,17 @@ def pack(docs: Iterable[Sequence[int]], seq_len: int, eos_id: int) -> TokenRows:
     into rows of ``seq_len`` tokens; the incomplete last row is dropped.
 
     Raises:
-        ValueError: ``seq_len < 2`` or fewer than ``seq_len`` tokens in total.
+        HeadscopeInputError (a ValueError): ``seq_len < 2`` or fewer than ``seq_len`` tokens in total.
     """
     if seq_len < 2:
-        raise ValueError(f"seq_len={seq_len}: rows need at least 2 tokens")
+        raise HeadscopeInputError(f"seq_len={seq_len}: rows need at least 2 tokens")
     stream: list[int] = []
     for d in docs:
         stream.extend(int(t) for t in d)
         stream.append(int(eos_id))
     n = len(stream) // seq_len
     if n == 0:
-        raise ValueError(f"only {len(stream)} tokens of text, fewer than one row of seq_len={seq_len}")
+        raise HeadscopeInputError(f"only {len(stream)} tokens of text, fewer than one row of seq_len={seq_len}")
     ids = torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
     return TokenRows(ids, torch.ones_like(ids, dtype=torch.bool))
 
@@ -115,7 +117,7 @@ def sample_teacher_text(
         list of token-id lists, each starting with BOS when the tokenizer has one.
     """
     if n_docs < 1 or doc_len < 1:
-        raise ValueError(f"n_docs={n_docs} and doc_len={doc_len} must be >= 1")
+        raise HeadscopeInputError(f"n_docs={n_docs} and doc_len={doc_len} must be >= 1")
     from tqdm.auto import tqdm
 
     dev = next(model.parameters()).device
@@ -153,15 +155,15 @@ def corpus_documents(path: str | Path, tokenizer: Any) -> list[list[int]]:
     """Token ids of a user text corpus; documents are separated by blank lines.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: the file holds no text.
+        InputFileNotFoundError (a FileNotFoundError): no such file. HeadscopeInputError: no text in it.
     """
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"corpus {p} does not exist; pass a UTF-8 text file")
+        raise InputFileNotFoundError(f"corpus {p} does not exist; pass a UTF-8 text file")
     parts = [s.strip() for s in p.read_text(encoding="utf-8", errors="replace").split("\n\n")]
     parts = [s for s in parts if s]
     if not parts:
-        raise ValueError(f"corpus {p} is empty")
+        raise HeadscopeInputError(f"corpus {p} is empty")
     return [list(tokenizer(s, add_special_tokens=True)["input_ids"]) for s in parts]
 
 
@@ -186,7 +188,7 @@ def retrieval_rows(
         settings: further task settings (``n_digits``, ``corpus``, ...).
 
     Raises:
-        ValueError: unknown task, or a prompt longer than ``seq_len``.
+        HeadscopeInputError (a ValueError): unknown task, or a prompt longer than ``seq_len``.
     """
     from ..tasks import make_pairs
 
@@ -203,7 +205,7 @@ def retrieval_rows(
         for p in pairs:
             row = torch.cat([p.clean, p.answer])
             if len(row) > seq_len:
-                raise ValueError(f"{task} example of {len(row)} tokens does not fit seq_len={seq_len}; lower lengths")
+                raise HeadscopeInputError(f"{task} example of {len(row)} tokens does not fit seq_len={seq_len}; lower lengths")
             ids[i, : len(row)] = row
             mask[i, : len(row)] = True
             i += 1
@@ -225,12 +227,13 @@ class Loader:
     shorter than ``batch_size`` is skipped), so every batch has ``batch_size`` rows.
 
     Raises:
-        ValueError: ``batch_size`` larger than the data set.
+        HeadscopeInputError (a ValueError): ``batch_size`` larger than the data set; a checkpoint
+            position of another data set (``load_state_dict``).
     """
 
     def __init__(self, rows: TokenRows, batch_size: int, seed: int = 0):
         if batch_size < 1 or batch_size > len(rows):
-            raise ValueError(f"batch_size={batch_size} must lie in 1..{len(rows)} (rows in the data set)")
+            raise HeadscopeInputError(f"batch_size={batch_size} must lie in 1..{len(rows)} (rows in the data set)")
         self.rows, self.batch_size, self.seed = rows, batch_size, seed
         self.epoch, self.cursor = 0, 0
         self._perm: Optional[Tensor] = None
@@ -253,7 +256,7 @@ class Loader:
 
     def load_state_dict(self, d: dict[str, int]) -> None:
         if d.get("n_rows", len(self.rows)) != len(self.rows) or d.get("seed", self.seed) != self.seed:
-            raise ValueError(
+            raise HeadscopeInputError(
                 f"checkpoint data position is for {d.get('n_rows')} rows / seed {d.get('seed')}, but this run has "
                 f"{len(self.rows)} rows / seed {self.seed}; resume with the same data settings"
             )

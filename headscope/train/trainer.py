@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..errors import HeadscopeInputError, InputFileExistsError, InputFileNotFoundError
 from . import parallel
 from .data import Loader, TokenRows
 from .stages import stage_loss, trainable_parameters
@@ -77,10 +78,14 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.stage not in (1, 2, 3):
-            raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        """Raises HeadscopeInputError (a ValueError) for a stage other than 1-3 or a count / rate <= 0."""
+        from .checks import check_stage
+
+        check_stage(self.stage)
         if self.tokens < 1 or self.batch_size < 1 or self.lr <= 0:
-            raise ValueError(f"tokens ({self.tokens}), batch_size ({self.batch_size}) and lr ({self.lr}) must be > 0")
+            raise HeadscopeInputError(
+                f"tokens ({self.tokens}), batch_size ({self.batch_size}) and lr ({self.lr}) must be > 0"
+            )
         self.betas = tuple(self.betas)  # type: ignore[assignment]
 
 
@@ -129,11 +134,11 @@ class Trainer:
         data_parallel: shard the student with FSDP2 over the initialized process group (default: when
             one with more than one rank is initialized). Every rank must build the same ``rows``.
 
-    Raises:
-        FileExistsError: ``out_dir`` holds a checkpoint and ``resume`` is False.
-        FileNotFoundError: ``resume`` is True but there is no checkpoint.
-        ValueError: the checkpoint is of another stage or data set; a global batch smaller than the
-            number of ranks.
+    Raises (all HeadscopeInputError, so ValueError; the first two also the built-in type named):
+        InputFileExistsError: ``out_dir`` holds a checkpoint and ``resume`` is False.
+        InputFileNotFoundError: ``resume`` is True but there is no checkpoint.
+        HeadscopeInputError: the checkpoint is of another stage or data set; a global batch smaller
+            than the number of ranks; stage 1 or 2 without a teacher.
     """
 
     def __init__(
@@ -150,9 +155,11 @@ class Trainer:
         self.rank, self.world = parallel.world_info()
         self.parallel = self.world > 1 if data_parallel is None else bool(data_parallel)
         if self.parallel and config.batch_size < self.world:
-            raise ValueError(f"batch_size={config.batch_size} cannot feed {self.world} ranks; use a batch size >= {self.world}")
+            raise HeadscopeInputError(
+                f"batch_size={config.batch_size} cannot feed {self.world} ranks; use a batch size >= {self.world}"
+            )
         if config.stage in (1, 2) and teacher is None:
-            raise ValueError(f"stage {config.stage} needs the teacher model")
+            raise HeadscopeInputError(f"stage {config.stage} needs the teacher model")
         self.out = Path(out_dir)
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -192,9 +199,9 @@ class Trainer:
             elif self.legacy_ckpt.exists() and not self.parallel:
                 self._load_legacy()
             else:
-                raise FileNotFoundError(f"--resume: no checkpoint at {self.ckpt_path}; start without --resume")
+                raise InputFileNotFoundError(f"--resume: no checkpoint at {self.ckpt_path}; start without --resume")
         elif found is not None or self.legacy_ckpt.exists():
-            raise FileExistsError(
+            raise InputFileExistsError(
                 f"{self.ckpt_path} exists: pass resume=True (--resume) to continue it, or use another output directory"
             )
         self._fields: Optional[list[str]] = None
@@ -219,9 +226,9 @@ class Trainer:
 
     def _check(self, st: dict[str, Any], where: Path) -> None:
         if st.get("stage") != self.cfg.stage:
-            raise ValueError(f"{where} is a stage-{st.get('stage')} checkpoint, this is stage {self.cfg.stage}")
+            raise HeadscopeInputError(f"{where} is a stage-{st.get('stage')} checkpoint, this is stage {self.cfg.stage}")
         if st.get("total_steps") != self.total_steps:
-            raise ValueError(
+            raise HeadscopeInputError(
                 f"checkpoint planned {st.get('total_steps')} steps, this run {self.total_steps}: resume with the same "
                 "--tokens, batch size and sequence length"
             )
@@ -416,7 +423,7 @@ def build_rows(teacher: nn.Module, tokenizer: Any, data: DataConfig, cache_dir: 
     rows = pack(docs, data.seq_len, tokenizer.eos_token_id)
     if data.retrieval_frac > 0:
         if not data.retrieval_frac < 1:
-            raise ValueError(f"retrieval_frac={data.retrieval_frac} must lie in [0, 1)")
+            raise HeadscopeInputError(f"retrieval_frac={data.retrieval_frac} must lie in [0, 1)")
         n = max(1, round(len(rows) * data.retrieval_frac / (1 - data.retrieval_frac)))
         lengths = data.retrieval_lengths or [max(96, data.seq_len // 4), max(96, data.seq_len // 2), data.seq_len]
         rows = mix(rows, retrieval_rows(tokenizer, n, data.seq_len, data.retrieval_task, seed=data.seed + 1, lengths=lengths), seed=data.seed)
@@ -430,7 +437,7 @@ def load_student(
     of ``init`` (a ``student.pt`` of an earlier stage) if given.
 
     Raises:
-        FileNotFoundError: ``init`` does not exist.
+        InputFileNotFoundError (a FileNotFoundError and HeadscopeInputError): ``init`` does not exist.
     """
     from ..hybrid import hybridize
 
@@ -438,7 +445,7 @@ def load_student(
     if init is not None:
         p = Path(init)
         if not p.exists():
-            raise FileNotFoundError(f"{p} does not exist: run the previous stage first (headscope convert --stage N-1)")
+            raise InputFileNotFoundError(f"{p} does not exist: run the previous stage first (headscope convert --stage N-1)")
         student.load_state_dict(torch.load(p, map_location=next(student.parameters()).device))
     return student
 
@@ -472,13 +479,22 @@ def convert_stage(
 
     Returns:
         (student, summary of :meth:`Trainer.run`).
+
+    Raises:
+        HeadscopeInputError (a ValueError), before any text is sampled or a student built (see
+        :func:`headscope.train.checks.check_stage_inputs`): a config of another stage; bad data
+        settings (unknown retrieval task, a missing corpus, too little text for a batch); no
+        ``out_dir/stage{stage-1}/student.pt`` for stages 2 and 3 (InputFileNotFoundError);
+        ``resume`` without a checkpoint (InputFileNotFoundError), a checkpoint without ``resume``
+        (InputFileExistsError), a checkpoint of another plan.
     """
+    from .checks import check_stage_inputs
+
     out = Path(out_dir)
     config = config or TrainConfig(stage=stage, tokens=100_000)
-    if config.stage != stage:
-        raise ValueError(f"config is for stage {config.stage}, asked for stage {stage}")
     data = data or DataConfig()
-    rank, _ = parallel.world_info()
+    rank, world = parallel.world_info()
+    check_stage_inputs(out, stage, config, data, resume, need_student=student is None, world=world, rows=rows)
     if rows is None:
         # data parallel: rank 0 samples (and caches) the teacher text first, the others read the cache
         if rank == 0:
@@ -535,10 +551,10 @@ def spawn_convert(n: int, model: str, mask: Any, stage: int, out_dir: str | Path
         the stage summary of :meth:`Trainer.run`.
 
     Raises:
-        ValueError: ``n`` < 1.
+        HeadscopeInputError (a ValueError): ``n`` < 1.
     """
     if n < 1:
-        raise ValueError(f"--devices {n}: need at least one process")
+        raise HeadscopeInputError(f"--devices {n}: need at least one process")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rendezvous = out / f".rendezvous-{os.getpid()}"
