@@ -47,6 +47,7 @@ def rank(
     max_rounds: int = 3,
     sender_batch_size: int = 16,
     device_map: str | dict[str, Any] | None = None,
+    path: str = "auto",
 ) -> Ranking:
     """Rank every attention head by its causal importance for the given capabilities.
 
@@ -80,6 +81,9 @@ def rank(
         weights: capability weights w_c (sequence in task order or dict; default uniform; must
             sum to 1). kappa: "focus" (retrieval focus, SPEC.md §6) or "one" (κ ≡ 1).
         normalize: ŝ per capability, "max" (default) or "minmax".
+        path: patching path of exact mode: ``"auto"`` (the fast engine where an architecture adapter
+            exists and passes its self-check, else the generic TransformerLens-bridge path),
+            ``"fast"`` or ``"generic"``; the provenance records which ran.
         device_map: spread the model's layers over devices ("auto", "balanced", or a {module name:
             device} dict; needs accelerate) for a model that does not fit one GPU; the patching
             engine runs each layer on its device (exact receiver sweeps in one process).
@@ -103,6 +107,7 @@ def rank(
         text or too long for the context; GapError: no pair separates a⁺ from a⁻.
     """
     from .checks import check_model, check_rank_args, check_rank_store
+    from .errors import HeadscopeInputError
 
     # every argument before the model loads: a typo costs seconds, not a model load and a sweep
     tasks = check_rank_args(
@@ -179,8 +184,11 @@ def rank(
             "threshold": scr.threshold,
         }
     else:
-        res = receiver_patching(lm, pairs, shard=shard, **common)  # type: ignore[arg-type]
+        if path not in ("auto", "fast", "generic"):
+            raise HeadscopeInputError(f"path={path!r}: use 'auto', 'fast' or 'generic'")
+        res = receiver_patching(lm, pairs, shard=shard, path=path, **common)  # type: ignore[arg-type]
         df = head_table(res.ie, lm.geometry.n_kv_heads)
+        prov["path"] = res.path
     prov["skipped_pairs"] = res.skipped
     prov["m_clean"] = res.m_clean.tolist()
     prov["m_corrupt"] = res.m_corrupt.tolist()

@@ -16,6 +16,9 @@ from typing import Iterator, List, Optional
 
 import typer
 
+from .errors import HeadscopeInputError
+from .readout import DEFAULT_LAMBDA
+
 app = typer.Typer(add_completion=False, help="Find retrieval-critical attention heads by causal intervention.")
 
 
@@ -55,7 +58,7 @@ def rank(
     seq_len: int = typer.Option(512, help="prompt length in tokens"),
     depth: List[float] = typer.Option([0.5], help="needle depth(s), fractions in [0, 1] (repeatable, cycled over pairs)"),
     seed: int = typer.Option(0),
-    lam: float = typer.Option(0.9, "--lambda", help="decay λ of the span readout (eq. 9)"),
+    lam: float = typer.Option(DEFAULT_LAMBDA, "--lambda", help="decay λ of the span readout (eq. 9)"),
     direction: str = typer.Option("noising", help="noising (default) or denoising"),
     min_gap: float = typer.Option(0.1, help="skip pairs whose |m(x) - m(x')| is below this (logits)"),
     budget: str = typer.Option("7:1", help="FA budget for mask.json: head count, fraction or LA:FA ratio"),
@@ -78,6 +81,7 @@ def rank(
     top_k: int = typer.Option(10, help="receivers of the first sender round (top heads by receiver IE)"),
     max_rounds: int = typer.Option(3, help="sender rounds at most (senders become receivers)"),
     device_map: Optional[str] = typer.Option(None, help="auto or balanced: spread a model that does not fit one GPU over all GPUs (layers)"),
+    path: str = typer.Option("auto", help="exact patching path: auto (fast engine where an architecture adapter exists, else the TransformerLens bridge's hooks), fast or generic"),
 ) -> None:
     """Rank every head; write OUT/scores.csv, OUT/mask.json and OUT/heatmap.html.
 
@@ -120,6 +124,10 @@ def rank(
         fused = senders or len(tasks) > 1 or bool(weight) or kappa is not None
         check_rank_store(out, tasks, fused, model, {"n_pairs": pairs, "seq_len": seq_len, "seed": seed,
                                                    "depth": settings["depth"]}, lam, direction)
+        if path not in ("auto", "fast", "generic"):
+            raise HeadscopeInputError(f"--path {path!r}: use auto, fast or generic")
+        if path != "auto":
+            settings["path"] = path
         run_rank = _run_rank(settings, model, budget, min_per_layer, out, device, devices, device_map)
         if run_rank is None:
             return

@@ -105,3 +105,30 @@ def test_tl_sweep_equality_on_gpt2(smol_tokenizer, pair):
     tl = patching.get_act_patch_attn_head_out_all_pos(b, corr[None], cache, metric)
     res = receiver_patching(lm, [pair], lam=0.9, direction="denoising", min_gap=0.0, progress=False)
     assert torch.allclose(res.patched[0].float(), tl.float(), atol=1e-4, rtol=0)
+
+
+def test_cli_ranks_a_gpt2_directory_on_both_paths(smol_tokenizer, tmp_path):
+    """`headscope rank --model DIR` on a saved GPT-2: the fast path (auto) and --path generic give the same table,
+    and ranking.json records which path ran."""
+    import json
+
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from headscope.cli import app
+
+    d = tmp_path / "gpt2"
+    lm = tiny_family("gpt2", smol_tokenizer)
+    lm.hf_model.save_pretrained(d)
+    smol_tokenizer.save_pretrained(d)
+    tables = {}
+    for path in ("auto", "generic"):
+        out = tmp_path / path
+        r = CliRunner().invoke(app, ["rank", "--model", str(d), "--pairs", "1", "--seq-len", "64", "--min-gap", "0",
+                                     "--budget", "4", "--out", str(out), "--device", "cpu", "--path", path])
+        assert r.exit_code == 0, r.output
+        prov = json.loads((out / "ranking.json").read_text())
+        assert prov["provenance"]["path"] == ("fast" if path == "auto" else "generic")
+        tables[path] = pd.read_csv(out / "scores.csv").sort_values(["layer", "head"])
+    a, b = tables["auto"]["ie_recv"].to_numpy(), tables["generic"]["ie_recv"].to_numpy()
+    assert abs(a - b).max() < 1e-4 and abs(a).max() > 1e-3
