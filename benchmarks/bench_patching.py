@@ -1,6 +1,7 @@
 """Exact and screen-then-verify receiver patching vs TransformerLens' per-head sweep, in one process.
 
     python benchmarks/bench_patching.py [--seq-len 256] [--pairs 6] [--skip-tl]
+    python benchmarks/bench_patching.py --family all [--shape 8,512,8,4] [--seq-len 256]
 
 Part 1 (one niah_single pair, needle at depth 0.5): times
   * TransformerLens `get_act_patch_attn_head_out_all_pos` over all heads (one forward per head),
@@ -11,6 +12,11 @@ Part 1 (one niah_single pair, needle at depth 0.5): times
 Part 2 (``--pairs`` pairs): exact vs screen-then-verify top-10 on the mean IE.
 The final line is `speedup_exact=X speedup_screen=Y max_abs_diff=Z recall_at_k=R`.
 Times are ratios against the TransformerLens sweep measured in the same run.
+
+``--family F[,G...]|all``: for random models of every adapter family at one shape (``--shape``
+layers,d_model,heads,kv_heads), one niah_single pair each: the TransformerLens sweep, headscope exact on the
+fast path and on the generic bridge path, each family's speed-up and its ratio to the Llama family's
+speed-up in the same run, and max |patched m - TransformerLens| per path. Writes ``--out`` (JSON) when given.
 """
 
 from __future__ import annotations
@@ -43,13 +49,65 @@ def tl_sweep(model, pair):
     return get_act_patch_attn_head_out_all_pos(b, corr_seq[None], clean_cache, metric).double()
 
 
+def bench_families(names: list[str], shape: tuple[int, int, int, int], seq_len: int, out: str | None) -> None:
+    import json
+
+    from headscope.arch.random_models import FAMILIES, random_family
+    from headscope.models import default_gguf_path
+
+    from transformers import AutoTokenizer
+
+    gg = default_gguf_path()
+    tok = AutoTokenizer.from_pretrained(gg.parent, gguf_file=gg.name)
+    names = sorted(FAMILIES) if names == ["all"] else names
+    if "llama" in names:  # the baseline first
+        names = ["llama"] + [n for n in names if n != "llama"]
+    pair = niah_single(tok, n_pairs=1, seq_len=seq_len, depth=0.5, seed=0)
+    rows = []
+    for name in names:
+        model = random_family(name, tok, seed=0, shape=shape)
+        receiver_patching(model, pair, direction="denoising", min_gap=0.0, progress=False, heads=[(0, 0)])  # warm-up
+        _ = model.bridge
+        t = time.perf_counter()
+        tl = tl_sweep(model, pair[0])
+        tl_s = time.perf_counter() - t
+        res = {}
+        for path in ("fast", "generic"):
+            t = time.perf_counter()
+            r = receiver_patching(model, pair, direction="denoising", min_gap=0.0, progress=False, path=path)
+            res[path] = (time.perf_counter() - t, float((r.patched[0] - tl).abs().max()))
+        rows.append(dict(family=name, tl_s=tl_s, fast_s=res["fast"][0], generic_s=res["generic"][0],
+                         speedup_fast=tl_s / res["fast"][0], speedup_generic=tl_s / res["generic"][0],
+                         max_diff_fast=res["fast"][1], max_diff_generic=res["generic"][1]))
+        print(rows[-1], flush=True)
+        del model
+    table = pd.DataFrame(rows)
+    if "llama" in set(table.family):
+        base = float(table.loc[table.family == "llama", "speedup_fast"].iloc[0])
+        table["fast_vs_llama"] = table["speedup_fast"] / base
+    print(f"random models of shape layers,d_model,heads,kv = {shape}, niah_single {seq_len} tokens, "
+          f"torch threads={torch.get_num_threads()}, load average {os.getloadavg()}")
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    if out:
+        with open(out, "w") as f:
+            json.dump({"shape": shape, "seq_len": seq_len, "threads": torch.get_num_threads(),
+                       "loadavg": os.getloadavg(), "rows": table.to_dict(orient="records")}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("--skip-tl", action="store_true", help="skip the TransformerLens sweep (no speedups)")
+    ap.add_argument("--family", default=None, help="comma-separated adapter families, or all")
+    ap.add_argument("--shape", default="8,512,8,4", help="--family: layers,d_model,heads,kv_heads")
+    ap.add_argument("--out", default=None, help="--family: write the table as JSON here")
     args = ap.parse_args()
+    if args.family:
+        shape = tuple(int(x) for x in args.shape.split(","))
+        bench_families(args.family.split(","), shape, args.seq_len, args.out)  # type: ignore[arg-type]
+        return
     model = headscope.load_model(args.model, device="cpu")
     one = niah_single(model.tokenizer, n_pairs=1, seq_len=args.seq_len, depth=0.5, seed=0)
     rows = []
