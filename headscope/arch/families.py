@@ -32,14 +32,16 @@ def _linear(m: nn.Module) -> Proj:
 
 
 def _rows(p: Proj, lo: int, hi: int, module: nn.Module | None = None) -> Proj:
-    """Output rows lo..hi of a projection (a view of the weight: rows of [out, in] are contiguous)."""
-    return Proj(p.weight[lo:hi], None if p.bias is None else p.bias[lo:hi], module)
+    """Output rows lo..hi of a projection (a view of the detached weight: it shares the storage, so
+    in-place weight edits are seen, and builds no autograd node that a later backward would free)."""
+    w, b = p.weight.detach(), None if p.bias is None else p.bias.detach()
+    return Proj(w[lo:hi], None if b is None else b[lo:hi], module)
 
 
 def _conv1d(m: nn.Module) -> Proj:
     """A GPT-2 ``Conv1D`` (y = x @ W + b with W [in, out]) as an [out, in] projection (a transposed view)."""
     m = unwrap(m)
-    return Proj(m.weight.t(), m.bias, m)
+    return Proj(m.weight.detach().t(), m.bias, m)
 
 
 def _rope_fn(rotary: nn.Module, per_kind: bool) -> Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]]:
@@ -139,7 +141,7 @@ def gpt2(hf: nn.Module) -> Arch:
         if getattr(a, "reorder_and_upcast_attn", False):
             raise NotImplementedError("GPT-2 with reorder_and_upcast_attn: use the generic (bridge) path")
         fused = _conv1d(a.c_attn)
-        q, k, v = (Proj(fused.weight[j * d:(j + 1) * d], fused.bias[j * d:(j + 1) * d]) for j in range(3))
+        q, k, v = (_rows(fused, j * d, (j + 1) * d) for j in range(3))
         layers.append(LayerParts(
             q=q, k=k, v=v, o=_conv1d(a.c_proj), ln1=unwrap(blk.ln_1), ln2=unwrap(blk.ln_2), mlp=unwrap(blk.mlp),
             scaling=float(a.scaling), device=fused.weight.device,
@@ -167,7 +169,8 @@ def gpt_neox(hf: nn.Module) -> Arch:
         parts = []
         for j in range(3):
             rows = idx[:, j].reshape(-1)
-            parts.append(Proj(fused.weight[rows], None if fused.bias is None else fused.bias[rows]))
+            # a copy: GPT-NeoX engines must be rebuilt after the model's weights change
+            parts.append(Proj(fused.weight.detach()[rows], None if fused.bias is None else fused.bias.detach()[rows]))
         layers.append(LayerParts(
             q=parts[0], k=parts[1], v=parts[2], o=_linear(a.dense), ln1=unwrap(blk.input_layernorm),
             ln2=unwrap(blk.post_attention_layernorm), mlp=unwrap(blk.mlp), scaling=float(a.scaling),
