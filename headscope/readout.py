@@ -131,3 +131,22 @@ def low_precision_pairs(
                 f"off by ~{min(err, 99):.2g}"
             )
     return out
+
+
+def normalized_ie(patched: Tensor, m_clean: Tensor | float, m_corrupt: Tensor | float, direction: str) -> Tensor:
+    """Receiver IE of patched metrics (paper eq. 10), the one place it is written:
+
+        noising:   IE = (m(x) − m_patched) / (m(x) − m(x'))
+        denoising: IE = (m_patched − m(x')) / (m(x) − m(x'))
+
+    ``patched``, ``m_clean``, ``m_corrupt`` broadcast (logits). 1 = the patch moves the whole gap.
+
+    Raises:
+        ValueError: a direction other than ``"noising"`` / ``"denoising"``.
+    """
+    gap = m_clean - m_corrupt
+    if direction == "noising":
+        return (m_clean - patched) / gap
+    if direction == "denoising":
+        return (patched - m_corrupt) / gap
+    raise ValueError(f"direction must be 'noising' or 'denoising', not {direction!r}")

@@ -38,7 +38,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..models import LoadedModel
-from ..readout import DEFAULT_LAMBDA, logit_diff
+from ..readout import DEFAULT_LAMBDA, logit_diff, normalized_ie
 from ..tasks.base import Pair
 from .engine import Engine, head_slice
 from .plan import Entry, LayerCtx, Plan
@@ -125,8 +125,9 @@ def _attribution(
             states[i] = PairState(engine, p, lam, direction, runs=runs)
             kept += size
         del logits, zs, grads
-    gap = (m_c - m_x)[:, None, None]
-    ie = -est / gap if direction == "noising" else est / gap
+    # AtP estimates Δm = m_patched − m_base; the base run is the clean one when noising
+    mc, mx = m_c[:, None, None], m_x[:, None, None]
+    ie = normalized_ie((mc if direction == "noising" else mx) + est, mc, mx, direction)
     return ie.float(), m_c, m_x, states
 
 

@@ -19,7 +19,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..models import LoadedModel
-from ..readout import DEFAULT_LAMBDA, LowPrecisionWarning, answer_logit_scale, logit_diff, low_precision_pairs, read_positions
+from ..readout import (DEFAULT_LAMBDA, LowPrecisionWarning, answer_logit_scale, logit_diff, low_precision_pairs,
+                       normalized_ie, read_positions)
 from ..tasks.base import Pair, validate_pair
 from .engine import Engine, RunCache, head_slice
 from .generic import make_engine
@@ -127,8 +128,7 @@ class PairState:
     def ie_of(self, m: Tensor) -> Tensor:
         """IE (eq. 10) of patched metrics ``m`` (logits) of this pair: (m(x) − m) / gap when noising,
         (m − m(x')) / gap when denoising, gap = m(x) − m(x')."""
-        gap = self.m_clean - self.m_corrupt
-        return (self.m_clean - m) / gap if self.direction == "noising" else (m - self.m_corrupt) / gap
+        return normalized_ie(m, self.m_clean, self.m_corrupt, self.direction)
 
 
 def patch_rows(
@@ -337,11 +337,7 @@ def finish(
     if low:
         warnings.warn("; ".join(low.values()) + ": compute in float32, or use pairs with a larger gap",
                       LowPrecisionWarning, stacklevel=3)
-    g3 = gap[:, None, None]
-    if direction == "noising":
-        ie = (m_clean[:, None, None] - patched) / g3
-    else:
-        ie = (patched - m_corr[:, None, None]) / g3
+    ie = normalized_ie(patched, m_clean[:, None, None], m_corr[:, None, None], direction)
     for i in skipped:
         ie[i] = math.nan
     return PatchResult(ie.float(), patched, m_clean, m_corr, direction, lam, skipped)
