@@ -170,6 +170,25 @@ def summarize(res, tokens_per_step, flops_per_step):
     return res
 
 
+def acceptance(report: dict) -> dict:
+    """Per case: the fast hybrid step against the dense steps (tokens/s, MFU, peak memory, ratios)."""
+    out = {}
+    for key, r in report["results"].items():
+        if "hybrid_fast" not in r:
+            continue
+        h = r["hybrid_fast"]
+        row = {"hybrid_tok_s": h["tok_s"], "hybrid_mfu": h["mfu"], "hybrid_peak_gib": h["peak_gib"],
+               "hybrid_cuda_graph": h.get("cuda_graph")}
+        for den in ("dense_compiled", "dense_fast", "dense_eager"):
+            if den in r:
+                row.update({f"{den}_tok_s": r[den]["tok_s"], f"{den}_mfu": r[den]["mfu"],
+                            f"{den}_peak_gib": r[den]["peak_gib"], f"ratio_vs_{den}": h["tok_s"] / r[den]["tok_s"]})
+        if "hybrid_old" in r:
+            row.update({"hybrid_old_tok_s": r["hybrid_old"]["tok_s"], "speedup_vs_old": h["tok_s"] / r["hybrid_old"]["tok_s"]})
+        out[key] = row
+    return out
+
+
 # ------------------------------------------------------------------------------------ main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -177,9 +196,11 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the script)")
     ap.add_argument("--shapes", default="64x512,16x2048", help="stage-2 batch x seq_len list")
     ap.add_argument("--stages13", default="64x512", help="shape for stages 1 and 3 ('' = skip)")
-    ap.add_argument("--variants", default="dense_compiled,hybrid_fast,hybrid_old,dense_eager,dense_fast,"
-                    "hybrid_fast_eager,hybrid_fast_compile")
-    ap.add_argument("--variants13", default="hybrid_fast,dense_fast,hybrid_old")
+    ap.add_argument("--variants", default="dense_compiled,hybrid_fast,hybrid_old,dense_eager,dense_fast",
+                    help="stage-2 variants at every shape")
+    ap.add_argument("--variants13", default="hybrid_fast,dense_fast,hybrid_old", help="stage 1 and 3 variants")
+    ap.add_argument("--ladder", default="64x512", help="shape for the remaining levers (fast without graph / compile)")
+    ap.add_argument("--ladder-variants", default="hybrid_fast_compile,hybrid_fast_eager")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--gdn-kernel", default="auto")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip variants once this many seconds have passed")
@@ -187,7 +208,7 @@ def main() -> None:
 
     dev = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if args.smoke:
-        args.shapes, args.stages13, args.steps = "2x32,1x64", "2x32", 2
+        args.shapes, args.stages13, args.ladder, args.steps = "2x32,1x64", "2x32", "2x32", 2
         args.variants = args.variants.replace("dense_compiled,", "")  # inductor on 2 CPU cores: minutes
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -220,17 +241,18 @@ def main() -> None:
     }
 
     def save():
+        report["acceptance"] = acceptance(report)
         out_path.write_text(json.dumps(report, indent=1))
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_train_"))
-    jobs = []
+    jobs = []  # in order of priority: the run stops taking new ones at --budget-s
     for shape in [s for s in args.shapes.split(",") if s]:
-        for v in args.variants.split(","):
-            jobs.append((2, shape, v))
+        jobs += [(2, shape, v) for v in args.variants.split(",") if v]
     for stage in (1, 3):
         for shape in [s for s in args.stages13.split(",") if s]:
-            for v in args.variants13.split(","):
-                jobs.append((stage, shape, v))
+            jobs += [(stage, shape, v) for v in args.variants13.split(",") if v]
+    for shape in [s for s in args.ladder.split(",") if s]:
+        jobs += [(2, shape, v) for v in args.ladder_variants.split(",") if v]
     for k, (stage, shape, v) in enumerate(jobs):
         if time.time() - T0 > args.budget_s:
             report["errors"][f"stage{stage}_{shape}/{v}"] = "skipped: time budget"

@@ -290,3 +290,27 @@ def test_trainer_fast_and_plain_steps_agree(teacher, stage, tmp_path):
             if k in ("seconds",):
                 continue
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+
+
+def test_bench_train_smoke(tmp_path):
+    """benchmarks/bench_train.py runs end to end on CPU (tiny model) and writes its JSON."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_train.py"), "--smoke", "--out", str(out),
+         "--variants", "hybrid_fast,hybrid_old", "--variants13", "", "--ladder-variants", ""],
+        cwd=root, capture_output=True, text=True, timeout=600,
+        env={**__import__("os").environ, "PYTHONPATH": str(root)},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert not rep["errors"]
+    for key in ("stage2_2x32", "stage2_1x64"):
+        acc = rep["acceptance"][key]
+        assert acc["hybrid_tok_s"] > 0 and acc["speedup_vs_old"] > 0
+        assert rep["loss_agreement"][key]["hybrid_fast"]["rel_diff"] < 1e-4
