@@ -232,6 +232,11 @@ def convert(
     device: Optional[str] = typer.Option(None, help="cpu / cuda (default: cuda when available)"),
     devices: int = typer.Option(1, help="data-parallel training over this many local processes (FSDP2; one per GPU, or CPU/gloo)"),
     gdn_kernel: str = typer.Option("auto", help="GDN kernel of the student: auto, torch or fla"),
+    plain_step: bool = typer.Option(
+        False, "--plain-step",
+        help="the plain training step (full logits, per-parameter AdamW) instead of the fast one (fused LM-head "
+             "loss; on CUDA also torch.compile, a CUDA graph and fused AdamW)",
+    ),
 ) -> None:
     """Convert a model into a head-wise FA/GDN hybrid, one stage of the three-stage transfer at a time.
 
@@ -250,7 +255,8 @@ def convert(
                                 lr=lr, ckpt_every=ckpt_every, devices=devices, device=device, gdn_kernel=gdn_kernel)
         L = seq_len or (2048 if stage == 3 else 512)
         cfg = TrainConfig(
-            stage=stage, tokens=tokens, batch_size=batch_size, lr=lr or (1e-3 if stage == 1 else 1e-4), ckpt_every=ckpt_every, seed=seed
+            stage=stage, tokens=tokens, batch_size=batch_size, lr=lr or (1e-3 if stage == 1 else 1e-4), ckpt_every=ckpt_every, seed=seed,
+            fast=not plain_step,
         )
         data = DataConfig(
             seq_len=L, text_docs=text_docs, doc_len=doc_len, corpus=str(corpus) if corpus else None,

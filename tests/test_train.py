@@ -263,6 +263,11 @@ def test_cli_convert_three_stages_end_to_end(teacher_full_vocab, smol_tokenizer,
     # stage 3 mixed retrieval rows in: its rows are padded (mask) where the prompts end early
     cfg = json.loads((out / "stage3" / "config.json").read_text())
     assert cfg["data"]["retrieval_frac"] == 0.25 and cfg["data"]["seq_len"] == 160
+    assert cfg["train"]["fast"] is True  # the trainer's fast step is the default
+    r = runner.invoke(app, [c if c != str(out) else str(tmp_path / "plain") for c in common]
+                      + ["--stage", "1", "--tokens", str(2 * 32), "--seq-len", "32", "--plain-step"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "plain" / "stage1" / "config.json").read_text())["train"]["fast"] is False
     # resume a finished stage: nothing left to do, same weights
     before = torch.load(out / "stage3" / "student.pt")
     r = runner.invoke(app, common + ["--stage", "3", "--tokens", str(3 * 2 * 160), "--seq-len", "160", "--resume"])

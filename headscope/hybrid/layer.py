@@ -36,6 +36,8 @@ from torch import Tensor, nn
 
 from .attn import fa_attention
 from .config import HybridOptions
+from .fast import fast_forward, fast_ready
+from .rope import apply_rope, nope_log_scale  # noqa: F401  (public here since the start)
 from .gdn import gated_delta_rule
 from .shapes import Float
 
@@ -130,23 +132,6 @@ class HybridDecodeCache:
         self.k[:, :, past : past + T].copy_(k)
         self.v[:, :, past : past + T].copy_(v)
         return self.k[:, :, : past + T], self.v[:, :, : past + T]
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
-def apply_rope(
-    x: Float[Tensor, "batch time head d"], cos: Float[Tensor, "batch time d"], sin: Float[Tensor, "batch time d"]
-) -> Float[Tensor, "batch time head d"]:
-    """Rotary embedding in the half-split (Llama) convention, on a [batch, time, head, d] tensor."""
-    return x * cos[:, :, None, :] + _rotate_half(x) * sin[:, :, None, :]
-
-
-def nope_log_scale(positions: Tensor, a: float) -> Tensor:
-    """HypeNet's log-scale query coefficient s_t = log(t + a) / log(a) (positions t in tokens, 0-based)."""
-    return torch.log(positions.to(torch.float32) + a) / math.log(a)
 
 
 class _HeadRMSNorm(nn.Module):
@@ -414,6 +399,8 @@ class HeadwiseHybridAttention(nn.Module):
             ValueError: missing position embeddings, ``gdn_kernel='fla'`` on a non-CUDA device.
         """
         cache = cache if cache is not None else past_key_values
+        if cache is None and attention_mask is None and position_embeddings is not None and fast_ready(self, hidden_states):
+            return fast_forward(self, hidden_states, *position_embeddings, position_ids), None  # see fast.py
         B, T, _ = hidden_states.shape
         d, x = self.head_dim, hidden_states
         opts = self.options

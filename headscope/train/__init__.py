@@ -1,11 +1,14 @@
 """Three-stage transfer of a teacher into a head-wise FA/GDN hybrid (SPEC.md §9)."""
 
 from .data import Loader, TokenRows, corpus_documents, mix, pack, retrieval_rows, sample_teacher_text
+from .fast import FastStep, flops_per_token, model_body
+from .fused_loss import linear_ce_loss, linear_kl_loss
 from .stages import alignment_loss, distillation_loss, lm_loss, stage_loss, trainable_parameters
 from .trainer import DataConfig, StopTraining, TrainConfig, Trainer, build_rows, convert_stage, cosine_lambda, load_student
 
 __all__ = [
     "DataConfig",
+    "FastStep",
     "Loader",
     "StopTraining",
     "TokenRows",
@@ -17,8 +20,12 @@ __all__ = [
     "corpus_documents",
     "cosine_lambda",
     "distillation_loss",
+    "flops_per_token",
+    "linear_ce_loss",
+    "linear_kl_loss",
     "lm_loss",
     "load_student",
+    "model_body",
     "mix",
     "pack",
     "retrieval_rows",

@@ -27,6 +27,7 @@ import math
 import os
 import random
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -38,6 +39,7 @@ from torch import nn
 from ..errors import HeadscopeInputError, InputFileExistsError, InputFileNotFoundError
 from . import parallel
 from .data import Loader, TokenRows
+from .fast import FastStep
 from .stages import stage_loss, trainable_parameters
 
 
@@ -59,6 +61,13 @@ class TrainConfig:
         bf16: autocast to bfloat16 (None = on CUDA only). Master weights stay fp32.
         seed: data order seed.
         progress: tqdm bar.
+        fast: the fast step (:class:`~headscope.train.fast.FastStep`: fused LM head + loss in row
+            chunks, the hybrid layers' fast path, and on CUDA regional ``torch.compile``, a CUDA graph
+            of forward + backward and fused AdamW). False: the plain step (:func:`stage_loss` on full
+            logits, per-parameter AdamW). Data-parallel runs use the plain step.
+        compile: ``torch.compile`` in the fast step (None = on CUDA).
+        cuda_graph: capture the fast step in a CUDA graph (None = on CUDA).
+        loss_chunk: rows per LM-head chunk of the fast step.
     """
 
     stage: int
@@ -76,6 +85,10 @@ class TrainConfig:
     bf16: Optional[bool] = None
     seed: int = 0
     progress: bool = True
+    fast: bool = True
+    compile: Optional[bool] = None
+    cuda_graph: Optional[bool] = None
+    loss_chunk: int = 4096
 
     def __post_init__(self) -> None:
         """Raises HeadscopeInputError (a ValueError) for a stage other than 1-3 or a count / rate <= 0."""
@@ -179,13 +192,27 @@ class Trainer:
         self.loader = Loader(rows, config.batch_size, seed=config.seed)
         self.tokens_per_step = config.batch_size * rows.seq_len
         self.total_steps = max(1, math.ceil(config.tokens / self.tokens_per_step))
+        self.step_fn: Optional[FastStep] = None
+        if config.fast and not self.parallel:
+            on_cuda = self.device.type == "cuda"
+            try:
+                self.step_fn = FastStep(
+                    config.stage, student, teacher, [p for _, p in self.params], bf16=self.bf16,
+                    compile=on_cuda if config.compile is None else config.compile,
+                    cuda_graph=on_cuda if config.cuda_graph is None else config.cuda_graph,
+                    chunk_rows=config.loss_chunk,
+                )
+            except ValueError as e:  # not a Llama / Qwen3 structure: the plain step
+                warnings.warn(f"fast training step unavailable ({e}); using the plain step", RuntimeWarning, stacklevel=2)
         decay = [p for n, p in self.params if p.dim() >= 2]
         other = [p for n, p in self.params if p.dim() < 2]
+        # fused AdamW (one kernel per parameter group) with the fast step on CUDA; else per parameter
+        fused = self.step_fn is not None and self.device.type == "cuda"
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": other, "weight_decay": 0.0}],
             lr=config.lr,
             betas=config.betas,
-            foreach=False,
+            **({"fused": True} if fused else {"foreach": False}),
         )
         warm = int(config.warmup * self.total_steps)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, cosine_lambda(self.total_steps, warm, config.min_lr_ratio))
@@ -286,6 +313,8 @@ class Trainer:
             reduce = parallel.all_sum
         ids, mask = ids.to(self.device), mask.to(self.device)
         self.student.train()
+        if self.step_fn is not None:
+            return self._fast_step(ids, mask, t0)
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
         with ctx:
             loss, scalars = stage_loss(self.cfg.stage, self.student, self.teacher, ids, mask, reduce=reduce)
@@ -310,6 +339,33 @@ class Trainer:
             **scalars,
             "lr": lr,
             "grad_norm": gn,
+            "seconds": round(time.perf_counter() - t0, 4),
+        }
+        self._log(row)
+        return row
+
+    def _fast_step(self, ids: torch.Tensor, mask: torch.Tensor, t0: float) -> dict[str, Any]:
+        logged = self.step_fn(ids, mask)  # forward + backward; the gradients are in .grad
+        params = [p for _, p in self.params if p.grad is not None]
+        if self.cfg.grad_clip > 0:
+            gn = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        else:
+            gn = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+        lr = self.sched.get_last_lr()[0]
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        vals = torch.cat([logged.float(), gn.reshape(1).float()]).tolist()  # the step's one host sync
+        scalars = {"loss": vals[0]}
+        if self.cfg.stage == 1:
+            scalars.update({f"align_l{i}": v for i, v in enumerate(vals[1:-1])})
+        row = {
+            "stage": self.cfg.stage,
+            "step": self.step,
+            "tokens": self.step * self.tokens_per_step,
+            **scalars,
+            "lr": lr,
+            "grad_norm": vals[-1],
             "seconds": round(time.perf_counter() - t0, 4),
         }
         self._log(row)
@@ -355,6 +411,8 @@ class Trainer:
             bar.close()
             if self.cfg.ckpt_on_exit and self.step > 0:
                 self.save_checkpoint()
+            if self.step_fn is not None:
+                self.step_fn.close()  # frees the captured graph's memory; a later run() captures again
         finished = self.step >= self.total_steps
         summary = {
             "stage": self.cfg.stage,

@@ -1,0 +1,343 @@
+"""The fast training step (forward + backward) of the three stages, for one process.
+
+:class:`FastStep` computes the same losses as :func:`headscope.train.stages.stage_loss` with:
+
+- **the model body by hand**: embeddings, rotary tables, one call per decoder layer, final norm (the
+  Llama / Qwen3 structure), so that each decoder layer can be compiled on its own ("regional"
+  compilation: layers of the same shape share one compiled graph; a hybrid layer is compiled per
+  distinct count of FA / GDN heads, and its GDN kernel call is a graph break);
+- **the hybrid layers' fast path** (:mod:`headscope.hybrid.fast`: one input GEMM, no head
+  permutation of activations, all GDN heads in one kernel call);
+- **LM head + loss in row chunks** (:mod:`headscope.train.fused_loss`): the [rows, vocab] logits of
+  the student and the teacher are never materialized whole; the chunk's softmax math is compiled;
+- **stage 1 without hooks**: the teacher's attention inputs and outputs are taken in a hand-written
+  loop over its layers (compiled per layer), each student attention layer is compiled the same way;
+- **a CUDA graph of the whole forward + backward** (``cuda_graph``): after ``warmup`` eager steps
+  (which compile), the step is captured once and replayed, so the CPU launches nothing per layer.
+  Gradients then live in the graph's memory: the caller must not set them to None (it clips them and
+  runs the optimizer as usual). A capture that fails falls back to the eager compiled step, with a
+  warning and the reason in :attr:`FastStep.graph_error`.
+
+Every step, warm-up or replayed, computes the same function; the loss and the logged scalars come
+back as one device tensor (``[loss]``, or ``[loss, align_l0, ...]`` in stage 1), so the caller syncs
+once. Not for data-parallel (FSDP2) training: the trainer uses the plain step there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor, nn
+
+from .fused_loss import CHUNK_ROWS, ce_chunk, kl_chunk, linear_ce_loss, linear_kl_loss
+
+
+# ---------------------------------------------------------------------------------------- pieces
+def _layer_call(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, pos: Tensor) -> Tensor:
+    out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin), use_cache=False)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _attn_call(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return attn(h, position_embeddings=(cos, sin), attention_mask=None)[0]
+
+
+def _teacher_io(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One Llama / Qwen3 decoder layer, returning (attention input, attention output, layer output)."""
+    hn = layer.input_layernorm(h)
+    a = layer.self_attn(hn, position_embeddings=(cos, sin), attention_mask=None)[0]
+    h = h + a
+    return hn, a, h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _align_term(y_s: Tensor, y_t: Tensor, m: Tensor) -> Tensor:
+    """One layer's alignment loss (as :func:`headscope.train.stages.alignment_loss`); m: [batch, time, 1]."""
+    y_t = y_t.float()
+    n_tok = m.sum()
+    n = n_tok * y_t.shape[-1]
+    mean = (y_t * m).sum((0, 1)) / n_tok
+    var = (((y_t - mean) * m) ** 2).sum() / n
+    mse = (((y_s.float() - y_t) * m) ** 2).sum() / n
+    return mse / var.clamp_min(1e-12)
+
+
+def has_llama_body(model: nn.Module) -> bool:
+    """True when ``model.model`` has the Llama / Qwen3 parts the hand-written body uses."""
+    inner = getattr(model, "model", None)
+    return all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")) and hasattr(model, "lm_head")
+
+
+def _decoder_parts_ok(model: nn.Module) -> bool:
+    return all(
+        all(hasattr(layer, a) for a in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"))
+        for layer in model.model.layers
+    )
+
+
+def model_body(
+    model: nn.Module, ids: Int[Tensor, "batch time"], layer_fn: Callable = _layer_call
+) -> Float[Tensor, "batch time hidden"]:
+    """Final hidden states of a Llama / Qwen3 causal LM (after the final norm): the same numbers as
+    ``model.model(input_ids=ids, use_cache=False).last_hidden_state`` without padding, one
+    ``layer_fn(layer, h, cos, sin, position_ids)`` call per decoder layer."""
+    inner = model.model
+    h = inner.embed_tokens(ids)
+    pos = torch.arange(ids.shape[1], device=ids.device)[None]
+    cos, sin = inner.rotary_emb(h, pos)
+    for layer in inner.layers:
+        h = layer_fn(layer, h, cos, sin, pos)
+    return inner.norm(h)
+
+
+def _prepare_hybrid(model: nn.Module) -> None:
+    from ..hybrid.fast import prepare_fast
+    from ..hybrid.layer import HeadwiseHybridAttention
+
+    for mod in model.modules():
+        if isinstance(mod, HeadwiseHybridAttention):
+            prepare_fast(mod)
+
+
+def _unprepare_hybrid(model: nn.Module) -> None:
+    from ..hybrid.fast import unprepare_fast
+    from ..hybrid.layer import HeadwiseHybridAttention
+
+    for mod in model.modules():
+        if isinstance(mod, HeadwiseHybridAttention):
+            unprepare_fast(mod)
+
+
+def _raise_recompile_limit(n: int = 64) -> None:
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < n:
+            setattr(cfg, name, n)
+    if hasattr(cfg, "accumulated_recompile_limit") and cfg.accumulated_recompile_limit < 4 * n:
+        cfg.accumulated_recompile_limit = 4 * n
+
+
+# ---------------------------------------------------------------------------------------- the step
+class FastStep:
+    """Forward + backward of one stage's loss on a batch, fast (see the module docstring).
+
+    Args:
+        stage: 1, 2 or 3.
+        student: the hybrid (or any Llama / Qwen3) causal LM being trained.
+        teacher: the frozen teacher (stages 1, 2).
+        params: the trained parameters (``requires_grad`` set, as by
+            :func:`~headscope.train.stages.trainable_parameters`).
+        bf16: run under bf16 autocast (CUDA).
+        compile: ``torch.compile`` the decoder layers (student and teacher), the stage-1 attention
+            calls and the chunk loss math.
+        cuda_graph: capture the step in a CUDA graph after ``warmup`` eager steps (CUDA only).
+        chunk_rows: rows per LM-head chunk.
+        backend: the ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` for tests).
+        warmup: eager steps before the capture (the first compiles).
+
+    Raises:
+        ValueError: a stage other than 1, 2, 3; stages 1, 2 without a teacher; a model without the
+            Llama / Qwen3 structure.
+    """
+
+    def __init__(
+        self,
+        stage: int,
+        student: nn.Module,
+        teacher: Optional[nn.Module],
+        params: Sequence[Tensor],
+        bf16: bool = False,
+        compile: bool = False,
+        cuda_graph: bool = False,
+        chunk_rows: int = CHUNK_ROWS,
+        backend: str = "inductor",
+        warmup: int = 2,
+    ):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+        if stage in (1, 2) and teacher is None:
+            raise ValueError(f"stage {stage} needs the teacher model")
+        for name, m in (("student", student), ("teacher", teacher)):
+            if m is not None and not has_llama_body(m):
+                raise ValueError(f"the fast step needs a Llama / Qwen3 causal LM as {name}, got {type(m).__name__}")
+        if stage == 1 and not _decoder_parts_ok(teacher):
+            raise ValueError("stage 1's fast step needs decoder layers with input_layernorm, self_attn, "
+                             "post_attention_layernorm and mlp")
+        self.stage, self.student, self.teacher = stage, student, teacher
+        self.params = list(params)
+        self.device = next(student.parameters()).device
+        self.bf16 = bool(bf16)
+        self.chunk_rows = int(chunk_rows)
+        self.cuda_graph = bool(cuda_graph) and self.device.type == "cuda"
+        self.warmup = max(1, int(warmup))
+        self.calls = 0
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.graph_error: Optional[str] = None
+        self._static: dict[str, Tensor] = {}
+        self._prepared = False
+        wrap = (lambda f: torch.compile(f, backend=backend, dynamic=False)) if compile else (lambda f: f)
+        if compile:
+            _raise_recompile_limit()
+        self._layer = wrap(_layer_call)
+        self._attn = wrap(_attn_call)
+        self._tio = wrap(_teacher_io)
+        self._align = wrap(_align_term)
+        self._kl = wrap(kl_chunk)
+        self._ce = wrap(ce_chunk)
+
+    # -------------------------------------------------------------------- losses (no host sync)
+    def _autocast(self):
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
+
+    def loss(self, ids: Int[Tensor, "batch time"], mask: Bool[Tensor, "batch time"]) -> tuple[Tensor, Tensor]:
+        """(loss, logged) of the stage on a batch, without a backward and without a host sync;
+        ``logged`` is [loss] or, in stage 1, [loss, per-layer alignment losses...], detached."""
+        with self._autocast():
+            if self.stage == 1:
+                return self._stage1(ids, mask)
+            if self.stage == 2:
+                with torch.no_grad():
+                    h_t = model_body(self.teacher, ids, self._layer)
+                h_s = model_body(self.student, ids, self._layer)
+                D, Dt = h_s.shape[-1], h_t.shape[-1]
+                loss = linear_kl_loss(
+                    h_s.reshape(-1, D), self.student.lm_head.weight, h_t.reshape(-1, Dt), self.teacher.lm_head.weight,
+                    mask.reshape(-1), b_s=self.student.lm_head.bias, b_t=self.teacher.lm_head.bias,
+                    chunk_rows=self.chunk_rows, chunk_fn=self._kl,
+                )
+            else:
+                h = model_body(self.student, ids, self._layer)
+                tgt = ids.roll(-1, dims=1)  # row t predicts token t+1; the last row's target is masked out
+                keep = torch.zeros_like(mask)
+                keep[:, :-1] = mask[:, 1:] & mask[:, :-1]
+                loss = linear_ce_loss(
+                    h.reshape(-1, h.shape[-1]), self.student.lm_head.weight, tgt.reshape(-1), keep.reshape(-1),
+                    b=self.student.lm_head.bias, chunk_rows=self.chunk_rows, chunk_fn=self._ce,
+                )
+        return loss, loss.detach().reshape(1)
+
+    def _stage1(self, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        t_inner = self.teacher.model
+        with torch.no_grad():
+            h = t_inner.embed_tokens(ids)
+            pos = torch.arange(ids.shape[1], device=ids.device)[None]
+            cos, sin = t_inner.rotary_emb(h, pos)
+            io = []
+            for layer in t_inner.layers:
+                hn, a, h = self._tio(layer, h, cos, sin)
+                io.append((hn, a))
+        m = mask.to(torch.float32)[..., None]
+        per = [self._align(self._attn(s_layer.self_attn, hn, cos, sin), a, m)
+               for s_layer, (hn, a) in zip(self.student.model.layers, io)]
+        per_t = torch.stack(per)
+        loss = per_t.mean()
+        return loss, torch.cat([loss.detach().reshape(1), per_t.detach()])
+
+    # -------------------------------------------------------------------- the step
+    def _eager(self, ids: Tensor, mask: Tensor) -> Tensor:
+        for p in self.params:
+            p.grad = None
+        loss, logged = self.loss(ids, mask)
+        loss.backward()
+        return logged
+
+    def __call__(self, ids: Int[Tensor, "batch time"], mask: Bool[Tensor, "batch time"]) -> Tensor:
+        """Forward and backward on one batch; the gradients are in the parameters' ``.grad``.
+
+        Returns:
+            the logged values as one device tensor ([loss] or [loss, align_l0, ...]).
+        """
+        ids, mask = ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
+        if not self._prepared:
+            _prepare_hybrid(self.student)
+            self._prepared = True
+        self.calls += 1
+        if self.graph is not None:
+            st = self._static
+            if ids.shape != st["ids"].shape:
+                raise ValueError(f"the captured step is for batches of shape {tuple(st['ids'].shape)}, got {tuple(ids.shape)}")
+            st["ids"].copy_(ids)
+            st["mask"].copy_(mask)
+            self.graph.replay()
+            return st["logged"]
+        if not self.cuda_graph or self.graph_error is not None or self.calls <= self.warmup:
+            if self.cuda_graph and self.graph_error is None:  # warm-up on a side stream, as capture wants
+                s = torch.cuda.Stream(self.device)
+                s.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(s):
+                    logged = self._eager(ids, mask)
+                torch.cuda.current_stream(self.device).wait_stream(s)
+                return logged
+            return self._eager(ids, mask)
+        return self._capture(ids, mask)
+
+    def _capture(self, ids: Tensor, mask: Tensor) -> Tensor:
+        st = {"ids": ids.clone(), "mask": mask.clone()}
+        for p in self.params:
+            p.grad = None  # the captured backward allocates them in the graph's pool
+        graph = torch.cuda.CUDAGraph()
+        try:
+            torch.cuda.synchronize(self.device)
+            with torch.cuda.graph(graph):
+                st["logged"] = self._eager(st["ids"], st["mask"])
+        except Exception as e:  # noqa: BLE001 - any capture failure: keep training without the graph
+            self.graph_error = f"{type(e).__name__}: {e}"
+            warnings.warn(f"CUDA graph capture of the training step failed ({self.graph_error}); "
+                          "continuing without it", RuntimeWarning, stacklevel=3)
+            del graph
+            torch.cuda.synchronize(self.device)
+            return self._eager(ids, mask)
+        self.graph, self._static = graph, st
+        graph.replay()
+        return st["logged"]
+
+    def close(self) -> None:
+        """Drop the captured graph and its memory (the gradients are set to None) and turn the hybrid
+        layers' fast path off; a later call warms up, and captures, again."""
+        for p in self.params:
+            p.grad = None
+        self.graph, self._static, self.calls = None, {}, 0
+        if self._prepared:
+            _unprepare_hybrid(self.student)
+            self._prepared = False
+
+
+def flops_per_token(model: nn.Module, seq_len: int, backward: bool = True, attention_only: bool = False) -> dict[str, float]:
+    """Model FLOPs per token of a forward (and, with ``backward``, backward: 2× forward) pass of a
+    Llama / Qwen3 model or a head-wise hybrid, the usual MFU accounting: 2 per weight of every linear
+    map (the LM head included, the embedding lookup not), causal softmax attention 2 · 2 · (T/2) · d
+    per FA head, and a chunked GDN head 2 · (5 · C · d + 3 · d²) with C = 64 (K Kᵀ, Q Kᵀ, the two
+    triangular solves and the intra-chunk output; the state read, update and output maps).
+    ``attention_only``: only the attention modules' linear maps (stage 1 trains nothing else).
+
+    Returns:
+        {"linear", "attention", "gdn", "total"} in FLOPs per token.
+    """
+    from ..hybrid.layer import HeadwiseHybridAttention
+
+    root = nn.ModuleList([layer.self_attn for layer in model.model.layers]) if attention_only else model
+    lin = sum(m.weight.numel() for m in root.modules() if isinstance(m, nn.Linear))
+    cfg = model.config
+    H = cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    n_fa = n_gdn = 0
+    for layer in model.model.layers:
+        a = layer.self_attn
+        if isinstance(a, HeadwiseHybridAttention):
+            n_fa += len(a.fa_heads)
+            n_gdn += len(a.gdn_heads)
+        else:
+            n_fa += H
+    mult = 3.0 if backward else 1.0
+    out = {
+        "linear": 2.0 * lin * mult,
+        "attention": 2.0 * 2.0 * (seq_len / 2) * d * n_fa * mult,
+        "gdn": 2.0 * (5 * 64 * d + 3 * d * d) * n_gdn * mult,
+    }
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,316 @@
+"""The fast training step on CPU (tiny models): the hybrid layers' fast path, the fused LM-head losses,
+FastStep (eager and through Dynamo) and the trainer with it, each against the plain step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from headscope.hybrid import HeadwiseHybridAttention, HybridOptions, hybridize
+from headscope.hybrid.fast import prepare_fast, unprepare_fast
+from headscope.masks import HeadMask
+from headscope.train import TokenRows, TrainConfig, Trainer, distillation_loss, lm_loss, stage_loss, trainable_parameters
+from headscope.train.fast import FastStep, flops_per_token, model_body
+from headscope.train.fused_loss import ce_chunk, kl_chunk, linear_ce_loss, linear_kl_loss
+from headscope.train.stages import _capture_attention_io
+
+from conftest import tiny_llama
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class _Vocab:
+    def __len__(self):
+        return 256
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return tiny_llama(_Vocab(), seed=3, n_layers=2, n_heads=4, n_kv=2, d_model=64)
+
+
+def _student(teacher, kind):
+    if kind == "dense":
+        return tiny_llama(_Vocab(), seed=4, n_layers=2, n_heads=4, n_kv=2, d_model=64)
+    st = hybridize(teacher, HeadMask(2, 4, 2, ((0,), (1, 3))))
+    with torch.no_grad():  # move the GDN gates off their exact initial values
+        for n, p in st.named_parameters():
+            if any(k in n for k in ("A_log", "a_proj", "b_proj")):
+                p.add_(0.1 * torch.randn_like(p))
+    return st
+
+
+def _close(a, b, tol=1e-5):
+    """Equal up to float32 summation order: ‖a − b‖ ≤ tol · ‖b‖."""
+    assert torch.linalg.vector_norm((a - b).double()) <= tol * torch.linalg.vector_norm(b.double()) + 1e-12
+
+
+def _batch(B=3, T=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (B, T), generator=g), torch.rand(B, T, generator=g) > 0.2
+
+
+# ------------------------------------------------------------------------------ the layer's fast path
+_CFG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6)
+
+
+@pytest.mark.parametrize(
+    "fa,opts,qk,bias",
+    [
+        ([0], {}, False, False),
+        ([1, 3], dict(fa_pos="nope", fa_gate=True), False, False),
+        ([0, 1], dict(gdn_rope=False, fusion="none"), True, True),
+        ([0, 1, 2], {}, False, False),  # FA heads spread unevenly over their KV groups
+        ([], {}, False, False),
+        ([0, 1, 2, 3], {}, False, False),
+    ],
+)
+def test_fast_layer_path_equals_plain_path(fa, opts, qk, bias):
+    _CFG.attention_bias = bias
+    torch.manual_seed(0)
+    layer = HeadwiseHybridAttention(_CFG, 0, fa, HybridOptions(**opts), qk_norm=qk).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(2, 24, 64, dtype=torch.double, requires_grad=True)
+    cos, sin = torch.randn(1, 24, 16, dtype=torch.double), torch.randn(1, 24, 16, dtype=torch.double)
+    res = []
+    for fast in (False, True):
+        (prepare_fast if fast else unprepare_fast)(layer)
+        layer.zero_grad()
+        x.grad = None
+        y, _ = layer(x, position_embeddings=(cos, sin))
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        res.append([y.detach(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()])
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    _CFG.attention_bias = False
+
+
+def test_fast_path_only_with_gradients_and_without_cache(teacher):
+    st = _student(teacher, "hybrid")
+    layer = st.model.layers[0].self_attn
+    prepare_fast(layer)
+    calls = []
+    import headscope.hybrid.layer as L
+
+    orig = L.fast_forward
+    L.fast_forward = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        x = torch.randn(1, 8, 64)
+        cs = st.model.rotary_emb(x, torch.arange(8)[None])
+        layer(x, position_embeddings=cs)
+        with torch.no_grad():
+            layer(x, position_embeddings=cs)
+        assert calls == [1]
+        unprepare_fast(layer)
+        layer(x, position_embeddings=cs)
+        assert calls == [1]
+    finally:
+        L.fast_forward = orig
+
+
+# ------------------------------------------------------------------------------ fused losses
+@pytest.mark.parametrize("chunk", [7, 30, 1000])
+def test_linear_kl_loss_equals_distillation_loss(chunk):
+    torch.manual_seed(0)
+    B, T, D, V = 3, 10, 16, 50
+    hs = torch.randn(B, T, D, requires_grad=True)
+    ws = torch.randn(V, D, requires_grad=True)
+    bs = torch.randn(V, requires_grad=True)
+    ht, wt = torch.randn(B, T, D), torch.randn(V, D)
+    mask = torch.rand(B, T) > 0.3
+    ref = distillation_loss(hs @ ws.T + bs, ht @ wt.T, mask)
+    g_ref = torch.autograd.grad(ref, (hs, ws, bs))
+    loss = linear_kl_loss(hs.reshape(-1, D), ws, ht.reshape(-1, D), wt, mask.reshape(-1), b_s=bs, chunk_rows=chunk)
+    g = torch.autograd.grad(loss, (hs, ws, bs))
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # an explicit denominator (data-parallel style) scales the loss
+    l2 = linear_kl_loss(hs.reshape(-1, D), ws, ht.reshape(-1, D), wt, mask.reshape(-1), b_s=bs,
+                        denominator=torch.tensor(2.0 * mask.sum()), chunk_rows=chunk)
+    torch.testing.assert_close(l2, ref / 2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [7, 1000])
+def test_linear_ce_loss_equals_lm_loss(chunk):
+    torch.manual_seed(1)
+    B, T, D, V = 3, 10, 16, 50
+    h = torch.randn(B, T, D, requires_grad=True)
+    w = torch.randn(V, D, requires_grad=True)
+    ids = torch.randint(0, V, (B, T))
+    mask = torch.rand(B, T) > 0.3
+    ref = lm_loss(h @ w.T, ids, mask)
+    g_ref = torch.autograd.grad(ref, (h, w))
+    keep = torch.zeros_like(mask)
+    keep[:, :-1] = mask[:, 1:] & mask[:, :-1]
+    loss = linear_ce_loss(h.reshape(-1, D), w, ids.roll(-1, 1).reshape(-1), keep.reshape(-1), chunk_rows=chunk)
+    g = torch.autograd.grad(loss, (h, w))
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_fused_losses_check_shapes():
+    h, w = torch.randn(6, 4), torch.randn(9, 4)
+    m = torch.ones(6, dtype=torch.bool)
+    with pytest.raises(ValueError, match="must match"):
+        linear_kl_loss(h, w, torch.randn(5, 4), w, m)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        linear_kl_loss(h, w, h, w, m, chunk_rows=0)
+    with pytest.raises(ValueError, match="must match"):
+        linear_ce_loss(h, w, torch.zeros(5, dtype=torch.long), m)
+
+
+def test_chunk_math_compiles_to_the_same_numbers():
+    torch.manual_seed(2)
+    s, t, m = torch.randn(8, 40), torch.randn(8, 40), (torch.rand(8) > 0.3).float()
+    inv = torch.tensor(0.25)
+    tgt = torch.randint(0, 40, (8,))
+    for fn, ref in ((kl_chunk, t), (ce_chunk, tgt)):
+        a = fn(s, ref, m, inv)
+        b = torch.compile(fn, backend="aot_eager", dynamic=False)(s, ref, m, inv)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y)
+
+
+# ------------------------------------------------------------------------------ FastStep
+def test_model_body_and_teacher_io_match_the_model(teacher):
+    ids, _ = _batch()
+    with torch.no_grad():
+        ref = teacher.model(input_ids=ids, use_cache=False).last_hidden_state
+        torch.testing.assert_close(model_body(teacher, ids), ref)
+        rec = _capture_attention_io(teacher, ids, torch.ones_like(ids, dtype=torch.bool))
+        fs = FastStep(1, _student(teacher, "hybrid"), teacher, [])
+        from headscope.train.fast import _teacher_io
+
+        h = teacher.model.embed_tokens(ids)
+        cos, sin = teacher.model.rotary_emb(h, torch.arange(ids.shape[1])[None])
+        for layer, r in zip(teacher.model.layers, rec):
+            hn, a, h = _teacher_io(layer, h, cos, sin)
+            torch.testing.assert_close(hn, r["h"])
+            torch.testing.assert_close(a, r["out"])
+        del fs
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+def test_fast_step_equals_plain_step(teacher, kind, stage, backend):
+    """Loss, logged values and gradients of the fast step equal stage_loss + backward on one batch."""
+    torch.manual_seed(0)
+    st = _student(teacher, kind)
+    params = [p for _, p in trainable_parameters(st, stage)]
+    ids, m = _batch()
+    st.zero_grad()
+    loss, scalars = stage_loss(stage, st, teacher, ids, m)
+    loss.backward()
+    g_ref = [p.grad.clone() for p in params]
+    fs = FastStep(stage, st, teacher, params, compile=backend is not None, backend=backend or "inductor")
+    logged = fs(ids, m)
+    torch.testing.assert_close(logged, torch.tensor(list(scalars.values())), rtol=1e-5, atol=1e-6)
+    for p, g in zip(params, g_ref):
+        _close(p.grad, g)
+    fs.close()
+    assert all(p.grad is None for p in params)
+    assert "_fast_rows" not in getattr(st.model.layers[0].self_attn, "__dict__", {})
+
+
+def test_fast_step_compiles_once_per_head_count(teacher):
+    """Layers with the same FA / GDN head counts share compiled graphs, whichever heads they are."""
+    t6 = tiny_llama(_Vocab(), seed=5, n_layers=6, n_heads=4, n_kv=2, d_model=64)
+    st = hybridize(t6, HeadMask(6, 4, 2, ((0,), (1,), (2,), (3,), (0, 1), (2, 3))))
+    n = {"graphs": 0}
+
+    def backend(gm, example_inputs):
+        n["graphs"] += 1
+        return gm.forward
+
+    fs = FastStep(2, st, t6, [p for _, p in trainable_parameters(st, 2)], compile=True, backend=backend)
+    ids, m = _batch(2, 12)
+    fs(ids, m)
+    first = n["graphs"]
+    fs(ids, m)
+    assert n["graphs"] == first
+    # teacher layer 1 + per head-count config (2 configs) a handful of regions + the chunk loss: far
+    # fewer than one compile per layer (6 student layers, 3 regions each)
+    assert first <= 10, first
+
+
+def test_fast_step_rejects_bad_input(teacher):
+    st = _student(teacher, "hybrid")
+    with pytest.raises(ValueError, match="stage"):
+        FastStep(4, st, teacher, [])
+    with pytest.raises(ValueError, match="teacher"):
+        FastStep(2, st, None, [])
+    with pytest.raises(ValueError, match="Llama"):
+        FastStep(3, torch.nn.Linear(2, 2), None, [])
+
+
+def test_flops_per_token_counts_linear_maps(teacher):
+    f = flops_per_token(teacher, 20, backward=False)
+    lin = sum(m.weight.numel() for m in teacher.modules() if isinstance(m, torch.nn.Linear))
+    assert f["linear"] == 2 * lin and f["gdn"] == 0
+    assert f["attention"] == 2 * 2 * 10 * 16 * 4 * 2  # 2·2·(T/2)·d per head, 4 heads, 2 layers
+    h = flops_per_token(_student(teacher, "hybrid"), 20)
+    assert h["gdn"] > 0 and h["total"] == pytest.approx(h["linear"] + h["attention"] + h["gdn"])
+    a = flops_per_token(teacher, 20, attention_only=True)
+    assert a["linear"] < f["linear"] * 3
+
+
+# ------------------------------------------------------------------------------ the trainer
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_trainer_fast_and_plain_steps_agree(teacher, stage, tmp_path):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (8, 24), generator=g)
+    rows = TokenRows(ids, torch.ones_like(ids, dtype=torch.bool))
+    losses = {}
+    for fast in (False, True):
+        torch.manual_seed(0)
+        st = _student(teacher, "hybrid")
+        cfg = TrainConfig(stage=stage, tokens=3 * 4 * 24, batch_size=4, progress=False, ckpt_on_exit=False,
+                          save_student=False, fast=fast)
+        tr = Trainer(st, teacher, rows, cfg, tmp_path / f"{fast}")
+        assert (tr.step_fn is not None) == fast
+        out = tr.run()
+        assert out["finished"]
+        import json
+
+        losses[fast] = [json.loads(x) for x in (tmp_path / f"{fast}" / "log.jsonl").read_text().splitlines()]
+    for a, b in zip(losses[False], losses[True]):
+        for k in a:
+            if k in ("seconds",):
+                continue
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+
+
+def test_bench_train_smoke(tmp_path):
+    """benchmarks/bench_train.py runs end to end on CPU (tiny model) and writes its JSON."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_train.py"), "--smoke", "--out", str(out),
+         "--variants", "hybrid_fast,hybrid_old", "--variants13", "", "--ladder-variants", ""],
+        cwd=root, capture_output=True, text=True, timeout=600,
+        env={**__import__("os").environ, "PYTHONPATH": str(root)},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert not rep["errors"]
+    for key in ("stage2_2x32", "stage2_1x64"):
+        acc = rep["acceptance"][key]
+        assert acc["hybrid_tok_s"] > 0 and acc["speedup_vs_old"] > 0
+        assert rep["loss_agreement"][key]["hybrid_fast"]["rel_diff"] < 1e-4
