@@ -256,7 +256,7 @@ def convert(
         L = seq_len or (2048 if stage == 3 else 512)
         cfg = TrainConfig(
             stage=stage, tokens=tokens, batch_size=batch_size, lr=lr or (1e-3 if stage == 1 else 1e-4), ckpt_every=ckpt_every, seed=seed,
-            fast=not plain_step,
+            fast=False if plain_step else None,
         )
         data = DataConfig(
             seq_len=L, text_docs=text_docs, doc_len=doc_len, corpus=str(corpus) if corpus else None,

@@ -3,6 +3,8 @@ Skipped without a GPU."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -16,6 +18,8 @@ from conftest import tiny_llama
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    # the configuration the trainer uses on CUDA: fla's GDN kernels (without fla it takes the plain step)
+    pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla (pip install 'headscope[gdn]')"),
 ]
 
 
