@@ -269,7 +269,7 @@ def convert(
         from .distributed import init_from_env, rank_device
         from .models import load_hf
         from .train import convert_stage
-        from .train.trainer import spawn_convert
+        from .train.pipeline import spawn_convert
 
         shard = init_from_env(device)  # under torchrun: RANK / WORLD_SIZE in the environment
         if devices > 1 and shard is None:

@@ -14,7 +14,7 @@ import torch
 from headscope.hybrid import hybridize
 from headscope.masks import HeadMask
 from headscope.train import DataConfig, TrainConfig, convert_stage
-from headscope.train.trainer import spawn_convert
+from headscope.train.pipeline import spawn_convert
 
 from conftest import tiny_llama
 

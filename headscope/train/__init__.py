@@ -4,7 +4,8 @@ from .data import Loader, TokenRows, corpus_documents, mix, pack, retrieval_rows
 from .fast import FastStep, flops_per_token, model_body
 from .fused_loss import linear_ce_loss, linear_kl_loss
 from .stages import alignment_loss, distillation_loss, lm_loss, stage_loss, trainable_parameters
-from .trainer import DataConfig, StopTraining, TrainConfig, Trainer, build_rows, convert_stage, cosine_lambda, load_student
+from .pipeline import DataConfig, build_rows, convert_stage, load_student
+from .trainer import StopTraining, TrainConfig, Trainer, cosine_lambda
 
 __all__ = [
     "DataConfig",
