@@ -263,7 +263,7 @@ def test_cli_convert_three_stages_end_to_end(teacher_full_vocab, smol_tokenizer,
     # stage 3 mixed retrieval rows in: its rows are padded (mask) where the prompts end early
     cfg = json.loads((out / "stage3" / "config.json").read_text())
     assert cfg["data"]["retrieval_frac"] == 0.25 and cfg["data"]["seq_len"] == 160
-    assert cfg["train"]["fast"] is True  # the trainer's fast step is the default
+    assert cfg["train"]["fast"] is None  # auto (the default): the fast step on CPU, and on CUDA with fla
     r = runner.invoke(app, [c if c != str(out) else str(tmp_path / "plain") for c in common]
                       + ["--stage", "1", "--tokens", str(2 * 32), "--seq-len", "32", "--plain-step"])
     assert r.exit_code == 0, r.output
