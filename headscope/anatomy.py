@@ -396,7 +396,7 @@ def stability_at(curve: pd.DataFrame, n: int = 6) -> dict[str, Any] | None:
     hit = curve[curve["n"] == n]
     if not len(hit):
         return None
-    row = {k: (v.item() if hasattr(v, "item") else v) for k, v in hit.iloc[0].to_dict().items()}
+    row = {k: (v.item() if hasattr(v, "item") else v) for k, v in hit.to_dict(orient="records")[0].items()}
     if n == 6:
         row["paper_rho"] = PAPER["rho_at_6"]
     return row
