@@ -15,7 +15,7 @@ Cost: 36 pairs × 270 heads = 9720 patched forwards of the suffix after the need
 
 Output: ``experiments/anatomy-smollm2/run/`` (ranking.json, scores.csv, ie.pt; per-pair partial
 results while it runs, so a rerun resumes) and ``experiments/anatomy-smollm2/anatomy/``
-(anatomy.json, stability.html, gini.html).
+(anatomy.json, summary.json; stability, gini and IE heatmap as html and png).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main(
     n_used = int((~torch.isnan(r.ie).all(-1).all(-1)).sum())
     ns = list(range(1, n_used - n_ref + 1))
     a = an.anatomy(r, n_boot=n_boot, seed=0, ns=ns, n_ref=n_ref)
-    a.save(out / "anatomy", formats=("html",))
+    a.save(out / "anatomy", formats=("html", "png"))
     d = a.to_dict()
     # for comparison: the old reading (reference = all pairs, containing the sample), and n = 6
     # against every other pair (the largest disjoint reference)
