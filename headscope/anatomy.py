@@ -4,7 +4,8 @@
   that is safely convertible (|IE| ≤ threshold), per capability and fused.
 * :func:`gini` / :func:`layer_gini` — per-layer Gini coefficient of head importance.
 * :func:`stability_curve` — Spearman ρ between the ranking from n calibration pairs and the ranking
-  from all pairs, bootstrap over pairs; :func:`n_for_rho` — the smallest n with ρ ≥ 0.9.
+  from a reference of other pairs (random disjoint splits, or a held-out set), with the same curve on
+  head-shuffled IE as a noise baseline; :func:`n_for_rho` — the smallest n with ρ ≥ 0.9.
 * :func:`direct_logit_attribution` — each head's direct contribution to m = a⁺ − a⁻ (eq. 9 weights)
   through its o_proj slice, the frozen final-norm scale and the unembedding (figure 2a).
 * :func:`layer_cosine` — cosine similarity of layer outputs of the clean and corrupted runs across
@@ -27,8 +28,8 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 import pandas as pd
 import torch
-from jaxtyping import Float
-from scipy.stats import spearmanr
+from jaxtyping import Float, Int
+from scipy.stats import rankdata
 from torch import Tensor
 
 from .readout import DEFAULT_LAMBDA, logit_diff, span_weights
@@ -44,6 +45,16 @@ PAPER = {
     "rho_at_6": 0.921,
 }
 Negative = Literal["abs", "clip", "raise"]
+# (default) Gini of importance clips negative IE at 0: the paper states IE ∈ [0, 1] (eq. 10), i.e. a
+# head's importance is the share of the gap its patch removes, never below "no effect". The paper does
+# not say how its Gini treats negative IE; "abs" (magnitude of the effect) is the other reading, and
+# anatomy() reports it too. On [-1, 0.5, 0.5, 2]: clip 0.5, abs 0.3125.
+DEFAULT_NEGATIVE: Negative = "clip"
+NEGATIVE_NOTE = {
+    "clip": "negative IE clipped to 0 (the paper's IE range [0, 1], eq. 10)",
+    "abs": "negative IE replaced by its magnitude",
+    "raise": "no negative values allowed",
+}
 
 
 # ---- critical heads ----------------------------------------------------------------------------
@@ -109,13 +120,14 @@ def _nonneg(x: np.ndarray, negative: Negative) -> np.ndarray:
     raise ValueError(f"negative must be 'abs', 'clip' or 'raise', not {negative!r}")
 
 
-def gini(x: Float[np.ndarray, "n"] | Sequence[float], negative: Negative = "abs") -> float:
+def gini(x: Float[np.ndarray, "n"] | Sequence[float], negative: Negative = DEFAULT_NEGATIVE) -> float:
     """Gini coefficient G = Σ_i Σ_j |x_i − x_j| / (2 n² μ) (mean absolute difference over twice
     the mean; Gini 1912). 0 = importance spread evenly, (n−1)/n = all on one head.
 
-    Negative values (heads whose patch raises m) are mapped by ``negative``: ``"abs"`` (default,
-    importance = magnitude of the effect), ``"clip"`` (to 0) or ``"raise"``.
-    Returns NaN when every value is 0 (no importance to distribute).
+    Negative values (heads whose patch raises m) are mapped by ``negative``: ``"clip"`` (default:
+    to 0, as the paper's IE ∈ [0, 1] of eq. 10 reads), ``"abs"`` (importance = magnitude of the
+    effect) or ``"raise"``. The choice changes the figure: [-1, 0.5, 0.5, 2] gives 0.5 clipped,
+    0.3125 with magnitudes. Returns NaN when every (mapped) value is 0 (no importance to distribute).
 
     Raises:
         ValueError: empty input or NaN values.
@@ -132,12 +144,15 @@ def gini(x: Float[np.ndarray, "n"] | Sequence[float], negative: Negative = "abs"
     return float(np.abs(v[:, None] - v[None, :]).sum() / (2 * v.size**2 * mu))
 
 
-def layer_gini(matrix: Float[np.ndarray, "layer head"], negative: Negative = "abs") -> dict[str, Any]:
-    """Gini of head importance within each layer, and its mean / min / max over layers.
+def layer_gini(matrix: Float[np.ndarray, "layer head"], negative: Negative = DEFAULT_NEGATIVE) -> dict[str, Any]:
+    """Gini of head importance within each layer (:func:`gini`), and its mean / min / max over layers.
 
     Returns:
-        dict with per_layer (list, NaN for an all-zero layer), mean, min, max (over finite
-        layers), argmin_layer, argmax_layer.
+        dict with negative (the mapping of negative values used), per_layer (list, None for an
+        all-zero layer), mean, min, max (over finite layers), argmin_layer, argmax_layer.
+
+    Raises:
+        ValueError: every layer has zero importance, NaN values, or an unknown ``negative``.
     """
     m = np.asarray(matrix, dtype=float)
     g = np.array([gini(row, negative) for row in m])
@@ -156,20 +171,28 @@ def layer_gini(matrix: Float[np.ndarray, "layer head"], negative: Negative = "ab
 
 
 # ---- stability ---------------------------------------------------------------------------------
-def _used_pairs(ie: Tensor | np.ndarray) -> np.ndarray:
+Reference = Literal["split", "all"]
+
+
+def _used_pairs(ie: Tensor | np.ndarray, what: str = "ie", min_pairs: int = 2) -> np.ndarray:
     x = ie.double().numpy() if isinstance(ie, Tensor) else np.asarray(ie, dtype=float)
     if x.ndim != 3:
-        raise ValueError(f"ie must be [pair, layer, head], got shape {x.shape}")
+        raise ValueError(f"{what} must be [pair, layer, head], got shape {x.shape}")
     used = ~np.isnan(x).all(axis=(1, 2))
-    if used.sum() < 2:
-        raise ValueError(f"stability needs at least 2 usable pairs, got {int(used.sum())}; rank with more pairs")
+    if used.sum() < min_pairs:
+        raise ValueError(f"stability needs at least {min_pairs} usable pairs in {what}, got {int(used.sum())}; rank with more pairs")
     return x[used].reshape(int(used.sum()), -1)
 
 
 def stability_samples(
     n_pairs: int, ns: Sequence[int], n_boot: int, seed: int = 0, replace: bool = True
-) -> dict[int, np.ndarray]:
-    """The pair indices of every bootstrap replicate: {n: Int[ndarray, "boot n"]}."""
+) -> dict[int, Int[np.ndarray, "boot n"]]:
+    """The pair indices of every replicate when the reference is all pairs (``reference="all"``, or
+    a held-out set): {n: Int[ndarray, "boot n"]}, drawn from ``range(n_pairs)``.
+
+    Raises:
+        ValueError: an n below 1, or above n_pairs without replacement.
+    """
     rng = np.random.default_rng(seed)
     out = {}
     for n in ns:
@@ -179,56 +202,204 @@ def stability_samples(
     return out
 
 
+def stability_splits(
+    n_pairs: int, ns: Sequence[int], n_boot: int, n_ref: int, seed: int = 0, replace: bool = False
+) -> dict[int, tuple[Int[np.ndarray, "boot n"], Int[np.ndarray, "boot n_ref"]]]:
+    """Random disjoint splits of the pairs into a sample and a reference, for every replicate.
+
+    Each replicate permutes ``range(n_pairs)``, takes the first ``n_ref`` as the reference and draws
+    the n-pair sample from the other ``n_pairs − n_ref``: the first n of them (``replace=False``,
+    n distinct pairs) or n drawn with replacement from them (a bootstrap of the held-out pool).
+
+    Returns:
+        {n: (Int[ndarray, "boot n"] sample indices, Int[ndarray, "boot n_ref"] reference indices)};
+        within a replicate no index is in both.
+
+    Raises:
+        ValueError: n_ref outside 1..n_pairs − 1, or an n below 1 or (without replacement) above
+            n_pairs − n_ref.
+    """
+    pool = n_pairs - n_ref
+    if not 1 <= n_ref <= n_pairs - 1:
+        raise ValueError(f"n_ref={n_ref}: the reference needs 1..{n_pairs - 1} of the {n_pairs} pairs, leaving the rest to sample")
+    rng = np.random.default_rng(seed)
+    out = {}
+    for n in ns:
+        if n < 1 or (not replace and n > pool):
+            raise ValueError(
+                f"n={n} outside 1..{pool}: {n_pairs} pairs minus a reference of {n_ref} leave {pool} to sample "
+                "(lower n_ref or rank more pairs)"
+            )
+        perms = np.stack([rng.permutation(n_pairs) for _ in range(n_boot)])
+        ref, rest = perms[:, :n_ref], perms[:, n_ref:]
+        if replace:
+            sample = np.take_along_axis(rest, rng.integers(0, pool, size=(n_boot, n)), axis=1)
+        else:
+            sample = rest[:, :n]
+        out[int(n)] = (sample, ref)
+    return out
+
+
+def spearman_rows(
+    a: Float[np.ndarray, "boot head"], b: Float[np.ndarray, "boot head"] | Float[np.ndarray, "head"]
+) -> Float[np.ndarray, "boot"]:
+    """Spearman ρ of every row of ``a`` with the matching row of ``b`` (or with ``b`` itself when it
+    is one vector): Pearson correlation of average ranks, as ``scipy.stats.spearmanr``.
+
+    A row with a NaN, or with all values tied on either side, gives NaN.
+    """
+    a = np.atleast_2d(np.asarray(a, dtype=float))
+    b = np.broadcast_to(np.asarray(b, dtype=float), a.shape)
+    bad = np.isnan(a).any(1) | np.isnan(b).any(1)
+    ra = rankdata(np.nan_to_num(a), axis=1)
+    rb = rankdata(np.nan_to_num(b), axis=1)
+    ra -= ra.mean(1, keepdims=True)
+    rb -= rb.mean(1, keepdims=True)
+    den = np.sqrt((ra * ra).sum(1) * (rb * rb).sum(1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rho = (ra * rb).sum(1) / den
+    rho[bad | (den == 0)] = np.nan
+    return rho
+
+
+def _topk_overlap(a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
+    b = np.broadcast_to(b, a.shape)
+    ta = np.argsort(-a, axis=1, kind="stable")[:, :k]
+    tb = np.argsort(-b, axis=1, kind="stable")[:, :k]
+    return np.array([len(set(x.tolist()) & set(y.tolist())) / k for x, y in zip(ta, tb)])
+
+
+def _summary(rhos: np.ndarray, band: tuple[float, float], prefix: str = "") -> dict[str, float]:
+    r = rhos[np.isfinite(rhos)]
+    nan = math.nan
+    return {
+        f"{prefix}rho_mean": float(r.mean()) if r.size else nan,
+        f"{prefix}rho_std": float(r.std(ddof=1)) if r.size > 1 else nan,
+        f"{prefix}rho_median": float(np.median(r)) if r.size else nan,
+        f"{prefix}rho_lo": float(np.percentile(r, band[0])) if r.size else nan,
+        f"{prefix}rho_hi": float(np.percentile(r, band[1])) if r.size else nan,
+    }
+
+
 def stability_curve(
     ie: Float[Tensor, "pair layer head"] | np.ndarray,
     ns: Sequence[int] | None = None,
     n_boot: int = 200,
     seed: int = 0,
-    replace: bool = True,
+    replace: bool = False,
     band: tuple[float, float] = (2.5, 97.5),
     top_k: int | None = None,
+    reference: Reference | Float[Tensor, "ref_pair layer head"] | np.ndarray = "split",
+    n_ref: int | None = None,
+    noise: bool = False,
 ) -> pd.DataFrame:
-    """Spearman ρ between the head ranking from n pairs and the ranking from all pairs.
+    """Spearman ρ between the head ranking from n pairs and a reference ranking, over n.
 
-    For each n, ``n_boot`` replicates draw n of the usable pairs (with replacement by default: a
-    bootstrap over pairs; ``replace=False`` subsamples), average their IE per head and compare that
-    ranking with the all-pairs mean by ``scipy.stats.spearmanr`` (average ranks for ties).
-    Skipped pairs (NaN rows) are left out. With ``top_k``, also the mean share of the all-pairs
-    top-k heads found in the n-pair top-k (``topk_overlap``): ρ over every head is dominated by
-    the order of the many near-zero heads, the overlap by the heads a mask would keep.
+    The n-pair ranking is the mean IE per head over n pairs; ρ is ``scipy.stats.spearmanr`` (average
+    ranks for ties) with the mean IE of the reference. ``reference`` says which pairs:
+
+    * ``"split"`` (default): pairs disjoint from the sample. Every replicate splits the usable pairs
+      at random into a reference of ``n_ref`` pairs and a pool from which the n pairs are taken
+      (:func:`stability_splits`). Noise common to sample and reference cannot raise ρ, so pure
+      noise gives ρ ≈ 0 at every n. The curve's ceiling is the reliability of an ``n_ref``-pair
+      ranking, not 1.
+    * a Tensor / array [ref_pair, layer, head]: a separately ranked held-out set (its usable pairs'
+      mean IE, fixed); the n pairs are drawn from all usable pairs of ``ie``.
+    * ``"all"``: the mean over all pairs, which contains the sampled ones (the old, upward-biased
+      reading: on pure noise, IE of 20 pairs × 4 × 8 heads, it gives ρ ≈ 0.4 at n = 6). For
+      comparison only.
+
+    Without replacement (default) the n pairs are n distinct pairs, as in "ρ after 6 calibration
+    samples"; ``replace=True`` draws them with replacement (bootstrap). Skipped pairs (all-NaN
+    rows) are left out. With ``noise``, the same curve for IE whose heads are shuffled within every
+    pair independently (fresh shuffle per replicate): a null with each pair's IE distribution but no
+    shared ranking, drawn as a baseline. With ``top_k``, also the mean share of the reference top-k
+    heads found in the n-pair top-k (``topk_overlap``): ρ over every head is dominated by the order
+    of the many near-zero heads, the overlap by the heads a mask would keep.
+
+    Args:
+        ie: per-pair receiver IE (fraction of the clean–corrupt gap, eq. 10).
+        ns: sample sizes (default 1..⌊pairs/2⌋ for "split", 1..pairs otherwise).
+        n_boot: replicates per n; seed: their RNG; band: percentiles of ρ reported as lo / hi.
+        n_ref: reference size for "split" (default: pairs − max(ns), the largest reference the
+            largest n leaves; the same for every n of the curve).
 
     Returns:
-        DataFrame with columns n, rho_mean, rho_median, rho_lo, rho_hi (the ``band`` percentiles),
-        n_boot (and topk_overlap) — one row per n (default 1..number of usable pairs).
+        DataFrame, one row per n: n, n_ref, rho_mean, rho_std (over replicates), rho_median,
+        rho_lo, rho_hi, n_boot (finite replicates); with ``noise`` the same statistics prefixed
+        ``noise_``; with ``top_k``, top_k and topk_overlap.
 
     Raises:
-        ValueError: fewer than 2 usable pairs, or an n outside the range.
+        ValueError: fewer than 2 usable pairs (or none in a held-out reference), a reference of
+            another head shape, an unknown ``reference``, n_ref with a non-split reference, or an n
+            / n_ref outside the range.
     """
     x = _used_pairs(ie)
-    n_pairs = x.shape[0]
-    ns = list(range(1, n_pairs + 1)) if ns is None else list(ns)
-    full = x.mean(0)
-    top_full = set(np.argsort(-full, kind="stable")[:top_k].tolist()) if top_k else set()
+    n_pairs, n_h = x.shape
+    rng = np.random.default_rng([seed, 1])
+    if isinstance(reference, str):
+        if reference not in ("split", "all"):
+            raise ValueError(f"reference must be 'split', 'all' or an IE array, not {reference!r}")
+        split = reference == "split"
+    else:
+        split = False
+    if not split and n_ref is not None:
+        raise ValueError("n_ref sets the size of a 'split' reference; it has no meaning for another reference")
+    if ns is None:
+        ns = list(range(1, (n_pairs // 2 if split else n_pairs) + 1))
+    ns = [int(n) for n in ns]
+    if not ns:
+        raise ValueError("ns is empty")
+    fixed: np.ndarray | None = None
+    if split:
+        n_ref = n_pairs - max(ns) if n_ref is None else int(n_ref)
+        draws = stability_splits(n_pairs, ns, n_boot, n_ref, seed, replace)
+    else:
+        if isinstance(reference, str):  # "all"
+            fixed, n_ref = x.mean(0), n_pairs
+        else:
+            ref = _used_pairs(reference, "reference", min_pairs=1)
+            if ref.shape[1] != n_h:
+                raise ValueError(f"reference has {ref.shape[1]} heads per pair, ie has {n_h}")
+            fixed, n_ref = ref.mean(0), ref.shape[0]
+        draws = {n: (idx, None) for n, idx in stability_samples(n_pairs, ns, n_boot, seed, replace).items()}
+
+    def ranks_of(data: np.ndarray, idx: np.ndarray, ref_idx: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        sample = data[idx].mean(1)  # [boot, head]
+        if ref_idx is not None:
+            return sample, data[ref_idx].mean(1)
+        if isinstance(reference, str):  # "all": the reference is the same data's all-pairs mean
+            return sample, data.mean(0)
+        return sample, fixed  # held-out set, never shuffled
+
     rows = []
-    for n, idx in stability_samples(n_pairs, ns, n_boot, seed, replace).items():
-        rhos = np.array([spearmanr(x[i].mean(0), full).statistic for i in idx], dtype=float)
-        rhos = rhos[np.isfinite(rhos)]
-        extra = {}
+    for n, (idx, ref_idx) in draws.items():
+        sample, refm = ranks_of(x, idx, ref_idx)
+        rhos = spearman_rows(sample, refm)
+        row: dict[str, Any] = {"n": n, "n_ref": int(n_ref), **_summary(rhos, band), "n_boot": int(np.isfinite(rhos).sum())}
+        if noise:
+            null = np.empty(len(idx))
+            for b in range(len(idx)):
+                xs = rng.permuted(x, axis=1)  # every pair's heads shuffled on their own
+                s_b, r_b = ranks_of(xs, idx[b : b + 1], None if ref_idx is None else ref_idx[b : b + 1])
+                null[b] = spearman_rows(s_b, r_b)[0]
+            row.update(_summary(null, band, "noise_"))
         if top_k:
-            ov = [len(top_full & set(np.argsort(-x[i].mean(0), kind="stable")[:top_k].tolist())) / top_k for i in idx]
-            extra = {"top_k": int(top_k), "topk_overlap": float(np.mean(ov))}
-        rows.append(
-            {
-                "n": n,
-                "rho_mean": float(rhos.mean()) if rhos.size else math.nan,
-                "rho_median": float(np.median(rhos)) if rhos.size else math.nan,
-                "rho_lo": float(np.percentile(rhos, band[0])) if rhos.size else math.nan,
-                "rho_hi": float(np.percentile(rhos, band[1])) if rhos.size else math.nan,
-                "n_boot": int(rhos.size),
-                **extra,
-            }
-        )
+            row.update({"top_k": int(top_k), "topk_overlap": float(_topk_overlap(sample, np.asarray(refm), top_k).mean())})
+        rows.append(row)
     return pd.DataFrame(rows)
+
+
+def stability_at(curve: pd.DataFrame, n: int = 6) -> dict[str, Any] | None:
+    """The row of ``curve`` at n (ρ mean, std, band; noise baseline when present) as a dict, with
+    the paper's value for n = 6; None when n is not on the curve."""
+    hit = curve[curve["n"] == n]
+    if not len(hit):
+        return None
+    row = {k: (v.item() if hasattr(v, "item") else v) for k, v in hit.to_dict(orient="records")[0].items()}
+    if n == 6:
+        row["paper_rho"] = PAPER["rho_at_6"]
+    return row
 
 
 def n_for_rho(curve: pd.DataFrame, target: float = DEFAULT_RHO_TARGET, column: str = "rho_mean") -> int | None:
@@ -432,6 +603,9 @@ class Anatomy:
     stability_settings: dict[str, Any] = field(default_factory=dict)
     dla: DLA | None = None
     cosine: np.ndarray | None = None
+    gini_other: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The per-layer Gini summary under the other reading of negative IE (``abs`` when ``gini`` clips,
+    ``clip`` otherwise): mean / min / max and the mapping, for comparison."""
 
     @property
     def n_rho(self) -> int | None:
@@ -439,6 +613,7 @@ class Anatomy:
 
     def to_dict(self) -> dict[str, Any]:
         p = self.ranking.provenance
+        neg = next(iter(self.gini.values()))["negative"] if self.gini else None
         d: dict[str, Any] = {
             "format": "headscope.Anatomy/1",
             "model": p.get("model"),
@@ -447,7 +622,13 @@ class Anatomy:
             "task_settings": p.get("task_settings"),
             "threshold": self.threshold,
             "critical": self.critical,
+            "gini_negative": {
+                "negative": neg,
+                "meaning": NEGATIVE_NOTE.get(neg) if neg else None,
+                "note": "the paper does not say how its Gini treats negative IE; gini_other gives the other reading",
+            },
             "gini": self.gini,
+            "gini_other": self.gini_other,
             "paper": PAPER,
         }
         if self.stability is not None:
@@ -455,6 +636,7 @@ class Anatomy:
                 **self.stability_settings,
                 "target": self.rho_target,
                 "n_at_target": self.n_rho,
+                "rho_at_6": stability_at(self.stability, 6),
                 "curve": self.stability.to_dict(orient="records"),
             }
         if self.dla is not None:
@@ -486,7 +668,9 @@ class Anatomy:
         if self.dla is not None:
             figs["heatmap_dla"] = plots.matrix_heatmap(self.dla.mean, "DLA (logits)", title="direct logit attribution to a⁺ − a⁻ per head", std=self.dla.heads.std(0).numpy() if self.dla.heads.shape[0] > 1 else None)
         col = "score" if "score" in self.gini else next(iter(self.gini))
-        figs["gini"] = plots.gini_bars(self.gini[col], title=f"per-layer Gini of |{col}|")
+        neg = self.gini[col].get("negative", DEFAULT_NEGATIVE)
+        what = f"|{col}|" if neg == "abs" else f"max({col}, 0)" if neg == "clip" else col
+        figs["gini"] = plots.gini_bars(self.gini[col], title=f"per-layer Gini of {what}")
         if self.stability is not None:
             figs["stability"] = plots.stability_plot(self.stability, target=self.rho_target)
         if self.cosine is not None:
@@ -523,20 +707,31 @@ def anatomy(
     model: Any | None = None,
     pairs: Sequence[Any] | None = None,
     threshold: float = DEFAULT_THRESHOLD,
-    negative: Negative = "abs",
+    negative: Negative = DEFAULT_NEGATIVE,
     n_boot: int = 200,
     seed: int = 0,
-    replace: bool = True,
+    replace: bool = False,
     rho_target: float = DEFAULT_RHO_TARGET,
     lam: float | None = None,
     top_k: int | None = 10,
+    ns: Sequence[int] | None = None,
+    n_ref: int | None = None,
+    reference: Reference | Tensor | np.ndarray = "split",
+    noise: bool = True,
 ) -> Anatomy:
     """Head anatomy of a :class:`~headscope.scores.Ranking` (SPEC.md §7).
 
-    Critical/convertible shares and per-layer Gini for every importance column (``s_<capability>``,
-    ``ie_recv``, ``score``); the stability curve from ``ranking.ie`` (when stored, ≥ 2 usable
-    pairs; with ``top_k``, the top-k overlap too); with ``model`` and ``pairs``, the DLA of every head (clean run) and the clean-vs-corrupted
-    layer-output cosine matrix. ``lam`` defaults to the ranking's λ.
+    Critical/convertible shares and per-layer Gini (negative IE mapped by ``negative``, default
+    clipped at 0; the other reading is kept in ``gini_other``) for every importance column
+    (``s_<capability>``, ``ie_recv``, ``score``); the stability curve from ``ranking.ie`` (when
+    stored, ≥ 2 usable pairs) against a reference disjoint from the sample by default, with the
+    noise baseline (``noise``) and, with ``top_k``, the top-k overlap (arguments ``ns``, ``n_ref``,
+    ``reference``, ``replace``, ``n_boot``, ``seed`` as :func:`stability_curve`); with ``model`` and
+    ``pairs``, the DLA of every head (clean run) and the clean-vs-corrupted layer-output cosine
+    matrix. ``lam`` defaults to the ranking's λ.
+
+    Raises:
+        ValueError: no importance column in the score table, or bad stability arguments.
     """
     df = ranking.scores
     cols = importance_columns(df)
@@ -544,17 +739,37 @@ def anatomy(
         raise ValueError("the score table has none of the columns s_<capability>, ie_recv, score")
     critical = {c: critical_share(df[c].to_numpy(), threshold) for c in cols}
     gini_d = {c: layer_gini(ranking.matrix(c), negative) for c in cols}
+    other: Negative = "abs" if negative != "abs" else "clip"
+    gini_o = {}
+    for c in cols:
+        try:
+            g = layer_gini(ranking.matrix(c), other)
+            gini_o[c] = {k: g[k] for k in ("negative", "mean", "min", "max")}
+        except ValueError:  # e.g. every value negative: nothing left after clipping
+            gini_o[c] = {"negative": other, "mean": None, "min": None, "max": None}
     curve = None
     st: dict[str, Any] = {}
     if ranking.ie is not None and (~torch.isnan(ranking.ie).all(-1).all(-1)).sum() >= 2:
-        curve = stability_curve(ranking.ie, n_boot=n_boot, seed=seed, replace=replace, top_k=top_k)
-        st = {"n_boot": n_boot, "seed": seed, "replace": replace, "statistic": "spearman rho of mean receiver IE"}
+        curve = stability_curve(ranking.ie, ns=ns, n_boot=n_boot, seed=seed, replace=replace, top_k=top_k,
+                                reference=reference, n_ref=n_ref, noise=noise)
+        st = {
+            "n_boot": n_boot, "seed": seed, "replace": replace,
+            "statistic": "spearman rho of mean receiver IE",
+            "reference": reference if isinstance(reference, str) else "held-out set",
+            "n_ref": int(curve["n_ref"].iloc[0]),
+            "reference_note": {
+                "split": "every replicate splits the pairs at random into n_ref reference pairs and a disjoint pool the n pairs come from",
+                "all": "mean over all pairs, which contain the sample (biased upward: pure noise gives rho > 0)",
+            }.get(reference if isinstance(reference, str) else "", "a separately ranked held-out set of n_ref pairs"),
+        }
+        if noise:
+            st["noise"] = "same curve for IE with every pair's heads shuffled independently (no shared ranking)"
     dla = cos = None
     if model is not None and pairs is not None:
         lam = float(ranking.provenance.get("lambda", DEFAULT_LAMBDA)) if lam is None else lam
         dla = direct_logit_attribution(model, pairs, lam)
         cos = layer_cosine(model, pairs)
-    return Anatomy(ranking, threshold, critical, gini_d, curve, rho_target, st, dla, cos)
+    return Anatomy(ranking, threshold, critical, gini_d, curve, rho_target, st, dla, cos, gini_o)
 
 
 def pairs_of_run(ranking: Any, tokenizer: Any) -> list[Any]:

@@ -298,6 +298,11 @@ def anatomy(
     threshold: float = typer.Option(0.1, help="IE above this marks a head critical"),
     boot: int = typer.Option(200, help="bootstrap replicates per n for the stability curve"),
     seed: int = typer.Option(0, help="seed of the bootstrap"),
+    n_ref: Optional[int] = typer.Option(
+        None, help="pairs in the reference the n-pair ranking is compared with, disjoint from the sample "
+        "(default: pairs minus the largest n; n runs to half the pairs)"
+    ),
+    negative: str = typer.Option("clip", help="Gini of negative IE: clip (to 0, the paper's IE range) or abs"),
     use_model: bool = typer.Option(
         True, "--model/--no-model", help="load the run's model and re-generate its pairs for DLA and layer cosine"
     ),
@@ -320,20 +325,26 @@ def anatomy(
 
             model = load_model(spec, device=device)
             pairs = an.pairs_of_run(r, model.tokenizer)
-        a = an.anatomy(r, model=model, pairs=pairs, threshold=threshold, n_boot=boot, seed=seed)
+        if negative not in ("clip", "abs"):
+            raise ValueError(f"--negative must be clip or abs, not {negative!r}")
+        a = an.anatomy(r, model=model, pairs=pairs, threshold=threshold, n_boot=boot, seed=seed, n_ref=n_ref,
+                       negative=negative)  # type: ignore[arg-type]
         written = a.save(out, formats=tuple(fmt))
     d = a.to_dict()
+    typer.echo(f"Gini: {d['gini_negative']['meaning']}")
     for col, c in d["critical"].items():
-        g = d["gini"][col]
+        g, o = d["gini"][col], d["gini_other"][col]
+        other = f"; {o['negative']}: {o['mean']:.3f}" if o.get("mean") is not None else ""
         typer.echo(
             f"{col}: {c['n_critical']}/{c['n_heads']} critical ({c['critical_share']:.1%}, IE > {threshold}), "
             f"{c['convertible_share']:.1%} safely convertible; Gini mean {g['mean']:.3f} "
-            f"(range {g['min']:.3f}-{g['max']:.3f})"
+            f"(range {g['min']:.3f}-{g['max']:.3f}{other})"
         )
     if "stability" in d:
         curve = d["stability"]["curve"]
         typer.echo(
-            "stability rho(n): " + ", ".join(f"{row['n']}:{row['rho_mean']:.3f}" for row in curve)
+            f"stability rho(n) against {d['stability']['n_ref']} disjoint pairs [noise baseline]: "
+            + ", ".join(f"{row['n']}:{row['rho_mean']:.3f} [{row['noise_rho_mean']:.3f}]" for row in curve)
             + f"; rho >= {a.rho_target} from n = {d['stability']['n_at_target']}"
         )
     typer.echo(f"wrote {out / 'anatomy.json'} and {sum(len(v) for k, v in written.items() if k != 'json')} figure file(s)")

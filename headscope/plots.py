@@ -80,30 +80,37 @@ def gini_bars(gini: dict, title: str = "per-layer Gini of head importance") -> g
 
 def stability_plot(curve: Any, target: float = 0.9, title: str | None = None) -> go.Figure:
     """Spearman ρ vs number of calibration pairs n (``headscope.anatomy.stability_curve``), with the
-    bootstrap percentile band and the target line."""
+    replicate percentile band, the target line and, when the curve has ``noise_*`` columns, the
+    same curve on head-shuffled IE (noise baseline) with its band."""
     n = curve["n"].tolist()
     fig = go.Figure()
-    fig.add_trace(
-        go.Scatter(
-            x=n + n[::-1],
-            y=curve["rho_hi"].tolist() + curve["rho_lo"].tolist()[::-1],
-            fill="toself",
-            fillcolor="rgba(31,119,180,0.2)",
-            line={"width": 0},
-            hoverinfo="skip",
-            name="bootstrap band",
+    series = [("", "mean ρ", "31,119,180")]
+    if "noise_rho_mean" in curve:
+        series.append(("noise_", "noise baseline (heads shuffled per pair)", "127,127,127"))
+    for prefix, name, rgb in series:
+        fig.add_trace(
+            go.Scatter(
+                x=n + n[::-1],
+                y=curve[f"{prefix}rho_hi"].tolist() + curve[f"{prefix}rho_lo"].tolist()[::-1],
+                fill="toself",
+                fillcolor=f"rgba({rgb},0.2)",
+                line={"width": 0},
+                hoverinfo="skip",
+                name="replicate band (2.5–97.5 %)" if not prefix else f"{name}: band",
+                showlegend=not prefix,
+            )
         )
-    )
-    fig.add_trace(
-        go.Scatter(
-            x=n,
-            y=curve["rho_mean"],
-            mode="lines+markers",
-            name="mean ρ",
-            customdata=np.stack([curve["rho_lo"], curve["rho_hi"]], -1),
-            hovertemplate="n=%{x}<br>ρ=%{y:.3f} [%{customdata[0]:.3f}, %{customdata[1]:.3f}]<extra></extra>",
+        fig.add_trace(
+            go.Scatter(
+                x=n,
+                y=curve[f"{prefix}rho_mean"],
+                mode="lines+markers",
+                name=name,
+                line={"color": f"rgb({rgb})", "dash": "dash" if prefix else "solid"},
+                customdata=np.stack([curve[f"{prefix}rho_lo"], curve[f"{prefix}rho_hi"]], -1),
+                hovertemplate="n=%{x}<br>ρ=%{y:.3f} [%{customdata[0]:.3f}, %{customdata[1]:.3f}]<extra>" + name + "</extra>",
+            )
         )
-    )
     if "topk_overlap" in curve:
         k = int(curve["top_k"].iloc[0])
         fig.add_trace(
@@ -113,12 +120,15 @@ def stability_plot(curve: Any, target: float = 0.9, title: str | None = None) ->
                 mode="lines+markers",
                 line={"dash": "dot"},
                 name=f"top-{k} overlap",
-                hovertemplate=f"n=%{{x}}<br>share of the all-pairs top-{k} found: %{{y:.2f}}<extra></extra>",
+                hovertemplate=f"n=%{{x}}<br>share of the reference top-{k} found: %{{y:.2f}}<extra></extra>",
             )
         )
     fig.add_hline(y=target, line_dash="dash", annotation_text=f"ρ = {target}")
+    if title is None:
+        ref = f"{int(curve['n_ref'].iloc[0])} other pairs" if "n_ref" in curve else "reference pairs"
+        title = f"ranking stability: Spearman ρ(n pairs, {ref})"
     fig.update_layout(
-        title=title or "ranking stability: Spearman ρ(n pairs, all pairs)",
+        title=title,
         xaxis_title="calibration pairs n",
         yaxis_title="Spearman ρ",
         width=700,

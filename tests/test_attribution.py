@@ -62,6 +62,31 @@ def test_screen_then_verify(tiny, pairs):
     assert torch.allclose(full.ie, exact)
 
 
+def test_missed_upper95_when_every_spot_check_is_a_miss(tiny, pairs, monkeypatch):
+    """Issue 20: x = n spot-check misses gave beta.ppf(0.95, n + 1, 0) = NaN; the one-sided 95 %
+    Clopper–Pearson bound on the miss rate is 1.0 there, so the bound is 1.0 × unverified heads."""
+    from scipy import stats
+
+    import headscope.patching.attribution as att
+
+    assert np.isnan(stats.beta.ppf(0.95, 4, 0))  # the expression the bound used for 3 of 3
+    exact = receiver_patching(tiny, pairs, min_gap=0.0, progress=False).ie
+    real = att.attribution_ie
+
+    def reversed_screen(*a, **k):  # a screen that ranks heads in the reverse of their exact IE
+        _, m_c, m_x = real(*a, **k)
+        return -exact.clone(), m_c, m_x
+
+    monkeypatch.setattr(att, "attribution_ie", reversed_screen)
+    res = att.screen_then_verify(tiny, pairs, verify=2, spot_checks=3, min_gap=0.0, progress=False)
+    # the 2 "verified" heads are the 2 lowest exact heads, so every other head reaches them
+    means = exact.double().mean(0)
+    assert sorted(res.verified) == sorted(divmod(int(i), 4) for i in means.flatten().argsort()[:2])
+    assert (res.spot_hits, len(res.spot_checked), res.details["n_unverified"]) == (3, 3, 3)
+    assert res.missed_estimate == pytest.approx(3.0)
+    assert res.missed_upper95 == 1.0 * 3
+
+
 def test_recall_at_k():
     a = np.arange(10.0)
     assert recall_at_k(a, a, 3) == 1.0

@@ -110,6 +110,20 @@ def test_retrieval_score_hand_checked():
         retrieval_scores(pats, tokens, emitted, (5, 5))
 
 
+def test_retrieval_score_counts_repeated_needle_tokens_once_per_position():
+    """Issue 20 (as documented in retrieval_score.py): needle "4 4 2 1"; head 0 attends to the first
+    "4" at both "4" steps -> 3 distinct positions of 4 = 0.75 (counting copying steps would give 1.0);
+    head 1 attends to each "4" at its own step -> 1.0."""
+    tokens = torch.tensor([9, 9, 4, 4, 2, 1, 9])  # needle at positions 2..5
+    emitted = torch.tensor([4, 4, 2, 1])
+    pats = torch.zeros(4, 1, 2, tokens.numel())
+    for j, (first, own) in enumerate([(2, 2), (2, 3), (4, 4), (5, 5)]):
+        pats[j, 0, 0, first] = 1.0
+        pats[j, 0, 1, own] = 1.0
+    s = retrieval_scores(pats, tokens, emitted, (2, 6))
+    assert s.tolist() == [[0.75, 1.0]]
+
+
 def test_answer_patterns_match_hf_eager_attention(tiny_dir):
     """The engine's patterns at the read positions equal transformers' eager attention weights."""
     from headscope.models import load_model

@@ -139,7 +139,8 @@ class ScreenResult:
     atp: Float[Tensor, "pair layer head"], the AtP screen for every head.
     verified, spot_checked: (layer, head) lists measured exactly.
     missed_estimate: estimated number of unverified heads whose exact mean IE would reach the
-        verified top set (spot-check hit rate × unverified count) and its 95 % upper bound.
+        verified top set (spot-check hit rate × unverified count) and its one-sided 95 % upper
+        bound (Clopper–Pearson; 1.0 × unverified when every spot check is a miss).
     """
 
     ie: Tensor
@@ -183,7 +184,9 @@ def screen_then_verify(
         ScreenResult. A spot-checked head counts as a miss when its exact mean IE reaches the
         smallest exact mean IE among the top-k verified heads (k = number verified // 2), i.e. it
         would have entered the upper half of the verified set; the miss estimate scales the hit
-        rate to all unverified heads, with a Clopper–Pearson 95 % upper bound.
+        rate to all unverified heads, with a one-sided Clopper–Pearson 95 % upper bound on the
+        rate (beta.ppf(0.95, x + 1, n − x); 1.0 when all n spot checks are misses, x = n, where
+        that expression is NaN).
     """
     if verify == "auto":
         g = model.geometry
@@ -220,7 +223,7 @@ def screen_then_verify(
     hits = sum(1 for layer, h in spot if float(exact.ie[used, layer, h].mean()) >= threshold)
     n_unver = len(rest) - n_spot
     rate = hits / n_spot if n_spot else math.nan
-    upper = float(stats.beta.ppf(0.95, hits + 1, n_spot - hits)) if n_spot else 1.0
+    upper = float(stats.beta.ppf(0.95, hits + 1, n_spot - hits)) if 0 < n_spot and hits < n_spot else 1.0
     return ScreenResult(
         ie=ie,
         atp=atp,

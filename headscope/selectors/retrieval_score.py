@@ -3,8 +3,14 @@
 During greedy decoding of the needle, head h *copies* at a decoding step when (1) the emitted token
 w lies in the needle, and (2) the context token that h attends to most lies inside the needle span and
 equals w. The head's retrieval score on a prompt is |g_h| / |k|: the number of distinct needle
-positions it copied from, over the needle's length in tokens. Scores are averaged over prompts,
-lengths and depths.
+positions it copied from, over the needle's length in tokens (the paper's wording: g_h is the *set*
+of tokens copied, so a needle position counts once however many steps copy from it). Scores are
+averaged over prompts, lengths and depths.
+
+Repeated needle tokens: this is not the same as counting copying steps. For the needle "4 4 2 1", a
+head that attends to the first "4" at both steps that emit "4" (and correctly at the other two) has
+copied from 3 distinct positions, score 3/4 = 0.75, where counting every copying step would give
+4/4 = 1.0. Only a head that attends to each "4" at its own step reaches 1.0.
 
 Decoding is done by teacher forcing with the clean answer: the logits at step j are those of greedy
 decoding as long as steps < j emitted the answer, so step j counts only while every earlier step
@@ -48,7 +54,9 @@ def retrieval_scores(
         valid: steps that count (default all), e.g. those that greedy decoding really reaches.
 
     Returns:
-        |{needle positions copied by h}| / (end − start), in [0, 1].
+        |{needle positions copied by h}| / (end − start), in [0, 1]: distinct positions, so a
+        position copied at several steps (a repeated needle token) counts once; see the module
+        docstring ("4 4 2 1": 0.75, not 1.0, when both "4" steps copy the first "4").
 
     Raises:
         ValueError: shapes that do not agree or an empty / out-of-range needle span.
