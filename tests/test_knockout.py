@@ -260,8 +260,14 @@ def _check_cached_equals_uncached(model, case):
 
 
 @pytest.mark.parametrize("case", range(4))
-def test_cached_generate_equals_uncached(tiny, case):
-    _check_cached_equals_uncached(tiny, case)
+def test_cached_generate_equals_uncached(smol_tokenizer, case):
+    # a fresh, un-bridged model: the session's `tiny` may have been wrapped by the TransformerBridge by an
+    # earlier test, and transformers' cached generate on a bridged model is known to go wrong (README)
+    from conftest import tiny_llama
+
+    from headscope.models import wrap
+
+    _check_cached_equals_uncached(wrap(tiny_llama(smol_tokenizer), smol_tokenizer, name="tiny-llama"), case)
 
 
 @pytest.mark.parametrize("case", range(4))
