@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float
+from .shapes import Float
 from torch import Tensor
 
 from .attn import fa_attention, flash_attn_available

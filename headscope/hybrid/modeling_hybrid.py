@@ -1,6 +1,6 @@
 """transformers classes of the head-wise hybrid: config and causal-LM classes for the Llama and Qwen3 families.
 
-This module and the modules it imports relatively (``layer``, ``attn``, ``gdn``, ``config``, ``shapes``)
+This module and the modules it imports relatively (``layer``, ``fast``, ``rope``, ``attn``, ``gdn``, ``config``, ``shapes``)
 are the hybrid's *remote code*: ``save_pretrained`` copies them beside the weights and writes
 ``auto_map`` into ``config.json`` (the classes are registered for ``AutoConfig`` and
 ``AutoModelForCausalLM`` below), so a saved hybrid loads in any process that has torch and

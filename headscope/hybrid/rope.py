@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-from jaxtyping import Float
+from .shapes import Float
 from torch import Tensor
 
 
