@@ -45,8 +45,13 @@ def _k_grid(n_total: int, k_crit: int, k5: int, quick: bool) -> list[int]:
     return sorted({k for k in [*base, k_crit, k5] if 1 <= k <= n_total})
 
 
-def head_sets(scores, n_heads: int, k: int, random_seeds: int) -> dict[str, list[tuple[int, int]]]:
-    """Condition name -> (layer, head) list for one K (scores: Ranking.scores DataFrame)."""
+SETS = ("top", "random", "bottom", "layers")
+
+
+def head_sets(scores, n_heads: int, k: int, random_seeds: int,
+              kinds: tuple[str, ...] = SETS) -> dict[str, list[tuple[int, int]]]:
+    """Condition name -> (layer, head) list for one K (scores: Ranking.scores DataFrame); ``kinds``
+    picks which of top, random (``random_seeds`` draws), bottom and layers are made."""
     df = scores.sort_values("rank")
     all_heads = [(int(l), int(h)) for l, h in zip(df["layer"], df["head"])]
     sets = {"top": all_heads[:k], "bottom": all_heads[-k:]}
@@ -56,7 +61,7 @@ def head_sets(scores, n_heads: int, k: int, random_seeds: int) -> dict[str, list
     layer_score = df.groupby("layer")["score"].sum().sort_values(ascending=False)
     layers = [int(x) for x in layer_score.index[:n_lay]]
     sets["layers"] = [(l, h) for l in sorted(layers) for h in range(n_heads)]
-    return sets
+    return {name: heads for name, heads in sets.items() if name.rstrip("0123456789") in kinds}
 
 
 @app.command()
@@ -79,6 +84,8 @@ def main(
     rank_pairs: int = typer.Option(6, help="calibration pairs when ranking here"),
     rank_len: int = typer.Option(512, help="calibration length when ranking here"),
     batch_size: int = typer.Option(16, help="prompts per forward"),
+    ks: Optional[str] = typer.Option(None, help="comma-separated K values (default: a grid holding K critical and 5 %)"),
+    sets: str = typer.Option(",".join(SETS), help="head sets per K: top, random, bottom, layers"),
     plot_only: bool = typer.Option(False, help="only redraw the figure from OUT/results.json"),
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
@@ -105,6 +112,15 @@ def main(
     meths = [m.strip() for m in methods.split(",") if m.strip()]
     if any(m not in ("zero", "mean") for m in meths):
         raise typer.BadParameter("methods must be zero and/or mean")
+    kinds = tuple(x.strip() for x in sets.split(",") if x.strip())
+    if not kinds or any(x not in SETS for x in kinds):
+        raise typer.BadParameter(f"--sets takes a comma-separated subset of {SETS}")
+    k_list = None
+    if ks is not None:
+        try:
+            k_list = sorted({int(x) for x in ks.split(",") if x.strip()})
+        except ValueError:
+            raise typer.BadParameter(f"--ks {ks!r}: comma-separated integers") from None
 
     t0 = time.time()
     lm = headscope.load_model(model, device=device)
@@ -126,7 +142,9 @@ def main(
     scores = rk.scores
     k_crit = int((scores["ie_recv"] > CRITICAL).sum())
     k5 = max(1, int(math.floor(0.05 * g.n_total + 0.5)))
-    ks = _k_grid(g.n_total, k_crit, k5, quick)
+    ks = _k_grid(g.n_total, k_crit, k5, quick) if k_list is None else k_list
+    if not ks or not all(1 <= k <= g.n_total for k in ks):
+        raise typer.BadParameter(f"--ks {ks}: each K must be in 1..{g.n_total}")
 
     data = json.loads(res_path.read_text()) if res_path.exists() else {}
     data.update({
@@ -144,6 +162,7 @@ def main(
         "disjointness": f"calibration pairs seed {cal_seed} ({cal_settings.get('seq_len')} tokens); evaluation prompts "
                         f"seed {eval_seed}; mean-ablation reference prompts seed {ref_seed}",
         "k": {"critical": k_crit, "critical_threshold": CRITICAL, "five_percent": k5, "grid": ks},
+        "sets": list(kinds), "random_seeds": random_seeds, "command": " ".join(sys.argv),
         "quick": quick,
     })
     data.setdefault("results", {})
@@ -194,14 +213,14 @@ def main(
         print(f"{key}: acc={sum(c) / len(c):.3f} ({len(heads)} heads)", flush=True)
 
     # the two acceptance K values first (every task, length, method), then the rest of the curve
-    first = [k for k in ks if k in (k_crit, k5)]
+    first = [k for k in ks if k in (k_crit, k5)] if k_list is None else ks
     for k_pass in (first, [k for k in ks if k not in first]):
         for task in task_list:
             for L in lens:
                 record(task, L, f"{task}/{L}/baseline", [], "zero")
                 for method in meths:
                     for k in k_pass:
-                        for name, heads in head_sets(scores, g.n_heads, k, random_seeds).items():
+                        for name, heads in head_sets(scores, g.n_heads, k, random_seeds, kinds).items():
                             record(task, L, f"{task}/{L}/{method}/{k}/{name}", heads, method)
     data["summary"] = summarize(data)
     data["seconds"] = round(time.time() - t0, 1)

