@@ -1,4 +1,4 @@
-"""Per-pair receiver IE of SmolLM2-135M for the anatomy table (issue 20; SPEC.md §7).
+"""Per-pair receiver IE of SmolLM2-135M (or ``--model``) for the anatomy table (issue 20; SPEC.md §7).
 
 Ranks every head of SmolLM2-135M-Instruct by exact receiver activation patching (eq. 10) on
 ``niah_single`` pairs at 256 tokens, needle depth cycled over 0.1 … 0.9, and keeps the per-pair IE
@@ -36,7 +36,8 @@ SETTINGS = {"n_pairs": 36, "seq_len": 256, "seed": 0, "depth": (0.1, 0.3, 0.5, 0
 
 @app.command()
 def main(
-    out: Path = typer.Option(HERE, help="output directory"),
+    out: Path = typer.Option(None, help="output directory (default experiments/anatomy-<model>/)"),
+    model: str = typer.Option("smollm2-135m", help="model spec (e.g. gemma3-270m, installed as the README says)"),
     summary_only: bool = typer.Option(False, help="only summarize a stored run"),
     n_ref: int = typer.Option(24, help="pairs in the disjoint reference"),
     n_boot: int = typer.Option(500, help="random splits per n"),
@@ -48,11 +49,13 @@ def main(
     from headscope import anatomy as an
     from headscope.scores import Ranking
 
+    if out is None:
+        out = HERE if model == "smollm2-135m" else HERE.parent / f"anatomy-{model}"
     run = out / "run"
     if not summary_only:
         t0 = time.time()
         torch.set_num_threads(threads)
-        headscope.rank("smollm2-135m", tasks=("niah_single",), out_dir=run, device="cpu", progress=True, **SETTINGS)
+        headscope.rank(model, tasks=("niah_single",), out_dir=run, device="cpu", progress=True, **SETTINGS)
         print(f"ranked in {time.time() - t0:.0f} s")
     r = Ranking.load(run)
     n_used = int((~torch.isnan(r.ie).all(-1).all(-1)).sum())

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from ..arch import Arch, LayerParts, Proj, UnsupportedArchitecture, adapt, rotate, softcap
+from ..arch import Arch, LayerParts, Proj, UnsupportedArchitecture, adapt, rotate, softcap, unwrap
 from ..models import LoadedModel
 from . import attention
 from .linear import linear
@@ -130,10 +130,9 @@ class Engine:
         low["qkv"] = (torch.cat([w for w, _ in parts]),
                       torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts]) if has_b else None)
         mlp = L.mlp
-        if L.plain_block and all(isinstance(getattr(mlp, n, None), torch.nn.Linear)
-                                 for n in ("gate_proj", "up_proj", "down_proj")):
-            gate, up, down = (cast(Proj(getattr(mlp, n).weight, getattr(mlp, n).bias))
-                              for n in ("gate_proj", "up_proj", "down_proj"))
+        lins = [unwrap(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
+        if L.plain_block and all(isinstance(m, torch.nn.Linear) for m in lins):
+            gate, up, down = (cast(Proj(m.weight, m.bias)) for m in lins)
             low["gate_up"] = (torch.cat([gate[0], up[0]]),
                               None if gate[1] is None else torch.cat([gate[1], up[1]]))  # type: ignore[list-item]
             low["down"] = down
@@ -261,14 +260,14 @@ class Engine:
             gu = F.linear(x, w, b)
             ffn = gu.shape[-1] // 2
             wd, bd = self._low[layer]["down"]
-            return h + F.linear(L.mlp.act_fn(gu[..., :ffn]) * gu[..., ffn:], wd, bd).to(h.dtype)
+            return h + F.linear(unwrap(L.mlp.act_fn)(gu[..., :ffn]) * gu[..., ffn:], wd, bd).to(h.dtype)
         mlp = L.mlp
-        names = ("gate_proj", "up_proj", "down_proj")
+        # a booted TransformerBridge wraps the MLP's linear maps in hooked components: look through them
+        parts = [unwrap(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
         blocked = (self.matmul_dtype is None and not (torch.is_grad_enabled() and h.requires_grad)
                    and hasattr(mlp, "act_fn") and not (mlp._forward_hooks or mlp._forward_pre_hooks)
-                   and all(isinstance(getattr(mlp, n, None), torch.nn.Linear)
-                           and not (getattr(mlp, n)._forward_hooks or getattr(mlp, n)._forward_pre_hooks)
-                           for n in names))
+                   and all(isinstance(m, torch.nn.Linear) and not (m._forward_hooks or m._forward_pre_hooks)
+                           for m in parts))
         return self._mlp_blocks(L, h) if blocked else h + mlp(self.norm(L.ln2, h))
 
     def _mlp_blocks(self, L: LayerParts, h: Tensor) -> Tensor:
@@ -278,9 +277,9 @@ class Engine:
         flat = h.reshape(-1, h.shape[-1])
         out = torch.empty_like(flat)
         mlp = L.mlp
-        act = mlp.act_fn
+        act = unwrap(mlp.act_fn)
         silu = isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
-        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        gate, up, down = (unwrap(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
         for s in range(0, flat.shape[0], MLP_BLOCK):
             hb = flat[s: s + MLP_BLOCK]
             x = self.norm(L.ln2, hb)
