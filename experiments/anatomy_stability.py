@@ -10,7 +10,7 @@ dependent parts (DLA, cosine), which ``headscope anatomy RUN`` adds.
     python experiments/anatomy_stability.py                 # compute (resumes), then summarize
     python experiments/anatomy_stability.py --summary-only  # summarize the stored run
 
-Cost: 36 pairs × 270 heads = 9720 patched forwards of the suffix after the needle; about 1.5 h on
+Cost: 54 pairs × 270 heads = 14580 patched forwards of the suffix after the needle; about 2 h on
 2 shared CPU cores (one torch thread), seconds on a GPU.
 
 Output: ``experiments/anatomy-smollm2/run/`` (ranking.json, scores.csv, ie.pt; per-pair partial
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 app = typer.Typer(add_completion=False)
 HERE = Path(__file__).resolve().parent / "anatomy-smollm2"
-SETTINGS = {"n_pairs": 36, "seq_len": 256, "seed": 0, "depth": (0.1, 0.3, 0.5, 0.7, 0.9)}
+SETTINGS = {"seq_len": 256, "seed": 0, "depth": (0.1, 0.3, 0.5, 0.7, 0.9)}
 
 
 @app.command()
@@ -39,7 +39,8 @@ def main(
     out: Path = typer.Option(None, help="output directory (default experiments/anatomy-<model>/)"),
     model: str = typer.Option("smollm2-135m", help="model spec (e.g. gemma3-270m, installed as the README says)"),
     summary_only: bool = typer.Option(False, help="only summarize a stored run"),
-    n_ref: int = typer.Option(24, help="pairs in the disjoint reference"),
+    n_pairs: int = typer.Option(54, help="calibration pairs (the first 36 are the same pairs as a 36-pair run's)"),
+    n_ref: int = typer.Option(48, help="pairs in the disjoint reference (issue 15: >= 48 beside 6 sampled)"),
     n_boot: int = typer.Option(500, help="random splits per n"),
     threads: int = typer.Option(1, help="torch CPU threads (1 is faster than 2 on a shared 2-core machine)"),
 ) -> None:
@@ -55,7 +56,7 @@ def main(
     if not summary_only:
         t0 = time.time()
         torch.set_num_threads(threads)
-        headscope.rank(model, tasks=("niah_single",), out_dir=run, device="cpu", progress=True, **SETTINGS)
+        headscope.rank(model, tasks=("niah_single",), out_dir=run, device="cpu", progress=True, n_pairs=n_pairs, **SETTINGS)
         print(f"ranked in {time.time() - t0:.0f} s")
     r = Ranking.load(run)
     n_used = int((~torch.isnan(r.ie).all(-1).all(-1)).sum())
@@ -73,7 +74,7 @@ def main(
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True).stdout.strip()
     summary = {
         "summary_code": {"headscope": str(Path(an.__file__).parent), "commit": commit},
-        "settings": {**SETTINGS, "model": p.get("model"), "lambda": p.get("lambda"), "direction": p.get("direction")},
+        "settings": {"n_pairs": n_pairs, **SETTINGS, "model": p.get("model"), "lambda": p.get("lambda"), "direction": p.get("direction")},
         "n_pairs_used": n_used,
         "skipped_pairs": p.get("skipped_pairs"),
         "n_ref": n_ref,
