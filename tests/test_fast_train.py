@@ -314,3 +314,19 @@ def test_bench_train_smoke(tmp_path):
         acc = rep["acceptance"][key]
         assert acc["hybrid_tok_s"] > 0 and acc["speedup_vs_old"] > 0
         assert rep["loss_agreement"][key]["hybrid_fast"]["rel_diff"] < 1e-4
+
+
+def test_sdpa_alignment_check_and_padded_fused_projection():
+    """Views into a fused projection whose rows are 70 fp32 columns wide (280 bytes) are misaligned for
+    CUDA SDPA's vector loads (issue 16's "misaligned address"); 72 columns (288 bytes) are not; an odd
+    storage offset is. The fast layer pads its fused projection to a multiple of 16 columns."""
+    from headscope.hybrid.attn import is_aligned
+
+    z = torch.zeros(2, 5, 70)
+    assert not is_aligned(z[..., :64].view(2, 5, 4, 16).transpose(1, 2))
+    z = torch.zeros(2, 5, 72)
+    q = z[..., :64].view(2, 5, 4, 16)
+    assert is_aligned(q.transpose(1, 2)) and is_aligned(z[..., 16:32])
+    assert not is_aligned(z[..., 3:19])  # offset 12 bytes
+    assert not is_aligned(z[..., :64].view(2, 5, 4, 16)[..., ::2])  # last stride 2
+    assert is_aligned(torch.zeros(1, 4, 1, 16)[..., :16])  # size-1 dims do not count

@@ -68,6 +68,29 @@ def flash_attn_usable(q: Tensor) -> bool:
     return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
 
 
+def sdpa_aligned(t: Tensor, align_bytes: int = 16) -> Tensor:
+    """``t`` itself when its storage offset and every stride but the last (which must be 1) are
+    multiples of ``align_bytes``; else a contiguous copy.
+
+    PyTorch's fused SDPA kernels on CUDA load rows with vector loads and do not check that a strided
+    view starts and steps on aligned addresses: a view into a fused projection whose row width is not
+    a multiple of 16 bytes (e.g. 64 + 3 + 3 fp32 columns) raised "CUDA error: misaligned address" on an
+    H200 (torch 2.11; issue 16). CPU tensors are returned unchanged.
+    """
+    if t.device.type != "cuda" or is_aligned(t, align_bytes):
+        return t
+    return t.contiguous()
+
+
+def is_aligned(t: Tensor, align_bytes: int = 16) -> bool:
+    """Whether ``t`` starts on, and steps (every dimension of size > 1 but the last) by, a multiple of
+    ``align_bytes``, with unit stride in the last dimension."""
+    el = t.element_size()
+    return t.stride(-1) == 1 and (t.storage_offset() * el) % align_bytes == 0 and all(
+        (s * el) % align_bytes == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1
+    )
+
+
 def fa_attention(
     q: Float[Tensor, "batch time q_head d"],
     k: Float[Tensor, "batch kv_head kv_time d"],
@@ -121,6 +144,6 @@ def fa_attention(
         else:
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=Hq != Hk
+        sdpa_aligned(q.transpose(1, 2)), sdpa_aligned(k), sdpa_aligned(v), attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=Hq != Hk
     )
     return o.transpose(1, 2)

@@ -129,6 +129,12 @@ def fast_forward(
         bs = [qb.index_select(0, rows) if qb is not None else ws[0].new_zeros(sizes[0])]
         bs += [m.bias if m.bias is not None else w.new_zeros(w.shape[0]) for m, w in zip(mods[1:], ws[1:])]
         bias = torch.cat(bs)
+    pad = -sum(sizes) % 16  # a row width of 16·k columns keeps the q/k/v views aligned for SDPA (see sdpa_aligned)
+    if pad:
+        ws.append(ws[0].new_zeros(pad, ws[0].shape[1]))
+        sizes.append(pad)
+        if bias is not None:
+            bias = torch.cat([bias, bias.new_zeros(pad)])
     z = F.linear(x, torch.cat(ws), bias).split(sizes, dim=-1)
     q = z[0].view(B, T, H, d)
     if layer.q_norm is not None:
