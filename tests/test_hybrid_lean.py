@@ -194,3 +194,36 @@ def test_lean_cuda_bf16_matches_plain_path_and_graph_replay(fa):
         torch.cuda.synchronize()
     assert torch.equal(static, eager)
     assert (eager[:, 0].float() - out[:, -1].float()).abs().max() < 3e-2 * scale
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_static_decoder_equals_full_forward_and_generate(lean_on, family):
+    """Whole model through StaticDecoder (per-layer HybridDecodeCache, lean path): prefill + steps equal
+    the full forward's logits; an all-FA mask with fusion off equals the teacher; generate = greedy."""
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+
+    from headscope.hybrid import hybridize
+    from headscope.hybrid.static import StaticDecoder
+    from headscope.masks import HeadMask
+
+    kw = dict(vocab_size=101, hidden_size=HID, intermediate_size=64, num_hidden_layers=2, num_attention_heads=H,
+              num_key_value_heads=KV, head_dim=D, max_position_embeddings=512)
+    torch.manual_seed(0)
+    teacher = (LlamaForCausalLM(LlamaConfig(**kw)) if family == "llama" else Qwen3ForCausalLM(Qwen3Config(**kw))).eval()
+    ids = torch.randint(0, 101, (2, 15), generator=torch.Generator().manual_seed(1))
+    hyb = hybridize(teacher, HeadMask(2, H, KV, ((1,), (0, 4))), gdn_kernel="torch").eval()
+    allfa = hybridize(teacher, HeadMask(2, H, KV, (tuple(range(H)),) * 2), fusion="none").eval()
+    with torch.no_grad():
+        for model, ref_model in ((hyb, hyb), (allfa, teacher)):
+            lean.ENABLE = False
+            full = ref_model(ids).logits
+            lean.ENABLE = True
+            dec = StaticDecoder(model, batch=2, max_len=20)
+            got = [dec.prefill(ids[:, :11])] + [dec.step(ids[:, t : t + 1]) for t in range(11, 15)]
+            assert dec.length == 15
+            assert (torch.stack(got, 1) - full[:, 10:]).abs().max() < 1e-4
+        out = StaticDecoder(hyb, batch=2, max_len=20).generate(ids[:, :11], max_new_tokens=4)
+        ref = ids[:, :11]
+        for _ in range(4):
+            ref = torch.cat([ref, hyb(ref).logits[:, -1:].argmax(-1)], 1)
+    assert torch.equal(out, ref)
