@@ -135,7 +135,7 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
     conc = {}
     for name, model in models.items():
         dec = StaticDecoder(model, 1, 1)
-        per_seq = dec.cache_bytes(32768) - dec.cache_bytes(0) + sum(
+        per_seq = sum(2 * c.k[0, :, 0].numel() * c.k.element_size() * 32768 for c in dec.caches if c.k is not None) + sum(
             t.numel() * t.element_size() for c in dec.caches for t in (c.S, c.conv) if t is not None)
         act = max((c.get(name, {}).get("decode_act_bytes", 0) / max(int(k[1:].split("@")[0]), 1)
                    for k, c in out["cells"].items()), default=0)

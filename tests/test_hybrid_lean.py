@@ -76,7 +76,7 @@ def test_lean_prefill_and_decode_equal_plain_forward(lean_on, monkeypatch, fa, q
         out, _ = layer(x, position_embeddings=(cos, sin))
         monkeypatch.setattr(lean, "GDN_BLOCK_TOKENS", 2 * 10)  # GDN in 4 time blocks, the state carried over
         blocked, _ = layer(x, position_embeddings=(cos, sin))
-        monkeypatch.setattr(lean, "GDN_BLOCK_TOKENS", 1 << 15)
+        monkeypatch.setattr(lean, "GDN_BLOCK_TOKENS", None)
         dc = layer.new_decode_cache(B, max_len=T)
         pre, _ = layer(x[:, :30], position_embeddings=(cos[:, :30], sin[:, :30]), cache=dc)
         steps = [layer(x[:, t : t + 1], position_embeddings=(cos[:, t : t + 1], sin[:, t : t + 1]), cache=dc)[0]
@@ -142,6 +142,14 @@ def test_lean_path_is_skipped_with_gradients_masks_or_conv(lean_on):
         conv, _, _ = _layer((1,), gdn_conv=4)
         conv(x, position_embeddings=(cos, sin))
         assert "_lean_plan" not in conv.__dict__
+
+
+def test_block_tokens_rule(monkeypatch):
+    assert lean.block_tokens(8, 64) == 65536  # SmolLM2 layer at 7:1: 8 GDN heads of d 64
+    assert lean.block_tokens(14, 128) == 9344  # Qwen3-1.7B shape: 14 GDN heads of d 128
+    assert lean.block_tokens(1, 8) == (1 << 31) // 64 // 64 * 64
+    monkeypatch.setattr(lean, "GDN_BLOCK_TOKENS", 4096)
+    assert lean.block_tokens(8, 64) == 4096
 
 
 def test_lean_path_is_cuda_only_by_default():

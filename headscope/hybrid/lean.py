@@ -45,7 +45,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 ENABLE: Optional[bool] = None  # None: on CUDA tensors; True: on every device (CPU tests); False: never
 COMPILE = True  # torch.compile the glue on CUDA (eager on CPU, or when compilation fails)
-GDN_BLOCK_TOKENS = 1 << 15  # batch x time per GDN kernel call in prefill (bounds fla's intermediates)
+GDN_BLOCK_TOKENS: Optional[int] = None  # batch x time per GDN kernel call in prefill; None: block_tokens()
+GDN_BLOCK_WORK = 1 << 31  # auto blocks: tokens x GDN heads x d² per call (~1.5 ms of H200 work at B = 1)
 _compiled: dict[tuple, Callable] = {}
 _compile_failed: list[str] = []
 
@@ -100,6 +101,11 @@ class _Plan:
                       (layer.a_proj, None), (layer.b_proj, None)]
         ws_f, bs_f, b1 = parts(fa_mods)
         ws_g, bs_g, b2 = parts(g_mods)
+        if self.ng:  # a and b padded with zero rows to a multiple of 8: every column slice starts 16-byte aligned
+            self.ng8 = -(-self.ng // 8) * 8
+            for i in (3, 4):
+                ws_g[i] = torch.cat([ws_g[i], ws_g[i].new_zeros(self.ng8 - self.ng, ws_g[i].shape[1])])
+                bs_g[i] = torch.cat([bs_g[i], bs_g[i].new_zeros(self.ng8 - self.ng)])
         self.fa_sizes = [w.shape[0] for w in ws_f]
         self.g_sizes = [w.shape[0] for w in ws_g]
         self.n_fa_rows = sum(self.fa_sizes)
@@ -260,6 +266,16 @@ def gdn(q, k, v, g, beta, scale: float, h0: Optional[Tensor], kernel: str, chunk
     return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, kernel=kernel, chunk_size=chunk_size)
 
 
+def block_tokens(n_gdn: int, d: int) -> int:
+    """Tokens (batch x time) per GDN kernel call in prefill: ``GDN_BLOCK_TOKENS`` when set, else enough
+    that one call's work (tokens x heads x d²) is ``GDN_BLOCK_WORK`` (at least 8192, a multiple of 64).
+    Each call costs ~1-1.5 ms of host time (glue + fla's launches) on the H200, hidden only behind that
+    much GPU work; a smaller block bounds fla's intermediates (memory) but is then host-bound."""
+    if GDN_BLOCK_TOKENS:
+        return GDN_BLOCK_TOKENS
+    return max(8192, (GDN_BLOCK_WORK // max(1, n_gdn * d * d)) // 64 * 64)
+
+
 # ---------------------------------------------------------------------------------------- forward
 def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]],
             position_ids: Optional[Tensor], cache: Any) -> Tensor:
@@ -281,7 +297,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     if cache is not None and past + T > cache.max_len:
         raise ValueError(f"HybridDecodeCache holds {cache.max_len} tokens but {past + T} are needed; "
                          "make it with a larger max_len")
-    tb = max(1, GDN_BLOCK_TOKENS // B)
+    tb = max(1, block_tokens(ng, d) // B)
     one_gemm = T <= tb
     z = F.linear(x, p.W, p.b) if one_gemm else None
     z_fa = z[..., : p.n_fa_rows] if one_gemm else (F.linear(x, p.W[: p.n_fa_rows], None if p.b is None else p.b[: p.n_fa_rows]) if nf else None)
@@ -317,11 +333,16 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
         for t0, t1 in blocks:
             zg = z[..., p.n_fa_rows:] if one_gemm else F.linear(x[:, t0:t1], W_g, b_g)
             qg, kg, vg, a, b = zg.split(p.g_sizes, dim=-1)
+            a, b = a[..., :ng], b[..., :ng]
             cs = (cos[:, t0:t1], sin[:, t0:t1]) if cos is not None else (None, None)
             qg, kg, vg, g, beta = _glue("gdn", (qg.unflatten(-1, (ng, d)), kg.unflatten(-1, (ng, d)),
                                                 vg.unflatten(-1, (ng, d)), a, b, *cs),
                                         (p.A_neg, p.dtb, p.qn, p.kn), eps=p.qk_eps, rope=p.gdn_rope)
-            del zg
+            del zg, a, b
+            if one_gemm:  # the projection is no longer needed: free it before fla's intermediates
+                gate = gate.clone() if gate is not None else None
+                del z, z_fa
+                z = z_fa = None
             y, S = gdn(qg, kg, vg, g, beta, layer.scaling, S, p.gdn_kernel, layer.options.chunk_size)
             del qg, kg, vg, g, beta
             if len(blocks) > 1:
