@@ -131,20 +131,27 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
             if results is not None and dump is not None:
                 results["model"] = out
                 dump()
-    # concurrent 32K sequences in 100 GiB
+    out["concurrent_32k_in_100GiB"] = concurrency(models, out)
+    del weights
+    return out
+
+
+def concurrency(models, out, length=32768, budget=100 * GIB):
+    """Sequences of ``length`` tokens whose caches fit in ``budget`` next to the weights: cache bytes per
+    sequence from the per-layer cache shapes (K/V of the kept groups per token + fixed GDN state), plus the
+    largest measured decode activations per sequence (0 when no cell ran)."""
     conc = {}
     for name, model in models.items():
         dec = StaticDecoder(model, 1, 1)
-        per_seq = sum(2 * c.k[0, :, 0].numel() * c.k.element_size() * 32768 for c in dec.caches if c.k is not None) + sum(
-            t.numel() * t.element_size() for c in dec.caches for t in (c.S, c.conv) if t is not None)
+        per_seq = sum(2 * c.k[0, :, 0].numel() * c.k.element_size() * length for c in dec.caches if c.k is not None)
+        per_seq += sum(t.numel() * t.element_size() for c in dec.caches for t in (c.S, c.conv) if t is not None)
         act = max((c.get(name, {}).get("decode_act_bytes", 0) / max(int(k[1:].split("@")[0]), 1)
-                   for k, c in out["cells"].items()), default=0)
-        conc[name] = {"cache_bytes_per_seq_32k": per_seq, "decode_act_bytes_per_seq": act,
-                      "sequences_in_100GiB": int((100 * GIB - out["weights_bytes"][name]) // (per_seq + act))}
+                   for k, c in out.get("cells", {}).items()), default=0)
+        w = sum(p.numel() * p.element_size() for p in model.parameters())
+        conc[name] = {"cache_bytes_per_seq": per_seq, "decode_act_bytes_per_seq": act, "weights_bytes": w,
+                      "sequences": int((budget - w) // (per_seq + act))}
         del dec
-    conc["ratio"] = conc["hybrid"]["sequences_in_100GiB"] / conc["teacher"]["sequences_in_100GiB"]
-    out["concurrent_32k_in_100GiB"] = conc
-    print(f"concurrent 32K sequences in 100 GiB: teacher {conc['teacher']['sequences_in_100GiB']}, "
-          f"hybrid {conc['hybrid']['sequences_in_100GiB']} (x{conc['ratio']:.2f})", flush=True)
-    del weights
-    return out
+    conc["ratio"] = conc["hybrid"]["sequences"] / conc["teacher"]["sequences"]
+    print(f"concurrent {length}-token sequences in {budget / GIB:.0f} GiB: teacher {conc['teacher']['sequences']}, "
+          f"hybrid {conc['hybrid']['sequences']} (x{conc['ratio']:.2f})", flush=True)
+    return conc
