@@ -43,7 +43,7 @@ from .fast import fast_forward, fast_ready
 from .rope import apply_rope, nope_log_scale  # noqa: F401  (public here since the start)
 from .cache import HybridDecodeCache, valid_tokens as _valid_tokens
 from .gdn import gated_delta_rule
-from . import lean as _lean
+from .lean import applies as _lean_applies, forward as _lean_forward
 from .shapes import Float
 
 _STATE_ATTR = "_headscope_gdn_state"
@@ -336,8 +336,8 @@ class HeadwiseHybridAttention(nn.Module):
         cache = cache if cache is not None else past_key_values
         if cache is None and attention_mask is None and position_embeddings is not None and fast_ready(self, hidden_states):
             return fast_forward(self, hidden_states, *position_embeddings, position_ids), None  # see fast.py
-        if _lean.applies(self, hidden_states, attention_mask, isinstance(cache, HybridDecodeCache), cache):
-            return _lean.forward(self, hidden_states, position_embeddings, position_ids, cache), None  # lean.py
+        if _lean_applies(self, hidden_states, attention_mask, isinstance(cache, HybridDecodeCache), cache):
+            return _lean_forward(self, hidden_states, position_embeddings, position_ids, cache), None  # lean.py
         B, T, _ = hidden_states.shape
         d, x = self.head_dim, hidden_states
         opts = self.options
