@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
+import headscope.hybrid.lean as lean
 import headscope.hybrid.layer as layer_mod
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions, hybridize
 from headscope.hybrid.attn import flash_attn_available, flash_attn_usable
@@ -170,7 +171,8 @@ def _decode_dynamic(mod, x, pe, T, dev, reps):
 
 
 @torch.no_grad()
-def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30, prefill_reps=None, dynamic_reps=10):
+def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30, prefill_reps=None, dynamic_reps=0,
+                before=True):
     hidden, h, kv, d, fa = SHAPES[shape]
     cfg = _cfg(hidden, h, kv, d)
     torch.manual_seed(0)
@@ -197,16 +199,20 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
         call = lambda: mod(xp, position_embeddings=pep, **kw)[0]  # noqa: E731
         r = {"prefill_ms": _time(call, dev, reps)}
         r["prefill_peak_bytes"] = _peak_bytes(call, dev)
-        if name == "hybrid":
-            layer_mod.LOW_MEMORY = False
+        if name == "hybrid" and before:
+            prev, lean.ENABLE = lean.ENABLE, False  # the layer before the lean path (its default low-memory path)
             try:
-                r["prefill_peak_bytes_plain"] = _peak_bytes(call, dev)
-                r["prefill_ms_plain"] = _time(call, dev, reps)
+                r["prefill_peak_bytes_before"] = _peak_bytes(call, dev)
+                r["prefill_ms_before"] = _time(call, dev, reps)
+                ref_before = call()
             finally:
-                layer_mod.LOW_MEMORY = True
+                lean.ENABLE = prev
         out[name] = r
     out["parity"] = {"fa_layer_vs_teacher_prefill": _err(mods["fa"](xp, position_embeddings=pep)[0],
                                                           teacher(xp, position_embeddings=pep, attention_mask=None)[0])}
+    if before:
+        out["parity"]["hybrid_lean_vs_before_prefill"] = _err(mods["hybrid"](xp, position_embeddings=pep)[0], ref_before)
+        del ref_before
     for name in ("fa", "hybrid"):
         mod = mods[name]
         dec = _decode(mod, x, pe, T, dev, graph_reps, eager_reps)
@@ -218,13 +224,20 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
                 out["parity"]["hybrid_graph_vs_eager_step"] = dec.pop("graph_vs_eager")
         dec.pop("graph_vs_eager", None)
         out[name].update({f"decode_{k}" if not k.startswith("cache") else k: v for k, v in dec.items()})
-        out[name]["decode_dynamic_cache_ms"] = _decode_dynamic(mod, x, pe, T, dev, reps=dynamic_reps)
+        if dynamic_reps:
+            out[name]["decode_dynamic_cache_ms"] = _decode_dynamic(mod, x, pe, T, dev, reps=dynamic_reps)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     keys = ("prefill_ms", "prefill_peak_bytes", "decode_graph_ms", "decode_eager_ms", "decode_dynamic_cache_ms",
             "cache_bytes")
     out["ratio"] = {k: (out["hybrid"][k] / out["fa"][k] if out["fa"].get(k) else None) for k in keys}
-    out["ratio"]["prefill_peak_bytes_plain"] = out["hybrid"]["prefill_peak_bytes_plain"] / out["fa"]["prefill_peak_bytes"]
+    out["ratio"]["fa_speedup_prefill"] = out["fa"]["prefill_ms"] / out["hybrid"]["prefill_ms"]
+    out["ratio"]["teacher_speedup_prefill"] = out["teacher"]["prefill_ms"] / out["hybrid"]["prefill_ms"]
+    if out["fa"].get("decode_graph_ms") and out["hybrid"].get("decode_graph_ms"):
+        out["ratio"]["fa_speedup_decode_graph"] = out["fa"]["decode_graph_ms"] / out["hybrid"]["decode_graph_ms"]
+    if before:
+        out["ratio"]["prefill_ms_before"] = out["hybrid"]["prefill_ms_before"] / out["fa"]["prefill_ms"]
+        out["ratio"]["prefill_peak_bytes_before"] = out["hybrid"]["prefill_peak_bytes_before"] / out["fa"]["prefill_peak_bytes"]
     out["ratio"]["prefill_ms_vs_teacher"] = out["hybrid"]["prefill_ms"] / out["teacher"]["prefill_ms"]
     out["ratio"]["prefill_peak_vs_teacher"] = out["hybrid"]["prefill_peak_bytes"] / out["teacher"]["prefill_peak_bytes"]
     return out
@@ -313,6 +326,38 @@ def checks(dev):
 
 
 
+@torch.no_grad()
+def block_sweep(shapes, dev, dtype, gdn_kernel, lengths=None, blocks=(8192, 16384, 32768, 65536, 1 << 17)):
+    """The hybrid layer's prefill time and peak per lean.GDN_BLOCK_TOKENS (and the all-FA layer's)."""
+    res = {}
+    old = lean.GDN_BLOCK_TOKENS
+    for shape in shapes:
+        hidden, h, kv, d, fa = SHAPES[shape]
+        cfg = _cfg(hidden, h, kv, d)
+        torch.manual_seed(0)
+        mods = {"fa": HeadwiseHybridAttention(cfg, 0, tuple(range(h)), HybridOptions(fusion="none")),
+                "hybrid": HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel=gdn_kernel))}
+        mods = {k: m.to(dev, dtype).eval() for k, m in mods.items()}
+        rope = LlamaRotaryEmbedding(cfg).to(dev)
+        for T in lengths or (32768, 131072):
+            x = torch.randn(1, T, hidden, device=dev, dtype=dtype)
+            pe = rope(x, torch.arange(T, device=dev)[None])
+            reps = max(3, min(10, (1 << 17) // T))
+            fa_call = lambda: mods["fa"](x, position_embeddings=pe)[0]  # noqa: E731
+            row = {"fa_ms": _time(fa_call, dev, reps), "fa_peak": _peak_bytes(fa_call, dev)}
+            for blk in blocks:
+                lean.GDN_BLOCK_TOKENS = blk
+                call = lambda: mods["hybrid"](x, position_embeddings=pe)[0]  # noqa: E731
+                row[f"hybrid_ms@{blk}"] = _time(call, dev, reps)
+                row[f"hybrid_peak@{blk}"] = _peak_bytes(call, dev)
+            res[f"{shape}@{T}"] = row
+            print(f"block sweep {shape}@{T}: " + " ".join(
+                f"{k}={v / 2**20:.0f}MB" if "peak" in k else f"{k}={v:.3f}" for k, v in row.items()), flush=True)
+            del x, pe
+    lean.GDN_BLOCK_TOKENS = old
+    return res
+
+
 def _versions():
     """Versions of the optional kernels (fla picks FlashQLA / tilelang for the chunked GDN on Hopper when
     the ``flash_qla`` package is there, unless FLA_FLASH_QLA=0)."""
@@ -321,7 +366,7 @@ def _versions():
 
     out = {"FLA_FLASH_QLA": os.environ.get("FLA_FLASH_QLA")}
     for name in ("fla-core", "flash-linear-attention", "flash-qla", "flash_qla", "tilelang", "flash-attn", "triton",
-                 "transformers"):
+                 "transformers", "torch"):
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
@@ -334,7 +379,7 @@ def _fmt_row(shape, r):
     g = lambda v, s=1e3: "   -   " if v is None else f"{v * s:7.1f}"  # noqa: E731
     return (f"{shape:13s} {r['T']:6d} | prefill ms {f['prefill_ms']:8.3f} {hy['prefill_ms']:8.3f} x{ra['prefill_ms']:.2f} "
             f"| peak MB {f['prefill_peak_bytes'] / 2**20:7.1f} {hy['prefill_peak_bytes'] / 2**20:7.1f} "
-            f"(plain {hy['prefill_peak_bytes_plain'] / 2**20:7.1f}) x{ra['prefill_peak_bytes']:.2f} "
+            f"(teacher {r['teacher']['prefill_peak_bytes'] / 2**20:7.1f}) x{ra['prefill_peak_bytes']:.2f} "
             f"| decode us graph {g(f['decode_graph_ms'])} {g(hy['decode_graph_ms'])} "
             f"x{'-' if ra['decode_graph_ms'] is None else format(ra['decode_graph_ms'], '.2f')} "
             f"eager {g(f['decode_eager_ms'])} {g(hy['decode_eager_ms'])} x{ra['decode_eager_ms']:.2f} "
@@ -343,7 +388,14 @@ def _fmt_row(shape, r):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
+    ap.add_argument("--gdn-block", type=int, default=None, help="lean.GDN_BLOCK_TOKENS (tokens per GDN kernel call)")
+    ap.add_argument("--block-sweep", action="store_true", help="time/peak of the hybrid layer per GDN block size")
+    ap.add_argument("--no-before", action="store_true", help="skip the layer before the lean path")
+    ap.add_argument("--no-layer", action="store_true", help="skip the layer benchmark")
+    ap.add_argument("--model", action="store_true", help="whole SmolLM2-shaped model: hybrid vs teacher")
+    ap.add_argument("--model-lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    ap.add_argument("--model-batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--check", action="store_true", help="CUDA kernels vs the CPU reference first")
     ap.add_argument("--smoke", action="store_true", help="CPU, toy lengths (64, 128): checks the script")
@@ -363,8 +415,14 @@ def main(argv=None):
     fa_kernel = "flash_attn" if (flash_attn_available() and flash_attn_usable(probe)) else "sdpa"
     lengths = [64, 128] if a.smoke else a.lengths
     eager_reps = 3 if a.smoke else a.eager_reps
+    if a.gdn_block:
+        lean.GDN_BLOCK_TOKENS = a.gdn_block
+    if a.smoke:
+        lean.ENABLE = True  # the lean path on CPU too (eager glue)
     results = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
                "dtype": str(dtype), "gdn_kernel": gdn_kernel, "fa_kernel": fa_kernel, "batch": 1,
+               "layer_path": "lean (hybrid/lean.py): fused projection, compiled glue, SDPA + one GDN call per block",
+               "gdn_block_tokens": lean.GDN_BLOCK_TOKENS or f"auto: max(8192, {lean.GDN_BLOCK_WORK} // (n_gdn d^2))", "glue_compiled": dev.type == "cuda" and lean.COMPILE,
                "low_memory_block": layer_mod.BLOCK, "versions": _versions(), "bench": {}}
     print(f"device {results['device']}  torch {torch.__version__}  {dtype}  GDN kernel {gdn_kernel}  "
           f"FA kernel {fa_kernel}", flush=True)
@@ -385,8 +443,11 @@ def main(argv=None):
             results["checks"] = {"error": traceback.format_exc()[-3000:]}
         print(json.dumps(results["checks"], indent=1), flush=True)
         dump()
+    if a.block_sweep:
+        results["block_sweep"] = block_sweep(a.shapes, dev, dtype, gdn_kernel, [64, 128] if a.smoke else None)
+        dump()
     rows = []
-    for shape in a.shapes:
+    for shape in ([] if a.no_layer else a.shapes):
         for T in lengths:
             key = f"{shape}@{T}"
             if time.perf_counter() - t0 > a.budget_s:
@@ -396,7 +457,7 @@ def main(argv=None):
             t1 = time.perf_counter()
             try:
                 r = bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=a.graph_reps, eager_reps=eager_reps,
-                                **({"prefill_reps": 2, "dynamic_reps": 2} if a.smoke else {}))
+                                before=not a.no_before, **({"prefill_reps": 2, "dynamic_reps": 2} if a.smoke else {}))
             except Exception:  # pragma: no cover - OOM or a kernel failure: record, go on
                 import traceback
 
@@ -408,6 +469,11 @@ def main(argv=None):
             if "ratio" in r:
                 rows.append(_fmt_row(shape, r))
                 print(rows[-1], f"| parity {json.dumps(r['parity'])} | {r['cell_s']:.1f} s", flush=True)
+    if a.model and dev.type == "cuda":
+        from bench_hybrid_model import bench_model
+
+        results["model"] = bench_model(dev, dtype, [512, 1024] if a.smoke else a.model_lengths,
+                                       [1, 2] if a.smoke else a.model_batches, dump=dump, results=results)
     print("\nshape              T | prefill ms fa / hybrid | peak MB fa / hybrid (plain path) | "
           "decode step us fa / hybrid | cache MB fa / hybrid")
     print("\n".join(rows))

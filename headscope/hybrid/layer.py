@@ -23,6 +23,9 @@ Memory: under ``torch.no_grad`` (or on tensors that need no gradient) the elemen
 the L2 normalization of GDN q/k, the fusion RMSNorm — run in place in blocks of ``BLOCK`` tokens and
 the head outputs are written straight into one output buffer, so no full-length fp32 temporaries are
 kept; the numbers are the same as the plain path (set ``LOW_MEMORY = False`` to get that path).
+
+Inference on CUDA (no gradient, no mask, no cache or a HybridDecodeCache) takes the lean path of
+``lean.py`` instead: one fused projection, compiled glue, one SDPA and one GDN kernel call per block.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from .attn import fa_attention
 from .config import HybridOptions
 from .fast import fast_forward, fast_ready
 from .rope import apply_rope, nope_log_scale  # noqa: F401  (public here since the start)
+from .cache import HybridDecodeCache, valid_tokens as _valid_tokens
 from .gdn import gated_delta_rule
+from .lean import applies as _lean_applies, forward as _lean_forward
 from .shapes import Float
 
 _STATE_ATTR = "_headscope_gdn_state"
@@ -87,53 +92,6 @@ def _fuse_(y: Tensor, gamma: Tensor, eps: float) -> Tensor:
     return y
 
 
-class HybridDecodeCache:
-    """Preallocated cache of one hybrid layer (fixed shapes, written in place: CUDA-graph friendly).
-
-    Attributes (n_keep = kept KV groups, n_gdn = GDN heads, d = head_dim, C = 3 · n_gdn · d):
-        k, v: [batch, n_keep, max_len, d] K/V of the kept KV groups (None without FA heads).
-        S: [batch, n_gdn, d, d] fp32 GDN state (None without GDN heads).
-        conv: [batch, gdn_conv − 1, C] short-convolution tail (None without it).
-        length: tokens cached (a Python int; a captured CUDA graph replays the step at the length it
-            was captured with, writing K/V into the same slot).
-        max_len: capacity in tokens.
-
-    Made by :meth:`HeadwiseHybridAttention.new_decode_cache`; pass it as ``cache=`` to the layer.
-    """
-
-    def __init__(self, k: Optional[Tensor], v: Optional[Tensor], S: Optional[Tensor], conv: Optional[Tensor], max_len: int):
-        self.k, self.v, self.S, self.conv = k, v, S, conv
-        self.max_len = max_len
-        self.length = 0
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
-
-    def nbytes(self, length: Optional[int] = None) -> int:
-        """Bytes held for ``length`` cached tokens (default: the current length): K/V up to the length
-        plus the fixed GDN state and convolution tail."""
-        n = self.length if length is None else length
-        total = 0
-        for t in (self.k, self.v):
-            if t is not None:
-                total += t[:, :, :n].numel() * t.element_size()
-        for t in (self.S, self.conv):
-            if t is not None:
-                total += t.numel() * t.element_size()
-        return total
-
-    def _write(self, k: Tensor, v: Tensor, past: int) -> tuple[Tensor, Tensor]:
-        T = k.shape[2]
-        if past + T > self.max_len:
-            raise ValueError(
-                f"HybridDecodeCache holds {self.max_len} tokens but {past + T} are needed; "
-                "make it with a larger max_len"
-            )
-        self.k[:, :, past : past + T].copy_(k)
-        self.v[:, :, past : past + T].copy_(v)
-        return self.k[:, :, : past + T], self.v[:, :, : past + T]
-
-
 class _HeadRMSNorm(nn.Module):
     """RMSNorm over the head dimension with one weight vector shared by all heads (Qwen3 q_norm/k_norm)."""
 
@@ -147,29 +105,6 @@ class _HeadRMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dt)
-
-
-def _valid_tokens(mask: Optional[Tensor], q_len: int) -> Optional[Tensor]:
-    """Bool[batch, q_len] — which of the current tokens are real, read off an attention mask.
-
-    Accepts a 2-D padding mask [batch, kv_len] (1 = real), or a 4-D bool / additive float mask
-    [batch, 1, q_len, kv_len] from ``transformers.masking_utils`` (a token is real iff it may attend
-    to itself: the diagonal entry at kv index kv_len − q_len + i).
-    """
-    if mask is None:
-        return None
-    if mask.dim() == 2:
-        return mask[:, -q_len:].bool()
-    if mask.dim() != 4:
-        raise ValueError(f"attention mask of shape {tuple(mask.shape)} is not understood (want 2-D or 4-D)")
-    kv_len = mask.shape[-1]
-    i = torch.arange(q_len, device=mask.device)
-    if mask.shape[2] != q_len:
-        raise ValueError(f"4-D attention mask has {mask.shape[2]} query rows but the input has {q_len} tokens")
-    diag = mask[:, 0, i, kv_len - q_len + i]
-    if diag.dtype == torch.bool:
-        return diag
-    return diag > torch.finfo(diag.dtype).min / 2  # additive mask: 0 = keep, very negative = masked
 
 
 class HeadwiseHybridAttention(nn.Module):
@@ -401,6 +336,8 @@ class HeadwiseHybridAttention(nn.Module):
         cache = cache if cache is not None else past_key_values
         if cache is None and attention_mask is None and position_embeddings is not None and fast_ready(self, hidden_states):
             return fast_forward(self, hidden_states, *position_embeddings, position_ids), None  # see fast.py
+        if _lean_applies(self, hidden_states, attention_mask, isinstance(cache, HybridDecodeCache), cache):
+            return _lean_forward(self, hidden_states, position_embeddings, position_ids, cache), None  # lean.py
         B, T, _ = hidden_states.shape
         d, x = self.head_dim, hidden_states
         opts = self.options

@@ -1,0 +1,157 @@
+"""Whole model: a SmolLM2-135M-shaped hybrid (7:1, >= 1 FA head per layer) vs its teacher, random weights.
+
+Part of ``bench_hybrid.py --model``. Both models run through :class:`headscope.hybrid.static.StaticDecoder`
+(preallocated per-layer caches, lean attention path); the teacher is the all-FA hybrid with fusion off,
+which computes the teacher's function (checked against transformers' own forward in the run). Per
+(batch, T):
+
+- prefill: tokens/s of ``prefill`` over B sequences of T tokens (fills the caches), and its peak memory
+  above the weights and the preallocated caches (``torch.cuda.max_memory_allocated``);
+- decode: one step of B tokens with T cached, replayed from a CUDA graph: tokens/s = B / step time;
+- cache bytes per sequence at T; concurrent sequences of 32K tokens that fit in 100 GiB next to the
+  weights: floor((100 GiB − weights) / (cache per sequence at 32K + decode activations per sequence)).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from headscope.hybrid import hybridize
+from headscope.hybrid.static import StaticDecoder
+from headscope.masks import HeadMask
+
+GIB = 1 << 30
+
+
+def smollm2_config(layers: int = 30) -> LlamaConfig:
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
+                      num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+                      rope_theta=100000.0, max_position_embeddings=1 << 17, rms_norm_eps=1e-5)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def mask_7to1(layers: int, heads: int = 9, kv: int = 3, seed: int = 0) -> HeadMask:
+    """34 of 270 FA heads for SmolLM2 (7:1): one random head per layer, the rest in random layers."""
+    g = torch.Generator().manual_seed(seed)
+    n_fa = max(layers, round(layers * heads / 8))
+    fa = [{int(torch.randint(heads, (1,), generator=g))} for _ in range(layers)]
+    while sum(len(s) for s in fa) < n_fa:
+        fa[int(torch.randint(layers, (1,), generator=g))].add(int(torch.randint(heads, (1,), generator=g)))
+    return HeadMask(layers, heads, kv, tuple(tuple(sorted(s)) for s in fa))
+
+
+def _ms(fn, reps):
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+@torch.no_grad()
+def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30, graph_reps=30):
+    cfg = smollm2_config(layers)
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(cfg).to(dtype).eval()
+    for p in teacher.parameters():  # weights of a trained model's scale (default init is near-zero)
+        p.normal_(std=0.02)
+    mask = mask_7to1(layers)
+    models = {
+        "teacher": hybridize(teacher, HeadMask(layers, 9, 3, (tuple(range(9)),) * layers), fusion="none").to(dev, dtype).eval(),
+        "hybrid": hybridize(teacher, mask).to(dev, dtype).eval(),
+    }
+    weights = sum(p.numel() * p.element_size() for p in models["hybrid"].parameters())
+    out = {"layers": layers, "n_fa_heads": mask.n_fa, "fa_heads": [list(h) for h in mask.fa_heads],
+           "weights_bytes": {k: sum(p.numel() * p.element_size() for p in m.parameters()) for k, m in models.items()},
+           "cells": {}}
+    # parity: the all-FA hybrid = transformers' teacher forward; StaticDecoder prefill = the model's forward
+    ids = torch.randint(0, cfg.vocab_size, (2, 256), device=dev, generator=torch.Generator(dev).manual_seed(0))
+    teacher = teacher.to(dev)
+    ref = teacher(ids).logits[:, -1].float()
+    dec = StaticDecoder(models["teacher"], 2, 300)
+    got = dec.prefill(ids).float()
+    out["parity"] = {"teacher_static_vs_transformers_last_logits": (got - ref).abs().max().item() / ref.abs().max().item()}
+    # transformers' own teacher prefill at B = 1 for reference (SDPA, no cache)
+    teacher_hf_ms = {}
+    for T in lengths:
+        x = torch.randint(0, cfg.vocab_size, (1, T), device=dev)
+        teacher_hf_ms[T] = _ms(lambda: teacher.model(x), 2)
+    out["transformers_teacher_prefill_ms_b1"] = teacher_hf_ms
+    del teacher, dec
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    for B in batches:
+        for T in lengths:
+            cell = {}
+            for name, model in models.items():
+                dec = StaticDecoder(model, B, T + 1)
+                ids = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                dec.prefill(ids)  # warm-up (compiles the glue on first use)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                reps = 1 if B * T >= (1 << 19) else 2
+                ms = _ms(lambda: dec.prefill(ids), reps)
+                peak = torch.cuda.max_memory_allocated() - base
+                nxt = ids[:, -1:].contiguous()
+                dec.capture(nxt)
+                step_ms = _ms(dec.replay, graph_reps)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base2 = torch.cuda.memory_allocated()
+                dec.replay()
+                torch.cuda.synchronize()
+                step_peak = torch.cuda.max_memory_allocated() - base2
+                cell[name] = {"prefill_ms": ms, "prefill_tok_s": B * T / ms * 1e3, "prefill_peak_bytes": peak,
+                              "decode_step_ms": step_ms, "decode_tok_s": B / step_ms * 1e3,
+                              "cache_bytes_per_seq": dec.cache_bytes(T) // B, "decode_act_bytes": step_peak}
+                del dec, ids
+                torch.cuda.empty_cache()
+            t, h = cell["teacher"], cell["hybrid"]
+            cell["ratio"] = {"prefill_tok_s": h["prefill_tok_s"] / t["prefill_tok_s"],
+                             "decode_tok_s": h["decode_tok_s"] / t["decode_tok_s"],
+                             "prefill_peak": h["prefill_peak_bytes"] / t["prefill_peak_bytes"],
+                             "cache_per_seq": h["cache_bytes_per_seq"] / t["cache_bytes_per_seq"]}
+            out["cells"][f"B{B}@{T}"] = cell
+            print(f"model B={B:2d} T={T:6d} | prefill tok/s teacher {t['prefill_tok_s']:10.0f} hybrid "
+                  f"{h['prefill_tok_s']:10.0f} x{cell['ratio']['prefill_tok_s']:.2f} | decode tok/s "
+                  f"{t['decode_tok_s']:8.0f} {h['decode_tok_s']:8.0f} x{cell['ratio']['decode_tok_s']:.2f} | "
+                  f"peak GB {t['prefill_peak_bytes'] / 1e9:6.2f} {h['prefill_peak_bytes'] / 1e9:6.2f} | cache MB/seq "
+                  f"{t['cache_bytes_per_seq'] / 2**20:7.1f} {h['cache_bytes_per_seq'] / 2**20:7.1f} "
+                  f"| {time.perf_counter() - t0:.0f} s", flush=True)
+            if results is not None and dump is not None:
+                results["model"] = out
+                dump()
+    out["concurrent_32k_in_100GiB"] = concurrency(models, out)
+    del weights
+    return out
+
+
+def concurrency(models, out, length=32768, budget=100 * GIB):
+    """Sequences of ``length`` tokens whose caches fit in ``budget`` next to the weights: cache bytes per
+    sequence from the per-layer cache shapes (K/V of the kept groups per token + fixed GDN state), plus the
+    largest measured decode activations per sequence (0 when no cell ran)."""
+    conc = {}
+    for name, model in models.items():
+        dec = StaticDecoder(model, 1, 1)
+        per_seq = sum(2 * c.k[0, :, 0].numel() * c.k.element_size() * length for c in dec.caches if c.k is not None)
+        per_seq += sum(t.numel() * t.element_size() for c in dec.caches for t in (c.S, c.conv) if t is not None)
+        act = max((c.get(name, {}).get("decode_act_bytes", 0) / max(int(k[1:].split("@")[0]), 1)
+                   for k, c in out.get("cells", {}).items()), default=0)
+        w = sum(p.numel() * p.element_size() for p in model.parameters())
+        conc[name] = {"cache_bytes_per_seq": per_seq, "decode_act_bytes_per_seq": act, "weights_bytes": w,
+                      "sequences": int((budget - w) // (per_seq + act))}
+        del dec
+    conc["ratio"] = conc["hybrid"]["sequences"] / conc["teacher"]["sequences"]
+    print(f"concurrent {length}-token sequences in {budget / GIB:.0f} GiB: teacher {conc['teacher']['sequences']}, "
+          f"hybrid {conc['hybrid']['sequences']} (x{conc['ratio']:.2f})", flush=True)
+    return conc

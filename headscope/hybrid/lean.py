@@ -1,0 +1,364 @@
+"""The lean inference path of :class:`~headscope.hybrid.HeadwiseHybridAttention` (prefill and decode).
+
+Taken when no gradient is needed, there is no attention mask, the cache is None or a
+:class:`~headscope.hybrid.HybridDecodeCache`, the layer has no short convolution and its weights are in
+the input's dtype (no autocast); by default on CUDA only (``ENABLE``). It computes the plain forward's
+function with:
+
+- **one fused input projection**: the rows of every projection of the layer — q (FA heads, then GDN
+  heads), the kept K/V groups, the FA gate, GDN K/V, decay (``a_proj``) and β (``b_proj``) — stacked
+  into one weight, built once and rebuilt only when a parameter changes (its version counter). A long
+  prefill runs the FA rows over all tokens and the GDN rows per block of ``GDN_BLOCK_TOKENS``;
+- **no head permutation of activations**: outputs stay in (FA, GDN) order; γ's rows and ``o_proj``'s
+  input columns are permuted instead;
+- **fused elementwise glue** (``torch.compile`` on CUDA, eager elsewhere, the same code): per-head
+  QK-RMSNorm, RoPE / NoPE scale, L2 norm of GDN q/k, decay g and β in one pass over the projection
+  output; FA gate, the per-head RMSNorm and γ (eq. 13–14) in one pass over the heads' outputs. fp32
+  lives in registers only: every [time, heads, d] tensor in memory is in the layer's dtype;
+- **the FA heads' kept KV groups to SDPA** (flash backend, ``enable_gqa``; flash-attn when importable) and
+  **all GDN heads in one kernel call** per block (fla's ``chunk_gated_delta_rule`` forward, called
+  below its autograd wrapper; ``fused_recurrent_gated_delta_rule`` for ≤ 8 tokens; the PyTorch chunked
+  form / recurrence without fla), the state carried from block to block;
+- **memory**: the GDN branch runs in time blocks, so fla's per-chunk intermediates (states, WY
+  factors) are bounded by the block, not the sequence.
+
+A decode step through a HybridDecodeCache writes the FA K/V into the cache slot in place and the new
+GDN state into ``cache.S``, so it can be captured in a CUDA graph (after a warm-up call: the glue
+compiles on first use).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .attn import fa_attention, flash_attn_available
+from .gdn import fla_available, gated_delta_rule
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .layer import HeadwiseHybridAttention
+
+ENABLE: Optional[bool] = None  # None: on CUDA tensors; True: on every device (CPU tests); False: never
+COMPILE = True  # torch.compile the glue on CUDA (eager on CPU, or when compilation fails)
+GDN_BLOCK_TOKENS: Optional[int] = None  # batch x time per GDN kernel call in prefill; None: block_tokens()
+GDN_BLOCK_WORK = 1 << 31  # auto blocks: tokens x GDN heads x d² per call (~1.5 ms of H200 work at B = 1)
+_compiled: dict[tuple, Callable] = {}
+_compile_failed: list[str] = []
+
+
+def applies(layer: "HeadwiseHybridAttention", x: Tensor, attention_mask: Any, decode_cache: bool, cache: Any) -> bool:
+    """True when the lean path computes this call (see the module docstring)."""
+    if ENABLE is False or (ENABLE is None and x.device.type != "cuda"):
+        return False
+    if attention_mask is not None or (cache is not None and not decode_cache) or layer.gdn_conv is not None:
+        return False
+    w = layer.q_proj.weight
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return False
+    if x.dim() != 3 or w.dtype != x.dtype or w.device != x.device:
+        return False
+    return not torch.is_autocast_enabled(x.device.type)
+
+
+# ---------------------------------------------------------------------------------------- the plan
+class _Plan:
+    """Per-layer fused weights, rebuilt when a parameter's identity, version, device or dtype changes."""
+
+    def __init__(self, layer: "HeadwiseHybridAttention", key: tuple):
+        self.key = key
+        d, H = layer.head_dim, layer.n_heads
+        fa, gdn = list(layer.fa_heads), list(layer.gdn_heads)
+        self.nf, self.ng, self.nk, self.d = len(fa), len(gdn), len(layer.kv_keep), d
+        W = layer.q_proj.weight
+        dev = W.device
+
+        def qrows(heads):
+            return torch.tensor([h * d + i for h in heads for i in range(d)], dtype=torch.long, device=dev)
+
+        def parts(mods_rows):
+            ws, bs, any_b = [], [], False
+            for mod, rows in mods_rows:
+                w = mod.weight if rows is None else mod.weight.index_select(0, rows)
+                b = mod.bias if (mod.bias is None or rows is None) else mod.bias.index_select(0, rows)
+                any_b = any_b or b is not None
+                ws.append(w)
+                bs.append(b if b is not None else w.new_zeros(w.shape[0]))
+            return ws, bs, any_b
+
+        fa_mods = []
+        if self.nf:
+            fa_mods = [(layer.q_proj, qrows(fa)), (layer.k_proj, None), (layer.v_proj, None)]
+            if layer.g_proj is not None:
+                fa_mods.append((layer.g_proj, None))
+        g_mods = []
+        if self.ng:
+            g_mods = [(layer.q_proj, qrows(gdn)), (layer.gdn_k_proj, None), (layer.gdn_v_proj, None),
+                      (layer.a_proj, None), (layer.b_proj, None)]
+        ws_f, bs_f, b1 = parts(fa_mods)
+        ws_g, bs_g, b2 = parts(g_mods)
+        if self.ng:  # a and b padded with zero rows to a multiple of 8: every column slice starts 16-byte aligned
+            self.ng8 = -(-self.ng // 8) * 8
+            for i in (3, 4):
+                ws_g[i] = torch.cat([ws_g[i], ws_g[i].new_zeros(self.ng8 - self.ng, ws_g[i].shape[1])])
+                bs_g[i] = torch.cat([bs_g[i], bs_g[i].new_zeros(self.ng8 - self.ng)])
+        self.fa_sizes = [w.shape[0] for w in ws_f]
+        self.g_sizes = [w.shape[0] for w in ws_g]
+        self.n_fa_rows = sum(self.fa_sizes)
+        self.W = torch.cat(ws_f + ws_g).contiguous()
+        self.b = torch.cat(bs_f + bs_g) if (b1 or b2) else None
+        order = fa + gdn
+        self.Wo = layer.o_proj.weight.index_select(1, qrows(order)).contiguous()
+        self.bo = layer.o_proj.bias
+        self.gamma = layer.gamma.index_select(0, torch.tensor(order, device=dev)).float() if layer.gamma is not None else None
+        self.qn = layer.q_norm.weight.float() if layer.q_norm is not None else None
+        self.kn = layer.k_norm.weight.float() if layer.k_norm is not None else None
+        self.qk_eps = float(layer.q_norm.eps) if layer.q_norm is not None else 0.0
+        if self.ng:
+            self.A_neg = -layer.A_log.float().exp()
+            self.dtb = layer.dt_bias.float()
+        self.fa_kv = torch.tensor(layer._index_lists["fa_kv"] or [0], dtype=torch.long, device=dev)
+        opts = layer.options
+        self.fa_rope = opts.fa_pos == "rope"
+        self.gdn_rope = bool(opts.gdn_rope)
+        self.gate = layer.g_proj is not None
+        self.eps = float(opts.norm_eps)
+        fk = opts.fa_kernel
+        self.fa_kernel = "sdpa" if fk == "auto" and not flash_attn_available() else fk
+        gk = opts.gdn_kernel
+        self.gdn_kernel = ("fla" if dev.type == "cuda" and fla_available() else "torch") if gk == "auto" else gk
+
+
+def plan(layer: "HeadwiseHybridAttention") -> _Plan:
+    """The layer's :class:`_Plan` (cached on the layer; a changed parameter rebuilds it)."""
+    ps = list(layer.parameters())
+    key = (ps[0].device, ps[0].dtype) + tuple((id(p), p._version) for p in ps)
+    pl = layer.__dict__.get("_lean_plan")
+    if pl is None or pl.key != key:
+        with torch.no_grad():
+            pl = _Plan(layer, key)
+        layer.__dict__["_lean_plan"] = pl
+    return pl
+
+
+# ---------------------------------------------------------------------------------------- the glue
+def _rms(x: Tensor, w: Optional[Tensor], eps: float) -> Tensor:
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x if w is None else x * w
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x fp32 [B,T,h,d], half-split (Llama) rotary
+    h = x.shape[-1] // 2
+    c, s = cos.float()[:, :, None, :], sin.float()[:, :, None, :]
+    return x * c + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * s
+
+
+def _glue_fa(q, k, cos, sin, pos_scale, qn, kn, *, eps: float, rope: bool):
+    """FA q, k [B,T,h,d] (views of the projection): QK-RMSNorm, then RoPE or the NoPE query scale."""
+    dt = q.dtype
+    qf, kf = q.float(), k.float()
+    if qn is not None:
+        qf, kf = _rms(qf, qn, eps), _rms(kf, kn, eps)
+    if rope:
+        qf, kf = _rope(qf, cos, sin), _rope(kf, cos, sin)
+    else:
+        qf = qf * pos_scale[:, :, None, None]
+    return qf.to(dt), kf.to(dt)
+
+
+def _glue_gdn(q, k, v, a, b, cos, sin, A_neg, dtb, qn, kn, *, eps: float, rope: bool):
+    """GDN q, k, v [B,T,n,d], a, b [B,T,n] (views of the projection) -> L2-normalized q, k (after
+    QK-RMSNorm and RoPE), contiguous v, g = −exp(A_log)·softplus(a + dt_bias) (fp32), β = σ(b)."""
+    dt = q.dtype
+    qf, kf = q.float(), k.float()
+    if qn is not None:
+        qf, kf = _rms(qf, qn, eps), _rms(kf, kn, eps)
+    if rope:
+        qf, kf = _rope(qf, cos, sin), _rope(kf, cos, sin)
+    qf = qf / torch.clamp_min(qf.pow(2).sum(-1, keepdim=True).sqrt(), 1e-6)  # F.normalize(eps=1e-6)
+    kf = kf / torch.clamp_min(kf.pow(2).sum(-1, keepdim=True).sqrt(), 1e-6)
+    g = A_neg * F.softplus(a.float() + dtb)
+    beta = torch.sigmoid(b.float())
+    return qf.to(dt), kf.to(dt), v.clone(memory_format=torch.contiguous_format), g, beta.to(dt)
+
+
+def _glue_out(o_fa, gate, y_g, gamma, *, eps: float):
+    """[B,T,H·d] in the layer's dtype: FA outputs (× σ(gate)) and GDN outputs side by side, then
+    γ_h · y / RMS(y) per head (eq. 13–14) when γ is given."""
+    parts = []
+    if o_fa is not None:
+        o = o_fa.float()
+        if gate is not None:
+            o = o * torch.sigmoid(gate.float())
+        parts.append(o)
+    if y_g is not None:
+        parts.append(y_g.float())
+    y = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+    if gamma is not None:
+        y = _rms(y, gamma, eps)
+    dt = (o_fa if o_fa is not None else y_g).dtype
+    return y.to(dt).flatten(2)
+
+
+_GLUE = {"fa": _glue_fa, "gdn": _glue_gdn, "out": _glue_out}
+
+
+def _glue(name: str, acts: tuple, weights: tuple = (), **static: Any) -> Any:
+    """Run a glue function on activations ``acts`` (batch and time leading) and ``weights``: compiled
+    on CUDA (one graph per static configuration, batch and time dynamic), eager elsewhere or after a
+    compile failure (warned once)."""
+    fn = _GLUE[name]
+    t0 = next(a for a in acts if isinstance(a, Tensor))
+    if not (COMPILE and t0.device.type == "cuda") or name in _compile_failed:
+        return fn(*acts, *weights, **static)
+    key = (name,) + tuple(sorted(static.items()))
+    cf = _compiled.get(key)
+    if cf is None:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+
+        def bound(*a: Any) -> Any:
+            return fn(*a, **static)
+
+        cf = _compiled[key] = torch.compile(bound, fullgraph=True)
+    for a in acts:
+        if isinstance(a, Tensor):
+            torch._dynamo.maybe_mark_dynamic(a, 0)
+            torch._dynamo.maybe_mark_dynamic(a, 1)
+    try:
+        return cf(*acts, *weights)
+    except Exception as e:  # pragma: no cover - depends on the GPU toolchain
+        _compile_failed.append(name)
+        warnings.warn(f"headscope lean path: torch.compile of the {name} glue failed ({type(e).__name__}: {e}); "
+                      "running it eagerly", stacklevel=2)
+        return fn(*acts, *weights, **static)
+
+
+# ---------------------------------------------------------------------------------------- kernels
+_fla_fwd: list = []
+
+
+def _fla_chunk_fwd():
+    """fla's chunk forward below its autograd wrapper (the public call costs ~0.3 ms of Python)."""
+    if not _fla_fwd:
+        try:
+            from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+
+            _fla_fwd.append(chunk_gated_delta_rule_fwd)
+        except ImportError:  # pragma: no cover - another fla version
+            _fla_fwd.append(None)
+    return _fla_fwd[0]
+
+
+def gdn(q, k, v, g, beta, scale: float, h0: Optional[Tensor], kernel: str, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+    """All GDN heads in one call: (y [B,T,n,d] in v's dtype, final state [B,n,d,d] fp32)."""
+    T = q.shape[1]
+    if kernel == "fla" and T > 8:
+        fwd = _fla_chunk_fwd()
+        if fwd is not None:
+            with torch.cuda.device(q.device):
+                out = fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                          initial_state=None if h0 is None else h0.float(), output_final_state=True)
+            return out[1], out[3]
+    return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, kernel=kernel, chunk_size=chunk_size)
+
+
+def block_tokens(n_gdn: int, d: int) -> int:
+    """Tokens (batch x time) per GDN kernel call in prefill: ``GDN_BLOCK_TOKENS`` when set, else enough
+    that one call's work (tokens x heads x d²) is ``GDN_BLOCK_WORK`` (at least 8192, a multiple of 64).
+    Each call costs ~1-1.5 ms of host time (glue + fla's launches) on the H200, hidden only behind that
+    much GPU work; a smaller block bounds fla's intermediates (memory) but is then host-bound."""
+    if GDN_BLOCK_TOKENS:
+        return GDN_BLOCK_TOKENS
+    return max(8192, (GDN_BLOCK_WORK // max(1, n_gdn * d * d)) // 64 * 64)
+
+
+# ---------------------------------------------------------------------------------------- forward
+def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]],
+            position_ids: Optional[Tensor], cache: Any) -> Tensor:
+    """The layer's output [B, T, hidden] (before the residual add); ``cache`` is None or a
+    HybridDecodeCache (filled / advanced in place)."""
+    p = plan(layer)
+    B, T, _ = x.shape
+    d, nf, ng, nk = p.d, p.nf, p.ng, p.nk
+    past = cache.length if cache is not None else 0
+    cos = sin = None
+    if position_embeddings is not None:
+        cos, sin = position_embeddings
+        if cos.shape[0] != B:
+            cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+    need_rope = (p.fa_rope and nf) or (p.gdn_rope and ng)
+    if need_rope and cos is None:
+        raise ValueError("position_embeddings=(cos, sin) is required (RoPE is on); compute it with "
+                         "model.model.rotary_emb(hidden_states, position_ids)")
+    if cache is not None and past + T > cache.max_len:
+        raise ValueError(f"HybridDecodeCache holds {cache.max_len} tokens but {past + T} are needed; "
+                         "make it with a larger max_len")
+    tb = max(1, block_tokens(ng, d) // B)
+    one_gemm = T <= tb
+    z = F.linear(x, p.W, p.b) if one_gemm else None
+    z_fa = z[..., : p.n_fa_rows] if one_gemm else (F.linear(x, p.W[: p.n_fa_rows], None if p.b is None else p.b[: p.n_fa_rows]) if nf else None)
+
+    # ---- FA heads: softmax attention over the kept KV groups
+    o_fa = gate = None
+    if nf:
+        parts = z_fa.split(p.fa_sizes, dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, d)) for t in parts[:3])
+        gate = parts[3].unflatten(-1, (nf, d)) if p.gate else None
+        pos_scale = None
+        if not p.fa_rope:
+            pos = position_ids if position_ids is not None else torch.arange(past, past + T, device=x.device)[None]
+            pos_scale = torch.log(pos.expand(B, T).float() + layer.options.nope_a) / math.log(layer.options.nope_a)
+        q, k = _glue("fa", (q, k, cos, sin, pos_scale), (p.qn, p.kn), eps=p.qk_eps, rope=p.fa_rope)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # B, nk, T, d
+        if cache is not None:
+            k, v = cache._write(k, v, past)
+        if not layer._fa_gqa:
+            k, v = k.index_select(1, p.fa_kv), v.index_select(1, p.fa_kv)
+        o_fa = fa_attention(q, k, v, layer.scaling, causal=True, kernel=p.fa_kernel)  # B, T, nf, d
+        del q, k, v
+
+    # ---- GDN heads: all in one kernel call per time block, the state carried over
+    y_g = None
+    if ng:
+        S = cache.S if (cache is not None and past) else None
+        W_g = p.W[p.n_fa_rows:]
+        b_g = None if p.b is None else p.b[p.n_fa_rows:]
+        blocks = [(0, T)] if one_gemm else [(s, min(s + tb, T)) for s in range(0, T, tb)]
+        if len(blocks) > 1:
+            y_g = x.new_empty(B, T, ng, d)
+        for t0, t1 in blocks:
+            zg = z[..., p.n_fa_rows:] if one_gemm else F.linear(x[:, t0:t1], W_g, b_g)
+            qg, kg, vg, a, b = zg.split(p.g_sizes, dim=-1)
+            a, b = a[..., :ng], b[..., :ng]
+            cs = (cos[:, t0:t1], sin[:, t0:t1]) if cos is not None else (None, None)
+            qg, kg, vg, g, beta = _glue("gdn", (qg.unflatten(-1, (ng, d)), kg.unflatten(-1, (ng, d)),
+                                                vg.unflatten(-1, (ng, d)), a, b, *cs),
+                                        (p.A_neg, p.dtb, p.qn, p.kn), eps=p.qk_eps, rope=p.gdn_rope)
+            del zg, a, b
+            if one_gemm:  # the projection is no longer needed: free it before fla's intermediates
+                gate = gate.clone() if gate is not None else None
+                del z, z_fa
+                z = z_fa = None
+            y, S = gdn(qg, kg, vg, g, beta, layer.scaling, S, p.gdn_kernel, layer.options.chunk_size)
+            del qg, kg, vg, g, beta
+            if len(blocks) > 1:
+                y_g[:, t0:t1] = y
+            else:
+                y_g = y
+        if cache is not None:
+            cache.S.copy_(S)
+    del z, z_fa
+    if cache is not None:
+        cache.length = past + T
+
+    # ---- fusion (eq. 13–14) in (FA, GDN) order, then o_proj with permuted input columns
+    if p.gamma is None and gate is None and (o_fa is None or y_g is None):
+        y = (o_fa if o_fa is not None else y_g).reshape(B, T, -1)
+    else:
+        y = _glue("out", (o_fa, gate, y_g), (p.gamma,), eps=p.eps)
+    del o_fa, y_g, gate
+    return F.linear(y, p.Wo, p.bo)

@@ -1,0 +1,120 @@
+"""Whole-model prefill and decoding of a hybrid (Llama-family) model through preallocated caches.
+
+:class:`StaticDecoder` runs the decoder layers itself with one :class:`HybridDecodeCache` per layer
+(FA heads' kept KV groups + GDN state, fixed shapes), so every attention layer takes the lean path
+(``lean.py``) and no transformers ``DynamicCache`` is involved::
+
+    dec = StaticDecoder(model, batch=16, max_len=32768 + 64)
+    logits = dec.prefill(ids)            # ids [16, T]: fills the caches, logits of the last position
+    logits = dec.step(next_ids)          # one token per sequence
+    out = dec.generate(ids, max_new_tokens=32)   # greedy
+
+``capture()`` records the next step (at the current length) in a CUDA graph; ``replay()`` re-runs it
+(the benchmark's decode step: the FA K/V go into the same slot on every replay).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+
+class StaticDecoder:
+    """Prefill / decode a hybrid model (``model.model.layers[i].self_attn`` a HeadwiseHybridAttention).
+
+    Args:
+        model: a hybrid causal LM (from :func:`~headscope.hybrid.hybridize`; an all-FA mask with
+            ``fusion="none"`` gives the teacher's function).
+        batch: sequences decoded together.
+        max_len: cache capacity in tokens (prompt + new tokens).
+
+    Raises:
+        ValueError: a layer's attention is not a hybrid layer.
+    """
+
+    def __init__(self, model: Any, batch: int, max_len: int):
+        self.model = model
+        self.base = model.model
+        for i, layer in enumerate(self.base.layers):
+            if not hasattr(layer.self_attn, "new_decode_cache"):
+                raise ValueError(f"layer {i} is not a hybrid attention layer; hybridize the model first")
+        self.caches = [layer.self_attn.new_decode_cache(batch, max_len) for layer in self.base.layers]
+        self.batch, self.max_len = batch, max_len
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+
+    @property
+    def length(self) -> int:
+        return self.caches[0].length
+
+    def cache_bytes(self, length: Optional[int] = None) -> int:
+        """Bytes the caches hold at ``length`` tokens (default: now)."""
+        return sum(c.nbytes(length) for c in self.caches)
+
+    @torch.no_grad()
+    def _body(self, ids: Tensor) -> Tensor:
+        m = self.base
+        B, T = ids.shape
+        past = self.length
+        pos = torch.arange(past, past + T, device=ids.device)[None].expand(B, -1)
+        h = m.embed_tokens(ids)
+        pe = m.rotary_emb(h, pos)
+        for layer, dc in zip(m.layers, self.caches):
+            a, _ = layer.self_attn(layer.input_layernorm(h), position_embeddings=pe, cache=dc, position_ids=pos)
+            h = h + a
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.lm_head(m.norm(h[:, -1:]))[:, 0]
+
+    def prefill(self, ids: Tensor) -> Tensor:
+        """Start fresh sequences: ``ids`` [batch, T] → logits [batch, vocab] of the last position."""
+        for c in self.caches:
+            c.length = 0
+        return self._body(ids)
+
+    def step(self, ids: Tensor) -> Tensor:
+        """Append ``ids`` [batch, 1] (or a few tokens) → logits of the last position."""
+        return self._body(ids)
+
+    def capture(self, ids: Tensor, warmup: int = 3) -> Tensor:
+        """Record one step at the current length in a CUDA graph (warm-up steps on a side stream first,
+        which compile the glue); returns the graph's static logits. The caches' length stays."""
+        n = self.length
+        saved = [c.S.clone() if c.S is not None else None for c in self.caches]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(warmup):
+                self._set_length(n)
+                self.step(ids)
+        torch.cuda.current_stream().wait_stream(s)
+        self._set_length(n)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph):
+            self._static = self.step(ids)
+        self._set_length(n)
+        for c, S in zip(self.caches, saved):
+            if S is not None:
+                c.S.copy_(S)
+        return self._static
+
+    def replay(self) -> Tensor:
+        self._graph.replay()
+        return self._static
+
+    def _set_length(self, n: int) -> None:
+        for c in self.caches:
+            c.length = n
+
+    @torch.no_grad()
+    def generate(self, ids: Tensor, max_new_tokens: int) -> Tensor:
+        """Greedy continuation: [batch, T + max_new_tokens] token ids (eager steps)."""
+        logits = self.prefill(ids)
+        out = [ids]
+        for _ in range(max_new_tokens):
+            nxt = logits.argmax(-1, keepdim=True)
+            out.append(nxt)
+            if self.length >= self.max_len:
+                break
+            logits = self.step(nxt)
+        return torch.cat(out, 1)

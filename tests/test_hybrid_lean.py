@@ -1,0 +1,237 @@
+"""The lean inference path (hybrid/lean.py) computes the plain forward's function.
+
+On CPU the glue runs eagerly (the same code that torch.compile compiles on CUDA), with the PyTorch GDN
+kernels; the GPU tests (skipped without CUDA) run the compiled glue, SDPA and fla.
+"""
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen3Config
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+import headscope.hybrid.lean as lean
+from headscope.hybrid import HeadwiseHybridAttention, HybridOptions
+from headscope.hybrid.gdn import fla_available, gdn_naive
+
+HID, H, KV, D = 48, 6, 2, 8
+
+
+def _cfg(qwen=False):
+    kw = dict(hidden_size=HID, num_attention_heads=H, num_key_value_heads=KV, head_dim=D, intermediate_size=64,
+              num_hidden_layers=1, vocab_size=50, rope_theta=10000.0)
+    cfg = Qwen3Config(**kw) if qwen else LlamaConfig(**kw)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _layer(fa, qwen=False, seed=0, gdn_kernel="torch", **opts):
+    torch.manual_seed(seed)
+    cfg = _cfg(qwen)
+    teacher = (Qwen3Attention if qwen else LlamaAttention)(cfg, 0)
+    for p in teacher.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    layer = HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel=gdn_kernel, **opts), qk_norm=qwen)
+    layer.migrate_from(teacher)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for n, p in layer.named_parameters():
+            if any(s in n for s in ("a_proj", "b_proj", "g_proj", "gamma", "dt_bias", "A_log", "norm")):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return layer.eval(), teacher.eval(), cfg
+
+
+def _inputs(cfg, B, T, seed=3, device="cpu"):
+    x = torch.randn(B, T, HID, generator=torch.Generator().manual_seed(seed)).to(device)
+    cos, sin = LlamaRotaryEmbedding(cfg).to(device)(x, torch.arange(T, device=device)[None].expand(B, -1))
+    return x, cos, sin
+
+
+@pytest.fixture
+def lean_on(monkeypatch):
+    monkeypatch.setattr(lean, "ENABLE", True)
+
+
+def _plain(layer, *a, **kw):
+    old = lean.ENABLE
+    lean.ENABLE = False
+    try:
+        return layer(*a, **kw)[0]
+    finally:
+        lean.ENABLE = old
+
+
+CASES = [((1,), False, {}), ((0, 3), False, dict(fa_pos="nope", fa_gate=True)), ((0, 1, 3), False, {}),
+         ((), False, {}), ((0, 1), False, dict(gdn_rope=False)), ((2,), True, {}), ((0, 4), True, dict(fa_gate=True))]
+IDS = ["1fa", "nope-gate-two-groups", "uneven-groups", "all-gdn", "no-gdn-rope", "qwen3-qk-norm", "qwen3-gate"]
+
+
+@pytest.mark.parametrize("fa,qwen,opts", CASES, ids=IDS)
+def test_lean_prefill_and_decode_equal_plain_forward(lean_on, monkeypatch, fa, qwen, opts):
+    layer, _, cfg = _layer(fa, qwen, **opts)
+    B, T = 2, 37
+    x, cos, sin = _inputs(cfg, B, T)
+    with torch.no_grad():
+        ref = _plain(layer, x, position_embeddings=(cos, sin))
+        out, _ = layer(x, position_embeddings=(cos, sin))
+        monkeypatch.setattr(lean, "GDN_BLOCK_TOKENS", 2 * 10)  # GDN in 4 time blocks, the state carried over
+        blocked, _ = layer(x, position_embeddings=(cos, sin))
+        monkeypatch.setattr(lean, "GDN_BLOCK_TOKENS", None)
+        dc = layer.new_decode_cache(B, max_len=T)
+        pre, _ = layer(x[:, :30], position_embeddings=(cos[:, :30], sin[:, :30]), cache=dc)
+        steps = [layer(x[:, t : t + 1], position_embeddings=(cos[:, t : t + 1], sin[:, t : t + 1]), cache=dc)[0]
+                 for t in range(30, 34)]
+        chunk, _ = layer(x[:, 34:], position_embeddings=(cos[:, 34:], sin[:, 34:]), cache=dc)  # 3 tokens at once
+    assert "_lean_plan" in layer.__dict__
+    assert dc.length == T
+    for got, want in ((out, ref), (blocked, ref), (pre, ref[:, :30]), (torch.cat(steps + [chunk], 1), ref[:, 30:])):
+        assert (got - want).abs().max() < 1e-5
+
+
+def test_all_fa_lean_layer_equals_teacher(lean_on):
+    layer, teacher, cfg = _layer(tuple(range(H)), fusion="none")
+    x, cos, sin = _inputs(cfg, 2, 17)
+    with torch.no_grad():
+        ref, _ = teacher(x, position_embeddings=(cos, sin), attention_mask=None)
+        out, _ = layer(x, position_embeddings=(cos, sin))
+    assert (out - ref).abs().max() < 1e-5
+
+
+def test_lean_gdn_heads_equal_naive_recurrence(lean_on):
+    """A layer with only GDN heads, fusion off, identity o_proj: its output is the token recurrence of
+    eq. 7-8 (gdn_naive, fp64) on the L2-normalized, rotated q/k — computed here by hand."""
+    from headscope.hybrid.rope import apply_rope
+
+    layer, _, cfg = _layer((), fusion="none")
+    with torch.no_grad():
+        layer.o_proj.weight.copy_(torch.eye(HID))
+    x, cos, sin = _inputs(cfg, 1, 29)
+    with torch.no_grad():
+        out, _ = layer(x, position_embeddings=(cos, sin))
+        q = apply_rope(layer.q_proj(x).view(1, 29, H, D), cos, sin)
+        k = apply_rope(layer.gdn_k_proj(x).view(1, 29, H, D), cos, sin)
+        v = layer.gdn_v_proj(x).view(1, 29, H, D)
+        q, k = torch.nn.functional.normalize(q, dim=-1, eps=1e-6), torch.nn.functional.normalize(k, dim=-1, eps=1e-6)
+        beta = torch.sigmoid(layer.b_proj(x))
+        g = -layer.A_log.exp() * torch.nn.functional.softplus(layer.a_proj(x) + layer.dt_bias)
+        y, _ = gdn_naive(q, k, v, g, beta, scale=D**-0.5)
+    assert (out - y.reshape(1, 29, H * D)).abs().max() < 1e-5
+
+
+def test_lean_plan_follows_parameter_changes(lean_on):
+    layer, _, cfg = _layer((1,))
+    x, cos, sin = _inputs(cfg, 1, 9)
+    with torch.no_grad():
+        layer(x, position_embeddings=(cos, sin))
+        plan = layer.__dict__["_lean_plan"]
+        layer.gamma.mul_(2.0)  # in place: the version counter changes
+        ref = _plain(layer, x, position_embeddings=(cos, sin))
+        out, _ = layer(x, position_embeddings=(cos, sin))
+    assert layer.__dict__["_lean_plan"] is not plan
+    assert (out - ref).abs().max() < 1e-5
+
+
+def test_lean_path_is_skipped_with_gradients_masks_or_conv(lean_on):
+    layer, _, cfg = _layer((1,))
+    x, cos, sin = _inputs(cfg, 1, 9)
+    layer(x, position_embeddings=(cos, sin))  # gradients on: plain path
+    assert "_lean_plan" not in layer.__dict__
+    with torch.no_grad():
+        layer(x, position_embeddings=(cos, sin), attention_mask=torch.ones(1, 9))
+        assert "_lean_plan" not in layer.__dict__
+        conv, _, _ = _layer((1,), gdn_conv=4)
+        conv(x, position_embeddings=(cos, sin))
+        assert "_lean_plan" not in conv.__dict__
+
+
+def test_block_tokens_rule(monkeypatch):
+    assert lean.block_tokens(8, 64) == 65536  # SmolLM2 layer at 7:1: 8 GDN heads of d 64
+    assert lean.block_tokens(14, 128) == 9344  # Qwen3-1.7B shape: 14 GDN heads of d 128
+    assert lean.block_tokens(1, 8) == (1 << 31) // 64 // 64 * 64
+    monkeypatch.setattr(lean, "GDN_BLOCK_TOKENS", 4096)
+    assert lean.block_tokens(8, 64) == 4096
+
+
+def test_lean_path_is_cuda_only_by_default():
+    layer, _, cfg = _layer((1,))
+    x, cos, sin = _inputs(cfg, 1, 9)
+    assert lean.ENABLE is None
+    with torch.no_grad():
+        layer(x, position_embeddings=(cos, sin))
+    assert "_lean_plan" not in layer.__dict__
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fa", [(1,), (0, 3), tuple(range(H))], ids=["1fa", "two-groups", "all-fa"])
+def test_lean_cuda_bf16_matches_plain_path_and_graph_replay(fa):
+    """On CUDA (compiled glue, SDPA, fla when installed): lean prefill vs the plain path in bf16; the
+    decode step captured in a CUDA graph equals the eager step and the full forward's last position."""
+    layer, _, cfg = _layer(fa, gdn_kernel="auto")
+    layer = layer.cuda().to(torch.bfloat16)
+    B, T = 2, 300
+    x, cos, sin = _inputs(cfg, B, T + 1, device="cuda")
+    x, cos, sin = x.bfloat16(), cos.bfloat16(), sin.bfloat16()
+    with torch.no_grad():
+        ref = _plain(layer, x, position_embeddings=(cos, sin))
+        out, _ = layer(x, position_embeddings=(cos, sin))
+        scale = ref.float().abs().max()
+        assert (out.float() - ref.float()).abs().max() < 3e-2 * scale
+        dc = layer.new_decode_cache(B, T + 1)
+        layer(x[:, :T], position_embeddings=(cos[:, :T], sin[:, :T]), cache=dc)
+        S0 = dc.S.clone() if dc.S is not None else None
+        x1, pe1 = x[:, T:], (cos[:, T:].contiguous(), sin[:, T:].contiguous())
+
+        def step():
+            dc.length = T
+            return layer(x1, position_embeddings=pe1, cache=dc)[0]
+
+        eager = step().clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = step()
+        if S0 is not None:
+            dc.S.copy_(S0)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(static, eager)
+    assert (eager[:, 0].float() - out[:, -1].float()).abs().max() < 3e-2 * scale
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_static_decoder_equals_full_forward_and_generate(lean_on, family):
+    """Whole model through StaticDecoder (per-layer HybridDecodeCache, lean path): prefill + steps equal
+    the full forward's logits; an all-FA mask with fusion off equals the teacher; generate = greedy."""
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+
+    from headscope.hybrid import hybridize
+    from headscope.hybrid.static import StaticDecoder
+    from headscope.masks import HeadMask
+
+    kw = dict(vocab_size=101, hidden_size=HID, intermediate_size=64, num_hidden_layers=2, num_attention_heads=H,
+              num_key_value_heads=KV, head_dim=D, max_position_embeddings=512)
+    torch.manual_seed(0)
+    teacher = (LlamaForCausalLM(LlamaConfig(**kw)) if family == "llama" else Qwen3ForCausalLM(Qwen3Config(**kw))).eval()
+    ids = torch.randint(0, 101, (2, 15), generator=torch.Generator().manual_seed(1))
+    hyb = hybridize(teacher, HeadMask(2, H, KV, ((1,), (0, 4))), gdn_kernel="torch").eval()
+    allfa = hybridize(teacher, HeadMask(2, H, KV, (tuple(range(H)),) * 2), fusion="none").eval()
+    with torch.no_grad():
+        for model, ref_model in ((hyb, hyb), (allfa, teacher)):
+            lean.ENABLE = False
+            full = ref_model(ids).logits
+            lean.ENABLE = True
+            dec = StaticDecoder(model, batch=2, max_len=20)
+            got = [dec.prefill(ids[:, :11])] + [dec.step(ids[:, t : t + 1]) for t in range(11, 15)]
+            assert dec.length == 15
+            assert (torch.stack(got, 1) - full[:, 10:]).abs().max() < 1e-4
+        out = StaticDecoder(hyb, batch=2, max_len=20).generate(ids[:, :11], max_new_tokens=4)
+        ref = ids[:, :11]
+        for _ in range(4):
+            ref = torch.cat([ref, hyb(ref).logits[:, -1:].argmax(-1)], 1)
+    assert torch.equal(out, ref)
