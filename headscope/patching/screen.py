@@ -247,6 +247,27 @@ class _Screen:
                 self.probed_mean[(lay, h)] = v
                 self.unit[(lay, h)] = None
 
+    def result(self, atp: Tensor, patched: Tensor, res: Any, readout: Readout, secs: dict[str, float]) -> Any:
+        """The ScreenResult: exact IE of the verified heads, the mean probe of heads probed alone, AtP elsewhere."""
+        from .attribution import ScreenResult
+        from .receivers import finish
+
+        assert res is not None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # receiver_patching warned about skipped pairs already
+            exact = finish(patched, res.m_clean, res.m_corrupt, readout)
+        ie = atp.clone()
+        for (lay, h), v in self.probed_mean.items():
+            ie[:, lay, h] = v  # the mean probe (per-pair probes are not kept)
+        for lay, h in self.verified:
+            ie[:, lay, h] = exact.ie[:, lay, h]
+        n = self.g.n_layers * self.g.n_heads
+        self.stats.n_verified, self.stats.n_unverified, self.stats.seconds = len(self.verified), n - len(self.verified), secs
+        kth = sorted(self.exact_mean.values(), reverse=True)[min(self.cfg.top_k, len(self.exact_mean)) - 1]
+        return ScreenResult(ie=ie, atp=atp, exact=exact, verified=self.verified, spot_checked=[], threshold=kth,
+                            spot_hits=0, missed_estimate=math.nan, missed_upper95=math.nan,
+                            details=self.stats.as_dict(), stats=self.stats)
+
     def record_exact(self, heads: Sequence[Head], res: Any) -> None:
         """Exact results of verified heads (a :class:`~headscope.patching.receivers.PatchResult`)."""
         self.verified += list(heads)
@@ -278,9 +299,9 @@ def screen_auto(
         HeadscopeInputError (a ValueError): top_k outside 1..#heads, atp_slack < 1, other bad settings.
     """
     from ..config import ScreenConfig
-    from .attribution import ScreenResult, _attribution, probe_blocks_ie, probe_ie
+    from .attribution import _attribution, probe_blocks_ie, probe_ie
     from .engine import Engine
-    from .receivers import finish, receiver_patching
+    from .receivers import receiver_patching
 
     cfg = config or ScreenConfig(top_k=top_k, flag=flag, probe_dtype=probe_dtype, probe_margin=probe_margin,
                                  verify_cost=verify_cost, block=block, atp_slack=atp_slack, keep_bytes=keep_bytes)
@@ -322,20 +343,6 @@ def screen_auto(
             s.stats.certified = True
             break
     del low
-    assert res is not None
     secs["refine_probes"] = t_probe
     secs["verify"] = time.perf_counter() - t0 - sum(secs.values())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # receiver_patching warned about skipped pairs already
-        exact = finish(patched, res.m_clean, res.m_corrupt, readout)
-    ie = atp.clone()
-    for (lay, h), v in s.probed_mean.items():
-        ie[:, lay, h] = v  # the mean probe (per-pair probes are not kept)
-    for lay, h in s.verified:
-        ie[:, lay, h] = exact.ie[:, lay, h]
-    s.stats.n_verified, s.stats.n_unverified = len(s.verified), g.n_layers * g.n_heads - len(s.verified)
-    s.stats.seconds = secs
-    kth = sorted(s.exact_mean.values(), reverse=True)[min(cfg.top_k, len(s.exact_mean)) - 1]
-    return ScreenResult(ie=ie, atp=atp, exact=exact, verified=s.verified, spot_checked=[], threshold=kth,
-                        spot_hits=0, missed_estimate=math.nan, missed_upper95=math.nan,
-                        details=s.stats.as_dict(), stats=s.stats)
+    return s.result(atp, patched, res, readout, secs)
