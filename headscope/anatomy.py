@@ -682,7 +682,7 @@ class Anatomy:
 
         Returns {"json": [path], figure name: [paths]}.
         """
-        from .patching.store import atomic_write_text
+        from .runtime import atomic_write_text
         from .plots import save_figure
 
         d = Path(directory)

@@ -10,14 +10,15 @@ line ``error: ...`` on stderr with exit code 2. Any other exception is a bug and
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
+import typing
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Any, Iterator, List, Optional
 
 import typer
 
 from .errors import HeadscopeInputError
-from .readout import DEFAULT_LAMBDA
 
 app = typer.Typer(add_completion=False, help="Find retrieval-critical attention heads by causal intervention.")
 
@@ -50,94 +51,78 @@ def main() -> None:
     """headscope: rank attention heads by causal importance (HydraHead, SPEC.md)."""
 
 
-@app.command()
-def rank(
-    model: str = typer.Option("smollm2-135m", help="'smollm2-135m', 'gemma3-270m', a local HF directory, a .gguf path or a cached hub id"),
-    task: List[str] = typer.Option(["niah_single"], help="capability (repeatable)"),
-    pairs: int = typer.Option(6, "--pairs", help="calibration pairs per task"),
-    seq_len: int = typer.Option(512, help="prompt length in tokens"),
-    depth: List[float] = typer.Option([0.5], help="needle depth(s), fractions in [0, 1] (repeatable, cycled over pairs)"),
-    seed: int = typer.Option(0),
-    lam: float = typer.Option(DEFAULT_LAMBDA, "--lambda", help="decay λ of the span readout (eq. 9)"),
-    direction: str = typer.Option("noising", help="noising (default) or denoising"),
-    min_gap: float = typer.Option(0.1, help="skip pairs whose |m(x) - m(x')| is below this (logits)"),
-    budget: str = typer.Option("7:1", help="FA budget for mask.json: head count, fraction or LA:FA ratio"),
-    min_per_layer: int = typer.Option(1, help="at least this many FA heads per layer in mask.json"),
-    out: Path = typer.Option(Path("runs/rank"), help="output directory (resumes if it holds the same run)"),
-    device: Optional[str] = typer.Option(None, help="cpu / cuda (default: cuda when available)"),
-    top: int = typer.Option(10, help="print this many top heads"),
-    mode: str = typer.Option("exact", help="exact (every head patched) or screen (AtP screen + exact verification)"),
-    verify: str = typer.Option("auto", help="screen mode: 'auto' (verify until no unverified head's optimistic score reaches the top 10; a "
-                               "heuristic, see the README), or a head "
-                               "count / fraction verified exactly after the AtP screen, with --spot-checks"),
-    spot_checks: float = typer.Option(0.05, help="screen mode with a count/fraction --verify: random unverified heads "
-                                      "patched exactly to estimate what the screen missed"),
-    devices: int = typer.Option(1, help="shard the sweep over this many local processes (one per GPU, or CPU/gloo)"),
-    senders: bool = typer.Option(False, "--senders", help="add iterated sender path patching (SPEC.md §5) and fuse"),
-    weight: List[float] = typer.Option([], "--weight", help="capability weight, one per --task in order (default uniform; must sum to 1)"),
-    kappa: Optional[str] = typer.Option(None, help="'focus' (retrieval focus, default when fusing) or 'one' (κ ≡ 1)"),
-    normalize: str = typer.Option("max", help="per-capability normalization: max or minmax"),
-    sender_mode: str = typer.Option("qkv", help="receiver inputs patched by senders: qkv, kv or q"),
-    top_k: int = typer.Option(10, help="receivers of the first sender round (top heads by receiver IE)"),
-    max_rounds: int = typer.Option(3, help="sender rounds at most (senders become receivers)"),
-    device_map: Optional[str] = typer.Option(None, help="auto or balanced: spread a model that does not fit one GPU over all GPUs (layers)"),
-    path: str = typer.Option("auto", help="exact patching path: auto (fast engine where an architecture adapter exists, else the TransformerLens bridge's hooks), fast or generic"),
-) -> None:
+#: options of ``headscope rank`` that are about the command (output, mask, printing, processes), not the
+#: ranking; the ranking's own options are generated from :mod:`headscope.config` (:func:`_rank_options`)
+_COMMAND_OPTIONS = [
+    ("model", str, "smollm2-135m", "--model",
+     "'smollm2-135m', 'gemma3-270m', a local HF directory, a .gguf path or a cached hub id"),
+    ("budget", str, "7:1", "--budget", "FA budget for mask.json: head count, fraction or LA:FA ratio"),
+    ("min_per_layer", int, 1, "--min-per-layer", "at least this many FA heads per layer in mask.json"),
+    ("out", Path, Path("runs/rank"), "--out", "output directory (resumes if it holds the same run)"),
+    ("top", int, 10, "--top", "print this many top heads"),
+    ("devices", int, 1, "--devices", "shard the sweep over this many local processes (one per GPU, or CPU/gloo)"),
+]
+
+
+def _rank_options() -> list[inspect.Parameter]:
+    """The parameters of ``headscope rank``: the command's own, then one per config field (:func:`headscope.config.cli_fields`)."""
+    from .config import cli_fields
+
+    params = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=tp,
+                                default=typer.Option(default, flag, help=help))
+              for name, tp, default, flag, help in _COMMAND_OPTIONS]
+    for f in cli_fields():
+        tp = f.type
+        if typing.get_origin(tp) is list:
+            tp = List[typing.get_args(tp)[0]]  # type: ignore[misc]
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=tp,
+                                        default=typer.Option(f.default, f.flag, help=f.help)))
+    return params
+
+
+def rank(**values: Any) -> None:
     """Rank every head; write OUT/scores.csv, OUT/mask.json and OUT/heatmap.html.
 
     Every argument is checked before the model loads (errors: one line, exit code 2)."""
+    out: Path = values["out"]
+    budget, min_per_layer, top = values["budget"], values["min_per_layer"], values["top"]
     with user_errors():
-        from .checks import (check_budget, check_device_map, check_int, check_model, check_rank_args,
-                             check_rank_store, parse_verify)
+        from .checks import check_budget, check_device_map, check_int, check_model, check_rank_args, check_rank_store
+        from .config import RankConfig, config_from_cli
 
+        model, devices = values["model"], values["devices"]
         g = check_model(model, "--model")  # the geometry from the config / GGUF metadata, no weights
         check_int("--devices", devices, lo=1, fix="need at least one process")
         check_int("--top", top, lo=0)
-        check_device_map(device_map, devices, "--device-map")
+        kw = config_from_cli(values)  # rank()'s keywords from the generated options
+        check_device_map(kw["device_map"], devices, "--device-map")
         check_budget(budget, g, min_per_layer, "--budget", allow_raise=True)
-        settings = dict(
-            model=model,
-            tasks=tuple(task),
-            n_pairs=pairs,
-            seq_len=seq_len,
-            seed=seed,
-            depth=depth[0] if len(depth) == 1 else tuple(depth),
-            lam=lam,
-            direction=direction,
-            min_gap=min_gap,
-            mode=mode,
-            senders=senders,
-            weights=list(weight) if weight else None,
-            kappa=kappa,
-            normalize=normalize,
-            sender_mode=sender_mode,
-            top_k=top_k,
-            max_rounds=max_rounds,
-        )
-        v = parse_verify(verify)  # in every mode: a typo is not silently ignored
-        sc = int(spot_checks) if spot_checks >= 1 else spot_checks
-        if mode == "screen":
-            settings.update(verify=v, spot_checks=sc)
-        args = {"verify": v, "spot_checks": sc, **{k: val for k, val in settings.items() if k != "model"}}
-        tasks = check_rank_args(**args, out_dir=out, device=device, device_map=device_map,
+        names = inspect.signature(check_rank_args).parameters
+        tasks = check_rank_args(**{k: v for k, v in kw.items() if k in names}, out_dir=out,
                                 shard=(0, devices) if devices > 1 else None, geometry=g, cli=True)
-        fused = senders or len(tasks) > 1 or bool(weight) or kappa is not None
-        check_rank_store(out, tasks, fused, model, {"n_pairs": pairs, "seq_len": seq_len, "seed": seed,
-                                                   "depth": settings["depth"]}, lam, direction)
-        if path not in ("auto", "fast", "generic"):
-            raise HeadscopeInputError(f"--path {path!r}: use auto, fast or generic")
-        if path != "auto":
-            settings["path"] = path
-        run_rank = _run_rank(settings, model, budget, min_per_layer, out, device, devices, device_map)
-        if run_rank is None:
+        if kw["path"] not in ("auto", "fast", "generic"):
+            raise HeadscopeInputError(f"--path {kw['path']!r}: use auto, fast or generic")
+        cfg = RankConfig.from_kwargs(**kw)
+        check_rank_store(out, tasks, cfg.fused, model, cfg.settings(), cfg.readout.lam, cfg.readout.direction)
+        r = _run_rank(cfg, model, budget, min_per_layer, out, devices)
+        if r is None:
             return
-        r = run_rank
+    _report(r, cfg, budget, min_per_layer, out, top)
+
+
+rank.__signature__ = inspect.Signature(_rank_options())  # type: ignore[attr-defined]
+rank.__annotations__ = {p.name: p.annotation for p in rank.__signature__.parameters.values()}  # type: ignore[attr-defined]
+app.command("rank")(rank)
+
+
+def _report(r: Any, cfg: Any, budget: str, min_per_layer: int, out: Path, top: int) -> None:
+    """Write the mask and the heatmap of a finished ranking and print its summary."""
     mask, mask_error = _mask_step(r, budget, min_per_layer, out)
     r.heatmap().write_html(str(out / "heatmap.html"), include_plotlyjs=True)  # self-contained: works offline
     p = r.provenance
     typer.echo(
-        f"{p['model']}: {p['n_pairs']} pair(s) of {p['tasks']} at ~{seq_len} tokens, {p['direction']}, "
-        f"lambda={lam}; m(x) mean {sum(p['m_clean']) / len(p['m_clean']):.2f}, "
+        f"{p['model']}: {p['n_pairs']} pair(s) of {p['tasks']} at ~{cfg.seq_len} tokens, {p['direction']}, "
+        f"lambda={cfg.readout.lam}; m(x) mean {sum(p['m_clean']) / len(p['m_clean']):.2f}, "
         f"m(x') mean {sum(p['m_corrupt']) / len(p['m_corrupt']):.2f}; {p['seconds']} s"
     )
     cols = ["rank", "layer", "head", "kv_group", "ie_recv", "ie_recv_std"]
@@ -171,23 +156,27 @@ def rank(
         raise typer.Exit(1)
 
 
-def _run_rank(settings: dict, model: str, budget: str, min_per_layer: int, out: Path, device: Optional[str],
-              devices: int, device_map: Optional[str]) -> Optional[tuple]:
-    """Load the model and run the (checked) ranking -> (Ranking, HeadMask), or None on a rank != 0."""
+def _run_rank(cfg: Any, model: str, budget: str, min_per_layer: int, out: Path, devices: int) -> Optional[Any]:
+    """Load the model and run the (checked) ranking -> Ranking, or None on a rank != 0."""
+    import dataclasses
+
     import headscope
 
+    from .api import run
     from .checks import check_budget
-    from .distributed import init_from_env, spawn_rank
+    from .distributed import spawn_rank
+    from .runtime import init_from_env
 
-    lm = headscope.load_model(model, device=device, device_map=device_map)
+    lm = headscope.load_model(model, device=cfg.device, device_map=cfg.device_map)
     # again where the config could not be read; a budget too small for --min-per-layer is raised after ranking
     check_budget(budget, lm.geometry, min_per_layer, "--budget", allow_raise=True)
-    settings = {**settings, "model": lm}
-    shard = init_from_env(device)  # under torchrun: RANK / WORLD_SIZE in the environment
+    shard = init_from_env(cfg.device)  # under torchrun: RANK / WORLD_SIZE in the environment
     if devices > 1 and shard is None:
-        r = spawn_rank(devices, out, device=device, **{**settings, "model": model})  # each rank loads its own
-    else:
-        r = headscope.rank(out_dir=out, device=device, shard=shard, device_map=device_map, **settings)
+        return spawn_rank(devices, out, device=cfg.device, config=dataclasses.replace(cfg, device=None),
+                          model=model)  # each rank loads its own
+    if shard is not None:
+        cfg = dataclasses.replace(cfg, device=None)  # the rank's model is where load_model put it
+    r = run(lm, cfg, out_dir=out, shard=shard)
     if shard is not None and shard[0] != 0:
         return None
     return r
@@ -266,7 +255,7 @@ def convert(
         check_stage_inputs(out, stage, cfg, data, resume, world=devices, cli=True)
         hybrid = {"gdn_kernel": gdn_kernel} if gdn_kernel != "auto" else None
 
-        from .distributed import init_from_env, rank_device
+        from .runtime import init_from_env, rank_device
         from .models import load_hf
         from .train import convert_stage
         from .train.pipeline import spawn_convert

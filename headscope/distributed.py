@@ -5,66 +5,45 @@ round-robin over the ranks; every rank writes its items into the run's resumable
 ``torch.distributed`` barrier, reads the others' items back, so every rank ends with the table a
 single process would produce, and a rank that dies leaves its finished items on disk for a rerun.
 
-Two ways to start ranks:
+Two ways to start ranks, one code path inside them (:func:`headscope.runtime.init_from_env`):
 
 * ``headscope rank ... --devices N`` (or :func:`spawn_rank`): N local processes via
-  ``torch.multiprocessing.spawn``, a file-based rendezvous in the run directory;
-* ``torchrun --nproc-per-node N -m headscope.cli rank ...``: the ranks read ``RANK``/``WORLD_SIZE``
-  from the environment (``init_from_env``).
+  :func:`headscope.runtime.launch` (``torch.multiprocessing``, the environment torchrun would set);
+* ``torchrun --nproc-per-node N -m headscope.cli rank ...``.
+
+The process-group helpers live in :mod:`headscope.runtime`; the names below stay importable from here.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from .runtime import backend_for, init_from_env, launch, local_rank, rank_device  # noqa: F401  (old import place)
 
 
-def backend_for(device: str | None) -> str:
-    return "nccl" if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else "gloo"
+def _rank_worker(device: str | None, kwargs: dict[str, Any]) -> None:
+    """One rank of a sharded :func:`headscope.rank` (inside a process group set up by ``launch``); with a
+    ``config`` (:class:`~headscope.config.RankConfig`) in ``kwargs``, that config on this rank's device."""
+    from dataclasses import replace
 
+    from .api import rank, run
 
-def rank_device(device: str | None, rank: int) -> str:
-    """cuda:{local rank} on GPU machines, else cpu."""
-    if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
-        n = torch.cuda.device_count()
-        if n == 0:
-            raise RuntimeError("device 'cuda' asked for but no GPU is visible")
-        return f"cuda:{rank % n}"
-    return "cpu"
-
-
-def init_from_env(device: str | None = None) -> tuple[int, int] | None:
-    """Join the process group torchrun set up (RANK/WORLD_SIZE in the environment) -> (rank, world)."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return None
-    if not dist.is_initialized():
-        dist.init_process_group(backend_for(device))
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _worker(rank: int, world: int, rendezvous: str, device: str | None, kwargs: dict[str, Any], result_path: str) -> None:
-    from .api import rank as rank_heads
-
-    if not (device or "").startswith("cuda"):
-        torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
-    dist.init_process_group(backend_for(device), init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    try:
-        r = rank_heads(device=rank_device(device, rank), shard=(rank, world), progress=rank == 0, **kwargs)
-        if rank == 0:
-            r.save(result_path)
-    finally:
-        dist.destroy_process_group()
+    r, world = init_from_env(device)  # type: ignore[misc]
+    kw, dev = dict(kwargs), rank_device(device, r)
+    cfg = kw.pop("config", None)
+    if cfg is not None:
+        run(kw.pop("model"), replace(cfg, device=dev), shard=(r, world), progress=r == 0, **kw)
+    else:
+        rank(device=dev, shard=(r, world), progress=r == 0, **kw)
 
 
 def spawn_rank(n: int, out_dir: str | Path, device: str | None = None, **kwargs: Any) -> Any:
-    """Run :func:`headscope.rank` sharded over ``n`` local processes; returns the merged Ranking.
+    """Run :func:`headscope.rank` sharded over ``n`` local processes; returns the merged Ranking
+    (rank 0 saves it into ``out_dir``).
 
     Raises:
-        ValueError: n < 1 or no ``out_dir`` (the shared store is where ranks meet).
+        ValueError: n < 1 (the shared store in ``out_dir`` is where ranks meet).
     """
     from .scores import Ranking
 
@@ -72,12 +51,5 @@ def spawn_rank(n: int, out_dir: str | Path, device: str | None = None, **kwargs:
         raise ValueError(f"--devices {n}: need at least one process")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rendezvous = out / f".rendezvous-{os.getpid()}"
-    if rendezvous.exists():
-        rendezvous.unlink()
-    torch.multiprocessing.spawn(
-        _worker, args=(n, str(rendezvous), device, {**kwargs, "out_dir": str(out)}, str(out)), nprocs=n, join=True
-    )
-    if rendezvous.exists():
-        rendezvous.unlink()
+    launch(_rank_worker, n, (device, {**kwargs, "out_dir": str(out)}), device=device)
     return Ranking.load(out)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Literal, Sequence
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
 DEFAULT_LAMBDA = 0.9
+#: pairs whose clean–corrupted gap |m(x) − m(x')| is below this (logits) are skipped
+DEFAULT_MIN_GAP = 0.1
+DIRECTIONS = ("noising", "denoising")
+Direction = Literal["noising", "denoising"]
 
 
 def span_weights(n: int, lam: float = DEFAULT_LAMBDA) -> Float[Tensor, "ans"]:
@@ -150,3 +155,75 @@ def normalized_ie(patched: Tensor, m_clean: Tensor | float, m_corrupt: Tensor | 
     if direction == "denoising":
         return (patched - m_corrupt) / gap
     raise ValueError(f"direction must be 'noising' or 'denoising', not {direction!r}")
+
+
+@dataclass(frozen=True)
+class Readout:
+    """The readout of a patching experiment as one value: the metric m (eq. 9), the patch direction and
+    the normalization into IE (eq. 10), bound once into each pair's state
+    (:class:`~headscope.patching.receivers.PairState`); the engine never sees λ.
+
+    Attributes:
+        lam: decay λ ∈ (0, 1] of the answer-span logit difference (eq. 9; default 0.9).
+        direction: ``"noising"`` (clean run, patch from x'; default) or ``"denoising"``.
+        min_gap: pairs with |m(x) − m(x')| below this (logits, ≥ 0; default 0.1) are skipped.
+
+    Raises:
+        HeadscopeInputError (a ValueError): λ outside (0, 1], an unknown direction, a negative
+            or non-finite min_gap (checked once, when the value is made).
+    """
+
+    lam: float = DEFAULT_LAMBDA
+    direction: Direction = "noising"
+    min_gap: float = DEFAULT_MIN_GAP
+
+    def __post_init__(self) -> None:
+        from .checks.core import check_choice, check_real
+
+        check_real("lam", self.lam, 0.0, 1.0, lo_open=True, fix="λ weighs answer token j by λ^j; 0.9 is the default")
+        check_choice("direction", self.direction, DIRECTIONS)
+        check_real("min_gap", self.min_gap, 0.0, fix="it is a logit difference; 0 keeps every pair")
+        object.__setattr__(self, "lam", float(self.lam))
+        object.__setattr__(self, "min_gap", float(self.min_gap))
+
+    def metric(
+        self, logits: Float[Tensor, "... ans vocab"], answer: Int[Tensor, "ans"], counter_answer: Int[Tensor, "ans"]
+    ) -> Float[Tensor, "..."]:
+        """m (eq. 9, logits) of ``logits`` at the read positions: :func:`logit_diff` with this λ."""
+        return logit_diff(logits, answer, counter_answer, self.lam)
+
+    def normalized_ie(self, patched: Tensor, m_clean: Tensor | float, m_corrupt: Tensor | float) -> Tensor:
+        """IE (eq. 10) of patched metrics in this direction; see :func:`normalized_ie`."""
+        return normalized_ie(patched, m_clean, m_corrupt, self.direction)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"lam", "direction", "min_gap"}`` (JSON-able; what provenance and stores record)."""
+        return asdict(self)
+
+    @classmethod
+    def resolve(
+        cls, readout: "Readout | None" = None, lam: float | None = None, direction: str | None = None,
+        min_gap: float | None = None,
+    ) -> "Readout":
+        """The readout of a call that takes ``readout=`` and the older ``lam=`` / ``direction=`` /
+        ``min_gap=`` keywords: ``readout`` when given (the keywords must then be None or agree with it),
+        else a Readout built from the keywords (defaults for those left None).
+
+        Raises:
+            HeadscopeInputError: a keyword that contradicts ``readout``; bad values (see the class).
+        """
+        kw = {k: v for k, v in (("lam", lam), ("direction", direction), ("min_gap", min_gap)) if v is not None}
+        if readout is None:
+            return cls(**kw)  # type: ignore[arg-type]
+        if not isinstance(readout, Readout):
+            from .errors import InputTypeError
+
+            raise InputTypeError(f"readout must be a headscope.readout.Readout, not {type(readout).__name__}")
+        clash = {k: v for k, v in kw.items() if getattr(readout, k) != v}
+        if clash:
+            from .errors import HeadscopeInputError
+
+            raise HeadscopeInputError(
+                f"{', '.join(f'{k}={v!r}' for k, v in clash.items())} contradicts readout={readout}; pass one of them"
+            )
+        return readout

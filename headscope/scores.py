@@ -1,7 +1,7 @@
 """Scores and the Ranking: per-head IE statistics -> a table, a HeadMask, saved results.
 
 Receivers only: the score of a head is its mean receiver IE over the used calibration pairs.
-With senders, κ or several capabilities, :func:`fused_table` implements SPEC.md §6 (eq. 11, 12):
+With senders, κ (computed by :mod:`headscope.kappa`) or several capabilities, :func:`fused_table` implements SPEC.md §6 (eq. 11, 12):
 s_h^(c) = max(IE_recv, IE_send)·κ_h^(c), ŝ normalized per capability, S_h = Σ_c w_c ŝ_h^(c).
 """
 
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .errors import HeadscopeInputError, InputFileNotFoundError
 from .masks import Budget, HeadMask
-from .patching.store import atomic_write_text
+from .runtime import atomic_torch_save, atomic_write_text
 
 
 def head_table(ie: Float[Tensor, "pair layer head"], n_kv_heads: int) -> pd.DataFrame:
@@ -139,7 +139,7 @@ class Ranking:
                 "extras": self.extras}
         atomic_write_text(d / "ranking.json", json.dumps(meta, indent=2, default=str))
         if self.ie is not None:
-            torch.save(self.ie, d / "ie.pt")
+            atomic_torch_save(d / "ie.pt", self.ie)
         return d
 
     @classmethod
@@ -179,34 +179,13 @@ NORMALIZE = ("max", "minmax")
 KAPPA = ("focus", "one")
 
 
-def retrieval_focus(model: Any, pairs: Any) -> Float[Tensor, "layer head"]:
-    """κ (SPEC.md §6 default): each head's retrieval focus on the evidence span.
+def __getattr__(name: str) -> Any:
+    # κ runs the model: it moved to headscope.kappa, beside the patching code; the old import keeps working
+    if name == "retrieval_focus":
+        from .kappa import retrieval_focus
 
-    Per pair, the mean attention probability a head puts on ``pair.evidence`` from the
-    answer-reading positions (clean prompt ⊕ a⁺[:-1], read as in eq. 9), divided by the span's share
-    of the context visible from the first read position; averaged over pairs, divided by its
-    maximum over heads and clipped to [0, 1].
-
-    Raises:
-        ValueError: no pairs; HeadscopeInputError: no head attends to the evidence at all (κ undefined).
-    """
-    from .patching.engine import Engine
-    from .patching.receivers import check_pairs, sequences
-
-    check_pairs(model, pairs)
-    eng = Engine(model)
-    acc = None
-    for p in pairs:
-        seq, _, read = sequences(p)
-        s, e = p.evidence
-        share = (e - s) / (read[0] + 1)
-        ratio = eng.attention_mass(seq, read, (s, e)) / share
-        acc = ratio if acc is None else acc + ratio
-    kappa = acc / len(pairs)
-    top = float(kappa.max())
-    if not top > 0:
-        raise HeadscopeInputError("no head puts attention on the evidence span; κ is undefined (use kappa='one')")
-    return (kappa / top).clamp(0.0, 1.0).float()
+        return retrieval_focus
+    raise AttributeError(f"module 'headscope.scores' has no attribute {name!r}")
 
 
 def capability_score(

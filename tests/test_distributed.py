@@ -41,3 +41,23 @@ def test_shards_split_the_items(tiny, smol_tokenizer, tmp_path):
     assert torch.equal(merged.patched, single.patched)
     with pytest.raises(ValueError, match="store_dir shared by all ranks"):
         receiver_patching(tiny, pairs, shard=(0, 2))
+
+
+def test_cli_devices_two_runs_the_config_on_two_ranks(tiny_dir, tmp_path):
+    """`headscope rank --devices 2` hands its RankConfig to both ranks (runtime.launch): the saved ranking
+    has the CLI's settings, its whole config, and the single-process numbers (to float rounding)."""
+    from typer.testing import CliRunner
+
+    from headscope.cli import app
+    from headscope.config import RankConfig
+
+    res = CliRunner().invoke(app, ["rank", "--model", str(tiny_dir), "--pairs", "2", "--seq-len", "64", "--seed", "2",
+                                   "--min-gap", "0", "--lambda", "0.8", "--budget", "2", "--devices", "2",
+                                   "--device", "cpu", "--out", str(tmp_path / "two")])
+    assert res.exit_code == 0, (res.output, res.exception)
+    two = headscope.Ranking.load(tmp_path / "two")
+    cfg = RankConfig.from_dict(two.provenance["config"])
+    assert (cfg.n_pairs, cfg.seq_len, cfg.seed, cfg.readout.lam, cfg.readout.min_gap) == (2, 64, 2, 0.8, 0.0)
+    one = headscope.rank(str(tiny_dir), n_pairs=2, seq_len=64, seed=2, min_gap=0.0, lam=0.8, device="cpu",
+                         progress=False)
+    assert torch.allclose(one.ie, two.ie, atol=1e-5, rtol=0)

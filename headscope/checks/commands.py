@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import HeadscopeInputError, InputNotImplementedError, InputTypeError
+from ..readout import DEFAULT_LAMBDA, DEFAULT_MIN_GAP
 from .core import (
     _is_int,
     check_choice,
@@ -69,7 +70,7 @@ def check_task_settings(task: str, settings: dict[str, Any], name: str = "task_s
 
 def check_rank_args(
     *, tasks: Any = ("niah_single",), n_pairs: Any = 6, seq_len: Any = 512, seed: Any = 0, depth: Any = 0.5,
-    lam: Any = 0.9, direction: Any = "noising", min_gap: Any = 0.1, pairs: Any = None, out_dir: Any = None,
+    lam: Any = DEFAULT_LAMBDA, direction: Any = "noising", min_gap: Any = DEFAULT_MIN_GAP, pairs: Any = None, out_dir: Any = None,
     device: Any = None, dtype: Any = None, batch_size: Any = None, task_settings: Any = None, shard: Any = None,
     mode: Any = "exact", verify: Any = "auto", spot_checks: Any = 0.05, senders: bool = False, weights: Any = None,
     kappa: Any = None, normalize: Any = "max", sender_mode: Any = "qkv", top_k: Any = 10, max_rounds: Any = 3,

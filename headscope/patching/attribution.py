@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -38,46 +36,37 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..models import LoadedModel
-from ..readout import DEFAULT_LAMBDA, logit_diff, normalized_ie
+from ..readout import Direction, Readout
 from ..tasks.base import Pair
 from .engine import Engine, head_slice
 from .plan import Entry, LayerCtx, Plan
-from .receivers import (
-    DEFAULT_MIN_GAP,
-    Direction,
-    PairState,
-    _auto_batch,
-    PatchResult,
-    check_pairs,
-    finish,
-    receiver_patching,
-    sequences,
-)
+from .receivers import PairState, PatchResult, _auto_batch, check_pairs, receiver_patching, sequences
 
 
 def attribution_ie(
     model: LoadedModel,
     pairs: Sequence[Pair],
-    lam: float = DEFAULT_LAMBDA,
-    direction: Direction = "noising",
+    lam: float | None = None,
+    direction: Direction | None = None,
     progress: bool = False,
+    readout: Readout | None = None,
 ) -> tuple[Float[Tensor, "pair layer head"], Tensor, Tensor]:
     """AtP estimate of receiver IE (eq. 10) for every head -> (IE estimate, m(x), m(x')).
 
+    ``readout`` (or the older ``lam`` / ``direction``): the :class:`~headscope.readout.Readout`.
     Cost per pair: two forwards and one backward, independent of the number of heads.
 
     Raises:
         ValueError: as :func:`~headscope.patching.receivers.receiver_patching`.
     """
-    ie, m_c, m_x, _ = _attribution(model, pairs, lam, direction, progress, keep_bytes=0)
+    ie, m_c, m_x, _ = _attribution(model, pairs, Readout.resolve(readout, lam, direction), progress, keep_bytes=0)
     return ie, m_c, m_x
 
 
 def _attribution(
     model: LoadedModel,
     pairs: Sequence[Pair],
-    lam: float,
-    direction: Direction,
+    readout: Readout,
     progress: bool,
     keep_bytes: float,
     grad_engine: Engine | None = None,
@@ -88,6 +77,7 @@ def _attribution(
     ``grad_engine`` (e.g. a low-precision :class:`Engine`): take the gradient from its pass instead; the
     cached passes, m and the z differences stay those of the exact engine (one extra forward)."""
     check_pairs(model, pairs)
+    direction, metric = readout.direction, readout.metric
     engine = Engine(model)
     g = model.geometry
     est = torch.empty(len(pairs), g.n_layers, g.n_heads, dtype=torch.float64)
@@ -103,15 +93,15 @@ def _attribution(
         start = min(p.first_diff(), read[0])
         if grad_engine is None:
             logits, zs, base = engine.run_with_grad_cache(base_seq, read)
-            m_base = logit_diff(logits, p.answer, p.counter_answer, lam)
+            m_base = metric(logits, p.answer, p.counter_answer)
             grads = [gz[:, start:] for gz in torch.autograd.grad(m_base, zs)]
         else:
             base = engine.run(base_seq, read)
-            m_base = logit_diff(base.logits, p.answer, p.counter_answer, lam)
+            m_base = metric(base.logits, p.answer, p.counter_answer)
             logits, zs, _ = grad_engine.run_suffix(base, base_seq, start, read, grad=True)
-            grads = torch.autograd.grad(logit_diff(logits, p.answer, p.counter_answer, lam), zs)
+            grads = torch.autograd.grad(metric(logits, p.answer, p.counter_answer), zs)
         _, _, src = engine.run_suffix(base, src_seq, start, read)
-        m_src = float(logit_diff(src.logits, p.answer, p.counter_answer, lam))
+        m_src = float(metric(src.logits, p.answer, p.counter_answer))
         with torch.no_grad():
             for layer in range(g.n_layers):
                 dz = (src.z[layer, start:] - base.z[layer, start:]).view(-1, g.n_heads, g.d_head)
@@ -122,12 +112,12 @@ def _attribution(
         size = sum(t.numel() * t.element_size() for c in (src, base) for t in (c.resid, c.z, c.k, c.v))
         if kept + size <= keep_bytes:
             runs = (base, src) if direction == "noising" else (src, base)
-            states[i] = PairState(engine, p, lam, direction, runs=runs)
+            states[i] = PairState(engine, p, readout, runs=runs)
             kept += size
         del logits, zs, grads
     # AtP estimates Δm = m_patched − m_base; the base run is the clean one when noising
     mc, mx = m_c[:, None, None], m_x[:, None, None]
-    ie = normalized_ie((mc if direction == "noising" else mx) + est, mc, mx, direction)
+    ie = readout.normalized_ie((mc if direction == "noising" else mx) + est, mc, mx)
     return ie.float(), m_c, m_x, states
 
 
@@ -153,6 +143,7 @@ class ScreenResult:
     missed_estimate: float
     missed_upper95: float
     details: dict[str, Any] = field(default_factory=dict)
+    stats: Any = None  # screen_auto's ScreenStats (``details`` holds it as a dict)
 
 
 def screen_then_verify(
@@ -160,15 +151,17 @@ def screen_then_verify(
     pairs: Sequence[Pair],
     verify: int | float | str = 0.1,
     spot_checks: int | float = 0.05,
-    lam: float = DEFAULT_LAMBDA,
-    direction: Direction = "noising",
-    min_gap: float = DEFAULT_MIN_GAP,
+    lam: float | None = None,
+    direction: Direction | None = None,
+    min_gap: float | None = None,
     seed: int = 0,
     batch_size: int | None = None,
     store_dir: str | None = None,
     store_config: dict[str, Any] | None = None,
     progress: bool = True,
     top_k: int = 10,
+    readout: Readout | None = None,
+    screen: Any = None,
 ) -> ScreenResult:
     """AtP over all heads, then exact patching of the screen's top heads and of random spot checks.
 
@@ -178,6 +171,9 @@ def screen_then_verify(
             ``top_k`` is certified (``spot_checks`` and ``seed`` are not used then).
         spot_checks: unverified heads measured exactly at random: count or fraction of the rest.
         seed: RNG of the spot checks.
+        readout: the :class:`~headscope.readout.Readout` (or the older ``lam`` / ``direction`` / ``min_gap``).
+        screen: a :class:`~headscope.config.ScreenConfig` for ``verify="auto"`` (its ``top_k`` is capped
+            at the model's head count); default from ``top_k``.
         Other arguments as :func:`~headscope.patching.receivers.receiver_patching`.
 
     Returns:
@@ -188,12 +184,18 @@ def screen_then_verify(
         rate (beta.ppf(0.95, x + 1, n − x); 1.0 when all n spot checks are misses, x = n, where
         that expression is NaN).
     """
+    readout = Readout.resolve(readout, lam, direction, min_gap)
     if verify == "auto":
+        from dataclasses import replace
+
+        from ..config import ScreenConfig
+
         g = model.geometry
-        top_k = min(top_k, g.n_layers * g.n_heads)  # a model with fewer heads than top_k: certify them all
-        return screen_auto(model, pairs, top_k=top_k, lam=lam, direction=direction, min_gap=min_gap,
-                           batch_size=batch_size, store_dir=store_dir, store_config=store_config,
-                           progress=progress)
+        screen = screen or ScreenConfig(top_k=top_k)
+        # a model with fewer heads than top_k: certify them all
+        screen = replace(screen, top_k=min(screen.top_k, g.n_layers * g.n_heads))
+        return screen_auto(model, pairs, readout=readout, batch_size=batch_size, store_dir=store_dir,
+                           store_config=store_config, progress=progress, config=screen)
     if isinstance(verify, str):
         raise ValueError(f"verify must be a count, a fraction or 'auto', not {verify!r}")
     g = model.geometry
@@ -201,8 +203,8 @@ def screen_then_verify(
     k_ver = verify if isinstance(verify, int) else max(1, round(verify * n_total))
     if not 1 <= k_ver <= n_total:
         raise ValueError(f"verify={verify} gives {k_ver} heads; must be within 1..{n_total}")
-    atp, m_c, m_x = attribution_ie(model, pairs, lam, direction, progress=progress)
-    gap_ok = (m_c - m_x).abs() >= min_gap
+    atp, m_c, m_x = attribution_ie(model, pairs, progress=progress, readout=readout)
+    gap_ok = (m_c - m_x).abs() >= readout.min_gap
     mean_atp = atp[gap_ok].double().mean(0) if bool(gap_ok.any()) else atp.double().mean(0)
     order = torch.argsort(mean_atp.flatten(), descending=True).tolist()
     verified = [(i // g.n_heads, i % g.n_heads) for i in order[:k_ver]]
@@ -211,7 +213,7 @@ def screen_then_verify(
     n_spot = max(0, min(len(rest), n_spot))
     spot = sorted(random.Random(seed).sample(rest, n_spot))
     exact = receiver_patching(
-        model, pairs, lam=lam, direction=direction, min_gap=min_gap, batch_size=batch_size,
+        model, pairs, readout=readout, batch_size=batch_size,
         store_dir=store_dir, store_config=store_config, progress=progress, heads=verified + spot,
     )
     ie = atp.clone()
@@ -253,17 +255,19 @@ def probe_ie(
     states: dict[int, PairState],
     pairs: Sequence[Pair],
     patches: Sequence[tuple[int, Sequence[int]]],
-    lam: float,
-    direction: Direction,
+    readout: Readout | float,
+    direction: Direction | None = None,
     batch_size: int | None = None,
 ) -> Float[Tensor, "pair patch"]:
     """IE (eq. 10) of patching each ``(layer, heads)`` group of heads at once, per pair, with ``engine``
     (e.g. a low-precision :class:`Engine` for screening). ``patches`` must be in ascending layer order.
-    Pairs without a state in ``states`` get a new one (computed with ``engine``)."""
+    Pairs without a state in ``states`` get a new one (computed with ``engine``). ``readout``: a
+    :class:`~headscope.readout.Readout` (or, the older form, λ with ``direction``)."""
+    readout = readout if isinstance(readout, Readout) else Readout(lam=readout, direction=direction or "noising")
     g = engine.g
     out = torch.empty(len(pairs), len(patches), dtype=torch.float64)
     for i, p in enumerate(pairs):
-        st = states[i] if i in states else PairState(engine, p, lam, direction)
+        st = states[i] if i in states else PairState(engine, p, readout)
         bs = batch_size or _auto_batch(engine.model, st.total - st.start, st.total, 2e9)
         for c0 in range(0, len(patches), bs):
             chunk = patches[c0 : c0 + bs]
@@ -274,8 +278,7 @@ def probe_ie(
                     sl = head_slice(h, g.d_head)
                     z[:, sl] = st.src.z[layer, st.start :, sl]
                 entries.append((layer, z[None]))
-            m = logit_diff(engine.patched_logits_multi(st.base, entries, st.start, st.read),
-                           p.answer, p.counter_answer, lam).double().cpu()
+            m = st.metric(engine.patched_logits_multi(st.base, entries, st.start, st.read)).double().cpu()
             out[i, c0 : c0 + len(chunk)] = st.ie_of(m)
     return out
 
@@ -286,8 +289,8 @@ def probe_blocks_ie(
     states: dict[int, PairState],
     pairs: Sequence[Pair],
     blocks: Sequence[tuple[int, int]],
-    lam: float,
-    direction: Direction,
+    readout: Readout | float,
+    direction: Direction | None = None,
 ) -> Float[Tensor, "pair block"]:
     """IE (eq. 10) of patching every head of the layers ``l0 <= layer < l1`` at once (hook_z at positions
     ``start..`` set to the source run's, in each of those layers), per pair and per ``(l0, l1)`` in
@@ -298,6 +301,7 @@ def probe_blocks_ie(
     Raises:
         ValueError: empty ``blocks``, a block outside the model's layers, or ``l0`` not ascending.
     """
+    readout = readout if isinstance(readout, Readout) else Readout(lam=readout, direction=direction or "noising")
     g = engine.g
     if not blocks:
         raise ValueError("no blocks given")
@@ -306,7 +310,7 @@ def probe_blocks_ie(
         raise ValueError(f"blocks must be (l0, l1) with 0 <= l0 < l1 <= {g.n_layers}, ascending l0; got {blocks}")
     out = torch.empty(len(pairs), len(blocks), dtype=torch.float64)
     for i, p in enumerate(pairs):
-        st = states[i] if i in states else PairState(engine, p, lam, direction)
+        st = states[i] if i in states else PairState(engine, p, readout)
         base, src, start = st.base, st.src, st.start
 
         def inside_blocks(lay: int, z: Tensor, ctx: LayerCtx) -> Tensor:
@@ -320,264 +324,9 @@ def probe_blocks_ie(
 
         entries = [Entry(a, src.z[a, start:][None].expand(1, -1, -1), tag=(a, b)) for a, b in blocks]
         res = engine.forward(Plan(read=st.read, base=base, start=start, enter=entries, edit=inside_blocks))
-        m = logit_diff(res.out, p.answer, p.counter_answer, lam).double().cpu()
+        m = st.metric(res.out).double().cpu()
         out[i] = st.ie_of(m)
     return out
 
 
-def screen_auto(
-    model: LoadedModel,
-    pairs: Sequence[Pair],
-    top_k: int = 10,
-    lam: float = DEFAULT_LAMBDA,
-    direction: Direction = "noising",
-    min_gap: float = DEFAULT_MIN_GAP,
-    flag: float = 0.5,
-    probe_dtype: torch.dtype = torch.bfloat16,
-    probe_margin: float = 0.01,
-    batch_size: int | None = None,
-    store_dir: str | None = None,
-    store_config: dict[str, Any] | None = None,
-    keep_bytes: float = 2e9,
-    progress: bool = True,
-    verify_cost: float = 3.0,
-    block: int = 4,
-    atp_slack: float = 2.0,
-) -> ScreenResult:
-    """Screen with AtP and layer-block probes, then verify exactly until the top ``top_k`` is certified.
-
-    1. AtP (Nanda 2023) of every head: exact clean and corrupted forwards (kept for step 4) and one
-       forward + backward in ``probe_dtype`` for the gradient.
-    2. Block probes (:func:`probe_blocks_ie`): the hook_z of all heads of ``block`` consecutive layers
-       patched at once, with the linear maps in ``probe_dtype`` (an approximation: residual stream,
-       norms, softmax in the model's dtype). Where AtP is right, a unit's IE is about the sum of its
-       heads' AtP; a residual ``|IE_unit − Σ_h AtP_h|`` above ``flag`` × (the ``top_k``-th largest AtP)
-       flags the unit as one where AtP's linearisation fails (saturated attention downstream,
-       cancellation; Kramár et al. 2024). Each head gets an optimistic score: ``AtP·s + |residual|``
-       of the smallest probed unit (block, layer, KV group) that holds it, with ``s = atp_slack`` for
-       a positive AtP (1 otherwise), and ``probe + probe_margin`` once probed alone. The slack covers
-       heads whose AtP error is hidden by opposite errors of other heads in their unit.
-    3. Best first: while an unrefined flagged unit has a head whose score is above the ``top_k``-th
-       score, refine it (block -> its layers -> its KV groups -> its heads, each level's probes in one
-       batch, same residual test), unless verifying its competitive heads exactly is cheaper (an exact
-       verification counted as ``verify_cost`` probes; "competitive" against the ``top_k``-th exact
-       value so far, or before that a guess: the ``top_k``-th AtP after giving each flagged block's
-       residual to its top head; the guess only steers cost, never the certificate). Then:
-    4. Exact verification (exact engine, :func:`receiver_patching`) of the heads that lead by that score
-       (``top_k`` first, then ``max(1, top_k // 5)`` a round), until the ``top_k``-th largest verified
-       exact mean IE is at least every unverified head's score.
-
-    The ranking never uses an exact number it did not measure; the certificate in step 4 holds as
-    far as the optimistic scores bound the exact IE (``details["certified"]`` says whether the loop
-    stopped by it or ran out of heads). They are not a proven bound: a unit's residual can be small
-    because its heads' AtP errors cancel. Without slack (``atp_slack=1``) this happened on the
-    SmolLM2 ``niah_single`` pair of seed 1: L4H4 (exact IE 0.083, rank 8; AtP 0.033) sat in a block
-    whose AtP sum matched the block probe, was never refined, and was missed (recall@10 0.9; 1.0 on
-    the 7 other single-pair seeds 0–7). With the default ``atp_slack=2`` all 8 seeds give the exact
-    top 10 (12–24 heads verified instead of 10–17, about the same time).
-
-    Returns:
-        ScreenResult: ``ie`` exact where verified, the probe where probed, AtP elsewhere; ``threshold``
-        the ``top_k``-th verified exact mean IE; spot-check fields are 0 / NaN.
-    """
-    g = model.geometry
-    n_total = g.n_layers * g.n_heads
-    if not 1 <= top_k <= n_total:
-        raise ValueError(f"top_k={top_k} must be within 1..{n_total}")
-    if not atp_slack >= 1.0:
-        raise ValueError(f"atp_slack={atp_slack} must be >= 1 (1 = AtP taken at face value; the default is 2)")
-    t0 = time.perf_counter()
-    secs: dict[str, float] = {}
-    low = Engine(model, matmul_dtype=probe_dtype)
-    atp, m_c, m_x, states = _attribution(model, pairs, lam, direction, progress, keep_bytes, grad_engine=low)
-    secs["atp"] = time.perf_counter() - t0
-    gap_ok = (m_c - m_x).abs() >= min_gap
-    used = [i for i in range(len(pairs)) if bool(gap_ok[i])] or list(range(len(pairs)))
-    est = atp[used].double().mean(0)  # [L, H]
-    sub = [pairs[i] for i in used]
-    sub_states = {k: states[i] for k, i in enumerate(used) if i in states}
-    blocks = [(b, min(b + block, g.n_layers)) for b in range(0, g.n_layers, block)]
-    blk = probe_blocks_ie(low, sub_states, sub, blocks, lam, direction).mean(0)
-    secs["block_probes"] = time.perf_counter() - t0 - sum(secs.values())
-    tau = float(est.flatten().sort(descending=True).values[top_k - 1])
-    tol = max(flag * abs(tau), 1e-3)
-    rep = g.n_heads // g.n_kv_heads
-    score = est.clone()
-
-    def opt(e: Tensor) -> Tensor:
-        """AtP's optimistic value before a unit residual is added: positive AtP times ``atp_slack``."""
-        return torch.where(e > 0, e * atp_slack, e)
-
-    # unit covering each head and not yet refined: ("block", i) in flagged blocks, ("layer", l) in
-    # flagged layers, ("group", l, k) in flagged KV groups; None once the head's score no longer comes
-    # from an unrefined unit
-    unit: dict[tuple[int, int], tuple | None] = {}
-    flagged: list[int] = []
-
-    def set_layer(lay_: int, r: float) -> None:
-        score[lay_] = opt(est[lay_]) + abs(r)
-        if abs(r) > tol:
-            flagged.append(lay_)
-        for h in range(g.n_heads):
-            unit[(lay_, h)] = ("layer", lay_) if abs(r) > tol else None
-
-    for bi, (a, b) in enumerate(blocks):
-        r = float(blk[bi]) - float(est[a:b].sum())
-        if b - a == 1:
-            set_layer(a, r)
-            continue
-        score[a:b] = opt(est[a:b]) + abs(r)
-        for lay_ in range(a, b):
-            for h in range(g.n_heads):
-                unit[(lay_, h)] = ("block", bi) if abs(r) > tol else None
-
-    # guess of the final top_k-th exact IE: AtP, with each flagged block's residual given to its top head
-    gv = est.clone()
-    for bi, (a, b) in enumerate(blocks):
-        r = abs(float(blk[bi]) - float(est[a:b].sum()))
-        if r > tol:
-            j = int(est[a:b].flatten().argmax())
-            gv[a + j // g.n_heads, j % g.n_heads] += r
-    guess = float(gv.flatten().sort(descending=True).values[top_k - 1])
-
-    def heads_of(u: tuple) -> list[tuple[int, int]]:
-        if u[0] == "block":
-            return [(lay_, h) for lay_ in range(*blocks[u[1]]) for h in range(g.n_heads)]
-        if u[0] == "layer":
-            return [(u[1], h) for h in range(g.n_heads)]
-        return [(u[1], h) for h in range(u[2] * rep, (u[2] + 1) * rep)]
-
-    def refine_cost(u: tuple) -> float:
-        if u[0] == "block":
-            return blocks[u[1]][1] - blocks[u[1]][0]
-        if u[0] == "layer":
-            return g.n_kv_heads + rep if rep > 1 else g.n_heads
-        return rep
-
-    ie = atp.clone()
-    verified: list[tuple[int, int]] = []
-    exact_mean: dict[tuple[int, int], float] = {}
-    patched = torch.full((len(pairs), g.n_layers, g.n_heads), math.nan, dtype=torch.float64)
-    res = None
-    n_next = top_k
-    certified = False
-    n_group = n_probed = n_layer = 0
-    refined_blocks: list[tuple[int, int]] = []
-    expanded: list[int] = []
-    t_probe = 0.0
-
-    def value(lh: tuple[int, int]) -> float:
-        return exact_mean[lh] if lh in exact_mean else float(score[lh])
-
-    # best first: refine (probe) a unit or verify a head only while its optimistic score is above the
-    # top_k-th exact value so far (Kramár et al. 2024 use AtP the same way, as a bound to prune by)
-    while True:
-        order = sorted(unit, key=value, reverse=True)
-        n_ex = 0
-        layers_x: list[int] = []
-        groups_x: list[tuple[int, int]] = []
-        to_verify: list[tuple[int, int]] = []
-        vals = sorted(exact_mean.values(), reverse=True)
-        # cost guess only (never used to certify): the top_k-th exact value so far, else ``guess``
-        theta = vals[top_k - 1] if len(vals) >= top_k else guess
-        direct: list[tuple] = []
-        blocks_x: list[tuple] = []
-        for lh in order:
-            if lh in exact_mean:
-                n_ex += 1
-                if n_ex >= top_k:
-                    break
-                continue
-            u = unit[lh]
-            if u is None:
-                to_verify.append(lh)
-                if len(to_verify) >= n_next:
-                    break
-            elif u in direct or u in blocks_x or u[1:] in groups_x or (u[0] == "layer" and u[1] in layers_x):
-                continue
-            else:
-                # refine the unit by probes, or verify its competitive heads directly where that is cheaper
-                n_comp = sum(1 for lh2 in heads_of(u) if float(score[lh2]) > theta)
-                if n_comp * verify_cost <= refine_cost(u):
-                    direct.append(u)
-                elif u[0] == "block":
-                    blocks_x.append(u)
-                elif u[0] == "layer":
-                    layers_x.append(u[1])
-                else:
-                    groups_x.append(u[1:])
-        for u in direct:
-            for lh2 in heads_of(u):
-                unit[lh2] = None  # keeps its optimistic score; verified once it is competitive
-        if direct and not (blocks_x or layers_x or groups_x):
-            continue
-        if not (blocks_x or layers_x or groups_x or to_verify):
-            certified = True
-            break
-        t1 = time.perf_counter()
-        if blocks_x:
-            lays = [lay_ for u in sorted(blocks_x) for lay_ in range(*blocks[u[1]])]
-            lp = probe_ie(low, sub_states, sub, [(lay_, list(range(g.n_heads))) for lay_ in lays],
-                          lam, direction, batch_size).mean(0)
-            n_layer += len(lays)
-            refined_blocks += [blocks[u[1]] for u in blocks_x]
-            for lay_, v in zip(lays, lp.tolist()):
-                set_layer(lay_, v - float(est[lay_].sum()))
-        if layers_x and rep > 1:
-            layers_x.sort()
-            groups = [(lay_, list(range(k * rep, (k + 1) * rep))) for lay_ in layers_x for k in range(g.n_kv_heads)]
-            grp = probe_ie(low, sub_states, sub, groups, lam, direction, batch_size).mean(0)
-            n_group += len(groups)
-            expanded += layers_x
-            for (lay_, hs), v in zip(groups, grp.tolist()):
-                r = abs(v - float(est[lay_, hs].sum()))
-                score[lay_, hs] = opt(est[lay_, hs]) + r
-                for h in hs:
-                    unit[(lay_, h)] = ("group", lay_, hs[0] // rep) if r > tol else None
-        elif layers_x:
-            expanded += layers_x
-            for lay_ in layers_x:
-                for h in range(g.n_heads):
-                    unit[(lay_, h)] = ("group", lay_, h)
-            groups_x = sorted(set(groups_x) | {(lay_, h) for lay_ in layers_x for h in range(g.n_heads)})
-        if groups_x:
-            cand = sorted((lay_, h) for lay_, k in groups_x for h in range(k * rep, (k + 1) * rep)
-                          if unit[(lay_, h)] is not None and unit[(lay_, h)][0] == "group")
-            probe = probe_ie(low, sub_states, sub, [(lay_, [h]) for lay_, h in cand], lam, direction, batch_size).mean(0)
-            n_probed += len(cand)
-            for (lay_, h), v in zip(cand, probe.tolist()):
-                score[lay_, h] = v + probe_margin
-                ie[:, lay_, h] = v  # the mean probe (per-pair probes are not kept)
-                unit[(lay_, h)] = None
-        t_probe += time.perf_counter() - t1
-        if blocks_x or layers_x or groups_x:
-            continue  # refined scores first: they may drop heads out of the verification queue
-        verified += to_verify
-        res = receiver_patching(
-            model, pairs, lam=lam, direction=direction, min_gap=min_gap, batch_size=batch_size,
-            store_dir=store_dir, store_config=store_config, progress=progress, heads=to_verify, states=states,
-        )
-        for lay_, h in to_verify:
-            patched[:, lay_, h] = res.patched[:, lay_, h]
-            exact_mean[(lay_, h)] = float(res.ie[res.used, lay_, h].double().mean())
-        n_next = max(1, top_k // 5)
-        if len(verified) == n_total:
-            certified = True
-            break
-    del low
-    kth = sorted(exact_mean.values(), reverse=True)[min(top_k, len(exact_mean)) - 1]
-    secs["refine_probes"] = t_probe
-    assert res is not None
-    secs["verify"] = time.perf_counter() - t0 - sum(secs.values())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # receiver_patching warned about skipped pairs already
-        exact = finish(patched, res.m_clean, res.m_corrupt, direction, lam, min_gap)
-    for lay_, h in verified:
-        ie[:, lay_, h] = exact.ie[:, lay_, h]
-    return ScreenResult(
-        ie=ie, atp=atp, exact=exact, verified=verified, spot_checked=[], threshold=kth, spot_hits=0,
-        missed_estimate=math.nan, missed_upper95=math.nan,
-        details={"n_verified": len(verified), "n_probed": n_probed, "n_group_probes": n_group, "n_layer_probes": n_layer,
-                 "flagged_layers": sorted(flagged),
-                 "refined_blocks": sorted(refined_blocks), "refined_layers": sorted(expanded), "flag_tol": tol, "theta_guess": guess, "certified": certified, "seconds": secs, "n_unverified": n_total - len(verified)},
-    )
+from .screen import ScreenStats, screen_auto  # noqa: E402,F401  (the certified screen; old import place)

@@ -11,23 +11,20 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ..models import LoadedModel
-from ..readout import (DEFAULT_LAMBDA, LowPrecisionWarning, answer_logit_scale, logit_diff, low_precision_pairs,
-                       normalized_ie, read_positions)
+from ..readout import (DEFAULT_LAMBDA, DEFAULT_MIN_GAP, Direction, LowPrecisionWarning, Readout,  # noqa: F401
+                       answer_logit_scale, logit_diff, low_precision_pairs, read_positions)
 from ..tasks.base import Pair, validate_pair
 from .engine import Engine, RunCache, head_slice
 from .generic import make_engine
+from .schedule import Schedule, heads_by_layer
 from .store import Store
-
-Direction = Literal["noising", "denoising"]
-DEFAULT_MIN_GAP = 0.1
 
 
 class GapError(ValueError):
@@ -41,6 +38,7 @@ class PatchResult:
     ie: Float[Tensor, "pair layer head"], normalized effect (NaN rows for skipped pairs).
     patched: Float[Tensor, "pair layer head"], m after the patch (logits).
     m_clean, m_corrupt: Float[Tensor, "pair"], m(x) and m(x') (logits).
+    readout: the :class:`~headscope.readout.Readout` (λ, direction, min_gap) the numbers were read with.
     skipped: indices of pairs whose gap was below ``min_gap``, with the reason.
     """
 
@@ -48,10 +46,17 @@ class PatchResult:
     patched: Tensor
     m_clean: Tensor
     m_corrupt: Tensor
-    direction: str
-    lam: float
+    readout: Readout
     skipped: dict[int, str] = field(default_factory=dict)
     path: str = "fast"
+
+    @property
+    def direction(self) -> str:
+        return self.readout.direction
+
+    @property
+    def lam(self) -> float:
+        return self.readout.lam
 
     @property
     def used(self) -> list[int]:
@@ -101,13 +106,20 @@ CPU_ROW_TOKENS = 2304
 
 
 class PairState:
-    """Clean and corrupted passes of one pair, computed once and shared by all its patches."""
+    """Clean and corrupted passes of one pair, computed once and shared by all its patches, with the
+    readout bound in: ``m_clean``, ``m_corrupt`` (logits) and :meth:`ie_of` read through ``readout``.
+
+    Args:
+        engine: the engine that runs the passes; pair: the calibration pair.
+        readout: a :class:`~headscope.readout.Readout` (or, the older form, λ with ``direction``).
+        runs: the (clean, corrupted) :class:`RunCache` when already computed (e.g. by AtP).
+    """
 
     def __init__(
-        self, engine: Engine, pair: Pair, lam: float, direction: Direction,
+        self, engine: Engine, pair: Pair, readout: Readout | float, direction: Direction | None = None,
         runs: tuple[RunCache, RunCache] | None = None,
     ):
-        """``runs``: the (clean, corrupted) :class:`RunCache` when already computed (e.g. by AtP)."""
+        self.readout = readout if isinstance(readout, Readout) else Readout(lam=readout, direction=direction or "noising")
         self.pair = pair
         clean_seq, corr_seq, self.read = sequences(pair)
         if runs is None:
@@ -115,29 +127,42 @@ class PairState:
             corr = engine.run(corr_seq, self.read)
         else:
             clean, corr = runs
-        self.m_clean = float(logit_diff(clean.logits, pair.answer, pair.counter_answer, lam))
-        self.m_corrupt = float(logit_diff(corr.logits, pair.answer, pair.counter_answer, lam))
+        self.m_clean = float(self.metric(clean.logits))
+        self.m_corrupt = float(self.metric(corr.logits))
         # magnitude of the answer logits, for the low-precision check of the gap (readout.min_trusted_gap)
         self.logit_scale = max(answer_logit_scale(r.logits, pair.answer, pair.counter_answer) for r in (clean, corr))
-        self.base, self.src = (clean, corr) if direction == "noising" else (corr, clean)
+        self.base, self.src = (clean, corr) if self.direction == "noising" else (corr, clean)
         # positions before the first clean/corrupted difference are identical in every run
         self.start = min(pair.first_diff(), self.read[0])
         self.total = clean_seq.numel()
-        self.direction = direction
+
+    @property
+    def direction(self) -> str:
+        return self.readout.direction
+
+    def metric(self, logits: Tensor) -> Tensor:
+        """m (eq. 9) of logits at this pair's read positions (logits)."""
+        return self.readout.metric(logits, self.pair.answer, self.pair.counter_answer)
 
     def ie_of(self, m: Tensor) -> Tensor:
-        """IE (eq. 10) of patched metrics ``m`` (logits) of this pair: (m(x) − m) / gap when noising,
-        (m − m(x')) / gap when denoising, gap = m(x) − m(x')."""
-        return normalized_ie(m, self.m_clean, self.m_corrupt, self.direction)
+        """IE (eq. 10) of patched metrics ``m`` (logits) of this pair (:meth:`Readout.normalized_ie`)."""
+        return self.readout.normalized_ie(m, self.m_clean, self.m_corrupt)
+
+    def base_metrics(self) -> dict[str, float]:
+        """What the store keeps per pair: m(x), m(x'), the answer-logit scale."""
+        return {"m_clean": self.m_clean, "m_corrupt": self.m_corrupt, "logit_scale": self.logit_scale}
 
 
 def patch_rows(
-    engine: Engine, st: PairState, rows: Sequence[tuple[int, int]], lam: float, batch_size: int
+    engine: Engine, st: PairState, rows: Sequence[tuple[int, int]], lam: float | None = None, batch_size: int = 64
 ) -> Iterator[tuple[list[tuple[int, int]], Tensor]]:
     """m after patching each (layer, head) of ``rows`` alone, ``batch_size`` rows per forward.
 
     ``rows`` must be in ascending layer order. Yields ``(chunk, m)`` per forward, m Float64[len(chunk)].
+    The metric is ``st.readout``'s; ``lam`` (older form) must be None or equal to it.
     """
+    if lam is not None and lam != st.readout.lam:
+        raise ValueError(f"lam={lam} differs from the pair state's readout {st.readout}")
     g = engine.g
     for c0 in range(0, len(rows), batch_size):
         chunk = list(rows[c0 : c0 + batch_size])
@@ -153,11 +178,11 @@ def patch_rows(
             entries.append((layer, z))
         logits = engine.patched_logits_multi(st.base, entries, st.start, st.read)
         ordered = [(layer, h) for layer, _ in entries for h in [hh for ll, hh in chunk if ll == layer]]
-        yield ordered, logit_diff(logits, st.pair.answer, st.pair.counter_answer, lam).double().cpu()
+        yield ordered, st.metric(logits).double().cpu()
 
 
 def patch_heads(
-    engine: Engine, st: PairState, layer: int, heads: Sequence[int], lam: float, batch_size: int
+    engine: Engine, st: PairState, layer: int, heads: Sequence[int], lam: float | None = None, batch_size: int = 64
 ) -> Tensor:
     """m after patching each of ``heads`` of ``layer`` alone (one batch row per head) -> Float64[len(heads)]."""
     vals = {}
@@ -166,12 +191,28 @@ def patch_heads(
     return torch.tensor([vals[h] for h in heads], dtype=torch.float64)
 
 
+class _States:
+    """Pair states by index: the given ones, else one computed pair at a time."""
+
+    def __init__(self, engine: Engine, pairs: Sequence[Pair], readout: Readout, given: dict[int, PairState] | None):
+        self.engine, self.pairs, self.readout, self.given = engine, pairs, readout, given or {}
+        self.cached: dict[int, PairState] = {}
+
+    def __call__(self, i: int) -> PairState:
+        if i in self.given:
+            return self.given[i]
+        if i not in self.cached:
+            self.cached.clear()  # one pair's caches at a time
+            self.cached[i] = PairState(self.engine, self.pairs[i], self.readout)
+        return self.cached[i]
+
+
 def receiver_patching(
     model: LoadedModel,
     pairs: Sequence[Pair],
-    lam: float = DEFAULT_LAMBDA,
-    direction: Direction = "noising",
-    min_gap: float = DEFAULT_MIN_GAP,
+    lam: float | None = None,
+    direction: Direction | None = None,
+    min_gap: float | None = None,
     batch_size: int | None = None,
     mem_bytes: float | None = None,
     store_dir: str | None = None,
@@ -181,15 +222,16 @@ def receiver_patching(
     shard: tuple[int, int] | None = None,
     states: dict[int, PairState] | None = None,
     path: str = "auto",
+    readout: Readout | None = None,
 ) -> PatchResult:
     """Exact activation patching of every head's hook_z, all positions, for every pair.
 
     Args:
         model: a :class:`~headscope.models.LoadedModel`.
         pairs: calibration pairs (:mod:`headscope.tasks`).
-        lam: λ of the readout (eq. 9).
-        direction: ``"noising"`` (clean run, patch from x'; default) or ``"denoising"``.
-        min_gap: pairs with |m(x) − m(x')| below this (logits) are skipped and reported.
+        readout: the :class:`~headscope.readout.Readout` (λ of eq. 9, direction, min_gap); default
+            ``Readout()``. ``lam`` / ``direction`` / ``min_gap``: the older keywords, building one
+            (``"noising"``: clean run, patch from x'; pairs with |m(x) − m(x')| < min_gap are skipped).
         batch_size: head patches per forward (default: sized to ``mem_bytes``).
         mem_bytes: activation memory a batch may use (default: half the free GPU memory on CUDA,
             2 GB on CPU).
@@ -199,9 +241,9 @@ def receiver_patching(
         shard: ``(rank, world_size)``: this process computes only every world_size-th work item
             (pair × layer), writes it to the store (``store_dir`` required), waits at a
             ``torch.distributed`` barrier when a process group is initialized, and returns the
-            table merged from the store (see :mod:`headscope.distributed`).
-        states: clean/corrupted passes already computed, by pair index (built with the same ``lam``
-            and ``direction``; e.g. kept by :func:`~headscope.patching.attribution.screen_then_verify`).
+            table merged from the store (see :mod:`headscope.patching.schedule`).
+        states: clean/corrupted passes already computed, by pair index (built with the same readout;
+            e.g. kept by :func:`~headscope.patching.attribution.screen_then_verify`).
         path: ``"auto"`` (the fast engine where an architecture adapter exists, else the generic bridge
             path), ``"fast"`` or ``"generic"`` (:func:`~headscope.patching.generic.make_engine`); the
             result's ``path`` says which ran.
@@ -210,117 +252,64 @@ def receiver_patching(
         PatchResult (``.ie`` is Float[Tensor, "pair layer head"]).
 
     Raises:
-        ValueError: no pairs, pairs that break the pair contract or exceed the context, a bad direction.
+        ValueError: no pairs, pairs that break the pair contract or exceed the context, a bad readout.
         GapError: every pair's gap is below ``min_gap``.
         ConfigMismatch: ``store_dir`` holds results of another configuration.
     """
-    if direction not in ("noising", "denoising"):
-        raise ValueError(f"direction must be 'noising' or 'denoising', not {direction!r}")
+    readout = Readout.resolve(readout, lam, direction, min_gap)
     check_pairs(model, pairs)
+    g = model.geometry
+    per_layer = heads_by_layer(g.n_layers, g.n_heads, heads)
     if shard is not None and (store_dir is None or not 0 <= shard[0] < shard[1]):
         raise ValueError(f"shard={shard} needs 0 <= rank < world_size and a store_dir shared by all ranks")
-    g = model.geometry
-    per_layer: dict[int, list[int]] = {}
-    for layer, h in heads if heads is not None else [(a, b) for a in range(g.n_layers) for b in range(g.n_heads)]:
-        if not (0 <= layer < g.n_layers and 0 <= h < g.n_heads):
-            raise ValueError(f"head ({layer}, {h}) is outside the model's {g.n_layers} layers x {g.n_heads} heads")
-        per_layer.setdefault(int(layer), []).append(int(h))
     engine = make_engine(model, path)  # type: ignore[arg-type]
     if mem_bytes is None:
-        if model.device.type == "cuda":
-            mem_bytes = 0.5 * torch.cuda.mem_get_info(model.device)[0]
-        else:
-            mem_bytes = 2e9
+        mem_bytes = 0.5 * torch.cuda.mem_get_info(model.device)[0] if model.device.type == "cuda" else 2e9
     store = None
     if store_dir is not None:
-        cfg = {"kind": "receivers", "lam": lam, "direction": direction, **(store_config or {})}
-        cfg["pairs"] = [hash_pair(p) for p in pairs]
-        store = Store(store_dir, cfg, name="receivers")
-    n = len(pairs)
-    patched = torch.full((n, g.n_layers, g.n_heads), math.nan, dtype=torch.float64)
-    m_clean = torch.empty(n, dtype=torch.float64)
-    m_corr = torch.empty(n, dtype=torch.float64)
-    bar = tqdm(total=n * sum(len(v) for v in per_layer.values()), desc=f"receiver patching, {engine.path} path (heads x pairs)", unit="patch",
-               disable=not progress)
-    given = states
-    cached: dict[int, PairState] = {}
-
-    def state(i: int) -> PairState:
-        if given is not None and i in given:
-            return given[i]
-        if i not in cached:
-            cached.clear()  # one pair's caches at a time
-            cached[i] = PairState(engine, pairs[i], lam, direction)
-        return cached[i]
-
-    def mine(idx: int) -> bool:
-        return shard is None or idx % shard[1] == shard[0]
-
-    bases: dict[int, dict[str, float]] = {}
-    for i in range(n):
-        key = f"pair{i:05d}_base"
-        if store is not None and store.has(key):
-            bases[i] = store.get(key)
-        elif mine(i):
-            st = state(i)
-            bases[i] = {"m_clean": st.m_clean, "m_corrupt": st.m_corrupt, "logit_scale": st.logit_scale}
-            if store is not None:
-                store.put(key, bases[i])
-    items = [(i, layer) for i in range(n) for layer in sorted(per_layer)]
-    done: dict[tuple[int, int], dict[int, float]] = {}
-    work: dict[int, list[tuple[int, int]]] = {}  # pair -> (layer, head) still to compute, layer order
-    for idx, (i, layer) in enumerate(items):
-        key = f"pair{i:05d}_L{layer:03d}"
-        have: dict[int, float] = store.get(key) if store is not None and store.has(key) else {}
-        todo = [h for h in per_layer[layer] if h not in have]
-        done[(i, layer)] = have
-        if todo and mine(idx):
-            work.setdefault(i, []).extend((layer, h) for h in todo)
-        else:
-            bar.update(len(per_layer[layer]))
-    for i, rows in work.items():
+        cfg = {"kind": "receivers", "lam": readout.lam, "direction": readout.direction, **(store_config or {})}
+        store = Store(store_dir, {**cfg, "pairs": [hash_pair(p) for p in pairs]}, name="receivers")
+    sched = Schedule(len(pairs), per_layer, store, shard, progress,
+                     desc=f"receiver patching, {engine.path} path (heads x pairs)")
+    state = _States(engine, pairs, readout, states)
+    sched.load_bases(lambda i: state(i).base_metrics())
+    for i, rows in sched.pending().items():
         st = state(i)
         bs = batch_size or _auto_batch(model, st.total - st.start, st.total, mem_bytes)
-        left = {layer: sum(1 for lay, _ in rows if lay == layer) for layer, _ in rows}
-        for chunk, vals in patch_rows(engine, st, rows, lam, bs):
+        for chunk, vals in patch_rows(engine, st, rows, readout.lam, bs):  # the compute
             for (layer, h), v in zip(chunk, vals.tolist()):
-                done[(i, layer)] = {**done[(i, layer)], h: v}
-                left[layer] -= 1
-                if left[layer] == 0:
-                    if store is not None:
-                        store.put(f"pair{i:05d}_L{layer:03d}", done[(i, layer)])
-                    bar.update(len(per_layer[layer]))
-    cached.clear()
-    if shard is not None:
-        # every rank wrote its items into the shared store; wait for all, then read the others' items
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        for i in range(n):
-            bases[i] = store.get(f"pair{i:05d}_base")
-        for i, layer in items:
-            done[(i, layer)] = store.get(f"pair{i:05d}_L{layer:03d}")
-    for i in range(n):
-        m_clean[i], m_corr[i] = bases[i]["m_clean"], bases[i]["m_corrupt"]
-    for (i, layer), vals in done.items():
-        for h in per_layer[layer]:
-            patched[i, layer, h] = vals[h]
-    bar.close()
-    scales = [bases[i].get("logit_scale") for i in range(n)]
-    res = finish(patched, m_clean, m_corr, direction, lam, min_gap, dtype=model.dtype, logit_scale=scales)
+                sched.record(i, layer, h, v)
+    state.cached.clear()
+    sched.gather()
+    sched.close()
+    n = len(pairs)
+    patched = torch.full((n, g.n_layers, g.n_heads), math.nan, dtype=torch.float64)
+    for it, vals in sched.done.items():
+        for h in per_layer[it.layer]:
+            patched[it.pair, it.layer, h] = vals[h]
+    b = sched.bases
+    m_clean = torch.tensor([b[i]["m_clean"] for i in range(n)], dtype=torch.float64)
+    m_corr = torch.tensor([b[i]["m_corrupt"] for i in range(n)], dtype=torch.float64)
+    scales = [b[i].get("logit_scale") for i in range(n)]
+    res = finish(patched, m_clean, m_corr, readout, dtype=model.dtype, logit_scale=scales)
     res.path = engine.path
     return res
 
 
 def finish(
-    patched: Tensor, m_clean: Tensor, m_corr: Tensor, direction: str, lam: float, min_gap: float,
+    patched: Tensor, m_clean: Tensor, m_corr: Tensor, readout: Readout | str, *legacy: float,
     dtype: torch.dtype | None = None, logit_scale: Sequence[float | None] | None = None,
 ) -> PatchResult:
-    """Normalize patched metrics into IE (eq. 10), skipping pairs with a gap below ``min_gap``.
+    """Normalize patched metrics into IE (eq. 10) with ``readout``, skipping pairs with a gap below its
+    ``min_gap``. (Older form: ``finish(patched, m_clean, m_corr, direction, lam, min_gap)``.)
 
     With ``dtype`` (the model's), a used pair whose gap is too small for it gets a
     :class:`~headscope.readout.LowPrecisionWarning` naming the pair and its gap
     (:func:`~headscope.readout.min_trusted_gap`; ``logit_scale``: per-pair answer-logit magnitude).
     """
+    if not isinstance(readout, Readout):
+        readout = Readout(lam=legacy[0], direction=readout, min_gap=legacy[1])  # type: ignore[arg-type]
+    min_gap = readout.min_gap
     gap = m_clean - m_corr
     skipped: dict[int, str] = {}
     for i, gp in enumerate(gap.tolist()):
@@ -337,17 +326,17 @@ def finish(
     if low:
         warnings.warn("; ".join(low.values()) + ": compute in float32, or use pairs with a larger gap",
                       LowPrecisionWarning, stacklevel=3)
-    ie = normalized_ie(patched, m_clean[:, None, None], m_corr[:, None, None], direction)
+    ie = readout.normalized_ie(patched, m_clean[:, None, None], m_corr[:, None, None])
     for i in skipped:
         ie[i] = math.nan
-    return PatchResult(ie.float(), patched, m_clean, m_corr, direction, lam, skipped)
+    return PatchResult(ie.float(), patched, m_clean, m_corr, readout, skipped)
 
 
 def receiver_ie(
     model: LoadedModel,
     pairs: Sequence[Pair],
-    lam: float = DEFAULT_LAMBDA,
-    direction: Direction = "noising",
+    lam: float | None = None,
+    direction: Direction | None = None,
     **kwargs: Any,
 ) -> Float[Tensor, "pair layer head"]:
     """Receiver IE of every head for every pair (eq. 10); NaN rows for skipped pairs.

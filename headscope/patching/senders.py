@@ -22,7 +22,7 @@ et al. 2023 ("Localizing Model Behavior with Path Patching").
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -32,12 +32,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..models import LoadedModel
-from ..readout import DEFAULT_LAMBDA, logit_diff
+from ..readout import Readout, logit_diff
 from ..tasks.base import Pair
 from .engine import Engine, RunCache, head_slice
 from .attention import attend
 from .plan import LayerCtx, Plan
-from .receivers import DEFAULT_MIN_GAP, PatchResult, check_pairs, finish, hash_pair, sequences
+from .receivers import PatchResult, check_pairs, finish, hash_pair, sequences
 from .store import Store
 
 MODES = ("qkv", "kv", "q", "k", "v", "qk", "qv")
@@ -181,13 +181,14 @@ def sender_patching(
     receivers: Sequence[Head],
     mode: str = "qkv",
     senders: Sequence[Head] | None = None,
-    lam: float = DEFAULT_LAMBDA,
-    min_gap: float = DEFAULT_MIN_GAP,
+    lam: float | None = None,
+    min_gap: float | None = None,
     batch_size: int = 16,
     store_dir: str | None = None,
     store_config: dict[str, Any] | None = None,
     store_name: str = "senders",
     progress: bool = True,
+    readout: Readout | None = None,
 ) -> PatchResult:
     """Path-patching sender effects on ``receivers`` for every candidate sender and pair (SPEC.md §5).
 
@@ -196,6 +197,9 @@ def sender_patching(
         mode: which receiver inputs are patched: "qkv" (default), "kv", "q" (or "k", "v", "qk", "qv").
         senders: candidate senders (default: every head in a layer below the deepest receiver);
             other heads get IE_send = 0 (no path to R).
+        readout: the :class:`~headscope.readout.Readout` (λ, min_gap; default ``Readout()``). Sender
+            effects are always read in the noising direction (a denoising readout is read as noising).
+            ``lam`` / ``min_gap``: the older keywords, building one.
         batch_size: senders per forward pass.
         store_dir: run directory for resumable per-pair results (``store_name`` sub-store).
 
@@ -208,6 +212,8 @@ def sender_patching(
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES} (which receiver inputs to patch)")
+    readout = replace(Readout.resolve(readout, lam, None, min_gap), direction="noising")
+    lam = readout.lam
     recv = check_receivers(model, receivers)
     check_pairs(model, pairs)
     cands = candidate_senders(model, recv) if senders is None else check_receivers(model, senders)
@@ -234,7 +240,7 @@ def sender_patching(
         patched[i] = res["patched"]
         m_clean[i] = res["m_clean"]
         m_corr[i] = res["m_corrupt"]
-    return finish(patched, m_clean, m_corr, "noising", lam, min_gap)
+    return finish(patched, m_clean, m_corr, readout)
 
 
 def sender_ie(

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..runtime import atomic_torch_save, atomic_write_bytes, atomic_write_text  # noqa: F401  (old import place)
 
 
 class ConfigMismatch(RuntimeError):
@@ -22,20 +23,6 @@ class ConfigMismatch(RuntimeError):
 
 def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
 
 
 class Store:
@@ -75,11 +62,7 @@ class Store:
         return torch.load(self._path(key), weights_only=False)
 
     def put(self, key: str, value: Any) -> None:
-        import io
-
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        atomic_write_bytes(self._path(key), buf.getvalue())
+        atomic_torch_save(self._path(key), value)
 
     def keys(self) -> list[str]:
         return sorted(p.stem for p in self.dir.glob("*.pt"))

@@ -5,52 +5,54 @@
 (layer, head) with ``layer, head, kv_group, score, rank`` (plus the selector's own columns), and
 ``.mask(budget, min_per_layer)`` a :class:`~headscope.masks.HeadMask`.
 
-Methods (one file each): ``causal`` (HydraHead, :func:`headscope.rank`), ``retrieval_score``
-(Wu et al. 2024), ``duo_gates`` (DuoAttention-style gates), ``flashmorph_gates`` (FlashMorph-style
-layer gates), ``rope_dependence`` (HwH RPD / RFIS), ``random``, ``uniform_per_layer``, ``layerwise``.
+Methods (one file each, one line each in :data:`SELECTORS`): ``causal`` (HydraHead: ``select(model,
+"causal", **kw)`` *is* ``headscope.rank(model, **kw)``, one code path), ``retrieval_score`` (Wu et al. 2024),
+``duo_gates`` (DuoAttention-style gates), ``flashmorph_gates`` (FlashMorph-style layer gates),
+``rope_dependence`` (HwH RPD / RFIS), ``random``, ``uniform_per_layer``, ``layerwise``.
+
+Adding a selector: a new file ``headscope/selectors/<name>.py`` with ``def select_<name>(model: LoadedModel,
+**settings) -> Ranking`` (build the Ranking with :func:`headscope.selectors.base.make_ranking`) and one line
+``"<name>": "<name>:select_<name>"`` in :data:`SELECTORS`. ``select`` then checks its settings against the
+function's signature (``Literal`` choices included) before the model loads.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-from ..models import LoadedModel, load_model
-from ..scores import Ranking
-from .causal import select_causal
-from .duo_gates import select_duo_gates
-from .flashmorph_gates import fa_layers, select_flashmorph_gates
-from .layerwise import select_layerwise
-from .rand import select_random
-from .retrieval_score import retrieval_scores, select_retrieval_score
-from .rope_dependence import select_rope_dependence
-from .uniform_per_layer import select_uniform_per_layer
+from ..models import load_model
+from ..registry import Registry
 
-SELECTORS: dict[str, Callable[..., Ranking]] = {
-    "causal": select_causal,
-    "retrieval_score": select_retrieval_score,
-    "duo_gates": select_duo_gates,
-    "flashmorph_gates": select_flashmorph_gates,
-    "rope_dependence": select_rope_dependence,
-    "random": select_random,
-    "uniform_per_layer": select_uniform_per_layer,
-    "layerwise": select_layerwise,
-}
+#: method name -> "module:function" (imported on first use)
+SELECTORS = Registry(__name__, {
+    "causal": "causal:select_causal",
+    "retrieval_score": "retrieval_score:select_retrieval_score",
+    "duo_gates": "duo_gates:select_duo_gates",
+    "flashmorph_gates": "flashmorph_gates:select_flashmorph_gates",
+    "rope_dependence": "rope_dependence:select_rope_dependence",
+    "random": "rand:select_random",
+    "uniform_per_layer": "uniform_per_layer:select_uniform_per_layer",
+    "layerwise": "layerwise:select_layerwise",
+})
+
+_OTHER = {"retrieval_scores": "retrieval_score", "fa_layers": "flashmorph_gates"}
 
 
-def select(model: str | LoadedModel, method: str, **settings: Any) -> Ranking:
+def select(model: Any, method: str, **settings: Any) -> Any:
     """Rank every head of ``model`` with the named selector.
 
     Args:
         model: a model spec (see :func:`headscope.load_model`) or a LoadedModel.
         method: one of :data:`SELECTORS`.
-        **settings: the selector's keyword arguments (see ``SELECTORS[method]``'s docstring).
+        **settings: the selector's keyword arguments (see ``SELECTORS[method]``'s docstring); for
+            ``causal`` those of :func:`headscope.rank` (progress bar off unless asked).
 
     Returns:
         Ranking (rank 1 = the head that most deserves full attention).
 
     Raises (before the model loads; HeadscopeInputError is a ValueError):
-        HeadscopeInputError: unknown method, a setting the selector does not take (the message
-            lists the accepted ones), a value outside the selector's choices, a bad count, length or
+        HeadscopeInputError: unknown method, a setting the selector does not take (the message lists
+            the accepted ones), a value outside the selector's choices, a bad count, length or
             depth; for ``causal`` every check of :func:`headscope.rank`.
         ModelSpecError: a model spec that cannot be loaded (missing file, uncached hub id).
     """
@@ -58,7 +60,21 @@ def select(model: str | LoadedModel, method: str, **settings: Any) -> Ranking:
 
     check_select_args(model, method, settings)  # before the model loads
     fn = SELECTORS[method]
+    if method == "causal":  # headscope.rank itself: it loads the model with its own device / dtype
+        return fn(model, **settings)
     return fn(load_model(model), **settings)
 
 
-__all__ = ["select", "SELECTORS", "retrieval_scores", "fa_layers"] + [f.__name__ for f in SELECTORS.values()]
+def __getattr__(name: str) -> Any:
+    # the selector functions by name (select_random, ...), retrieval_scores and fa_layers, imported on use
+    for key, entry in SELECTORS.entries.items():
+        if entry.endswith(":" + name):
+            return SELECTORS[key]
+    if name in _OTHER:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_OTHER[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["select", "SELECTORS", "retrieval_scores", "fa_layers"] + [e.split(":")[1] for e in SELECTORS.entries.values()]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .. import __version__
+from ..runtime import __version__
 from ..models import LoadedModel
 from ..patching.attention import visible
 from ..patching.engine import Engine

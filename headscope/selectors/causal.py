@@ -1,29 +1,25 @@
-"""``causal``: the HydraHead ranking itself (receivers; senders and fusion where ``headscope.rank``
-offers them), called through :func:`headscope.rank`'s public signature."""
+"""``causal``: the HydraHead ranking itself — ``select(model, "causal", **kw)`` is :func:`headscope.rank`
+(receivers; senders and fusion where it offers them), one code path."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from ..models import LoadedModel
 from ..scores import Ranking
 
 
-def select_causal(model: LoadedModel, **settings: Any) -> Ranking:
+def select_causal(model: Any, **settings: Any) -> Ranking:
     """``headscope.rank(model, **settings)`` (progress bar off unless asked); see its docstring.
 
-    Every keyword is passed through unchanged (``tasks``, ``n_pairs``, ``seq_len``, ``seed``, ``depth``,
-    and on versions that have them ``senders``, ``weights``, ``kappa``...).
+    ``model``: a spec or a LoadedModel, as :func:`headscope.rank` takes it. Every keyword is passed
+    through unchanged; the provenance gains ``selector="causal"``.
 
     Raises:
-        TypeError: a keyword that this version of :func:`headscope.rank` does not accept.
+        TypeError: a keyword that :func:`headscope.rank` does not accept; otherwise as :func:`headscope.rank`.
     """
     from ..api import rank
 
     settings.setdefault("progress", False)
-    t0 = time.time()
     r = rank(model, **settings)
     r.provenance["selector"] = "causal"
-    r.provenance.setdefault("seconds", round(time.time() - t0, 2))
     return r

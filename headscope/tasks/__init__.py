@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..errors import HeadscopeInputError
+from ..registry import Registry
 from .base import Pair, PairError, validate_pair
 from .filler import Filler
 from .induction import induction
 from .niah import build_pair, niah_single
 from .ruler import niah_multikey, niah_multivalue, variable_tracking
 
-TASKS: dict[str, Callable[..., list[Pair]]] = {
-    "niah_single": niah_single,
-    "niah_multikey": niah_multikey,
-    "niah_multivalue": niah_multivalue,
-    "variable_tracking": variable_tracking,
-    "induction": induction,
-}
+#: capability name -> "module:generator" (imported on first use). Adding a task: a new file
+#: ``headscope/tasks/<name>.py`` with ``def <name>(tokenizer, n_pairs, seq_len, depth, seed, ...) -> list[Pair]``
+#: (build each pair with :func:`~headscope.tasks.niah.build_pair` or :class:`~headscope.tasks.base.Pair`)
+#: and one line here.
+TASKS: Mapping[str, Callable[..., list[Pair]]] = Registry(__name__, {
+    "niah_single": "niah:niah_single",
+    "niah_multikey": "ruler:niah_multikey",
+    "niah_multivalue": "ruler:niah_multivalue",
+    "variable_tracking": "ruler:variable_tracking",
+    "induction": "induction:induction",
+})
 
 
 def make_pairs(task: str, tokenizer: Any, **settings: Any) -> list[Pair]:

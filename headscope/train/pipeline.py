@@ -6,7 +6,6 @@ previous stage's weights), one stage end to end, and a stage spread over N local
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -155,31 +154,21 @@ def convert_stage(
     return student, tr.run(deadline=deadline, max_steps=max_steps)
 
 
-def _convert_worker(rank: int, world: int, rendezvous: str, device: Optional[str], kwargs: dict[str, Any], result: str) -> None:
-    import torch.distributed as dist
-
-    from ..distributed import backend_for, rank_device
+def _convert_worker(device: Optional[str], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """One rank of :func:`spawn_convert` (inside a process group set up by :func:`headscope.runtime.launch`)."""
     from ..masks import HeadMask
     from ..models import load_hf
+    from ..runtime import local_rank, rank_device
 
-    dev = rank_device(device, rank)
-    if dev.startswith("cuda"):
-        torch.cuda.set_device(dev)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
-    dist.init_process_group(backend_for(device), init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    try:
-        kw = dict(kwargs)
-        teacher, tok, _ = load_hf(kw.pop("model"), device=dev, dtype=kw.pop("dtype", torch.float32))
-        if tok.pad_token_id is None:
-            tok.pad_token = tok.eos_token
-        mask = kw.pop("mask")
-        mask = mask if isinstance(mask, HeadMask) else HeadMask.from_json(mask)
-        _, summary = convert_stage(teacher, tok, mask, **kw)
-        if rank == 0:
-            Path(result).write_text(json.dumps(summary))
-    finally:
-        dist.destroy_process_group()
+    kw = dict(kwargs)
+    teacher, tok, _ = load_hf(kw.pop("model"), device=rank_device(device, local_rank()),
+                              dtype=kw.pop("dtype", torch.float32))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    mask = kw.pop("mask")
+    mask = mask if isinstance(mask, HeadMask) else HeadMask.from_json(mask)
+    _, summary = convert_stage(teacher, tok, mask, **kw)
+    return summary
 
 
 def spawn_convert(n: int, model: str, mask: Any, stage: int, out_dir: str | Path, device: Optional[str] = None, **kwargs: Any) -> dict[str, Any]:
@@ -197,17 +186,10 @@ def spawn_convert(n: int, model: str, mask: Any, stage: int, out_dir: str | Path
     """
     if n < 1:
         raise HeadscopeInputError(f"--devices {n}: need at least one process")
+    from ..runtime import launch
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rendezvous = out / f".rendezvous-{os.getpid()}"
-    result = out / f".summary-{os.getpid()}.json"
-    for p in (rendezvous, result):
-        if p.exists():
-            p.unlink()
     kw = {**kwargs, "model": str(model), "mask": mask, "stage": stage, "out_dir": str(out)}
-    torch.multiprocessing.spawn(_convert_worker, args=(n, str(rendezvous), device, kw, str(result)), nprocs=n, join=True)
-    summary = json.loads(result.read_text())
-    for p in (rendezvous, result):
-        if p.exists():
-            p.unlink()
+    summary = launch(_convert_worker, n, (device, kw), device=device)
     return summary

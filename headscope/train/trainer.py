@@ -108,15 +108,15 @@ class StopTraining(Exception):
 
 
 def cosine_lambda(total: int, warmup: int, min_ratio: float) -> Callable[[int], float]:
-    """LR multiplier at step s: linear warmup over ``warmup`` steps, then cosine from 1 to ``min_ratio``."""
+    """LR multiplier at step s: linear warmup from 0 over ``warmup`` steps, then a cosine from 1 to
+    ``min_ratio`` (transformers' ``get_cosine_with_min_lr_schedule_with_warmup`` rule; the Trainer uses
+    that scheduler itself)."""
+    from functools import partial
 
-    def f(s: int) -> float:
-        if warmup and s < warmup:
-            return (s + 1) / warmup
-        p = min(1.0, (s - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+    from transformers.optimization import _get_cosine_schedule_with_warmup_lr_lambda
 
-    return f
+    return partial(_get_cosine_schedule_with_warmup_lr_lambda, num_warmup_steps=warmup, num_training_steps=total,
+                   num_cycles=0.5, min_lr_rate=min_ratio)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -220,7 +220,10 @@ class Trainer:
             **({"fused": True} if fused else {"foreach": False}),
         )
         warm = int(config.warmup * self.total_steps)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, cosine_lambda(self.total_steps, warm, config.min_lr_ratio))
+        from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+        self.sched = get_cosine_with_min_lr_schedule_with_warmup(
+            self.opt, num_warmup_steps=warm, num_training_steps=self.total_steps, min_lr_rate=config.min_lr_ratio)
         self.step = 0
         self.ckpt_path = self.out / "checkpoint"
         self.legacy_ckpt = self.out / "checkpoint.pt"
