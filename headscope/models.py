@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import warnings
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -343,6 +344,26 @@ def dispatch(hf_model: Any, device_map: str | dict[str, Any], max_memory: dict[A
     return dict(device_map)
 
 
+def _eager_if_softcapped(hf_model: Any) -> None:
+    """Attention logit soft-capping (Gemma 2) is computed only by transformers' eager attention: the
+    GPU image's transformers 5.17 ran SDPA and silently dropped the cap (the fast engine's self-check
+    then refused Gemma 2 there with a 0.32 relative difference at layer 0; eager passed at 1.1e-6), and
+    5.24 raises. Switch such a model to eager attention, with a warning."""
+    cfg = hf_model.config
+    impl = getattr(cfg, "_attn_implementation", None)
+    if getattr(cfg, "attn_logit_softcapping", None) and impl not in (None, "eager"):
+        warnings.warn(
+            f"{type(hf_model).__name__} soft-caps attention logits, which only eager attention computes; "
+            f"switching attn_implementation from {impl!r} to 'eager' (load it with attn_implementation='eager' "
+            "to silence this)",
+            stacklevel=3,
+        )
+        try:
+            hf_model.set_attn_implementation("eager")
+        except (AttributeError, ValueError):  # older transformers, or a config the setter refuses
+            cfg._attn_implementation = "eager"
+
+
 def wrap(
     hf_model: Any, tokenizer: Any, name: str = "model", spec: str | None = None, hub_name: str | None = None
 ) -> LoadedModel:
@@ -363,6 +384,7 @@ def wrap(
     if not getattr(hf_model.config, "architectures", None):
         # a model built from a config has no architectures entry; the bridge picks its adapter from it
         hf_model.config.architectures = [type(hf_model).__name__]
+    _eager_if_softcapped(hf_model)
     geom = geometry_of(hf_model.config)
     return LoadedModel(
         hf_model=hf_model,

@@ -132,3 +132,24 @@ def test_cli_ranks_a_gpt2_directory_on_both_paths(smol_tokenizer, tmp_path):
         tables[path] = pd.read_csv(out / "scores.csv").sort_values(["layer", "head"])
     a, b = tables["auto"]["ie_recv"].to_numpy(), tables["generic"]["ie_recv"].to_numpy()
     assert abs(a - b).max() < 1e-4 and abs(a).max() > 1e-3
+
+
+def test_softcapped_model_is_switched_to_eager_attention(smol_tokenizer):
+    tok = smol_tokenizer
+    """transformers' SDPA does not soft-cap attention logits (5.17 dropped the cap silently, 5.24 raises):
+    wrap() switches a Gemma 2 model loaded with SDPA to eager, with a warning, and the fast engine's
+    self-check then passes against the model's own (now correct) forward."""
+    import warnings as _w
+
+    from headscope.arch.random_models import FAMILIES
+    from headscope.models import wrap
+    from headscope.patching.engine import Engine
+
+    m = FAMILIES["gemma2"](len(tok), 1)
+    m.config._attn_implementation = "sdpa"  # as 5.17 loads it (5.24's set_attn_implementation refuses)
+    with _w.catch_warnings(record=True) as rec:
+        _w.simplefilter("always")
+        lm = wrap(m, tok, name="gemma2-sdpa")
+    assert any("soft-caps attention logits" in str(r.message) for r in rec)
+    assert m.config._attn_implementation == "eager"
+    assert Engine(lm).self_check() < 1e-4
