@@ -16,7 +16,8 @@ Times are ratios against the TransformerLens sweep measured in the same run.
 ``--family F[,G...]|all``: for random models of every adapter family at one shape (``--shape``
 layers,d_model,heads,kv_heads), one niah_single pair each: the TransformerLens sweep, headscope exact on the
 fast path and on the generic bridge path, each family's speed-up and its ratio to the Llama family's
-speed-up in the same run, and max |patched m - TransformerLens| per path. Writes ``--out`` (JSON) when given.
+speed-up in the same run, and max |patched m - TransformerLens| per path (``--fp64``: also both against a
+float64 copy of the model, the truth both round). Writes ``--out`` (JSON) when given.
 """
 
 from __future__ import annotations
@@ -49,7 +50,21 @@ def tl_sweep(model, pair):
     return get_act_patch_attn_head_out_all_pos(b, corr_seq[None], clean_cache, metric).double()
 
 
-def bench_families(names: list[str], shape: tuple[int, int, int, int], seq_len: int, out: str | None) -> None:
+def fp64_reference(name: str, tok, shape: tuple[int, int, int, int], pairs) -> torch.Tensor:
+    """Patched m of every head from a float64 copy of the family's random model (same seed), through the
+    generic path: the float64 truth that the float32 TransformerLens sweep and the fast engine both
+    approximate."""
+    from headscope.arch.random_models import _families
+    from headscope.models import wrap
+
+    hf64 = _families(*shape)[name](len(tok), 0).double()
+    m64 = wrap(hf64, tok, name=f"random-{name}-fp64")
+    r = receiver_patching(m64, pairs, direction="denoising", min_gap=0.0, progress=False, path="generic")
+    return r.patched[0]
+
+
+def bench_families(names: list[str], shape: tuple[int, int, int, int], seq_len: int, out: str | None,
+                   fp64: bool = False) -> None:
     import json
 
     from headscope.arch.random_models import FAMILIES, random_family
@@ -76,9 +91,15 @@ def bench_families(names: list[str], shape: tuple[int, int, int, int], seq_len: 
             t = time.perf_counter()
             r = receiver_patching(model, pair, direction="denoising", min_gap=0.0, progress=False, path=path)
             res[path] = (time.perf_counter() - t, float((r.patched[0] - tl).abs().max()))
+            if path == "fast":
+                r_fast = r
         rows.append(dict(family=name, tl_s=tl_s, fast_s=res["fast"][0], generic_s=res["generic"][0],
                          speedup_fast=tl_s / res["fast"][0], speedup_generic=tl_s / res["generic"][0],
                          max_diff_fast=res["fast"][1], max_diff_generic=res["generic"][1]))
+        if fp64:  # both against the float64 truth (is a fast-vs-sweep difference rounding, and whose?)
+            ref = fp64_reference(name, tok, shape, pair)
+            rows[-1]["max_diff_tl_fp64"] = float((tl - ref).abs().max())
+            rows[-1]["max_diff_fast_fp64"] = float((r_fast.patched[0] - ref).abs().max())
         print(rows[-1], flush=True)
         del model
     table = pd.DataFrame(rows)
@@ -103,10 +124,12 @@ def main() -> None:
     ap.add_argument("--family", default=None, help="comma-separated adapter families, or all")
     ap.add_argument("--shape", default="8,512,8,4", help="--family: layers,d_model,heads,kv_heads")
     ap.add_argument("--out", default=None, help="--family: write the table as JSON here")
+    ap.add_argument("--fp64", action="store_true",
+                    help="--family: also compare the sweep and the fast engine with a float64 copy of each model")
     args = ap.parse_args()
     if args.family:
         shape = tuple(int(x) for x in args.shape.split(","))
-        bench_families(args.family.split(","), shape, args.seq_len, args.out)  # type: ignore[arg-type]
+        bench_families(args.family.split(","), shape, args.seq_len, args.out, args.fp64)  # type: ignore[arg-type]
         return
     model = headscope.load_model(args.model, device="cpu")
     one = niah_single(model.tokenizer, n_pairs=1, seq_len=args.seq_len, depth=0.5, seed=0)

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from .parts import Arch, LayerParts, Proj, Rope, unwrap
+from .parts import Arch, LayerParts, Proj, Rope, unwrap, weight_view
 
 
 def _linear(m: nn.Module) -> Proj:
@@ -34,14 +34,16 @@ def _linear(m: nn.Module) -> Proj:
 def _rows(p: Proj, lo: int, hi: int, module: nn.Module | None = None) -> Proj:
     """Output rows lo..hi of a projection (a view of the detached weight: it shares the storage, so
     in-place weight edits are seen, and builds no autograd node that a later backward would free)."""
-    w, b = p.weight.detach(), None if p.bias is None else p.bias.detach()
-    return Proj(w[lo:hi], None if b is None else b[lo:hi], module)
+    w, b = p.weight, p.bias
+    key = f"rows{lo}:{hi}"
+    return Proj(weight_view(w, key, lambda t: t[lo:hi]),
+                None if b is None else weight_view(b, key, lambda t: t[lo:hi]), module)
 
 
 def _conv1d(m: nn.Module) -> Proj:
     """A GPT-2 ``Conv1D`` (y = x @ W + b with W [in, out]) as an [out, in] projection (a transposed view)."""
     m = unwrap(m)
-    return Proj(m.weight.detach().t(), m.bias, m)
+    return Proj(weight_view(m.weight, "t", lambda t: t.t()), m.bias, m)
 
 
 def _rope_fn(rotary: nn.Module, per_kind: bool) -> Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]]:
@@ -169,8 +171,10 @@ def gpt_neox(hf: nn.Module) -> Arch:
         parts = []
         for j in range(3):
             rows = idx[:, j].reshape(-1)
-            # a copy: GPT-NeoX engines must be rebuilt after the model's weights change
-            parts.append(Proj(fused.weight.detach()[rows], None if fused.bias is None else fused.bias.detach()[rows]))
+            # a copy (made once per weight version): GPT-NeoX engines must be rebuilt after the weights change
+            key = f"neox{j}@{fused.weight._version}"
+            parts.append(Proj(weight_view(fused.weight, key, lambda t, r=rows: t[r]),
+                              None if fused.bias is None else weight_view(fused.bias, key, lambda t, r=rows: t[r])))
         layers.append(LayerParts(
             q=parts[0], k=parts[1], v=parts[2], o=_linear(a.dense), ln1=unwrap(blk.input_layernorm),
             ln2=unwrap(blk.post_attention_layernorm), mlp=unwrap(blk.mlp), scaling=float(a.scaling),

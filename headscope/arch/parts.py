@@ -20,11 +20,28 @@ The activation patched is TransformerLens ``hook_z``: the input of the attention
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
+
+
+_VIEWS: dict[tuple[int, str], tuple["weakref.ref[Tensor]", Tensor]] = {}
+
+
+def weight_view(weight: Tensor, key: str, make: Callable[[Tensor], Tensor]) -> Tensor:
+    """``make(weight.detach())`` (a view: transposed, rows), made once per weight tensor and ``key``, so
+    that every engine built on the model gets the same view object (the oneDNN prepacked copies in
+    :mod:`headscope.patching.linear` are cached per tensor object: a new view each time would repack)."""
+    k = (id(weight), key)
+    hit = _VIEWS.get(k)
+    if hit is not None and hit[0]() is weight:
+        return hit[1]
+    view = make(weight.detach())
+    _VIEWS[k] = (weakref.ref(weight, lambda _r, k=k, d=_VIEWS: d.pop(k, None)), view)
+    return view
 
 
 def unwrap(m: nn.Module | None) -> nn.Module | None:

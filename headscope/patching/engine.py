@@ -37,6 +37,7 @@ from ..arch import Arch, LayerParts, Proj, UnsupportedArchitecture, adapt, rotat
 from ..models import LoadedModel
 from . import attention
 from .linear import linear
+from .mlp import mlp_blocks, mlp_linears
 from .plan import Entry, LayerCtx, LayerStack, PassResult, Plan, RunCache, stack_layers
 
 __all__ = ["Engine", "EngineMismatch", "Entry", "LayerStack", "Plan", "RunCache", "UnsupportedArchitecture",
@@ -261,33 +262,12 @@ class Engine:
             ffn = gu.shape[-1] // 2
             wd, bd = self._low[layer]["down"]
             return h + F.linear(unwrap(L.mlp.act_fn)(gu[..., :ffn]) * gu[..., ffn:], wd, bd).to(h.dtype)
-        mlp = L.mlp
-        # a booted TransformerBridge wraps the MLP's linear maps in hooked components: look through them
-        parts = [unwrap(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
-        blocked = (self.matmul_dtype is None and not (torch.is_grad_enabled() and h.requires_grad)
-                   and hasattr(mlp, "act_fn") and not (mlp._forward_hooks or mlp._forward_pre_hooks)
-                   and all(isinstance(m, torch.nn.Linear) and not (m._forward_hooks or m._forward_pre_hooks)
-                           for m in parts))
-        return self._mlp_blocks(L, h) if blocked else h + mlp(self.norm(L.ln2, h))
-
-    def _mlp_blocks(self, L: LayerParts, h: Tensor) -> Tensor:
-        """h + down(act(gate(x)) · up(x)) with x = ln2(h) (the gated MLP and its residual add), over
-        blocks of ``MLP_BLOCK`` tokens, so that the [tokens, d_ffn] intermediates stay in the CPU's
-        cache and are updated in place. Each token's numbers are those of one unblocked call."""
-        flat = h.reshape(-1, h.shape[-1])
-        out = torch.empty_like(flat)
-        mlp = L.mlp
-        act = unwrap(mlp.act_fn)
-        silu = isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
-        gate, up, down = (unwrap(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
-        for s in range(0, flat.shape[0], MLP_BLOCK):
-            hb = flat[s: s + MLP_BLOCK]
-            x = self.norm(L.ln2, hb)
-            gt = linear(x, gate.weight, gate.bias)
-            u = linear(x, up.weight, up.bias)
-            gt = F.silu(gt, inplace=True) if silu else act(gt)
-            out[s: s + MLP_BLOCK] = linear(gt.mul_(u), down.weight, down.bias, residual=hb)
-        return out.view(h.shape)
+        # the blocked fp32 MLP (a booted TransformerBridge's wrappers looked through; hooked modules called)
+        parts = (mlp_linears(L.mlp) if self.matmul_dtype is None and not (torch.is_grad_enabled() and h.requires_grad)
+                 else None)
+        if parts is None:
+            return h + L.mlp(self.norm(L.ln2, h))
+        return mlp_blocks(parts, lambda x: self.norm(L.ln2, x), h, MLP_BLOCK)
 
     def final(self, h: Tensor) -> Tensor:
         """The final norm of the residual stream (before the unembedding)."""

@@ -60,6 +60,7 @@ class RunCache:
     k, v: Float[Tensor, "layer n_kv pos d_head"], keys (after RoPE / QK-norm) and values.
     logits: Float[Tensor, "read vocab"], logits at the read positions.
     ids: the prompt (kept by the generic bridge path, which re-runs it).
+    read: the positions of ``logits`` (kept by the generic bridge path).
 
     For a model spread over devices, resid/z/k/v are :class:`LayerStack` s (each layer's entry on its
     layer's device) with the same ``[layer, ...]`` indexing.
@@ -71,6 +72,7 @@ class RunCache:
     v: Tensor
     logits: Tensor
     ids: Tensor | None = None
+    read: Sequence[int] | None = None
 
 
 @dataclass
