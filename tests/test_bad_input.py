@@ -116,6 +116,8 @@ CLI_CASES = [
     ("rank-seq-len-past-context", lambda f: ["rank", "--seq-len", "9000"], "the model's context is 8192 tokens; use a shorter"),
     ("rank-zero-devices", lambda f: ["rank", "--devices", "0"], "--devices=0 must be >= 1"),
     ("rank-resume-other-config", lambda f: ["rank", "--out", str(f["root"] / "old_rank")], "another configuration (differs in: lam)"),
+    ("rank-resume-other-seq-len", lambda f: ["rank", "--out", str(f["root"] / "old_rank"), "--lambda", "0.5", "--seq-len", "256"],
+     "differs in: settings.seq_len: 512 stored, 256 now"),
     ("rank-normalize-typo", lambda f: ["rank", "--normalize", "mean"], "--normalize='mean' is not one of max, minmax"),
     ("rank-unknown-kappa", lambda f: ["rank", "--senders", "--kappa", "attention"], "--kappa='attention' is not one of focus, one"),
     # ---- headscope convert
