@@ -39,6 +39,7 @@ from torch import Tensor
 
 from .attn import fa_attention, flash_attn_available
 from .gdn import fla_available, gated_delta_rule
+from .rope import apply_rope
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layer import HeadwiseHybridAttention
@@ -151,34 +152,30 @@ def _rms(x: Tensor, w: Optional[Tensor], eps: float) -> Tensor:
     return x if w is None else x * w
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x fp32 [B,T,h,d], half-split (Llama) rotary
-    h = x.shape[-1] // 2
-    c, s = cos.float()[:, :, None, :], sin.float()[:, :, None, :]
-    return x * c + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * s
-
-
-def _glue_fa(q, k, cos, sin, pos_scale, qn, kn, *, eps: float, rope: bool):
-    """FA q, k [B,T,h,d] (views of the projection): QK-RMSNorm, then RoPE or the NoPE query scale."""
-    dt = q.dtype
+def _qk_fp32(q, k, cos, sin, qn, kn, eps: float, rope: bool) -> tuple[Tensor, Tensor]:
+    """q, k [B,T,h,d] -> fp32, QK-RMSNorm (when the teacher has it), then RoPE (half-split) if ``rope``."""
     qf, kf = q.float(), k.float()
     if qn is not None:
         qf, kf = _rms(qf, qn, eps), _rms(kf, kn, eps)
     if rope:
-        qf, kf = _rope(qf, cos, sin), _rope(kf, cos, sin)
-    else:
+        c, s_ = cos.float(), sin.float()
+        qf, kf = apply_rope(qf, c, s_), apply_rope(kf, c, s_)
+    return qf, kf
+
+
+def _glue_fa(q, k, cos, sin, pos_scale, qn, kn, *, eps: float, rope: bool):
+    """FA q, k [B,T,h,d] (views of the projection): QK-RMSNorm, then RoPE or the NoPE query scale."""
+    qf, kf = _qk_fp32(q, k, cos, sin, qn, kn, eps, rope)
+    if not rope:
         qf = qf * pos_scale[:, :, None, None]
-    return qf.to(dt), kf.to(dt)
+    return qf.to(q.dtype), kf.to(k.dtype)
 
 
 def _glue_gdn(q, k, v, a, b, cos, sin, A_neg, dtb, qn, kn, *, eps: float, rope: bool):
     """GDN q, k, v [B,T,n,d], a, b [B,T,n] (views of the projection) -> L2-normalized q, k (after
     QK-RMSNorm and RoPE), contiguous v, g = −exp(A_log)·softplus(a + dt_bias) (fp32), β = σ(b)."""
     dt = q.dtype
-    qf, kf = q.float(), k.float()
-    if qn is not None:
-        qf, kf = _rms(qf, qn, eps), _rms(kf, kn, eps)
-    if rope:
-        qf, kf = _rope(qf, cos, sin), _rope(kf, cos, sin)
+    qf, kf = _qk_fp32(q, k, cos, sin, qn, kn, eps, rope)
     qf = qf / torch.clamp_min(qf.pow(2).sum(-1, keepdim=True).sqrt(), 1e-6)  # F.normalize(eps=1e-6)
     kf = kf / torch.clamp_min(kf.pow(2).sum(-1, keepdim=True).sqrt(), 1e-6)
     g = A_neg * F.softplus(a.float() + dtb)
