@@ -175,3 +175,18 @@ __all__ = [
     "__version__", "atomic_torch_save", "atomic_write_bytes", "atomic_write_text", "backend_for", "barrier",
     "default_device", "init_from_env", "launch", "local_rank", "rank_device", "same_device",
 ]
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any], keys: Any = None) -> list[str]:
+    """The settings in which two stored configurations differ: a top-level key, or for a dict value
+    ``key.sub: <stored> stored, <new> now`` per differing entry (what a clash message names)."""
+    out = []
+    for k in sorted(keys if keys is not None else set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{k}.{j}: {a.get(j)!r} stored, {b.get(j)!r} now" for j in sorted(set(a) | set(b)) if a.get(j) != b.get(j)]
+        else:
+            out.append(k)
+    return out

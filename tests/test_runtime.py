@@ -61,3 +61,13 @@ def test_schedule_shards_resumes_and_records(tmp_path):
     s.record(1, 0, 2, 2.0)
     assert store.get("pair00001_L000") == {0: 1.0, 2: 2.0}
     s.close()
+
+
+def test_config_diff_names_nested_settings():
+    from headscope.runtime import config_diff
+
+    old = {"lam": 0.9, "settings": {"seq_len": 512, "seed": 0}, "kind": "receivers"}
+    new = {"lam": 0.5, "settings": {"seq_len": 256, "seed": 0}, "kind": "receivers"}
+    assert config_diff(old, new) == ["lam", "settings.seq_len: 512 stored, 256 now"]
+    assert config_diff(old, old) == []
+    assert config_diff(old, new, keys=["kind"]) == []

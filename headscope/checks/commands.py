@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import HeadscopeInputError, InputNotImplementedError, InputTypeError
+from ..runtime import config_diff
 from ..readout import DEFAULT_LAMBDA, DEFAULT_MIN_GAP
 from .core import (
     _is_int,
@@ -204,14 +205,7 @@ def check_rank_store(out_dir: Any, tasks: Sequence[str], fused: bool, spec: Any,
             old = json.loads(sub.read_text())
         except (OSError, ValueError):
             continue
-        diff = []
-        for k, v in want.items():
-            if k in old and old[k] != v:
-                if isinstance(v, dict) and isinstance(old[k], dict):  # name the setting, with both values
-                    diff += [f"{k}.{j}: {old[k].get(j)!r} stored, {v.get(j)!r} now"
-                             for j in sorted(set(v) | set(old[k])) if old[k].get(j) != v.get(j)]
-                else:
-                    diff.append(k)
+        diff = config_diff(old, want, keys=[k for k in want if k in old])
         if old.get("tasks") not in (None, [t] if fused else list(tasks)):
             diff.append("tasks")
         if isinstance(old.get("model"), dict) and old["model"].get("model_spec") not in (None, str(spec)):

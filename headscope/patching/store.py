@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..runtime import atomic_torch_save, atomic_write_bytes, atomic_write_text  # noqa: F401  (old import place)
+from ..runtime import config_diff
 
 
 class ConfigMismatch(RuntimeError):
@@ -44,7 +45,7 @@ class Store:
             old = json.loads(cfg_path.read_text())
             new = json.loads(text)
             if old != new:
-                changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+                changed = config_diff(old, new)
                 raise ConfigMismatch(
                     f"{self.dir} holds results of another configuration (differs in: {', '.join(changed)}); "
                     "use a new output directory or delete this one"
