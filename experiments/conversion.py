@@ -11,6 +11,7 @@ Masks:
              given ``--mask mask.json``, under the budget with >= 1 FA head per layer
   random     the same constrained selection on seeded random scores
   layerwise  whole FA layers, as many heads as the budget rounds to (K / n_heads layers), evenly spaced
+  layerwise3 whole FA layers at 3:1 (a quarter of the layers, evenly spaced): the paper's layer-wise hybrid
   allgdn     no FA head at all
 
 Usage::
@@ -42,8 +43,6 @@ import typer
 
 from headscope.masks import HeadMask, parse_budget
 from headscope.models import load_hf
-from headscope.readout import greedy_exact_match, read_positions
-from headscope.tasks import make_pairs
 from headscope.train import (
     TokenRows,
     TrainConfig,
@@ -54,17 +53,29 @@ from headscope.train import (
     retrieval_rows,
     sample_teacher_text,
 )
+from headscope.train.evaluate import evaluate, wilson_interval
 
 app = typer.Typer(add_completion=False)
 torch.backends.cuda.matmul.allow_tf32 = True
-MASKS = ("hydrahead", "random", "layerwise", "allgdn")
+MASKS = ("hydrahead", "random", "layerwise", "layerwise3", "allgdn")
 
 
 # ---------------------------------------------------------------------------------------------- masks
+def _layerwise(n_layers: int, n_heads: int, n_kv: int, n_fa_layers: int, name: str) -> HeadMask:
+    """Whole FA layers, ``n_fa_layers`` of them evenly spaced (the rest all GDN)."""
+    layers = sorted({int((i + 0.5) * n_layers / n_fa_layers) for i in range(n_fa_layers)})
+    return HeadMask.from_heads(
+        [(l, h) for l in layers for h in range(n_heads)], n_layers, n_heads, n_kv,
+        meta={"source": f"{name}({n_fa_layers} FA layers {layers})", "min_per_layer": 0},
+    )
+
+
 def build_masks(
     n_layers: int, n_heads: int, n_kv: int, hydra: HeadMask | np.ndarray, budget: str = "7:1", min_per_layer: int = 1, seed: int = 0
 ) -> dict[str, HeadMask]:
-    """The four masks of the comparison at one budget (see the module docstring).
+    """The masks of the comparison (see the module docstring): hydrahead, random and layerwise at
+    ``budget``; layerwise3 = whole FA layers at 3:1 (a quarter of the layers, the paper's layer-wise
+    comparison); allgdn.
 
     ``hydra``: a HeadMask (used as is) or a [layer, head] score matrix (selected under the budget).
     """
@@ -75,68 +86,10 @@ def build_masks(
         hm = HeadMask.select(np.asarray(hydra), budget, n_kv, min_per_layer=min_per_layer, meta={"source": "hydrahead"})
     rnd = np.random.default_rng(seed).random((n_layers, n_heads))
     rm = HeadMask.select(rnd, budget, n_kv, min_per_layer=min_per_layer, meta={"source": f"random(seed={seed})"})
-    n_fa_layers = max(1, round(k / n_heads))
-    layers = sorted({int((i + 0.5) * n_layers / n_fa_layers) for i in range(n_fa_layers)})
-    lw = HeadMask.from_heads(
-        [(l, h) for l in layers for h in range(n_heads)], n_layers, n_heads, n_kv,
-        meta={"source": f"layerwise({n_fa_layers} FA layers {layers})", "min_per_layer": 0},
-    )
+    lw = _layerwise(n_layers, n_heads, n_kv, max(1, round(k / n_heads)), "layerwise")
+    lw3 = _layerwise(n_layers, n_heads, n_kv, max(1, round(n_layers / 4)), "layerwise 3:1 ")
     ag = HeadMask(n_layers, n_heads, n_kv, tuple(() for _ in range(n_layers)), {"source": "allgdn", "min_per_layer": 0})
-    return {"hydrahead": hm, "random": rm, "layerwise": lw, "allgdn": ag}
-
-
-# ---------------------------------------------------------------------------------------------- evaluation
-@torch.no_grad()
-def retrieval_accuracy(
-    model: Any, tokenizer: Any, task: str, seq_len: int, n: int, seed: int = 1234, batch_size: int = 8
-) -> dict[str, Any]:
-    """Share of ``n`` prompts (needle depths evenly spread over [0, 1]) whose answer greedy decoding
-    reproduces exactly (teacher-forced argmax over the answer span, equal to greedy generation)."""
-    depths = list(np.linspace(0.0, 1.0, n)) if n > 1 else [0.5]
-    pairs = make_pairs(task, tokenizer, n_pairs=n, seq_len=seq_len, depth=depths, seed=seed)
-    dev = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    hits = []
-    for i in range(0, len(pairs), batch_size):
-        chunk = pairs[i : i + batch_size]
-        seqs = [torch.cat([p.clean, p.answer[:-1]]) for p in chunk]
-        T = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), T), pad, dtype=torch.long)
-        for j, s in enumerate(seqs):  # right padding: causal, the real positions are unaffected
-            ids[j, : len(s)] = s
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            logits = model(input_ids=ids.to(dev), use_cache=False).logits.float()
-        for j, p in enumerate(chunk):
-            pos = read_positions(p.length, p.n_answer)
-            hits.append(bool(greedy_exact_match(logits[j, pos], p.answer)))
-    return {"accuracy": float(np.mean(hits)), "n": len(hits), "mean_len": float(np.mean([p.length for p in pairs]))}
-
-
-@torch.no_grad()
-def perplexity(model: Any, rows: TokenRows, batch_size: int = 8) -> float:
-    """exp(mean next-token NLL) over the real tokens of ``rows``."""
-    from headscope.train import lm_loss
-
-    dev = next(model.parameters()).device
-    tot, cnt = 0.0, 0
-    for i in range(0, len(rows), batch_size):
-        ids, m = rows.ids[i : i + batch_size].to(dev), rows.mask[i : i + batch_size].to(dev)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            logits = model(input_ids=ids, use_cache=False).logits
-        k = int((m[:, 1:] & m[:, :-1]).sum())
-        tot += float(lm_loss(logits, ids, m)) * k
-        cnt += k
-    return math.exp(tot / cnt)
-
-
-def evaluate(model: Any, tokenizer: Any, heldout: TokenRows, tasks: list[str], lengths: list[int], n: int, batch_size: int) -> dict:
-    model.eval()
-    res: dict[str, Any] = {"ppl": perplexity(model, heldout, batch_size)}
-    for task in tasks:
-        for L in lengths:
-            bs = max(1, batch_size * 512 // L)
-            res[f"{task}@{L}"] = retrieval_accuracy(model, tokenizer, task, L, n, batch_size=bs)
-    return res
+    return {"hydrahead": hm, "random": rm, "layerwise": lw, "layerwise3": lw3, "allgdn": ag}
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -246,39 +199,88 @@ def calibrate(out: Path, model: str, device: Optional[str], s: dict, n_workers: 
     return s
 
 
-def convert_one(out: Path, name: str, model: str, device: Optional[str], train_seconds: Optional[float]) -> None:
-    """Train one mask through the three stages and evaluate it. ``train_seconds`` caps the training
-    time, counted from when the student is built (stage k stops by its cumulative share of it)."""
+def job_spec(out: Path, name: str) -> dict:
+    """What job ``name`` trains: OUT/jobs/NAME.json ({mask, options, tokens: [t1, t2, t3]}) if written by
+    ``plan``, else the mask of that name with the run's hybrid options and token budgets."""
     s = _settings(out)
-    mask = HeadMask.from_json(out / "masks" / f"{name}.json")
+    f = out / "jobs" / f"{name}.json"
+    spec = json.loads(f.read_text()) if f.exists() else {}
+    return {"mask": spec.get("mask", name), "options": {**s.get("options", {}), **spec.get("options", {})},
+            "tokens": spec.get("tokens", [s["tokens1"], s["tokens2"], s["tokens3"]])}
+
+
+def _curve_point(out: Path, name: str, student: Any, tok: Any, s: dict, stage: int, tokens_seen: int) -> None:
+    """One point of retrieval against tokens seen: OUT/NAME/curve.jsonl (skipped if already there)."""
+    f = out / name / "curve.jsonl"
+    done = {(r["stage"], r["tokens_seen"]) for r in map(json.loads, f.read_text().splitlines())} if f.exists() else set()
+    if (stage, tokens_seen) in done or not s.get("curve_n"):
+        return
+    ev = evaluate(student, tok, None, s["curve_tasks"], s["curve_lengths"], s["curve_n"], s["eval_batch"])
+    student.train()
+    with open(f, "a") as fh:
+        fh.write(json.dumps({"stage": stage, "tokens_seen": tokens_seen,
+                             **{k: v["accuracy"] for k, v in ev.items()}}) + "\n")
+
+
+def convert_one(out: Path, name: str, model: str, device: Optional[str], train_seconds: Optional[float]) -> None:
+    """Train job ``name`` (:func:`job_spec`) through the three stages and evaluate it.
+
+    Resumable: a finished stage (``stageK/done.json`` + ``student.pt``) is loaded, not retrained; a
+    stage with a checkpoint continues from it. Each stage runs in ``s["pieces"][k-1]`` pieces with a
+    retrieval point (``curve.jsonl``) after each. ``train_seconds`` caps the training time, counted
+    from when the student is built (stage k stops by its cumulative share of it).
+    """
+    from headscope.train.parallel import find_checkpoint
+
+    s = _settings(out)
+    job = job_spec(out, name)
+    mask = HeadMask.from_json(out / "masks" / f"{job['mask']}.json")
     teacher, tok, _ = load_hf(model, device=device)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     short, long_rows = TokenRows.load(out / "data" / "short.pt"), TokenRows.load(out / "data" / "long.pt")
     dev = next(teacher.parameters()).device
-    opts = {"gdn_kernel": s["gdn_kernel"]}
-    student = load_student(teacher, mask, calibration_ids=short.ids[:8].to(dev), **opts)
+    opts = {"gdn_kernel": s["gdn_kernel"], **job["options"]}
+    student = None
     t0 = time.time()
-    total = train_seconds
     c1, c2 = s.get("share1", 0.2), s.get("share1", 0.2) + s.get("share2", 0.45)
     share = {1: c1, 2: c2, 3: 1.0}  # cumulative: stage k must end by this fraction of the time
-    summaries = {}
+    summaries, seen = {}, 0
+    pieces = s.get("pieces", [1, 1, 1])
     for stage in (1, 2, 3):
-        cfg = TrainConfig(
-            stage=stage, tokens=int(s[f"tokens{stage}"]), batch_size=s["batch_long"] if stage == 3 else s["batch"],
-            lr=s[f"lr{stage}"], ckpt_every=s["ckpt_every"], ckpt_on_exit=s["ckpt_every"] > 0, save_student=False,
-            seed=s["seed"], progress=s["progress"],
-        )
-        dl = t0 + share[stage] * total if total else None
-        student, summ = convert_stage(
-            teacher, tok, mask, stage, out / name, config=cfg, student=student, hybrid_options=opts, deadline=dl,
-            rows=long_rows if stage == 3 else short,
-        )
+        sd = out / name / f"stage{stage}"
+        if (sd / "done.json").exists() and (sd / "student.pt").exists():
+            summaries[stage] = json.loads((sd / "done.json").read_text())
+            seen += summaries[stage]["tokens"]
+            if stage == 3 or not (out / name / f"stage{stage + 1}" / "done.json").exists():
+                student = load_student(teacher, mask, init=sd / "student.pt", **opts)
+            continue
+        if student is None:
+            student = load_student(teacher, mask, init=(out / name / f"stage{stage - 1}" / "student.pt") if stage > 1 else None,
+                                   calibration_ids=short.ids[:8].to(dev), **opts)
+        bs = s["batch_long"] if stage == 3 else s["batch"]
+        L = s["long_len"] if stage == 3 else s["seq_len"]
+        cfg = TrainConfig(stage=stage, tokens=int(job["tokens"][stage - 1]), batch_size=bs, lr=s[f"lr{stage}"],
+                          ckpt_every=s["ckpt_every"], ckpt_on_exit=True, save_student=True, seed=s["seed"], progress=s["progress"])
+        total_steps = math.ceil(cfg.tokens / (bs * L))
+        dl = t0 + share[stage] * train_seconds if train_seconds else None
+        for piece in range(1, pieces[stage - 1] + 1):
+            target = math.ceil(total_steps * piece / pieces[stage - 1])
+            resume = find_checkpoint(sd / "checkpoint") is not None
+            student, summ = convert_stage(
+                teacher, tok, mask, stage, out / name, config=cfg, student=student, hybrid_options=opts, deadline=dl,
+                rows=long_rows if stage == 3 else short, resume=resume, max_steps=target,
+            )
+            _curve_point(out, name, student, tok, s, stage, seen + summ["tokens"])
+            if summ["stopped"] == "deadline" or summ["finished"]:
+                break
         summaries[stage] = summ
+        seen += summ["tokens"]
         print(name, json.dumps(summ), flush=True)
     heldout = TokenRows.load(out / "data" / "heldout.pt")
     ev = evaluate(student, tok, heldout, s["tasks"], s["eval_lengths"], s["eval_n"], s["eval_batch"])
-    ev.update({"mask": name, "n_fa": mask.n_fa, "kv_cache_fraction": mask.kv_cache_fraction, "train": summaries})
+    ev.update({"mask": name, "n_fa": mask.n_fa, "kv_cache_fraction": mask.kv_cache_fraction, "train": summaries,
+               "options": opts, "job": job})
     (out / name / "eval.json").write_text(json.dumps(ev, indent=2))
 
 
@@ -307,8 +309,10 @@ def _markdown(df: pd.DataFrame) -> str:
 
 
 def report(out: Path) -> pd.DataFrame:
-    """OUT/results.csv, OUT/results.md, OUT/curves.csv from the finished runs."""
-    rows, curves = [], []
+    """OUT/results.csv + results.md (accuracy per cell), OUT/results_ci.csv (hits, n, 95 % Wilson
+    interval per cell), OUT/curves.csv (losses of all runs) and OUT/retrieval_curves.csv (retrieval
+    against tokens seen) from the finished runs."""
+    rows, curves, cis, rcurves = [], [], [], []
     names = ["teacher", *MASKS] + sorted(p.parent.name for p in out.glob("*/eval.json") if p.parent.name not in ("teacher", *MASKS))
     for name in names:
         f = out / name / "eval.json"
@@ -319,6 +323,9 @@ def report(out: Path) -> pd.DataFrame:
         for k, v in ev.items():
             if "@" in k:
                 r[k] = v["accuracy"]
+                hits = v.get("hits", round(v["accuracy"] * v["n"]))
+                lo, hi = wilson_interval(hits, v["n"])
+                cis.append({"model": name, "cell": k, "hits": hits, "n": v["n"], "accuracy": v["accuracy"], "lo": lo, "hi": hi})
         for st, summ in (ev.get("train") or {}).items():
             r[f"tokens{st}"] = summ["tokens"]
             r[f"loss{st}"] = summ["final_loss"]
@@ -329,11 +336,18 @@ def report(out: Path) -> pd.DataFrame:
                 df = pd.read_csv(lf)[["stage", "step", "tokens", "loss", "lr", "grad_norm"]]
                 df.insert(0, "model", name)
                 curves.append(df)
+        cf = out / name / "curve.jsonl"
+        if cf.exists():
+            rcurves += [{"model": name, **json.loads(line)} for line in cf.read_text().splitlines()]
     table = pd.DataFrame(rows)
     table.to_csv(out / "results.csv", index=False)
     (out / "results.md").write_text(_markdown(table))
+    if cis:
+        pd.DataFrame(cis).to_csv(out / "results_ci.csv", index=False)
     if curves:
         pd.concat(curves).to_csv(out / "curves.csv", index=False)
+    if rcurves:
+        pd.DataFrame(rcurves).to_csv(out / "retrieval_curves.csv", index=False)
     return table
 
 
@@ -484,7 +498,7 @@ def figure(out: Path = typer.Option(Path("runs/conversion")), png: Optional[Path
 
 @app.command()
 def significance(out: Path = typer.Option(Path("runs/conversion")), a: str = typer.Option("hydrahead"),
-                 b: List[str] = typer.Option(["random", "layerwise", "allgdn", "hydrahead_k1"])) -> None:
+                 b: List[str] = typer.Option(["layerwise3", "layerwise", "random", "allgdn", "teacher", "hydrahead_k1"])) -> None:
     """Fisher's exact test (two-sided) of retrieval hits of mask ``a`` against each ``b``, per task and
     length and pooled over lengths; prints a markdown table."""
     from scipy.stats import fisher_exact
@@ -506,6 +520,147 @@ def significance(out: Path = typer.Option(Path("runs/conversion")), a: str = typ
         p = fisher_exact([[ha, na - ha], [hb, nb - hb]])[1]
         print(f"| {other} | " + " | ".join(cells) + f" | {ha}/{na} vs {hb}/{nb} (p={p:.2g}) |")
 
+
+# ---------------------------------------------------------------------------------------------- the ≥ 50M-token plan
+ABLATION = {  # the paper's Table 3, cumulative; GDN MHA expansion (own K/V per GDN head) is always on here
+    "abl0_base": {"fa_pos": "rope", "gdn_rope": False, "fa_gate": False},
+    "abl1_fa_nope": {"fa_pos": "nope", "gdn_rope": False, "fa_gate": False},
+    "abl2_gdn_rope": {"fa_pos": "nope", "gdn_rope": True, "fa_gate": False},
+    "abl3_fa_gate": {"fa_pos": "nope", "gdn_rope": True, "fa_gate": True},
+}
+
+
+@app.command()
+def plan(
+    out: Path = typer.Option(...), mask: Path = typer.Option(..., help="the HydraHead mask.json"),
+    model: str = typer.Option("smollm2-135m"), budget: str = typer.Option("7:1"), min_per_layer: int = typer.Option(1),
+    tokens: float = typer.Option(50e6, help="tokens per model, all stages"), ablation_tokens: float = typer.Option(10e6),
+    share1: float = typer.Option(0.15), share2: float = typer.Option(0.55), share3: float = typer.Option(0.30),
+    options: str = typer.Option('{"fa_pos": "nope", "gdn_rope": true, "fa_gate": true}', help="hybrid options (JSON)"),
+    seq_len: int = typer.Option(512), long_len: int = typer.Option(2048), batch: int = typer.Option(64), batch_long: int = typer.Option(16),
+    task: List[str] = typer.Option(["niah_single", "niah_multikey", "niah_multivalue", "variable_tracking"]),
+    eval_lengths: List[int] = typer.Option([512, 1024, 2048, 4096, 8192, 16384]), eval_n: int = typer.Option(100),
+    eval_batch: int = typer.Option(16), pieces: str = typer.Option("1,2,2", help="pieces (curve points) per stage"),
+    curve_n: int = typer.Option(50), curve_lengths: List[int] = typer.Option([1024, 4096]), ckpt_every: int = typer.Option(300), gdn_kernel: str = typer.Option("auto"), seed: int = typer.Option(0),
+) -> None:
+    """Write OUT/settings.json, OUT/masks/ and OUT/jobs/ for the comparison (hydrahead, layerwise3, layerwise,
+    random, allgdn at ``tokens`` each) and the ablation (:data:`ABLATION` on the HydraHead mask at
+    ``ablation_tokens``). Token budgets are whole steps (a step is batch × seq_len = batch_long × long_len here)."""
+    from headscope.models import geometry_of
+    from transformers import AutoConfig  # noqa: F401
+
+    out.mkdir(parents=True, exist_ok=True)
+    if abs(share1 + share2 + share3 - 1) > 1e-6:
+        raise typer.BadParameter(f"share1 + share2 + share3 = {share1 + share2 + share3}, must be 1")
+
+    def split(total: float) -> list[int]:
+        step = [batch * seq_len, batch * seq_len, batch_long * long_len]
+        return [int(max(1, round(total * sh / st)) * st) for sh, st in zip((share1, share2, share3), step)]
+
+    s = {"model": model, "budget": budget, "min_per_layer": min_per_layer, "options": json.loads(options),
+         "seq_len": seq_len, "long_len": long_len, "batch": batch, "batch_long": batch_long, "tasks": list(task),
+         "eval_lengths": list(eval_lengths), "eval_n": eval_n, "eval_batch": eval_batch, "gdn_kernel": gdn_kernel,
+         "ckpt_every": ckpt_every, "seed": seed, "progress": False, "share1": share1, "share2": share2, "share3": share3,
+         "lr1": 1e-3, "lr2": 2e-4, "lr3": 1e-4, "pieces": [int(x) for x in pieces.split(",")], "curve_n": curve_n,
+         "curve_tasks": ["niah_single", "variable_tracking"], "curve_lengths": list(curve_lengths), "retrieval_frac": 0.25}
+    t = split(tokens)
+    s.update(tokens1=t[0], tokens2=t[1], tokens3=t[2])
+    (out / "settings.json").write_text(json.dumps(s, indent=2))
+    teacher, _, _ = load_hf(model, device="cpu")
+    g = geometry_of(teacher.config)
+    del teacher
+    masks = build_masks(g.n_layers, g.n_heads, g.n_kv_heads, HeadMask.from_json(mask), budget, min_per_layer, seed)
+    for name, m in masks.items():
+        m.to_json(out / "masks" / f"{name}.json")
+        print(name, m.summary(), flush=True)
+    (out / "jobs").mkdir(exist_ok=True)
+    for name, o in ABLATION.items():
+        (out / "jobs" / f"{name}.json").write_text(json.dumps({"mask": "hydrahead", "options": o, "tokens": split(ablation_tokens)}))
+    print(json.dumps({k: s[k] for k in ("tokens1", "tokens2", "tokens3")}), "ablation", split(ablation_tokens))
+
+
+@app.command()
+def sample(
+    out: Path = typer.Option(...), shard: int = typer.Option(0), model: str = typer.Option("smollm2-135m"),
+    device: Optional[str] = typer.Option(None), seconds: float = typer.Option(120.0, help="stop starting new batches after this"),
+    batch: int = typer.Option(2048), doc_len: int = typer.Option(512), max_docs: int = typer.Option(10**7),
+) -> None:
+    """Teacher text for shard ``shard``: batches of ``batch`` documents of ``doc_len`` sampled tokens
+    (seed = 1000 · shard + batch index) until ``seconds`` have passed; OUT/data/docs_SHARD.pt."""
+    d = out / "data"
+    d.mkdir(parents=True, exist_ok=True)
+    on_gpu = str(device).startswith("cuda")
+    teacher, tok, _ = load_hf(model, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    t0, docs, i = time.time(), [], 0
+    while time.time() - t0 < seconds and len(docs) < max_docs:
+        docs += sample_teacher_text(teacher, tok, min(batch, max_docs - len(docs)), doc_len, seed=1000 * shard + i,
+                                    batch_size=batch, progress=False)
+        i += 1
+        print(f"shard {shard}: {len(docs)} docs, {time.time() - t0:.0f} s", flush=True)
+    torch.save({"docs": docs, "seconds": time.time() - t0}, d / f"docs_{shard}.tmp")
+    (d / f"docs_{shard}.tmp").replace(d / f"docs_{shard}.pt")
+
+
+def pack_shards(out: Path, tok: Any, s: dict, heldout_docs: int = 256) -> dict:
+    """Join OUT/data/docs_*.pt, drop exact duplicate documents, hold out ``heldout_docs`` (seeded), and
+    write short.pt (seq_len rows), long.pt (long_len rows of text mixed with ``retrieval_frac`` of
+    retrieval rows of every task at long_len/4, /2 and long_len) and heldout.pt; returns data info."""
+    d = out / "data"
+    shards = sorted(d.glob("docs_*.pt"))
+    if not shards:
+        raise typer.BadParameter(f"no {d}/docs_*.pt: run `conversion.py sample` first")
+    docs, secs = [], 0.0
+    for f in shards:
+        blob = torch.load(f)
+        docs += blob["docs"]
+        secs = max(secs, blob["seconds"])
+    uniq = list({tuple(x): None for x in docs})
+    perm = np.random.default_rng(s["seed"]).permutation(len(uniq))
+    held = [list(uniq[i]) for i in perm[:heldout_docs]]
+    train = [list(uniq[i]) for i in perm[heldout_docs:]]
+    eos = tok.eos_token_id
+    short = pack(train, s["seq_len"], eos)
+    short.save(d / "short.pt")
+    long_text = pack(train, s["long_len"], eos)
+    n_ret = max(1, round(len(long_text) * s["retrieval_frac"] / (1 - s["retrieval_frac"])))
+    L, tasks = s["long_len"], s["tasks"]
+    ret = TokenRows.concat([
+        retrieval_rows(tok, max(1, n_ret // len(tasks)), L, t, seed=s["seed"] + 1 + i, lengths=[max(96, L // 4), max(96, L // 2), L])
+        for i, t in enumerate(tasks)
+    ])
+    mix(long_text, ret, seed=s["seed"]).save(d / "long.pt")
+    pack(held, s["seq_len"], eos).save(d / "heldout.pt")
+    info = {"sample_seconds": round(secs, 1), "shards": len(shards), "docs": len(docs), "duplicates_dropped": len(docs) - len(uniq),
+            "heldout_docs": len(held), "text_docs": len(train), "text_tokens": sum(map(len, train)), "short_rows": len(short),
+            "long_text_rows": len(long_text), "long_retrieval_rows": len(ret)}
+    (d / "info.json").write_text(json.dumps(info, indent=2))
+    (d / "done").write_text("ok")
+    return info
+
+
+@app.command("pack")
+def pack_cmd(out: Path = typer.Option(...), model: str = typer.Option("smollm2-135m"), heldout_docs: int = typer.Option(256)) -> None:
+    """Build the training / held-out rows from the sampled shards (see :func:`pack_shards`)."""
+    _, tok, _ = load_hf(model, device="cpu")
+    print(json.dumps(pack_shards(out, tok, _settings(out), heldout_docs)), flush=True)
+
+
+@app.command()
+def queue(out: Path = typer.Option(...), jobs: str = typer.Option(..., help="comma-separated job names, run in order"),
+          model: str = typer.Option("smollm2-135m"), device: Optional[str] = typer.Option(None)) -> None:
+    """Run jobs one after another on one device (``teacher`` evaluates the teacher); finished jobs
+    (``eval.json``) are skipped and unfinished ones resume from their stage checkpoints."""
+    for name in jobs.split(","):
+        if (out / name / "eval.json").exists():
+            continue
+        t0 = time.time()
+        if name == "teacher":
+            eval_teacher(out, model, device)
+        else:
+            convert_one(out, name, model, device, None)
+        print(f"{name} done in {time.time() - t0:.0f} s", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 if __name__ == "__main__":
     app()

@@ -1,4 +1,4 @@
-"""experiments/conversion.py: the four masks of the comparison share one budget."""
+"""experiments/conversion.py: the masks of the comparison (four share one budget; layer-wise 3:1 beside them)."""
 
 from __future__ import annotations
 
@@ -31,3 +31,7 @@ def test_masks_at_7_to_1_on_the_smollm2_geometry():
     assert [l for l, h in enumerate(lw.fa_heads) if h] == [3, 11, 18, 26]
     assert all(h in ((), tuple(range(9))) for h in lw.fa_heads) and lw.n_fa == 36
     assert ag.n_fa == 0 and ag.kv_cache_fraction == 0.0
+    # layer-wise 3:1: round(30 / 4) = 8 whole layers (the paper's comparison), centred in 8 blocks
+    lw3 = m["layerwise3"]
+    assert [l for l, h in enumerate(lw3.fa_heads) if h] == [1, 5, 9, 13, 16, 20, 24, 28]
+    assert lw3.n_fa == 72 and lw3.kv_cache_fraction == 8 / 30

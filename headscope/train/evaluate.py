@@ -1,0 +1,125 @@
+"""Evaluation of a converted model: retrieval accuracy with Wilson intervals and held-out perplexity.
+
+Works on any transformers causal LM (teacher or hybrid student) on its own device; on CUDA the
+forward runs under bf16 autocast, as in training. Retrieval is scored by teacher-forced greedy
+exact match (:func:`headscope.readout.greedy_exact_match`): one forward over prompt ⊕ answer[:-1]
+equals greedy generation of the answer span.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from jaxtyping import Bool
+from torch import Tensor
+
+from ..errors import HeadscopeInputError
+from ..readout import greedy_exact_match, read_positions
+from .data import TokenRows
+
+
+def wilson_interval(hits: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (Wilson 1927), via scipy's ``binomtest``.
+
+    Args:
+        hits: successes (0..n). n: trials (>= 1). confidence: two-sided level.
+
+    Returns:
+        (low, high) as fractions in [0, 1].
+
+    Raises:
+        HeadscopeInputError (a ValueError): n < 1 or hits outside 0..n.
+    """
+    if n < 1 or not 0 <= hits <= n:
+        raise HeadscopeInputError(f"wilson_interval needs 0 <= hits <= n and n >= 1, got hits={hits}, n={n}")
+    from scipy.stats import binomtest
+
+    ci = binomtest(int(hits), int(n)).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(ci.low), float(ci.high)
+
+
+@torch.no_grad()
+def retrieval_hits(model: Any, pairs: Sequence[Any], pad_id: int, batch_size: int = 8) -> Bool[Tensor, "pair"]:
+    """Whether greedy decoding reproduces each pair's answer a⁺ exactly after its clean prompt.
+
+    Args:
+        model: a transformers causal LM. pairs: :class:`headscope.tasks.Pair` objects (clean prompt,
+            answer ids). pad_id: right-padding id (causal: padding never changes real positions).
+        batch_size: prompts per forward.
+
+    Returns:
+        [pair] bool on the CPU.
+    """
+    dev = next(model.parameters()).device
+    hits: list[bool] = []
+    for i in range(0, len(pairs), batch_size):
+        chunk = pairs[i : i + batch_size]
+        seqs = [torch.cat([p.clean, p.answer[:-1]]) for p in chunk]
+        ids = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long)
+        for j, s in enumerate(seqs):
+            ids[j, : len(s)] = s
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            logits = model(input_ids=ids.to(dev), use_cache=False).logits
+        for j, p in enumerate(chunk):
+            hits.append(bool(greedy_exact_match(logits[j, read_positions(p.length, p.n_answer)].float(), p.answer)))
+    return torch.tensor(hits, dtype=torch.bool)
+
+
+def retrieval_accuracy(
+    model: Any, tokenizer: Any, task: str, seq_len: int, n: int, seed: int = 1234, batch_size: int = 8
+) -> dict[str, Any]:
+    """Retrieval accuracy of ``n`` prompts of ``task`` at ``seq_len`` tokens, needle depths evenly
+    spread over [0, 1] (seeded; the training rows of :func:`headscope.train.retrieval_rows` use other seeds).
+
+    Returns:
+        {accuracy, hits, n, lo, hi (95 % Wilson interval), mean_len (tokens)}.
+    """
+    from ..tasks import make_pairs
+
+    depths = list(np.linspace(0.0, 1.0, n)) if n > 1 else [0.5]
+    pairs = make_pairs(task, tokenizer, n_pairs=n, seq_len=seq_len, depth=depths, seed=seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    h = retrieval_hits(model, pairs, pad, batch_size)
+    k = int(h.sum())
+    lo, hi = wilson_interval(k, len(h))
+    return {"accuracy": k / len(h), "hits": k, "n": len(h), "lo": lo, "hi": hi,
+            "mean_len": float(np.mean([p.length for p in pairs]))}
+
+
+@torch.no_grad()
+def perplexity(model: Any, rows: TokenRows, batch_size: int = 8) -> float:
+    """exp(mean next-token NLL, nats) over the real tokens of ``rows``."""
+    from .stages import lm_loss
+
+    dev = next(model.parameters()).device
+    tot, cnt = 0.0, 0
+    for i in range(0, len(rows), batch_size):
+        ids, m = rows.ids[i : i + batch_size].to(dev), rows.mask[i : i + batch_size].to(dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            logits = model(input_ids=ids, use_cache=False).logits
+        k = int((m[:, 1:] & m[:, :-1]).sum())
+        tot += float(lm_loss(logits, ids, m)) * k
+        cnt += k
+    if cnt == 0:
+        raise HeadscopeInputError("perplexity: no real token pairs in the held-out rows")
+    return math.exp(tot / cnt)
+
+
+def evaluate(
+    model: Any, tokenizer: Any, heldout: TokenRows | None, tasks: Sequence[str], lengths: Sequence[int], n: int,
+    batch_size: int = 16, seed: int = 1234,
+) -> dict[str, Any]:
+    """Held-out perplexity (``ppl``, if ``heldout``) and ``"{task}@{length}"`` retrieval cells
+    (:func:`retrieval_accuracy`; the batch shrinks with the length: ``batch_size · 512 / length`` rows)."""
+    model.eval()
+    res: dict[str, Any] = {}
+    if heldout is not None:
+        res["ppl"] = perplexity(model, heldout, batch_size)
+    for task in tasks:
+        for L in lengths:
+            res[f"{task}@{L}"] = retrieval_accuracy(model, tokenizer, task, L, n, seed=seed,
+                                                    batch_size=max(1, batch_size * 512 // L))
+    return res

@@ -1,0 +1,103 @@
+"""experiments/conversion.py plan → sample → pack → queue → report on a tiny model (CPU): token budgets,
+deduplication, resumable jobs, retrieval curves and Wilson intervals."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from headscope.masks import HeadMask
+from headscope.train.evaluate import wilson_interval
+
+
+def _conversion():
+    path = Path(__file__).resolve().parents[1] / "experiments" / "conversion.py"
+    spec = importlib.util.spec_from_file_location("conversion_experiment_plan", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_wilson_interval_matches_the_closed_form():
+    z = 1.959963984540054
+    for k, n in [(7, 10), (0, 40), (100, 100), (33, 100)]:
+        p = k / n
+        c = (p + z * z / (2 * n)) / (1 + z * z / n)
+        h = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+        lo, hi = wilson_interval(k, n)
+        assert lo == pytest.approx(c - h, abs=1e-9) and hi == pytest.approx(c + h, abs=1e-9)
+    with pytest.raises(ValueError, match="hits"):
+        wilson_interval(5, 4)
+
+
+def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    conv = _conversion()
+    run = CliRunner()
+    out = tmp_path / "conv"
+    mask = HeadMask.from_heads([(0, 0), (1, 2)], 2, 4, 2)
+    mask.to_json(tmp_path / "mask.json")
+
+    def call(*args):
+        res = run.invoke(conv.app, [str(a) for a in args])
+        assert res.exit_code == 0, res.output + repr(res.exception)
+        return res.output
+
+    call("plan", "--out", out, "--mask", tmp_path / "mask.json", "--model", tiny_dir, "--budget", "2",
+         "--tokens", 4096, "--ablation-tokens", 2048, "--seq-len", 32, "--long-len", 512, "--batch", 2, "--batch-long", 1,
+         "--task", "niah_single", "--task", "variable_tracking", "--eval-lengths", 256, "--eval-n", 4, "--eval-batch", 2,
+         "--curve-n", 2, "--curve-lengths", 256, "--pieces", "1,2,2", "--ckpt-every", 0, "--gdn-kernel", "torch",
+         "--options", '{"fa_pos": "nope", "gdn_rope": true, "fa_gate": true}')
+    s = json.loads((out / "settings.json").read_text())
+    # 4096 tokens split 15/55/30 % into whole steps (2 × 32 tokens for stages 1-2, 1 × 512 for stage 3)
+    assert (s["tokens1"], s["tokens2"], s["tokens3"]) == (64 * round(614.4 / 64), 64 * round(2252.8 / 64), 512 * round(1228.8 / 512))
+    assert sorted(p.stem for p in (out / "masks").glob("*.json")) == ["allgdn", "hydrahead", "layerwise", "layerwise3", "random"]
+    assert json.loads((out / "jobs" / "abl1_fa_nope.json").read_text())["options"] == {"fa_pos": "nope", "gdn_rope": False, "fa_gate": False}
+
+    call("sample", "--out", out, "--model", tiny_dir, "--device", "cpu", "--batch", 8, "--doc-len", 40, "--max-docs", 24,
+         "--seconds", 1e9)
+    blob = torch.load(out / "data" / "docs_0.pt")
+    assert len(blob["docs"]) == 24 and all(len(d) == 41 for d in blob["docs"])
+    torch.save(blob, out / "data" / "docs_1.pt")  # a shard that repeats shard 0: every document is a duplicate
+    info = json.loads(call("pack", "--out", out, "--model", tiny_dir, "--heldout-docs", 4).strip().splitlines()[-1])
+    assert info["docs"] == 48 and info["duplicates_dropped"] >= 24 and info["heldout_docs"] == 4
+    assert info["text_docs"] == 48 - info["duplicates_dropped"] - 4
+
+    call("queue", "--out", out, "--jobs", "hydrahead,abl0_base,teacher", "--model", tiny_dir, "--device", "cpu")
+    ev = json.loads((out / "hydrahead" / "eval.json").read_text())
+    assert [ev["train"][str(k)]["tokens"] for k in (1, 2, 3)] == [s["tokens1"], s["tokens2"], s["tokens3"]]
+    assert ev["options"]["fa_pos"] == "nope" and ev["options"]["fa_gate"] is True
+    abl = json.loads((out / "abl0_base" / "eval.json").read_text())
+    assert abl["options"]["fa_pos"] == "rope" and sum(abl["train"][str(k)]["tokens"] for k in (1, 2, 3)) == 64 * 5 + 64 * 18 + 512 * 1
+    for cell in ("niah_single@256", "variable_tracking@256"):
+        c = ev[cell]
+        assert c["n"] == 4 and c["hits"] == round(c["accuracy"] * 4) and (c["lo"], c["hi"]) == wilson_interval(c["hits"], 4)
+    # one retrieval point after each piece: stage 1 in one piece, stages 2 and 3 in two
+    curve = [json.loads(x) for x in (out / "hydrahead" / "curve.jsonl").read_text().splitlines()]
+    seen = [r["tokens_seen"] for r in curve]
+    assert [r["stage"] for r in curve] == [1, 2, 2, 3, 3] and seen == sorted(seen) and seen[-1] == sum(
+        s[f"tokens{k}"] for k in (1, 2, 3))
+
+    # resumable: with eval.json gone the job re-evaluates from the saved stage-3 student, without training
+    log = out / "hydrahead" / "stage3" / "log.csv"
+    n_rows = len(pd.read_csv(log))
+    (out / "hydrahead" / "eval.json").unlink()
+    call("queue", "--out", out, "--jobs", "hydrahead", "--model", tiny_dir, "--device", "cpu")
+    again = json.loads((out / "hydrahead" / "eval.json").read_text())
+    assert len(pd.read_csv(log)) == n_rows and again["ppl"] == pytest.approx(ev["ppl"], rel=1e-6)
+    assert again["niah_single@256"]["hits"] == ev["niah_single@256"]["hits"]
+
+    table = conv.report(out)
+    assert list(table["model"]) == ["teacher", "hydrahead", "abl0_base"]
+    ci = pd.read_csv(out / "results_ci.csv")
+    assert len(ci) == 3 * 2 and (ci["lo"] <= ci["accuracy"]).all() and (ci["accuracy"] <= ci["hi"]).all()
+    rc = pd.read_csv(out / "retrieval_curves.csv")
+    # the ablation's stage 3 is one step: its two pieces end at the same step, one point
+    assert set(rc["model"]) == {"hydrahead", "abl0_base"} and len(rc) == 5 + 4
