@@ -205,8 +205,9 @@ def job_spec(out: Path, name: str) -> dict:
     s = _settings(out)
     f = out / "jobs" / f"{name}.json"
     spec = json.loads(f.read_text()) if f.exists() else {}
+    ev = {"tasks": s["tasks"], "lengths": s["eval_lengths"], "n": s["eval_n"], **spec.get("eval", {})}
     return {"mask": spec.get("mask", name), "options": {**s.get("options", {}), **spec.get("options", {})},
-            "tokens": spec.get("tokens", [s["tokens1"], s["tokens2"], s["tokens3"]])}
+            "tokens": spec.get("tokens", [s["tokens1"], s["tokens2"], s["tokens3"]]), "eval": ev}
 
 
 def _curve_point(out: Path, name: str, student: Any, tok: Any, s: dict, stage: int, tokens_seen: int) -> None:
@@ -278,7 +279,8 @@ def convert_one(out: Path, name: str, model: str, device: Optional[str], train_s
         seen += summ["tokens"]
         print(name, json.dumps(summ), flush=True)
     heldout = TokenRows.load(out / "data" / "heldout.pt")
-    ev = evaluate(student, tok, heldout, s["tasks"], s["eval_lengths"], s["eval_n"], s["eval_batch"])
+    e = job["eval"]
+    ev = evaluate(student, tok, heldout, e["tasks"], e["lengths"], e["n"], s["eval_batch"])
     ev.update({"mask": name, "n_fa": mask.n_fa, "kv_cache_fraction": mask.kv_cache_fraction, "train": summaries,
                "options": opts, "job": job})
     (out / name / "eval.json").write_text(json.dumps(ev, indent=2))
@@ -541,11 +543,13 @@ def plan(
     task: List[str] = typer.Option(["niah_single", "niah_multikey", "niah_multivalue", "variable_tracking"]),
     eval_lengths: List[int] = typer.Option([512, 1024, 2048, 4096, 8192, 16384]), eval_n: int = typer.Option(100),
     eval_batch: int = typer.Option(16), pieces: str = typer.Option("1,2,2", help="pieces (curve points) per stage"),
+    ablation_task: List[str] = typer.Option(["niah_single", "variable_tracking"]),
+    ablation_lengths: List[int] = typer.Option([1024, 4096, 16384]),
     curve_n: int = typer.Option(50), curve_lengths: List[int] = typer.Option([1024, 4096]), ckpt_every: int = typer.Option(300), gdn_kernel: str = typer.Option("auto"), seed: int = typer.Option(0),
 ) -> None:
     """Write OUT/settings.json, OUT/masks/ and OUT/jobs/ for the comparison (hydrahead, layerwise3, layerwise,
     random, allgdn at ``tokens`` each) and the ablation (:data:`ABLATION` on the HydraHead mask at
-    ``ablation_tokens``). Token budgets are whole steps (a step is batch × seq_len = batch_long × long_len here)."""
+    ``ablation_tokens``, evaluated on ``ablation_task`` × ``ablation_lengths``). Token budgets are whole steps (a step is batch × seq_len = batch_long × long_len here)."""
     from headscope.models import geometry_of
     from transformers import AutoConfig  # noqa: F401
 
@@ -575,7 +579,9 @@ def plan(
         print(name, m.summary(), flush=True)
     (out / "jobs").mkdir(exist_ok=True)
     for name, o in ABLATION.items():
-        (out / "jobs" / f"{name}.json").write_text(json.dumps({"mask": "hydrahead", "options": o, "tokens": split(ablation_tokens)}))
+        (out / "jobs" / f"{name}.json").write_text(json.dumps({
+            "mask": "hydrahead", "options": o, "tokens": split(ablation_tokens),
+            "eval": {"tasks": list(ablation_task), "lengths": list(ablation_lengths), "n": eval_n}}))
     print(json.dumps({k: s[k] for k in ("tokens1", "tokens2", "tokens3")}), "ablation", split(ablation_tokens))
 
 
@@ -584,6 +590,7 @@ def sample(
     out: Path = typer.Option(...), shard: int = typer.Option(0), model: str = typer.Option("smollm2-135m"),
     device: Optional[str] = typer.Option(None), seconds: float = typer.Option(120.0, help="stop starting new batches after this"),
     batch: int = typer.Option(2048), doc_len: int = typer.Option(512), max_docs: int = typer.Option(10**7),
+    cache_implementation: str = typer.Option("", help="generate's KV cache, e.g. static (falls back to the default on failure)"),
 ) -> None:
     """Teacher text for shard ``shard``: batches of ``batch`` documents of ``doc_len`` sampled tokens
     (seed = 1000 · shard + batch index) until ``seconds`` have passed; OUT/data/docs_SHARD.pt."""
@@ -592,11 +599,21 @@ def sample(
     on_gpu = str(device).startswith("cuda")
     teacher, tok, _ = load_hf(model, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
     t0, docs, i = time.time(), [], 0
+    cache = cache_implementation or None
     while time.time() - t0 < seconds and len(docs) < max_docs:
-        docs += sample_teacher_text(teacher, tok, min(batch, max_docs - len(docs)), doc_len, seed=1000 * shard + i,
-                                    batch_size=batch, progress=False)
+        t1 = time.time()
+        try:
+            docs += sample_teacher_text(teacher, tok, min(batch, max_docs - len(docs)), doc_len, seed=1000 * shard + i,
+                                        batch_size=batch, progress=False, cache_implementation=cache)
+        except Exception as e:  # noqa: BLE001 - a cache the generate path cannot take: fall back to its default
+            if cache is None:
+                raise
+            print(f"shard {shard}: cache_implementation={cache} failed ({type(e).__name__}: {str(e)[:200]}); dynamic cache", flush=True)
+            cache = None
+            continue
         i += 1
-        print(f"shard {shard}: {len(docs)} docs, {time.time() - t0:.0f} s", flush=True)
+        print(f"shard {shard}: {len(docs)} docs, batch {time.time() - t1:.1f} s, total {time.time() - t0:.0f} s"
+              f" (cache {cache or 'dynamic'})", flush=True)
     torch.save({"docs": docs, "seconds": time.time() - t0}, d / f"docs_{shard}.tmp")
     (d / f"docs_{shard}.tmp").replace(d / f"docs_{shard}.pt")
 
@@ -615,6 +632,8 @@ def pack_shards(out: Path, tok: Any, s: dict, heldout_docs: int = 256) -> dict:
         docs += blob["docs"]
         secs = max(secs, blob["seconds"])
     uniq = list({tuple(x): None for x in docs})
+    if not 0 < heldout_docs <= len(uniq) // 2:
+        raise typer.BadParameter(f"--heldout-docs {heldout_docs}: give 1..{len(uniq) // 2} (half of the {len(uniq)} unique documents)")
     perm = np.random.default_rng(s["seed"]).permutation(len(uniq))
     held = [list(uniq[i]) for i in perm[:heldout_docs]]
     train = [list(uniq[i]) for i in perm[heldout_docs:]]

@@ -53,7 +53,7 @@ def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
     call("plan", "--out", out, "--mask", tmp_path / "mask.json", "--model", tiny_dir, "--budget", "2",
          "--tokens", 4096, "--ablation-tokens", 2048, "--seq-len", 32, "--long-len", 512, "--batch", 2, "--batch-long", 1,
          "--task", "niah_single", "--task", "variable_tracking", "--eval-lengths", 256, "--eval-n", 4, "--eval-batch", 2,
-         "--curve-n", 2, "--curve-lengths", 256, "--pieces", "1,2,2", "--ckpt-every", 0, "--gdn-kernel", "torch",
+         "--curve-n", 2, "--curve-lengths", 256, "--ablation-task", "niah_single", "--ablation-lengths", 128, "--pieces", "1,2,2", "--ckpt-every", 0, "--gdn-kernel", "torch",
          "--options", '{"fa_pos": "nope", "gdn_rope": true, "fa_gate": true}')
     s = json.loads((out / "settings.json").read_text())
     # 4096 tokens split 15/55/30 % into whole steps (2 × 32 tokens for stages 1-2, 1 × 512 for stage 3)
@@ -76,6 +76,7 @@ def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
     assert ev["options"]["fa_pos"] == "nope" and ev["options"]["fa_gate"] is True
     abl = json.loads((out / "abl0_base" / "eval.json").read_text())
     assert abl["options"]["fa_pos"] == "rope" and sum(abl["train"][str(k)]["tokens"] for k in (1, 2, 3)) == 64 * 5 + 64 * 18 + 512 * 1
+    assert sorted(k for k in abl if "@" in k) == ["niah_single@128"]  # the ablation's own evaluation
     for cell in ("niah_single@256", "variable_tracking@256"):
         c = ev[cell]
         assert c["n"] == 4 and c["hits"] == round(c["accuracy"] * 4) and (c["lo"], c["hi"]) == wilson_interval(c["hits"], 4)
@@ -97,7 +98,7 @@ def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
     table = conv.report(out)
     assert list(table["model"]) == ["teacher", "hydrahead", "abl0_base"]
     ci = pd.read_csv(out / "results_ci.csv")
-    assert len(ci) == 3 * 2 and (ci["lo"] <= ci["accuracy"]).all() and (ci["accuracy"] <= ci["hi"]).all()
+    assert len(ci) == 2 * 2 + 1 and (ci["lo"] <= ci["accuracy"]).all() and (ci["accuracy"] <= ci["hi"]).all()
     rc = pd.read_csv(out / "retrieval_curves.csv")
     # the ablation's stage 3 is one step: its two pieces end at the same step, one point
     assert set(rc["model"]) == {"hydrahead", "abl0_base"} and len(rc) == 5 + 4

@@ -102,6 +102,7 @@ def sample_teacher_text(
     batch_size: int = 64,
     temperature: float = 1.0,
     progress: bool = True,
+    cache_implementation: Optional[str] = None,
 ) -> list[list[int]]:
     """Documents sampled from the teacher (ancestral sampling from BOS, no prompt): the distillation
     data of SPEC.md §9 that needs no download.
@@ -112,6 +113,9 @@ def sample_teacher_text(
             EOS; the EOS is dropped, :func:`pack` adds it back).
         seed: sampling seed (torch's global RNG is re-seeded with it and restored afterwards).
         temperature: sampling temperature (1.0 = the teacher's own distribution).
+        cache_implementation: passed to ``generate`` (e.g. ``"static"``: a preallocated KV cache, which
+            transformers compiles on CUDA; None = its default dynamic cache). The samples' distribution
+            is the same either way.
 
     Returns:
         list of token-id lists, each starting with BOS when the tokenizer has one.
@@ -141,6 +145,7 @@ def sample_teacher_text(
                 max_new_tokens=doc_len,
                 min_new_tokens=doc_len,  # a full document per row (EOS suppressed), as in the data of §9
                 pad_token_id=eos,
+                **({"cache_implementation": cache_implementation} if cache_implementation else {}),
             )
             for row in out.tolist():
                 docs.append(row[: 1 + doc_len])
