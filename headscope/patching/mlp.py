@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..arch.parts import Proj, unwrap, weight_view
-from .linear import linear
+from .linear import fused_act_available, linear
 
 # activations with a fused in-place equivalent (GELUTanh is F.gelu(approximate="tanh") itself; NewGELU
 # writes the same tanh formula out in several ops)
@@ -28,12 +28,15 @@ _TANH_GELU = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTa
 
 @dataclass
 class MlpLinears:
-    """A recognized MLP: ``gate`` None for an ungated one; ``act(x)`` may overwrite x."""
+    """A recognized MLP: ``gate`` None for an ungated one; ``act(x)`` may overwrite x. ``fused``: the
+    activation as a GELU epilogue of the up projection (``("gelu", approximate)``, ungated MLPs whose
+    activation is a GELU), None: ``act`` is called."""
 
     gate: Proj | None
     up: Proj
     down: Proj
     act: Callable[[Tensor], Tensor]
+    fused: tuple[str, str] | None = None
 
 
 def _hooked(*mods: nn.Module | None) -> bool:
@@ -49,6 +52,15 @@ def _act(mod: nn.Module) -> Callable[[Tensor], Tensor]:
     if isinstance(mod, nn.GELU):
         return lambda x: F.gelu(x, approximate=mod.approximate)
     return mod
+
+
+def _gelu_kind(mod: nn.Module) -> tuple[str, str] | None:
+    """``("gelu", approximate)`` when the activation module is that GELU (else None)."""
+    if type(mod).__name__ in _TANH_GELU:
+        return ("gelu", "tanh")
+    if isinstance(mod, nn.GELU) and mod.approximate in ("none", "tanh"):
+        return ("gelu", mod.approximate)
+    return None
 
 
 def mlp_linears(mlp: nn.Module) -> MlpLinears | None:
@@ -68,7 +80,8 @@ def mlp_linears(mlp: nn.Module) -> MlpLinears | None:
     if conv and act is not None and not _hooked(fc, proj, act) and not (
             isinstance(drop, nn.Dropout) and drop.training and drop.p > 0):
         up, down = (Proj(weight_view(m.weight, "t", lambda t: t.t()), m.bias, m) for m in (fc, proj))  # type: ignore[union-attr]
-        return MlpLinears(None, up, down, _act(act))
+        kind = _gelu_kind(act)
+        return MlpLinears(None, up, down, _act(act), kind if kind and fused_act_available(kind) else None)
     return None
 
 
@@ -80,10 +93,10 @@ def mlp_blocks(parts: MlpLinears, norm: Callable[[Tensor], Tensor], h: Tensor, b
     for s in range(0, flat.shape[0], block):
         hb = flat[s: s + block]
         x = norm(hb)
-        u = linear(x, up.weight, up.bias)
-        if gate is not None:
-            a = parts.act(linear(x, gate.weight, gate.bias)).mul_(u)
+        if parts.fused is not None:  # GELU in the up projection's epilogue
+            a = linear(x, up.weight, up.bias, act=parts.fused)
         else:
-            a = parts.act(u)
+            u = linear(x, up.weight, up.bias)
+            a = parts.act(linear(x, gate.weight, gate.bias)).mul_(u) if gate is not None else parts.act(u)
         out[s: s + block] = linear(a, down.weight, down.bias, residual=hb)
     return out.view(h.shape)
