@@ -119,6 +119,26 @@ def test_gpt2_mlp_blocks_with_fused_gelu_match_the_module():
     assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max())
 
 
+def test_phi3_fused_gate_up_runs_blocked_and_matches_the_module():
+    """Phi-3's gate_up_proj ([gate | up] rows) is taken as two row views, gate first: the blocked MLP
+    equals the module's own call."""
+    from headscope.arch.random_models import _families
+    from headscope.patching.mlp import mlp_blocks, mlp_linears
+
+    hf = _families(1, 64, 4, 2)["phi3"](50, 0)
+    blk = hf.model.layers[0]
+    parts = mlp_linears(blk.mlp)
+    assert parts is not None and parts.gate is not None
+    f = blk.mlp.down_proj.in_features
+    assert torch.equal(parts.gate.weight, blk.mlp.gate_up_proj.weight[:f])
+    assert torch.equal(parts.up.weight, blk.mlp.gate_up_proj.weight[f:])
+    h = torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = h + blk.mlp(blk.post_attention_layernorm(h))
+        got = mlp_blocks(parts, blk.post_attention_layernorm, h, block=7)
+    assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max())
+
+
 def test_linear_rejects_act_with_residual_or_unknown_act():
     x, w = torch.randn(2, 6), torch.randn(4, 6)
     with pytest.raises(ValueError, match="only"):

@@ -1,6 +1,7 @@
 """The fast engine's MLP of a sequential pre-norm block, in cache-sized blocks of tokens.
 
-``h + down(act(gate(x)) · up(x))`` (gated: Llama, Qwen, Mistral, SmolLM3, Granite) or
+``h + down(act(gate(x)) · up(x))`` (gated: Llama, Qwen, Mistral, SmolLM3, Granite; Phi-3's fused
+``gate_up_proj`` as two row views, gate first) or
 ``h + down(act(up(x)))`` (GPT-2's ``Conv1D`` ``c_fc`` / ``c_proj``), ``x = ln2(h)``: the linear maps go
 through :func:`~headscope.patching.linear.linear` (oneDNN, prepacked weights, the residual added in the
 down projection's epilogue), the [tokens, d_ffn] intermediates stay in the CPU's cache and are updated
@@ -74,6 +75,16 @@ def mlp_linears(mlp: nn.Module) -> MlpLinears | None:
     if act is not None and all(isinstance(m, nn.Linear) for m in mods) and not _hooked(act, *mods):
         gate, up, down = (Proj(m.weight, m.bias, m) for m in mods)  # type: ignore[union-attr]
         return MlpLinears(gate, up, down, _act(act))
+    gu, down_m, act = (unwrap(getattr(mlp, n, None)) for n in ("gate_up_proj", "down_proj", "activation_fn"))
+    if (act is not None and isinstance(gu, nn.Linear) and isinstance(down_m, nn.Linear)
+            and gu.out_features == 2 * down_m.in_features and not _hooked(gu, down_m, act)):
+        # Phi-3: gate_up_proj's output is [gate | up] (chunk(2)); each half as a view of the weight's rows
+        f = down_m.in_features
+        halves = [Proj(weight_view(gu.weight, f"rows{lo}:{lo + f}", lambda t, lo=lo: t[lo:lo + f]),
+                       None if gu.bias is None else weight_view(gu.bias, f"rows{lo}:{lo + f}",
+                                                                lambda t, lo=lo: t[lo:lo + f]), gu)
+                  for lo in (0, f)]
+        return MlpLinears(halves[0], halves[1], Proj(down_m.weight, down_m.bias, down_m), _act(act))
     fc, proj, act = (unwrap(getattr(mlp, n, None)) for n in ("c_fc", "c_proj", "act"))
     drop = getattr(mlp, "dropout", None)
     conv = all(type(m).__name__ == "Conv1D" and getattr(m, "weight", None) is not None for m in (fc, proj))
