@@ -87,6 +87,66 @@ def test_engine_runs_module_hooks(tiny, smol_tokenizer):
     assert torch.allclose(zeroed.logits, want.logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("approx", ["tanh", "none"])
+def test_linear_gelu_epilogue_matches_unfused(approx):
+    """The GELU in the kernel's epilogue (GPT-2's MLP) equals F.gelu(F.linear(...)) to float32 rounding,
+    against a float64 reference."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(64, 48, generator=g) * 0.3, torch.randn(64, generator=g)
+    x = torch.randn(2, 9, 48, generator=g)
+    want = F.gelu(x.double() @ w.double().T + b.double(), approximate=approx).float()
+    with torch.no_grad():
+        got = linear(x, w, b, act=("gelu", approx))
+    assert got.shape == (2, 9, 64)
+    assert float((got - want).abs().max()) < 2e-5
+    assert float(want.abs().max()) > 1.0  # not a vacuous comparison
+
+
+def test_gpt2_mlp_blocks_with_fused_gelu_match_the_module():
+    from headscope.arch.random_models import _families
+    from headscope.patching.mlp import mlp_blocks, mlp_linears
+
+    hf = _families(1, 64, 4, 4)["gpt2"](50, 0)
+    blk = hf.transformer.h[0]
+    parts = mlp_linears(blk.mlp)
+    assert parts is not None and parts.gate is None
+    if onednn_available():
+        assert parts.fused == ("gelu", "tanh")
+    h = torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = h + blk.mlp(blk.ln_2(h))
+        got = mlp_blocks(parts, blk.ln_2, h, block=7)
+    assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max())
+
+
+def test_phi3_fused_gate_up_runs_blocked_and_matches_the_module():
+    """Phi-3's gate_up_proj ([gate | up] rows) is taken as two row views, gate first: the blocked MLP
+    equals the module's own call."""
+    from headscope.arch.random_models import _families
+    from headscope.patching.mlp import mlp_blocks, mlp_linears
+
+    hf = _families(1, 64, 4, 2)["phi3"](50, 0)
+    blk = hf.model.layers[0]
+    parts = mlp_linears(blk.mlp)
+    assert parts is not None and parts.gate is not None
+    f = blk.mlp.down_proj.in_features
+    assert torch.equal(parts.gate.weight, blk.mlp.gate_up_proj.weight[:f])
+    assert torch.equal(parts.up.weight, blk.mlp.gate_up_proj.weight[f:])
+    h = torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = h + blk.mlp(blk.post_attention_layernorm(h))
+        got = mlp_blocks(parts, blk.post_attention_layernorm, h, block=7)
+    assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max())
+
+
+def test_linear_rejects_act_with_residual_or_unknown_act():
+    x, w = torch.randn(2, 6), torch.randn(4, 6)
+    with pytest.raises(ValueError, match="only"):
+        linear(x, w, act=("gelu", "tanh"), residual=torch.randn(2, 4))
+    with pytest.raises(ValueError, match="only"):
+        linear(x, w, act=("relu", ""))
+
+
 def test_linear_rejects_wrong_weight_shape():
     with pytest.raises(ValueError, match="expects 6"):
         linear(torch.randn(2, 5), torch.randn(4, 6))

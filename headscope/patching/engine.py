@@ -193,7 +193,8 @@ class Engine:
         k = k.reshape(B, S, g.n_kv_heads, g.d_head)
         v = v.reshape(B, S, g.n_kv_heads, g.d_head)
         if L.q_norm is not None and L.qk_norm_per_head:
-            q, k = L.q_norm(q), L.k_norm(k)  # type: ignore[misc]
+            # per head over d_head (Qwen3, Gemma 3): the fused F.rms_norm where it is the module's formula
+            q, k = self.norm(L.q_norm, q), self.norm(L.k_norm, k)
         return q, k, v
 
     def rotate(self, layer: int, t: Tensor, cos_sin: tuple[Tensor, Tensor] | None) -> Tensor:
