@@ -33,6 +33,7 @@ from .shapes import Float
 from torch import Tensor
 
 from .attn import fa_attention, flash_attn_available
+from .fused import stack_projections
 from .gdn import gated_delta_rule
 from .rope import apply_rope, nope_log_scale
 
@@ -114,28 +115,16 @@ def fast_forward(
     rows = layer._fast_rows
 
     # ---- one input GEMM over every projection of the layer
-    mods = [layer.q_proj]
+    parts = [(layer.q_proj, rows, 1)]
     if n_keep:
-        mods += [layer.k_proj, layer.v_proj]
+        parts += [(layer.k_proj, None, 1), (layer.v_proj, None, 1)]
     if layer.g_proj is not None:
-        mods.append(layer.g_proj)
+        parts.append((layer.g_proj, None, 1))
     if n_gdn:
-        mods += [layer.gdn_k_proj, layer.gdn_v_proj, layer.a_proj, layer.b_proj]
-    ws = [layer.q_proj.weight.index_select(0, rows)] + [m.weight for m in mods[1:]]
-    sizes = [w.shape[0] for w in ws]
-    bias = None
-    if any(m.bias is not None for m in mods):
-        qb = layer.q_proj.bias
-        bs = [qb.index_select(0, rows) if qb is not None else ws[0].new_zeros(sizes[0])]
-        bs += [m.bias if m.bias is not None else w.new_zeros(w.shape[0]) for m, w in zip(mods[1:], ws[1:])]
-        bias = torch.cat(bs)
-    pad = -sum(sizes) % 16  # a row width of 16·k columns keeps the q/k/v views aligned for SDPA (see sdpa_aligned)
-    if pad:
-        ws.append(ws[0].new_zeros(pad, ws[0].shape[1]))
-        sizes.append(pad)
-        if bias is not None:
-            bias = torch.cat([bias, bias.new_zeros(pad)])
-    z = F.linear(x, torch.cat(ws), bias).split(sizes, dim=-1)
+        parts += [(m, None, 1) for m in (layer.gdn_k_proj, layer.gdn_v_proj, layer.a_proj, layer.b_proj)]
+    # a row width of 16·k columns keeps the q/k/v views aligned for SDPA (see sdpa_aligned)
+    W, bias, sizes = stack_projections(parts, total_multiple=16)
+    z = F.linear(x, W, bias).split(sizes, dim=-1)
     q = z[0].view(B, T, H, d)
     if layer.q_norm is not None:
         q = layer.q_norm(q)

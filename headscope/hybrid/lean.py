@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attn import fa_attention, flash_attn_available
+from .fused import stack_projections
 from .gdn import fla_available, gated_delta_rule
 from .rope import apply_rope
 
@@ -81,37 +82,19 @@ class _Plan:
         def qrows(heads):
             return torch.tensor([h * d + i for h in heads for i in range(d)], dtype=torch.long, device=dev)
 
-        def parts(mods_rows):
-            ws, bs, any_b = [], [], False
-            for mod, rows in mods_rows:
-                w = mod.weight if rows is None else mod.weight.index_select(0, rows)
-                b = mod.bias if (mod.bias is None or rows is None) else mod.bias.index_select(0, rows)
-                any_b = any_b or b is not None
-                ws.append(w)
-                bs.append(b if b is not None else w.new_zeros(w.shape[0]))
-            return ws, bs, any_b
-
-        fa_mods = []
+        fa_parts, g_parts = [], []
         if self.nf:
-            fa_mods = [(layer.q_proj, qrows(fa)), (layer.k_proj, None), (layer.v_proj, None)]
+            fa_parts = [(layer.q_proj, qrows(fa), 1), (layer.k_proj, None, 1), (layer.v_proj, None, 1)]
             if layer.g_proj is not None:
-                fa_mods.append((layer.g_proj, None))
-        g_mods = []
-        if self.ng:
-            g_mods = [(layer.q_proj, qrows(gdn)), (layer.gdn_k_proj, None), (layer.gdn_v_proj, None),
-                      (layer.a_proj, None), (layer.b_proj, None)]
-        ws_f, bs_f, b1 = parts(fa_mods)
-        ws_g, bs_g, b2 = parts(g_mods)
+                fa_parts.append((layer.g_proj, None, 1))
         if self.ng:  # a and b padded with zero rows to a multiple of 8: every column slice starts 16-byte aligned
             self.ng8 = -(-self.ng // 8) * 8
-            for i in (3, 4):
-                ws_g[i] = torch.cat([ws_g[i], ws_g[i].new_zeros(self.ng8 - self.ng, ws_g[i].shape[1])])
-                bs_g[i] = torch.cat([bs_g[i], bs_g[i].new_zeros(self.ng8 - self.ng)])
-        self.fa_sizes = [w.shape[0] for w in ws_f]
-        self.g_sizes = [w.shape[0] for w in ws_g]
+            g_parts = [(layer.q_proj, qrows(gdn), 1), (layer.gdn_k_proj, None, 1), (layer.gdn_v_proj, None, 1),
+                       (layer.a_proj, None, 8), (layer.b_proj, None, 8)]
+        self.W, self.b, sizes = stack_projections(fa_parts + g_parts)
+        self.W = self.W.contiguous()
+        self.fa_sizes, self.g_sizes = sizes[: len(fa_parts)], sizes[len(fa_parts):]
         self.n_fa_rows = sum(self.fa_sizes)
-        self.W = torch.cat(ws_f + ws_g).contiguous()
-        self.b = torch.cat(bs_f + bs_g) if (b1 or b2) else None
         order = fa + gdn
         self.Wo = layer.o_proj.weight.index_select(1, qrows(order)).contiguous()
         self.bo = layer.o_proj.bias
