@@ -48,10 +48,9 @@ from headscope.train import (
     TrainConfig,
     convert_stage,
     load_student,
-    mix,
     pack,
-    retrieval_rows,
     sample_teacher_text,
+    stage_rows,
 )
 from headscope.train.evaluate import evaluate, wilson_interval
 
@@ -111,22 +110,11 @@ def prepare(out: Path, model: str, device: Optional[str], s: dict) -> None:
     t0 = time.time()
     docs = sample_teacher_text(teacher, tok, s["text_docs"], s["doc_len"], seed=s["seed"], batch_size=s["sample_batch"])
     held = sample_teacher_text(teacher, tok, s["heldout_docs"], s["doc_len"], seed=s["seed"] + 999, batch_size=s["sample_batch"])
-    eos = tok.eos_token_id
-    pack(docs, s["seq_len"], eos).save(d / "short.pt")
-    long_text = pack(docs, s["long_len"], eos)
-    n_ret = max(1, round(len(long_text) * s["retrieval_frac"] / (1 - s["retrieval_frac"])))
-    L = s["long_len"]
-    tasks = s["tasks"]  # retrieval rows of every evaluated capability, in equal shares
-    parts = [
-        retrieval_rows(tok, max(1, n_ret // len(tasks)), L, t, seed=s["seed"] + 1 + i, lengths=[max(96, L // 4), max(96, L // 2), L])
-        for i, t in enumerate(tasks)
-    ]
-    ret = TokenRows.concat(parts)
-    n_ret = len(ret)
-    mix(long_text, ret, seed=s["seed"]).save(d / "long.pt")
-    pack(held, s["seq_len"], eos).save(d / "heldout.pt")
-    info = {"sample_seconds": round(time.time() - t0, 1), "text_docs": len(docs), "text_tokens": sum(map(len, docs)),
-            "short_rows": len(pack(docs, s["seq_len"], eos)), "long_text_rows": len(long_text), "long_retrieval_rows": n_ret}
+    short, long_rows, counts = stage_rows(docs, tok, s["seq_len"], s["long_len"], s["tasks"], s["retrieval_frac"], s["seed"])
+    short.save(d / "short.pt")
+    long_rows.save(d / "long.pt")
+    pack(held, s["seq_len"], tok.eos_token_id).save(d / "heldout.pt")
+    info = {"sample_seconds": round(time.time() - t0, 1), "text_docs": len(docs), "text_tokens": sum(map(len, docs)), **counts}
     (d / "info.json").write_text(json.dumps(info, indent=2))
     (d / "done").write_text("ok")
 
@@ -391,7 +379,6 @@ def run(
     s.pop("task")
     (out / "settings.json").write_text(json.dumps(s, indent=2, default=str))
     from headscope.models import geometry_of
-    from transformers import AutoConfig
 
     if mask is not None:
         hydra: Any = HeadMask.from_json(mask)
@@ -551,7 +538,6 @@ def plan(
     random, allgdn at ``tokens`` each) and the ablation (:data:`ABLATION` on the HydraHead mask at
     ``ablation_tokens``, evaluated on ``ablation_task`` × ``ablation_lengths``). Token budgets are whole steps (a step is batch × seq_len = batch_long × long_len here)."""
     from headscope.models import geometry_of
-    from transformers import AutoConfig  # noqa: F401
 
     out.mkdir(parents=True, exist_ok=True)
     if abs(share1 + share2 + share3 - 1) > 1e-6:
@@ -637,21 +623,12 @@ def pack_shards(out: Path, tok: Any, s: dict, heldout_docs: int = 256) -> dict:
     perm = np.random.default_rng(s["seed"]).permutation(len(uniq))
     held = [list(uniq[i]) for i in perm[:heldout_docs]]
     train = [list(uniq[i]) for i in perm[heldout_docs:]]
-    eos = tok.eos_token_id
-    short = pack(train, s["seq_len"], eos)
+    short, long_rows, counts = stage_rows(train, tok, s["seq_len"], s["long_len"], s["tasks"], s["retrieval_frac"], s["seed"])
     short.save(d / "short.pt")
-    long_text = pack(train, s["long_len"], eos)
-    n_ret = max(1, round(len(long_text) * s["retrieval_frac"] / (1 - s["retrieval_frac"])))
-    L, tasks = s["long_len"], s["tasks"]
-    ret = TokenRows.concat([
-        retrieval_rows(tok, max(1, n_ret // len(tasks)), L, t, seed=s["seed"] + 1 + i, lengths=[max(96, L // 4), max(96, L // 2), L])
-        for i, t in enumerate(tasks)
-    ])
-    mix(long_text, ret, seed=s["seed"]).save(d / "long.pt")
-    pack(held, s["seq_len"], eos).save(d / "heldout.pt")
+    long_rows.save(d / "long.pt")
+    pack(held, s["seq_len"], tok.eos_token_id).save(d / "heldout.pt")
     info = {"sample_seconds": round(secs, 1), "shards": len(shards), "docs": len(docs), "duplicates_dropped": len(docs) - len(uniq),
-            "heldout_docs": len(held), "text_docs": len(train), "text_tokens": sum(map(len, train)), "short_rows": len(short),
-            "long_text_rows": len(long_text), "long_retrieval_rows": len(ret)}
+            "heldout_docs": len(held), "text_docs": len(train), "text_tokens": sum(map(len, train)), **counts}
     (d / "info.json").write_text(json.dumps(info, indent=2))
     (d / "done").write_text("ok")
     return info

@@ -36,6 +36,37 @@ def test_wilson_interval_matches_the_closed_form():
         wilson_interval(5, 4)
 
 
+def test_retrieval_hits_do_not_depend_on_the_padding(smol_tokenizer):
+    from conftest import tiny_llama
+    from headscope.tasks import make_pairs
+    from headscope.train.evaluate import retrieval_hits
+
+    model = tiny_llama(smol_tokenizer)
+    pairs = make_pairs("niah_single", smol_tokenizer, n_pairs=6, seq_len=160, seed=3)
+    pad = smol_tokenizer.eos_token_id
+    exact = torch.stack([retrieval_hits(model, [p], pad, batch_size=1, pad_multiple=1) for p in pairs]).flatten()
+    # the random model answers nothing right; check the argmax itself, which padding must not move
+    with torch.no_grad():
+        from headscope.readout import read_positions
+
+        def argmaxes(pad_multiple):
+            out = []
+            for i in range(0, 6, 3):
+                chunk = pairs[i : i + 3]
+                seqs = [torch.cat([p.clean, p.answer[:-1]]) for p in chunk]
+                T = -(-max(len(x) for x in seqs) // pad_multiple) * pad_multiple
+                ids = torch.full((3, T), pad, dtype=torch.long)
+                for j, x in enumerate(seqs):
+                    ids[j, : len(x)] = x
+                lg = model(input_ids=ids).logits
+                out += [lg[j, read_positions(p.length, p.n_answer)].argmax(-1) for j, p in enumerate(chunk)]
+            return out
+
+        for a, b in zip(argmaxes(1), argmaxes(256)):
+            assert torch.equal(a, b)
+    assert torch.equal(retrieval_hits(model, pairs, pad, batch_size=3, pad_multiple=256), exact)
+
+
 def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
     from typer.testing import CliRunner
 
@@ -69,6 +100,10 @@ def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
     info = json.loads(call("pack", "--out", out, "--model", tiny_dir, "--heldout-docs", 4).strip().splitlines()[-1])
     assert info["docs"] == 48 and info["duplicates_dropped"] >= 24 and info["heldout_docs"] == 4
     assert info["text_docs"] == 48 - info["duplicates_dropped"] - 4
+    # stage 3: a quarter of the rows are retrieval rows, in equal shares of the two tasks
+    n_ret = max(1, round(info["long_text_rows"] * 0.25 / 0.75))
+    assert info["long_retrieval_rows"] == 2 * max(1, n_ret // 2)
+    assert len(torch.load(out / "data" / "long.pt")["ids"]) == info["long_text_rows"] + info["long_retrieval_rows"]
 
     call("queue", "--out", out, "--jobs", "hydrahead,abl0_base,teacher", "--model", tiny_dir, "--device", "cpu")
     ev = json.loads((out / "hydrahead" / "eval.json").read_text())

@@ -1,6 +1,6 @@
 """Three-stage transfer of a teacher into a head-wise FA/GDN hybrid (SPEC.md §9)."""
 
-from .data import Loader, TokenRows, corpus_documents, mix, pack, retrieval_rows, sample_teacher_text
+from .data import Loader, TokenRows, corpus_documents, mix, pack, retrieval_rows, sample_teacher_text, stage_rows
 from .fast import FastStep, flops_per_token, model_body
 from .fused_loss import linear_ce_loss, linear_kl_loss
 from .stages import alignment_loss, distillation_loss, lm_loss, stage_loss, trainable_parameters
@@ -32,5 +32,6 @@ __all__ = [
     "retrieval_rows",
     "sample_teacher_text",
     "stage_loss",
+    "stage_rows",
     "trainable_parameters",
 ]

@@ -224,6 +224,46 @@ def mix(a: TokenRows, b: TokenRows, seed: int = 0) -> TokenRows:
     return TokenRows(both.ids[perm], both.mask[perm])
 
 
+def stage_rows(
+    docs: Sequence[Sequence[int]], tokenizer: Any, seq_len: int, long_len: int, tasks: Sequence[str],
+    retrieval_frac: float = 0.25, seed: int = 0,
+) -> tuple[TokenRows, TokenRows, dict[str, int]]:
+    """The rows of the three stages from one set of documents (SPEC.md §9).
+
+    Args:
+        docs: token-id documents (e.g. :func:`sample_teacher_text`), packed with the tokenizer's EOS.
+        seq_len: row length of stages 1 and 2. long_len: row length of stage 3.
+        tasks: retrieval capabilities mixed into stage 3 in equal shares (:func:`retrieval_rows` at
+            prompt lengths long_len/4, /2 and long_len, at least 96 tokens; seeds seed+1, seed+2, ...).
+        retrieval_frac: share of retrieval rows among the stage-3 rows, in [0, 1); at least one
+            retrieval row per task when it is > 0.
+
+    Returns:
+        (short rows [n, seq_len], long rows [m, long_len] shuffled with ``seed``, counts
+        {short_rows, long_text_rows, long_retrieval_rows}).
+
+    Raises:
+        HeadscopeInputError (a ValueError): retrieval_frac outside [0, 1); too little text for a row.
+    """
+    if not 0 <= retrieval_frac < 1:
+        raise HeadscopeInputError(f"retrieval_frac={retrieval_frac} must lie in [0, 1)")
+    eos = tokenizer.eos_token_id
+    short = pack(docs, seq_len, eos)
+    long_text = pack(docs, long_len, eos)
+    n_ret = max(1, round(len(long_text) * retrieval_frac / (1 - retrieval_frac))) if retrieval_frac > 0 else 0
+    if n_ret and tasks:
+        L = long_len
+        ret = TokenRows.concat([
+            retrieval_rows(tokenizer, max(1, n_ret // len(tasks)), L, t, seed=seed + 1 + i,
+                           lengths=[max(96, L // 4), max(96, L // 2), L])
+            for i, t in enumerate(tasks)
+        ])
+        long_rows, n_ret = mix(long_text, ret, seed=seed), len(ret)
+    else:
+        long_rows, n_ret = long_text, 0
+    return short, long_rows, {"short_rows": len(short), "long_text_rows": len(long_text), "long_retrieval_rows": n_ret}
+
+
 class Loader:
     """Batches of rows in a seeded random order per epoch, resumable.
 

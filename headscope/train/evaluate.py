@@ -42,13 +42,18 @@ def wilson_interval(hits: int, n: int, confidence: float = 0.95) -> tuple[float,
 
 
 @torch.no_grad()
-def retrieval_hits(model: Any, pairs: Sequence[Any], pad_id: int, batch_size: int = 8) -> Bool[Tensor, "pair"]:
+def retrieval_hits(
+    model: Any, pairs: Sequence[Any], pad_id: int, batch_size: int = 8, pad_multiple: int = 256
+) -> Bool[Tensor, "pair"]:
     """Whether greedy decoding reproduces each pair's answer a⁺ exactly after its clean prompt.
 
     Args:
         model: a transformers causal LM. pairs: :class:`headscope.tasks.Pair` objects (clean prompt,
             answer ids). pad_id: right-padding id (causal: padding never changes real positions).
         batch_size: prompts per forward.
+        pad_multiple: every batch is right-padded to a multiple of this many tokens, so that the
+            kernels see few distinct shapes (a new shape can mean a new compilation or autotuning
+            for Triton- and ``torch.compile``-based kernels). Padding never changes real positions.
 
     Returns:
         [pair] bool on the CPU.
@@ -58,7 +63,8 @@ def retrieval_hits(model: Any, pairs: Sequence[Any], pad_id: int, batch_size: in
     for i in range(0, len(pairs), batch_size):
         chunk = pairs[i : i + batch_size]
         seqs = [torch.cat([p.clean, p.answer[:-1]]) for p in chunk]
-        ids = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long)
+        T = -(-max(len(s) for s in seqs) // pad_multiple) * pad_multiple
+        ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
         for j, s in enumerate(seqs):
             ids[j, : len(s)] = s
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
