@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from conftest import experiment_module
+
 
 import numpy as np
 
 
-def _conversion():
-    path = Path(__file__).resolve().parents[1] / "experiments" / "conversion.py"
-    spec = importlib.util.spec_from_file_location("conversion_experiment", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_masks_at_7_to_1_on_the_smollm2_geometry():
-    conv = _conversion()
+    conv = experiment_module("conversion")
     scores = np.arange(270, dtype=float).reshape(30, 9)  # the last layers score highest
     m = conv.build_masks(30, 9, 3, scores, "7:1", min_per_layer=1, seed=0)
     hyd, rnd, lw, ag = m["hydrahead"], m["random"], m["layerwise"], m["allgdn"]

@@ -3,25 +3,18 @@ deduplication, resumable jobs, retrieval curves and Wilson intervals."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
+from conftest import experiment_module
 from headscope.masks import HeadMask
 from headscope.train.evaluate import wilson_interval
 
 
-def _conversion():
-    path = Path(__file__).resolve().parents[1] / "experiments" / "conversion.py"
-    spec = importlib.util.spec_from_file_location("conversion_experiment_plan", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_wilson_interval_matches_the_closed_form():
@@ -70,7 +63,7 @@ def test_retrieval_hits_do_not_depend_on_the_padding(smol_tokenizer):
 def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
     from typer.testing import CliRunner
 
-    conv = _conversion()
+    conv = experiment_module("conversion")
     run = CliRunner()
     out = tmp_path / "conv"
     mask = HeadMask.from_heads([(0, 0), (1, 2)], 2, 4, 2)

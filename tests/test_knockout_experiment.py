@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from conftest import experiment_module
+
 
 import pandas as pd
 
 
-def _knockout():
-    path = Path(__file__).resolve().parents[1] / "experiments" / "knockout.py"
-    spec = importlib.util.spec_from_file_location("knockout_experiment", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _scores(n_layers=3, n_heads=4):
@@ -24,7 +18,7 @@ def _scores(n_layers=3, n_heads=4):
 
 
 def test_head_sets_all_and_subset():
-    ko = _knockout()
+    ko = experiment_module("knockout")
     sets = ko.head_sets(_scores(), 4, 3, random_seeds=2)
     assert set(sets) == {"top", "bottom", "random0", "random1", "layers"}
     assert sets["top"] == [(2, 3), (2, 2), (2, 1)] and sets["bottom"] == [(0, 2), (0, 1), (0, 0)]
