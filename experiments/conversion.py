@@ -618,6 +618,9 @@ def pack_shards(out: Path, tok: Any, s: dict, heldout_docs: int = 256) -> dict:
         docs += blob["docs"]
         secs = max(secs, blob["seconds"])
     uniq = list({tuple(x): None for x in docs})
+    import hashlib
+
+    digest = hashlib.sha256(torch.tensor([t for x in uniq for t in x], dtype=torch.int32).numpy().tobytes()).hexdigest()
     if not 0 < heldout_docs <= len(uniq) // 2:
         raise typer.BadParameter(f"--heldout-docs {heldout_docs}: give 1..{len(uniq) // 2} (half of the {len(uniq)} unique documents)")
     perm = np.random.default_rng(s["seed"]).permutation(len(uniq))
@@ -628,7 +631,8 @@ def pack_shards(out: Path, tok: Any, s: dict, heldout_docs: int = 256) -> dict:
     long_rows.save(d / "long.pt")
     pack(held, s["seq_len"], tok.eos_token_id).save(d / "heldout.pt")
     info = {"sample_seconds": round(secs, 1), "shards": len(shards), "docs": len(docs), "duplicates_dropped": len(docs) - len(uniq),
-            "heldout_docs": len(held), "text_docs": len(train), "text_tokens": sum(map(len, train)), **counts}
+            "heldout_docs": len(held), "text_docs": len(train), "text_tokens": sum(map(len, train)), **counts,
+            "docs_per_shard": [len(torch.load(f)["docs"]) for f in shards], "docs_sha256": digest}
     (d / "info.json").write_text(json.dumps(info, indent=2))
     (d / "done").write_text("ok")
     return info

@@ -9,7 +9,8 @@
 # teacher sampling per GPU, 150), SAMPLE_BATCH (2048), EVAL_N (100), EVAL_LENGTHS, DEV0 / DEV1 (the two
 # devices, cuda:0 / cuda:1; CPU smoke test: DEV0=cpu DEV1=cpu with tiny settings), EXTRA_PLAN (more
 # `conversion.py plan` options), SAMPLE_ARGS (more `conversion.py sample` options),
-# HELDOUT_DOCS (sampled documents held out for perplexity, 256), WARMUP ('' = no kernel warm-up run). Logs in $CONV_OUT/logs; the table via `conversion.py report`.
+# SAMPLE_MAX_DOCS (documents per shard, "8192,10240" with SAMPLE_S=1000 to redraw the 2026-11-30 data; data/info.json
+# records the counts and a SHA-256 of the documents to check), HELDOUT_DOCS (sampled documents held out for perplexity, 256), WARMUP ('' = no kernel warm-up run). Logs in $CONV_OUT/logs; the table via `conversion.py report`.
 set -u
 OUTD=${CONV_OUT:-/tmp/conv}
 M=${MODEL:?set MODEL to the teacher (a .gguf path, HF directory or spec)}
@@ -32,10 +33,11 @@ fi
 
 if [ ! -f "$OUTD/data/done" ]; then
   stamp "sample on $DEV0 and $DEV1 (${SAMPLE_S:-150} s each)"
+  IFS=, read -r -a maxdocs <<< "${SAMPLE_MAX_DOCS:-10000000,10000000}"
   for k in 0 1; do
     dv=$DEV0; [ $k = 1 ] && dv=$DEV1
     [ -f "$OUTD/data/docs_$k.pt" ] || $PY experiments/conversion.py sample --out "$OUTD" --shard $k --model "$M" \
-      --device "$dv" --seconds "${SAMPLE_S:-150}" --batch "${SAMPLE_BATCH:-2048}" --cache-implementation static ${SAMPLE_ARGS:-} \
+      --device "$dv" --seconds "${SAMPLE_S:-150}" --batch "${SAMPLE_BATCH:-2048}" --cache-implementation static --max-docs "${maxdocs[$k]}" ${SAMPLE_ARGS:-} \
       > "$L/sample$k.log" 2>&1 &
   done
   # fla/tilelang kernels and the compiled step, built once into the on-disk caches while the teacher samples

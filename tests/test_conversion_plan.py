@@ -92,6 +92,7 @@ def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
     torch.save(blob, out / "data" / "docs_1.pt")  # a shard that repeats shard 0: every document is a duplicate
     info = json.loads(call("pack", "--out", out, "--model", tiny_dir, "--heldout-docs", 4).strip().splitlines()[-1])
     assert info["docs"] == 48 and info["duplicates_dropped"] >= 24 and info["heldout_docs"] == 4
+    assert info["docs_per_shard"] == [24, 24] and len(info["docs_sha256"]) == 64
     assert info["text_docs"] == 48 - info["duplicates_dropped"] - 4
     # stage 3: a quarter of the rows are retrieval rows, in equal shares of the two tasks
     n_ret = max(1, round(info["long_text_rows"] * 0.25 / 0.75))
