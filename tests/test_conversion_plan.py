@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -131,3 +132,42 @@ def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
     rc = pd.read_csv(out / "retrieval_curves.csv")
     # the ablation's stage 3 is one step: its two pieces end at the same step, one point
     assert set(rc["model"]) == {"hydrahead", "abl0_base"} and len(rc) == 5 + 4
+
+
+def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, smol_tokenizer):
+    """experiments/gpu_conversion.sh with both "devices" on the CPU and tiny settings: plan, two sampling
+    shards, pack, both queues (main masks, teacher, ablation) and the report; a second run does nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import tiny_llama
+
+    model = tmp_path / "tiny"
+    tiny_llama(smol_tokenizer).save_pretrained(model)
+    smol_tokenizer.save_pretrained(model)
+    HeadMask.from_heads([(0, 0), (1, 2)], 2, 4, 2).to_json(tmp_path / "mask.json")
+    out = tmp_path / "conv"
+    env = {**os.environ, "MODEL": str(model), "CONV_OUT": str(out), "MASK": str(tmp_path / "mask.json"),
+           "DEV0": "cpu", "DEV1": "cpu", "TOKENS": "2048", "ABL_TOKENS": "1024", "EVAL_N": "2", "SAMPLE_S": "1000",
+           "SAMPLE_BATCH": "8", "SAMPLE_MAX_DOCS": "16,24", "HELDOUT_DOCS": "4", "WARMUP": "", "PYTHON": sys.executable,
+           "SAMPLE_ARGS": "--doc-len 40",
+           "EXTRA_PLAN": "--seq-len 32 --long-len 512 --batch 2 --batch-long 1 --task niah_single --eval-lengths 192 "
+                         "--curve-n 0 --ablation-task niah_single --ablation-lengths 192 --gdn-kernel torch --budget 2 "
+                         "--eval-batch 2 --pieces 1,1,1"}
+    root = Path(__file__).resolve().parents[1]
+    for _ in range(2):
+        res = subprocess.run(["bash", "experiments/gpu_conversion.sh"], cwd=root, env=env, capture_output=True, text=True,
+                             timeout=900)
+        assert res.returncode == 0, res.stdout + res.stderr
+    steps = (out / "logs" / "steps.log").read_text().splitlines()
+    assert [x.split("] ")[1] for x in steps].count("done") == 2 and sum("sample on" in x for x in steps) == 1
+    info = json.loads((out / "data" / "info.json").read_text())
+    assert info["docs_per_shard"] == [16, 24]
+    table = pd.read_csv(out / "results.csv")
+    jobs = ["hydrahead", "layerwise3", "abl0_base", "abl2_gdn_rope", "layerwise", "random", "teacher", "abl1_fa_nope",
+            "abl3_fa_gate"]
+    assert sorted(table["model"]) == sorted(jobs)
+    s = json.loads((out / "settings.json").read_text())
+    hyd = table.set_index("model").loc["hydrahead"]
+    assert [hyd[f"tokens{k}"] for k in (1, 2, 3)] == [s["tokens1"], s["tokens2"], s["tokens3"]]
