@@ -30,35 +30,31 @@ def test_wilson_interval_matches_the_closed_form():
         wilson_interval(5, 4)
 
 
-def test_retrieval_hits_do_not_depend_on_the_padding(smol_tokenizer):
+def test_retrieval_hits_equal_greedy_generation(smol_tokenizer):
+    """retrieval_hits (bucketed right padding, logits only at the read rows) against greedy generation, one
+    prompt at a time: answers set to the model's own greedy continuation must all be hits, and the same
+    answers with their last token changed must all be misses."""
+    import dataclasses
+
     from conftest import tiny_llama
     from headscope.tasks import make_pairs
     from headscope.train.evaluate import retrieval_hits
 
     model = tiny_llama(smol_tokenizer)
     pairs = make_pairs("niah_single", smol_tokenizer, n_pairs=6, seq_len=160, seed=3)
+    own, wrong = [], []
+    for p in pairs:
+        with torch.no_grad():
+            gen = model.generate(p.clean[None], attention_mask=torch.ones_like(p.clean[None]), do_sample=False,
+                                 max_new_tokens=p.n_answer, min_new_tokens=p.n_answer, pad_token_id=0)[0, p.length :]
+        own.append(dataclasses.replace(p, answer=gen, counter_answer=(gen + 1) % len(smol_tokenizer)))
+        bad = gen.clone()
+        bad[-1] = (bad[-1] + 1) % len(smol_tokenizer)
+        wrong.append(dataclasses.replace(p, answer=bad, counter_answer=gen))
     pad = smol_tokenizer.eos_token_id
-    exact = torch.stack([retrieval_hits(model, [p], pad, batch_size=1, pad_multiple=1) for p in pairs]).flatten()
-    # the random model answers nothing right; check the argmax itself, which padding must not move
-    with torch.no_grad():
-        from headscope.readout import read_positions
-
-        def argmaxes(pad_multiple):
-            out = []
-            for i in range(0, 6, 3):
-                chunk = pairs[i : i + 3]
-                seqs = [torch.cat([p.clean, p.answer[:-1]]) for p in chunk]
-                T = -(-max(len(x) for x in seqs) // pad_multiple) * pad_multiple
-                ids = torch.full((3, T), pad, dtype=torch.long)
-                for j, x in enumerate(seqs):
-                    ids[j, : len(x)] = x
-                lg = model(input_ids=ids).logits
-                out += [lg[j, read_positions(p.length, p.n_answer)].argmax(-1) for j, p in enumerate(chunk)]
-            return out
-
-        for a, b in zip(argmaxes(1), argmaxes(256)):
-            assert torch.equal(a, b)
-    assert torch.equal(retrieval_hits(model, pairs, pad, batch_size=3, pad_multiple=256), exact)
+    for pm in (1, 256):
+        assert retrieval_hits(model, own, pad, batch_size=4, pad_multiple=pm).all()
+        assert not retrieval_hits(model, wrong, pad, batch_size=4, pad_multiple=pm).any()
 
 
 def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):

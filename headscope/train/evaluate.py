@@ -67,10 +67,16 @@ def retrieval_hits(
         ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
         for j, s in enumerate(seqs):
             ids[j, : len(s)] = s
+        reads = [read_positions(p.length, p.n_answer) for p in chunk]
+        keep = sorted({i for r in reads for i in r})  # logits only where an answer token is read
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            logits = model(input_ids=ids.to(dev), use_cache=False).logits
-        for j, p in enumerate(chunk):
-            hits.append(bool(greedy_exact_match(logits[j, read_positions(p.length, p.n_answer)].float(), p.answer)))
+            try:
+                logits = model(input_ids=ids.to(dev), use_cache=False, logits_to_keep=torch.tensor(keep, device=dev)).logits
+            except TypeError:  # a model without transformers' logits_to_keep
+                logits = model(input_ids=ids.to(dev), use_cache=False).logits
+        col = {pos: k for k, pos in enumerate(keep)} if logits.shape[1] == len(keep) else {i: i for i in range(T)}
+        for j, (p, r) in enumerate(zip(chunk, reads)):
+            hits.append(bool(greedy_exact_match(logits[j, [col[i] for i in r]].float(), p.answer)))
     return torch.tensor(hits, dtype=torch.bool)
 
 
