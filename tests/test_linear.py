@@ -104,7 +104,7 @@ def test_linear_gelu_epilogue_matches_unfused(approx):
 
 def test_gpt2_mlp_blocks_with_fused_gelu_match_the_module():
     from headscope.arch.random_models import _families
-    from headscope.patching.mlp import mlp_blocks, mlp_linears
+    from headscope.patching.mlp import mlp_linears
 
     hf = _families(1, 64, 4, 4)["gpt2"](50, 0)
     blk = hf.transformer.h[0]
@@ -112,10 +112,17 @@ def test_gpt2_mlp_blocks_with_fused_gelu_match_the_module():
     assert parts is not None and parts.gate is None
     if onednn_available():
         assert parts.fused == ("gelu", "tanh")
-    h = torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(0))
+    _assert_blocked_mlp_equals_module(parts, blk.ln_2, blk.mlp, seed=0)
+
+
+def _assert_blocked_mlp_equals_module(parts, norm, mlp, seed: int) -> None:
+    """h + mlp(norm(h)) through the blocked oneDNN MLP (blocks of 7 rows) equals the module's own call."""
+    from headscope.patching.mlp import mlp_blocks
+
+    h = torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
-        want = h + blk.mlp(blk.ln_2(h))
-        got = mlp_blocks(parts, blk.ln_2, h, block=7)
+        want = h + mlp(norm(h))
+        got = mlp_blocks(parts, norm, h, block=7)
     assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max())
 
 
@@ -123,7 +130,7 @@ def test_phi3_fused_gate_up_runs_blocked_and_matches_the_module():
     """Phi-3's gate_up_proj ([gate | up] rows) is taken as two row views, gate first: the blocked MLP
     equals the module's own call."""
     from headscope.arch.random_models import _families
-    from headscope.patching.mlp import mlp_blocks, mlp_linears
+    from headscope.patching.mlp import mlp_linears
 
     hf = _families(1, 64, 4, 2)["phi3"](50, 0)
     blk = hf.model.layers[0]
@@ -132,11 +139,7 @@ def test_phi3_fused_gate_up_runs_blocked_and_matches_the_module():
     f = blk.mlp.down_proj.in_features
     assert torch.equal(parts.gate.weight, blk.mlp.gate_up_proj.weight[:f])
     assert torch.equal(parts.up.weight, blk.mlp.gate_up_proj.weight[f:])
-    h = torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = h + blk.mlp(blk.post_attention_layernorm(h))
-        got = mlp_blocks(parts, blk.post_attention_layernorm, h, block=7)
-    assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max())
+    _assert_blocked_mlp_equals_module(parts, blk.post_attention_layernorm, blk.mlp, seed=1)
 
 
 def test_linear_rejects_act_with_residual_or_unknown_act():
