@@ -124,6 +124,7 @@ def _report(r: Any, cfg: Any, budget: str, min_per_layer: int, out: Path, top: i
         f"{p['model']}: {p['n_pairs']} pair(s) of {p['tasks']} at ~{cfg.seq_len} tokens, {p['direction']}, "
         f"lambda={cfg.readout.lam}; m(x) mean {sum(p['m_clean']) / len(p['m_clean']):.2f}, "
         f"m(x') mean {sum(p['m_corrupt']) / len(p['m_corrupt']):.2f}; {p['seconds']} s"
+        + (f"; {p['path']} path" if p.get("path") else "")
     )
     cols = ["rank", "layer", "head", "kv_group", "ie_recv", "ie_recv_std"]
     fused = "kappa" in r.scores.columns

@@ -32,7 +32,7 @@ def budget_raised_note(budget: Budget, k: int, need: int, n_layers: int, n_heads
     return (
         f"budget {budget!r} = {k} FA head(s) of {n_layers * n_heads} cannot give {min_per_layer} head(s) to each "
         f"of {n_layers} layers; raised to {need} ({need / (n_layers * n_heads):.1%} of the heads), the smallest "
-        f"budget that does (pass min_per_layer=0 to keep {k})"
+        f"budget that does (min_per_layer=0, on the command line --min-per-layer 0, keeps {k})"
     )
 
 

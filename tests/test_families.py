@@ -109,7 +109,7 @@ def test_tl_sweep_equality_on_gpt2(smol_tokenizer, pair):
 
 def test_cli_ranks_a_gpt2_directory_on_both_paths(smol_tokenizer, tmp_path):
     """`headscope rank --model DIR` on a saved GPT-2: the fast path (auto) and --path generic give the same table,
-    and ranking.json records which path ran."""
+    and ranking.json and the printed summary record which path ran."""
     import json
 
     import pandas as pd
@@ -129,6 +129,8 @@ def test_cli_ranks_a_gpt2_directory_on_both_paths(smol_tokenizer, tmp_path):
         assert r.exit_code == 0, r.output
         prov = json.loads((out / "ranking.json").read_text())
         assert prov["provenance"]["path"] == ("fast" if path == "auto" else "generic")
+        summary = [line for line in r.output.splitlines() if " pair(s) of " in line]
+        assert len(summary) == 1 and summary[0].endswith(f"; {prov['provenance']['path']} path")  # the summary says it too
         tables[path] = pd.read_csv(out / "scores.csv").sort_values(["layer", "head"])
     a, b = tables["auto"]["ie_recv"].to_numpy(), tables["generic"]["ie_recv"].to_numpy()
     assert abs(a - b).max() < 1e-4 and abs(a).max() > 1e-3
