@@ -10,7 +10,8 @@
 # devices, cuda:0 / cuda:1; CPU smoke test: DEV0=cpu DEV1=cpu with tiny settings), EXTRA_PLAN (more
 # `conversion.py plan` options), SAMPLE_ARGS (more `conversion.py sample` options),
 # SAMPLE_MAX_DOCS (documents per shard, "8192,10240" with SAMPLE_S=1000 to redraw the 2026-11-30 data; data/info.json
-# records the counts and a SHA-256 of the documents to check), HELDOUT_DOCS (sampled documents held out for perplexity, 256), WARMUP ('' = no kernel warm-up run). Logs in $CONV_OUT/logs; the table via `conversion.py report`.
+# records the counts and a SHA-256 of the documents to check), HELDOUT_DOCS (sampled documents held out for perplexity, 256), WARMUP ('' = no kernel warm-up run),
+# JOBS0 / JOBS1 (the two queues, comma-separated job names; default: all jobs, the main comparison first). Logs in $CONV_OUT/logs; the table via `conversion.py report`.
 set -u
 OUTD=${CONV_OUT:-/tmp/conv}
 M=${MODEL:?set MODEL to the teacher (a .gguf path, HF directory or spec)}
@@ -51,9 +52,9 @@ fi
 stamp "queues"
 # the main comparison first on both devices, then the teacher, then the ablation
 $PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "$DEV0" \
-  --jobs hydrahead,layerwise3,abl0_base,abl2_gdn_rope > "$L/queue0.log" 2>&1 &
+  --jobs "${JOBS0:-hydrahead,layerwise3,abl0_base,abl2_gdn_rope}" > "$L/queue0.log" 2>&1 &
 $PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "$DEV1" \
-  --jobs layerwise,random,teacher,abl1_fa_nope,abl3_fa_gate > "$L/queue1.log" 2>&1 &
+  --jobs "${JOBS1:-layerwise,random,teacher,abl1_fa_nope,abl3_fa_gate}" > "$L/queue1.log" 2>&1 &
 wait
 $PY experiments/conversion.py report --out "$OUTD" > "$L/report.log" 2>&1
 stamp done
