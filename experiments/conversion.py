@@ -26,6 +26,7 @@ finished evaluations.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -612,14 +613,13 @@ def pack_shards(out: Path, tok: Any, s: dict, heldout_docs: int = 256) -> dict:
     shards = sorted(d.glob("docs_*.pt"))
     if not shards:
         raise typer.BadParameter(f"no {d}/docs_*.pt: run `conversion.py sample` first")
-    docs, secs = [], 0.0
+    docs, secs, per_shard = [], 0.0, []
     for f in shards:
         blob = torch.load(f)
         docs += blob["docs"]
+        per_shard.append(len(blob["docs"]))
         secs = max(secs, blob["seconds"])
     uniq = list({tuple(x): None for x in docs})
-    import hashlib
-
     digest = hashlib.sha256(torch.tensor([t for x in uniq for t in x], dtype=torch.int32).numpy().tobytes()).hexdigest()
     if not 0 < heldout_docs <= len(uniq) // 2:
         raise typer.BadParameter(f"--heldout-docs {heldout_docs}: give 1..{len(uniq) // 2} (half of the {len(uniq)} unique documents)")
@@ -632,7 +632,7 @@ def pack_shards(out: Path, tok: Any, s: dict, heldout_docs: int = 256) -> dict:
     pack(held, s["seq_len"], tok.eos_token_id).save(d / "heldout.pt")
     info = {"sample_seconds": round(secs, 1), "shards": len(shards), "docs": len(docs), "duplicates_dropped": len(docs) - len(uniq),
             "heldout_docs": len(held), "text_docs": len(train), "text_tokens": sum(map(len, train)), **counts,
-            "docs_per_shard": [len(torch.load(f)["docs"]) for f in shards], "docs_sha256": digest}
+            "docs_per_shard": per_shard, "docs_sha256": digest}
     (d / "info.json").write_text(json.dumps(info, indent=2))
     (d / "done").write_text("ok")
     return info
