@@ -53,7 +53,7 @@ from headscope.train import (
     sample_teacher_text,
     stage_rows,
 )
-from headscope.train.evaluate import evaluate, wilson_interval
+from headscope.train.evaluate import eval_pairs, evaluate, wilson_interval
 
 app = typer.Typer(add_completion=False)
 torch.backends.cuda.matmul.allow_tf32 = True
@@ -205,7 +205,8 @@ def _curve_point(out: Path, name: str, student: Any, tok: Any, s: dict, stage: i
     done = {(r["stage"], r["tokens_seen"]) for r in map(json.loads, f.read_text().splitlines())} if f.exists() else set()
     if (stage, tokens_seen) in done or not s.get("curve_n"):
         return
-    ev = evaluate(student, tok, None, s["curve_tasks"], s["curve_lengths"], s["curve_n"], s["eval_batch"])
+    ev = evaluate(student, tok, None, s["curve_tasks"], s["curve_lengths"], s["curve_n"], s["eval_batch"],
+                  cache_dir=out / "eval_pairs")
     student.train()
     with open(f, "a") as fh:
         fh.write(json.dumps({"stage": stage, "tokens_seen": tokens_seen,
@@ -269,7 +270,7 @@ def convert_one(out: Path, name: str, model: str, device: Optional[str], train_s
         print(name, json.dumps(summ), flush=True)
     heldout = TokenRows.load(out / "data" / "heldout.pt")
     e = job["eval"]
-    ev = evaluate(student, tok, heldout, e["tasks"], e["lengths"], e["n"], s["eval_batch"])
+    ev = evaluate(student, tok, heldout, e["tasks"], e["lengths"], e["n"], s["eval_batch"], cache_dir=out / "eval_pairs")
     ev.update({"mask": name, "n_fa": mask.n_fa, "kv_cache_fraction": mask.kv_cache_fraction, "train": summaries,
                "options": opts, "job": job})
     (out / name / "eval.json").write_text(json.dumps(ev, indent=2))
@@ -281,7 +282,8 @@ def eval_teacher(out: Path, model: str, device: Optional[str]) -> None:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     heldout = TokenRows.load(out / "data" / "heldout.pt")
-    ev = evaluate(teacher, tok, heldout, s["tasks"], s["eval_lengths"], s["eval_n"], s["eval_batch"])
+    ev = evaluate(teacher, tok, heldout, s["tasks"], s["eval_lengths"], s["eval_n"], s["eval_batch"],
+                  cache_dir=out / "eval_pairs")
     from headscope.models import geometry_of
 
     g = geometry_of(teacher.config)
@@ -299,18 +301,35 @@ def _markdown(df: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _curves(out: Path, name: str, losses: list) -> list[dict]:
+    """Appends run ``name``'s stage loss logs to ``losses``; returns its retrieval-curve points."""
+    for st in (1, 2, 3):
+        lf = out / name / f"stage{st}" / "log.csv"
+        if lf.exists():
+            df = pd.read_csv(lf)[["stage", "step", "tokens", "loss", "lr", "grad_norm"]]
+            df.insert(0, "model", name)
+            losses.append(df)
+    cf = out / name / "curve.jsonl"
+    return [{"model": name, **json.loads(line)} for line in cf.read_text().splitlines()] if cf.exists() else []
+
+
 def report(out: Path) -> pd.DataFrame:
     """OUT/results.csv + results.md (accuracy per cell), OUT/results_ci.csv (hits, n, 95 % Wilson
     interval per cell), OUT/curves.csv (losses of all runs) and OUT/retrieval_curves.csv (retrieval
     against tokens seen) from the finished runs."""
     rows, curves, cis, rcurves = [], [], [], []
-    names = ["teacher", *MASKS] + sorted(p.parent.name for p in out.glob("*/eval.json") if p.parent.name not in ("teacher", *MASKS))
+    # a run without eval.json (stopped before its evaluation) still gives its loss and retrieval curves
+    found = {p.parent.name for pat in ("*/eval.json", "*/curve.jsonl") for p in out.glob(pat)}
+    names = [n for n in ("teacher", *MASKS) if n in found] + sorted(found - {"teacher", *MASKS})
     for name in names:
         f = out / name / "eval.json"
-        if not f.exists():
+        ev = json.loads(f.read_text()) if f.exists() else None
+        if ev is None:
+            rcurves += _curves(out, name, curves)
             continue
-        ev = json.loads(f.read_text())
-        r = {"model": name, "n_fa": ev["n_fa"], "kv_cache": round(ev["kv_cache_fraction"], 3), "ppl": round(ev["ppl"], 3)}
+        kv, ppl = ev.get("kv_cache_fraction"), ev.get("ppl")  # absent in a partial evaluation (e.g. teacher_cpu)
+        r = {"model": name, "n_fa": ev.get("n_fa"), "kv_cache": None if kv is None else round(kv, 3),
+             "ppl": None if ppl is None else round(ppl, 3)}
         for k, v in ev.items():
             if "@" in k:
                 r[k] = v["accuracy"]
@@ -321,15 +340,7 @@ def report(out: Path) -> pd.DataFrame:
             r[f"tokens{st}"] = summ["tokens"]
             r[f"loss{st}"] = summ["final_loss"]
         rows.append(r)
-        for st in (1, 2, 3):
-            lf = out / name / f"stage{st}" / "log.csv"
-            if lf.exists():
-                df = pd.read_csv(lf)[["stage", "step", "tokens", "loss", "lr", "grad_norm"]]
-                df.insert(0, "model", name)
-                curves.append(df)
-        cf = out / name / "curve.jsonl"
-        if cf.exists():
-            rcurves += [{"model": name, **json.loads(line)} for line in cf.read_text().splitlines()]
+        rcurves += _curves(out, name, curves)
     table = pd.DataFrame(rows)
     table.to_csv(out / "results.csv", index=False)
     (out / "results.md").write_text(_markdown(table))
@@ -636,6 +647,51 @@ def pack_shards(out: Path, tok: Any, s: dict, heldout_docs: int = 256) -> dict:
     (d / "info.json").write_text(json.dumps(info, indent=2))
     (d / "done").write_text("ok")
     return info
+
+
+def eval_cells(out: Path) -> list[tuple[str, int, int]]:
+    """Every (task, length, n) prompt set that the run's evaluations use: the main cells, the
+    retrieval-curve cells and each job's own (``OUT/jobs/*.json``), longest first."""
+    s = _settings(out)
+    cells = {(t, int(L), int(s["eval_n"])) for t in s["tasks"] for L in s["eval_lengths"]}
+    if s.get("curve_n"):
+        cells |= {(t, int(L), int(s["curve_n"])) for t in s["curve_tasks"] for L in s["curve_lengths"]}
+    for f in sorted((out / "jobs").glob("*.json")):
+        e = job_spec(out, f.stem)["eval"]
+        cells |= {(t, int(L), int(e["n"])) for t in e["tasks"] for L in e["lengths"]}
+    return sorted(cells, key=lambda c: (-c[1] * c[2], c[0]))
+
+
+_POOL_TOK: Any = None
+
+
+def _build_cell(cell: tuple[str, int, int]) -> str:
+    t0 = time.time()
+    eval_pairs(_POOL_TOK, cell[0], cell[1], cell[2], cache_dir=_POOL_DIR)
+    return f"{cell[0]}@{cell[1]} n={cell[2]}: {time.time() - t0:.1f} s"
+
+
+@app.command("pairs")
+def pairs_cmd(out: Path = typer.Option(...), model: str = typer.Option("smollm2-135m"),
+              workers: int = typer.Option(0, help="processes (0: half the CPU cores)")) -> None:
+    """Build every evaluation prompt set of the run into OUT/eval_pairs once (CPU, in parallel; the
+    queues then read them instead of tokenizing 16K-token prompts for each model)."""
+    import multiprocessing as mp
+
+    global _POOL_TOK, _POOL_DIR
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _, _POOL_TOK, _ = load_hf(model, device="cpu")
+    _POOL_DIR = out / "eval_pairs"
+    cells = eval_cells(out)
+    n = workers or max(1, (os.cpu_count() or 2) // 2)
+    t0 = time.time()
+    with mp.get_context("fork").Pool(min(n, len(cells))) as pool:  # fork: the workers share the tokenizer
+        for msg in pool.imap_unordered(_build_cell, cells):
+            print(msg, flush=True)
+    print(f"{len(cells)} prompt sets in {time.time() - t0:.0f} s", flush=True)
+
+
+_POOL_DIR: Optional[Path] = None
 
 
 @app.command("pack")

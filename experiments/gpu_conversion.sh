@@ -44,6 +44,8 @@ if [ ! -f "$OUTD/data/done" ]; then
   # fla/tilelang kernels and the compiled step, built once into the on-disk caches while the teacher samples
   [ -n "${WARMUP-1}" ] && $PY benchmarks/bench_train.py --out "$OUTD/logs/warmup.json" --shapes 64x512,16x2048 \
     --stages13 64x512 --variants hybrid_fast --variants13 hybrid_fast --ladder '' --steps 1 > "$L/warmup.log" 2>&1 &
+  # the evaluation prompts, built once on the CPU while the GPUs sample
+  $PY experiments/conversion.py pairs --out "$OUTD" --model "$M" > "$L/pairs.log" 2>&1 &
   wait
   stamp pack
   $PY experiments/conversion.py pack --out "$OUTD" --model "$M" --heldout-docs "${HELDOUT_DOCS:-256}" > "$L/pack.log" 2>&1 || { stamp "pack failed"; exit 1; }

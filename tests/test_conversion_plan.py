@@ -167,3 +167,6 @@ def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, smol_tokenizer):
     s = json.loads((out / "settings.json").read_text())
     hyd = table.set_index("model").loc["hydrahead"]
     assert [hyd[f"tokens{k}"] for k in (1, 2, 3)] == [s["tokens1"], s["tokens2"], s["tokens3"]]
+    # the evaluation prompts were built once, by the `pairs` step, one file per (task, length, n)
+    assert sorted(p.name for p in (out / "eval_pairs").glob("*.pt")) == ["niah_single@192_n2_s1234.pt"]
+    assert "1 prompt sets" in (out / "logs" / "pairs.log").read_text()

@@ -112,9 +112,23 @@ def _fit_filler(
     per = max(1.0, (len(_ids(tokenizer, make_text(probe))) - base) / 20)
     n = min(max_sentences, int((seq_len - base) / per) + 2)
     sentences = filler.take(n, random.Random(rng_seed))
-    while n > 0 and len(_ids(tokenizer, make_text(sentences[:n]))) > seq_len:
-        n -= 1
-    return sentences[:n]
+
+    def fits(k: int) -> bool:
+        return len(_ids(tokenizer, make_text(sentences[:k]))) <= seq_len
+
+    # the longest prefix that fits (the token count grows with the sentences): gallop down from the
+    # estimate, then bisect, ~2·log2(overshoot) tokenizations of the whole prompt instead of one per
+    # sentence removed
+    if fits(n):
+        return sentences
+    hi, step = n, 1  # not fits(hi)
+    while hi - step > 0 and not fits(hi - step):
+        hi, step = hi - step, step * 2
+    lo = max(0, hi - step)  # fits(lo): the last probe, or 0 (base <= seq_len)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return sentences[:lo]
 
 
 def niah_single(

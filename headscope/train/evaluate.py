@@ -9,6 +9,8 @@ equals greedy generation of the answer span.
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -80,19 +82,48 @@ def retrieval_hits(
     return torch.tensor(hits, dtype=torch.bool)
 
 
+def eval_pairs(tokenizer: Any, task: str, seq_len: int, n: int, seed: int = 1234,
+               cache_dir: str | Path | None = None) -> list[Any]:
+    """The ``n`` evaluation prompts of ``task`` at ``seq_len`` tokens: needle depths evenly spread over
+    [0, 1], seeded (the training rows of :func:`headscope.train.retrieval_rows` use other seeds).
+
+    Building long prompts is tokenizer-bound (~0.5 s per 16K-token prompt on one CPU core), and every
+    model of a comparison is scored on the same prompts: with ``cache_dir`` they are built once and kept
+    in ``cache_dir/{task}@{seq_len}_n{n}_s{seed}.pt`` (with the tokenizer's name and vocabulary size,
+    rebuilt when those differ; written atomically, so concurrent evaluators may share the folder).
+
+    Returns:
+        list of :class:`headscope.tasks.Pair`.
+    """
+    from ..tasks import make_pairs
+
+    ident = {"tokenizer": str(getattr(tokenizer, "name_or_path", "")), "vocab": len(tokenizer)}
+    f = Path(cache_dir) / f"{task}@{seq_len}_n{n}_s{seed}.pt" if cache_dir is not None else None
+    if f is not None and f.exists():
+        d = torch.load(f, weights_only=False)  # our own file: a pickled list of Pair
+        if d.get("ident") == ident:
+            return d["pairs"]
+    depths = list(np.linspace(0.0, 1.0, n)) if n > 1 else [0.5]
+    pairs = make_pairs(task, tokenizer, n_pairs=n, seq_len=seq_len, depth=depths, seed=seed)
+    if f is not None:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_suffix(f".{os.getpid()}.tmp")
+        torch.save({"ident": ident, "pairs": pairs}, tmp)
+        os.replace(tmp, f)
+    return pairs
+
+
 def retrieval_accuracy(
-    model: Any, tokenizer: Any, task: str, seq_len: int, n: int, seed: int = 1234, batch_size: int = 8
+    model: Any, tokenizer: Any, task: str, seq_len: int, n: int, seed: int = 1234, batch_size: int = 8,
+    cache_dir: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Retrieval accuracy of ``n`` prompts of ``task`` at ``seq_len`` tokens, needle depths evenly
-    spread over [0, 1] (seeded; the training rows of :func:`headscope.train.retrieval_rows` use other seeds).
+    """Retrieval accuracy of ``n`` prompts of ``task`` at ``seq_len`` tokens (:func:`eval_pairs`;
+    ``cache_dir`` keeps the prompts for the next model).
 
     Returns:
         {accuracy, hits, n, lo, hi (95 % Wilson interval), mean_len (tokens)}.
     """
-    from ..tasks import make_pairs
-
-    depths = list(np.linspace(0.0, 1.0, n)) if n > 1 else [0.5]
-    pairs = make_pairs(task, tokenizer, n_pairs=n, seq_len=seq_len, depth=depths, seed=seed)
+    pairs = eval_pairs(tokenizer, task, seq_len, n, seed, cache_dir)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     h = retrieval_hits(model, pairs, pad, batch_size)
     k = int(h.sum())
@@ -122,10 +153,11 @@ def perplexity(model: Any, rows: TokenRows, batch_size: int = 8) -> float:
 
 def evaluate(
     model: Any, tokenizer: Any, heldout: TokenRows | None, tasks: Sequence[str], lengths: Sequence[int], n: int,
-    batch_size: int = 16, seed: int = 1234,
+    batch_size: int = 16, seed: int = 1234, cache_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Held-out perplexity (``ppl``, if ``heldout``) and ``"{task}@{length}"`` retrieval cells
-    (:func:`retrieval_accuracy`; the batch shrinks with the length: ``batch_size · 512 / length`` rows)."""
+    (:func:`retrieval_accuracy`; the batch shrinks with the length: ``batch_size · 512 / length`` rows;
+    ``cache_dir``: where the prompts are kept for the next model, see :func:`eval_pairs`)."""
     model.eval()
     res: dict[str, Any] = {}
     if heldout is not None:
@@ -133,5 +165,5 @@ def evaluate(
     for task in tasks:
         for L in lengths:
             res[f"{task}@{L}"] = retrieval_accuracy(model, tokenizer, task, L, n, seed=seed,
-                                                    batch_size=max(1, batch_size * 512 // L))
+                                                    batch_size=max(1, batch_size * 512 // L), cache_dir=cache_dir)
     return res

@@ -1,0 +1,64 @@
+"""Evaluation prompts: the filler fit (gallop + bisection) against the one-sentence-at-a-time search,
+and the prompt cache of :func:`headscope.train.evaluate.eval_pairs`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from headscope.tasks import make_pairs
+from headscope.tasks.filler import Filler
+from headscope.tasks.niah import _ids, _fit_filler
+from headscope.train.evaluate import eval_pairs
+
+
+def _fit_linear(tok, make_text, filler, seq_len, seed):
+    """The reference: the longest prefix of the (over-long) draw that fits, found one sentence at a time."""
+    base = len(_ids(tok, make_text([])))
+    probe = filler.take(20, random.Random(seed))
+    per = max(1.0, (len(_ids(tok, make_text(probe))) - base) / 20)
+    n = int((seq_len - base) / per) + 2
+    sentences = filler.take(n, random.Random(seed))
+    while n > 0 and len(_ids(tok, make_text(sentences[:n]))) > seq_len:
+        n -= 1
+    return sentences[:n]
+
+
+@pytest.mark.parametrize("seq_len", [64, 200, 777, 1500])
+def test_fit_filler_equals_linear_search(smol_tokenizer, seq_len):
+    filler = Filler(None)
+    for seed in range(4):
+        # a prompt whose per-sentence estimate overshoots by a varying amount (long fixed text, odd spacing)
+        def make_text(s, k=seed):
+            return "Intro. " * (3 * k) + " ".join(s) + "\nQuestion?"
+
+        got = _fit_filler(smol_tokenizer, make_text, filler, seq_len, seed)
+        ref = _fit_linear(smol_tokenizer, make_text, filler, seq_len, seed)
+        assert got == ref
+        assert len(_ids(smol_tokenizer, make_text(got))) <= seq_len
+        assert len(_ids(smol_tokenizer, make_text(filler.take(len(got) + 1, random.Random(seed))))) > seq_len
+
+
+def test_eval_pairs_cache_round_trip(smol_tokenizer, tmp_path, monkeypatch):
+    fresh = make_pairs("niah_single", smol_tokenizer, n_pairs=3, seq_len=160, depth=[0.0, 0.5, 1.0], seed=7)
+    a = eval_pairs(smol_tokenizer, "niah_single", 160, 3, seed=7, cache_dir=tmp_path)
+    assert [p.clean.tolist() for p in a] == [p.clean.tolist() for p in fresh]
+    assert [p.answer.tolist() for p in a] == [p.answer.tolist() for p in fresh]
+    f = tmp_path / "niah_single@160_n3_s7.pt"
+    assert f.exists() and not list(tmp_path.glob("*.tmp"))
+    # the second call reads the file: building is not called again
+    import headscope.tasks as tasks
+
+    monkeypatch.setattr(tasks, "make_pairs", lambda *a, **k: pytest.fail("rebuilt despite the cache"))
+    b = eval_pairs(smol_tokenizer, "niah_single", 160, 3, seed=7, cache_dir=tmp_path)
+    assert [p.clean.tolist() for p in b] == [p.clean.tolist() for p in a]
+    # a file of another tokenizer is rebuilt, not trusted
+    monkeypatch.undo()
+    d = torch.load(f, weights_only=False)
+    d["ident"]["vocab"] += 1
+    d["pairs"] = d["pairs"][:1]
+    torch.save(d, f)
+    c = eval_pairs(smol_tokenizer, "niah_single", 160, 3, seed=7, cache_dir=tmp_path)
+    assert len(c) == 3 and torch.load(f, weights_only=False)["ident"]["vocab"] == len(smol_tokenizer)
