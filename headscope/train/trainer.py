@@ -459,7 +459,8 @@ class Trainer:
         ``time.time()`` value); checkpoint every ``ckpt_every`` steps and on exit.
 
         ``on_step(trainer, row)`` is called after each step; raising :class:`StopTraining` in it stops
-        the run cleanly. Returns a summary {stage, steps, tokens, final_loss, finished, seconds}.
+        the run cleanly. Returns a summary {stage, steps, tokens, final_loss, finished, seconds,
+        data_parallel (None in one process, else "replicate" or "fsdp"), fast_step (bool)}.
         """
         from tqdm.auto import tqdm
 
@@ -501,6 +502,8 @@ class Trainer:
             "finished": finished,
             "stopped": stopped if not finished else "finished",
             "seconds": round(time.time() - t0, 2),
+            "data_parallel": self.dp_mode,
+            "fast_step": self.step_fn is not None,
         }
         if finished:
             sd = parallel.full_state_dict(self.student) if self.cfg.save_student else None  # collective if sharded
