@@ -14,6 +14,10 @@ b. stage-2 distillation (global KL): SmolLM2-135M from --gguf (else a small rand
    of stage 2 on one GPU (bf16 autocast; and fp32, the bf16-noise control) and on two GPUs (FSDP2, bf16),
    the same global batch and rows; loss curves, relative loss differences (2 GPUs vs 1, fp32 vs bf16),
    tokens/s; then --tp-steps at a global batch of --tp-batch-size on one and two GPUs (throughput).
+   The same two runs on two GPUs in the replicated data-parallel mode (``TrainConfig.data_parallel =
+   "replicate"``: the one-GPU fast step on every rank, gradients summed over ranks) go to
+   ``b_stage2.replicate``: its loss curve against one GPU, tokens/s, and at the throughput batch
+   (default 64 x 512) one GPU's fast step vs two GPUs, ``replicate_throughput_ratio`` (a number).
 c. the Qwen3-shaped model spread over two GPUs (``device_map="balanced"``): one pair, exact
    receiver IE against the one-GPU result, peak memory per GPU against the one-GPU peak.
 
@@ -37,6 +41,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -223,7 +228,8 @@ def _student(teacher, mask, kernel, state, dev):
 
 def _train_worker(rank, world, rdv, use_cuda, teacher_dir, mask, kernel, state, rows, jobs, result):
     """One rank: load the teacher once, then for each (config, out_dir) job train a fresh student from
-    ``state`` (FSDP2-sharded by the Trainer). Rank 0 writes [{summary, log}] per job to ``result``."""
+    ``state`` (FSDP2-sharded or replicated by the Trainer, as ``config.data_parallel`` says). Rank 0
+    writes [{summary, log}] per finished job to ``result``."""
     from headscope.models import load_hf
 
     dev = init_rank(rank, world, rdv, use_cuda)
@@ -233,8 +239,8 @@ def _train_worker(rank, world, rdv, use_cuda, teacher_dir, mask, kernel, state, 
         for cfg, out_dir in jobs:
             summary, rows_log = _train(_student(teacher, mask, kernel, state, dev), teacher, rows, cfg, out_dir)
             done.append({"summary": summary, "log": rows_log})
-        if rank == 0:
-            Path(result).write_text(json.dumps(done))
+            if rank == 0:  # after each job: a later job's failure keeps the earlier results
+                Path(result).write_text(json.dumps(done))
     finally:
         dist.destroy_process_group()
 
@@ -263,7 +269,8 @@ def part_b(args, tok, out: Path, res: dict) -> None:
 
     use_cuda = not args.smoke
     dev = "cuda:0" if use_cuda else "cpu"
-    dirs = {k: out / f"b_{k}" for k in ("stage1", "one_bf16", "one_fp32", "two_bf16", "tp_one", "tp_two")}
+    dirs = {k: out / f"b_{k}" for k in ("stage1", "one_bf16", "one_fp32", "two_bf16", "tp_one", "tp_two", "two_rep_bf16",
+                                        "tp_two_rep")}
     fresh(*dirs.values())
     if args.gguf and not args.smoke:
         teacher = plain_copy(load_hf(args.gguf, device=dev)[0])  # GGUF-loaded models refuse save_pretrained
@@ -321,15 +328,27 @@ def part_b(args, tok, out: Path, res: dict) -> None:
     del t1
     if use_cuda:
         torch.cuda.empty_cache()
-    # two GPUs, FSDP2: the curve run, then the throughput run, in one spawn
+    # two GPUs: FSDP2 (the curve run, then the throughput run), then the same two replicated, in one spawn
+    fsdp, rep = {"data_parallel": "fsdp"}, {"data_parallel": "replicate"}
     result = out / "b_two_gpu_result.json"
+    result.unlink(missing_ok=True)
     t = time.perf_counter()
-    torch.multiprocessing.spawn(
-        _train_worker, args=(2, rendezvous_file(out, "b"), use_cuda, str(teacher_dir), mask, kernel, str(state), rows,
-                             [(cfg, str(dirs["two_bf16"])), (cfg_tp, str(dirs["tp_two"]))], str(result)),
-        nprocs=2, join=True)
+    spawn_error = None
+    try:
+        torch.multiprocessing.spawn(
+            _train_worker, args=(2, rendezvous_file(out, "b"), use_cuda, str(teacher_dir), mask, kernel, str(state), rows,
+                                 [(replace(cfg, **fsdp), str(dirs["two_bf16"])), (replace(cfg_tp, **fsdp), str(dirs["tp_two"])),
+                                  (replace(cfg, **rep), str(dirs["two_rep_bf16"])),
+                                  (replace(cfg_tp, **rep), str(dirs["tp_two_rep"]))], str(result)),
+            nprocs=2, join=True)
+    except Exception as e:  # the replicated runs come last: keep the FSDP2 results if they finished
+        traceback.print_exc()
+        spawn_error = f"{type(e).__name__}: {e}"
     wall2 = time.perf_counter() - t
-    two, tp_two = json.loads(result.read_text())
+    done = json.loads(result.read_text()) if result.exists() else []
+    if len(done) < 2:
+        raise RuntimeError(f"two-GPU runs failed: {spawn_error}")
+    two, tp_two = done[:2]
     l1 = [x["loss"] for x in runs["one_bf16"][1]]
     l32 = [x["loss"] for x in runs["one_fp32"][1]]
     l2 = [x["loss"] for x in two["log"]]
@@ -354,16 +373,52 @@ def part_b(args, tok, out: Path, res: dict) -> None:
     r["speedup_tokens_per_s"] = round(r["two_gpu_tokens_per_s"] / r["one_gpu_tokens_per_s"], 3)
     tp = r["throughput"]
     tp["speedup"] = round(tp["two_gpu_tokens_per_s"] / tp["one_gpu_tokens_per_s"], 3)
+    r["fsdp_modes"] = [two["summary"].get("data_parallel"), tp_two["summary"].get("data_parallel")]
+    rep_log = done[2]["log"] if len(done) > 2 else None
+    if len(done) == 4:
+        rep_two, rep_tp = done[2:]
+        lr2 = [x["loss"] for x in rep_log]
+        dr = _rel(l1, lr2)
+        rr = {
+            "modes": [rep_two["summary"].get("data_parallel"), rep_tp["summary"].get("data_parallel")],
+            "fast_step": {"one_gpu": runs["tp_one"][0].get("fast_step"), "two_gpu": rep_tp["summary"].get("fast_step")},
+            "two_gpu_seconds": rep_two["summary"]["seconds"],
+            "two_gpu_tokens_per_s": _tps(rep_log, batch * seq, skip),
+            "first_loss": lr2[0], "last_loss": lr2[-1],
+            "rel_loss_diff_2gpu_vs_1gpu": {"max": max(dr), "mean": float(np.mean(dr)), "median": float(np.median(dr))},
+            "within_bf16_noise": bool(np.mean(dr) <= np.mean(d32) and max(dr) <= max(d32)),
+            "throughput": {"global_batch": tp_batch, "seq_len": seq, "steps": tp_steps, "skip_first": tskip,
+                           "one_gpu_fast_step_tokens_per_s": tp["one_gpu_tokens_per_s"],
+                           "two_gpu_tokens_per_s": _tps(rep_tp["log"], tp_batch * seq, tskip),
+                           "two_gpu_seconds_per_step": round(float(np.mean([x["seconds"] for x in rep_tp["log"][tskip:]])), 4)},
+        }
+        rr["speedup_tokens_per_s"] = round(rr["two_gpu_tokens_per_s"] / r["one_gpu_tokens_per_s"], 3)
+        rr["throughput"]["ratio"] = round(rr["throughput"]["two_gpu_tokens_per_s"] / tp["one_gpu_tokens_per_s"], 3)
+        r["replicate"] = rr
+        r["replicate_throughput_ratio"] = rr["throughput"]["ratio"]
+    else:
+        r["replicate_error"] = spawn_error or f"only {len(done)} of 4 two-GPU runs finished"
     with open(out / "loss_curves.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step", "loss_1gpu_bf16", "loss_2gpu_bf16", "loss_1gpu_fp32", "grad_norm_1gpu", "grad_norm_2gpu",
-                    "seconds_1gpu", "seconds_2gpu"])
-        for a, b, c in zip(runs["one_bf16"][1], two["log"], runs["one_fp32"][1]):
-            w.writerow([a["step"], a["loss"], b["loss"], c["loss"], a["grad_norm"], b["grad_norm"], a["seconds"], b["seconds"]])
+                    "seconds_1gpu", "seconds_2gpu", "loss_2gpu_replicate_bf16", "seconds_2gpu_replicate"])
+        for i, (a, b, c) in enumerate(zip(runs["one_bf16"][1], two["log"], runs["one_fp32"][1])):
+            e = rep_log[i] if rep_log is not None and i < len(rep_log) else {}
+            w.writerow([a["step"], a["loss"], b["loss"], c["loss"], a["grad_norm"], b["grad_norm"], a["seconds"], b["seconds"],
+                        e.get("loss"), e.get("seconds")])
     log(f"b: loss {l1[0]:.4f} -> {l1[-1]:.4f} (1 device) / {l2[0]:.4f} -> {l2[-1]:.4f} (2 devices) / fp32 {l32[-1]:.4f}; "
         f"rel diff 2 vs 1 mean {np.mean(d2):.2e} max {max(d2):.2e}, fp32 vs bf16 mean {np.mean(d32):.2e} max {max(d32):.2e}; "
         f"tokens/s {r['one_gpu_tokens_per_s']} vs {r['two_gpu_tokens_per_s']} ({r['speedup_tokens_per_s']}x); "
         f"batch {tp_batch}: {tp['one_gpu_tokens_per_s']} vs {tp['two_gpu_tokens_per_s']} ({tp['speedup']}x)")
+    if "replicate" in r:
+        rr = r["replicate"]
+        log(f"b: replicated fast step on 2 devices: loss {rr['first_loss']:.4f} -> {rr['last_loss']:.4f}, rel diff vs 1 "
+            f"device max {rr['rel_loss_diff_2gpu_vs_1gpu']['max']:.2e}; tokens/s {rr['two_gpu_tokens_per_s']} "
+            f"({rr['speedup_tokens_per_s']}x); batch {tp_batch} x {seq}: 1 device fast step "
+            f"{rr['throughput']['one_gpu_fast_step_tokens_per_s']} vs 2 devices {rr['throughput']['two_gpu_tokens_per_s']} "
+            f"({rr['throughput']['ratio']}x)")
+    else:
+        log(f"b: replicated runs FAILED: {r['replicate_error']}")
 
 
 # ------------------------------------------------------------------------------ c: device_map

@@ -220,7 +220,10 @@ def convert(
     retrieval_task: str = typer.Option("niah_single", help="stage 3: retrieval task (headscope.tasks)"),
     seed: int = typer.Option(0),
     device: Optional[str] = typer.Option(None, help="cpu / cuda (default: cuda when available)"),
-    devices: int = typer.Option(1, help="data-parallel training over this many local processes (FSDP2; one per GPU, or CPU/gloo)"),
+    devices: int = typer.Option(1, help="data-parallel training over this many local processes (one per GPU, or CPU/gloo)"),
+    data_parallel: Optional[str] = typer.Option(
+        None, help="with --devices > 1: 'replicate' (the whole student on every device, the fast step, gradients summed) "
+                   "or 'fsdp' (FSDP2 shards, the plain step); default: replicate where the fast step works"),
     gdn_kernel: str = typer.Option("auto", help="GDN kernel of the student: auto, torch or fla"),
     plain_step: bool = typer.Option(
         False, "--plain-step",
@@ -246,7 +249,7 @@ def convert(
         L = seq_len or (2048 if stage == 3 else 512)
         cfg = TrainConfig(
             stage=stage, tokens=tokens, batch_size=batch_size, lr=lr or (1e-3 if stage == 1 else 1e-4), ckpt_every=ckpt_every, seed=seed,
-            fast=False if plain_step else None,
+            fast=False if plain_step else None, data_parallel=data_parallel,
         )
         data = DataConfig(
             seq_len=L, text_docs=text_docs, doc_len=doc_len, corpus=str(corpus) if corpus else None,

@@ -1,5 +1,6 @@
-"""Data-parallel training (FSDP2 on two gloo processes) reproduces the one-process run, and its
-checkpoints move between device counts (torch.distributed.checkpoint)."""
+"""Data-parallel training on two gloo processes (the replicated fast step, the default, and FSDP2)
+reproduces the one-process run, and its checkpoints move between device counts
+(torch.distributed.checkpoint)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ def _dir(root, name, stage1):
     return d
 
 
-def _cfg():
-    cfg = TrainConfig(stage=2, tokens=STEPS * BATCH * SEQ, batch_size=BATCH, lr=3e-3, warmup=0.25, progress=False, seed=1)
+def _cfg(mode=None):
+    cfg = TrainConfig(stage=2, tokens=STEPS * BATCH * SEQ, batch_size=BATCH, lr=3e-3, warmup=0.25, progress=False, seed=1,
+                      data_parallel=mode)
     return cfg, DataConfig(seq_len=SEQ, corpus=None)
 
 
@@ -56,10 +58,12 @@ def _weights(d):
     return torch.load(d / "stage2" / "student.pt")
 
 
-def test_two_gloo_ranks_train_like_one_process_and_checkpoints_move(setup, smol_tokenizer):
+@pytest.mark.parametrize("mode", [None, "fsdp"])
+def test_two_gloo_ranks_train_like_one_process_and_checkpoints_move(setup, smol_tokenizer, mode):
     root, teacher, mask, stage1 = setup
-    cfg, data = _cfg()
-    data.corpus = str(root / "corpus.txt")
+    root = root / str(mode)
+    cfg, data = _cfg(mode)
+    data.corpus = str(root.parent / "corpus.txt")
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # each rank runs one intra-op thread too
     try:
@@ -68,8 +72,9 @@ def test_two_gloo_ranks_train_like_one_process_and_checkpoints_move(setup, smol_
         convert_stage(teacher, smol_tokenizer, mask, 2, a, config=cfg, data=data)
         # B: two ranks stop after 2 steps (checkpoint written by 2 processes) ...
         b = _dir(root, "b", stage1)
-        s = spawn_convert(2, str(root / "teacher"), mask, 2, b, device="cpu", config=cfg, data=data, max_steps=2)
+        s = spawn_convert(2, str(root.parent / "teacher"), mask, 2, b, device="cpu", config=cfg, data=data, max_steps=2)
         assert s["steps"] == 2 and not s["finished"]
+        assert s["data_parallel"] == (mode or "replicate")
         meta = torch.load(b / "stage2" / "checkpoint" / "trainer.pt", weights_only=False)
         assert meta["world_size"] == 2 and meta["step"] == 2
         # ... and one process resumes it to the end
@@ -79,7 +84,7 @@ def test_two_gloo_ranks_train_like_one_process_and_checkpoints_move(setup, smol_
         convert_stage(teacher, smol_tokenizer, mask, 2, c, config=cfg, data=data, max_steps=2)
     finally:
         torch.set_num_threads(n)
-    s = spawn_convert(2, str(root / "teacher"), mask, 2, c, device="cpu", config=cfg, data=data, resume=True)
+    s = spawn_convert(2, str(root.parent / "teacher"), mask, 2, c, device="cpu", config=cfg, data=data, resume=True)
     assert s["steps"] == STEPS and s["finished"]
 
     la, lb, lc = _losses(a), _losses(b), _losses(c)

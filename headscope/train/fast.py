@@ -20,7 +20,9 @@
 
 Every step, warm-up or replayed, computes the same function; the loss and the logged scalars come
 back as one device tensor (``[loss]``, or ``[loss, align_l0, ...]`` in stage 1), so the caller syncs
-once. Not for data-parallel (FSDP2) training: the trainer uses the plain step there.
+once. Not for FSDP2-sharded training (the trainer uses the plain step there); replicated data
+parallelism (:mod:`headscope.train.replicate`) runs this step on every rank and sums the gradients
+outside the graph (after a replay, the gradients are the same tensors as after the capture).
 """
 
 from __future__ import annotations
@@ -63,6 +65,16 @@ def _align_term(y_s: Tensor, y_t: Tensor, m: Tensor) -> Tensor:
     var = (((y_t - mean) * m) ** 2).sum() / n
     mse = (((y_s.float() - y_t) * m) ** 2).sum() / n
     return mse / var.clamp_min(1e-12)
+
+
+def _teacher_stats(y_t: Tensor, m: Tensor) -> Tensor:
+    """[n, q, s_0 .. s_{D-1}] of one layer's teacher output over the real tokens (m: [batch, time, 1]):
+    the token count, the sum of squared deviations from the mean (over channels too), the channel sums."""
+    y_t = y_t.float()
+    n = m.sum()
+    s = (y_t * m).sum((0, 1))
+    q = (((y_t - s / n.clamp_min(1.0)) * m) ** 2).sum()
+    return torch.cat([n.reshape(1), q.reshape(1), s])
 
 
 def has_llama_body(model: nn.Module) -> bool:
@@ -137,6 +149,8 @@ class FastStep:
         chunk_rows: rows per LM-head chunk.
         backend: the ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` for tests).
         warmup: eager steps before the capture (the first compiles).
+        layer_stats: stage 1: also keep the teacher statistics of each step in :attr:`stats` (for
+            replicated data parallelism, :mod:`headscope.train.replicate`).
 
     Raises:
         ValueError: a stage other than 1, 2, 3; stages 1, 2 without a teacher; a model without the
@@ -155,6 +169,7 @@ class FastStep:
         chunk_rows: int = CHUNK_ROWS,
         backend: str = "inductor",
         warmup: int = 2,
+        layer_stats: bool = False,
     ):
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
@@ -178,6 +193,8 @@ class FastStep:
         self.graph_error: Optional[str] = None
         self._static: dict[str, Tensor] = {}
         self._prepared = False
+        self.layer_stats = bool(layer_stats) and stage == 1
+        self._stats: Optional[Tensor] = None
         wrap = (lambda f: torch.compile(f, backend=backend, dynamic=False)) if compile else (lambda f: f)
         if compile:
             _raise_recompile_limit()
@@ -236,7 +253,17 @@ class FastStep:
                for s_layer, (hn, a) in zip(self.student.model.layers, io)]
         per_t = torch.stack(per)
         loss = per_t.mean()
+        if self.layer_stats:
+            with torch.no_grad():
+                self._stats = torch.stack([_teacher_stats(a, m) for _, a in io])
         return loss, torch.cat([loss.detach().reshape(1), per_t.detach()])
+
+    @property
+    def stats(self) -> Optional[Float[Tensor, "layer stat"]]:
+        """Stage 1 with ``layer_stats``: the last step's teacher statistics per layer, ``[n, q, s_0 ..
+        s_{D-1}]`` (real-token count, sum of squared deviations of the attention output from its mean,
+        per-channel sums; float32, on the device); None otherwise or before the first step."""
+        return self._static.get("stats", self._stats) if self.graph is not None else self._stats
 
     # -------------------------------------------------------------------- the step
     def _eager(self, ids: Tensor, mask: Tensor) -> Tensor:
@@ -285,6 +312,8 @@ class FastStep:
             torch.cuda.synchronize(self.device)
             with torch.cuda.graph(graph):
                 st["logged"] = self._eager(st["ids"], st["mask"])
+                if self._stats is not None and self.layer_stats:
+                    st["stats"] = self._stats
         except Exception as e:  # noqa: BLE001 - any capture failure: keep training without the graph
             self.graph_error = f"{type(e).__name__}: {e}"
             warnings.warn(f"CUDA graph capture of the training step failed ({self.graph_error}); "

@@ -116,7 +116,9 @@ def convert_stage(
 
     Data parallel (a process group of more than one rank, e.g. from :func:`spawn_convert`): every
     rank calls this with the same arguments; rank 0 builds the rows first (sampled text is cached),
-    the student is sharded with FSDP2 and the returned student holds this rank's shards.
+    the student is replicated (the fast step on every rank; ``config.data_parallel="replicate"``, the
+    default where the fast step works) or sharded with FSDP2 (``"fsdp"``; the returned student then
+    holds this rank's shards).
 
     Returns:
         (student, summary of :meth:`Trainer.run`).
@@ -174,7 +176,8 @@ def _convert_worker(device: Optional[str], kwargs: dict[str, Any]) -> dict[str, 
 def spawn_convert(n: int, model: str, mask: Any, stage: int, out_dir: str | Path, device: Optional[str] = None, **kwargs: Any) -> dict[str, Any]:
     """Run :func:`convert_stage` data-parallel over ``n`` local processes (one per GPU, or CPU/gloo):
     each process loads the teacher ``model`` (a spec of :func:`headscope.models.load_hf`) on its
-    device, the student is sharded with FSDP2, and every rank takes its slice of each global batch.
+    device, the student is replicated or sharded with FSDP2 (``config.data_parallel``), and every rank
+    takes its slice of each global batch.
     ``kwargs`` go to :func:`convert_stage` (config, data, resume, hybrid_options, deadline,
     max_steps) and ``dtype`` to the teacher's loading.
 

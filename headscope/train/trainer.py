@@ -12,9 +12,21 @@ One :class:`Trainer` runs one stage. Layout of its output directory::
     out/done.json       written last: the stage's summary
 
 Data parallel: when a ``torch.distributed`` process group with more than one rank is initialized
-(``headscope convert --devices N`` or torchrun), the trainer shards the student with FSDP2 and every
-rank trains on its slice of each global batch (:mod:`headscope.train.parallel`); the loss, gradient,
-logs and checkpoints are those of the one-process run, and only rank 0 writes logs and files.
+(``headscope convert --devices N`` or torchrun), every rank trains on its slice of each global batch
+and the loss, gradient, logs and checkpoints are those of the one-process run; only rank 0 writes logs
+and files. Two modes (:attr:`TrainConfig.data_parallel`):
+
+* ``"replicate"`` (the default where the fast step is usable, all three stages): every rank holds the
+  whole student (broadcast from rank 0 at the start) and runs the one-process fast step
+  (:class:`~headscope.train.fast.FastStep`, CUDA-graphed on GPU) on its rows; the gradients are
+  weighted to the global batch's normalization and summed in flat buckets
+  (:mod:`headscope.train.replicate`); clipping and fused AdamW then run identically on every rank.
+  Stage 1 is exact too: the teacher-output variance of the global batch comes from per-rank
+  statistics, and each layer's gradients get their own weight. Without a usable fast step this mode
+  runs the plain step with globally normalized losses.
+* ``"fsdp"`` (the default otherwise): the student is sharded with FSDP2
+  (:mod:`headscope.train.parallel`) and the plain step runs on the shards.
+
 Checkpoints of an older headscope (``out/checkpoint.pt``) still resume in one process.
 """
 
@@ -40,6 +52,7 @@ from ..errors import HeadscopeInputError, InputFileExistsError, InputFileNotFoun
 from . import parallel
 from .data import Loader, TokenRows
 from .fast import FastStep
+from .replicate import GradReducer, count_weight, stage1_weights
 from .stages import stage_loss, trainable_parameters
 
 
@@ -65,10 +78,16 @@ class TrainConfig:
             chunks, the hybrid layers' fast path, and on CUDA regional ``torch.compile``, a CUDA graph
             of forward + backward and fused AdamW). False: the plain step (:func:`stage_loss` on full
             logits, per-parameter AdamW). None (default): on CPU, and on CUDA where fla is installed
-            (the measured configuration; without fla the plain step). Data-parallel runs use the plain step.
+            (the measured configuration; without fla the plain step). Data parallel: the fast step
+            in the ``"replicate"`` mode, the plain step in the ``"fsdp"`` mode.
         compile: ``torch.compile`` in the fast step (None = on CUDA).
         cuda_graph: capture the fast step in a CUDA graph (None = on CUDA).
         loss_chunk: rows per LM-head chunk of the fast step.
+        data_parallel: with a process group of more than one rank: ``"replicate"`` (the whole student
+            on every rank, the fast step, gradients summed over ranks) or ``"fsdp"`` (the student
+            sharded with FSDP2, the plain step). None (default): ``"replicate"`` when the fast step
+            is usable (``fast`` and a Llama / Qwen3 structure), else ``"fsdp"``. Ignored in one
+            process. Both give the one-process run's losses and weights (to float rounding).
     """
 
     stage: int
@@ -90,9 +109,11 @@ class TrainConfig:
     compile: Optional[bool] = None
     cuda_graph: Optional[bool] = None
     loss_chunk: int = 4096
+    data_parallel: Optional[str] = None
 
     def __post_init__(self) -> None:
-        """Raises HeadscopeInputError (a ValueError) for a stage other than 1-3 or a count / rate <= 0."""
+        """Raises HeadscopeInputError (a ValueError) for a stage other than 1-3, a count / rate <= 0 or a
+        ``data_parallel`` other than None, "replicate", "fsdp"."""
         from .checks import check_stage
 
         check_stage(self.stage)
@@ -101,6 +122,10 @@ class TrainConfig:
                 f"tokens ({self.tokens}), batch_size ({self.batch_size}) and lr ({self.lr}) must be > 0"
             )
         self.betas = tuple(self.betas)  # type: ignore[assignment]
+        if self.data_parallel not in (None, "replicate", "fsdp"):
+            raise HeadscopeInputError(
+                f"data_parallel={self.data_parallel!r}: use 'replicate', 'fsdp' or None (replicate where the fast step works)"
+            )
 
 
 class StopTraining(Exception):
@@ -145,14 +170,17 @@ class Trainer:
         out_dir: directory for checkpoint and logs.
         resume: continue from ``out_dir/checkpoint/`` (weights, optimizer, scheduler, data position,
             RNG, step; written by any number of ranks); without it an existing checkpoint is an error.
-        data_parallel: shard the student with FSDP2 over the initialized process group (default: when
-            one with more than one rank is initialized). Every rank must build the same ``rows``.
+        data_parallel: train data-parallel over the initialized process group (default: when one with
+            more than one rank is initialized), in the mode :attr:`TrainConfig.data_parallel` (see the
+            module docstring; :attr:`dp_mode` tells which one runs). Every rank must build the same
+            ``rows``.
 
     Raises (all HeadscopeInputError, so ValueError; the first two also the built-in type named):
         InputFileExistsError: ``out_dir`` holds a checkpoint and ``resume`` is False.
         InputFileNotFoundError: ``resume`` is True but there is no checkpoint.
         HeadscopeInputError: the checkpoint is of another stage or data set; a global batch smaller
-            than the number of ranks; stage 1 or 2 without a teacher.
+            than the number of ranks; stage 1 or 2 without a teacher; ``data_parallel="replicate"``
+            for a student already sharded with FSDP2.
     """
 
     def __init__(
@@ -185,11 +213,6 @@ class Trainer:
             for p in teacher.parameters():
                 p.requires_grad_(False)
         self.params = trainable_parameters(student, config.stage)
-        if self.parallel and not parallel.is_sharded(student):
-            parallel.broadcast_module(student)  # identical start on every rank (random GDN init)
-            parallel.shard_student(student, config.stage)
-        if self.parallel:  # FSDP2 replaced the parameters by sharded ones
-            self.params = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
         self.loader = Loader(rows, config.batch_size, seed=config.seed)
         self.tokens_per_step = config.batch_size * rows.seq_len
         self.total_steps = max(1, math.ceil(config.tokens / self.tokens_per_step))
@@ -199,16 +222,38 @@ class Trainer:
         # fla, its compiled + graphed path hit "misaligned address" on an H200 (tests/test_fast_train_gpu.py):
         # the plain step there until that is understood
         fast = (not on_cuda or importlib.util.find_spec("fla") is not None) if config.fast is None else config.fast
-        if fast and not self.parallel:
+        # data-parallel mode: None (one process), "replicate" or "fsdp"
+        self.dp_mode: Optional[str] = None
+        if self.parallel:
+            sharded = parallel.is_sharded(student)
+            if config.data_parallel == "replicate" and sharded:
+                raise HeadscopeInputError("data_parallel='replicate' needs an unsharded student; pass a fresh one "
+                                          "or use data_parallel='fsdp'")
+            self.dp_mode = config.data_parallel or ("fsdp" if sharded or not fast else "replicate")
+            if not sharded:
+                parallel.broadcast_module(student)  # identical start on every rank (random GDN init)
+        if fast and self.dp_mode in (None, "replicate"):
             try:
                 self.step_fn = FastStep(
                     config.stage, student, teacher, [p for _, p in self.params], bf16=self.bf16,
                     compile=on_cuda if config.compile is None else config.compile,
                     cuda_graph=on_cuda if config.cuda_graph is None else config.cuda_graph,
-                    chunk_rows=config.loss_chunk,
+                    chunk_rows=config.loss_chunk, layer_stats=self.dp_mode == "replicate",
                 )
             except ValueError as e:  # not a Llama / Qwen3 structure: the plain step
+                if self.dp_mode == "replicate" and config.data_parallel is None:
+                    self.dp_mode = "fsdp"  # the default: the fast step or else FSDP2
                 warnings.warn(f"fast training step unavailable ({e}); using the plain step", RuntimeWarning, stacklevel=2)
+        if self.dp_mode == "fsdp":
+            if not parallel.is_sharded(student):
+                parallel.shard_student(student, config.stage)
+            # FSDP2 replaced the parameters by sharded ones
+            self.params = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
+        self.reducer: Optional[GradReducer] = None
+        if self.dp_mode == "replicate":
+            layer_of = {id(p): i for i, layer in enumerate(student.model.layers) for p in layer.parameters()} \
+                if config.stage == 1 else {}
+            self.reducer = GradReducer([p for _, p in self.params], [layer_of.get(id(p), 0) for _, p in self.params])
         decay = [p for n, p in self.params if p.dim() >= 2]
         other = [p for n, p in self.params if p.dim() < 2]
         # fused AdamW (one kernel per parameter group) with the fast step on CUDA; else per parameter
@@ -315,25 +360,32 @@ class Trainer:
         """One optimizer step on the next batch; returns the logged row."""
         t0 = time.perf_counter()
         ids, mask = self.loader.next()
+        global_mask = mask
         reduce = None
         if self.parallel:  # this rank's slice of the global batch; losses normalized globally
             ids, mask = parallel.local_rows(ids, mask, self.rank, self.world)
             reduce = parallel.all_sum
+        local_mask = mask  # on the host: the replicated mode's weights need no device sync
         ids, mask = ids.to(self.device), mask.to(self.device)
         self.student.train()
         if self.step_fn is not None:
-            return self._fast_step(ids, mask, t0)
+            return self._fast_step(ids, mask, local_mask, global_mask, t0)
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
         with ctx:
             loss, scalars = stage_loss(self.cfg.stage, self.student, self.teacher, ids, mask, reduce=reduce)
         self.opt.zero_grad(set_to_none=True)
-        # FSDP averages gradients over ranks; the shares sum to the global loss, so scale by the world size
-        (loss * self.world if self.parallel else loss).backward()
+        if self.dp_mode == "fsdp":
+            # FSDP averages gradients over ranks; the shares sum to the global loss, so scale by the world size
+            (loss * self.world).backward()
+        else:
+            loss.backward()
+        if self.reducer is not None:  # replicated: the shares' gradients sum to the global gradient
+            self.reducer(1.0, torch.zeros(0, device=self.device))
         params = [p for _, p in self.params]
-        if self.parallel:
+        if self.dp_mode == "fsdp":
             gn = parallel.grad_norm(params, self.cfg.grad_clip)
         elif self.cfg.grad_clip > 0:
-            gn = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+            gn = float(torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], self.cfg.grad_clip))
         else:
             gn = float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
         lr = self.sched.get_last_lr()[0]
@@ -352,8 +404,11 @@ class Trainer:
         self._log(row)
         return row
 
-    def _fast_step(self, ids: torch.Tensor, mask: torch.Tensor, t0: float) -> dict[str, Any]:
+    def _fast_step(self, ids: torch.Tensor, mask: torch.Tensor, local_mask: torch.Tensor, global_mask: torch.Tensor,
+                   t0: float) -> dict[str, Any]:
         logged = self.step_fn(ids, mask)  # forward + backward; the gradients are in .grad
+        if self.reducer is not None:
+            logged = self._replicate_reduce(logged, local_mask, global_mask)
         params = [p for _, p in self.params if p.grad is not None]
         if self.cfg.grad_clip > 0:
             gn = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
@@ -379,6 +434,21 @@ class Trainer:
         self._log(row)
         return row
 
+    def _replicate_reduce(self, logged: torch.Tensor, mask: torch.Tensor, global_mask: torch.Tensor) -> torch.Tensor:
+        """Replicated data parallel: weight this rank's gradients and logged values to the global batch's
+        normalization and sum both over ranks (:mod:`headscope.train.replicate`); returns the global
+        logged values."""
+        params = [p for _, p in self.params]
+        if self.cfg.stage == 1:
+            w = stage1_weights(self.step_fn.stats).to(logged.device)  # a collective: every rank calls it
+            if not bool(mask.any()):  # no real token here: the local loss is 0/0; contribute nothing
+                torch._foreach_zero_([p.grad for p in params if p.grad is not None])
+                logged = torch.zeros_like(logged)
+            per = w * logged[1:].float()
+            return self.reducer(w, torch.cat([per.mean().reshape(1), per]))
+        w = count_weight(self.cfg.stage, mask, global_mask)
+        return self.reducer(w, logged.float() * w)
+
     def run(
         self,
         max_steps: Optional[int] = None,
@@ -389,7 +459,8 @@ class Trainer:
         ``time.time()`` value); checkpoint every ``ckpt_every`` steps and on exit.
 
         ``on_step(trainer, row)`` is called after each step; raising :class:`StopTraining` in it stops
-        the run cleanly. Returns a summary {stage, steps, tokens, final_loss, finished, seconds}.
+        the run cleanly. Returns a summary {stage, steps, tokens, final_loss, finished, seconds,
+        data_parallel (None in one process, else "replicate" or "fsdp"), fast_step (bool)}.
         """
         from tqdm.auto import tqdm
 
@@ -431,6 +502,8 @@ class Trainer:
             "finished": finished,
             "stopped": stopped if not finished else "finished",
             "seconds": round(time.time() - t0, 2),
+            "data_parallel": self.dp_mode,
+            "fast_step": self.step_fn is not None,
         }
         if finished:
             sd = parallel.full_state_dict(self.student) if self.cfg.save_student else None  # collective if sharded
