@@ -35,18 +35,20 @@ fi
 if [ ! -f "$OUTD/data/done" ]; then
   stamp "sample on $DEV0 and $DEV1 (${SAMPLE_S:-150} s each)"
   IFS=, read -r -a maxdocs <<< "${SAMPLE_MAX_DOCS:-10000000,10000000}"
+  pids=()
   for k in 0 1; do
     dv=$DEV0; [ $k = 1 ] && dv=$DEV1
-    [ -f "$OUTD/data/docs_$k.pt" ] || $PY experiments/conversion.py sample --out "$OUTD" --shard $k --model "$M" \
+    [ -f "$OUTD/data/docs_$k.pt" ] || { $PY experiments/conversion.py sample --out "$OUTD" --shard $k --model "$M" \
       --device "$dv" --seconds "${SAMPLE_S:-150}" --batch "${SAMPLE_BATCH:-2048}" --cache-implementation static --max-docs "${maxdocs[$k]}" ${SAMPLE_ARGS:-} \
-      > "$L/sample$k.log" 2>&1 &
+      > "$L/sample$k.log" 2>&1 & pids+=($!); }
   done
-  # fla/tilelang kernels and the compiled step, built once into the on-disk caches while the teacher samples
+  # fla/tilelang kernels and the compiled step, built into the on-disk caches while the teacher samples; not
+  # waited for (on 2026-11-30 it outlasted the sampling by ~5 min): the queues start when the data are packed
   [ -n "${WARMUP-1}" ] && $PY benchmarks/bench_train.py --out "$OUTD/logs/warmup.json" --shapes 64x512,16x2048 \
     --stages13 64x512 --variants hybrid_fast --variants13 hybrid_fast --ladder '' --steps 1 > "$L/warmup.log" 2>&1 &
   # the evaluation prompts, built once on the CPU while the GPUs sample
-  $PY experiments/conversion.py pairs --out "$OUTD" --model "$M" > "$L/pairs.log" 2>&1 &
-  wait
+  $PY experiments/conversion.py pairs --out "$OUTD" --model "$M" > "$L/pairs.log" 2>&1 & pids+=($!)
+  wait "${pids[@]}"
   stamp pack
   $PY experiments/conversion.py pack --out "$OUTD" --model "$M" --heldout-docs "${HELDOUT_DOCS:-256}" > "$L/pack.log" 2>&1 || { stamp "pack failed"; exit 1; }
 fi
