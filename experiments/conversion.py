@@ -477,6 +477,7 @@ def one(out: Path = typer.Option(...), name: str = typer.Option(...), model: str
 
 @app.command("report")
 def report_cmd(out: Path = typer.Option(Path("runs/conversion"))) -> None:
+    """Tables and curves of the finished runs in OUT (see :func:`report`); prints the accuracy table."""
     print(report(out).to_string(index=False))
 
 
@@ -662,7 +663,8 @@ def eval_cells(out: Path) -> list[tuple[str, int, int]]:
     return sorted(cells, key=lambda c: (-c[1] * c[2], c[0]))
 
 
-_POOL_TOK: Any = None
+_POOL_TOK: Any = None  # the tokenizer and cache folder of the `pairs` workers (fork: inherited)
+_POOL_DIR: Optional[Path] = None
 
 
 def _build_cell(cell: tuple[str, int, int]) -> str:
@@ -689,9 +691,6 @@ def pairs_cmd(out: Path = typer.Option(...), model: str = typer.Option("smollm2-
         for msg in pool.imap_unordered(_build_cell, cells):
             print(msg, flush=True)
     print(f"{len(cells)} prompt sets in {time.time() - t0:.0f} s", flush=True)
-
-
-_POOL_DIR: Optional[Path] = None
 
 
 @app.command("pack")

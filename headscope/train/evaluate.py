@@ -91,6 +91,8 @@ def eval_pairs(tokenizer: Any, task: str, seq_len: int, n: int, seed: int = 1234
     model of a comparison is scored on the same prompts: with ``cache_dir`` they are built once and kept
     in ``cache_dir/{task}@{seq_len}_n{n}_s{seed}.pt`` (with the tokenizer's name and vocabulary size,
     rebuilt when those differ; written atomically, so concurrent evaluators may share the folder).
+    The key does not cover the task code or tokenizer files changed in place under the same name and
+    vocabulary size: use a fresh folder per run (``conversion.py`` keeps it in the run's directory).
 
     Returns:
         list of :class:`headscope.tasks.Pair`.

@@ -29,22 +29,19 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from . import parallel
+from .stages import loss_token_count
 
 BUCKET_BYTES = 512 * 2**20
 
 
 def real_count(stage: int, mask: Bool[Tensor, "batch time"]) -> int:
-    """The count the one-process step of ``stage`` divides its loss by: real tokens (stages 1, 2) or
-    positions whose input and next token are both real (stage 3).
+    """The count the one-process step of ``stage`` divides its loss by
+    (:func:`headscope.train.stages.loss_token_count`), on the host.
 
     Raises:
         ValueError: a stage other than 1, 2, 3.
     """
-    if stage in (1, 2):
-        return int(mask.sum())
-    if stage == 3:
-        return int((mask[:, 1:] & mask[:, :-1]).sum())
-    raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    return int(loss_token_count(stage, mask))
 
 
 def count_weight(stage: int, local_mask: Bool[Tensor, "local time"], global_mask: Bool[Tensor, "batch time"]) -> float:

@@ -157,6 +157,20 @@ def lm_loss(
     return (ce * k).sum() / (k.sum() if denominator is None else denominator).clamp_min(1.0)
 
 
+def loss_token_count(stage: int, mask: Bool[Tensor, "batch time"]) -> Int[Tensor, ""]:
+    """The count a stage's loss is averaged over: real tokens (stages 1, 2: distillation over every real
+    position) or positions whose input and next token are both real (stage 3: next-token loss).
+
+    Raises:
+        ValueError: a stage other than 1, 2, 3.
+    """
+    if stage in (1, 2):
+        return mask.sum()
+    if stage == 3:
+        return (mask[:, 1:] & mask[:, :-1]).sum()
+    raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+
+
 def stage_loss(
     stage: int,
     student: nn.Module,
@@ -185,12 +199,11 @@ def stage_loss(
         with torch.no_grad():
             t_logits = teacher(input_ids=ids, use_cache=False).logits
         s_logits = student(input_ids=ids, use_cache=False).logits
-        denom = None if reduce is None else reduce(mask.sum().to(device=s_logits.device, dtype=torch.float32))
+        denom = None if reduce is None else reduce(loss_token_count(2, mask).to(device=s_logits.device, dtype=torch.float32))
         loss = distillation_loss(s_logits, t_logits, mask, denominator=denom)
     else:
         logits = student(input_ids=ids, use_cache=False).logits
-        keep = (mask[:, 1:] & mask[:, :-1]).sum()
-        denom = None if reduce is None else reduce(keep.to(device=logits.device, dtype=torch.float32))
+        denom = None if reduce is None else reduce(loss_token_count(3, mask).to(device=logits.device, dtype=torch.float32))
         loss = lm_loss(logits, ids, mask, denominator=denom)
     logged = loss.detach().reshape(1)
     if reduce is not None:
