@@ -11,6 +11,10 @@ Measures in one run and one process, B = 1, bf16 on CUDA (fp32 on CPU):
   KV groups, GDN state), replayed from a CUDA graph (``torch.cuda.CUDAGraph``, timed with CUDA events
   over many replays) and run eagerly; the same step through a transformers ``DynamicCache`` (eager,
   growing cache) for reference; and the cache's bytes at T;
+- graphed prefill (CUDA): the same prefill of both layers recorded once in a CUDA graph and replayed
+  (``headscope.hybrid.graphs.capture``; no host time: the glue's guards and fla's launches are gone),
+  its time and the peak allocated while capturing it; the hybrid again with ``--graph-block``-token
+  GDN blocks (default 8192: smaller fla intermediates, which cost host time only when eager);
 - parity: the all-FA layer vs the teacher's ``LlamaAttention`` (prefill), and the hybrid decode step
   (eager and graph-replayed) vs the full forward's last position.
 
@@ -41,6 +45,7 @@ import headscope.hybrid.lean as lean
 import headscope.hybrid.layer as layer_mod
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions, hybridize
 from headscope.hybrid.attn import flash_attn_available, flash_attn_usable
+from headscope.hybrid.graphs import capture as capture_graph
 from headscope.hybrid.gdn import fla_available, gdn_chunked_torch, gated_delta_rule
 from headscope.masks import HeadMask
 
@@ -116,6 +121,31 @@ def _err(a, ref):
     return {"max_abs": m, "rel_to_max": m / max(ref.abs().max().item(), 1e-30)}
 
 
+def _prefill_graph(call, dev, reps, ref):
+    """The prefill replayed from a CUDA graph (``headscope.hybrid.graphs.capture``): ms per replay,
+    peak bytes allocated while capturing (the graph's intermediates, its output included; the eager
+    warm-ups run before the peak is reset) and the replay's error against the eager output ``ref``."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    graph, static = capture_graph(call, warmup=0)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    graph.replay()
+    err = _err(static, ref)
+    ms = _time(graph.replay, dev, reps, warmup=1)
+    del graph, static
+    torch.cuda.empty_cache()
+    return ms, peak, err
+
+
 def _decode(mod, x, pe, T, dev, graph_reps, eager_reps):
     """Prefill T tokens into a HybridDecodeCache, then time one decode step at length T."""
     x_pre, x1 = x[:, :T], x[:, T:]
@@ -172,7 +202,7 @@ def _decode_dynamic(mod, x, pe, T, dev, reps):
 
 @torch.no_grad()
 def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30, prefill_reps=None, dynamic_reps=0,
-                before=True):
+                before=True, graph_prefill=True, graph_block=8192):
     hidden, h, kv, d, fa = SHAPES[shape]
     cfg = _cfg(hidden, h, kv, d)
     torch.manual_seed(0)
@@ -207,9 +237,23 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
                 ref_before = call()
             finally:
                 lean.ENABLE = prev
+        if graph_prefill and dev.type == "cuda" and name != "teacher":
+            ref = call()
+            r["prefill_graph_ms"], r["prefill_graph_peak_bytes"], e = _prefill_graph(call, dev, reps, ref)
+            out.setdefault("parity", {})[f"{name}_prefill_graph_vs_eager"] = e
+            if name == "hybrid" and graph_block:  # small GDN blocks: host time no longer matters
+                prev_blk, lean.GDN_BLOCK_TOKENS = lean.GDN_BLOCK_TOKENS, graph_block
+                try:
+                    ms, pk, e = _prefill_graph(call, dev, reps, ref)
+                finally:
+                    lean.GDN_BLOCK_TOKENS = prev_blk
+                r[f"prefill_graph_ms@block{graph_block}"], r[f"prefill_graph_peak_bytes@block{graph_block}"] = ms, pk
+                out["parity"][f"hybrid_prefill_graph_block{graph_block}_vs_eager"] = e
+            del ref
         out[name] = r
-    out["parity"] = {"fa_layer_vs_teacher_prefill": _err(mods["fa"](xp, position_embeddings=pep)[0],
-                                                          teacher(xp, position_embeddings=pep, attention_mask=None)[0])}
+    out.setdefault("parity", {})
+    out["parity"]["fa_layer_vs_teacher_prefill"] = _err(mods["fa"](xp, position_embeddings=pep)[0],
+                                                          teacher(xp, position_embeddings=pep, attention_mask=None)[0])
     if before:
         out["parity"]["hybrid_lean_vs_before_prefill"] = _err(mods["hybrid"](xp, position_embeddings=pep)[0], ref_before)
         del ref_before
@@ -235,6 +279,13 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
     out["ratio"]["teacher_speedup_prefill"] = out["teacher"]["prefill_ms"] / out["hybrid"]["prefill_ms"]
     if out["fa"].get("decode_graph_ms") and out["hybrid"].get("decode_graph_ms"):
         out["ratio"]["fa_speedup_decode_graph"] = out["fa"]["decode_graph_ms"] / out["hybrid"]["decode_graph_ms"]
+    for k in ("prefill_graph_ms", "prefill_graph_peak_bytes", f"prefill_graph_ms@block{graph_block}",
+              f"prefill_graph_peak_bytes@block{graph_block}"):
+        fk = k.split("@")[0]
+        if out["hybrid"].get(k) is not None and out["fa"].get(fk):
+            out["ratio"][k] = out["hybrid"][k] / out["fa"][fk]
+    if out["ratio"].get("prefill_graph_ms"):
+        out["ratio"]["fa_speedup_prefill_graph"] = 1.0 / out["ratio"]["prefill_graph_ms"]
     if before:
         out["ratio"]["prefill_ms_before"] = out["hybrid"]["prefill_ms_before"] / out["fa"]["prefill_ms"]
         out["ratio"]["prefill_peak_bytes_before"] = out["hybrid"]["prefill_peak_bytes_before"] / out["fa"]["prefill_peak_bytes"]
@@ -377,7 +428,14 @@ def _versions():
 def _fmt_row(shape, r):
     f, hy, ra = r["fa"], r["hybrid"], r["ratio"]
     g = lambda v, s=1e3: "   -   " if v is None else f"{v * s:7.1f}"  # noqa: E731
-    return (f"{shape:13s} {r['T']:6d} | prefill ms {f['prefill_ms']:8.3f} {hy['prefill_ms']:8.3f} x{ra['prefill_ms']:.2f} "
+    gr = ""
+    if f.get("prefill_graph_ms") is not None:
+        gr = f"| graphed {f['prefill_graph_ms']:8.3f} {hy['prefill_graph_ms']:8.3f} x{ra['prefill_graph_ms']:.2f} "
+        bk = [k for k in hy if k.startswith("prefill_graph_ms@")]
+        if bk:
+            pk = "prefill_graph_peak_bytes@" + bk[0].split("@")[1]
+            gr += (f"({bk[0].split('@')[1]}: {hy[bk[0]]:8.3f} x{ra[bk[0]]:.2f}, peak x{ra[pk]:.2f}) ")
+    return (f"{shape:13s} {r['T']:6d} | prefill ms {f['prefill_ms']:8.3f} {hy['prefill_ms']:8.3f} x{ra['prefill_ms']:.2f} {gr}"
             f"| peak MB {f['prefill_peak_bytes'] / 2**20:7.1f} {hy['prefill_peak_bytes'] / 2**20:7.1f} "
             f"(teacher {r['teacher']['prefill_peak_bytes'] / 2**20:7.1f}) x{ra['prefill_peak_bytes']:.2f} "
             f"| decode us graph {g(f['decode_graph_ms'])} {g(hy['decode_graph_ms'])} "
@@ -393,9 +451,14 @@ def main(argv=None):
     ap.add_argument("--block-sweep", action="store_true", help="time/peak of the hybrid layer per GDN block size")
     ap.add_argument("--no-before", action="store_true", help="skip the layer before the lean path")
     ap.add_argument("--no-layer", action="store_true", help="skip the layer benchmark")
+    ap.add_argument("--no-graph-prefill", action="store_true", help="skip the CUDA-graph-replayed prefill")
+    ap.add_argument("--graph-block", type=int, default=8192,
+                    help="GDN block (tokens) of the second graphed hybrid prefill (0: skip it)")
     ap.add_argument("--model", action="store_true", help="whole SmolLM2-shaped model: hybrid vs teacher")
     ap.add_argument("--model-lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
     ap.add_argument("--model-batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--model-cells", default=None,
+                    help="only these (batch x length) cells of the model part, e.g. 1x8192,16x32768")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--check", action="store_true", help="CUDA kernels vs the CPU reference first")
     ap.add_argument("--smoke", action="store_true", help="CPU, toy lengths (64, 128): checks the script")
@@ -457,7 +520,8 @@ def main(argv=None):
             t1 = time.perf_counter()
             try:
                 r = bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=a.graph_reps, eager_reps=eager_reps,
-                                before=not a.no_before, **({"prefill_reps": 2, "dynamic_reps": 2} if a.smoke else {}))
+                                before=not a.no_before, graph_prefill=not a.no_graph_prefill,
+                                graph_block=a.graph_block, **({"prefill_reps": 2, "dynamic_reps": 2} if a.smoke else {}))
             except Exception:  # pragma: no cover - OOM or a kernel failure: record, go on
                 import traceback
 
@@ -472,8 +536,10 @@ def main(argv=None):
     if a.model and dev.type == "cuda":
         from bench_hybrid_model import bench_model
 
+        cells = None if not a.model_cells else {tuple(int(v) for v in c.split("x")) for c in a.model_cells.split(",")}
         results["model"] = bench_model(dev, dtype, [512, 1024] if a.smoke else a.model_lengths,
-                                       [1, 2] if a.smoke else a.model_batches, dump=dump, results=results)
+                                       [1, 2] if a.smoke else a.model_batches, dump=dump, results=results,
+                                       graph_prefill=not a.no_graph_prefill, cells=cells)
     print("\nshape              T | prefill ms fa / hybrid | peak MB fa / hybrid (plain path) | "
           "decode step us fa / hybrid | cache MB fa / hybrid")
     print("\n".join(rows))

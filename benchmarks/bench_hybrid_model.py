@@ -6,7 +6,9 @@ which computes the teacher's function (checked against transformers' own forward
 (batch, T):
 
 - prefill: tokens/s of ``prefill`` over B sequences of T tokens (fills the caches), and its peak memory
-  above the weights and the preallocated caches (``torch.cuda.max_memory_allocated``);
+  above the weights and the preallocated caches (``torch.cuda.max_memory_allocated``); the same prefill
+  replayed from a CUDA graph (``StaticDecoder.prefill_graphed``: no host time per layer), its tokens/s,
+  the peak allocated while capturing it and its output against the eager prefill's;
 - decode: one step of B tokens with T cached, replayed from a CUDA graph: tokens/s = B / step time;
 - cache bytes per sequence at T; concurrent sequences of 32K tokens that fit in 100 GiB next to the
   weights: floor((100 GiB − weights) / (cache per sequence at 32K + decode activations per sequence)).
@@ -57,7 +59,8 @@ def _ms(fn, reps):
 
 
 @torch.no_grad()
-def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30, graph_reps=30):
+def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30, graph_reps=30, graph_prefill=True,
+                cells=None):
     cfg = smollm2_config(layers)
     torch.manual_seed(0)
     teacher = LlamaForCausalLM(cfg).to(dtype).eval()
@@ -90,6 +93,8 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
     t0 = time.perf_counter()
     for B in batches:
         for T in lengths:
+            if cells is not None and (B, T) not in cells:
+                continue
             cell = {}
             for name, model in models.items():
                 dec = StaticDecoder(model, B, T + 1)
@@ -102,6 +107,24 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
                 reps = 1 if B * T >= (1 << 19) else 2
                 ms = _ms(lambda: dec.prefill(ids), reps)
                 peak = torch.cuda.max_memory_allocated() - base
+                gcell = {}
+                if graph_prefill:  # the same prefill replayed from a CUDA graph (no host time per layer)
+                    ref = dec.prefill(ids).float()
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                    base_g = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                    dec.capture_prefill(ids, warmup=0)  # warmed up by the eager prefills above
+                    torch.cuda.synchronize()
+                    g_peak = torch.cuda.max_memory_allocated() - base_g
+                    got = dec.prefill_graphed(ids).float()
+                    g_ms = _ms(lambda: dec.prefill_graphed(ids), max(reps, 3))
+                    gcell = {"prefill_graph_ms": g_ms, "prefill_graph_tok_s": B * T / g_ms * 1e3,
+                             "prefill_graph_peak_bytes": g_peak,
+                             "prefill_graph_vs_eager": (got - ref).abs().max().item() / ref.abs().max().item()}
+                    dec._pf_graph = dec._pf_out = None
+                    del ref, got
+                    torch.cuda.empty_cache()
                 nxt = ids[:, -1:].contiguous()
                 dec.capture(nxt)
                 step_ms = _ms(dec.replay, graph_reps)
@@ -113,7 +136,7 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
                 step_peak = torch.cuda.max_memory_allocated() - base2
                 cell[name] = {"prefill_ms": ms, "prefill_tok_s": B * T / ms * 1e3, "prefill_peak_bytes": peak,
                               "decode_step_ms": step_ms, "decode_tok_s": B / step_ms * 1e3,
-                              "cache_bytes_per_seq": dec.cache_bytes(T) // B, "decode_act_bytes": step_peak}
+                              "cache_bytes_per_seq": dec.cache_bytes(T) // B, "decode_act_bytes": step_peak, **gcell}
                 del dec, ids
                 torch.cuda.empty_cache()
             t, h = cell["teacher"], cell["hybrid"]
@@ -121,6 +144,12 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
                              "decode_tok_s": h["decode_tok_s"] / t["decode_tok_s"],
                              "prefill_peak": h["prefill_peak_bytes"] / t["prefill_peak_bytes"],
                              "cache_per_seq": h["cache_bytes_per_seq"] / t["cache_bytes_per_seq"]}
+            if "prefill_graph_tok_s" in h:
+                cell["ratio"]["prefill_graph_tok_s"] = h["prefill_graph_tok_s"] / t["prefill_graph_tok_s"]
+                cell["ratio"]["prefill_graph_peak"] = h["prefill_graph_peak_bytes"] / t["prefill_graph_peak_bytes"]
+                print(f"model B={B:2d} T={T:6d} | graphed prefill tok/s teacher {t['prefill_graph_tok_s']:10.0f} hybrid "
+                      f"{h['prefill_graph_tok_s']:10.0f} x{cell['ratio']['prefill_graph_tok_s']:.2f} | peak GB "
+                      f"{t['prefill_graph_peak_bytes'] / 1e9:6.2f} {h['prefill_graph_peak_bytes'] / 1e9:6.2f}", flush=True)
             out["cells"][f"B{B}@{T}"] = cell
             print(f"model B={B:2d} T={T:6d} | prefill tok/s teacher {t['prefill_tok_s']:10.0f} hybrid "
                   f"{h['prefill_tok_s']:10.0f} x{cell['ratio']['prefill_tok_s']:.2f} | decode tok/s "

@@ -10,7 +10,11 @@
     out = dec.generate(ids, max_new_tokens=32)   # greedy
 
 ``capture()`` records the next step (at the current length) in a CUDA graph; ``replay()`` re-runs it
-(the benchmark's decode step: the FA K/V go into the same slot on every replay).
+(the benchmark's decode step: the FA K/V go into the same slot on every replay). ``prefill_graphed(ids)``
+records the prefill of ids' shape once and replays it for every later prompt batch of that shape (no
+host time per layer: see ``graphs.py``)::
+
+    logits = dec.prefill_graphed(ids)     # first call: warm-up + capture + replay; later: copy + replay
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+
+from .graphs import capture as _capture
 
 
 class StaticDecoder:
@@ -43,6 +49,8 @@ class StaticDecoder:
         self.caches = [layer.self_attn.new_decode_cache(batch, max_len) for layer in self.base.layers]
         self.batch, self.max_len = batch, max_len
         self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._pf_graph: Optional[torch.cuda.CUDAGraph] = None
+        self._pf_ids: Optional[Tensor] = None
 
     @property
     def length(self) -> int:
@@ -81,22 +89,46 @@ class StaticDecoder:
         which compile the glue); returns the graph's static logits. The caches' length stays."""
         n = self.length
         saved = [c.S.clone() if c.S is not None else None for c in self.caches]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(warmup):
-                self._set_length(n)
-                self.step(ids)
-        torch.cuda.current_stream().wait_stream(s)
-        self._set_length(n)
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
-            self._static = self.step(ids)
+
+        def run() -> Tensor:
+            self._set_length(n)
+            return self.step(ids)
+
+        self._graph, self._static = _capture(run, warmup)
         self._set_length(n)
         for c, S in zip(self.caches, saved):
             if S is not None:
                 c.S.copy_(S)
         return self._static
+
+    def capture_prefill(self, ids: Tensor, warmup: int = 2) -> None:
+        """Record the prefill of ``ids`` [batch, T] in a CUDA graph (after ``warmup`` eager prefills);
+        :meth:`prefill_graphed` replays it for any ids of that shape. Replaces an earlier prefill graph.
+
+        Raises:
+            ValueError: ids' batch is not the decoder's or T exceeds ``max_len``.
+            RuntimeError: no CUDA device (see :func:`headscope.hybrid.graphs.capture`).
+        """
+        if ids.dim() != 2 or ids.shape[0] != self.batch:
+            raise ValueError(f"ids must be [batch={self.batch}, T]; got {tuple(ids.shape)}")
+        if ids.shape[1] > self.max_len:
+            raise ValueError(f"{ids.shape[1]} tokens exceed the caches' max_len {self.max_len}; "
+                             "make the StaticDecoder with a larger max_len")
+        self._pf_graph = None  # free the old graph's pool first
+        self._pf_ids = ids.clone()
+        self._pf_graph, self._pf_out = _capture(lambda: self.prefill(self._pf_ids), warmup)
+
+    def prefill_graphed(self, ids: Tensor) -> Tensor:
+        """:meth:`prefill` through a CUDA graph of ids' shape (captured on first use of the shape):
+        ``ids`` [batch, T] → logits [batch, vocab] of the last position (the graph's static output:
+        clone it to keep it past the next replay)."""
+        if self._pf_graph is None or self._pf_ids.shape != ids.shape:
+            self.capture_prefill(ids)
+        else:
+            self._pf_ids.copy_(ids)
+        self._pf_graph.replay()
+        self._set_length(ids.shape[1])
+        return self._pf_out
 
     def replay(self) -> Tensor:
         self._graph.replay()

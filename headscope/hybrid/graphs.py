@@ -1,0 +1,47 @@
+"""CUDA-graph capture of a fixed-shape inference call (a layer's or a model's prefill, a decode step).
+
+A hybrid layer's prefill below ~32K tokens is bound by host time, not by the GPU: the compiled glue's
+guard checks and fla's Triton launches cost ~1–1.5 ms per GDN block on the H200 (README, "Known
+issues"), more than the kernels take at 8–16K tokens. Recording the call once in a CUDA graph and
+replaying it removes that host time for every later call of the same shape (the technique inference
+servers use for decode steps and, piecewise, for prefill buckets). Inputs are read from the tensors
+the call closed over: copy new data into them (``Tensor.copy_``) before each replay.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def capture(fn: Callable[[], Any], warmup: int = 2) -> tuple["torch.cuda.CUDAGraph", Any]:
+    """Record ``fn()`` in a CUDA graph after ``warmup`` eager calls on a side stream.
+
+    The warm-up calls compile the glue and tune the kernels (both must happen outside the capture);
+    ``fn`` must be free of host synchronisation (no ``.item()``, no CPU→GPU copies of new data).
+
+    Args:
+        fn: a call without arguments whose tensors live on the current CUDA device.
+        warmup: eager calls before the capture (>= 1 where anything is compiled or autotuned).
+
+    Returns:
+        (graph, static output): ``graph.replay()`` re-runs the call and rewrites the static output
+        (and every buffer the call writes, e.g. a decode cache) in place.
+
+    Raises:
+        RuntimeError: CUDA is not available (CUDA graphs are a CUDA feature; call ``fn`` eagerly).
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA graphs need a CUDA device; on this machine run the call eagerly "
+                           "(e.g. StaticDecoder.prefill instead of prefill_graphed)")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

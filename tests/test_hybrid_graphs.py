@@ -1,0 +1,65 @@
+"""CUDA-graphed prefill of a whole hybrid model (StaticDecoder.prefill_graphed) against the eager prefill;
+without CUDA, the clear error. The GPU tests skip on machines without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from headscope.hybrid import hybridize
+from headscope.hybrid.graphs import capture
+from headscope.hybrid.static import StaticDecoder
+from headscope.masks import HeadMask
+
+H, KV, D = 4, 2, 16
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _hybrid(device="cpu"):
+    cfg = LlamaConfig(vocab_size=101, hidden_size=H * D, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=H, num_key_value_heads=KV, head_dim=D, max_position_embeddings=512)
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(cfg).eval()
+    return hybridize(teacher, HeadMask(2, H, KV, ((1,), (0, 3)))).to(device).eval()
+
+
+def test_capture_without_cuda_names_the_fix(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="run the call eagerly"):
+        capture(lambda: torch.zeros(1))
+    dec = StaticDecoder(_hybrid(), batch=2, max_len=16)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        dec.prefill_graphed(torch.zeros(2, 8, dtype=torch.long))
+
+
+def test_capture_prefill_checks_the_shape():
+    dec = StaticDecoder(_hybrid(), batch=2, max_len=16)
+    with pytest.raises(ValueError, match="batch=2"):
+        dec.capture_prefill(torch.zeros(3, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="larger max_len"):
+        dec.capture_prefill(torch.zeros(2, 17, dtype=torch.long))
+
+
+@gpu
+def test_graphed_prefill_equals_eager_prefill_and_decodes_on():
+    """Replays for two different prompt batches of one shape equal the eager prefill of each (logits and
+    the caches: the next eager step equals the eager path's); a new shape is captured anew."""
+    model = _hybrid("cuda")
+    g = torch.Generator().manual_seed(1)
+    a, b = (torch.randint(0, 101, (2, 40), generator=g).cuda() for _ in range(2))
+    dec = StaticDecoder(model, batch=2, max_len=64)  # one decoder: the graph of a is replayed for b
+    with torch.no_grad():
+        for ids in (a, b):
+            ref_dec = StaticDecoder(model, batch=2, max_len=64)
+            ref = ref_dec.prefill(ids).clone()
+            ref_step = ref_dec.step(ids[:, -1:]).clone()
+            got = dec.prefill_graphed(ids).clone()
+            assert dec.length == 40
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+            torch.testing.assert_close(dec.step(ids[:, -1:]), ref_step, rtol=0, atol=1e-5)
+        graph = dec._pf_graph
+        got = dec.prefill_graphed(a[:, :24])
+        assert dec._pf_graph is not graph and dec.length == 24
+        ref = StaticDecoder(model, batch=2, max_len=64).prefill(a[:, :24])
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
