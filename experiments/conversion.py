@@ -270,26 +270,36 @@ def convert_one(out: Path, name: str, model: str, device: Optional[str], train_s
         print(name, json.dumps(summ), flush=True)
     heldout = TokenRows.load(out / "data" / "heldout.pt")
     e = job["eval"]
-    ev = evaluate(student, tok, heldout, e["tasks"], e["lengths"], e["n"], s["eval_batch"], cache_dir=out / "eval_pairs")
+    ev = evaluate(student, tok, heldout, e["tasks"], e["lengths"], e["n"], s["eval_batch"], cache_dir=out / "eval_pairs",
+                  partial=out / name / "eval.partial.json")
     ev.update({"mask": name, "n_fa": mask.n_fa, "kv_cache_fraction": mask.kv_cache_fraction, "train": summaries,
                "options": opts, "job": job})
     (out / name / "eval.json").write_text(json.dumps(ev, indent=2))
+    (out / name / "eval.partial.json").unlink(missing_ok=True)
 
 
-def eval_teacher(out: Path, model: str, device: Optional[str]) -> None:
+def eval_teacher(out: Path, model: str, device: Optional[str]) -> bool:
+    """The teacher's cells and held-out perplexity → OUT/teacher/eval.json. The retrieval cells need no
+    sampled data: before ``pack`` has written ``data/heldout.pt`` only they are computed (kept in
+    ``eval.partial.json``) and False is returned; a later call adds the perplexity and finishes."""
     s = _settings(out)
     teacher, tok, _ = load_hf(model, device=device)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    heldout = TokenRows.load(out / "data" / "heldout.pt")
+    hf = out / "data" / "heldout.pt"
+    heldout = TokenRows.load(hf) if hf.exists() else None
     ev = evaluate(teacher, tok, heldout, s["tasks"], s["eval_lengths"], s["eval_n"], s["eval_batch"],
-                  cache_dir=out / "eval_pairs")
+                  cache_dir=out / "eval_pairs", partial=out / "teacher" / "eval.partial.json")
+    if heldout is None:
+        return False
     from headscope.models import geometry_of
 
     g = geometry_of(teacher.config)
     ev.update({"mask": "teacher", "n_fa": g.n_layers * g.n_heads, "kv_cache_fraction": 1.0})
     (out / "teacher").mkdir(parents=True, exist_ok=True)
     (out / "teacher" / "eval.json").write_text(json.dumps(ev, indent=2))
+    (out / "teacher" / "eval.partial.json").unlink(missing_ok=True)
+    return True
 
 
 def _markdown(df: pd.DataFrame) -> str:
@@ -319,17 +329,19 @@ def report(out: Path) -> pd.DataFrame:
     against tokens seen) from the finished runs."""
     rows, curves, cis, rcurves = [], [], [], []
     # a run without eval.json (stopped before its evaluation) still gives its loss and retrieval curves
-    found = {p.parent.name for pat in ("*/eval.json", "*/curve.jsonl") for p in out.glob(pat)}
+    found = {p.parent.name for pat in ("*/eval.json", "*/eval.partial.json", "*/curve.jsonl") for p in out.glob(pat)}
     names = [n for n in ("teacher", *MASKS) if n in found] + sorted(found - {"teacher", *MASKS})
     for name in names:
         f = out / name / "eval.json"
-        ev = json.loads(f.read_text()) if f.exists() else None
+        fp = out / name / "eval.partial.json"  # an evaluation stopped part-way: its finished cells
+        ev = json.loads(f.read_text()) if f.exists() else ({**json.loads(fp.read_text()), "partial": True}
+                                                            if fp.exists() else None)
         if ev is None:
             rcurves += _curves(out, name, curves)
             continue
         kv, ppl = ev.get("kv_cache_fraction"), ev.get("ppl")  # absent in a partial evaluation (e.g. teacher_cpu)
-        r = {"model": name, "n_fa": ev.get("n_fa"), "kv_cache": None if kv is None else round(kv, 3),
-             "ppl": None if ppl is None else round(ppl, 3)}
+        r = {"model": name + (" (partial)" if ev.get("partial") else ""), "n_fa": ev.get("n_fa"),
+             "kv_cache": None if kv is None else round(kv, 3), "ppl": None if ppl is None else round(ppl, 3)}
         for k, v in ev.items():
             if "@" in k:
                 r[k] = v["accuracy"]
@@ -710,7 +722,9 @@ def queue(out: Path = typer.Option(...), jobs: str = typer.Option(..., help="com
             continue
         t0 = time.time()
         if name == "teacher":
-            eval_teacher(out, model, device)
+            if not eval_teacher(out, model, device):
+                print("teacher: retrieval cells done; its perplexity waits for the held-out data (pack)", flush=True)
+                continue
         else:
             convert_one(out, name, model, device, None)
         print(f"{name} done in {time.time() - t0:.0f} s", flush=True)

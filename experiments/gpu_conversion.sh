@@ -11,7 +11,9 @@
 # `conversion.py plan` options), SAMPLE_ARGS (more `conversion.py sample` options),
 # SAMPLE_MAX_DOCS (documents per shard, "8192,10240" with SAMPLE_S=1000 to redraw the 2026-11-30 data; data/info.json
 # records the counts and a SHA-256 of the documents to check), HELDOUT_DOCS (sampled documents held out for perplexity, 256), WARMUP ('' = no kernel warm-up run),
-# JOBS0 / JOBS1 (the two queues, comma-separated job names; default: all jobs, the main comparison first). Logs in $CONV_OUT/logs; the table via `conversion.py report`.
+# JOBS0 / JOBS1 (the two queues, comma-separated job names; default: all jobs, the main comparison first), JOBS2 / DEV2 (an
+# optional third queue; one GPU: DEV0=cuda:0 DEV1=cuda:0 DEV2=cuda:0), EARLY_TEACHER=1 (the teacher's retrieval cells
+# beside the sampling). Logs in $CONV_OUT/logs; the table via `conversion.py report`.
 set -u
 OUTD=${CONV_OUT:-/tmp/conv}
 M=${MODEL:?set MODEL to the teacher (a .gguf path, HF directory or spec)}
@@ -48,6 +50,12 @@ if [ ! -f "$OUTD/data/done" ]; then
     --stages13 64x512 --variants hybrid_fast --variants13 hybrid_fast --ladder '' --steps 1 > "$L/warmup.log" 2>&1 &
   # the evaluation prompts, built once on the CPU while the GPUs sample
   $PY experiments/conversion.py pairs --out "$OUTD" --model "$M" > "$L/pairs.log" 2>&1 & pids+=($!)
+  # EARLY_TEACHER=1: the teacher's retrieval cells need no sampled data; they run beside the sampling (its
+  # perplexity follows in the queue that names "teacher")
+  if [ -n "${EARLY_TEACHER:-}" ]; then
+    $PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "$DEV1" --jobs teacher \
+      >> "$L/teacher_early.log" 2>&1 & pids+=($!)
+  fi
   wait "${pids[@]}"
   stamp pack
   $PY experiments/conversion.py pack --out "$OUTD" --model "$M" --heldout-docs "${HELDOUT_DOCS:-256}" > "$L/pack.log" 2>&1 || { stamp "pack failed"; exit 1; }
@@ -56,9 +64,14 @@ fi
 stamp "queues"
 # the main comparison first on both devices, then the teacher, then the ablation
 $PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "$DEV0" \
-  --jobs "${JOBS0:-hydrahead,layerwise3,abl0_base,abl2_gdn_rope}" > "$L/queue0.log" 2>&1 &
+  --jobs "${JOBS0:-hydrahead,layerwise3,abl0_base,abl2_gdn_rope}" >> "$L/queue0.log" 2>&1 &
 $PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "$DEV1" \
-  --jobs "${JOBS1:-layerwise,random,teacher,abl1_fa_nope,abl3_fa_gate}" > "$L/queue1.log" 2>&1 &
+  --jobs "${JOBS1:-layerwise,random,teacher,abl1_fa_nope,abl3_fa_gate}" >> "$L/queue1.log" 2>&1 &
+# an optional third queue (e.g. on one GPU: DEV0=DEV1=DEV2=cuda:0; evaluation is host-bound, so queues overlap)
+if [ -n "${JOBS2:-}" ]; then
+  $PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "${DEV2:-$DEV0}" \
+    --jobs "$JOBS2" >> "$L/queue2.log" 2>&1 &
+fi
 wait
 $PY experiments/conversion.py report --out "$OUTD" > "$L/report.log" 2>&1
 stamp done

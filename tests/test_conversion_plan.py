@@ -128,11 +128,19 @@ def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
     rc = pd.read_csv(out / "retrieval_curves.csv")
     # the ablation's stage 3 is one step: its two pieces end at the same step, one point
     assert set(rc["model"]) == {"hydrahead", "abl0_base"} and len(rc) == 5 + 4
+    # an evaluation stopped part-way: its finished cells are reported, the row marked
+    (out / "teacher" / "eval.json").rename(out / "teacher" / "eval.partial.json")
+    table = conv.report(out)
+    assert not (out / "teacher" / "eval.partial.json").with_name("eval.json").exists()
+    assert list(table["model"]) == ["teacher (partial)", "hydrahead", "abl0_base"]
+    assert table.iloc[0]["niah_single@256"] == json.loads((out / "teacher" / "eval.partial.json").read_text())["niah_single@256"]["accuracy"]
+    assert not list(out.glob("*/eval.partial.json"))[1:]  # finished jobs leave no partial file behind
 
 
 def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, smol_tokenizer):
     """experiments/gpu_conversion.sh with both "devices" on the CPU and tiny settings: plan, two sampling
-    shards, pack, both queues (main masks, teacher, ablation) and the report; a second run does nothing."""
+    shards, the teacher's cells beside them, pack, three queues (main masks, teacher, ablation) and the report; a
+    second run does nothing."""
     import os
     import subprocess
     import sys
@@ -147,7 +155,9 @@ def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, smol_tokenizer):
     env = {**os.environ, "MODEL": str(model), "CONV_OUT": str(out), "MASK": str(tmp_path / "mask.json"),
            "DEV0": "cpu", "DEV1": "cpu", "TOKENS": "2048", "ABL_TOKENS": "1024", "EVAL_N": "2", "SAMPLE_S": "1000",
            "SAMPLE_BATCH": "8", "SAMPLE_MAX_DOCS": "16,24", "HELDOUT_DOCS": "4", "WARMUP": "", "PYTHON": sys.executable,
-           "SAMPLE_ARGS": "--doc-len 40",
+           "SAMPLE_ARGS": "--doc-len 40", "EARLY_TEACHER": "1", "DEV2": "cpu",
+           "JOBS0": "hydrahead,layerwise3,abl0_base", "JOBS1": "layerwise,random,teacher,abl1_fa_nope",
+           "JOBS2": "abl2_gdn_rope,abl3_fa_gate",
            "EXTRA_PLAN": "--seq-len 32 --long-len 512 --batch 2 --batch-long 1 --task niah_single --eval-lengths 192 "
                          "--curve-n 0 --ablation-task niah_single --ablation-lengths 192 --gdn-kernel torch --budget 2 "
                          "--eval-batch 2 --pieces 1,1,1"}
@@ -170,3 +180,7 @@ def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, smol_tokenizer):
     # the evaluation prompts were built once, by the `pairs` step, one file per (task, length, n)
     assert sorted(p.name for p in (out / "eval_pairs").glob("*.pt")) == ["niah_single@192_n2_s1234.pt"]
     assert "1 prompt sets" in (out / "logs" / "pairs.log").read_text()
+    # the teacher's cells ran beside the sampling (no held-out data yet); its queue added the perplexity
+    assert "retrieval cells done" in (out / "logs" / "teacher_early.log").read_text()
+    assert table.set_index("model").loc["teacher", "ppl"] > 1 and not (out / "teacher" / "eval.partial.json").exists()
+    assert "abl3_fa_gate done" in (out / "logs" / "queue2.log").read_text()

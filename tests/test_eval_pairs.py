@@ -62,3 +62,40 @@ def test_eval_pairs_cache_round_trip(smol_tokenizer, tmp_path, monkeypatch):
     torch.save(d, f)
     c = eval_pairs(smol_tokenizer, "niah_single", 160, 3, seed=7, cache_dir=tmp_path)
     assert len(c) == 3 and torch.load(f, weights_only=False)["ident"]["vocab"] == len(smol_tokenizer)
+
+
+def test_evaluate_saves_each_cell_and_resumes(smol_tokenizer, tmp_path, monkeypatch):
+    """With ``partial``, every finished cell is on disk at once; a second call after a crash reads the
+    finished cells back (never recomputed) and computes only the missing ones, equal to a fresh run."""
+    import json
+
+    import headscope.train.evaluate as ev_mod
+    from conftest import tiny_llama
+
+    model = tiny_llama(smol_tokenizer, seed=0, n_layers=1, n_heads=2, n_kv=2, d_model=32)
+    kw = dict(tasks=["niah_single"], lengths=[96, 128], n=2, batch_size=4, cache_dir=tmp_path / "pairs")
+    fresh = ev_mod.evaluate(model, smol_tokenizer, None, **kw)
+    pf = tmp_path / "eval.partial.json"
+    real = ev_mod.retrieval_accuracy
+    calls = []
+
+    def crash_on_second(*a, **k):
+        calls.append(a[3])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the process dies in the middle of the second cell
+        return real(*a, **k)
+
+    monkeypatch.setattr(ev_mod, "retrieval_accuracy", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        ev_mod.evaluate(model, smol_tokenizer, None, partial=pf, **kw)
+    saved = json.loads(pf.read_text())
+    assert list(saved) == ["niah_single@96"] and saved["niah_single@96"] == fresh["niah_single@96"]
+    # mark the saved cell so that a recomputation would show; resume: only the second cell is computed
+    saved["niah_single@96"]["hits"] = -7
+    pf.write_text(json.dumps(saved))
+    calls.clear()
+    monkeypatch.setattr(ev_mod, "retrieval_accuracy", lambda *a, **k: (calls.append(a[3]), real(*a, **k))[1])
+    got = ev_mod.evaluate(model, smol_tokenizer, None, partial=pf, **kw)
+    assert calls == [128]
+    assert got["niah_single@96"]["hits"] == -7 and got["niah_single@128"] == fresh["niah_single@128"]
+    assert json.loads(pf.read_text()) == got

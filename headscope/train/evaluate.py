@@ -155,17 +155,38 @@ def perplexity(model: Any, rows: TokenRows, batch_size: int = 8) -> float:
 
 def evaluate(
     model: Any, tokenizer: Any, heldout: TokenRows | None, tasks: Sequence[str], lengths: Sequence[int], n: int,
-    batch_size: int = 16, seed: int = 1234, cache_dir: str | Path | None = None,
+    batch_size: int = 16, seed: int = 1234, cache_dir: str | Path | None = None, partial: str | Path | None = None,
 ) -> dict[str, Any]:
     """Held-out perplexity (``ppl``, if ``heldout``) and ``"{task}@{length}"`` retrieval cells
     (:func:`retrieval_accuracy`; the batch shrinks with the length: ``batch_size · 512 / length`` rows;
-    ``cache_dir``: where the prompts are kept for the next model, see :func:`eval_pairs`)."""
-    model.eval()
+    ``cache_dir``: where the prompts are kept for the next model, see :func:`eval_pairs`).
+
+    ``partial``: a JSON file that every finished cell is written to at once (atomically); cells already
+    in it are read back, not recomputed, so an evaluation stopped part-way resumes where it stopped.
+    The caller keeps or removes it afterwards (it holds the same numbers as the returned dict)."""
+    import json
+
     res: dict[str, Any] = {}
-    if heldout is not None:
+    pf = Path(partial) if partial is not None else None
+    if pf is not None and pf.exists():
+        res.update(json.loads(pf.read_text()))
+
+    def save() -> None:
+        if pf is not None:
+            pf.parent.mkdir(parents=True, exist_ok=True)
+            tmp = pf.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(res, indent=2))
+            os.replace(tmp, pf)
+
+    model.eval()
+    if heldout is not None and "ppl" not in res:
         res["ppl"] = perplexity(model, heldout, batch_size)
+        save()
     for task in tasks:
         for L in lengths:
+            if f"{task}@{L}" in res:
+                continue
             res[f"{task}@{L}"] = retrieval_accuracy(model, tokenizer, task, L, n, seed=seed,
                                                     batch_size=max(1, batch_size * 512 // L), cache_dir=cache_dir)
+            save()
     return res
