@@ -103,3 +103,20 @@ def test_trainer_uses_the_graphed_step_and_matches_the_plain_trainer(tmp_path):
         losses[fast] = [r["loss"] for r in rows_out]
     for a, b in zip(losses[False], losses[True]):
         assert b == pytest.approx(a, rel=1e-3, abs=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_step_on_the_second_gpu_is_captured():
+    """A step on cuda:1 while the current device is cuda:0 (a queue started with --device cuda:1) is
+    captured on cuda:1's stream: before the fix its capture failed and the step ran ungraphed."""
+    assert torch.cuda.current_device() == 0
+    teacher = tiny_llama(_Vocab(), seed=3, n_layers=2, n_heads=4, n_kv=2, d_model=64).to("cuda:1", torch.bfloat16)
+    st = hybridize(teacher, HeadMask(2, 4, 2, ((0,), (1, 3)))).to("cuda:1")
+    params = [p for _, p in trainable_parameters(st, 2)]
+    ids, mask = (t.to("cuda:1") for t in _batch())
+    fs = FastStep(2, st, teacher, params, bf16=True, compile=True, cuda_graph=True, warmup=2)
+    for _ in range(4):
+        logged = fs(ids, mask)
+    assert fs.graph is not None, fs.graph_error
+    assert logged.device == torch.device("cuda:1") and torch.isfinite(logged).all()
+    fs.close()

@@ -63,3 +63,13 @@ def test_graphed_prefill_equals_eager_prefill_and_decodes_on():
         assert dec._pf_graph is not graph and dec.length == 24
         ref = StaticDecoder(model, batch=2, max_len=64).prefill(a[:, :24])
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_graphed_prefill_on_the_second_gpu():
+    model = _hybrid("cuda:1")
+    ids = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1)).to("cuda:1")
+    with torch.no_grad():
+        ref = StaticDecoder(model, batch=2, max_len=64).prefill(ids).clone()
+        got = StaticDecoder(model, batch=2, max_len=64).prefill_graphed(ids)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)

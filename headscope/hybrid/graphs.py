@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 
-def capture(fn: Callable[[], Any], warmup: int = 2) -> tuple["torch.cuda.CUDAGraph", Any]:
+def capture(fn: Callable[[], Any], warmup: int = 2, device: Any = None) -> tuple["torch.cuda.CUDAGraph", Any]:
     """Record ``fn()`` in a CUDA graph after ``warmup`` eager calls on a side stream.
 
     The warm-up calls compile the glue and tune the kernels (both must happen outside the capture);
@@ -24,6 +24,9 @@ def capture(fn: Callable[[], Any], warmup: int = 2) -> tuple["torch.cuda.CUDAGra
     Args:
         fn: a call without arguments whose tensors live on the current CUDA device.
         warmup: eager calls before the capture (>= 1 where anything is compiled or autotuned).
+        device: the CUDA device the call's tensors live on (default: the current one). The warm-up
+            and capture streams are made there: a capture stream of another device misses the call's
+            kernels and the capture fails.
 
     Returns:
         (graph, static output): ``graph.replay()`` re-runs the call and rewrites the static output
@@ -35,13 +38,15 @@ def capture(fn: Callable[[], Any], warmup: int = 2) -> tuple["torch.cuda.CUDAGra
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA graphs need a CUDA device; on this machine run the call eagerly "
                            "(e.g. StaticDecoder.prefill instead of prefill_graphed)")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    with torch.cuda.device(dev):
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream(dev).wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):
+            out = fn()
     return graph, out

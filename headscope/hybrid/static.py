@@ -94,7 +94,7 @@ class StaticDecoder:
             self._set_length(n)
             return self.step(ids)
 
-        self._graph, self._static = _capture(run, warmup)
+        self._graph, self._static = _capture(run, warmup, device=self._device())
         self._set_length(n)
         for c, S in zip(self.caches, saved):
             if S is not None:
@@ -116,7 +116,7 @@ class StaticDecoder:
                              "make the StaticDecoder with a larger max_len")
         self._pf_graph = None  # free the old graph's pool first
         self._pf_ids = ids.clone()
-        self._pf_graph, self._pf_out = _capture(lambda: self.prefill(self._pf_ids), warmup)
+        self._pf_graph, self._pf_out = _capture(lambda: self.prefill(self._pf_ids), warmup, device=self._device())
 
     def prefill_graphed(self, ids: Tensor) -> Tensor:
         """:meth:`prefill` through a CUDA graph of ids' shape (captured on first use of the shape):
@@ -133,6 +133,9 @@ class StaticDecoder:
     def replay(self) -> Tensor:
         self._graph.replay()
         return self._static
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def _set_length(self, n: int) -> None:
         for c in self.caches:

@@ -310,7 +310,11 @@ class FastStep:
         graph = torch.cuda.CUDAGraph()
         try:
             torch.cuda.synchronize(self.device)
-            with torch.cuda.graph(graph):
+            # capture on a stream of the step's own device: torch.cuda.graph's default capture stream is
+            # made on the *current* device, so a step on cuda:1 in a process whose current device is cuda:0
+            # launched its kernels outside the capture and invalidated it (seen on 2 × H200: every job of
+            # the second queue trained ungraphed)
+            with torch.cuda.device(self.device), torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
                 st["logged"] = self._eager(st["ids"], st["mask"])
                 if self._stats is not None and self.layer_stats:
                     st["stats"] = self._stats
