@@ -11,8 +11,9 @@
 # `conversion.py plan` options), SAMPLE_ARGS (more `conversion.py sample` options),
 # SAMPLE_MAX_DOCS (documents per shard, "8192,10240" with SAMPLE_S=1000 to redraw the 2026-11-30 data; data/info.json
 # records the counts and a SHA-256 of the documents to check), HELDOUT_DOCS (sampled documents held out for perplexity, 256), WARMUP ('' = no kernel warm-up run),
-# JOBS0 / JOBS1 (the two queues, comma-separated job names; default: all jobs, the main comparison first), JOBS2 / DEV2 (an
-# optional third queue; one GPU: DEV0=cuda:0 DEV1=cuda:0 DEV2=cuda:0), EARLY_TEACHER=1 (the teacher's retrieval cells
+# JOBS0 / JOBS1 (the two queues, comma-separated job names; default: all jobs, the main comparison first; set to '' to
+# leave a queue out), JOBS2 / DEV2 (an
+# optional third queue; one GPU with two queues: DEV0=cuda:0 DEV1=cuda:0), EARLY_TEACHER=1 (the teacher's retrieval cells
 # beside the sampling). Logs in $CONV_OUT/logs; the table via `conversion.py report`.
 set -u
 OUTD=${CONV_OUT:-/tmp/conv}
@@ -62,12 +63,15 @@ if [ ! -f "$OUTD/data/done" ]; then
 fi
 
 stamp "queues"
-# the main comparison first on both devices, then the teacher, then the ablation
-$PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "$DEV0" \
-  --jobs "${JOBS0:-hydrahead,layerwise3,abl0_base,abl2_gdn_rope}" >> "$L/queue0.log" 2>&1 &
-$PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "$DEV1" \
-  --jobs "${JOBS1:-layerwise,random,teacher,abl1_fa_nope,abl3_fa_gate}" >> "$L/queue1.log" 2>&1 &
-# an optional third queue (e.g. on one GPU: DEV0=DEV1=DEV2=cuda:0; evaluation is host-bound, so queues overlap)
+# the main comparison first on both devices, then the teacher, then the ablation; a queue set to '' (e.g. JOBS1=)
+# does not run
+J0=${JOBS0-hydrahead,layerwise3,abl0_base,abl2_gdn_rope}
+J1=${JOBS1-layerwise,random,teacher,abl1_fa_nope,abl3_fa_gate}
+[ -n "$J0" ] && $PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "$DEV0" \
+  --jobs "$J0" >> "$L/queue0.log" 2>&1 &
+[ -n "$J1" ] && $PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "$DEV1" \
+  --jobs "$J1" >> "$L/queue1.log" 2>&1 &
+# an optional third queue (DEV2); on one H200 three training queues ran out of memory once (2026-12-01): two per GPU
 if [ -n "${JOBS2:-}" ]; then
   $PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "${DEV2:-$DEV0}" \
     --jobs "$JOBS2" >> "$L/queue2.log" 2>&1 &
