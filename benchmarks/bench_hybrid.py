@@ -15,6 +15,8 @@ Measures in one run and one process, B = 1, bf16 on CUDA (fp32 on CPU):
   (``headscope.hybrid.graphs.capture``; no host time: the glue's guards and fla's launches are gone),
   its time and the peak allocated while capturing it; the hybrid again with ``--graph-block``-token
   GDN blocks (default 8192: smaller fla intermediates, which cost host time only when eager);
+- ``--flash-qla``: the hybrid's prefill again with FlashQLA's GDN forward (``lean.FLASH_QLA``; head_dim
+  128 only, i.e. the Qwen3 shape), eager and graphed, and its output against fla's;
 - parity: the all-FA layer vs the teacher's ``LlamaAttention`` (prefill), and the hybrid decode step
   (eager and graph-replayed) vs the full forward's last position.
 
@@ -146,6 +148,31 @@ def _prefill_graph(call, dev, reps, ref):
     return ms, peak, err
 
 
+def _flash_qla_prefill(call, dev, reps, parity):
+    """The hybrid prefill with FlashQLA's GDN forward (``lean.FLASH_QLA``) instead of fla's: time, peak,
+    graphed time (or why capture failed) and its output against fla's."""
+    r = {}
+    if lean._flash_qla_fwd() is None:
+        return {"flash_qla": "not installed"}
+    ref = call()
+    prev, lean.FLASH_QLA = lean.FLASH_QLA, True
+    try:
+        r["prefill_ms_flashqla"] = _time(call, dev, reps)
+        r["prefill_peak_bytes_flashqla"] = _peak_bytes(call, dev)
+        got = call()
+        parity["hybrid_flashqla_vs_fla_prefill"] = _err(got, ref)
+        try:
+            ms, pk, e = _prefill_graph(call, dev, reps, got)
+            r["prefill_graph_ms_flashqla"], r["prefill_graph_peak_bytes_flashqla"] = ms, pk
+            parity["hybrid_flashqla_prefill_graph_vs_eager"] = e
+        except Exception as e:  # noqa: BLE001 - e.g. a host sync inside its context-parallel set-up
+            r["prefill_graph_flashqla_error"] = f"{type(e).__name__}: {e}"[:500]
+            torch.cuda.synchronize()
+    finally:
+        lean.FLASH_QLA = prev
+    return r
+
+
 def _decode(mod, x, pe, T, dev, graph_reps, eager_reps):
     """Prefill T tokens into a HybridDecodeCache, then time one decode step at length T."""
     x_pre, x1 = x[:, :T], x[:, T:]
@@ -202,7 +229,7 @@ def _decode_dynamic(mod, x, pe, T, dev, reps):
 
 @torch.no_grad()
 def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30, prefill_reps=None, dynamic_reps=0,
-                before=True, graph_prefill=True, graph_block=8192):
+                before=True, graph_prefill=True, graph_block=8192, flash_qla=False):
     hidden, h, kv, d, fa = SHAPES[shape]
     cfg = _cfg(hidden, h, kv, d)
     torch.manual_seed(0)
@@ -250,6 +277,8 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
                 r[f"prefill_graph_ms@block{graph_block}"], r[f"prefill_graph_peak_bytes@block{graph_block}"] = ms, pk
                 out["parity"][f"hybrid_prefill_graph_block{graph_block}_vs_eager"] = e
             del ref
+        if flash_qla and name == "hybrid" and dev.type == "cuda" and d == 128:
+            r.update(_flash_qla_prefill(call, dev, reps, out.setdefault("parity", {})))
         out[name] = r
     out.setdefault("parity", {})
     out["parity"]["fa_layer_vs_teacher_prefill"] = _err(mods["fa"](xp, position_embeddings=pep)[0],
@@ -284,6 +313,10 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
         fk = k.split("@")[0]
         if out["hybrid"].get(k) is not None and out["fa"].get(fk):
             out["ratio"][k] = out["hybrid"][k] / out["fa"][fk]
+    for k in ("prefill_ms_flashqla", "prefill_graph_ms_flashqla"):
+        fk = "prefill_graph_ms" if "graph" in k else "prefill_ms"
+        if out["hybrid"].get(k) and out["fa"].get(fk):
+            out["ratio"][f"fa_speedup_{k}"] = out["fa"][fk] / out["hybrid"][k]
     if out["ratio"].get("prefill_graph_ms"):
         out["ratio"]["fa_speedup_prefill_graph"] = 1.0 / out["ratio"]["prefill_graph_ms"]
     if before:
@@ -452,6 +485,8 @@ def main(argv=None):
     ap.add_argument("--no-before", action="store_true", help="skip the layer before the lean path")
     ap.add_argument("--no-layer", action="store_true", help="skip the layer benchmark")
     ap.add_argument("--no-graph-prefill", action="store_true", help="skip the CUDA-graph-replayed prefill")
+    ap.add_argument("--flash-qla", action="store_true",
+                    help="also time the hybrid prefill with FlashQLA's GDN forward (head_dim-128 shapes)")
     ap.add_argument("--graph-block", type=int, default=8192,
                     help="GDN block (tokens) of the second graphed hybrid prefill (0: skip it)")
     ap.add_argument("--model", action="store_true", help="whole SmolLM2-shaped model: hybrid vs teacher")
@@ -521,7 +556,7 @@ def main(argv=None):
             try:
                 r = bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=a.graph_reps, eager_reps=eager_reps,
                                 before=not a.no_before, graph_prefill=not a.no_graph_prefill,
-                                graph_block=a.graph_block, **({"prefill_reps": 2, "dynamic_reps": 2} if a.smoke else {}))
+                                graph_block=a.graph_block, flash_qla=a.flash_qla, **({"prefill_reps": 2, "dynamic_reps": 2} if a.smoke else {}))
             except Exception:  # pragma: no cover - OOM or a kernel failure: record, go on
                 import traceback
 

