@@ -10,6 +10,8 @@ which computes the teacher's function (checked against transformers' own forward
   replayed from a CUDA graph (``StaticDecoder.prefill_graphed``: no host time per layer), its tokens/s,
   the peak allocated while capturing it and its output against the eager prefill's;
 - decode: one step of B tokens with T cached, replayed from a CUDA graph: tokens/s = B / step time;
+- ``--generate N``: end-to-end greedy ``generate`` of N tokens, ms per new token, with graphed device-position
+  steps (capture included) and with eager steps (8 tokens);
 - cache bytes per sequence at T; concurrent sequences of 32K tokens that fit in 100 GiB next to the
   weights: floor((100 GiB − weights) / (cache per sequence at 32K + decode activations per sequence)).
 """
@@ -59,8 +61,25 @@ def _ms(fn, reps):
 
 
 @torch.no_grad()
+def _generate_ms_per_token(model, B, T, vocab, n, cuda_graph):
+    """End-to-end greedy ``StaticDecoder.generate`` of n tokens after a T-token prompt, minus the same call
+    for 1 token (the prefill), per new token; the graphed path's capture is included (amortised over n)."""
+    ids = torch.randint(0, vocab, (B, T), device="cuda")
+    walls = []
+    for k in (1, n):
+        dec = StaticDecoder(model, B, T + n + 1)
+        dec.generate(ids, 2, cuda_graph=False)  # warm-up (compiled glue for this shape)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dec.generate(ids, k, cuda_graph=cuda_graph)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t)
+        del dec
+    return (walls[1] - walls[0]) / (n - 1) * 1e3
+
+
 def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30, graph_reps=30, graph_prefill=True,
-                cells=None):
+                cells=None, generate=0):
     cfg = smollm2_config(layers)
     torch.manual_seed(0)
     teacher = LlamaForCausalLM(cfg).to(dtype).eval()
@@ -139,6 +158,14 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
                               "cache_bytes_per_seq": dec.cache_bytes(T) // B, "decode_act_bytes": step_peak, **gcell}
                 del dec, ids
                 torch.cuda.empty_cache()
+            if generate:  # end-to-end decoding: graphed device-position steps vs eager steps
+                for name, model in models.items():
+                    cell[name]["generate_ms_per_token_graph"] = _generate_ms_per_token(model, B, T, cfg.vocab_size, generate, True)
+                    cell[name]["generate_ms_per_token_eager"] = _generate_ms_per_token(model, B, T, cfg.vocab_size, 9, False)
+                    print(f"model B={B:2d} T={T:6d} {name}: generate ms/token graphed "
+                          f"{cell[name]['generate_ms_per_token_graph']:.2f}, eager {cell[name]['generate_ms_per_token_eager']:.2f}",
+                          flush=True)
+                    torch.cuda.empty_cache()
             t, h = cell["teacher"], cell["hybrid"]
             cell["ratio"] = {"prefill_tok_s": h["prefill_tok_s"] / t["prefill_tok_s"],
                              "decode_tok_s": h["decode_tok_s"] / t["decode_tok_s"],

@@ -73,3 +73,50 @@ def test_graphed_prefill_on_the_second_gpu():
         ref = StaticDecoder(model, batch=2, max_len=64).prefill(ids).clone()
         got = StaticDecoder(model, batch=2, max_len=64).prefill_graphed(ids)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("opts", [{}, {"fa_pos": "rope", "gdn_rope": False, "fa_gate": False}])
+def test_device_position_decoding_equals_eager_generate(opts, monkeypatch):
+    """Greedy decoding with the position in device memory (the step a CUDA graph replays) gives the
+    tokens of the eager steps, for NoPE and RoPE FA heads; run eagerly here (CPU, lean path)."""
+    import headscope.hybrid.lean as lean
+    from headscope.hybrid import hybridize
+
+    monkeypatch.setattr(lean, "ENABLE", True)
+    cfg = LlamaConfig(vocab_size=101, hidden_size=H * D, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=H, num_key_value_heads=KV, head_dim=D, max_position_embeddings=512)
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(cfg).eval()
+    for p in teacher.parameters():  # larger weights: logits far apart, so greedy tokens vary along the run
+        p.data.normal_(std=0.2)
+    model = hybridize(teacher, HeadMask(2, H, KV, ((1,), (0, 3))), gdn_kernel="torch", **opts).eval()
+    ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False)
+        dec = StaticDecoder(model, batch=2, max_len=24)
+        got = dec._generate_device(ids, 10, capture=False)
+        assert torch.equal(got, ref) and len(set(got[0, 9:].tolist())) > 2
+        assert dec.length == 9 + 10 - 1 and all(c.pos is None for c in dec.caches)
+        # capacity: max_len − T + 1 new tokens at most, as the eager path
+        short = StaticDecoder(model, batch=2, max_len=12)._generate_device(ids, 10, capture=False)
+        assert torch.equal(short, StaticDecoder(model, batch=2, max_len=12).generate(ids, 10, cuda_graph=False))
+        assert short.shape[1] == 13
+
+
+def test_device_position_needs_the_lean_path(monkeypatch):
+    import headscope.hybrid.lean as lean
+
+    monkeypatch.setattr(lean, "ENABLE", False)
+    dec = StaticDecoder(_hybrid(), batch=2, max_len=16)
+    with pytest.raises(ValueError, match="lean path only"):
+        dec._generate_device(torch.zeros(2, 4, dtype=torch.long), 5, capture=False)
+
+
+@gpu
+def test_graphed_generate_equals_eager_generate():
+    model = _hybrid("cuda")
+    ids = torch.randint(0, 101, (2, 30), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad():
+        ref = StaticDecoder(model, batch=2, max_len=64).generate(ids, 20, cuda_graph=False)
+        got = StaticDecoder(model, batch=2, max_len=64).generate(ids, 20, cuda_graph=True)
+    assert torch.equal(got, ref)

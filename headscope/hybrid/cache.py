@@ -17,6 +17,10 @@ class HybridDecodeCache:
         conv: [batch, gdn_conv − 1, C] short-convolution tail (None without it).
         length: tokens cached (a Python int; a captured CUDA graph replays the step at the length it
             was captured with, writing K/V into the same slot).
+        pos: None, or a [1] long tensor on the cache's device: the position of the next token, read by
+            the step from device memory (device-position decoding, lean path only: one token per step,
+            K/V written at ``pos``, attention masked to slots ≤ pos), so that one captured graph decodes at
+            every length. The caller advances it and keeps ``length`` (see ``StaticDecoder.generate``).
         max_len: capacity in tokens.
 
     Made by :meth:`HeadwiseHybridAttention.new_decode_cache`; pass it as ``cache=`` to the layer.
@@ -26,6 +30,7 @@ class HybridDecodeCache:
         self.k, self.v, self.S, self.conv = k, v, S, conv
         self.max_len = max_len
         self.length = 0
+        self.pos: Optional[Tensor] = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length

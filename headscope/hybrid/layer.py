@@ -338,6 +338,9 @@ class HeadwiseHybridAttention(nn.Module):
             return fast_forward(self, hidden_states, *position_embeddings, position_ids), None  # see fast.py
         if _lean_applies(self, hidden_states, attention_mask, isinstance(cache, HybridDecodeCache), cache):
             return _lean_forward(self, hidden_states, position_embeddings, position_ids, cache), None  # lean.py
+        if getattr(cache, "pos", None) is not None:
+            raise ValueError("device-position decoding (cache.pos) runs on the lean path only: no gradient, no "
+                             "attention mask, weights in the input's dtype, lean.ENABLE not False (CPU: True)")
         B, T, _ = hidden_states.shape
         d, x = self.head_dim, hidden_states
         opts = self.options

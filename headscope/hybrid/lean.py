@@ -296,6 +296,12 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     B, T, _ = x.shape
     d, nf, ng, nk = p.d, p.nf, p.ng, p.nk
     past = cache.length if cache is not None else 0
+    # device-position decoding (cache.pos, a [1] long tensor on the device; StaticDecoder.generate): the
+    # step reads its position from device memory, so one captured CUDA graph serves every length
+    dpos = getattr(cache, "pos", None) if cache is not None else None
+    if dpos is not None and (T != 1 or position_ids is None):
+        raise ValueError("a HybridDecodeCache with a device position (cache.pos) takes one token per step "
+                         "and explicit position_ids; set cache.pos = None for prefill")
     cos = sin = None
     if position_embeddings is not None:
         cos, sin = position_embeddings
@@ -305,7 +311,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     if need_rope and cos is None:
         raise ValueError("position_embeddings=(cos, sin) is required (RoPE is on); compute it with "
                          "model.model.rotary_emb(hidden_states, position_ids)")
-    if cache is not None and past + T > cache.max_len:
+    if cache is not None and dpos is None and past + T > cache.max_len:
         raise ValueError(f"HybridDecodeCache holds {cache.max_len} tokens but {past + T} are needed; "
                          "make it with a larger max_len")
     tb = max(1, block_tokens(ng, d) // B)
@@ -325,17 +331,23 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
             pos_scale = torch.log(pos.expand(B, T).float() + layer.options.nope_a) / math.log(layer.options.nope_a)
         q, k = _glue("fa", (q, k, cos, sin, pos_scale), (p.qn, p.kn), eps=p.qk_eps, rope=p.fa_rope)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # B, nk, T, d
-        if cache is not None:
+        amask = None
+        if dpos is not None:  # write slot pos, attend over the whole buffer up to pos (a mask, not a slice)
+            cache.k.index_copy_(2, dpos, k)
+            cache.v.index_copy_(2, dpos, v)
+            k, v = cache.k, cache.v
+            amask = (torch.arange(cache.max_len, device=x.device) <= dpos)[None, None, None]
+        elif cache is not None:
             k, v = cache._write(k, v, past)
         if not layer._fa_gqa:
             k, v = k.index_select(1, p.fa_kv), v.index_select(1, p.fa_kv)
-        o_fa = fa_attention(q, k, v, layer.scaling, causal=True, kernel=p.fa_kernel)  # B, T, nf, d
+        o_fa = fa_attention(q, k, v, layer.scaling, causal=True, mask=amask, kernel=p.fa_kernel)  # B, T, nf, d
         del q, k, v
 
     # ---- GDN heads: all in one kernel call per time block, the state carried over
     y_g = None
     if ng:
-        S = cache.S if (cache is not None and past) else None
+        S = cache.S if (cache is not None and (past or dpos is not None)) else None
         W_g = p.W[p.n_fa_rows:]
         b_g = None if p.b is None else p.b[p.n_fa_rows:]
         blocks = [(0, T)] if one_gemm else [(s, min(s + tb, T)) for s in range(0, T, tb)]
@@ -363,7 +375,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
         if cache is not None:
             cache.S.copy_(S)
     del z, z_fa
-    if cache is not None:
+    if cache is not None and dpos is None:
         cache.length = past + T
 
     # ---- fusion (eq. 13–14) in (FA, GDN) order, then o_proj with permuted input columns

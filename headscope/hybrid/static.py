@@ -142,8 +142,24 @@ class StaticDecoder:
             c.length = n
 
     @torch.no_grad()
-    def generate(self, ids: Tensor, max_new_tokens: int) -> Tensor:
-        """Greedy continuation: [batch, T + max_new_tokens] token ids (eager steps)."""
+    def generate(self, ids: Tensor, max_new_tokens: int, cuda_graph: Optional[bool] = None) -> Tensor:
+        """Greedy continuation: ``ids`` [batch, T] → [batch, T + n] token ids, n = min(max_new_tokens,
+        max_len − T + 1).
+
+        ``cuda_graph`` (default: on CUDA): one decode step is captured in a CUDA graph that reads the
+        position from device memory (``HybridDecodeCache.pos``; the FA heads attend over the cache buffer
+        masked to the written slots) and writes the argmax token back as the next step's input, so the
+        host only replays — no Python per layer and token. False: eager steps. The prefill is eager.
+
+        Raises:
+            ValueError: ids' batch is not the decoder's, or T > max_len.
+        """
+        if ids.dim() != 2 or ids.shape[0] != self.batch or ids.shape[1] > self.max_len:
+            raise ValueError(f"ids must be [batch={self.batch}, T ≤ max_len={self.max_len}]; got {tuple(ids.shape)}")
+        if cuda_graph is None:
+            cuda_graph = ids.is_cuda
+        if cuda_graph:
+            return self._generate_device(ids, max_new_tokens, capture=True)
         logits = self.prefill(ids)
         out = [ids]
         for _ in range(max_new_tokens):
@@ -153,3 +169,56 @@ class StaticDecoder:
                 break
             logits = self.step(nxt)
         return torch.cat(out, 1)
+
+    def _generate_device(self, ids: Tensor, max_new_tokens: int, capture: bool) -> Tensor:
+        """Greedy decoding with device positions (see :meth:`generate`); ``capture=False`` runs the same
+        steps eagerly (the CPU tests' path)."""
+        B, T = ids.shape
+        n = min(max_new_tokens, self.max_len - T + 1)
+        if n < 1:
+            return ids.clone()
+        dev = ids.device
+        logits = self.prefill(ids)
+        tok = logits.argmax(-1, keepdim=True)  # [B, 1]: the next step's input, rewritten by every step
+        out = torch.empty(B, n, dtype=torch.long, device=dev)
+        out[:, :1] = tok
+        pos = torch.full((1,), T, dtype=torch.long, device=dev)
+        m = self.base
+
+        def step() -> None:
+            pid = pos.expand(B, 1)
+            h = m.embed_tokens(tok)
+            pe = m.rotary_emb(h, pid)
+            for layer, dc in zip(m.layers, self.caches):
+                a, _ = layer.self_attn(layer.input_layernorm(h), position_embeddings=pe, cache=dc, position_ids=pid)
+                h = h + a
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+            nxt = self.model.lm_head(m.norm(h))[:, 0].argmax(-1, keepdim=True)
+            out.index_copy_(1, pos - (T - 1), nxt)
+            tok.copy_(nxt)
+            pos.add_(1)
+
+        for c in self.caches:
+            c.pos = pos
+        try:
+            steps = n - 1
+            if capture and steps >= 3:
+                saved = [c.S.clone() if c.S is not None else None for c in self.caches]
+                tok0 = tok.clone()
+                graph, _ = _capture(step, warmup=2, device=dev)  # the warm-ups advance pos, tok and S: undo
+                pos.fill_(T)
+                tok.copy_(tok0)
+                for c, S in zip(self.caches, saved):
+                    if S is not None:
+                        c.S.copy_(S)
+                for _ in range(steps):
+                    graph.replay()
+                del graph
+            else:
+                for _ in range(steps):
+                    step()
+        finally:
+            for c in self.caches:
+                c.pos = None
+            self._set_length(T + n - 1)
+        return torch.cat([ids, out], 1)
