@@ -336,6 +336,8 @@ def report(out: Path) -> pd.DataFrame:
         fp = out / name / "eval.partial.json"  # an evaluation stopped part-way: its finished cells
         ev = json.loads(f.read_text()) if f.exists() else ({**json.loads(fp.read_text()), "partial": True}
                                                             if fp.exists() else None)
+        if ev is not None:
+            ev.pop("_meta", None)
         if ev is None:
             rcurves += _curves(out, name, curves)
             continue

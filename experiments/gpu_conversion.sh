@@ -11,10 +11,10 @@
 # `conversion.py plan` options), SAMPLE_ARGS (more `conversion.py sample` options),
 # SAMPLE_MAX_DOCS (documents per shard, "8192,10240" with SAMPLE_S=1000 to redraw the 2026-11-30 data; data/info.json
 # records the counts and a SHA-256 of the documents to check), HELDOUT_DOCS (sampled documents held out for perplexity, 256), WARMUP ('' = no kernel warm-up run),
-# JOBS0 / JOBS1 (the two queues, comma-separated job names; default: all jobs, the main comparison first; set to '' to
-# leave a queue out), JOBS2 / DEV2 (an
-# optional third queue; one GPU with two queues: DEV0=cuda:0 DEV1=cuda:0), EARLY_TEACHER=1 (the teacher's retrieval cells
-# beside the sampling). Logs in $CONV_OUT/logs; the table via `conversion.py report`.
+# JOBS0 / JOBS1 (the two queues, comma-separated job names; default: every planned job but allgdn, the main
+# comparison first; set to '' to leave a queue out), JOBS2 / DEV2 (an optional third queue, on DEV0 unless DEV2 is
+# set), EARLY_TEACHER=1 (the teacher's retrieval cells beside the sampling; packing waits for them too).
+# One GPU: DEV1=cuda:0 (both queues on it; at most two training queues per GPU). Logs in $CONV_OUT/logs; the table via `conversion.py report`.
 set -u
 OUTD=${CONV_OUT:-/tmp/conv}
 M=${MODEL:?set MODEL to the teacher (a .gguf path, HF directory or spec)}

@@ -89,7 +89,7 @@ def test_evaluate_saves_each_cell_and_resumes(smol_tokenizer, tmp_path, monkeypa
     with pytest.raises(KeyboardInterrupt):
         ev_mod.evaluate(model, smol_tokenizer, None, partial=pf, **kw)
     saved = json.loads(pf.read_text())
-    assert list(saved) == ["niah_single@96"] and saved["niah_single@96"] == fresh["niah_single@96"]
+    assert list(saved) == ["_meta", "niah_single@96"] and saved["niah_single@96"] == fresh["niah_single@96"]
     # mark the saved cell so that a recomputation would show; resume: only the second cell is computed
     saved["niah_single@96"]["hits"] = -7
     pf.write_text(json.dumps(saved))
@@ -98,4 +98,10 @@ def test_evaluate_saves_each_cell_and_resumes(smol_tokenizer, tmp_path, monkeypa
     got = ev_mod.evaluate(model, smol_tokenizer, None, partial=pf, **kw)
     assert calls == [128]
     assert got["niah_single@96"]["hits"] == -7 and got["niah_single@128"] == fresh["niah_single@128"]
-    assert json.loads(pf.read_text()) == got
+    assert json.loads(pf.read_text()) == {"_meta": {"n": 2, "seed": 1234}, **got}
+    # only the requested cells come back; a file of other settings (n) is not trusted
+    assert list(ev_mod.evaluate(model, smol_tokenizer, None, **{**kw, "lengths": [128]}, partial=pf)) == ["niah_single@128"]
+    calls.clear()
+    with pytest.warns(UserWarning, match="other settings"):
+        again = ev_mod.evaluate(model, smol_tokenizer, None, **{**kw, "n": 3}, partial=pf)
+    assert calls == [96, 128] and again["niah_single@96"]["n"] == 3

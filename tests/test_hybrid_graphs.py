@@ -103,6 +103,23 @@ def test_device_position_decoding_equals_eager_generate(opts, monkeypatch):
         assert short.shape[1] == 13
 
 
+def test_graphed_generate_off_cuda_names_the_fix_and_a_failed_capture_resets_the_caches(monkeypatch):
+    import headscope.hybrid.static as static
+
+    dec = StaticDecoder(_hybrid(), batch=2, max_len=32)
+    ids = torch.randint(0, 101, (2, 10), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match="cuda_graph=False"):
+        dec.generate(ids, 8, cuda_graph=True)
+
+    def failing_capture(*a, **k):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(static, "_capture", failing_capture)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        dec._generate_device(ids, 8, capture=True)
+    assert dec.length == 0 and all(c.pos is None for c in dec.caches)
+
+
 def test_device_position_needs_the_lean_path(monkeypatch):
     import headscope.hybrid.lean as lean
 

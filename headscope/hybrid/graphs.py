@@ -37,7 +37,8 @@ def capture(fn: Callable[[], Any], warmup: int = 2, device: Any = None) -> tuple
     """
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA graphs need a CUDA device; on this machine run the call eagerly "
-                           "(e.g. StaticDecoder.prefill instead of prefill_graphed)")
+                           "(StaticDecoder: prefill instead of prefill_graphed, step instead of capture/replay, "
+                           "generate(cuda_graph=False))")
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     with torch.cuda.device(dev):
         s = torch.cuda.Stream(dev)

@@ -152,12 +152,16 @@ class StaticDecoder:
         host only replays — no Python per layer and token. False: eager steps. The prefill is eager.
 
         Raises:
-            ValueError: ids' batch is not the decoder's, or T > max_len.
+            ValueError: ids' batch is not the decoder's, T > max_len, or ``cuda_graph=True`` off CUDA.
+            Any error of the capture (the caches are then reset: prefill again).
         """
         if ids.dim() != 2 or ids.shape[0] != self.batch or ids.shape[1] > self.max_len:
             raise ValueError(f"ids must be [batch={self.batch}, T ≤ max_len={self.max_len}]; got {tuple(ids.shape)}")
         if cuda_graph is None:
             cuda_graph = ids.is_cuda
+        if cuda_graph and not ids.is_cuda:
+            raise ValueError("generate(cuda_graph=True) needs the model and ids on a CUDA device; "
+                             "use cuda_graph=False (the default off CUDA) for eager steps")
         if cuda_graph:
             return self._generate_device(ids, max_new_tokens, capture=True)
         logits = self.prefill(ids)
@@ -200,6 +204,7 @@ class StaticDecoder:
 
         for c in self.caches:
             c.pos = pos
+        ok = False
         try:
             steps = n - 1
             if capture and steps >= 3:
@@ -217,8 +222,11 @@ class StaticDecoder:
             else:
                 for _ in range(steps):
                     step()
+            ok = True
         finally:
             for c in self.caches:
                 c.pos = None
-            self._set_length(T + n - 1)
+            # on an error the caches hold an unknown state (warm-up steps advanced the GDN state): length 0
+            # makes the next call a prefill
+            self._set_length(T + n - 1 if ok else 0)
         return torch.cat([ids, out], 1)

@@ -163,19 +163,28 @@ def evaluate(
 
     ``partial``: a JSON file that every finished cell is written to at once (atomically); cells already
     in it are read back, not recomputed, so an evaluation stopped part-way resumes where it stopped.
-    The caller keeps or removes it afterwards (it holds the same numbers as the returned dict)."""
+    The file records ``n`` and ``seed`` (its ``_meta``); a file written with others is ignored (with a
+    warning) and rewritten. It does not know the model: use one file per model. Only the requested cells
+    (and ``ppl``) are returned. The caller keeps or removes the file afterwards."""
     import json
+    import warnings
 
     res: dict[str, Any] = {}
+    meta = {"n": int(n), "seed": int(seed)}
     pf = Path(partial) if partial is not None else None
     if pf is not None and pf.exists():
-        res.update(json.loads(pf.read_text()))
+        old = json.loads(pf.read_text())
+        if old.pop("_meta", None) == meta:
+            res.update(old)
+        else:
+            warnings.warn(f"{pf} was written with other settings than n={n}, seed={seed}; recomputing its cells",
+                          stacklevel=2)
 
     def save() -> None:
         if pf is not None:
             pf.parent.mkdir(parents=True, exist_ok=True)
             tmp = pf.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(res, indent=2))
+            tmp.write_text(json.dumps({"_meta": meta, **res}, indent=2))
             os.replace(tmp, pf)
 
     model.eval()
@@ -189,4 +198,5 @@ def evaluate(
             res[f"{task}@{L}"] = retrieval_accuracy(model, tokenizer, task, L, n, seed=seed,
                                                     batch_size=max(1, batch_size * 512 // L), cache_dir=cache_dir)
             save()
-    return res
+    want = {f"{t}@{L}" for t in tasks for L in lengths} | ({"ppl"} if heldout is not None else set())
+    return {k: v for k, v in res.items() if k in want}
