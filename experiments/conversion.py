@@ -716,22 +716,47 @@ def pack_cmd(out: Path = typer.Option(...), model: str = typer.Option("smollm2-1
 
 @app.command()
 def queue(out: Path = typer.Option(...), jobs: str = typer.Option(..., help="comma-separated job names, run in order"),
-          model: str = typer.Option("smollm2-135m"), device: Optional[str] = typer.Option(None)) -> None:
+          model: str = typer.Option("smollm2-135m"), device: Optional[str] = typer.Option(None),
+          retries: int = typer.Option(1, help="rounds in which the jobs that failed (e.g. out of GPU memory) run again")) -> None:
     """Run jobs one after another on one device (``teacher`` evaluates the teacher); finished jobs
-    (``eval.json``) are skipped and unfinished ones resume from their stage checkpoints."""
-    for name in jobs.split(","):
-        if (out / name / "eval.json").exists():
-            continue
-        t0 = time.time()
-        if name == "teacher":
-            if not eval_teacher(out, model, device):
-                print("teacher: retrieval cells done; its perplexity waits for the held-out data (pack)", flush=True)
+    (``eval.json``) are skipped and unfinished ones resume from their stage checkpoints. A job that fails
+    does not stop the queue: its error is printed, the next job runs, and the failed jobs run again (from
+    their checkpoints) after the others, ``retries`` times; exit status 1 if any still fails."""
+    import gc
+    import traceback
+
+    pending = [n for n in jobs.split(",") if n]
+    failed: list[str] = []
+    for round_ in range(retries + 1):
+        failed = []
+        for name in pending:
+            if (out / name / "eval.json").exists():
                 continue
-        else:
-            convert_one(out, name, model, device, None)
-        print(f"{name} done in {time.time() - t0:.0f} s", flush=True)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            t0 = time.time()
+            try:
+                if name == "teacher":
+                    if not eval_teacher(out, model, device):
+                        print("teacher: retrieval cells done; its perplexity waits for the held-out data (pack)", flush=True)
+                        continue
+                else:
+                    convert_one(out, name, model, device, None)
+            except Exception:  # noqa: BLE001 - e.g. CUDA out of memory beside other jobs: go on, retry later
+                traceback.print_exc()
+                print(f"{name} failed after {time.time() - t0:.0f} s", flush=True)
+                failed.append(name)
+            else:
+                print(f"{name} done in {time.time() - t0:.0f} s", flush=True)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if not failed:
+            return
+        pending = failed
+        if round_ < retries:
+            print(f"running the failed jobs again: {','.join(failed)}", flush=True)
+    print(f"failed: {','.join(failed)}", flush=True)
+    raise typer.Exit(1)
+
 
 if __name__ == "__main__":
     app()

@@ -184,3 +184,26 @@ def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, smol_tokenizer):
     assert "retrieval cells done" in (out / "logs" / "teacher_early.log").read_text()
     assert table.set_index("model").loc["teacher", "ppl"] > 1 and not (out / "teacher" / "eval.partial.json").exists()
     assert "abl3_fa_gate done" in (out / "logs" / "queue2.log").read_text()
+
+
+def test_queue_goes_on_after_a_failed_job_and_retries_it(tmp_path, monkeypatch):
+    import typer
+
+    conv = experiment_module("conversion")
+    calls, fails = [], {"b": 1, "d": 99}
+
+    def fake_convert(out, name, model, device, train_seconds):
+        calls.append(name)
+        if fails.get(name, 0) > 0:
+            fails[name] -= 1
+            raise RuntimeError(f"CUDA out of memory ({name})")
+        (out / name).mkdir(parents=True, exist_ok=True)
+        (out / name / "eval.json").write_text("{}")
+
+    monkeypatch.setattr(conv, "convert_one", fake_convert)
+    conv.queue(out=tmp_path, jobs="a,b,c", model="m", device=None, retries=1)
+    assert calls == ["a", "b", "c", "b"] and (tmp_path / "b" / "eval.json").exists()
+    calls.clear()
+    with pytest.raises(typer.Exit) as e:  # a job that keeps failing: the others still run, exit status 1
+        conv.queue(out=tmp_path, jobs="d,e", model="m", device=None, retries=2)
+    assert e.value.exit_code == 1 and calls == ["d", "e", "d", "d"]
