@@ -492,6 +492,8 @@ def main(argv=None):
     ap.add_argument("--model", action="store_true", help="whole SmolLM2-shaped model: hybrid vs teacher")
     ap.add_argument("--model-lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
     ap.add_argument("--model-batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--compile-tail", action="store_true",
+                    help="model part: also time the decode step with each layer's norm + MLP compiled")
     ap.add_argument("--generate", type=int, default=0,
                     help="model part: also time end-to-end greedy generate of N tokens (graphed vs eager steps)")
     ap.add_argument("--model-cells", default=None,
@@ -576,7 +578,8 @@ def main(argv=None):
         cells = None if not a.model_cells else {tuple(int(v) for v in c.split("x")) for c in a.model_cells.split(",")}
         results["model"] = bench_model(dev, dtype, [512, 1024] if a.smoke else a.model_lengths,
                                        [1, 2] if a.smoke else a.model_batches, dump=dump, results=results,
-                                       graph_prefill=not a.no_graph_prefill, cells=cells, generate=a.generate)
+                                       graph_prefill=not a.no_graph_prefill, cells=cells, generate=a.generate,
+                                       compile_tail=a.compile_tail)
     print("\nshape              T | prefill ms fa / hybrid | peak MB fa / hybrid (plain path) | "
           "decode step us fa / hybrid | cache MB fa / hybrid")
     print("\n".join(rows))

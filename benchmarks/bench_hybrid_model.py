@@ -10,6 +10,8 @@ which computes the teacher's function (checked against transformers' own forward
   replayed from a CUDA graph (``StaticDecoder.prefill_graphed``: no host time per layer), its tokens/s,
   the peak allocated while capturing it and its output against the eager prefill's;
 - decode: one step of B tokens with T cached, replayed from a CUDA graph: tokens/s = B / step time;
+- ``--compile-tail``: the graphed decode step again with ``StaticDecoder(compile_tail=True)`` (each layer's
+  norms + MLP compiled), its time and its logits against the eager-tail step's;
 - ``--generate N``: end-to-end greedy ``generate`` of N tokens, ms per new token, with graphed device-position
   steps (capture included) and with eager steps (8 tokens);
 - cache bytes per sequence at T; concurrent sequences of 32K tokens that fit in 100 GiB next to the
@@ -79,7 +81,7 @@ def _generate_ms_per_token(model, B, T, vocab, n, cuda_graph):
 
 
 def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30, graph_reps=30, graph_prefill=True,
-                cells=None, generate=0):
+                cells=None, generate=0, compile_tail=False):
     cfg = smollm2_config(layers)
     torch.manual_seed(0)
     teacher = LlamaForCausalLM(cfg).to(dtype).eval()
@@ -145,8 +147,20 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
                     del ref, got
                     torch.cuda.empty_cache()
                 nxt = ids[:, -1:].contiguous()
-                dec.capture(nxt)
+                static_logits = dec.capture(nxt)
                 step_ms = _ms(dec.replay, graph_reps)
+                if compile_tail:  # the same graphed step with each layer's norm + MLP tail compiled
+                    dc2 = StaticDecoder(model, B, T + 1, compile_tail=True)
+                    dc2.prefill(ids)
+                    got = dc2.capture(nxt)
+                    gcell["decode_step_ms_compiled_tail"] = _ms(dc2.replay, graph_reps)
+                    dc2.replay()
+                    dec.replay()
+                    torch.cuda.synchronize()
+                    ref = static_logits.float()
+                    gcell["compiled_tail_vs_eager_step"] = (got.float() - ref).abs().max().item() / ref.abs().max().item()
+                    del dc2, got, ref
+                    torch.cuda.empty_cache()
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base2 = torch.cuda.memory_allocated()
@@ -171,6 +185,11 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
                              "decode_tok_s": h["decode_tok_s"] / t["decode_tok_s"],
                              "prefill_peak": h["prefill_peak_bytes"] / t["prefill_peak_bytes"],
                              "cache_per_seq": h["cache_bytes_per_seq"] / t["cache_bytes_per_seq"]}
+            if "decode_step_ms_compiled_tail" in h:
+                cell["ratio"]["decode_tok_s_compiled_tail"] = t["decode_step_ms_compiled_tail"] / h["decode_step_ms_compiled_tail"]
+                print(f"model B={B:2d} T={T:6d} | decode step ms, compiled tail: teacher {t['decode_step_ms_compiled_tail']:.3f} "
+                      f"hybrid {h['decode_step_ms_compiled_tail']:.3f} x{cell['ratio']['decode_tok_s_compiled_tail']:.2f} "
+                      f"(eager tail {t['decode_step_ms']:.3f} / {h['decode_step_ms']:.3f})", flush=True)
             if "prefill_graph_tok_s" in h:
                 cell["ratio"]["prefill_graph_tok_s"] = h["prefill_graph_tok_s"] / t["prefill_graph_tok_s"]
                 cell["ratio"]["prefill_graph_peak"] = h["prefill_graph_peak_bytes"] / t["prefill_graph_peak_bytes"]

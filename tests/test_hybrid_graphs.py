@@ -137,3 +137,24 @@ def test_graphed_generate_equals_eager_generate():
         ref = StaticDecoder(model, batch=2, max_len=64).generate(ids, 20, cuda_graph=False)
         got = StaticDecoder(model, batch=2, max_len=64).generate(ids, 20, cuda_graph=True)
     assert torch.equal(got, ref)
+
+
+def test_compiled_layer_tail_equals_eager(monkeypatch):
+    """compile_tail=True (here with Dynamo's aot_eager backend: the tracing, one graph for every layer)
+    gives the eager decoder's prefill and steps."""
+    import torch._dynamo
+
+    import headscope.hybrid.static as static
+
+    monkeypatch.setattr(static, "TAIL_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    model = _hybrid()
+    ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = StaticDecoder(model, batch=2, max_len=20).generate(ids, 5, cuda_graph=False)
+        dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
+        got = dec.generate(ids, 5, cuda_graph=False)
+        assert dec._post is not static._post  # still compiled: no fallback happened
+        assert torch.equal(got, ref)
+        torch.testing.assert_close(dec.prefill(ids), StaticDecoder(model, batch=2, max_len=20).prefill(ids))
+

@@ -27,6 +27,18 @@ from torch import Tensor
 from .graphs import capture as _capture
 
 
+TAIL_BACKEND = "inductor"  # torch.compile backend of the layers' norm + MLP tail (compile_tail=True)
+
+
+def _pre(layer: Any, h: Tensor) -> Tensor:
+    return layer.input_layernorm(h)
+
+
+def _post(layer: Any, h: Tensor, a: Tensor) -> Tensor:
+    h = h + a
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 class StaticDecoder:
     """Prefill / decode a hybrid model (``model.model.layers[i].self_attn`` a HeadwiseHybridAttention).
 
@@ -35,12 +47,16 @@ class StaticDecoder:
             ``fusion="none"`` gives the teacher's function).
         batch: sequences decoded together.
         max_len: cache capacity in tokens (prompt + new tokens).
+        compile_tail: ``torch.compile`` each layer's input norm and its residual + norm + MLP tail (one
+            compiled graph shared by all layers: Dynamo treats the modules' weights as inputs), so a decode
+            step launches a few fused kernels per layer instead of ~20 small ones; eager after a compile
+            failure (warned). Off by default until measured on a GPU (``bench_hybrid.py --compile-tail``).
 
     Raises:
         ValueError: a layer's attention is not a hybrid layer.
     """
 
-    def __init__(self, model: Any, batch: int, max_len: int):
+    def __init__(self, model: Any, batch: int, max_len: int, compile_tail: bool = False):
         self.model = model
         self.base = model.model
         for i, layer in enumerate(self.base.layers):
@@ -51,6 +67,34 @@ class StaticDecoder:
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._pf_graph: Optional[torch.cuda.CUDAGraph] = None
         self._pf_ids: Optional[Tensor] = None
+        self._pre, self._post = _pre, _post
+        if compile_tail:
+            self._pre = torch.compile(_pre, backend=TAIL_BACKEND, fullgraph=True)
+            self._post = torch.compile(_post, backend=TAIL_BACKEND, fullgraph=True)
+
+    def _layers(self, h: Tensor, pe: Any, pos: Tensor) -> Tensor:
+        """The decoder layers over hidden states h [batch, T, hidden] (attention through the caches)."""
+        for layer, dc in zip(self.base.layers, self.caches):
+            try:
+                x = self._pre(layer, h)
+            except Exception as e:  # noqa: BLE001 - a compile failure: eager from here on
+                self._compile_failed(e)
+                x = _pre(layer, h)
+            a, _ = layer.self_attn(x, position_embeddings=pe, cache=dc, position_ids=pos)
+            try:
+                h = self._post(layer, h, a)
+            except Exception as e:  # noqa: BLE001
+                self._compile_failed(e)
+                h = _post(layer, h, a)
+        return h
+
+    def _compile_failed(self, e: Exception) -> None:
+        import warnings
+
+        if self._pre is not _pre:
+            warnings.warn(f"StaticDecoder: torch.compile of the layer tail failed ({type(e).__name__}: {e}); "
+                          "running it eagerly", stacklevel=3)
+        self._pre, self._post = _pre, _post
 
     @property
     def length(self) -> int:
@@ -68,10 +112,7 @@ class StaticDecoder:
         pos = torch.arange(past, past + T, device=ids.device)[None].expand(B, -1)
         h = m.embed_tokens(ids)
         pe = m.rotary_emb(h, pos)
-        for layer, dc in zip(m.layers, self.caches):
-            a, _ = layer.self_attn(layer.input_layernorm(h), position_embeddings=pe, cache=dc, position_ids=pos)
-            h = h + a
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self._layers(h, pe, pos)
         return self.model.lm_head(m.norm(h[:, -1:]))[:, 0]
 
     def prefill(self, ids: Tensor) -> Tensor:
@@ -193,10 +234,7 @@ class StaticDecoder:
             pid = pos.expand(B, 1)
             h = m.embed_tokens(tok)
             pe = m.rotary_emb(h, pid)
-            for layer, dc in zip(m.layers, self.caches):
-                a, _ = layer.self_attn(layer.input_layernorm(h), position_embeddings=pe, cache=dc, position_ids=pid)
-                h = h + a
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = self._layers(h, pe, pid)
             nxt = self.model.lm_head(m.norm(h))[:, 0].argmax(-1, keepdim=True)
             out.index_copy_(1, pos - (T - 1), nxt)
             tok.copy_(nxt)
