@@ -151,11 +151,13 @@ def _qk_fp32(q, k, cos, sin, qn, kn, eps: float, rope: bool) -> tuple[Tensor, Te
     return qf, kf
 
 
-def _glue_fa(q, k, cos, sin, pos_scale, qn, kn, *, eps: float, rope: bool):
-    """FA q, k [B,T,h,d] (views of the projection): QK-RMSNorm, then RoPE or the NoPE query scale."""
+def _glue_fa(q, k, cos, sin, pos, qn, kn, *, eps: float, rope: bool, nope_a: float = 0.0):
+    """FA q, k [B,T,h,d] (views of the projection): QK-RMSNorm, then RoPE or the NoPE query scale
+    s_t = log(t + a) / log(a) of the positions ``pos`` [B,T] (computed here: no separate kernels)."""
     qf, kf = _qk_fp32(q, k, cos, sin, qn, kn, eps, rope)
     if not rope:
-        qf = qf * pos_scale[:, :, None, None]
+        s_t = torch.log(pos.float() + nope_a) / math.log(nope_a)
+        qf = qf * s_t[:, :, None, None]
     return qf.to(q.dtype), kf.to(k.dtype)
 
 
@@ -325,11 +327,12 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
         parts = z_fa.split(p.fa_sizes, dim=-1)
         q, k, v = (t.unflatten(-1, (-1, d)) for t in parts[:3])
         gate = parts[3].unflatten(-1, (nf, d)) if p.gate else None
-        pos_scale = None
+        pos = None
         if not p.fa_rope:
             pos = position_ids if position_ids is not None else torch.arange(past, past + T, device=x.device)[None]
-            pos_scale = torch.log(pos.expand(B, T).float() + layer.options.nope_a) / math.log(layer.options.nope_a)
-        q, k = _glue("fa", (q, k, cos, sin, pos_scale), (p.qn, p.kn), eps=p.qk_eps, rope=p.fa_rope)
+            pos = pos.expand(B, T)
+        q, k = _glue("fa", (q, k, cos, sin, pos), (p.qn, p.kn), eps=p.qk_eps, rope=p.fa_rope,
+                     nope_a=float(layer.options.nope_a))
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # B, nk, T, d
         amask = None
         if dpos is not None:  # write slot pos, attend over the whole buffer up to pos (a mask, not a slice)
