@@ -47,7 +47,7 @@ import headscope.hybrid.lean as lean
 import headscope.hybrid.layer as layer_mod
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions, hybridize
 from headscope.hybrid.attn import flash_attn_available, flash_attn_usable
-from headscope.hybrid.graphs import capture as capture_graph
+from headscope.hybrid.graphs import capture as capture_graph, warm_up
 from headscope.hybrid.gdn import fla_available, gdn_chunked_torch, gated_delta_rule
 from headscope.masks import HeadMask
 
@@ -127,12 +127,7 @@ def _prefill_graph(call, dev, reps, ref):
     """The prefill replayed from a CUDA graph (``headscope.hybrid.graphs.capture``): ms per replay,
     peak bytes allocated while capturing (the graph's intermediates, its output included; the eager
     warm-ups run before the peak is reset) and the replay's error against the eager output ``ref``."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(s)
+    warm_up(call, 2)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -196,15 +191,7 @@ def _decode(mod, x, pe, T, dev, graph_reps, eager_reps):
     restore()
     r["eager_ms"] = _time(step, dev, eager_reps, warmup=2)
     if dev.type == "cuda":
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = step()
+        graph, static_out = capture_graph(step, warmup=3)
         restore()
         graph.replay()
         torch.cuda.synchronize()

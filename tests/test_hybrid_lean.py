@@ -187,15 +187,9 @@ def test_lean_cuda_bf16_matches_plain_path_and_graph_replay(fa):
             return layer(x1, position_embeddings=pe1, cache=dc)[0]
 
         eager = step().clone()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = step()
+        from headscope.hybrid.graphs import capture
+
+        graph, static = capture(step, warmup=3)
         if S0 is not None:
             dc.S.copy_(S0)
         graph.replay()

@@ -15,6 +15,19 @@ from typing import Any, Callable
 import torch
 
 
+def warm_up(fn: Callable[[], Any], n: int, device: Any = None) -> None:
+    """Run ``fn()`` ``n`` times on a side stream of ``device`` (default: the current CUDA device), as a
+    CUDA-graph capture wants before it (compilation, autotuning and lazy initialisation happen here)."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    with torch.cuda.device(dev):
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            for _ in range(n):
+                fn()
+        torch.cuda.current_stream(dev).wait_stream(s)
+
+
 def capture(fn: Callable[[], Any], warmup: int = 2, device: Any = None) -> tuple["torch.cuda.CUDAGraph", Any]:
     """Record ``fn()`` in a CUDA graph after ``warmup`` eager calls on a side stream.
 
@@ -40,13 +53,8 @@ def capture(fn: Callable[[], Any], warmup: int = 2, device: Any = None) -> tuple
                            "(StaticDecoder: prefill instead of prefill_graphed, step instead of capture/replay, "
                            "generate(cuda_graph=False))")
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    warm_up(fn, warmup, dev)
     with torch.cuda.device(dev):
-        s = torch.cuda.Stream(dev)
-        s.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(s):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream(dev).wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):
             out = fn()
