@@ -158,3 +158,28 @@ def test_compiled_layer_tail_equals_eager(monkeypatch):
         assert torch.equal(got, ref)
         torch.testing.assert_close(dec.prefill(ids), StaticDecoder(model, batch=2, max_len=20).prefill(ids))
 
+
+
+def test_device_position_step_of_one_layer_without_a_shared_mask(monkeypatch):
+    """A layer's device-position step computes its own slot mask when no caller keeps one (cache.valid
+    None): same output and cache as the step at the Python length."""
+    import headscope.hybrid.lean as lean
+
+    monkeypatch.setattr(lean, "ENABLE", True)
+    layer = _hybrid().model.layers[1].self_attn  # FA heads 0 and 3 + GDN heads
+    rope = _hybrid().model.rotary_emb
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 9, H * D, generator=g)
+    pe = rope(x, torch.arange(9)[None])
+    with torch.no_grad():
+        outs = []
+        for device_pos in (False, True):
+            dc = layer.new_decode_cache(1, 16)
+            layer(x[:, :8], position_embeddings=tuple(t[:, :8] for t in pe), cache=dc)
+            if device_pos:
+                dc.pos = torch.tensor([8])
+            y, _ = layer(x[:, 8:], position_embeddings=tuple(t[:, 8:] for t in pe), cache=dc,
+                         position_ids=torch.tensor([[8]]))
+            outs.append((y, dc.k[:, :, :9].clone(), dc.S.clone()))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

@@ -21,6 +21,8 @@ class HybridDecodeCache:
             the step from device memory (device-position decoding, lean path only: one token per step,
             K/V written at ``pos``, attention masked to slots ≤ pos), so that one captured graph decodes at
             every length. The caller advances it and keeps ``length`` (see ``StaticDecoder.generate``).
+        valid: None, or Bool[max_len] = slot ≤ pos, kept by that caller (one mask for every layer);
+            without it the step computes it from ``pos``.
         max_len: capacity in tokens.
 
     Made by :meth:`HeadwiseHybridAttention.new_decode_cache`; pass it as ``cache=`` to the layer.
@@ -31,6 +33,7 @@ class HybridDecodeCache:
         self.max_len = max_len
         self.length = 0
         self.pos: Optional[Tensor] = None
+        self.valid: Optional[Tensor] = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length

@@ -339,7 +339,8 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
             cache.k.index_copy_(2, dpos, k)
             cache.v.index_copy_(2, dpos, v)
             k, v = cache.k, cache.v
-            amask = (torch.arange(cache.max_len, device=x.device) <= dpos)[None, None, None]
+            valid = cache.valid if cache.valid is not None else torch.arange(cache.max_len, device=x.device) <= dpos
+            amask = valid[None, None, None]
         elif cache is not None:
             k, v = cache._write(k, v, past)
         if not layer._fa_gqa:

@@ -75,26 +75,26 @@ class StaticDecoder:
     def _layers(self, h: Tensor, pe: Any, pos: Tensor) -> Tensor:
         """The decoder layers over hidden states h [batch, T, hidden] (attention through the caches)."""
         for layer, dc in zip(self.base.layers, self.caches):
-            try:
-                x = self._pre(layer, h)
-            except Exception as e:  # noqa: BLE001 - a compile failure: eager from here on
-                self._compile_failed(e)
-                x = _pre(layer, h)
+            x = self._tail(0, layer, h)
             a, _ = layer.self_attn(x, position_embeddings=pe, cache=dc, position_ids=pos)
-            try:
-                h = self._post(layer, h, a)
-            except Exception as e:  # noqa: BLE001
-                self._compile_failed(e)
-                h = _post(layer, h, a)
+            h = self._tail(1, layer, h, a)
         return h
 
-    def _compile_failed(self, e: Exception) -> None:
-        import warnings
+    def _tail(self, i: int, *args: Any) -> Tensor:
+        """``_pre`` (i = 0) or ``_post`` (i = 1), compiled when ``compile_tail``; a compile failure warns
+        once and turns both back to eager."""
+        fn, eager = (self._pre, _pre) if i == 0 else (self._post, _post)
+        if fn is eager:
+            return eager(*args)
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - a compile failure: eager from here on
+            import warnings
 
-        if self._pre is not _pre:
             warnings.warn(f"StaticDecoder: torch.compile of the layer tail failed ({type(e).__name__}: {e}); "
                           "running it eagerly", stacklevel=3)
-        self._pre, self._post = _pre, _post
+            self._pre, self._post = _pre, _post
+            return eager(*args)
 
     @property
     def length(self) -> int:
@@ -228,9 +228,12 @@ class StaticDecoder:
         out = torch.empty(B, n, dtype=torch.long, device=dev)
         out[:, :1] = tok
         pos = torch.full((1,), T, dtype=torch.long, device=dev)
+        slots = torch.arange(self.max_len, device=dev)
+        valid = slots <= pos  # the FA heads' attention mask, shared by every layer, updated once per step
         m = self.base
 
         def step() -> None:
+            torch.le(slots, pos, out=valid)
             pid = pos.expand(B, 1)
             h = m.embed_tokens(tok)
             pe = m.rotary_emb(h, pid)
@@ -241,7 +244,7 @@ class StaticDecoder:
             pos.add_(1)
 
         for c in self.caches:
-            c.pos = pos
+            c.pos, c.valid = pos, valid
         ok = False
         try:
             steps = n - 1
@@ -263,7 +266,7 @@ class StaticDecoder:
             ok = True
         finally:
             for c in self.caches:
-                c.pos = None
+                c.pos = c.valid = None
             # on an error the caches hold an unknown state (warm-up steps advanced the GDN state): length 0
             # makes the next call a prefill
             self._set_length(T + n - 1 if ok else 0)
