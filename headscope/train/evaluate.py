@@ -9,7 +9,6 @@ equals greedy generation of the answer span.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -20,6 +19,7 @@ from torch import Tensor
 
 from ..errors import HeadscopeInputError
 from ..readout import greedy_exact_match, read_positions
+from ..runtime import atomic_torch_save, atomic_write_text
 from .data import TokenRows
 
 
@@ -108,10 +108,7 @@ def eval_pairs(tokenizer: Any, task: str, seq_len: int, n: int, seed: int = 1234
     depths = list(np.linspace(0.0, 1.0, n)) if n > 1 else [0.5]
     pairs = make_pairs(task, tokenizer, n_pairs=n, seq_len=seq_len, depth=depths, seed=seed)
     if f is not None:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_suffix(f".{os.getpid()}.tmp")
-        torch.save({"ident": ident, "pairs": pairs}, tmp)
-        os.replace(tmp, f)
+        atomic_torch_save(f, {"ident": ident, "pairs": pairs})
     return pairs
 
 
@@ -182,10 +179,7 @@ def evaluate(
 
     def save() -> None:
         if pf is not None:
-            pf.parent.mkdir(parents=True, exist_ok=True)
-            tmp = pf.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"_meta": meta, **res}, indent=2))
-            os.replace(tmp, pf)
+            atomic_write_text(pf, json.dumps({"_meta": meta, **res}, indent=2))
 
     model.eval()
     if heldout is not None and "ppl" not in res:
