@@ -183,11 +183,12 @@ class StaticDecoder:
             c.length = n
 
     @torch.no_grad()
-    def generate(self, ids: Tensor, max_new_tokens: int, cuda_graph: Optional[bool] = None) -> Tensor:
+    def generate(self, ids: Tensor, max_new_tokens: int, cuda_graph: bool = False) -> Tensor:
         """Greedy continuation: ``ids`` [batch, T] → [batch, T + n] token ids, n = min(max_new_tokens,
         max_len − T + 1).
 
-        ``cuda_graph`` (default: on CUDA): one decode step is captured in a CUDA graph that reads the
+        ``cuda_graph`` (CUDA only; off by default until checked on a GPU): one decode step is captured in a
+        CUDA graph that reads the
         position from device memory (``HybridDecodeCache.pos``; the FA heads attend over the cache buffer
         masked to the written slots) and writes the argmax token back as the next step's input, so the
         host only replays — no Python per layer and token. False: eager steps. The prefill is eager.
@@ -198,11 +199,9 @@ class StaticDecoder:
         """
         if ids.dim() != 2 or ids.shape[0] != self.batch or ids.shape[1] > self.max_len:
             raise ValueError(f"ids must be [batch={self.batch}, T ≤ max_len={self.max_len}]; got {tuple(ids.shape)}")
-        if cuda_graph is None:
-            cuda_graph = ids.is_cuda
         if cuda_graph and not ids.is_cuda:
             raise ValueError("generate(cuda_graph=True) needs the model and ids on a CUDA device; "
-                             "use cuda_graph=False (the default off CUDA) for eager steps")
+                             "use cuda_graph=False (the default) for eager steps")
         if cuda_graph:
             return self._generate_device(ids, max_new_tokens, capture=True)
         logits = self.prefill(ids)
