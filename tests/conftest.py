@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels (headscope.hybrid.splitk) run in Triton's CPU interpreter;
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads this when first imported, so set it first
+
+import pytest  # noqa: E402
 
 
 def experiment_module(name: str):

@@ -75,14 +75,25 @@ def test_graphed_prefill_on_the_second_gpu():
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("decode", [("kernel", "sdpa"), ("fused", "splitk")], ids=["glue+kernel+sdpa", "fused+splitk"])
 @pytest.mark.parametrize("opts", [{}, {"fa_pos": "rope", "gdn_rope": False, "fa_gate": False}])
-def test_device_position_decoding_equals_eager_generate(opts, monkeypatch):
+def test_device_position_decoding_equals_eager_generate(opts, decode, monkeypatch):
     """Greedy decoding with the position in device memory (the step a CUDA graph replays) gives the
-    tokens of the eager steps, for NoPE and RoPE FA heads; run eagerly here (CPU, lean path)."""
+    tokens of the eager steps, for NoPE and RoPE FA heads, with the default decode step and with the GDN
+    step fused into the glue + split-K FA decode (Triton's interpreter here; skipped without triton);
+    run eagerly here (CPU, lean path)."""
     import headscope.hybrid.lean as lean
-    from headscope.hybrid import hybridize
+    from headscope.hybrid import hybridize, splitk
 
     monkeypatch.setattr(lean, "ENABLE", True)
+    monkeypatch.setattr(lean, "DECODE_GDN", decode[0])
+    monkeypatch.setattr(lean, "DECODE_FA", decode[1])
+    calls = []
+    if decode[1] == "splitk":
+        if not splitk.triton_available():
+            pytest.skip("split-K decode needs triton (the gdn extra)")
+        real = lean.decode_attention
+        monkeypatch.setattr(lean, "decode_attention", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
     cfg = LlamaConfig(vocab_size=101, hidden_size=H * D, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=H, num_key_value_heads=KV, head_dim=D, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -92,11 +103,18 @@ def test_device_position_decoding_equals_eager_generate(opts, monkeypatch):
     model = hybridize(teacher, HeadMask(2, H, KV, ((1,), (0, 3))), gdn_kernel="torch", **opts).eval()
     ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        ref = StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False)
+        with monkeypatch.context() as m:  # the reference: eager steps with the default decode path
+            m.setattr(lean, "DECODE_GDN", "kernel")
+            m.setattr(lean, "DECODE_FA", "sdpa")
+            ref = StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False)
         dec = StaticDecoder(model, batch=2, max_len=24)
         got = dec._generate_device(ids, 10, capture=False)
         assert torch.equal(got, ref) and len(set(got[0, 9:].tolist())) > 2
         assert dec.length == 9 + 10 - 1 and all(c.pos is None for c in dec.caches)
+        if decode[1] == "splitk":  # every decode step of both layers, host-length (None) and device-position
+            assert None in calls and any(c is not None for c in calls)
+        if decode[1] == "splitk":  # host-length split-K steps too
+            assert torch.equal(StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False), ref)
         # capacity: max_len − T + 1 new tokens at most, as the eager path
         short = StaticDecoder(model, batch=2, max_len=12)._generate_device(ids, 10, capture=False)
         assert torch.equal(short, StaticDecoder(model, batch=2, max_len=12).generate(ids, 10, cuda_graph=False))

@@ -30,6 +30,7 @@ compiles on first use).
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -41,6 +42,7 @@ from .attn import fa_attention, flash_attn_available
 from .fused import stack_projections
 from .gdn import fla_available, gated_delta_rule
 from .rope import apply_rope
+from .splitk import decode_attention, triton_available
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layer import HeadwiseHybridAttention
@@ -54,6 +56,14 @@ GDN_BLOCK_WORK = 1 << 31  # auto blocks: tokens x GDN heads x d² per call (~1.5
 # read from fla 0.6's FlashQLA backend). Off by default until it is measured faster on the H200
 # (benchmarks/bench_hybrid.py --flash-qla); set True to use it where it applies.
 FLASH_QLA = False
+# Decode steps (one token, a HybridDecodeCache): "fused" computes the GDN glue and the gated delta rule step
+# of all GDN heads in one compiled function that writes the state in place (no separate glue, recurrent
+# kernel and state copy); "kernel" calls the GDN kernel (fla's fused recurrent on CUDA) as prefill does.
+DECODE_GDN = "kernel"
+# The FA heads' attention in a decode step: "sdpa" (PyTorch; device-position decoding masks the whole
+# buffer), or "splitk" (headscope.hybrid.splitk: flash-decoding in Triton, the cache length read from
+# device memory; CUDA with triton, head_dim a power of two, FA heads in whole KV groups; SDPA otherwise).
+DECODE_FA = "sdpa"
 _compiled: dict[tuple, Callable] = {}
 _compile_failed: list[str] = []
 
@@ -191,7 +201,22 @@ def _glue_out(o_fa, gate, y_g, gamma, *, eps: float):
     return y.to(dt).flatten(2)
 
 
-_GLUE = {"fa": _glue_fa, "gdn": _glue_gdn, "out": _glue_out}
+def _glue_dec_gdn(q, k, v, a, b, cos, sin, S, A_neg, dtb, qn, kn, *, eps: float, rope: bool, scale: float):
+    """One decode token of every GDN head in one pass: the GDN glue (as :func:`_glue_gdn`, q/k rounded to
+    the layer's dtype as the chunk kernel sees them), then the gated delta rule step in fp32 (eq. 7–8:
+    S ← αS + k δᵀ, δ = β(v − αSᵀk), y = scale · Sᵀq), the new state written into ``S`` [B,n,d,d] in
+    place. Returns y [B,1,n,d] in v's dtype."""
+    qg, kg, vg, g, beta = _glue_gdn(q, k, v, a, b, cos, sin, A_neg, dtb, qn, kn, eps=eps, rope=rope)
+    qt, kt, vt = qg[:, 0].float(), kg[:, 0].float(), vg[:, 0].float()  # B,n,d
+    aS = g[:, 0].exp()[..., None, None] * S
+    delta = beta[:, 0].float()[..., None] * (vt - (kt[..., :, None] * aS).sum(-2))
+    S_new = aS + kt[..., :, None] * delta[..., None, :]
+    y = scale * (qt[..., :, None] * S_new).sum(-2)
+    S.copy_(S_new)
+    return y[:, None].to(v.dtype)
+
+
+_GLUE = {"fa": _glue_fa, "gdn": _glue_gdn, "out": _glue_out, "dec_gdn": _glue_dec_gdn}
 
 
 def _glue(name: str, acts: tuple, weights: tuple = (), **static: Any) -> Any:
@@ -289,6 +314,13 @@ def block_tokens(n_gdn: int, d: int) -> int:
     return max(8192, (GDN_BLOCK_WORK // max(1, n_gdn * d * d)) // 64 * 64)
 
 
+def _splitk_applies(q: Tensor, layer: "HeadwiseHybridAttention") -> bool:
+    """Whether a decode step's FA heads go to :func:`~headscope.hybrid.splitk.decode_attention`."""
+    d = q.shape[-1]
+    return (DECODE_FA == "splitk" and layer._fa_gqa and d >= 16 and not d & (d - 1) and triton_available()
+            and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+
+
 # ---------------------------------------------------------------------------------------- forward
 def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]],
             position_ids: Optional[Tensor], cache: Any) -> Tensor:
@@ -335,23 +367,29 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
                      nope_a=float(layer.options.nope_a))
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # B, nk, T, d
         amask = None
+        splitk = T == 1 and cache is not None and _splitk_applies(q, layer)
         if dpos is not None:  # write slot pos, attend over the whole buffer up to pos (a mask, not a slice)
             cache.k.index_copy_(2, dpos, k)
             cache.v.index_copy_(2, dpos, v)
             k, v = cache.k, cache.v
-            valid = cache.valid if cache.valid is not None else torch.arange(cache.max_len, device=x.device) <= dpos
-            amask = valid[None, None, None]
+            if not splitk:
+                valid = cache.valid if cache.valid is not None else torch.arange(cache.max_len, device=x.device) <= dpos
+                amask = valid[None, None, None]
         elif cache is not None:
             k, v = cache._write(k, v, past)
-        if not layer._fa_gqa:
-            k, v = k.index_select(1, p.fa_kv), v.index_select(1, p.fa_kv)
-        o_fa = fa_attention(q, k, v, layer.scaling, causal=True, mask=amask, kernel=p.fa_kernel)  # B, T, nf, d
+        if splitk:  # flash-decoding over the kept KV groups; the length from device memory when positions are
+            o_fa = decode_attention(q[:, 0], k, v, None if dpos is None else dpos + 1, layer.scaling)[:, None]
+        else:
+            if not layer._fa_gqa:
+                k, v = k.index_select(1, p.fa_kv), v.index_select(1, p.fa_kv)
+            o_fa = fa_attention(q, k, v, layer.scaling, causal=True, mask=amask, kernel=p.fa_kernel)  # B, T, nf, d
         del q, k, v
 
     # ---- GDN heads: all in one kernel call per time block, the state carried over
     y_g = None
     if ng:
         S = cache.S if (cache is not None and (past or dpos is not None)) else None
+        fused_step = T == 1 and S is not None and DECODE_GDN == "fused"
         W_g = p.W[p.n_fa_rows:]
         b_g = None if p.b is None else p.b[p.n_fa_rows:]
         blocks = [(0, T)] if one_gemm else [(s, min(s + tb, T)) for s in range(0, T, tb)]
@@ -362,6 +400,12 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
             qg, kg, vg, a, b = zg.split(p.g_sizes, dim=-1)
             a, b = a[..., :ng], b[..., :ng]
             cs = (cos[:, t0:t1], sin[:, t0:t1]) if cos is not None else (None, None)
+            if fused_step:  # glue + recurrence + state write in one compiled call (the state stays in cache.S)
+                y_g = _glue("dec_gdn", (qg.unflatten(-1, (ng, d)), kg.unflatten(-1, (ng, d)), vg.unflatten(-1, (ng, d)),
+                                        a, b, *cs), (S, p.A_neg, p.dtb, p.qn, p.kn), eps=p.qk_eps, rope=p.gdn_rope,
+                            scale=float(layer.scaling))
+                S = None
+                break
             qg, kg, vg, g, beta = _glue("gdn", (qg.unflatten(-1, (ng, d)), kg.unflatten(-1, (ng, d)),
                                                 vg.unflatten(-1, (ng, d)), a, b, *cs),
                                         (p.A_neg, p.dtb, p.qn, p.kn), eps=p.qk_eps, rope=p.gdn_rope)
@@ -376,7 +420,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
                 y_g[:, t0:t1] = y
             else:
                 y_g = y
-        if cache is not None:
+        if cache is not None and S is not None:
             cache.S.copy_(S)
     del z, z_fa
     if cache is not None and dpos is None:

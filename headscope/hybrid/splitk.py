@@ -1,0 +1,238 @@
+"""Split-K decode attention of the FA heads: one query token per sequence over a long K/V cache.
+
+A decode step's softmax attention reads the whole K/V cache for one query row per head. A kernel that
+gives each (sequence, KV group) to one thread block leaves most of the GPU idle when a head-wise hybrid
+keeps one or two KV groups (a 7:1 SmolLM2 or Qwen3 layer at batch 1: 1–2 blocks for 132 SMs). The
+split-K form (flash-decoding: Dao, Haziza, Massa & Sizov, "Flash-Decoding for long-context inference",
+2023) splits the cached time axis into ``n_splits`` pieces, computes per piece the unnormalized output,
+its row maximum and its softmax denominator, and combines the pieces exactly::
+
+    o = Σ_s exp(m_s − M) · acc_s / Σ_s exp(m_s − M) · l_s,       M = max_s m_s
+
+The number of valid cache slots is read from **device memory** (``length``), so one captured CUDA graph
+serves every decode position (``HybridDecodeCache.pos``); splits past the length exit at once.
+
+- :func:`decode_attention` — the Triton kernels (CUDA; or Triton's interpreter, ``TRITON_INTERPRET=1``).
+- :func:`decode_attention_torch` — the same function in PyTorch (fp32 masked softmax): the reference and
+  the fallback where Triton is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .shapes import Float
+
+_triton: list = []
+
+
+def triton_available() -> bool:
+    """True when ``triton`` imports (searched once per process)."""
+    if not _triton:
+        try:
+            _triton.append(importlib.util.find_spec("triton") is not None)
+        except (ImportError, ValueError):
+            _triton.append(False)
+    return _triton[0]
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, length: Optional[Tensor]) -> tuple[int, int, int, int, int]:
+    if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"want q [batch, q_head, d] and k, v [batch, kv_head, slots, d]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, Hq, d = q.shape
+    Bk, Hk, L, dk = k.shape
+    if Bk != B or dk != d or Hq % Hk:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree (batch, d, or q heads not a multiple "
+                         "of KV heads)")
+    if length is not None and (length.dim() != 1 or length.shape[0] not in (1, B) or length.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"length must be an integer tensor of shape [1] or [batch]; got {length.dtype} {tuple(length.shape)}")
+    return B, Hq, Hk, L, d
+
+
+def decode_attention_torch(
+    q: Float[Tensor, "batch q_head d"],
+    k: Float[Tensor, "batch kv_head slots d"],
+    v: Float[Tensor, "batch kv_head slots d"],
+    length: Optional[Tensor],
+    scale: float,
+) -> Float[Tensor, "batch q_head d"]:
+    """softmax(scale · q kᵀ) v over the first ``length`` slots, in fp32 (output in q's dtype).
+
+    Args:
+        q: one query per sequence and head.
+        k, v: cache buffers (head-major; any strides).
+        length: Long[1] or Long[batch] valid slots (≥ 1), on k's device; None: every slot.
+        scale: logit scale.
+
+    Raises:
+        ValueError: shapes that disagree.
+    """
+    B, Hq, Hk, L, d = _check(q, k, v, length)
+    G = Hq // Hk
+    qf = q.float().view(B, Hk, G, d)
+    s = torch.einsum("bhgd,bhld->bhgl", qf, k.float()) * scale
+    if length is not None:
+        keep = torch.arange(L, device=k.device)[None, :] < length.view(-1, 1)  # [1 or B, L]
+        s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+    o = torch.einsum("bhgl,bhld->bhgd", s.softmax(-1), v.float())
+    return o.reshape(B, Hq, d).to(q.dtype)
+
+
+def n_splits_for(batch_groups: int, slots: int, block: int = 64, sms: int = 132, min_split: int = 256) -> int:
+    """Splits of the time axis: about two thread blocks per SM over all (sequence, KV group) pairs, each
+    split at least ``min_split`` slots (a whole number of ``block``-slot tiles)."""
+    want = max(1, (2 * sms + batch_groups - 1) // batch_groups)
+    most = max(1, slots // min_split)
+    return max(1, min(want, most))
+
+
+_kernels: dict = {}
+
+
+def _build():
+    """The two Triton kernels (built on first use: importing triton is slow and optional; built again
+    when ``TRITON_INTERPRET`` changed, so tests can run them through Triton's CPU interpreter)."""
+    mode = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if _kernels.get("interpret") is mode:
+        return _kernels
+    _kernels.clear()
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _partial(Q, K, V, LEN, ACC, ML, scale, L, split_len,
+                 sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
+                 HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                 NS: tl.constexpr, HAS_LEN: tl.constexpr):
+        bh = tl.program_id(0)
+        s = tl.program_id(1)
+        b = bh // HK
+        h = bh % HK
+        n = L
+        if HAS_LEN:
+            n = tl.minimum(tl.load(LEN + b * len_stride).to(tl.int32), L)
+        start = s * split_len
+        end = tl.minimum(start + split_len, n)
+        rg = tl.arange(0, GP)
+        rd = tl.arange(0, D)
+        gmask = rg < G
+        q = tl.load(Q + b * sqb + (h * G + rg[:, None]) * sqh + rd[None, :], mask=gmask[:, None], other=0.0)
+        m = tl.full([GP], float("-inf"), tl.float32)
+        l_ = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for t0 in range(start, end, BN):
+            rt = t0 + tl.arange(0, BN)
+            tmask = rt < end
+            kt = tl.load(K + b * skb + h * skh + rt[:, None] * skl + rd[None, :], mask=tmask[:, None], other=0.0)
+            vt = tl.load(V + b * svb + h * svh + rt[:, None] * svl + rd[None, :], mask=tmask[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(kt)) * scale  # [GP, BN] fp32
+            sc = tl.where(tmask[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(sc - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            l_ = l_ * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m = m_new
+        base = (bh * NS + s) * G
+        tl.store(ACC + (base + rg[:, None]) * D + rd[None, :], acc, mask=gmask[:, None])
+        tl.store(ML + (base + rg) * 2, m, mask=gmask)
+        tl.store(ML + (base + rg) * 2 + 1, l_, mask=gmask)
+
+    @triton.jit
+    def _combine(ACC, ML, O, sob, soh, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
+                 SB: tl.constexpr):
+        pid = tl.program_id(0)  # (batch, kv head, group member)
+        g = pid % G
+        bh = pid // G
+        b = bh // HK
+        h = bh % HK
+        rd = tl.arange(0, D)
+        M = tl.full([1], float("-inf"), tl.float32)
+        for s0 in range(0, NS, SB):
+            rs = s0 + tl.arange(0, SB)
+            ms = tl.load(ML + ((bh * NS + rs) * G + g) * 2, mask=rs < NS, other=float("-inf"))
+            M = tl.maximum(M, tl.max(ms, 0))
+        Ms = tl.where(M == float("-inf"), 0.0, M)
+        num = tl.zeros([D], tl.float32)
+        den = tl.zeros([1], tl.float32)
+        for s0 in range(0, NS, SB):
+            rs = s0 + tl.arange(0, SB)
+            smask = rs < NS
+            ms = tl.load(ML + ((bh * NS + rs) * G + g) * 2, mask=smask, other=float("-inf"))
+            ls = tl.load(ML + ((bh * NS + rs) * G + g) * 2 + 1, mask=smask, other=0.0)
+            w = tl.exp(ms - Ms)  # empty splits: exp(-inf) = 0
+            a = tl.load(ACC + ((bh * NS + rs[:, None]) * G + g) * D + rd[None, :], mask=smask[:, None], other=0.0)
+            num += tl.sum(a * w[:, None], 0)
+            den += tl.sum(w * ls, 0)
+        tl.store(O + b * sob + (h * G + g) * soh + rd, (num / den).to(O.dtype.element_ty))
+
+    _kernels.update(partial=_partial, combine=_combine, interpret=mode)
+    return _kernels
+
+
+def decode_attention(
+    q: Float[Tensor, "batch q_head d"],
+    k: Float[Tensor, "batch kv_head slots d"],
+    v: Float[Tensor, "batch kv_head slots d"],
+    length: Optional[Tensor],
+    scale: float,
+    n_splits: Optional[int] = None,
+    block: int = 64,
+) -> Float[Tensor, "batch q_head d"]:
+    """Split-K (flash-decoding) softmax attention of one query token per sequence, GQA-native (query
+    head i reads KV head i // (q_head / kv_head)), in two Triton kernels: per-split partials, then the
+    exact combination. fp32 accumulation; output in q's dtype.
+
+    Args:
+        q: [batch, q_head, d] queries (any strides, unit stride in d).
+        k, v: [batch, kv_head, slots, d] cache buffers (views of a longer buffer are fine).
+        length: Long/Int[1] or [batch] valid slots on the device (read by the kernel: no host sync,
+            CUDA-graph safe); None: all ``slots``.
+        scale: logit scale.
+        n_splits: pieces of the time axis; default :func:`n_splits_for`.
+        block: slots per tile (64).
+
+    Raises:
+        ValueError: shapes that disagree, or d not a power of two ≥ 16.
+        ImportError: triton is not installed (use :func:`decode_attention_torch`).
+
+    Source: flash-decoding (Dao et al., 2023); the combination is the online-softmax identity of
+    FlashAttention (Dao et al., 2022).
+    """
+    B, Hq, Hk, L, d = _check(q, k, v, length)
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"split-K decode needs a head_dim that is a power of two ≥ 16, got {d}; "
+                         "use decode_attention_torch")
+    if not triton_available():
+        raise ImportError("split-K decode attention needs triton (pip install triton); or use decode_attention_torch")
+    for t in (q, k, v):
+        if t.stride(-1) != 1:
+            raise ValueError("q, k and v need unit stride in their last dimension")
+    kern = _build()
+    G = Hq // Hk
+    GP = max(16, 1 << (G - 1).bit_length())
+    NS = n_splits or n_splits_for(B * Hk, L, block)
+    split_len = -(-L // NS)
+    split_len = -(-split_len // block) * block
+    acc = torch.empty(B * Hk * NS * G * d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B * Hk * NS * G * 2, dtype=torch.float32, device=q.device)
+    o = torch.empty(B, Hq, d, dtype=q.dtype, device=q.device)
+    has_len = length is not None
+    ln = length if has_len else o  # any pointer; unused without HAS_LEN
+    len_stride = 0 if (not has_len or length.shape[0] == 1) else 1
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        kern["partial"][(B * Hk, NS)](
+            q, k, v, ln, acc, ml, float(scale), L, split_len,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            len_stride, HK=Hk, G=G, GP=GP, D=d, BN=block, NS=NS, HAS_LEN=has_len)
+        kern["combine"][(B * Hk * G,)](acc, ml, o, o.stride(0), o.stride(1), HK=Hk, G=G, D=d, NS=NS,
+                                        SB=min(64, 1 << max(0, (NS - 1).bit_length())))
+    return o

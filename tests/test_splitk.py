@@ -1,0 +1,97 @@
+"""Split-K decode attention (headscope.hybrid.splitk) against a brute-force softmax per head.
+
+The Triton kernels run here through Triton's interpreter (``TRITON_INTERPRET=1``, CPU) when triton is
+installed (the ``gdn`` extra); on a GPU the CUDA test runs them compiled. The interpreter's bf16 ``tl.dot``
+is wrong in Triton 3.9 (it returns garbage for bf16 operands), so CPU cases use fp32 and fp16.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from headscope.hybrid import splitk
+from headscope.hybrid.splitk import decode_attention, decode_attention_torch, n_splits_for
+
+needs_triton = pytest.mark.skipif(
+    not splitk.triton_available() or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs triton (pip install 'headscope[gdn]') and CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+
+
+def brute(q, k, v, length, scale):
+    """One head at a time, one valid slot at a time (python loops over heads, fp64)."""
+    B, Hq, d = q.shape
+    Hk = k.shape[1]
+    out = torch.zeros(B, Hq, d, dtype=torch.float64)
+    for b in range(B):
+        n = k.shape[2] if length is None else int(length[b if length.numel() > 1 else 0])
+        for h in range(Hq):
+            kh = k[b, h // (Hq // Hk), :n].double()
+            w = torch.softmax(kh @ q[b, h].double() * scale, 0)
+            out[b, h] = w @ v[b, h // (Hq // Hk), :n].double()
+    return out
+
+
+def _case(B, Hq, Hk, L, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, d, generator=g).to(dtype)
+    kb = torch.randn(B, L + 3, Hk, d, generator=g).to(dtype)  # a seq-major buffer: k, v are strided views
+    vb = torch.randn(B, L + 3, Hk, d, generator=g).to(dtype)
+    return q, kb.transpose(1, 2)[:, :, :L], vb.transpose(1, 2)[:, :, :L]
+
+
+@pytest.mark.parametrize("length", [None, [1], [150, 3]])
+def test_torch_reference_equals_brute_force(length):
+    q, k, v = _case(2, 6, 2, 150, 16, torch.float32)
+    ln = None if length is None else torch.tensor(length)
+    got = decode_attention_torch(q, k, v, ln, 0.3)
+    assert (got.double() - brute(q, k, v, ln, 0.3)).abs().max() < 1e-5
+
+
+def test_bad_shapes_name_the_problem():
+    q, k, v = _case(2, 6, 2, 40, 16, torch.float32)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention_torch(q[:, :5], k, v, None, 1.0)
+    with pytest.raises(ValueError, match="length"):
+        decode_attention_torch(q, k, v, torch.tensor([[3]]), 1.0)
+    with pytest.raises(ValueError, match="power of two"):
+        decode_attention(q[..., :12].contiguous(), k[..., :12], v[..., :12], None, 1.0)
+
+
+def test_split_rule():
+    assert n_splits_for(1, 32768) == 128  # 264 wanted, 32768 / 256 = 128 at most
+    assert n_splits_for(1, 1 << 17) == 264
+    assert n_splits_for(16, 1 << 15) == 17
+    assert n_splits_for(300, 1 << 15) == 1
+    assert n_splits_for(1, 100) == 1
+
+
+@needs_triton
+@pytest.mark.parametrize("B,Hq,Hk,L,d,dtype,length,ns", [
+    (1, 2, 1, 300, 64, torch.float32, None, 3),          # SmolLM2-like: one KV group, 2 query heads
+    (1, 2, 1, 300, 64, torch.float32, [5], 3),           # later splits empty
+    (3, 9, 3, 200, 64, torch.float16, [200, 1, 77], 4),  # per-sequence lengths, group of 3
+    (2, 4, 2, 130, 128, torch.float32, [123], 2),        # head_dim 128, one shared length
+    (2, 16, 1, 70, 32, torch.float32, None, None),       # group of 16 query heads, default splits
+])
+def test_triton_split_k_equals_brute_force(B, Hq, Hk, L, d, dtype, length, ns):
+    q, k, v = _case(B, Hq, Hk, L, d, dtype)
+    ln = None if length is None else torch.tensor(length)
+    scale = 1 / math.sqrt(d)
+    got = decode_attention(q, k, v, ln, scale, n_splits=ns)
+    assert got.dtype == dtype and got.shape == (B, Hq, d)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert (got.double() - brute(q, k, v, ln, scale)).abs().max() < tol
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and splitk.triton_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_split_k_equals_reference(dtype):
+    q, k, v = (t.cuda() for t in _case(2, 16, 8, 40000, 128, dtype))
+    ln = torch.tensor([40000, 17], device="cuda")
+    got = decode_attention(q, k, v, ln, 128 ** -0.5)
+    ref = decode_attention_torch(q, k, v, ln, 128 ** -0.5)
+    assert (got.float() - ref.float()).abs().max() < 1e-2
