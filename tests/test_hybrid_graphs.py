@@ -111,10 +111,10 @@ def test_device_position_decoding_equals_eager_generate(opts, decode, monkeypatc
         got = dec._generate_device(ids, 10, capture=False)
         assert torch.equal(got, ref) and len(set(got[0, 9:].tolist())) > 2
         assert dec.length == 9 + 10 - 1 and all(c.pos is None for c in dec.caches)
-        if decode[1] == "splitk":  # every decode step of both layers, host-length (None) and device-position
-            assert None in calls and any(c is not None for c in calls)
-        if decode[1] == "splitk":  # host-length split-K steps too
+        if decode[1] == "splitk":  # host-length split-K steps too; both kinds of step went through the kernel
+            assert all(c is not None for c in calls) and len(calls) == 2 * 9  # 2 layers x 9 device-position steps
             assert torch.equal(StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False), ref)
+            assert calls[-1] is None and len(calls) == 2 * 9 + 2 * 10  # eager generate: 10 steps
         # capacity: max_len − T + 1 new tokens at most, as the eager path
         short = StaticDecoder(model, batch=2, max_len=12)._generate_device(ids, 10, capture=False)
         assert torch.equal(short, StaticDecoder(model, batch=2, max_len=12).generate(ids, 10, cuda_graph=False))
