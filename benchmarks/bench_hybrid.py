@@ -204,6 +204,98 @@ def _decode(mod, x, pe, T, dev, graph_reps, eager_reps):
     return r
 
 
+DECODE_VARIANTS = {  # name: (lean.DECODE_GDN, lean.DECODE_FA, device position)
+    "fused": ("fused", "sdpa", False), "splitk": ("kernel", "splitk", False), "fused_splitk": ("fused", "splitk", False),
+    "devpos_sdpa": ("kernel", "sdpa", True), "devpos_fused_splitk": ("fused", "splitk", True),
+}
+
+
+def _decode_variant(mod, x, pe, T, dev, graph_reps, variant, ref, profile=False):
+    """The graphed decode step at length T with the lean path's decode options of ``variant``
+    (DECODE_VARIANTS); device-position variants read the position from device memory (one graph for every
+    length; SDPA then masks the whole buffer). Returns its graph time, its output against ``ref`` (the
+    default eager step) and, with ``profile``, the GPU kernels of one eager step."""
+    gdn_mode, fa_mode, devpos = DECODE_VARIANTS[variant]
+    prev = lean.DECODE_GDN, lean.DECODE_FA
+    lean.DECODE_GDN, lean.DECODE_FA = gdn_mode, fa_mode
+    try:
+        x_pre, x1 = x[:, :T], x[:, T:]
+        pe1 = tuple(t[:, T:].contiguous() for t in pe)
+        dc = mod.new_decode_cache(1, T + 1)
+        mod(x_pre, position_embeddings=tuple(t[:, :T] for t in pe), cache=dc)
+        snap = dc.S.clone() if dc.S is not None else None
+        pos = torch.full((1,), T, dtype=torch.long, device=dev)
+        pid = pos.view(1, 1)
+
+        def step():
+            if devpos:
+                dc.pos = pos
+                return mod(x1, position_embeddings=pe1, cache=dc, position_ids=pid)[0]
+            dc.length = T
+            return mod(x1, position_embeddings=pe1, cache=dc, position_ids=pid)[0]
+
+        def restore():
+            if snap is not None:
+                dc.S.copy_(snap)
+
+        got = step().clone()
+        restore()
+        r = {"vs_default_eager": _err(got, ref)}
+        graph, static_out = capture_graph(step, warmup=3)
+        restore()
+        graph.replay()
+        torch.cuda.synchronize()
+        r["graph_vs_eager"] = _err(static_out, got)
+        r["graph_ms"] = _time(graph.replay, dev, graph_reps, warmup=3)
+        del graph, static_out
+        if profile:
+            r["profile"] = _profile_kernels(step, restore)
+        return r
+    finally:
+        lean.DECODE_GDN, lean.DECODE_FA = prev
+
+
+def _profile_kernels(step, restore, n=5):
+    """GPU kernels of ``n`` eager steps (after a warm-up): name, calls per step and µs per step each,
+    the sum, and the kernel count per step (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    restore()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+            restore()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        if us is None:
+            us = getattr(e, "cuda_time_total", 0)
+        if us and e.count:
+            rows.append({"kernel": e.key[:120], "calls_per_step": e.count / n, "us_per_step": us / n})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"kernels": rows[:40], "sum_us_per_step": sum(r["us_per_step"] for r in rows),
+            "launches_per_step": sum(r["calls_per_step"] for r in rows)}
+
+
+_dd: dict = {}
+
+
+def _decode_default_step(mod, x, pe, T):
+    """One eager default decode step at length T (for the profile; its cache made once per module)."""
+    key = (id(mod), T)
+    if key not in _dd:
+        _dd.clear()
+        dc = mod.new_decode_cache(1, T + 1)
+        mod(x[:, :T], position_embeddings=tuple(t[:, :T] for t in pe), cache=dc)
+        _dd[key] = (dc, tuple(t[:, T:].contiguous() for t in pe))
+    dc, pe1 = _dd[key]
+    dc.length = T
+    return mod(x[:, T:], position_embeddings=pe1, cache=dc)[0]
+
+
 def _decode_dynamic(mod, x, pe, T, dev, reps):
     """The same step through a transformers DynamicCache (eager; the cache grows by one per step)."""
     cache = DynamicCache()
@@ -216,7 +308,8 @@ def _decode_dynamic(mod, x, pe, T, dev, reps):
 
 @torch.no_grad()
 def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30, prefill_reps=None, dynamic_reps=0,
-                before=True, graph_prefill=True, graph_block=8192, flash_qla=False):
+                before=True, graph_prefill=True, graph_block=8192, flash_qla=False, decode_variants=False,
+                profile=False):
     hidden, h, kv, d, fa = SHAPES[shape]
     cfg = _cfg(hidden, h, kv, d)
     torch.manual_seed(0)
@@ -284,6 +377,27 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
                 out["parity"]["hybrid_graph_vs_eager_step"] = dec.pop("graph_vs_eager")
         dec.pop("graph_vs_eager", None)
         out[name].update({f"decode_{k}" if not k.startswith("cache") else k: v for k, v in dec.items()})
+        if decode_variants and dev.type == "cuda":
+            variants = DECODE_VARIANTS if name == "hybrid" else ("splitk", "devpos_sdpa", "devpos_fused_splitk")
+            for vn in variants:
+                try:
+                    vr = _decode_variant(mod, x, pe, T, dev, graph_reps, vn, step_out,
+                                         profile=profile and vn in ("fused_splitk", "devpos_fused_splitk"))
+                    out[name][f"decode_graph_ms_{vn}"] = vr.pop("graph_ms")
+                    out["parity"][f"{name}_decode_{vn}_vs_default"] = vr.pop("vs_default_eager")
+                    out["parity"][f"{name}_decode_{vn}_graph_vs_eager"] = vr.pop("graph_vs_eager")
+                    if "profile" in vr:
+                        out.setdefault("profile", {})[f"{name}_{vn}"] = vr["profile"]
+                except Exception as e:  # noqa: BLE001 - record and go on (a kernel or capture failure)
+                    out[name][f"decode_{vn}_error"] = f"{type(e).__name__}: {e}"[:500]
+                    torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            if profile:
+                try:
+                    out.setdefault("profile", {})[f"{name}_default"] = _profile_kernels(
+                        lambda: _decode_default_step(mod, x, pe, T), lambda: None)
+                except Exception as e:  # noqa: BLE001
+                    out.setdefault("profile", {})[f"{name}_default"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         if dynamic_reps:
             out[name]["decode_dynamic_cache_ms"] = _decode_dynamic(mod, x, pe, T, dev, reps=dynamic_reps)
         if dev.type == "cuda":
@@ -295,6 +409,15 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
     out["ratio"]["teacher_speedup_prefill"] = out["teacher"]["prefill_ms"] / out["hybrid"]["prefill_ms"]
     if out["fa"].get("decode_graph_ms") and out["hybrid"].get("decode_graph_ms"):
         out["ratio"]["fa_speedup_decode_graph"] = out["fa"]["decode_graph_ms"] / out["hybrid"]["decode_graph_ms"]
+    fa_best = min([v for k, v in out["fa"].items() if k.startswith("decode_graph_ms") and v] or [0]) or None
+    for k, v in list(out["hybrid"].items()):
+        if k.startswith("decode_graph_ms_") and v and out["fa"].get("decode_graph_ms"):
+            vn = k[len("decode_graph_ms_"):]
+            out["ratio"][f"fa_speedup_decode_graph_{vn}"] = out["fa"]["decode_graph_ms"] / v
+            if out["fa"].get(k):  # the all-FA layer with the same decode options
+                out["ratio"][f"fa_speedup_decode_graph_{vn}_same_options"] = out["fa"][k] / v
+            if fa_best:  # against the fastest all-FA decode step of the run
+                out["ratio"][f"fa_best_speedup_decode_graph_{vn}"] = fa_best / v
     for k in ("prefill_graph_ms", "prefill_graph_peak_bytes", f"prefill_graph_ms@block{graph_block}",
               f"prefill_graph_peak_bytes@block{graph_block}"):
         fk = k.split("@")[0]
@@ -461,7 +584,9 @@ def _fmt_row(shape, r):
             f"| decode us graph {g(f['decode_graph_ms'])} {g(hy['decode_graph_ms'])} "
             f"x{'-' if ra['decode_graph_ms'] is None else format(ra['decode_graph_ms'], '.2f')} "
             f"eager {g(f['decode_eager_ms'])} {g(hy['decode_eager_ms'])} x{ra['decode_eager_ms']:.2f} "
-            f"| cache MB {f['cache_bytes'] / 2**20:7.2f} {hy['cache_bytes'] / 2**20:7.2f} x{ra['cache_bytes']:.3f}")
+            f"| cache MB {f['cache_bytes'] / 2**20:7.2f} {hy['cache_bytes'] / 2**20:7.2f} x{ra['cache_bytes']:.3f}"
+            + "".join(f" | {vn} us fa {g(f.get('decode_graph_ms_' + vn))} hybrid {g(hy.get('decode_graph_ms_' + vn))}"
+                      for vn in DECODE_VARIANTS if hy.get("decode_graph_ms_" + vn) or f.get("decode_graph_ms_" + vn)))
 
 
 def main(argv=None):
@@ -476,6 +601,11 @@ def main(argv=None):
                     help="also time the hybrid prefill with FlashQLA's GDN forward (head_dim-128 shapes)")
     ap.add_argument("--graph-block", type=int, default=8192,
                     help="GDN block (tokens) of the second graphed hybrid prefill (0: skip it)")
+    ap.add_argument("--decode-variants", action="store_true",
+                    help="layer part: also time the decode step with the GDN step fused into the glue, split-K FA "
+                         "decode, and device-position decoding (lean.DECODE_GDN / DECODE_FA)")
+    ap.add_argument("--profile-at", type=int, nargs="*", default=[],
+                    help="lengths at which to record the GPU kernels of one eager decode step (torch.profiler)")
     ap.add_argument("--model", action="store_true", help="whole SmolLM2-shaped model: hybrid vs teacher")
     ap.add_argument("--model-lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
     ap.add_argument("--model-batches", type=int, nargs="+", default=[1, 16])
@@ -547,7 +677,8 @@ def main(argv=None):
             try:
                 r = bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=a.graph_reps, eager_reps=eager_reps,
                                 before=not a.no_before, graph_prefill=not a.no_graph_prefill,
-                                graph_block=a.graph_block, flash_qla=a.flash_qla, **({"prefill_reps": 2, "dynamic_reps": 2} if a.smoke else {}))
+                                graph_block=a.graph_block, flash_qla=a.flash_qla, decode_variants=a.decode_variants,
+                                profile=T in a.profile_at, **({"prefill_reps": 2, "dynamic_reps": 2} if a.smoke else {}))
             except Exception:  # pragma: no cover - OOM or a kernel failure: record, go on
                 import traceback
 
