@@ -697,7 +697,7 @@ def main(argv=None):
         results["model"] = bench_model(dev, dtype, [512, 1024] if a.smoke else a.model_lengths,
                                        [1, 2] if a.smoke else a.model_batches, dump=dump, results=results,
                                        graph_prefill=not a.no_graph_prefill, cells=cells, generate=a.generate,
-                                       compile_tail=a.compile_tail)
+                                       compile_tail=a.compile_tail, decode_variants=a.decode_variants)
     print("\nshape              T | prefill ms fa / hybrid | peak MB fa / hybrid (plain path) | "
           "decode step us fa / hybrid | cache MB fa / hybrid")
     print("\n".join(rows))

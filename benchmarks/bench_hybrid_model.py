@@ -12,6 +12,9 @@ which computes the teacher's function (checked against transformers' own forward
 - decode: one step of B tokens with T cached, replayed from a CUDA graph: tokens/s = B / step time;
 - ``--compile-tail``: the graphed decode step again with ``StaticDecoder(compile_tail=True)`` (each layer's
   norms + MLP compiled), its time and its logits against the eager-tail step's;
+- ``--decode-variants``: the graphed step again with the GDN step fused into the glue and split-K FA decode
+  (``lean.DECODE_GDN = "fused"``, ``lean.DECODE_FA = "splitk"``), alone and with the compiled tail; the
+  ratio ``decode_tok_s_best_each`` compares each model's fastest step;
 - ``--generate N``: end-to-end greedy ``generate`` of N tokens, ms per new token, with graphed device-position
   steps (capture included) and with eager steps (8 tokens);
 - cache bytes per sequence at T; concurrent sequences of 32K tokens that fit in 100 GiB next to the
@@ -25,6 +28,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import headscope.hybrid.lean as lean
 from headscope.hybrid import hybridize
 from headscope.hybrid.static import StaticDecoder
 from headscope.masks import HeadMask
@@ -63,13 +67,13 @@ def _ms(fn, reps):
 
 
 @torch.no_grad()
-def _generate_ms_per_token(model, B, T, vocab, n, cuda_graph):
+def _generate_ms_per_token(model, B, T, vocab, n, cuda_graph, compile_tail=False):
     """End-to-end greedy ``StaticDecoder.generate`` of n tokens after a T-token prompt, minus the same call
     for 1 token (the prefill), per new token; the graphed path's capture is included (amortised over n)."""
     ids = torch.randint(0, vocab, (B, T), device="cuda")
     walls = []
     for k in (1, n):
-        dec = StaticDecoder(model, B, T + n + 1)
+        dec = StaticDecoder(model, B, T + n + 1, compile_tail=compile_tail)
         dec.generate(ids, 2, cuda_graph=False)  # warm-up (compiled glue for this shape)
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -80,8 +84,20 @@ def _generate_ms_per_token(model, B, T, vocab, n, cuda_graph):
     return (walls[1] - walls[0]) / (n - 1) * 1e3
 
 
+def _variants(compile_tail: bool, decode_variants: bool) -> dict:
+    """Decode-step variants timed beside the default: name -> (compile_tail, lean.DECODE_GDN, lean.DECODE_FA)."""
+    v = {}
+    if compile_tail:
+        v["compiled_tail"] = (True, "kernel", "sdpa")
+    if decode_variants:
+        v["fused_splitk"] = (False, "fused", "splitk")
+        if compile_tail:
+            v["tail_fused_splitk"] = (True, "fused", "splitk")
+    return v
+
+
 def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30, graph_reps=30, graph_prefill=True,
-                cells=None, generate=0, compile_tail=False):
+                cells=None, generate=0, compile_tail=False, decode_variants=False):
     cfg = smollm2_config(layers)
     torch.manual_seed(0)
     teacher = LlamaForCausalLM(cfg).to(dtype).eval()
@@ -149,17 +165,26 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
                 nxt = ids[:, -1:].contiguous()
                 static_logits = dec.capture(nxt)
                 step_ms = _ms(dec.replay, graph_reps)
-                if compile_tail:  # the same graphed step with each layer's norm + MLP tail compiled
-                    dc2 = StaticDecoder(model, B, T + 1, compile_tail=True)
-                    dc2.prefill(ids)
-                    got = dc2.capture(nxt)
-                    gcell["decode_step_ms_compiled_tail"] = _ms(dc2.replay, graph_reps)
-                    dc2.replay()
-                    dec.replay()
-                    torch.cuda.synchronize()
-                    ref = static_logits.float()
-                    gcell["compiled_tail_vs_eager_step"] = (got.float() - ref).abs().max().item() / ref.abs().max().item()
-                    del dc2, got, ref
+                for vn, (tail, gdn_mode, fa_mode) in _variants(compile_tail, decode_variants).items():
+                    # the same graphed step with each layer's norm + MLP tail compiled and/or the lean path's
+                    # decode options (GDN step fused into the glue, split-K FA decode)
+                    prev = lean.DECODE_GDN, lean.DECODE_FA
+                    lean.DECODE_GDN, lean.DECODE_FA = gdn_mode, fa_mode
+                    try:
+                        dc2 = StaticDecoder(model, B, T + 1, compile_tail=tail)
+                        dc2.prefill(ids)
+                        got = dc2.capture(nxt)
+                        gcell[f"decode_step_ms_{vn}"] = _ms(dc2.replay, graph_reps)
+                        dc2.replay()
+                        dec.replay()
+                        torch.cuda.synchronize()
+                        ref = static_logits.float()
+                        gcell[f"{vn}_vs_eager_step"] = (got.float() - ref).abs().max().item() / ref.abs().max().item()
+                        del dc2, got, ref
+                    except Exception as e:  # noqa: BLE001 - record and go on
+                        gcell[f"decode_{vn}_error"] = f"{type(e).__name__}: {e}"[:500]
+                    finally:
+                        lean.DECODE_GDN, lean.DECODE_FA = prev
                     torch.cuda.empty_cache()
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -175,6 +200,16 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
             if generate:  # end-to-end decoding: graphed device-position steps vs eager steps
                 for name, model in models.items():
                     cell[name]["generate_ms_per_token_graph"] = _generate_ms_per_token(model, B, T, cfg.vocab_size, generate, True)
+                    if decode_variants:  # graphed, with the decode options (and the compiled tail when asked)
+                        prev = lean.DECODE_GDN, lean.DECODE_FA
+                        lean.DECODE_GDN, lean.DECODE_FA = "fused", "splitk"
+                        try:
+                            cell[name]["generate_ms_per_token_graph_fused_splitk"] = _generate_ms_per_token(
+                                model, B, T, cfg.vocab_size, generate, True, compile_tail=compile_tail)
+                        except Exception as e:  # noqa: BLE001
+                            cell[name]["generate_fused_splitk_error"] = f"{type(e).__name__}: {e}"[:500]
+                        finally:
+                            lean.DECODE_GDN, lean.DECODE_FA = prev
                     cell[name]["generate_ms_per_token_eager"] = _generate_ms_per_token(model, B, T, cfg.vocab_size, 9, False)
                     print(f"model B={B:2d} T={T:6d} {name}: generate ms/token graphed "
                           f"{cell[name]['generate_ms_per_token_graph']:.2f}, eager {cell[name]['generate_ms_per_token_eager']:.2f}",
@@ -185,11 +220,14 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
                              "decode_tok_s": h["decode_tok_s"] / t["decode_tok_s"],
                              "prefill_peak": h["prefill_peak_bytes"] / t["prefill_peak_bytes"],
                              "cache_per_seq": h["cache_bytes_per_seq"] / t["cache_bytes_per_seq"]}
-            if "decode_step_ms_compiled_tail" in h:
-                cell["ratio"]["decode_tok_s_compiled_tail"] = t["decode_step_ms_compiled_tail"] / h["decode_step_ms_compiled_tail"]
-                print(f"model B={B:2d} T={T:6d} | decode step ms, compiled tail: teacher {t['decode_step_ms_compiled_tail']:.3f} "
-                      f"hybrid {h['decode_step_ms_compiled_tail']:.3f} x{cell['ratio']['decode_tok_s_compiled_tail']:.2f} "
-                      f"(eager tail {t['decode_step_ms']:.3f} / {h['decode_step_ms']:.3f})", flush=True)
+            for vn in _variants(compile_tail, decode_variants):
+                if f"decode_step_ms_{vn}" in h and f"decode_step_ms_{vn}" in t:
+                    cell["ratio"][f"decode_tok_s_{vn}"] = t[f"decode_step_ms_{vn}"] / h[f"decode_step_ms_{vn}"]
+                    print(f"model B={B:2d} T={T:6d} | decode step ms, {vn}: teacher {t[f'decode_step_ms_{vn}']:.3f} "
+                          f"hybrid {h[f'decode_step_ms_{vn}']:.3f} x{cell['ratio'][f'decode_tok_s_{vn}']:.2f} "
+                          f"(default {t['decode_step_ms']:.3f} / {h['decode_step_ms']:.3f})", flush=True)
+            steps = {n: min([c[k] for k in c if k.startswith("decode_step_ms")]) for n, c in (("teacher", t), ("hybrid", h))}
+            cell["ratio"]["decode_tok_s_best_each"] = steps["teacher"] / steps["hybrid"]  # each model's fastest step
             if "prefill_graph_tok_s" in h:
                 cell["ratio"]["prefill_graph_tok_s"] = h["prefill_graph_tok_s"] / t["prefill_graph_tok_s"]
                 cell["ratio"]["prefill_graph_peak"] = h["prefill_graph_peak_bytes"] / t["prefill_graph_peak_bytes"]

@@ -21,17 +21,18 @@ needs_triton = pytest.mark.skipif(
     reason="needs triton (pip install 'headscope[gdn]') and CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it)")
 
 
-def brute(q, k, v, length, scale):
+def brute(q, k, v, length, scale, kv_index=None):
     """One head at a time, one valid slot at a time (python loops over heads, fp64)."""
     B, Hq, d = q.shape
     Hk = k.shape[1]
+    kv = [h // (Hq // Hk) for h in range(Hq)] if kv_index is None else kv_index.tolist()
     out = torch.zeros(B, Hq, d, dtype=torch.float64)
     for b in range(B):
         n = k.shape[2] if length is None else int(length[b if length.numel() > 1 else 0])
         for h in range(Hq):
-            kh = k[b, h // (Hq // Hk), :n].double()
+            kh = k[b, kv[h], :n].double()
             w = torch.softmax(kh @ q[b, h].double() * scale, 0)
-            out[b, h] = w @ v[b, h // (Hq // Hk), :n].double()
+            out[b, h] = w @ v[b, kv[h], :n].double()
     return out
 
 
@@ -51,10 +52,23 @@ def test_torch_reference_equals_brute_force(length):
     assert (got.double() - brute(q, k, v, ln, 0.3)).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("triton_kernel", [False, pytest.param(True, marks=needs_triton)])
+def test_uneven_kv_groups_by_kv_index(triton_kernel):
+    """Query heads spread unevenly over the KV heads (3 FA heads over 2 kept groups: 2 + 1)."""
+    q, k, v = _case(2, 3, 2, 90, 16, torch.float32)
+    kvi = torch.tensor([0, 0, 1])
+    ln = torch.tensor([90, 33])
+    fn = decode_attention if triton_kernel else decode_attention_torch
+    got = fn(q, k, v, ln, 0.25, kv_index=kvi)
+    assert (got.double() - brute(q, k, v, ln, 0.25, kvi)).abs().max() < 1e-5
+
+
 def test_bad_shapes_name_the_problem():
     q, k, v = _case(2, 6, 2, 40, 16, torch.float32)
-    with pytest.raises(ValueError, match="multiple"):
+    with pytest.raises(ValueError, match="kv_index"):
         decode_attention_torch(q[:, :5], k, v, None, 1.0)
+    with pytest.raises(ValueError, match="kv_index"):
+        decode_attention_torch(q, k, v, None, 1.0, kv_index=torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="length"):
         decode_attention_torch(q, k, v, torch.tensor([[3]]), 1.0)
     with pytest.raises(ValueError, match="power of two"):

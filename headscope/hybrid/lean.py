@@ -62,7 +62,7 @@ FLASH_QLA = False
 DECODE_GDN = "kernel"
 # The FA heads' attention in a decode step: "sdpa" (PyTorch; device-position decoding masks the whole
 # buffer), or "splitk" (headscope.hybrid.splitk: flash-decoding in Triton, the cache length read from
-# device memory; CUDA with triton, head_dim a power of two, FA heads in whole KV groups; SDPA otherwise).
+# device memory; CUDA with triton and a head_dim that is a power of two ≥ 16; SDPA otherwise).
 DECODE_FA = "sdpa"
 _compiled: dict[tuple, Callable] = {}
 _compile_failed: list[str] = []
@@ -317,7 +317,7 @@ def block_tokens(n_gdn: int, d: int) -> int:
 def _splitk_applies(q: Tensor, layer: "HeadwiseHybridAttention") -> bool:
     """Whether a decode step's FA heads go to :func:`~headscope.hybrid.splitk.decode_attention`."""
     d = q.shape[-1]
-    return (DECODE_FA == "splitk" and layer._fa_gqa and d >= 16 and not d & (d - 1) and triton_available()
+    return (DECODE_FA == "splitk" and d >= 16 and not d & (d - 1) and triton_available()
             and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
 
 
@@ -378,7 +378,8 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
         elif cache is not None:
             k, v = cache._write(k, v, past)
         if splitk:  # flash-decoding over the kept KV groups; the length from device memory when positions are
-            o_fa = decode_attention(q[:, 0], k, v, None if dpos is None else dpos + 1, layer.scaling)[:, None]
+            o_fa = decode_attention(q[:, 0], k, v, None if dpos is None else dpos + 1, layer.scaling,
+                                    kv_index=None if layer._fa_gqa else p.fa_kv)[:, None]
         else:
             if not layer._fa_gqa:
                 k, v = k.index_select(1, p.fa_kv), v.index_select(1, p.fa_kv)

@@ -42,15 +42,21 @@ def triton_available() -> bool:
     return _triton[0]
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, length: Optional[Tensor]) -> tuple[int, int, int, int, int]:
+def _check(q: Tensor, k: Tensor, v: Tensor, length: Optional[Tensor], kv_index: Optional[Tensor] = None) -> tuple[int, int, int, int, int]:
     if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"want q [batch, q_head, d] and k, v [batch, kv_head, slots, d]; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     B, Hq, d = q.shape
     Bk, Hk, L, dk = k.shape
-    if Bk != B or dk != d or Hq % Hk:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree (batch, d, or q heads not a multiple "
-                         "of KV heads)")
+    if kv_index is not None:
+        if kv_index.shape != (Hq,) or kv_index.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"kv_index must be an integer tensor of shape [q_head={Hq}]; got {kv_index.dtype} "
+                             f"{tuple(kv_index.shape)}")
+    elif Hq % Hk:
+        raise ValueError(f"{Hq} query heads are not a multiple of {Hk} KV heads; pass kv_index (the KV head of each "
+                         "query head)")
+    if Bk != B or dk != d:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree in batch or head_dim")
     if length is not None and (length.dim() != 1 or length.shape[0] not in (1, B) or length.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"length must be an integer tensor of shape [1] or [batch]; got {length.dtype} {tuple(length.shape)}")
     return B, Hq, Hk, L, d
@@ -62,6 +68,7 @@ def decode_attention_torch(
     v: Float[Tensor, "batch kv_head slots d"],
     length: Optional[Tensor],
     scale: float,
+    kv_index: Optional[Tensor] = None,
 ) -> Float[Tensor, "batch q_head d"]:
     """softmax(scale · q kᵀ) v over the first ``length`` slots, in fp32 (output in q's dtype).
 
@@ -70,11 +77,14 @@ def decode_attention_torch(
         k, v: cache buffers (head-major; any strides).
         length: Long[1] or Long[batch] valid slots (≥ 1), on k's device; None: every slot.
         scale: logit scale.
+        kv_index: Long[q_head], the KV head each query head reads; None: GQA order (i // (q_head / kv_head)).
 
     Raises:
         ValueError: shapes that disagree.
     """
-    B, Hq, Hk, L, d = _check(q, k, v, length)
+    B, Hq, Hk, L, d = _check(q, k, v, length, kv_index)
+    if kv_index is not None:
+        k, v, Hk = k.index_select(1, kv_index), v.index_select(1, kv_index), Hq
     G = Hq // Hk
     qf = q.float().view(B, Hk, G, d)
     s = torch.einsum("bhgd,bhld->bhgl", qf, k.float()) * scale
@@ -107,14 +117,17 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def _partial(Q, K, V, LEN, ACC, ML, scale, L, split_len,
+    def _partial(Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
                  sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
                  HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                 NS: tl.constexpr, HAS_LEN: tl.constexpr):
+                 NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr):
         bh = tl.program_id(0)
         s = tl.program_id(1)
         b = bh // HK
-        h = bh % HK
+        h = bh % HK  # a KV head (G query heads each), or with KVI a query head reading KV head KVI[h]
+        hk = h
+        if HAS_KVI:
+            hk = tl.load(KVI + h).to(tl.int32)
         n = L
         if HAS_LEN:
             n = tl.minimum(tl.load(LEN + b * len_stride).to(tl.int32), L)
@@ -130,8 +143,8 @@ def _build():
         for t0 in range(start, end, BN):
             rt = t0 + tl.arange(0, BN)
             tmask = rt < end
-            kt = tl.load(K + b * skb + h * skh + rt[:, None] * skl + rd[None, :], mask=tmask[:, None], other=0.0)
-            vt = tl.load(V + b * svb + h * svh + rt[:, None] * svl + rd[None, :], mask=tmask[:, None], other=0.0)
+            kt = tl.load(K + b * skb + hk * skh + rt[:, None] * skl + rd[None, :], mask=tmask[:, None], other=0.0)
+            vt = tl.load(V + b * svb + hk * svh + rt[:, None] * svl + rd[None, :], mask=tmask[:, None], other=0.0)
             sc = tl.dot(q, tl.trans(kt)) * scale  # [GP, BN] fp32
             sc = tl.where(tmask[None, :], sc, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, 1))
@@ -186,6 +199,7 @@ def decode_attention(
     scale: float,
     n_splits: Optional[int] = None,
     block: int = 64,
+    kv_index: Optional[Tensor] = None,
 ) -> Float[Tensor, "batch q_head d"]:
     """Split-K (flash-decoding) softmax attention of one query token per sequence, GQA-native (query
     head i reads KV head i // (q_head / kv_head)), in two Triton kernels: per-split partials, then the
@@ -199,6 +213,8 @@ def decode_attention(
         scale: logit scale.
         n_splits: pieces of the time axis; default :func:`n_splits_for`.
         block: slots per tile (64).
+        kv_index: Long[q_head] on the device, the KV head each query head reads (query heads spread
+            unevenly over the kept KV groups: one program per query head, no K/V copy); None: GQA order.
 
     Raises:
         ValueError: shapes that disagree, or d not a power of two ≥ 16.
@@ -207,7 +223,7 @@ def decode_attention(
     Source: flash-decoding (Dao et al., 2023); the combination is the online-softmax identity of
     FlashAttention (Dao et al., 2022).
     """
-    B, Hq, Hk, L, d = _check(q, k, v, length)
+    B, Hq, Hk, L, d = _check(q, k, v, length, kv_index)
     if d < 16 or d & (d - 1):
         raise ValueError(f"split-K decode needs a head_dim that is a power of two ≥ 16, got {d}; "
                          "use decode_attention_torch")
@@ -217,6 +233,8 @@ def decode_attention(
         if t.stride(-1) != 1:
             raise ValueError("q, k and v need unit stride in their last dimension")
     kern = _build()
+    if kv_index is not None:
+        Hk = Hq  # one program (per split) per query head
     G = Hq // Hk
     GP = max(16, 1 << (G - 1).bit_length())
     NS = n_splits or n_splits_for(B * Hk, L, block)
@@ -230,9 +248,9 @@ def decode_attention(
     len_stride = 0 if (not has_len or length.shape[0] == 1) else 1
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         kern["partial"][(B * Hk, NS)](
-            q, k, v, ln, acc, ml, float(scale), L, split_len,
+            q, k, v, ln, o if kv_index is None else kv_index, acc, ml, float(scale), L, split_len,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            len_stride, HK=Hk, G=G, GP=GP, D=d, BN=block, NS=NS, HAS_LEN=has_len)
+            len_stride, HK=Hk, G=G, GP=GP, D=d, BN=block, NS=NS, HAS_LEN=has_len, HAS_KVI=kv_index is not None)
         kern["combine"][(B * Hk * G,)](acc, ml, o, o.stride(0), o.stride(1), HK=Hk, G=G, D=d, NS=NS,
                                         SB=min(64, 1 << max(0, (NS - 1).bit_length())))
     return o
