@@ -206,7 +206,8 @@ def _decode(mod, x, pe, T, dev, graph_reps, eager_reps):
 
 DECODE_VARIANTS = {  # name: (lean.DECODE_GDN, lean.DECODE_FA, device position)
     "fused": ("fused", "sdpa", False), "splitk": ("kernel", "splitk", False), "fused_splitk": ("fused", "splitk", False),
-    "devpos_sdpa": ("kernel", "sdpa", True), "devpos_fused_splitk": ("fused", "splitk", True),
+    "triton": ("triton", "sdpa", False), "triton_splitk": ("triton", "splitk", False),
+    "devpos_sdpa": ("kernel", "sdpa", True), "devpos_triton_splitk": ("triton", "splitk", True),
 }
 
 
@@ -378,11 +379,11 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
         dec.pop("graph_vs_eager", None)
         out[name].update({f"decode_{k}" if not k.startswith("cache") else k: v for k, v in dec.items()})
         if decode_variants and dev.type == "cuda":
-            variants = DECODE_VARIANTS if name == "hybrid" else ("splitk", "devpos_sdpa", "devpos_fused_splitk")
+            variants = DECODE_VARIANTS if name == "hybrid" else ("splitk", "devpos_sdpa", "devpos_triton_splitk")
             for vn in variants:
                 try:
                     vr = _decode_variant(mod, x, pe, T, dev, graph_reps, vn, step_out,
-                                         profile=profile and vn in ("fused_splitk", "devpos_fused_splitk"))
+                                         profile=profile and vn in ("triton_splitk", "devpos_triton_splitk", "splitk"))
                     out[name][f"decode_graph_ms_{vn}"] = vr.pop("graph_ms")
                     out["parity"][f"{name}_decode_{vn}_vs_default"] = vr.pop("vs_default_eager")
                     out["parity"][f"{name}_decode_{vn}_graph_vs_eager"] = vr.pop("graph_vs_eager")

@@ -12,9 +12,10 @@ which computes the teacher's function (checked against transformers' own forward
 - decode: one step of B tokens with T cached, replayed from a CUDA graph: tokens/s = B / step time;
 - ``--compile-tail``: the graphed decode step again with ``StaticDecoder(compile_tail=True)`` (each layer's
   norms + MLP compiled), its time and its logits against the eager-tail step's;
-- ``--decode-variants``: the graphed step again with the GDN step fused into the glue and split-K FA decode
-  (``lean.DECODE_GDN = "fused"``, ``lean.DECODE_FA = "splitk"``), alone and with the compiled tail; the
-  ratio ``decode_tok_s_best_each`` compares each model's fastest step;
+- ``--decode-variants``: the graphed step again with the GDN step in one Triton kernel (``lean.DECODE_GDN =
+  "triton"``; or fused into the compiled glue, "fused") and split-K FA decode (``lean.DECODE_FA = "splitk"``),
+  alone and with the compiled tail, and the graphed ``generate`` with them; the ratio
+  ``decode_tok_s_best_each`` compares each model's fastest step;
 - ``--generate N``: end-to-end greedy ``generate`` of N tokens, ms per new token, with graphed device-position
   steps (capture included) and with eager steps (8 tokens);
 - cache bytes per sequence at T; concurrent sequences of 32K tokens that fit in 100 GiB next to the
@@ -90,9 +91,10 @@ def _variants(compile_tail: bool, decode_variants: bool) -> dict:
     if compile_tail:
         v["compiled_tail"] = (True, "kernel", "sdpa")
     if decode_variants:
-        v["fused_splitk"] = (False, "fused", "splitk")
+        v["triton_splitk"] = (False, "triton", "splitk")
         if compile_tail:
             v["tail_fused_splitk"] = (True, "fused", "splitk")
+            v["tail_triton_splitk"] = (True, "triton", "splitk")
     return v
 
 
@@ -101,8 +103,9 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
     cfg = smollm2_config(layers)
     torch.manual_seed(0)
     teacher = LlamaForCausalLM(cfg).to(dtype).eval()
-    for p in teacher.parameters():  # weights of a trained model's scale (default init is near-zero)
-        p.normal_(std=0.02)
+    with torch.no_grad():
+        for p in teacher.parameters():  # weights of a trained model's scale (default init is near-zero)
+            p.normal_(std=0.02)
     mask = mask_7to1(layers)
     models = {
         "teacher": hybridize(teacher, HeadMask(layers, 9, 3, (tuple(range(9)),) * layers), fusion="none").to(dev, dtype).eval(),
@@ -202,12 +205,15 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
                     cell[name]["generate_ms_per_token_graph"] = _generate_ms_per_token(model, B, T, cfg.vocab_size, generate, True)
                     if decode_variants:  # graphed, with the decode options (and the compiled tail when asked)
                         prev = lean.DECODE_GDN, lean.DECODE_FA
-                        lean.DECODE_GDN, lean.DECODE_FA = "fused", "splitk"
+                        lean.DECODE_GDN, lean.DECODE_FA = "triton", "splitk"
                         try:
-                            cell[name]["generate_ms_per_token_graph_fused_splitk"] = _generate_ms_per_token(
+                            cell[name]["generate_ms_per_token_graph_triton_splitk"] = _generate_ms_per_token(
                                 model, B, T, cfg.vocab_size, generate, True, compile_tail=compile_tail)
+                            print(f"model B={B:2d} T={T:6d} {name}: generate ms/token graphed, triton+splitk"
+                                  f"{' + compiled tail' if compile_tail else ''}: "
+                                  f"{cell[name]['generate_ms_per_token_graph_triton_splitk']:.2f}", flush=True)
                         except Exception as e:  # noqa: BLE001
-                            cell[name]["generate_fused_splitk_error"] = f"{type(e).__name__}: {e}"[:500]
+                            cell[name]["generate_triton_splitk_error"] = f"{type(e).__name__}: {e}"[:500]
                         finally:
                             lean.DECODE_GDN, lean.DECODE_FA = prev
                     cell[name]["generate_ms_per_token_eager"] = _generate_ms_per_token(model, B, T, cfg.vocab_size, 9, False)

@@ -3,6 +3,8 @@ without CUDA, the clear error. The GPU tests skip on machines without CUDA."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -75,7 +77,8 @@ def test_graphed_prefill_on_the_second_gpu():
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("decode", [("kernel", "sdpa"), ("fused", "splitk")], ids=["glue+kernel+sdpa", "fused+splitk"])
+@pytest.mark.parametrize("decode", [("kernel", "sdpa"), ("fused", "splitk"), ("triton", "splitk")],
+                         ids=["glue+kernel+sdpa", "fused+splitk", "triton+splitk"])
 @pytest.mark.parametrize("opts", [{}, {"fa_pos": "rope", "gdn_rope": False, "fa_gate": False}])
 def test_device_position_decoding_equals_eager_generate(opts, decode, monkeypatch):
     """Greedy decoding with the position in device memory (the step a CUDA graph replays) gives the
@@ -90,10 +93,18 @@ def test_device_position_decoding_equals_eager_generate(opts, decode, monkeypatc
     monkeypatch.setattr(lean, "DECODE_FA", decode[1])
     calls = []
     if decode[1] == "splitk":
-        if not splitk.triton_available():
-            pytest.skip("split-K decode needs triton (the gdn extra)")
+        if not splitk.triton_available() or os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("CPU model: the split-K kernels run here through Triton's interpreter (needs triton; "
+                        "tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA); on a GPU see "
+                        "test_graphed_generate_equals_eager_generate")
         real = lean.decode_attention
         monkeypatch.setattr(lean, "decode_attention", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    steps = []
+    if decode[0] == "triton":
+        from headscope.hybrid import gdn_step
+
+        real_step = gdn_step.gdn_decode_step
+        monkeypatch.setattr(gdn_step, "gdn_decode_step", lambda *a, **k: steps.append(1) or real_step(*a, **k))
     cfg = LlamaConfig(vocab_size=101, hidden_size=H * D, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=H, num_key_value_heads=KV, head_dim=D, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -114,6 +125,7 @@ def test_device_position_decoding_equals_eager_generate(opts, decode, monkeypatc
         assert dec.length == 9 + 10 - 1 and all(c.pos is None for c in dec.caches)
         if decode[1] == "splitk":  # host-length split-K steps too; both kinds of step went through the kernel
             assert all(c is not None for c in calls) and len(calls) == 2 * 9  # 2 layers x 9 device-position steps
+            assert len(steps) == (2 * 9 if decode[0] == "triton" else 0)  # the GDN step kernel in both layers
             assert torch.equal(StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False), ref)
             assert calls[-1] is None and len(calls) == 2 * 9 + 2 * 10  # eager generate: 10 steps
         # capacity: max_len − T + 1 new tokens at most, as the eager path
@@ -149,11 +161,18 @@ def test_device_position_needs_the_lean_path(monkeypatch):
 
 
 @gpu
-def test_graphed_generate_equals_eager_generate():
+@pytest.mark.parametrize("decode", [("kernel", "sdpa"), ("fused", "splitk"), ("triton", "splitk")])
+def test_graphed_generate_equals_eager_generate(decode, monkeypatch):
+    """Graphed device-position decoding gives the eager default steps' tokens, also with the GDN step fused
+    (compiled glue or the Triton step kernel) and split-K FA decode (fp32 model: exact products)."""
+    import headscope.hybrid.lean as lean
+
     model = _hybrid("cuda")
     ids = torch.randint(0, 101, (2, 30), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.no_grad():
         ref = StaticDecoder(model, batch=2, max_len=64).generate(ids, 20, cuda_graph=False)
+        monkeypatch.setattr(lean, "DECODE_GDN", decode[0])
+        monkeypatch.setattr(lean, "DECODE_FA", decode[1])
         got = StaticDecoder(model, batch=2, max_len=64).generate(ids, 20, cuda_graph=True)
     assert torch.equal(got, ref)
 

@@ -66,10 +66,12 @@ CASES = [((1,), False, {}), ((0, 3), False, dict(fa_pos="nope", fa_gate=True)), 
 IDS = ["1fa", "nope-gate-two-groups", "uneven-groups", "all-gdn", "no-gdn-rope", "qwen3-qk-norm", "qwen3-gate"]
 
 
-@pytest.mark.parametrize("decode_gdn", ["kernel", "fused"])
+@pytest.mark.parametrize("decode_gdn", ["kernel", "fused", "triton"])
 @pytest.mark.parametrize("fa,qwen,opts", CASES, ids=IDS)
 def test_lean_prefill_and_decode_equal_plain_forward(lean_on, monkeypatch, fa, qwen, opts, decode_gdn):
-    """... and the one-token decode steps with the GDN step fused into the glue (``DECODE_GDN="fused"``)."""
+    """... and the one-token decode steps with the GDN step fused into the glue (``DECODE_GDN="fused"``) or
+    into one Triton kernel ("triton"; head_dim 8 here, so it falls back to "fused": the kernel's own test is
+    tests/test_gdn_step.py and the 16-dim models of test_hybrid_graphs.py)."""
     monkeypatch.setattr(lean, "DECODE_GDN", decode_gdn)
     layer, _, cfg = _layer(fa, qwen, **opts)
     B, T = 2, 37

@@ -42,6 +42,7 @@ from .attn import fa_attention, flash_attn_available
 from .fused import stack_projections
 from .gdn import fla_available, gated_delta_rule
 from .rope import apply_rope
+from . import gdn_step
 from .splitk import decode_attention, triton_available
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,9 +57,11 @@ GDN_BLOCK_WORK = 1 << 31  # auto blocks: tokens x GDN heads x d² per call (~1.5
 # read from fla 0.6's FlashQLA backend). Off by default until it is measured faster on the H200
 # (benchmarks/bench_hybrid.py --flash-qla); set True to use it where it applies.
 FLASH_QLA = False
-# Decode steps (one token, a HybridDecodeCache): "fused" computes the GDN glue and the gated delta rule step
-# of all GDN heads in one compiled function that writes the state in place (no separate glue, recurrent
-# kernel and state copy); "kernel" calls the GDN kernel (fla's fused recurrent on CUDA) as prefill does.
+# Decode steps (one token, a HybridDecodeCache): "kernel" runs the GDN glue, then the GDN kernel (fla's fused
+# recurrent on CUDA) as prefill does, then copies the state into the cache; "fused" computes the glue and the
+# gated delta rule step of all GDN heads in one compiled function that writes the state in place; "triton"
+# does it in one Triton kernel (headscope.hybrid.gdn_step; CUDA with triton, head_dim a power of two ≥ 16;
+# "fused" otherwise).
 DECODE_GDN = "kernel"
 # The FA heads' attention in a decode step: "sdpa" (PyTorch; device-position decoding masks the whole
 # buffer), or "splitk" (headscope.hybrid.splitk: flash-decoding in Triton, the cache length read from
@@ -390,7 +393,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     y_g = None
     if ng:
         S = cache.S if (cache is not None and (past or dpos is not None)) else None
-        fused_step = T == 1 and S is not None and DECODE_GDN == "fused"
+        fused_step = T == 1 and S is not None and DECODE_GDN in ("fused", "triton")
         W_g = p.W[p.n_fa_rows:]
         b_g = None if p.b is None else p.b[p.n_fa_rows:]
         blocks = [(0, T)] if one_gemm else [(s, min(s + tb, T)) for s in range(0, T, tb)]
@@ -401,6 +404,15 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
             qg, kg, vg, a, b = zg.split(p.g_sizes, dim=-1)
             a, b = a[..., :ng], b[..., :ng]
             cs = (cos[:, t0:t1], sin[:, t0:t1]) if cos is not None else (None, None)
+            if fused_step and DECODE_GDN == "triton" and gdn_step.applies(d, x.device):  # one Triton kernel
+                rope = p.gdn_rope and cos is not None
+                y_g = gdn_step.gdn_decode_step(
+                    qg[:, 0].unflatten(-1, (ng, d)), kg[:, 0].unflatten(-1, (ng, d)), vg[:, 0].unflatten(-1, (ng, d)),
+                    a[:, 0], b[:, 0], S, p.A_neg, p.dtb, float(layer.scaling),
+                    cos=cs[0][:, 0] if rope else None, sin=cs[1][:, 0] if rope else None,
+                    q_norm=p.qn, k_norm=p.kn, qk_eps=p.qk_eps)[:, None]
+                S = None
+                break
             if fused_step:  # glue + recurrence + state write in one compiled call (the state stays in cache.S)
                 y_g = _glue("dec_gdn", (qg.unflatten(-1, (ng, d)), kg.unflatten(-1, (ng, d)), vg.unflatten(-1, (ng, d)),
                                         a, b, *cs), (S, p.A_neg, p.dtb, p.qn, p.kn), eps=p.qk_eps, rope=p.gdn_rope,

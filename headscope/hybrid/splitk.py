@@ -100,9 +100,10 @@ def n_splits_for(batch_groups: int, slots: int, block: int = 64, sms: int = 132,
     split at least ``min_split`` slots (a whole number of ``block``-slot tiles)."""
     want = max(1, (2 * sms + batch_groups - 1) // batch_groups)
     most = max(1, slots // min_split)
-    return max(1, min(want, most))
+    return max(1, min(want, most, MAX_SPLITS))
 
 
+MAX_SPLITS = 256  # the combine kernel holds every split's partials of a column block in registers
 _kernels: dict = {}
 
 
@@ -120,7 +121,7 @@ def _build():
     def _partial(Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
                  sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
                  HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                 NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr):
+                 NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr, PREC: tl.constexpr):
         bh = tl.program_id(0)
         s = tl.program_id(1)
         b = bh // HK
@@ -145,14 +146,14 @@ def _build():
             tmask = rt < end
             kt = tl.load(K + b * skb + hk * skh + rt[:, None] * skl + rd[None, :], mask=tmask[:, None], other=0.0)
             vt = tl.load(V + b * svb + hk * svh + rt[:, None] * svl + rd[None, :], mask=tmask[:, None], other=0.0)
-            sc = tl.dot(q, tl.trans(kt)) * scale  # [GP, BN] fp32
+            sc = tl.dot(q, tl.trans(kt), input_precision=PREC) * scale  # [GP, BN] fp32
             sc = tl.where(tmask[None, :], sc, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(sc - m_safe[:, None])
             alpha = tl.exp(m - m_safe)
             l_ = l_ * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
             m = m_new
         base = (bh * NS + s) * G
         tl.store(ACC + (base + rg[:, None]) * D + rd[None, :], acc, mask=gmask[:, None])
@@ -161,31 +162,22 @@ def _build():
 
     @triton.jit
     def _combine(ACC, ML, O, sob, soh, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
-                 SB: tl.constexpr):
-        pid = tl.program_id(0)  # (batch, kv head, group member)
+                 SP: tl.constexpr, BD: tl.constexpr):
+        pid = tl.program_id(0)  # (batch, kv head, group member) x a BD-column block of d: one pass, all splits
         g = pid % G
         bh = pid // G
         b = bh // HK
         h = bh % HK
-        rd = tl.arange(0, D)
-        M = tl.full([1], float("-inf"), tl.float32)
-        for s0 in range(0, NS, SB):
-            rs = s0 + tl.arange(0, SB)
-            ms = tl.load(ML + ((bh * NS + rs) * G + g) * 2, mask=rs < NS, other=float("-inf"))
-            M = tl.maximum(M, tl.max(ms, 0))
-        Ms = tl.where(M == float("-inf"), 0.0, M)
-        num = tl.zeros([D], tl.float32)
-        den = tl.zeros([1], tl.float32)
-        for s0 in range(0, NS, SB):
-            rs = s0 + tl.arange(0, SB)
-            smask = rs < NS
-            ms = tl.load(ML + ((bh * NS + rs) * G + g) * 2, mask=smask, other=float("-inf"))
-            ls = tl.load(ML + ((bh * NS + rs) * G + g) * 2 + 1, mask=smask, other=0.0)
-            w = tl.exp(ms - Ms)  # empty splits: exp(-inf) = 0
-            a = tl.load(ACC + ((bh * NS + rs[:, None]) * G + g) * D + rd[None, :], mask=smask[:, None], other=0.0)
-            num += tl.sum(a * w[:, None], 0)
-            den += tl.sum(w * ls, 0)
-        tl.store(O + b * sob + (h * G + g) * soh + rd, (num / den).to(O.dtype.element_ty))
+        rd = tl.program_id(1) * BD + tl.arange(0, BD)
+        rs = tl.arange(0, SP)
+        smask = rs < NS
+        ms = tl.load(ML + ((bh * NS + rs) * G + g) * 2, mask=smask, other=float("-inf"))
+        ls = tl.load(ML + ((bh * NS + rs) * G + g) * 2 + 1, mask=smask, other=0.0)
+        M = tl.max(ms, 0)
+        w = tl.exp(ms - tl.where(M == float("-inf"), 0.0, M))  # empty splits: exp(-inf) = 0
+        a = tl.load(ACC + ((bh * NS + rs[:, None]) * G + g) * D + rd[None, :], mask=smask[:, None], other=0.0)
+        o = tl.sum(a * w[:, None], 0) / tl.sum(w * ls, 0)
+        tl.store(O + b * sob + (h * G + g) * soh + rd, o.to(O.dtype.element_ty))
 
     _kernels.update(partial=_partial, combine=_combine, interpret=mode)
     return _kernels
@@ -250,7 +242,9 @@ def decode_attention(
         kern["partial"][(B * Hk, NS)](
             q, k, v, ln, o if kv_index is None else kv_index, acc, ml, float(scale), L, split_len,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            len_stride, HK=Hk, G=G, GP=GP, D=d, BN=block, NS=NS, HAS_LEN=has_len, HAS_KVI=kv_index is not None)
-        kern["combine"][(B * Hk * G,)](acc, ml, o, o.stride(0), o.stride(1), HK=Hk, G=G, D=d, NS=NS,
-                                        SB=min(64, 1 << max(0, (NS - 1).bit_length())))
+            len_stride, HK=Hk, G=G, GP=GP, D=d, BN=block, NS=NS, HAS_LEN=has_len, HAS_KVI=kv_index is not None,
+            PREC="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 caches: exact products (no TF32)
+        SP = 1 << max(0, (NS - 1).bit_length())
+        BD = min(d, 32 if SP <= 128 else 16)
+        kern["combine"][(B * Hk * G, d // BD)](acc, ml, o, o.stride(0), o.stride(1), HK=Hk, G=G, D=d, NS=NS, SP=SP, BD=BD)
     return o

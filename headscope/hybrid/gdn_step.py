@@ -1,0 +1,223 @@
+"""One decode token of every GDN head of a layer in one Triton kernel, the state updated in place.
+
+A decode step of the GDN heads is a small amount of work (the state of 14 heads of d = 128 is 0.9 MB of
+fp32) spread over many small operations: QK-RMSNorm, RoPE, L2 normalization, the decay
+g = −exp(A_log)·softplus(a + dt_bias), β = σ(b), then the gated delta rule (HydraHead eq. 7–8)::
+
+    S ← α S + k δᵀ,    δ = β (v − α Sᵀ k),    y = scale · Sᵀ q,     α = exp(g)
+
+Launched one by one (or as the 3–4 kernels that ``torch.compile`` makes of them) they cost more launch
+latency than work. :func:`gdn_decode_step` does all of it in one kernel that reads q, k, v, a and b
+straight from the layer's fused projection (strided views: no copies), reads and writes the state of the
+decode cache in place and writes y. One program per (sequence, head, block of ``BV`` value columns); each
+program normalizes its head's q and k itself (d values: cheaper than a second kernel).
+
+Numerics follow the lean path's glue (``lean._glue_gdn``): q and k are normalized in fp32 and rounded to
+the layer's dtype (as the chunk kernel of the prefill sees them), β is rounded likewise, the state and
+the recurrence are fp32. :func:`gdn_decode_step_torch` is the same function in PyTorch (the reference).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .shapes import Float
+from .splitk import triton_available
+
+_kernels: dict = {}
+
+
+def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x [B,n,d], cos/sin [B,d]; half-split (Llama)
+    h = x.shape[-1] // 2
+    rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return x * cos[:, None] + rot * sin[:, None]
+
+
+def gdn_decode_step_torch(
+    q: Float[Tensor, "batch head d"],
+    k: Float[Tensor, "batch head d"],
+    v: Float[Tensor, "batch head d"],
+    a: Float[Tensor, "batch head"],
+    b: Float[Tensor, "batch head"],
+    S: Float[Tensor, "batch head d d"],
+    A_neg: Float[Tensor, " head"],
+    dt_bias: Float[Tensor, " head"],
+    scale: float,
+    cos: Optional[Float[Tensor, "batch d"]] = None,
+    sin: Optional[Float[Tensor, "batch d"]] = None,
+    q_norm: Optional[Float[Tensor, " d"]] = None,
+    k_norm: Optional[Float[Tensor, " d"]] = None,
+    qk_eps: float = 0.0,
+) -> Float[Tensor, "batch head d"]:
+    """The reference of :func:`gdn_decode_step` in PyTorch (same arguments; S updated in place)."""
+    dt = v.dtype
+    qf, kf = q.float(), k.float()
+    if q_norm is not None:
+        qf, kf = _rms(qf, q_norm.float(), qk_eps), _rms(kf, k_norm.float(), qk_eps)
+    if cos is not None:
+        qf, kf = _rope(qf, cos.float(), sin.float()), _rope(kf, cos.float(), sin.float())
+    qf = (qf / torch.clamp_min(qf.pow(2).sum(-1, keepdim=True).sqrt(), 1e-6)).to(dt).float()
+    kf = (kf / torch.clamp_min(kf.pow(2).sum(-1, keepdim=True).sqrt(), 1e-6)).to(dt).float()
+    alpha = (A_neg * F.softplus(a.float() + dt_bias)).exp()[..., None, None]
+    beta = torch.sigmoid(b.float()).to(dt).float()[..., None]
+    aS = alpha * S
+    delta = beta * (v.float() - (kf[..., :, None] * aS).sum(-2))
+    S_new = aS + kf[..., :, None] * delta[..., None, :]
+    S.copy_(S_new)
+    return (scale * (qf[..., :, None] * S_new).sum(-2)).to(dt)
+
+
+def _build():
+    mode = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if _kernels.get("interpret") is mode:
+        return _kernels
+    _kernels.clear()
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _step(Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y, scale, qk_eps,
+              sqb, sqh, skb, skh, svb, svh, sab, sbb, scb, ssb, syb, syh,
+              N: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr):
+        pid = tl.program_id(0)  # (sequence, head)
+        b = pid // N
+        h = pid % N
+        H2: tl.constexpr = D // 2
+        r = tl.arange(0, H2)
+        q1 = tl.load(Q + b * sqb + h * sqh + r).to(tl.float32)
+        q2 = tl.load(Q + b * sqb + h * sqh + H2 + r).to(tl.float32)
+        k1 = tl.load(K + b * skb + h * skh + r).to(tl.float32)
+        k2 = tl.load(K + b * skb + h * skh + H2 + r).to(tl.float32)
+        if QKN:  # the teacher's per-head QK-RMSNorm (Qwen3)
+            rq = 1.0 / tl.sqrt((tl.sum(q1 * q1, 0) + tl.sum(q2 * q2, 0)) / D + qk_eps)
+            rk = 1.0 / tl.sqrt((tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)) / D + qk_eps)
+            q1 = q1 * rq * tl.load(QN + r)
+            q2 = q2 * rq * tl.load(QN + H2 + r)
+            k1 = k1 * rk * tl.load(KN + r)
+            k2 = k2 * rk * tl.load(KN + H2 + r)
+        if ROPE:  # half-split rotary embedding: (x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2)
+            c1 = tl.load(COS + b * scb + r).to(tl.float32)
+            c2 = tl.load(COS + b * scb + H2 + r).to(tl.float32)
+            s1 = tl.load(SIN + b * ssb + r).to(tl.float32)
+            s2 = tl.load(SIN + b * ssb + H2 + r).to(tl.float32)
+            q1, q2 = q1 * c1 - q2 * s1, q2 * c2 + q1 * s2
+            k1, k2 = k1 * c1 - k2 * s1, k2 * c2 + k1 * s2
+        nq = tl.maximum(tl.sqrt(tl.sum(q1 * q1, 0) + tl.sum(q2 * q2, 0)), 1e-6)
+        nk = tl.maximum(tl.sqrt(tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)), 1e-6)
+        DT = Y.dtype.element_ty
+        q1 = (q1 / nq).to(DT).to(tl.float32)
+        q2 = (q2 / nq).to(DT).to(tl.float32)
+        k1 = (k1 / nk).to(DT).to(tl.float32)
+        k2 = (k2 / nk).to(DT).to(tl.float32)
+        x = tl.load(A + b * sab + h).to(tl.float32) + tl.load(DTB + h)
+        sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # softplus (torch's threshold)
+        alpha = tl.exp(tl.load(ANEG + h) * sp)
+        beta = tl.sigmoid(tl.load(Bt + b * sbb + h).to(tl.float32)).to(DT).to(tl.float32)
+        cv = tl.program_id(1) * BV + tl.arange(0, BV)
+        vv = tl.load(V + b * svb + h * svh + cv).to(tl.float32)
+        base = S + pid * D * D
+        p1 = base + r[:, None] * D + cv[None, :]
+        p2 = base + (H2 + r)[:, None] * D + cv[None, :]
+        S1 = tl.load(p1) * alpha
+        S2 = tl.load(p2) * alpha
+        delta = beta * (vv - tl.sum(k1[:, None] * S1, 0) - tl.sum(k2[:, None] * S2, 0))
+        S1 = S1 + k1[:, None] * delta[None, :]
+        S2 = S2 + k2[:, None] * delta[None, :]
+        y = scale * (tl.sum(q1[:, None] * S1, 0) + tl.sum(q2[:, None] * S2, 0))
+        tl.store(p1, S1)
+        tl.store(p2, S2)
+        tl.store(Y + b * syb + h * syh + cv, y.to(DT))
+
+    _kernels.update(step=_step, interpret=mode)
+    return _kernels
+
+
+def applies(d: int, device: torch.device) -> bool:
+    """Whether :func:`gdn_decode_step` runs here: triton importable, CUDA (or Triton's interpreter),
+    head_dim a power of two ≥ 16."""
+    return (d >= 16 and not d & (d - 1) and triton_available()
+            and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+def gdn_decode_step(
+    q: Float[Tensor, "batch head d"],
+    k: Float[Tensor, "batch head d"],
+    v: Float[Tensor, "batch head d"],
+    a: Float[Tensor, "batch head"],
+    b: Float[Tensor, "batch head"],
+    S: Float[Tensor, "batch head d d"],
+    A_neg: Float[Tensor, " head"],
+    dt_bias: Float[Tensor, " head"],
+    scale: float,
+    cos: Optional[Float[Tensor, "batch d"]] = None,
+    sin: Optional[Float[Tensor, "batch d"]] = None,
+    q_norm: Optional[Float[Tensor, " d"]] = None,
+    k_norm: Optional[Float[Tensor, " d"]] = None,
+    qk_eps: float = 0.0,
+    block_v: int = 32,
+) -> Float[Tensor, "batch head d"]:
+    """One token of every GDN head (HydraHead eq. 7–8 with the layer's q/k glue) in one Triton kernel.
+
+    Args:
+        q, k, v: the token's GDN queries, keys and values (views into the fused projection are fine:
+            any batch/head strides, unit stride in d), in the layer's dtype.
+        a, b: decay and β pre-activations [batch, head] (unit stride over heads).
+        S: the GDN state, fp32, contiguous; read and overwritten in place with the new state.
+        A_neg: −exp(A_log) per head (fp32); dt_bias: per head (fp32).
+        scale: read-out scale (1/√d).
+        cos, sin: the token's rotary embedding [batch, d] (half-split) when the GDN heads use RoPE.
+        q_norm, k_norm: the teacher's QK-RMSNorm weights [d] (fp32) and its ε, when it has them.
+        block_v: value columns per program.
+
+    Returns:
+        y [batch, head, d] in v's dtype (contiguous).
+
+    Raises:
+        ValueError: shapes or strides the kernel cannot take (the message names the reference to use).
+        ImportError: triton missing.
+
+    Source: HydraHead eq. 7–8 (gated delta rule, Yang et al. 2024's GDN); the glue as in ``lean.py``.
+    """
+    B, N, d = q.shape
+    if d < 16 or d & (d - 1) or d % block_v and block_v < d:
+        raise ValueError(f"gdn_decode_step needs a head_dim that is a power of two ≥ 16 (got {d}); "
+                         "use gdn_decode_step_torch")
+    if not (k.shape == v.shape == q.shape and a.shape == b.shape == (B, N) and S.shape == (B, N, d, d)):
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"a {tuple(a.shape)}, b {tuple(b.shape)}, S {tuple(S.shape)}")
+    if S.dtype != torch.float32 or not S.is_contiguous():
+        raise ValueError("S must be a contiguous fp32 tensor (the decode cache's state)")
+    for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs unit stride in its last dimension")
+    if (cos is None) != (sin is None) or (q_norm is None) != (k_norm is None):
+        raise ValueError("give cos and sin together, and q_norm and k_norm together")
+    if not triton_available():
+        raise ImportError("gdn_decode_step needs triton (pip install triton); or use gdn_decode_step_torch")
+    kern = _build()
+    bv = min(block_v, d)
+    y = torch.empty(B, N, d, dtype=v.dtype, device=v.device)
+    rope, qkn = cos is not None, q_norm is not None
+    cos_t = cos if rope else y
+    sin_t = sin if rope else y
+    qn = q_norm.float().contiguous() if qkn else A_neg
+    kn = k_norm.float().contiguous() if qkn else A_neg
+    import contextlib
+
+    with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
+        kern["step"][(B * N, d // bv)](
+            q, k, v, a, b, cos_t, sin_t, qn, kn, A_neg.float().contiguous(), dt_bias.float().contiguous(), S, y,
+            float(scale), float(qk_eps),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+            cos_t.stride(0) if rope else 0, sin_t.stride(0) if rope else 0, y.stride(0), y.stride(1),
+            N=N, D=d, BV=bv, ROPE=rope, QKN=qkn, num_warps=2)
+    return y

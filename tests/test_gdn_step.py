@@ -1,0 +1,82 @@
+"""The one-kernel GDN decode step (headscope.hybrid.gdn_step) against the gated delta rule reference.
+
+The Triton kernel runs through Triton's interpreter here (tests/conftest.py sets TRITON_INTERPRET=1 on
+machines without CUDA), compiled on a GPU; skipped without triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from headscope.hybrid import gdn_step
+from headscope.hybrid.gdn import gdn_naive
+from headscope.hybrid.gdn_step import gdn_decode_step, gdn_decode_step_torch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernel = pytest.mark.skipif(not gdn_step.applies(64, torch.device(DEV)),
+                                  reason="needs triton and CUDA or TRITON_INTERPRET=1")
+
+
+def _inputs(B, N, d, dtype, seed=0, rope=True, qkn=True):
+    g = torch.Generator().manual_seed(seed)
+    cols = 3 * N * d + 2 * N + 5  # one fused projection row: q, k, v, a, b (+ padding): strided views
+    z = torch.randn(B, cols, generator=g).to(dtype)
+    q, k, v = (z[:, i * N * d:(i + 1) * N * d].unflatten(-1, (N, d)) for i in range(3))
+    a, b = z[:, 3 * N * d:3 * N * d + N], z[:, 3 * N * d + N:3 * N * d + 2 * N]
+    S = torch.randn(B, N, d, d, generator=g) * 0.3
+    A_neg = -torch.rand(N, generator=g) * 2
+    dtb = torch.randn(N, generator=g)
+    kw = {}
+    if rope:
+        ang = torch.rand(B, d // 2, generator=g) * 6
+        kw["cos"], kw["sin"] = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    if qkn:
+        kw["q_norm"], kw["k_norm"], kw["qk_eps"] = 1 + 0.3 * torch.randn(d, generator=g), 1 + 0.3 * torch.randn(d, generator=g), 1e-6
+    return (q, k, v, a, b, S, A_neg, dtb), kw
+
+
+def test_torch_step_equals_naive_recurrence_on_the_glued_inputs():
+    """gdn_decode_step_torch = glue (RMSNorm, RoPE, L2, g, β) + one token of gdn_naive (fp64)."""
+    (q, k, v, a, b, S, A_neg, dtb), kw = _inputs(2, 3, 16, torch.float32)
+    S0 = S.clone()
+    y = gdn_decode_step_torch(q, k, v, a, b, S, A_neg, dtb, 0.25, **kw)
+
+    def glue(x, w):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + kw["qk_eps"]) * w
+        h = x.shape[-1] // 2
+        x = x * kw["cos"][:, None] + torch.cat((-x[..., h:], x[..., :h]), -1) * kw["sin"][:, None]
+        return F.normalize(x, dim=-1, eps=1e-6)
+
+    g = A_neg * F.softplus(a + dtb)
+    y_ref, S_ref = gdn_naive(glue(q, kw["q_norm"])[:, None], glue(k, kw["k_norm"])[:, None], v[:, None], g[:, None],
+                             torch.sigmoid(b)[:, None], scale=0.25, initial_state=S0)
+    assert (y - y_ref[:, 0]).abs().max() < 1e-5 and (S - S_ref).abs().max() < 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,d,rope,qkn", [(torch.float32, 64, True, True), (torch.float32, 32, False, False),
+                                              (torch.float16, 128, True, False), (torch.float32, 16, False, True)])
+def test_kernel_equals_torch_step(dtype, d, rope, qkn):
+    args, kw = _inputs(2, 3, d, dtype, rope=rope, qkn=qkn)
+    args = [t.to(DEV) for t in args]
+    kw = {k: (t.to(DEV) if torch.is_tensor(t) else t) for k, t in kw.items()}
+    S_ref = args[5].clone()
+    ref = gdn_decode_step_torch(*args[:5], S_ref, *args[6:], d ** -0.5, **kw)
+    got = gdn_decode_step(*args, d ** -0.5, **kw)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert got.dtype == dtype and (got.float() - ref.float()).abs().max() < tol
+    assert (args[5] - S_ref).abs().max() < 1e-5  # the state, in place
+
+
+def test_bad_input_names_the_fix():
+    (q, k, v, a, b, S, A_neg, dtb), _ = _inputs(1, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="power of two"):
+        gdn_decode_step(q[..., :12], k[..., :12], v[..., :12], a, b, S[..., :12, :12].contiguous(), A_neg, dtb, 1.0)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        gdn_decode_step(q, k, v, a, b, S.double(), A_neg, dtb, 1.0)
+    with pytest.raises(ValueError, match="together"):
+        gdn_decode_step(q, k, v, a, b, S, A_neg, dtb, 1.0, cos=torch.ones(1, 16))
