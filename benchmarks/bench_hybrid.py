@@ -643,7 +643,8 @@ def main(argv=None):
                "dtype": str(dtype), "gdn_kernel": gdn_kernel, "fa_kernel": fa_kernel, "batch": 1,
                "layer_path": "lean (hybrid/lean.py): fused projection, compiled glue, SDPA + one GDN call per block",
                "gdn_block_tokens": lean.GDN_BLOCK_TOKENS or f"auto: max(8192, {lean.GDN_BLOCK_WORK} // (n_gdn d^2))", "glue_compiled": dev.type == "cuda" and lean.COMPILE,
-               "low_memory_block": layer_mod.BLOCK, "versions": _versions(), "bench": {}}
+               "low_memory_block": layer_mod.BLOCK, "flash_qla_default": lean.FLASH_QLA,
+               "decode_defaults": {"gdn": lean.DECODE_GDN, "fa": lean.DECODE_FA}, "versions": _versions(), "bench": {}}
     print(f"device {results['device']}  torch {torch.__version__}  {dtype}  GDN kernel {gdn_kernel}  "
           f"FA kernel {fa_kernel}", flush=True)
     out_file = a.out / "bench_hybrid.json" if a.out else None

@@ -54,9 +54,10 @@ GDN_BLOCK_TOKENS: Optional[int] = None  # batch x time per GDN kernel call in pr
 GDN_BLOCK_WORK = 1 << 31  # auto blocks: tokens x GDN heads x d² per call (~1.5 ms of H200 work at B = 1)
 # FlashQLA (``flash-qla`` on PyPI, TileLang kernels with intra-card context parallelism) for the GDN prefill
 # instead of fla's Triton chunk forward: only for head_dim 128 in bf16/fp16 on CUDA (its kernels' limits,
-# read from fla 0.6's FlashQLA backend). Off by default until it is measured faster on the H200
-# (benchmarks/bench_hybrid.py --flash-qla); set True to use it where it applies.
-FLASH_QLA = False
+# read from fla 0.6's FlashQLA backend), when the package is installed. On: measured faster than fla's chunk
+# forward on the H200 at every length 8K-128K of the Qwen3-1.7B shape, eager and graphed, with a lower peak at
+# 8K (benchmarks/results/h200_bench_hybrid_decode.json, round 1); False: always fla.
+FLASH_QLA = True
 # Decode steps (one token, a HybridDecodeCache): "kernel" runs the GDN glue, then the GDN kernel (fla's fused
 # recurrent on CUDA) as prefill does, then copies the state into the cache; "fused" computes the glue and the
 # gated delta rule step of all GDN heads in one compiled function that writes the state in place; "triton"
