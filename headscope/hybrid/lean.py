@@ -56,7 +56,7 @@ GDN_BLOCK_WORK = 1 << 31  # auto blocks: tokens x GDN heads x d² per call (~1.5
 # instead of fla's Triton chunk forward: only for head_dim 128 in bf16/fp16 on CUDA (its kernels' limits,
 # read from fla 0.6's FlashQLA backend), when the package is installed. On: measured faster than fla's chunk
 # forward on the H200 at every length 8K-128K of the Qwen3-1.7B shape, eager and graphed, with a lower peak at
-# 8K (benchmarks/results/h200_bench_hybrid_decode.json, round 1); False: always fla.
+# 8K (benchmarks/results/h200_bench_hybrid_r1_qwen3.json); False: always fla.
 FLASH_QLA = True
 # Decode steps (one token, a HybridDecodeCache): "kernel" runs the GDN glue, then the GDN kernel (fla's fused
 # recurrent on CUDA) as prefill does, then copies the state into the cache; "fused" computes the glue and the
