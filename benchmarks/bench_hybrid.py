@@ -614,6 +614,8 @@ def main(argv=None):
                     help="model part: also time the decode step with each layer's norm + MLP compiled")
     ap.add_argument("--generate", type=int, default=0,
                     help="model part: also time end-to-end greedy generate of N tokens (graphed vs eager steps)")
+    ap.add_argument("--generate-only", action="store_true",
+                    help="model part: only the end-to-end generate timings (--generate N) of each cell")
     ap.add_argument("--model-cells", default=None,
                     help="only these (batch x length) cells of the model part, e.g. 1x8192,16x32768")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -699,7 +701,8 @@ def main(argv=None):
         results["model"] = bench_model(dev, dtype, [512, 1024] if a.smoke else a.model_lengths,
                                        [1, 2] if a.smoke else a.model_batches, dump=dump, results=results,
                                        graph_prefill=not a.no_graph_prefill, cells=cells, generate=a.generate,
-                                       compile_tail=a.compile_tail, decode_variants=a.decode_variants)
+                                       compile_tail=a.compile_tail, decode_variants=a.decode_variants,
+                                       generate_only=a.generate_only)
     print("\nshape              T | prefill ms fa / hybrid | peak MB fa / hybrid (plain path) | "
           "decode step us fa / hybrid | cache MB fa / hybrid")
     print("\n".join(rows))

@@ -101,10 +101,8 @@ def test_device_position_decoding_equals_eager_generate(opts, decode, monkeypatc
         monkeypatch.setattr(lean, "decode_attention", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
     steps = []
     if decode[0] == "triton":
-        from headscope.hybrid import gdn_step
-
-        real_step = gdn_step.gdn_decode_step
-        monkeypatch.setattr(gdn_step, "gdn_decode_step", lambda *a, **k: steps.append(1) or real_step(*a, **k))
+        real_step = lean.gdn_decode_step
+        monkeypatch.setattr(lean, "gdn_decode_step", lambda *a, **k: steps.append(1) or real_step(*a, **k))
     cfg = LlamaConfig(vocab_size=101, hidden_size=H * D, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=H, num_key_value_heads=KV, head_dim=D, max_position_embeddings=512)
     torch.manual_seed(0)

@@ -42,7 +42,7 @@ from .attn import fa_attention, flash_attn_available
 from .fused import stack_projections
 from .gdn import fla_available, gated_delta_rule
 from .rope import apply_rope
-from . import gdn_step
+from .gdn_step import applies as gdn_step_applies, gdn_decode_step
 from .splitk import decode_attention, triton_available
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -405,9 +405,9 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
             qg, kg, vg, a, b = zg.split(p.g_sizes, dim=-1)
             a, b = a[..., :ng], b[..., :ng]
             cs = (cos[:, t0:t1], sin[:, t0:t1]) if cos is not None else (None, None)
-            if fused_step and DECODE_GDN == "triton" and gdn_step.applies(d, x.device):  # one Triton kernel
+            if fused_step and DECODE_GDN == "triton" and gdn_step_applies(d, x.device):  # one Triton kernel
                 rope = p.gdn_rope and cos is not None
-                y_g = gdn_step.gdn_decode_step(
+                y_g = gdn_decode_step(
                     qg[:, 0].unflatten(-1, (ng, d)), kg[:, 0].unflatten(-1, (ng, d)), vg[:, 0].unflatten(-1, (ng, d)),
                     a[:, 0], b[:, 0], S, p.A_neg, p.dtb, float(layer.scaling),
                     cos=cs[0][:, 0] if rope else None, sin=cs[1][:, 0] if rope else None,
