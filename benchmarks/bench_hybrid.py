@@ -204,7 +204,8 @@ def _decode(mod, x, pe, T, dev, graph_reps, eager_reps):
     return r
 
 
-DECODE_VARIANTS = {  # name: (lean.DECODE_GDN, lean.DECODE_FA, device position)
+DECODE_VARIANTS = {  # name: (lean.DECODE_GDN, lean.DECODE_FA, device position); the default step uses lean's defaults
+    "kernel_sdpa": ("kernel", "sdpa", False),  # the decode step before the Triton kernels (glue, fla, SDPA)
     "fused": ("fused", "sdpa", False), "splitk": ("kernel", "splitk", False), "fused_splitk": ("fused", "splitk", False),
     "triton": ("triton", "sdpa", False), "triton_splitk": ("triton", "splitk", False),
     "devpos_sdpa": ("kernel", "sdpa", True), "devpos_triton_splitk": ("triton", "splitk", True),

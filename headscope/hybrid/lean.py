@@ -62,12 +62,15 @@ FLASH_QLA = True
 # recurrent on CUDA) as prefill does, then copies the state into the cache; "fused" computes the glue and the
 # gated delta rule step of all GDN heads in one compiled function that writes the state in place; "triton"
 # does it in one Triton kernel (headscope.hybrid.gdn_step; CUDA with triton, head_dim a power of two ≥ 16;
-# "fused" otherwise).
-DECODE_GDN = "kernel"
+# "fused" otherwise). Default "triton": the fastest on the H200 at 8K-128K for both benchmark shapes, its
+# output equal to "kernel"'s (benchmarks/results/h200_bench_hybrid_r2_*.json).
+DECODE_GDN = "triton"
 # The FA heads' attention in a decode step: "sdpa" (PyTorch; device-position decoding masks the whole
 # buffer), or "splitk" (headscope.hybrid.splitk: flash-decoding in Triton, the cache length read from
-# device memory; CUDA with triton and a head_dim that is a power of two ≥ 16; SDPA otherwise).
-DECODE_FA = "sdpa"
+# device memory; CUDA with triton and a head_dim that is a power of two ≥ 16; SDPA otherwise). Default
+# "splitk": faster than SDPA for the hybrid's few KV groups at every measured length, and for device-position
+# decoding (SDPA must mask the whole buffer there) by 1.2-1.5x (same results files).
+DECODE_FA = "splitk"
 _compiled: dict[tuple, Callable] = {}
 _compile_failed: list[str] = []
 
