@@ -19,6 +19,7 @@ the recurrence are fp32. :func:`gdn_decode_step_torch` is the same function in P
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -211,8 +212,6 @@ def gdn_decode_step(
     sin_t = sin if rope else y
     qn = q_norm.float().contiguous() if qkn else A_neg
     kn = k_norm.float().contiguous() if qkn else A_neg
-    import contextlib
-
     with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
         kern["step"][(B * N, d // bv)](
             q, k, v, a, b, cos_t, sin_t, qn, kn, A_neg.float().contiguous(), dt_bias.float().contiguous(), S, y,
