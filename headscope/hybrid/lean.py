@@ -44,7 +44,7 @@ from .attn import fa_attention, flash_attn_available
 from .fused import stack_projections
 from .gdn import fla_available, gated_delta_rule
 from .rope import apply_rope
-from .gdn_step import applies as gdn_step_applies, gdn_decode_step
+from .gdn_step import applies as gdn_step_applies, gdn_decode_step, gdn_decode_step_torch
 from .splitk import decode_attention, triton_available
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -211,18 +211,13 @@ def _glue_out(o_fa, gate, y_g, gamma, *, eps: float):
 
 
 def _glue_dec_gdn(q, k, v, a, b, cos, sin, S, A_neg, dtb, qn, kn, *, eps: float, rope: bool, scale: float):
-    """One decode token of every GDN head in one pass: the GDN glue (as :func:`_glue_gdn`, q/k rounded to
-    the layer's dtype as the chunk kernel sees them), then the gated delta rule step in fp32 (eq. 7–8:
-    S ← αS + k δᵀ, δ = β(v − αSᵀk), y = scale · Sᵀq), the new state written into ``S`` [B,n,d,d] in
-    place. Returns y [B,1,n,d] in v's dtype."""
-    qg, kg, vg, g, beta = _glue_gdn(q, k, v, a, b, cos, sin, A_neg, dtb, qn, kn, eps=eps, rope=rope)
-    qt, kt, vt = qg[:, 0].float(), kg[:, 0].float(), vg[:, 0].float()  # B,n,d
-    aS = g[:, 0].exp()[..., None, None] * S
-    delta = beta[:, 0].float()[..., None] * (vt - (kt[..., :, None] * aS).sum(-2))
-    S_new = aS + kt[..., :, None] * delta[..., None, :]
-    y = scale * (qt[..., :, None] * S_new).sum(-2)
-    S.copy_(S_new)
-    return y[:, None].to(v.dtype)
+    """One decode token of every GDN head in one pass (q, k, v [B,1,n,d], a, b [B,1,n], cos/sin [B,1,d]):
+    the glue of :func:`_glue_gdn` and the gated delta rule step (eq. 7–8) in fp32, the new state written
+    into ``S`` [B,n,d,d] in place — :func:`~headscope.hybrid.gdn_step.gdn_decode_step_torch`, the Triton
+    kernel's reference. Returns y [B,1,n,d] in v's dtype."""
+    c, s_ = (cos[:, 0], sin[:, 0]) if rope else (None, None)
+    return gdn_decode_step_torch(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], S, A_neg, dtb, scale, cos=c, sin=s_,
+                                 q_norm=qn, k_norm=kn, qk_eps=eps)[:, None]
 
 
 _GLUE = {"fa": _glue_fa, "gdn": _glue_gdn, "out": _glue_out, "dec_gdn": _glue_dec_gdn}
