@@ -6,7 +6,6 @@ machines without CUDA), compiled on a GPU; skipped without triton.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
