@@ -120,9 +120,10 @@ def test_device_position_decoding_equals_eager_generate(opts, decode, monkeypatc
         dec = StaticDecoder(model, batch=2, max_len=24)
         got = dec._generate_device(ids, 10, capture=False)
         assert torch.equal(got, ref) and len(set(got[:, 9:].flatten().tolist())) > 2
-        assert dec.length == 9 + 10 - 1 and all(c.pos is None for c in dec.caches)
+        assert dec.length == 9 + 10 - 1 and all(c.pos is None and c.n_valid is None for c in dec.caches)
         if decode[1] == "splitk":  # host-length split-K steps too; both kinds of step went through the kernel
             assert all(c is not None for c in calls) and len(calls) == 2 * 9  # 2 layers x 9 device-position steps
+            assert len({id(c) for c in calls}) == 1  # one length tensor shared by the layers (cache.n_valid)
             assert len(steps) == (2 * 9 if decode[0] == "triton" else 0)  # the GDN step kernel in both layers
             assert torch.equal(StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False), ref)
             assert calls[-1] is None and len(calls) == 2 * 9 + 2 * 10  # eager generate: 10 steps
@@ -197,8 +198,8 @@ def test_compiled_layer_tail_equals_eager(monkeypatch):
 
 
 def test_device_position_step_of_one_layer_without_a_shared_mask(monkeypatch):
-    """A layer's device-position step computes its own slot mask when no caller keeps one (cache.valid
-    None): same output and cache as the step at the Python length."""
+    """A layer's device-position step computes its own slot mask / split-K length when no caller keeps one
+    (cache.valid, cache.n_valid None): same output and cache as the step at the Python length."""
     import headscope.hybrid.lean as lean
 
     monkeypatch.setattr(lean, "ENABLE", True)

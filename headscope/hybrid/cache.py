@@ -23,6 +23,8 @@ class HybridDecodeCache:
             every length. The caller advances it and keeps ``length`` (see ``StaticDecoder.generate``).
         valid: None, or Bool[max_len] = slot ≤ pos, kept by that caller (one mask for every layer);
             without it the step computes it from ``pos``.
+        n_valid: None, or a [1] long tensor = pos + 1 (the split-K decode's length), kept by that caller
+            likewise; without it the step computes it.
         max_len: capacity in tokens.
 
     Made by :meth:`HeadwiseHybridAttention.new_decode_cache`; pass it as ``cache=`` to the layer.
@@ -34,6 +36,7 @@ class HybridDecodeCache:
         self.length = 0
         self.pos: Optional[Tensor] = None
         self.valid: Optional[Tensor] = None
+        self.n_valid: Optional[Tensor] = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length

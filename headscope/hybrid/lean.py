@@ -382,7 +382,8 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
         elif cache is not None:
             k, v = cache._write(k, v, past)
         if splitk:  # flash-decoding over the kept KV groups; the length from device memory when positions are
-            o_fa = decode_attention(q[:, 0], k, v, None if dpos is None else dpos + 1, layer.scaling,
+            n_valid = None if dpos is None else (cache.n_valid if cache.n_valid is not None else dpos + 1)
+            o_fa = decode_attention(q[:, 0], k, v, n_valid, layer.scaling,
                                     kv_index=None if layer._fa_gqa else p.fa_kv)[:, None]
         else:
             if not layer._fa_gqa:

@@ -228,11 +228,13 @@ class StaticDecoder:
         out[:, :1] = tok
         pos = torch.full((1,), T, dtype=torch.long, device=dev)
         slots = torch.arange(self.max_len, device=dev)
-        valid = slots <= pos  # the FA heads' attention mask, shared by every layer, updated once per step
+        valid = slots <= pos  # the FA heads' attention mask (SDPA path), shared by every layer
+        n_valid = pos + 1  # the split-K decode's length, likewise; both updated once per step
         m = self.base
 
         def step() -> None:
             torch.le(slots, pos, out=valid)
+            torch.add(pos, 1, out=n_valid)
             pid = pos.expand(B, 1)
             h = m.embed_tokens(tok)
             pe = m.rotary_emb(h, pid)
@@ -243,7 +245,7 @@ class StaticDecoder:
             pos.add_(1)
 
         for c in self.caches:
-            c.pos, c.valid = pos, valid
+            c.pos, c.valid, c.n_valid = pos, valid, n_valid
         ok = False
         try:
             steps = n - 1
@@ -265,7 +267,7 @@ class StaticDecoder:
             ok = True
         finally:
             for c in self.caches:
-                c.pos = c.valid = None
+                c.pos = c.valid = c.n_valid = None
             # on an error the caches hold an unknown state (warm-up steps advanced the GDN state): length 0
             # makes the next call a prefill
             self._set_length(T + n - 1 if ok else 0)
