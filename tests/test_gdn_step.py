@@ -71,6 +71,16 @@ def test_kernel_equals_torch_step(dtype, d, rope, qkn):
     assert (args[5] - S_ref).abs().max() < 1e-5  # the state, in place
 
 
+@needs_kernel
+def test_kernel_off_cuda_names_the_fix(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU refusal")
+    args, _ = _inputs(1, 2, 16, torch.float32)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        gdn_decode_step(*args, 1.0)
+
+
 def test_bad_input_names_the_fix():
     (q, k, v, a, b, S, A_neg, dtb), _ = _inputs(1, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="power of two"):

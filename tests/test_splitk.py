@@ -79,6 +79,18 @@ def test_bad_shapes_name_the_problem():
         decode_attention(q[..., :12].contiguous(), k[..., :12], v[..., :12], None, 1.0)
 
 
+@needs_triton
+def test_kernel_off_cuda_names_the_fix(monkeypatch):
+    q, k, v = _case(1, 2, 1, 64, 16, torch.float32)
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU refusals")
+    with pytest.raises(ValueError, match="bf16"):
+        decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, 1.0)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        decode_attention(q, k, v, None, 1.0)
+
+
 def test_split_rule():
     assert n_splits_for(1, 32768) == 128  # 264 wanted, 32768 / 256 = 128 at most
     assert n_splits_for(1, 1 << 17) == 256  # MAX_SPLITS

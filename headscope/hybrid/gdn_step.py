@@ -183,7 +183,8 @@ def gdn_decode_step(
         y [batch, head, d] in v's dtype (contiguous).
 
     Raises:
-        ValueError: shapes or strides the kernel cannot take (the message names the reference to use).
+        ValueError: shapes or strides the kernel cannot take, or CPU tensors outside Triton's interpreter
+            (``TRITON_INTERPRET=1``); the message names the reference to use.
         ImportError: triton missing.
 
     Source: HydraHead eq. 7–8 (gated delta rule, Yang et al. 2024's GDN); the glue as in ``lean.py``.
@@ -204,6 +205,9 @@ def gdn_decode_step(
         raise ValueError("give cos and sin together, and q_norm and k_norm together")
     if not triton_available():
         raise ImportError("gdn_decode_step needs triton (pip install triton); or use gdn_decode_step_torch")
+    if not v.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("gdn_decode_step runs a Triton kernel on CUDA tensors, or on CPU tensors in Triton's "
+                         "interpreter (set TRITON_INTERPRET=1 before Python starts); else use gdn_decode_step_torch")
     kern = _build()
     bv = min(block_v, d)
     y = torch.empty(B, N, d, dtype=v.dtype, device=v.device)

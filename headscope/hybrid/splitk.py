@@ -209,7 +209,9 @@ def decode_attention(
             unevenly over the kept KV groups: one program per query head, no K/V copy); None: GQA order.
 
     Raises:
-        ValueError: shapes that disagree, or d not a power of two ≥ 16.
+        ValueError: shapes that disagree, d not a power of two ≥ 16, CPU tensors outside Triton's
+            interpreter (``TRITON_INTERPRET=1``), or bf16 in the interpreter (its bf16 ``tl.dot`` is wrong in
+            Triton 3.9); each message names :func:`decode_attention_torch`.
         ImportError: triton is not installed (use :func:`decode_attention_torch`).
 
     Source: flash-decoding (Dao et al., 2023); the combination is the online-softmax identity of
@@ -221,6 +223,13 @@ def decode_attention(
                          "use decode_attention_torch")
     if not triton_available():
         raise ImportError("split-K decode attention needs triton (pip install triton); or use decode_attention_torch")
+    if not q.is_cuda:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("decode_attention runs Triton kernels on CUDA tensors, or on CPU tensors in Triton's "
+                             "interpreter (set TRITON_INTERPRET=1 before Python starts); else use decode_attention_torch")
+        if q.dtype == torch.bfloat16:
+            raise ValueError("Triton's CPU interpreter computes bf16 tl.dot wrongly (Triton 3.9): use fp32/fp16 "
+                             "tensors there, or decode_attention_torch")
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("q, k and v need unit stride in their last dimension")

@@ -50,7 +50,8 @@ class StaticDecoder:
         compile_tail: ``torch.compile`` each layer's input norm and its residual + norm + MLP tail (one
             compiled graph shared by all layers: Dynamo treats the modules' weights as inputs), so a decode
             step launches a few fused kernels per layer instead of ~20 small ones; eager after a compile
-            failure (warned). Off by default until measured on a GPU (``bench_hybrid.py --compile-tail``).
+            failure (warned). Off by default (a first-use compile of ~30 s): on the H200 it made the whole-model
+            decode step 1.2–1.6× faster (``bench_hybrid.py --compile-tail``; README, whole-model decode).
 
     Raises:
         ValueError: a layer's attention is not a hybrid layer.
@@ -187,7 +188,8 @@ class StaticDecoder:
         """Greedy continuation: ``ids`` [batch, T] → [batch, T + n] token ids, n = min(max_new_tokens,
         max_len − T + 1).
 
-        ``cuda_graph`` (CUDA only; off by default until checked on a GPU): one decode step is captured in a
+        ``cuda_graph`` (CUDA only; off by default; on the H200 it gives the eager steps' tokens, its speed
+        is not yet measured reliably): one decode step is captured in a
         CUDA graph that reads the
         position from device memory (``HybridDecodeCache.pos``; the FA heads attend over the cache buffer
         masked to the written slots) and writes the argmax token back as the next step's input, so the
