@@ -89,7 +89,7 @@ def _build():
     def _step(Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y, scale, qk_eps,
               sqb, sqh, skb, skh, svb, svh, sab, sbb, scb, ssb, syb, syh,
               N: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr):
-        pid = tl.program_id(0)  # (sequence, head)
+        pid = tl.program_id(0).to(tl.int64)  # (sequence, head); 64-bit offsets
         b = pid // N
         h = pid % N
         H2: tl.constexpr = D // 2

@@ -124,11 +124,11 @@ def _build():
                  NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr, PREC: tl.constexpr):
         bh = tl.program_id(0)
         s = tl.program_id(1)
-        b = bh // HK
+        b = (bh // HK).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2^31 elements
         h = bh % HK  # a KV head (G query heads each), or with KVI a query head reading KV head KVI[h]
-        hk = h
+        hk = h.to(tl.int64)
         if HAS_KVI:
-            hk = tl.load(KVI + h).to(tl.int32)
+            hk = tl.load(KVI + h).to(tl.int64)
         n = L
         if HAS_LEN:
             n = tl.minimum(tl.load(LEN + b * len_stride).to(tl.int32), L)
