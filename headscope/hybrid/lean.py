@@ -98,7 +98,7 @@ class _Plan:
 
     def __init__(self, layer: "HeadwiseHybridAttention", key: tuple):
         self.key = key
-        d, H = layer.head_dim, layer.n_heads
+        d = layer.head_dim
         fa, gdn = list(layer.fa_heads), list(layer.gdn_heads)
         self.nf, self.ng, self.nk, self.d = len(fa), len(gdn), len(layer.kv_keep), d
         W = layer.q_proj.weight
@@ -326,6 +326,48 @@ def _splitk_applies(q: Tensor, layer: "HeadwiseHybridAttention") -> bool:
             and (q.is_cuda or (os.environ.get("TRITON_INTERPRET") == "1" and q.dtype != torch.bfloat16)))
 
 
+def _fa_attend(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Tensor, v: Tensor, cache: Any,
+               dpos: Optional[Tensor], past: int) -> Tensor:
+    """The FA heads' attention: q [B,T,nf,d], the new k, v [B,nk,T,d] (written into the cache when there is
+    one) -> [B,T,nf,d]. A decode step goes to the split-K kernel where it applies; device-position steps
+    write slot ``dpos`` and attend over the buffer up to it (the split-K length, or SDPA with a slot mask)."""
+    T = q.shape[1]
+    splitk = T == 1 and cache is not None and _splitk_applies(q, layer)
+    amask = None
+    if dpos is not None:
+        cache.k.index_copy_(2, dpos, k)
+        cache.v.index_copy_(2, dpos, v)
+        k, v = cache.k, cache.v
+        if not splitk:
+            valid = cache.valid if cache.valid is not None else torch.arange(cache.max_len, device=q.device) <= dpos
+            amask = valid[None, None, None]
+    elif cache is not None:
+        k, v = cache._write(k, v, past)
+    if splitk:  # flash-decoding over the kept KV groups; the length from device memory with device positions
+        n_valid = None if dpos is None else (cache.n_valid if cache.n_valid is not None else dpos + 1)
+        return decode_attention(q[:, 0], k, v, n_valid, layer.scaling,
+                                kv_index=None if layer._fa_gqa else p.fa_kv)[:, None]
+    if not layer._fa_gqa:
+        k, v = k.index_select(1, p.fa_kv), v.index_select(1, p.fa_kv)
+    return fa_attention(q, k, v, layer.scaling, causal=True, mask=amask, kernel=p.fa_kernel)
+
+
+def _gdn_decode(layer: "HeadwiseHybridAttention", p: _Plan, qg: Tensor, kg: Tensor, vg: Tensor, a: Tensor,
+                b: Tensor, cs: tuple, S: Tensor) -> Tensor:
+    """One token of every GDN head from the projection's views (q/k/v [B,1,n·d], a/b [B,1,n]), the state
+    ``S`` (the cache's) updated in place -> y [B,1,n,d]: the Triton kernel (``DECODE_GDN = "triton"``, where
+    it applies) or the same function compiled from PyTorch ("fused")."""
+    ng, d = p.ng, p.d
+    q3, k3, v3 = (t.unflatten(-1, (ng, d)) for t in (qg, kg, vg))
+    if DECODE_GDN == "triton" and gdn_step_applies(d, qg.device):
+        rope = p.gdn_rope and cs[0] is not None
+        return gdn_decode_step(q3[:, 0], k3[:, 0], v3[:, 0], a[:, 0], b[:, 0], S, p.A_neg, p.dtb, float(layer.scaling),
+                               cos=cs[0][:, 0] if rope else None, sin=cs[1][:, 0] if rope else None,
+                               q_norm=p.qn, k_norm=p.kn, qk_eps=p.qk_eps)[:, None]
+    return _glue("dec_gdn", (q3, k3, v3, a, b, *cs), (S, p.A_neg, p.dtb, p.qn, p.kn), eps=p.qk_eps, rope=p.gdn_rope,
+                 scale=float(layer.scaling))
+
+
 # ---------------------------------------------------------------------------------------- forward
 def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]],
             position_ids: Optional[Tensor], cache: Any) -> Tensor:
@@ -333,7 +375,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     HybridDecodeCache (filled / advanced in place)."""
     p = plan(layer)
     B, T, _ = x.shape
-    d, nf, ng, nk = p.d, p.nf, p.ng, p.nk
+    d, nf, ng = p.d, p.nf, p.ng
     past = cache.length if cache is not None else 0
     # device-position decoding (cache.pos, a [1] long tensor on the device; StaticDecoder.generate): the
     # step reads its position from device memory, so one captured CUDA graph serves every length
@@ -370,26 +412,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
             pos = pos.expand(B, T)
         q, k = _glue("fa", (q, k, cos, sin, pos), (p.qn, p.kn), eps=p.qk_eps, rope=p.fa_rope,
                      nope_a=float(layer.options.nope_a))
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # B, nk, T, d
-        amask = None
-        splitk = T == 1 and cache is not None and _splitk_applies(q, layer)
-        if dpos is not None:  # write slot pos, attend over the whole buffer up to pos (a mask, not a slice)
-            cache.k.index_copy_(2, dpos, k)
-            cache.v.index_copy_(2, dpos, v)
-            k, v = cache.k, cache.v
-            if not splitk:
-                valid = cache.valid if cache.valid is not None else torch.arange(cache.max_len, device=x.device) <= dpos
-                amask = valid[None, None, None]
-        elif cache is not None:
-            k, v = cache._write(k, v, past)
-        if splitk:  # flash-decoding over the kept KV groups; the length from device memory when positions are
-            n_valid = None if dpos is None else (cache.n_valid if cache.n_valid is not None else dpos + 1)
-            o_fa = decode_attention(q[:, 0], k, v, n_valid, layer.scaling,
-                                    kv_index=None if layer._fa_gqa else p.fa_kv)[:, None]
-        else:
-            if not layer._fa_gqa:
-                k, v = k.index_select(1, p.fa_kv), v.index_select(1, p.fa_kv)
-            o_fa = fa_attention(q, k, v, layer.scaling, causal=True, mask=amask, kernel=p.fa_kernel)  # B, T, nf, d
+        o_fa = _fa_attend(layer, p, q, k.transpose(1, 2), v.transpose(1, 2), cache, dpos, past)  # B, T, nf, d
         del q, k, v
 
     # ---- GDN heads: all in one kernel call per time block, the state carried over
@@ -407,19 +430,8 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
             qg, kg, vg, a, b = zg.split(p.g_sizes, dim=-1)
             a, b = a[..., :ng], b[..., :ng]
             cs = (cos[:, t0:t1], sin[:, t0:t1]) if cos is not None else (None, None)
-            if fused_step and DECODE_GDN == "triton" and gdn_step_applies(d, x.device):  # one Triton kernel
-                rope = p.gdn_rope and cos is not None
-                y_g = gdn_decode_step(
-                    qg[:, 0].unflatten(-1, (ng, d)), kg[:, 0].unflatten(-1, (ng, d)), vg[:, 0].unflatten(-1, (ng, d)),
-                    a[:, 0], b[:, 0], S, p.A_neg, p.dtb, float(layer.scaling),
-                    cos=cs[0][:, 0] if rope else None, sin=cs[1][:, 0] if rope else None,
-                    q_norm=p.qn, k_norm=p.kn, qk_eps=p.qk_eps)[:, None]
-                S = None
-                break
-            if fused_step:  # glue + recurrence + state write in one compiled call (the state stays in cache.S)
-                y_g = _glue("dec_gdn", (qg.unflatten(-1, (ng, d)), kg.unflatten(-1, (ng, d)), vg.unflatten(-1, (ng, d)),
-                                        a, b, *cs), (S, p.A_neg, p.dtb, p.qn, p.kn), eps=p.qk_eps, rope=p.gdn_rope,
-                            scale=float(layer.scaling))
+            if fused_step:  # one token: glue + recurrence + state write in one call (the state stays in cache.S)
+                y_g = _gdn_decode(layer, p, qg, kg, vg, a, b, cs, S)
                 S = None
                 break
             qg, kg, vg, g, beta = _glue("gdn", (qg.unflatten(-1, (ng, d)), kg.unflatten(-1, (ng, d)),
