@@ -168,19 +168,38 @@ def _flash_qla_prefill(call, dev, reps, parity):
     return r
 
 
-def _decode(mod, x, pe, T, dev, graph_reps, eager_reps):
-    """Prefill T tokens into a HybridDecodeCache, then time one decode step at length T."""
-    x_pre, x1 = x[:, :T], x[:, T:]
-    pe_pre = tuple(t[:, :T] for t in pe)
-    pe1 = tuple(t[:, T:].contiguous() for t in pe)
+def _prefilled(mod, x, pe, T):
+    """A HybridDecodeCache holding the first T tokens of x, the step's (cos, sin), and a function that puts
+    back the cache's recurrent state (GDN state, conv tail) as after the prefill."""
     dc = mod.new_decode_cache(1, T + 1)
-    mod(x_pre, position_embeddings=pe_pre, cache=dc)
+    mod(x[:, :T], position_embeddings=tuple(t[:, :T] for t in pe), cache=dc)
     bufs = [t for t in (dc.S, dc.conv) if t is not None]
     snap = [t.clone() for t in bufs]
 
     def restore():
-        for t, s in zip(bufs, snap):
-            t.copy_(s)
+        for t, s_ in zip(bufs, snap):
+            t.copy_(s_)
+
+    return dc, tuple(t[:, T:].contiguous() for t in pe), restore
+
+
+def _graphed(step, restore, ref, dev, graph_reps):
+    """Capture ``step`` in a CUDA graph, replay it once from the restored state: (its output against ``ref``,
+    ms per replay)."""
+    graph, static_out = capture_graph(step, warmup=3)
+    restore()
+    graph.replay()
+    torch.cuda.synchronize()
+    err = _err(static_out, ref)
+    ms = _time(graph.replay, dev, graph_reps, warmup=3)
+    del graph, static_out
+    return err, ms
+
+
+def _decode(mod, x, pe, T, dev, graph_reps, eager_reps):
+    """Prefill T tokens into a HybridDecodeCache, then time one decode step at length T."""
+    x1 = x[:, T:]
+    dc, pe1, restore = _prefilled(mod, x, pe, T)
 
     def step():
         dc.length = T  # every step is the step at length T (K/V written into slot T)
@@ -191,13 +210,7 @@ def _decode(mod, x, pe, T, dev, graph_reps, eager_reps):
     restore()
     r["eager_ms"] = _time(step, dev, eager_reps, warmup=2)
     if dev.type == "cuda":
-        graph, static_out = capture_graph(step, warmup=3)
-        restore()
-        graph.replay()
-        torch.cuda.synchronize()
-        r["graph_vs_eager"] = _err(static_out, out_eager)
-        r["graph_ms"] = _time(graph.replay, dev, graph_reps, warmup=3)
-        del graph, static_out
+        r["graph_vs_eager"], r["graph_ms"] = _graphed(step, restore, out_eager, dev, graph_reps)
     else:
         r["graph_ms"] = None
     del dc
@@ -221,11 +234,8 @@ def _decode_variant(mod, x, pe, T, dev, graph_reps, variant, ref, profile=False)
     prev = lean.DECODE_GDN, lean.DECODE_FA
     lean.DECODE_GDN, lean.DECODE_FA = gdn_mode, fa_mode
     try:
-        x_pre, x1 = x[:, :T], x[:, T:]
-        pe1 = tuple(t[:, T:].contiguous() for t in pe)
-        dc = mod.new_decode_cache(1, T + 1)
-        mod(x_pre, position_embeddings=tuple(t[:, :T] for t in pe), cache=dc)
-        snap = dc.S.clone() if dc.S is not None else None
+        x1 = x[:, T:]
+        dc, pe1, restore = _prefilled(mod, x, pe, T)
         pos = torch.full((1,), T, dtype=torch.long, device=dev)
         pid = pos.view(1, 1)
 
@@ -236,20 +246,10 @@ def _decode_variant(mod, x, pe, T, dev, graph_reps, variant, ref, profile=False)
             dc.length = T
             return mod(x1, position_embeddings=pe1, cache=dc, position_ids=pid)[0]
 
-        def restore():
-            if snap is not None:
-                dc.S.copy_(snap)
-
         got = step().clone()
         restore()
         r = {"vs_default_eager": _err(got, ref)}
-        graph, static_out = capture_graph(step, warmup=3)
-        restore()
-        graph.replay()
-        torch.cuda.synchronize()
-        r["graph_vs_eager"] = _err(static_out, got)
-        r["graph_ms"] = _time(graph.replay, dev, graph_reps, warmup=3)
-        del graph, static_out
+        r["graph_vs_eager"], r["graph_ms"] = _graphed(step, restore, got, dev, graph_reps)
         if profile:
             r["profile"] = _profile_kernels(step, restore)
         return r
@@ -290,9 +290,7 @@ def _decode_default_step(mod, x, pe, T):
     key = (id(mod), T)
     if key not in _dd:
         _dd.clear()
-        dc = mod.new_decode_cache(1, T + 1)
-        mod(x[:, :T], position_embeddings=tuple(t[:, :T] for t in pe), cache=dc)
-        _dd[key] = (dc, tuple(t[:, T:].contiguous() for t in pe))
+        _dd[key] = _prefilled(mod, x, pe, T)[:2]
     dc, pe1 = _dd[key]
     dc.length = T
     return mod(x[:, T:], position_embeddings=pe1, cache=dc)[0]
