@@ -31,17 +31,22 @@ Kernel = Literal["auto", "torch", "fla"]
 
 
 GROUP_TOKENS = 1024  # gdn_chunked_torch: tokens whose chunk matrices are built at once (bounds memory)
-_fla_found: list[bool] = []
+_found: dict[str, bool] = {}
+
+
+def module_found(name: str) -> bool:
+    """True when the top-level package ``name`` can be found (searched once per process and name)."""
+    if name not in _found:
+        try:
+            _found[name] = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            _found[name] = False
+    return _found[name]
 
 
 def fla_available() -> bool:
     """True when flash-linear-attention (``fla-core``) can be imported (searched once per process)."""
-    if not _fla_found:
-        try:
-            _fla_found.append(importlib.util.find_spec("fla") is not None)
-        except (ImportError, ValueError):
-            _fla_found.append(False)
-    return _fla_found[0]
+    return module_found("fla")
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor]) -> None:

@@ -20,26 +20,18 @@ serves every decode position (``HybridDecodeCache.pos``); splits past the length
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from .gdn import module_found
 from .shapes import Float
 
-_triton: list = []
-
-
 def triton_available() -> bool:
-    """True when ``triton`` imports (searched once per process)."""
-    if not _triton:
-        try:
-            _triton.append(importlib.util.find_spec("triton") is not None)
-        except (ImportError, ValueError):
-            _triton.append(False)
-    return _triton[0]
+    """True when ``triton`` can be imported (searched once per process)."""
+    return module_found("triton")
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, length: Optional[Tensor], kv_index: Optional[Tensor] = None) -> tuple[int, int, int, int, int]:
