@@ -16,8 +16,10 @@ which computes the teacher's function (checked against transformers' own forward
   "triton"``; or fused into the compiled glue, "fused") and split-K FA decode (``lean.DECODE_FA = "splitk"``),
   alone and with the compiled tail, and the graphed ``generate`` with them; the ratio
   ``decode_tok_s_best_each`` compares each model's fastest step;
-- ``--generate N``: end-to-end greedy ``generate`` of N tokens, ms per new token, with graphed device-position
-  steps (capture included) and with eager steps (8 tokens);
+- ``--generate N``: end-to-end greedy ``generate``, ms per new token of a 2N-token call's decode steps on the
+  device's timeline (``StaticDecoder.last_timing``: CUDA events, prefill and capture left out; a host that cannot
+  keep up shows), with graphed device-position steps and with eager steps (2 × 9 tokens); the graphed default
+  also as a host-wall estimate (``generate_wall_ms_per_token_graph``);
 - cache bytes per sequence at T; concurrent sequences of 32K tokens that fit in 100 GiB next to the
   weights: floor((100 GiB − weights) / (cache per sequence at 32K + decode activations per sequence)).
 """
@@ -69,10 +71,13 @@ def _ms(fn, reps):
 
 
 @torch.no_grad()
-def _generate_ms_per_token(model, B, T, vocab, n, cuda_graph, compile_tail=False):
-    """End-to-end greedy ``StaticDecoder.generate``: ms per new token, (wall of 2n tokens − wall of n tokens)
-    / n after a T-token prompt, so the prefill and (graphed path) the one capture per call cancel; one
-    warm-up call first compiles every kernel the timed calls use (glue, Triton kernels, compiled tail)."""
+def _generate_ms_per_token(model, B, T, vocab, n, cuda_graph, compile_tail=False, wall=None):
+    """End-to-end greedy ``StaticDecoder.generate``: ms per new token of its decode steps, read from
+    ``StaticDecoder.last_timing`` (CUDA events around the steps of a ``2n``-token call: the prefill and the
+    graphed path's capture are left out, a host that cannot keep up stretches it). One warm-up call first
+    compiles every kernel the timed call uses (glue, Triton kernels, compiled tail). ``wall`` (a dict): also
+    stores the host-wall estimate ``(wall of 2n tokens − wall of n tokens) / n`` there (noisy where the prefill
+    varies by more than n steps)."""
     ids = torch.randint(0, vocab, (B, T), device="cuda")
     dec = StaticDecoder(model, B, T + 2 * n + 1, compile_tail=compile_tail)
     dec.generate(ids, 4, cuda_graph=cuda_graph)  # warm-up: the same path (4 tokens: the graphed path captures)
@@ -83,8 +88,12 @@ def _generate_ms_per_token(model, B, T, vocab, n, cuda_graph, compile_tail=False
         dec.generate(ids, k, cuda_graph=cuda_graph)
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t)
+    per_token = dec.last_timing["decode_ms_per_token"]
+    if wall is not None:
+        wall["ms_per_token"] = (walls[1] - walls[0]) / n * 1e3
+        wall["prefill_ms"] = dec.last_timing["prefill_ms"]
     del dec
-    return (walls[1] - walls[0]) / n * 1e3
+    return per_token
 
 
 def _variants(compile_tail: bool, decode_variants: bool) -> dict:
@@ -204,7 +213,10 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
                 torch.cuda.empty_cache()
             if generate:  # end-to-end decoding: graphed device-position steps vs eager steps
                 for name, model in models.items():
-                    cell[name]["generate_ms_per_token_graph"] = _generate_ms_per_token(model, B, T, cfg.vocab_size, generate, True)
+                    w = {}
+                    cell[name]["generate_ms_per_token_graph"] = _generate_ms_per_token(model, B, T, cfg.vocab_size, generate,
+                                                                                       True, wall=w)
+                    cell[name]["generate_wall_ms_per_token_graph"] = w["ms_per_token"]
                     if decode_variants:  # graphed, with the decode options (and the compiled tail when asked)
                         prev = lean.DECODE_GDN, lean.DECODE_FA
                         lean.DECODE_GDN, lean.DECODE_FA = "triton", "splitk"

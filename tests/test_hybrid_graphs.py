@@ -18,12 +18,12 @@ H, KV, D = 4, 2, 16
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _hybrid(device="cpu"):
+def _hybrid(device="cpu", **opts):
     cfg = LlamaConfig(vocab_size=101, hidden_size=H * D, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=H, num_key_value_heads=KV, head_dim=D, max_position_embeddings=512)
     torch.manual_seed(0)
     teacher = LlamaForCausalLM(cfg).eval()
-    return hybridize(teacher, HeadMask(2, H, KV, ((1,), (0, 3)))).to(device).eval()
+    return hybridize(teacher, HeadMask(2, H, KV, ((1,), (0, 3))), **opts).to(device).eval()
 
 
 def test_capture_without_cuda_names_the_fix(monkeypatch):
@@ -220,3 +220,32 @@ def test_device_position_step_of_one_layer_without_a_shared_mask(monkeypatch):
             outs.append((y, dc.k[:, :, :9].clone(), dc.S.clone()))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_last_timing_splits_prefill_from_decode_steps(monkeypatch):
+    """``StaticDecoder.last_timing``: prefill = mark 1 − mark 0; decode = the last two marks (a graphed call's
+    warm-up and capture fall between them and are left out); per token = decode / steps. On CPU the marks are
+    wall-clock readings: a fake clock gives hand-computed values."""
+    import headscope.hybrid.lean as lean
+    import headscope.hybrid.static as static
+
+    monkeypatch.setattr(lean, "ENABLE", True)  # device-position steps run on the lean path (CPU: opt-in)
+    dec = StaticDecoder(_hybrid(gdn_kernel="torch"), batch=2, max_len=32)
+    assert dec.last_timing is None
+    ids = torch.randint(0, 101, (2, 10), generator=torch.Generator().manual_seed(3))
+    ticks = iter([10.0, 10.5, 10.75, 11.65])  # s: start, after prefill, before the steps, after them
+    monkeypatch.setattr(static.time, "perf_counter", lambda: next(ticks))
+    with torch.no_grad():
+        dec._generate_device(ids, 10, capture=False)  # 9 device-position steps after the prefill's token
+    t = dec.last_timing
+    assert t["decode_steps"] == 9
+    assert t["prefill_ms"] == pytest.approx(500.0) and t["decode_ms"] == pytest.approx(900.0)
+    assert t["decode_ms_per_token"] == pytest.approx(100.0)
+    ticks = iter([0.0, 0.25, 1.25])  # eager generate: start, after prefill, after 10 steps
+    with torch.no_grad():
+        dec.generate(ids, 10)
+    t = dec.last_timing
+    assert (t["decode_steps"], t["prefill_ms"], t["decode_ms_per_token"]) == (10, pytest.approx(250.0), pytest.approx(100.0))
+    with pytest.raises(ValueError):  # a refused call leaves no stale timing behind
+        dec.generate(ids[:1], 4)
+    assert dec.last_timing is None

@@ -19,6 +19,7 @@ host time per layer: see ``graphs.py``)::
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -28,6 +29,30 @@ from .graphs import capture as _capture
 
 
 TAIL_BACKEND = "inductor"  # torch.compile backend of the layers' norm + MLP tail (compile_tail=True)
+
+
+class _Clock:
+    """Marks on the device's timeline (CUDA events; wall-clock on CPU, where every op is synchronous):
+    ``mark()`` records without a host sync, ``ms(i, j)`` synchronizes and returns the time between two marks."""
+
+    def __init__(self, dev: torch.device):
+        self.cuda = dev.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def ms(self, i: int, j: int) -> float:
+        a, b = self.marks[i], self.marks[j]
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b)
+        return (b - a) * 1e3
 
 
 def _pre(layer: Any, h: Tensor) -> Tensor:
@@ -68,6 +93,7 @@ class StaticDecoder:
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._pf_graph: Optional[torch.cuda.CUDAGraph] = None
         self._pf_ids: Optional[Tensor] = None
+        self._clock: Optional[tuple] = None  # the last generate call's marks (last_timing)
         self._pre, self._post = _pre, _post
         if compile_tail:
             self._pre = torch.compile(_pre, backend=TAIL_BACKEND, fullgraph=True)
@@ -183,6 +209,19 @@ class StaticDecoder:
         for c in self.caches:
             c.length = n
 
+    @property
+    def last_timing(self) -> Optional[dict]:
+        """Times of the last :meth:`generate` call, measured on the device's timeline (CUDA events: no host
+        sync inside the call; this property synchronizes): ``prefill_ms`` (the prompt), ``decode_ms`` (the
+        decode steps, with a graphed call's warm-up and capture left out), ``decode_steps`` and
+        ``decode_ms_per_token`` (None without steps). None before the first call."""
+        if self._clock is None:
+            return None
+        c, steps = self._clock
+        dec = c.ms(-2, -1)
+        return {"prefill_ms": c.ms(0, 1), "decode_ms": dec, "decode_steps": steps,
+                "decode_ms_per_token": dec / steps if steps else None}
+
     @torch.no_grad()
     def generate(self, ids: Tensor, max_new_tokens: int, cuda_graph: bool = False) -> Tensor:
         """Greedy continuation: ``ids`` [batch, T] → [batch, T + n] token ids, n = min(max_new_tokens,
@@ -199,6 +238,7 @@ class StaticDecoder:
             ValueError: ids' batch is not the decoder's, T > max_len, or ``cuda_graph=True`` off CUDA.
             Any error of the capture (the caches are then reset: prefill again).
         """
+        self._clock = None
         if ids.dim() != 2 or ids.shape[0] != self.batch or ids.shape[1] > self.max_len:
             raise ValueError(f"ids must be [batch={self.batch}, T ≤ max_len={self.max_len}]; got {tuple(ids.shape)}")
         if cuda_graph and not ids.is_cuda:
@@ -206,14 +246,21 @@ class StaticDecoder:
                              "use cuda_graph=False (the default) for eager steps")
         if cuda_graph:
             return self._generate_device(ids, max_new_tokens, capture=True)
+        clock = _Clock(ids.device)
+        clock.mark()
         logits = self.prefill(ids)
+        clock.mark()
         out = [ids]
+        steps = 0
         for _ in range(max_new_tokens):
             nxt = logits.argmax(-1, keepdim=True)
             out.append(nxt)
             if self.length >= self.max_len:
                 break
             logits = self.step(nxt)
+            steps += 1
+        clock.mark()
+        self._clock = (clock, steps)
         return torch.cat(out, 1)
 
     def _generate_device(self, ids: Tensor, max_new_tokens: int, capture: bool) -> Tensor:
@@ -224,7 +271,10 @@ class StaticDecoder:
         if n < 1:
             return ids.clone()
         dev = ids.device
+        clock = _Clock(dev)
+        clock.mark()
         logits = self.prefill(ids)
+        clock.mark()
         tok = logits.argmax(-1, keepdim=True)  # [B, 1]: the next step's input, rewritten by every step
         out = torch.empty(B, n, dtype=torch.long, device=dev)
         out[:, :1] = tok
@@ -260,12 +310,17 @@ class StaticDecoder:
                 for c, S in zip(self.caches, saved):
                     if S is not None:
                         c.S.copy_(S)
+                clock.mark()
                 for _ in range(steps):
                     graph.replay()
+                clock.mark()
                 del graph
             else:
+                clock.mark()
                 for _ in range(steps):
                     step()
+                clock.mark()
+            self._clock = (clock, steps)
             ok = True
         finally:
             for c in self.caches:
