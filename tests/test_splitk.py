@@ -97,6 +97,48 @@ def test_split_rule():
     assert n_splits_for(16, 1 << 15) == 17
     assert n_splits_for(300, 1 << 15) == 1
     assert n_splits_for(1, 100) == 1
+    # the launch knobs: 8 blocks per SM want 1056 splits of one pair, 32768 / 128 = 256 allowed (= MAX_SPLITS)
+    assert n_splits_for(1, 32768, min_split=128, blocks_per_sm=8) == 256
+    assert n_splits_for(16, 32768, blocks_per_sm=4) == 33  # ceil(4 * 132 / 16)
+    assert n_splits_for(16, 32768, sms=78, blocks_per_sm=1) == 5  # ceil(78 / 16): another GPU's SM count
+    assert n_splits_for(1, 32768, block=512, min_split=128) == 64  # a split holds at least one tile
+
+
+@needs_triton
+@pytest.mark.parametrize("block,num_warps,num_stages", [(16, 2, 2), (32, 8, 4), (128, 4, 3)])
+def test_launch_settings_keep_the_result(block, num_warps, num_stages):
+    """Tile size, warps and pipelining stages change the schedule, not the function (fp32: exact products)."""
+    q, k, v = _case(2, 4, 2, 333, 32, torch.float32, seed=5)
+    ln = torch.tensor([333, 129])
+    dev = KERNEL_DEVICE
+    got = decode_attention(q.to(dev), k.to(dev), v.to(dev), ln.to(dev), 0.2, n_splits=3, block=block,
+                           num_warps=num_warps, num_stages=num_stages)
+    assert (got.cpu().double() - brute(q, k, v, ln, 0.2)).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="block"):
+        decode_attention(q.to(dev), k.to(dev), v.to(dev), ln.to(dev), 0.2, block=48)
+
+
+@needs_triton
+def test_bench_splitk_smoke_sweep_is_exact_for_every_setting():
+    """benchmarks/bench_splitk.py's sweep on CPU (interpreter, fp32): every setting of the smoke grid matches
+    the PyTorch reference, and the split counts are the rule's (hand-computed)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_splitk.py"
+    spec = importlib.util.spec_from_file_location("bench_splitk", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    res = bench.sweep(bench.SMOKE_SHAPES, bench.SMOKE_GRID, torch.float32, torch.device(KERNEL_DEVICE), 1, 4.8, 1e-5)
+    for name, row in res["shapes"].items():
+        assert row["bad_settings"] == [] and row["default_err"] < 1e-5, name
+        assert all(r["ok"] and r["err"] < 1e-5 for r in row["runs"]), name
+    # tiny_b2: batch 2 x 2 groups = 4 pairs, 300 slots; settings in grid order (block, ..., blocks_per_sm, min_split)
+    splits = [r["n_splits"] for r in res["shapes"]["tiny_b2"]["runs"]]
+    # block 16: bps 1 -> want 33: min 16 -> 300 // 16 = 18; min 64 -> 4; bps 8 -> want 264: 18, 4; block 32 the same
+    # except min 16 -> 300 // 32 = 9
+    assert splits == [18, 4, 18, 4, 9, 4, 9, 4]
+    assert "best_overall" in res and res["best_overall"]["speedup_vs_default"] > 0
 
 
 @needs_triton

@@ -87,15 +87,37 @@ def decode_attention_torch(
     return o.reshape(B, Hq, d).to(q.dtype)
 
 
-def n_splits_for(batch_groups: int, slots: int, block: int = 64, sms: int = 132, min_split: int = 256) -> int:
-    """Splits of the time axis: about two thread blocks per SM over all (sequence, KV group) pairs, each
-    split at least ``min_split`` slots (a whole number of ``block``-slot tiles)."""
-    want = max(1, (2 * sms + batch_groups - 1) // batch_groups)
-    most = max(1, slots // min_split)
+def n_splits_for(batch_groups: int, slots: int, block: int = 64, sms: int = 132, min_split: Optional[int] = None,
+                 blocks_per_sm: Optional[int] = None) -> int:
+    """Splits of the time axis: about ``blocks_per_sm`` thread blocks per SM (default :data:`BLOCKS_PER_SM`) over
+    all (sequence, KV group) pairs, each split at least ``min_split`` slots (default :data:`MIN_SPLIT`; a whole
+    number of ``block``-slot tiles), at most :data:`MAX_SPLITS`."""
+    per_sm = BLOCKS_PER_SM if blocks_per_sm is None else blocks_per_sm
+    want = max(1, (per_sm * sms + batch_groups - 1) // batch_groups)
+    most = max(1, slots // max(MIN_SPLIT if min_split is None else min_split, block))
     return max(1, min(want, most, MAX_SPLITS))
 
 
 MAX_SPLITS = 256  # the combine kernel holds every split's partials of a column block in registers
+# Launch settings of the partial kernel (defaults of decode_attention; Triton's own num_warps / num_stages on
+# CUDA): slots per tile, warps per program, software-pipelining stages, thread blocks per SM that the split
+# count aims for, and the fewest slots per split. ``benchmarks/bench_splitk.py`` sweeps them against SDPA and the bandwidth roof.
+BLOCK = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
+BLOCKS_PER_SM = 2
+MIN_SPLIT = 256
+_sms: dict = {}
+
+
+def _sm_count(dev: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on the H100/H200; 132 off CUDA), read once."""
+    if dev.type != "cuda":
+        return 132
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _sms:
+        _sms[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _sms[i]
 _kernels: dict = {}
 
 
@@ -182,8 +204,10 @@ def decode_attention(
     length: Optional[Tensor],
     scale: float,
     n_splits: Optional[int] = None,
-    block: int = 64,
+    block: Optional[int] = None,
     kv_index: Optional[Tensor] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
 ) -> Float[Tensor, "batch q_head d"]:
     """Split-K (flash-decoding) softmax attention of one query token per sequence, GQA-native (query
     head i reads KV head i // (q_head / kv_head)), in two Triton kernels: per-split partials, then the
@@ -195,13 +219,16 @@ def decode_attention(
         length: Long/Int[1] or [batch] valid slots on the device (read by the kernel: no host sync,
             CUDA-graph safe); None: all ``slots``.
         scale: logit scale.
-        n_splits: pieces of the time axis; default :func:`n_splits_for`.
-        block: slots per tile (64).
+        n_splits: pieces of the time axis; default :func:`n_splits_for` (:data:`BLOCKS_PER_SM` thread blocks per
+            SM of q's device).
+        block: slots per tile, a power of two ≥ 16 (default :data:`BLOCK`).
         kv_index: Long[q_head] on the device, the KV head each query head reads (query heads spread
             unevenly over the kept KV groups: one program per query head, no K/V copy); None: GQA order.
+        num_warps, num_stages: the partial kernel's launch settings (default :data:`NUM_WARPS`,
+            :data:`NUM_STAGES`).
 
     Raises:
-        ValueError: shapes that disagree, d not a power of two ≥ 16, CPU tensors outside Triton's
+        ValueError: shapes that disagree, d or block not a power of two ≥ 16, CPU tensors outside Triton's
             interpreter (``TRITON_INTERPRET=1``), or bf16 in the interpreter (its bf16 ``tl.dot`` is wrong in
             Triton 3.9); each message names :func:`decode_attention_torch`.
         ImportError: triton is not installed (use :func:`decode_attention_torch`).
@@ -225,12 +252,15 @@ def decode_attention(
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("q, k and v need unit stride in their last dimension")
+    block = BLOCK if block is None else block
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block (slots per tile) must be a power of two ≥ 16, got {block}")
     kern = _build()
     if kv_index is not None:
         Hk = Hq  # one program (per split) per query head
     G = Hq // Hk
     GP = max(16, 1 << (G - 1).bit_length())
-    NS = n_splits or n_splits_for(B * Hk, L, block)
+    NS = n_splits or n_splits_for(B * Hk, L, block, sms=_sm_count(q.device))
     split_len = -(-L // NS)
     split_len = -(-split_len // block) * block
     acc = torch.empty(B * Hk * NS * G * d, dtype=torch.float32, device=q.device)
@@ -244,7 +274,9 @@ def decode_attention(
             q, k, v, ln, o if kv_index is None else kv_index, acc, ml, float(scale), L, split_len,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             len_stride, HK=Hk, G=G, GP=GP, D=d, BN=block, NS=NS, HAS_LEN=has_len, HAS_KVI=kv_index is not None,
-            PREC="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 caches: exact products (no TF32)
+            PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 caches: exact products (no TF32)
+            num_warps=NUM_WARPS if num_warps is None else num_warps,
+            num_stages=NUM_STAGES if num_stages is None else num_stages)
         SP = 1 << max(0, (NS - 1).bit_length())
         BD = min(d, 32 if SP <= 128 else 16)
         kern["combine"][(B * Hk * G, d // BD)](acc, ml, o, o.stride(0), o.stride(1), HK=Hk, G=G, D=d, NS=NS, SP=SP, BD=BD)
