@@ -47,6 +47,7 @@ import headscope.hybrid.lean as lean
 import headscope.hybrid.layer as layer_mod
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions, hybridize
 from headscope.hybrid.attn import flash_attn_available, flash_attn_usable
+from headscope.hybrid import splitk
 from headscope.hybrid.graphs import capture as capture_graph, warm_up
 from headscope.hybrid.gdn import fla_available, gdn_chunked_torch, gated_delta_rule
 from headscope.masks import HeadMask
@@ -606,6 +607,8 @@ def main(argv=None):
                          "decode, and device-position decoding (lean.DECODE_GDN / DECODE_FA)")
     ap.add_argument("--profile-at", type=int, nargs="*", default=[],
                     help="lengths at which to record the GPU kernels of one eager decode step (torch.profiler)")
+    ap.add_argument("--splitk-from", type=Path, default=None,
+                    help="a bench_splitk.json: run with its best_overall split-K launch settings")
     ap.add_argument("--model", action="store_true", help="whole SmolLM2-shaped model: hybrid vs teacher")
     ap.add_argument("--model-lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
     ap.add_argument("--model-batches", type=int, nargs="+", default=[1, 16])
@@ -640,12 +643,15 @@ def main(argv=None):
         lean.GDN_BLOCK_TOKENS = a.gdn_block
     if a.smoke:
         lean.ENABLE = True  # the lean path on CPU too (eager glue)
+    if a.splitk_from:
+        splitk.set_launch_defaults(**json.loads(a.splitk_from.read_text())["best_overall"])
     results = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
                "dtype": str(dtype), "gdn_kernel": gdn_kernel, "fa_kernel": fa_kernel, "batch": 1,
                "layer_path": "lean (hybrid/lean.py): fused projection, compiled glue, SDPA + one GDN call per block",
                "gdn_block_tokens": lean.GDN_BLOCK_TOKENS or f"auto: max(8192, {lean.GDN_BLOCK_WORK} // (n_gdn d^2))", "glue_compiled": dev.type == "cuda" and lean.COMPILE,
                "low_memory_block": layer_mod.BLOCK, "flash_qla_default": lean.FLASH_QLA,
-               "decode_defaults": {"gdn": lean.DECODE_GDN, "fa": lean.DECODE_FA}, "versions": _versions(), "bench": {}}
+               "decode_defaults": {"gdn": lean.DECODE_GDN, "fa": lean.DECODE_FA}, "splitk": splitk.launch_defaults(),
+               "versions": _versions(), "bench": {}}
     print(f"device {results['device']}  torch {torch.__version__}  {dtype}  GDN kernel {gdn_kernel}  "
           f"FA kernel {fa_kernel}", flush=True)
     out_file = a.out / "bench_hybrid.json" if a.out else None

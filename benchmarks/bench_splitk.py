@@ -17,6 +17,7 @@ speed-up of the defaults and of the best setting over SDPA, and the best setting
 one with the least total time over the shapes). Ratios come from one run.
 
     python benchmarks/bench_splitk.py --out DIR            # CUDA: DIR/bench_splitk.json
+    python benchmarks/bench_hybrid.py --splitk-from DIR/bench_splitk.json ...   # time with its best_overall
     python benchmarks/bench_splitk.py --smoke --out DIR    # CPU (Triton's interpreter, tiny shapes, fp32):
                                                            # parity of every setting only; times are meaningless
 """
@@ -184,8 +185,7 @@ def main() -> None:
 
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)",
            "dtype": str(dtype), "roof_tbs": a.roof_tbs, "tol": tol,
-           "defaults": {"block": splitk.BLOCK, "num_warps": splitk.NUM_WARPS, "num_stages": splitk.NUM_STAGES,
-                        "blocks_per_sm": splitk.BLOCKS_PER_SM, "min_split": splitk.MIN_SPLIT},
+           "defaults": splitk.launch_defaults(),
            "versions": {m: md.version(m) for m in ("torch", "triton")}, **res, "wall_s": time.time() - t0}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "bench_splitk.json").write_text(json.dumps(res, indent=1))

@@ -168,3 +168,21 @@ def test_cuda_split_k_equals_reference(dtype):
     got = decode_attention(q, k, v, ln, 128 ** -0.5)
     ref = decode_attention_torch(q, k, v, ln, 128 ** -0.5)
     assert (got.float() - ref.float()).abs().max() < 1e-2
+
+
+def test_launch_defaults_are_set_checked_and_restored():
+    before = splitk.launch_defaults()
+    assert before == {"block": 64, "num_warps": 4, "num_stages": 3, "blocks_per_sm": 2, "min_split": 256}
+    try:
+        old = splitk.set_launch_defaults(block=128, blocks_per_sm=4, total_us=1.5)  # bench_splitk's best_overall
+        assert old == before
+        assert splitk.launch_defaults() == {**before, "block": 128, "blocks_per_sm": 4}
+        assert n_splits_for(16, 32768) == 33  # the new blocks per SM: ceil(4 * 132 / 16)
+        with pytest.raises(ValueError, match="power of two"):
+            splitk.set_launch_defaults(block=96)
+        with pytest.raises(ValueError, match="positive integer"):
+            splitk.set_launch_defaults(num_warps=0)
+        assert splitk.launch_defaults()["block"] == 128  # a refused call changes nothing
+    finally:
+        splitk.set_launch_defaults(**before)
+    assert splitk.launch_defaults() == before

@@ -108,6 +108,29 @@ NUM_STAGES = 3
 BLOCKS_PER_SM = 2
 MIN_SPLIT = 256
 _sms: dict = {}
+_LAUNCH = ("block", "num_warps", "num_stages", "blocks_per_sm", "min_split")
+
+
+def launch_defaults() -> dict:
+    """The split-K launch settings in force: ``{block, num_warps, num_stages, blocks_per_sm, min_split}``."""
+    return {k: globals()[k.upper()] for k in _LAUNCH}
+
+
+def set_launch_defaults(**settings: int) -> dict:
+    """Set some of the split-K launch settings (e.g. the best of ``benchmarks/bench_splitk.py``: its
+    ``best_overall``); unknown keys are ignored. Returns the settings before the change (pass them back to undo).
+
+    Raises:
+        ValueError: a value that is not a positive integer, or a block that is not a power of two ≥ 16.
+    """
+    before = launch_defaults()
+    new = {k: settings[k] for k in _LAUNCH if k in settings}
+    for k, v in new.items():
+        if not isinstance(v, int) or v < 1 or (k == "block" and (v < 16 or v & (v - 1))):
+            raise ValueError(f"split-K setting {k}={v!r}: want a positive integer (block: a power of two ≥ 16)")
+    for k, v in new.items():
+        globals()[k.upper()] = v
+    return before
 
 
 def _sm_count(dev: torch.device) -> int:
