@@ -101,7 +101,8 @@ def n_splits_for(batch_groups: int, slots: int, block: int = 64, sms: int = 132,
 MAX_SPLITS = 256  # the combine kernel holds every split's partials of a column block in registers
 # Launch settings of the partial kernel (defaults of decode_attention; Triton's own num_warps / num_stages on
 # CUDA): slots per tile, warps per program, software-pipelining stages, thread blocks per SM that the split
-# count aims for, and the fewest slots per split. ``benchmarks/bench_splitk.py`` sweeps them against SDPA and the bandwidth roof.
+# count aims for, and the fewest slots per split. ``benchmarks/bench_splitk.py`` sweeps them against SDPA and
+# the bandwidth roof.
 BLOCK = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
@@ -141,6 +142,8 @@ def _sm_count(dev: torch.device) -> int:
     if i not in _sms:
         _sms[i] = torch.cuda.get_device_properties(i).multi_processor_count
     return _sms[i]
+
+
 _kernels: dict = {}
 
 
