@@ -228,7 +228,7 @@ class StaticDecoder:
         max_len − T + 1).
 
         ``cuda_graph`` (CUDA only; off by default; on the H200 it gives the eager steps' tokens, each new token
-        within 2–4 % of one graph-replayed step's time, 20–60× faster than eager steps at 32K: README,
+        within 2–4 % of one graph-replayed step's time, 10–60× faster than eager steps at 32K: README,
         "End-to-end greedy generate"): one decode step is captured in a CUDA graph that reads the
         position from device memory (``HybridDecodeCache.pos``; the FA heads attend over the cache buffer
         masked to the written slots) and writes the argmax token back as the next step's input, so the
