@@ -604,7 +604,8 @@ def main(argv=None):
                     help="GDN block (tokens) of the second graphed hybrid prefill (0: skip it)")
     ap.add_argument("--decode-variants", action="store_true",
                     help="layer part: also time the decode step with the GDN step fused into the glue, split-K FA "
-                         "decode, and device-position decoding (lean.DECODE_GDN / DECODE_FA)")
+                         "decode, and device-position decoding (lean.DECODE_GDN / DECODE_FA); model part: also the "
+                         "Triton GDN step + split-K step and graphed generate (with --compile-tail: compiled tails)")
     ap.add_argument("--profile-at", type=int, nargs="*", default=[],
                     help="lengths at which to record the GPU kernels of one eager decode step (torch.profiler)")
     ap.add_argument("--splitk-from", type=Path, default=None,
@@ -615,7 +616,8 @@ def main(argv=None):
     ap.add_argument("--compile-tail", action="store_true",
                     help="model part: also time the decode step with each layer's norm + MLP compiled")
     ap.add_argument("--generate", type=int, default=0,
-                    help="model part: also time end-to-end greedy generate of N tokens (graphed vs eager steps)")
+                    help="model part: also time end-to-end greedy generate: ms per new token of a 2N-token call's "
+                         "decode steps (StaticDecoder.last_timing), graphed; eager steps from an 18-token call")
     ap.add_argument("--generate-only", action="store_true",
                     help="model part: only the end-to-end generate timings (--generate N) of each cell")
     ap.add_argument("--model-cells", default=None,
@@ -699,6 +701,9 @@ def main(argv=None):
             if "ratio" in r:
                 rows.append(_fmt_row(shape, r))
                 print(rows[-1], f"| parity {json.dumps(r['parity'])} | {r['cell_s']:.1f} s", flush=True)
+    if a.model and dev.type != "cuda":
+        print("--model needs CUDA: the whole-model part is skipped on this machine", flush=True)
+        results["model"] = {"skipped": "no CUDA"}
     if a.model and dev.type == "cuda":
         from bench_hybrid_model import bench_model
 

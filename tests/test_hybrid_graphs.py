@@ -126,7 +126,7 @@ def test_device_position_decoding_equals_eager_generate(opts, decode, monkeypatc
             assert len({id(c) for c in calls}) == 1  # one length tensor shared by the layers (cache.n_valid)
             assert len(steps) == (2 * 9 if decode[0] == "triton" else 0)  # the GDN step kernel in both layers
             assert torch.equal(StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False), ref)
-            assert calls[-1] is None and len(calls) == 2 * 9 + 2 * 10  # eager generate: 10 steps
+            assert calls[-1] is None and len(calls) == 2 * 9 + 2 * 9  # eager generate: 9 steps (10 tokens)
         # capacity: max_len − T + 1 new tokens at most, as the eager path
         short = StaticDecoder(model, batch=2, max_len=12)._generate_device(ids, 10, capture=False)
         assert torch.equal(short, StaticDecoder(model, batch=2, max_len=12).generate(ids, 10, cuda_graph=False))
@@ -241,11 +241,15 @@ def test_last_timing_splits_prefill_from_decode_steps(monkeypatch):
     assert t["decode_steps"] == 9
     assert t["prefill_ms"] == pytest.approx(500.0) and t["decode_ms"] == pytest.approx(900.0)
     assert t["decode_ms_per_token"] == pytest.approx(100.0)
-    ticks = iter([0.0, 0.25, 1.25])  # eager generate: start, after prefill, after 10 steps
+    ticks = iter([0.0, 0.25, 1.15])  # eager generate: start, after prefill, after its 9 steps (10 tokens)
     with torch.no_grad():
         dec.generate(ids, 10)
     t = dec.last_timing
-    assert (t["decode_steps"], t["prefill_ms"], t["decode_ms_per_token"]) == (10, pytest.approx(250.0), pytest.approx(100.0))
+    assert (t["decode_steps"], t["prefill_ms"], t["decode_ms_per_token"]) == (9, pytest.approx(250.0), pytest.approx(100.0))
+    ticks = iter([0.0, 0.5, 0.5])  # one new token: the prompt's argmax, no decode step
+    with torch.no_grad():
+        dec.generate(ids, 1)
+    assert dec.last_timing["decode_steps"] == 0 and dec.last_timing["decode_ms_per_token"] is None
     with pytest.raises(ValueError):  # a refused call leaves no stale timing behind
         dec.generate(ids[:1], 4)
     assert dec.last_timing is None

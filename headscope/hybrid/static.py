@@ -211,10 +211,16 @@ class StaticDecoder:
 
     @property
     def last_timing(self) -> Optional[dict]:
-        """Times of the last :meth:`generate` call, measured on the device's timeline (CUDA events: no host
-        sync inside the call; this property synchronizes): ``prefill_ms`` (the prompt), ``decode_ms`` (the
-        decode steps, with a graphed call's warm-up and capture left out), ``decode_steps`` and
-        ``decode_ms_per_token`` (None without steps). None before the first call."""
+        """Times of the last :meth:`generate` call, in ms: on CUDA from events on the device's timeline (no
+        host sync inside the call; reading this property synchronizes), on CPU from wall-clock readings.
+
+        Keys: ``prefill_ms`` (the prompt); ``decode_steps``, the decode-step calls (n − 1 for n new tokens on
+        both paths: the last token is not fed back; fewer where ``max_len`` caps the call); ``decode_ms``, their
+        time (a graphed call's warm-up and capture left out; with fewer than 3 steps a graphed call runs its steps
+        eagerly); ``decode_ms_per_token`` = decode_ms / decode_steps, None when there were no steps.
+
+        None before the first call, after a refused or failed call, and after a graphed call that made no
+        token (nothing to prefill)."""
         if self._clock is None:
             return None
         c, steps = self._clock
@@ -252,11 +258,11 @@ class StaticDecoder:
         clock.mark()
         out = [ids]
         steps = 0
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             nxt = logits.argmax(-1, keepdim=True)
             out.append(nxt)
-            if self.length >= self.max_len:
-                break
+            if i == max_new_tokens - 1 or self.length >= self.max_len:
+                break  # the last token is not fed back: its logits would go unused (as on the graphed path)
             logits = self.step(nxt)
             steps += 1
         clock.mark()
@@ -269,6 +275,7 @@ class StaticDecoder:
         B, T = ids.shape
         n = min(max_new_tokens, self.max_len - T + 1)
         if n < 1:
+            self._clock = None
             return ids.clone()
         dev = ids.device
         clock = _Clock(dev)
