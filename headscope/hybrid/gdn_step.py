@@ -27,20 +27,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .rope import apply_rope
 from .shapes import Float
 from .splitk import triton_available
 
 _kernels: dict = {}
 
 
-def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+def rms_norm(x: Tensor, w: Optional[Tensor], eps: float) -> Tensor:
+    """x / RMS(x) over the last dimension (× w when given); the glue of the lean path uses it too."""
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x if w is None else x * w
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x [B,n,d], cos/sin [B,d]; half-split (Llama)
-    h = x.shape[-1] // 2
-    rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-    return x * cos[:, None] + rot * sin[:, None]
+def l2_normalize(x: Tensor) -> Tensor:
+    """x / max(‖x‖₂, 1e-6) over the last dimension (``F.normalize(eps=1e-6)``, written out so that
+    ``torch.compile`` fuses it into the glue)."""
+    return x / torch.clamp_min(x.pow(2).sum(-1, keepdim=True).sqrt(), 1e-6)
 
 
 def gdn_decode_step_torch(
@@ -63,11 +66,11 @@ def gdn_decode_step_torch(
     dt = v.dtype
     qf, kf = q.float(), k.float()
     if q_norm is not None:
-        qf, kf = _rms(qf, q_norm.float(), qk_eps), _rms(kf, k_norm.float(), qk_eps)
+        qf, kf = rms_norm(qf, q_norm.float(), qk_eps), rms_norm(kf, k_norm.float(), qk_eps)
     if cos is not None:
-        qf, kf = _rope(qf, cos.float(), sin.float()), _rope(kf, cos.float(), sin.float())
-    qf = (qf / torch.clamp_min(qf.pow(2).sum(-1, keepdim=True).sqrt(), 1e-6)).to(dt).float()
-    kf = (kf / torch.clamp_min(kf.pow(2).sum(-1, keepdim=True).sqrt(), 1e-6)).to(dt).float()
+        c, s_ = cos.float()[:, None], sin.float()[:, None]  # one time step: [B,1,n,d] for apply_rope
+        qf, kf = apply_rope(qf[:, None], c, s_)[:, 0], apply_rope(kf[:, None], c, s_)[:, 0]
+    qf, kf = l2_normalize(qf).to(dt).float(), l2_normalize(kf).to(dt).float()
     alpha = (A_neg * F.softplus(a.float() + dt_bias)).exp()[..., None, None]
     beta = torch.sigmoid(b.float()).to(dt).float()[..., None]
     aS = alpha * S

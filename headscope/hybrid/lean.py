@@ -44,7 +44,7 @@ from .attn import fa_attention, flash_attn_available
 from .fused import stack_projections
 from .gdn import fla_available, gated_delta_rule
 from .rope import apply_rope
-from .gdn_step import applies as gdn_step_applies, gdn_decode_step, gdn_decode_step_torch
+from .gdn_step import applies as gdn_step_applies, gdn_decode_step, gdn_decode_step_torch, l2_normalize, rms_norm
 from .splitk import decode_attention, triton_available
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -155,16 +155,11 @@ def plan(layer: "HeadwiseHybridAttention") -> _Plan:
 
 
 # ---------------------------------------------------------------------------------------- the glue
-def _rms(x: Tensor, w: Optional[Tensor], eps: float) -> Tensor:
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return x if w is None else x * w
-
-
 def _qk_fp32(q, k, cos, sin, qn, kn, eps: float, rope: bool) -> tuple[Tensor, Tensor]:
     """q, k [B,T,h,d] -> fp32, QK-RMSNorm (when the teacher has it), then RoPE (half-split) if ``rope``."""
     qf, kf = q.float(), k.float()
     if qn is not None:
-        qf, kf = _rms(qf, qn, eps), _rms(kf, kn, eps)
+        qf, kf = rms_norm(qf, qn, eps), rms_norm(kf, kn, eps)
     if rope:
         c, s_ = cos.float(), sin.float()
         qf, kf = apply_rope(qf, c, s_), apply_rope(kf, c, s_)
@@ -186,8 +181,7 @@ def _glue_gdn(q, k, v, a, b, cos, sin, A_neg, dtb, qn, kn, *, eps: float, rope: 
     QK-RMSNorm and RoPE), contiguous v, g = −exp(A_log)·softplus(a + dt_bias) (fp32), β = σ(b)."""
     dt = q.dtype
     qf, kf = _qk_fp32(q, k, cos, sin, qn, kn, eps, rope)
-    qf = qf / torch.clamp_min(qf.pow(2).sum(-1, keepdim=True).sqrt(), 1e-6)  # F.normalize(eps=1e-6)
-    kf = kf / torch.clamp_min(kf.pow(2).sum(-1, keepdim=True).sqrt(), 1e-6)
+    qf, kf = l2_normalize(qf), l2_normalize(kf)
     g = A_neg * F.softplus(a.float() + dtb)
     beta = torch.sigmoid(b.float())
     return qf.to(dt), kf.to(dt), v.clone(memory_format=torch.contiguous_format), g, beta.to(dt)
@@ -206,7 +200,7 @@ def _glue_out(o_fa, gate, y_g, gamma, *, eps: float):
         parts.append(y_g.float())
     y = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
     if gamma is not None:
-        y = _rms(y, gamma, eps)
+        y = rms_norm(y, gamma, eps)
     dt = (o_fa if o_fa is not None else y_g).dtype
     return y.to(dt).flatten(2)
 
