@@ -52,6 +52,8 @@ from headscope.hybrid.graphs import capture as capture_graph, warm_up
 from headscope.hybrid.gdn import fla_available, gdn_chunked_torch, gated_delta_rule
 from headscope.masks import HeadMask
 
+from bench_timing import time_ms
+
 SHAPES = {
     # name: (hidden, q heads, kv heads, head_dim, FA heads of the layer at 7:1 with >= 1 per layer)
     "smollm2-135m": (576, 9, 3, 64, (0,)),
@@ -73,22 +75,8 @@ def _sync(dev):
 
 
 def _time(fn, dev, reps, warmup=1):
-    """Mean ms per call: CUDA events around ``reps`` calls (CUDA), perf_counter (CPU)."""
-    for _ in range(warmup):
-        fn()
-    _sync(dev)
-    if dev.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t) * 1e3 / reps
+    """Mean ms per call (benchmarks/bench_timing.py)."""
+    return time_ms(fn, dev, reps, warmup)
 
 
 def _peak_bytes(fn, dev):

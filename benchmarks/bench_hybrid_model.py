@@ -37,6 +37,8 @@ from headscope.hybrid import hybridize
 from headscope.hybrid.static import StaticDecoder
 from headscope.masks import HeadMask
 
+from bench_timing import time_ms
+
 GIB = 1 << 30
 
 
@@ -59,15 +61,8 @@ def mask_7to1(layers: int, heads: int = 9, kv: int = 3, seed: int = 0) -> HeadMa
 
 
 def _ms(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
+    """Mean ms per call on the current CUDA device after one warm-up call (benchmarks/bench_timing.py)."""
+    return time_ms(fn, torch.device("cuda"), reps, warmup=1)
 
 
 @torch.no_grad()

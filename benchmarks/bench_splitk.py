@@ -42,6 +42,9 @@ import torch.nn.functional as F
 from headscope.hybrid import splitk
 from headscope.hybrid.graphs import capture
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared timing (also when imported by path)
+from bench_timing import time_ms  # noqa: E402
+
 # name: (batch, kv_groups, q_heads_per_group, slots, head_dim) — the FA heads' decode in the hybrid
 # benchmarks (7:1 masks keep 1 KV group per layer; SmolLM2 9q/3kv d64, Qwen3-1.7B 16q/8kv d128) and the
 # all-FA layers they are compared with
@@ -74,20 +77,9 @@ def _inputs(shape, dtype, dev, seed=0):
 def _time_us(fn, dev, reps):
     """µs per call: one call captured in a CUDA graph, replayed ``reps`` times (CUDA); wall-clock on CPU."""
     if dev.type != "cuda":
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t) / reps * 1e6
+        return time_ms(fn, dev, reps, warmup=0) * 1e3
     graph, _ = capture(fn, warmup=2, device=dev)
-    graph.replay()
-    torch.cuda.synchronize(dev)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize(dev)
-    return a.elapsed_time(b) / reps * 1e3
+    return time_ms(graph.replay, dev, reps, warmup=1) * 1e3
 
 
 def sweep(shapes: dict, grid: dict, dtype, dev, reps: int, roof_tbs: float, tol: float) -> dict:
