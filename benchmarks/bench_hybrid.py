@@ -634,7 +634,11 @@ def main(argv=None):
     if a.smoke:
         lean.ENABLE = True  # the lean path on CPU too (eager glue)
     if a.splitk_from:
-        splitk.set_launch_defaults(**json.loads(a.splitk_from.read_text())["best_overall"])
+        best = json.loads(a.splitk_from.read_text()).get("best_overall")
+        if not best:
+            sys.exit(f"--splitk-from {a.splitk_from}: no best_overall (a bench_splitk.json from a CUDA run whose "
+                     "settings all ran correctly is needed)")
+        splitk.set_launch_defaults(**best)
     results = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
                "dtype": str(dtype), "gdn_kernel": gdn_kernel, "fa_kernel": fa_kernel, "batch": 1,
                "layer_path": "lean (hybrid/lean.py): fused projection, compiled glue, SDPA + one GDN call per block",
