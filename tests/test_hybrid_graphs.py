@@ -99,6 +99,9 @@ def test_device_position_decoding_equals_eager_generate(opts, decode, monkeypatc
                         "test_graphed_generate_equals_eager_generate")
         real = lean.decode_attention
         monkeypatch.setattr(lean, "decode_attention", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    preps = []
+    real_prep = lean.fa_decode_prep
+    monkeypatch.setattr(lean, "fa_decode_prep", lambda *a, **k: preps.append(a[5]) or real_prep(*a, **k))
     steps = []
     if decode[0] == "triton":
         real_step = lean.gdn_decode_step
@@ -125,8 +128,10 @@ def test_device_position_decoding_equals_eager_generate(opts, decode, monkeypatc
             assert all(c is not None for c in calls) and len(calls) == 2 * 9  # 2 layers x 9 device-position steps
             assert len({id(c) for c in calls}) == 1  # one length tensor shared by the layers (cache.n_valid)
             assert len(steps) == (2 * 9 if decode[0] == "triton" else 0)  # the GDN step kernel in both layers
+            assert len(preps) == 2 * 9 and all(torch.is_tensor(p) for p in preps)  # one-kernel FA prep, device slot
             assert torch.equal(StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False), ref)
             assert calls[-1] is None and len(calls) == 2 * 9 + 2 * 9  # eager generate: 9 steps (10 tokens)
+            assert len(preps) == 4 * 9 and preps[-1] == 9 + 8  # host-length steps: the slot as an int
         # capacity: max_len − T + 1 new tokens at most, as the eager path
         short = StaticDecoder(model, batch=2, max_len=12)._generate_device(ids, 10, capture=False)
         assert torch.equal(short, StaticDecoder(model, batch=2, max_len=12).generate(ids, 10, cuda_graph=False))
@@ -192,8 +197,40 @@ def test_compiled_layer_tail_equals_eager(monkeypatch):
         dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
         got = dec.generate(ids, 5, cuda_graph=False)
         assert dec._post is not static._post  # still compiled: no fallback happened
+        assert dec._fused is not None  # the fused tail (gate/up in one GEMM, next input norm) ran
         assert torch.equal(got, ref)
         torch.testing.assert_close(dec.prefill(ids), StaticDecoder(model, batch=2, max_len=20).prefill(ids))
+        monkeypatch.setattr(static, "FUSED_TAIL", False)
+        two_calls = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
+        assert two_calls._fused is None and torch.equal(two_calls.generate(ids, 5, cuda_graph=False), ref)
+
+
+def test_fused_tail_matches_the_mlp_module_or_is_refused(monkeypatch):
+    """The fused tail (gate/up in one GEMM + the next layer's input norm) equals the modules' two calls; an MLP
+    whose forward is not the gated form is caught by the numerical check and the module is used (warned)."""
+    import torch._dynamo
+
+    import headscope.hybrid.static as static
+
+    monkeypatch.setattr(static, "TAIL_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    model = _hybrid()
+    layers = model.model.layers
+    dec = StaticDecoder(model, batch=2, max_len=8, compile_tail=True)
+    h, a = torch.randn(2, 3, H * D), torch.randn(2, 3, H * D)
+    with torch.no_grad():
+        got_h, got_x = static._post_fused(layers[0], layers[1], h, a, *dec._gate_up(0))
+        ref_h = h + a + layers[0].mlp(layers[0].post_attention_layernorm(h + a))
+        torch.testing.assert_close(got_h, ref_h, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got_x, layers[1].input_layernorm(ref_h), rtol=0, atol=1e-5)
+        W, b = dec._gate_up(1)
+        assert b is None and torch.equal(W, torch.cat([layers[1].mlp.gate_proj.weight, layers[1].mlp.up_proj.weight]))
+        layers[1].mlp.up_proj.weight.mul_(2)  # a changed weight: the concatenation is rebuilt
+        assert torch.equal(dec._gate_up(1)[0][W.shape[0] // 2:], layers[1].mlp.up_proj.weight)
+    mlp = layers[0].mlp
+    monkeypatch.setattr(type(mlp), "forward", lambda self, x: self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x)))
+    with pytest.warns(UserWarning, match="differs from the MLP module"):
+        assert StaticDecoder(model, batch=2, max_len=8, compile_tail=True)._fused is None
 
 
 

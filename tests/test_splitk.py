@@ -92,10 +92,11 @@ def test_kernel_off_cuda_names_the_fix(monkeypatch):
 
 
 def test_split_rule():
-    assert n_splits_for(1, 32768) == 128  # 264 wanted, 32768 / 256 = 128 at most
+    assert n_splits_for(1, 32768) == 128  # 4 x 132 = 528 wanted, 32768 / 256 = 128 at most
     assert n_splits_for(1, 1 << 17) == 256  # MAX_SPLITS
-    assert n_splits_for(16, 1 << 15) == 17
-    assert n_splits_for(300, 1 << 15) == 1
+    assert n_splits_for(16, 1 << 15) == 33  # ceil(528 / 16)
+    assert n_splits_for(300, 1 << 15) == 2  # ceil(528 / 300)
+    assert n_splits_for(600, 1 << 15) == 1
     assert n_splits_for(1, 100) == 1
     # the launch knobs: 8 blocks per SM want 1056 splits of one pair, 32768 / 128 = 256 allowed (= MAX_SPLITS)
     assert n_splits_for(1, 32768, min_split=128, blocks_per_sm=8) == 256
@@ -172,12 +173,12 @@ def test_cuda_split_k_equals_reference(dtype):
 
 def test_launch_defaults_are_set_checked_and_restored():
     before = splitk.launch_defaults()
-    assert before == {"block": 64, "num_warps": 4, "num_stages": 3, "blocks_per_sm": 2, "min_split": 256}
+    assert before == {"block": 64, "num_warps": 4, "num_stages": 3, "blocks_per_sm": 4, "min_split": 256}
     try:
-        old = splitk.set_launch_defaults(block=128, blocks_per_sm=4, total_us=1.5)  # bench_splitk's best_overall
+        old = splitk.set_launch_defaults(block=128, blocks_per_sm=2, total_us=1.5)  # bench_splitk's best_overall
         assert old == before
-        assert splitk.launch_defaults() == {**before, "block": 128, "blocks_per_sm": 4}
-        assert n_splits_for(16, 32768) == 33  # the new blocks per SM: ceil(4 * 132 / 16)
+        assert splitk.launch_defaults() == {**before, "block": 128, "blocks_per_sm": 2}
+        assert n_splits_for(16, 32768) == 17  # the new blocks per SM: ceil(2 * 132 / 16)
         with pytest.raises(ValueError, match="power of two"):
             splitk.set_launch_defaults(block=96)
         with pytest.raises(ValueError, match="positive integer"):

@@ -168,6 +168,7 @@ def gdn_decode_step(
     k_norm: Optional[Float[Tensor, " d"]] = None,
     qk_eps: float = 0.0,
     block_v: int = 32,
+    out: Optional[Tensor] = None,
 ) -> Float[Tensor, "batch head d"]:
     """One token of every GDN head (HydraHead eq. 7–8 with the layer's q/k glue) in one Triton kernel.
 
@@ -181,9 +182,11 @@ def gdn_decode_step(
         cos, sin: the token's rotary embedding [batch, d] (half-split) when the GDN heads use RoPE.
         q_norm, k_norm: the teacher's QK-RMSNorm weights [d] (fp32) and its ε, when it has them.
         block_v: value columns per program.
+        out: where to write y (contiguous [batch, head, d], v's dtype); e.g. a tensor allocated on the stream
+            that reads it when this runs on a side stream. None: a new tensor.
 
     Returns:
-        y [batch, head, d] in v's dtype (contiguous).
+        y [batch, head, d] in v's dtype (contiguous; ``out`` when given).
 
     Raises:
         ValueError: shapes or strides the kernel cannot take, or CPU tensors outside Triton's interpreter
@@ -213,7 +216,9 @@ def gdn_decode_step(
                          "interpreter (set TRITON_INTERPRET=1 before Python starts); else use gdn_decode_step_torch")
     kern = _build()
     bv = min(block_v, d)
-    y = torch.empty(B, N, d, dtype=v.dtype, device=v.device)
+    if out is not None and (out.shape != (B, N, d) or out.dtype != v.dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {v.dtype} tensor of shape {(B, N, d)}")
+    y = torch.empty(B, N, d, dtype=v.dtype, device=v.device) if out is None else out
     rope, qkn = cos is not None, q_norm is not None
     cos_t = cos if rope else y
     sin_t = sin if rope else y

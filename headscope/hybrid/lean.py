@@ -45,7 +45,8 @@ from .fused import stack_projections
 from .gdn import fla_available, gated_delta_rule
 from .rope import apply_rope
 from .gdn_step import applies as gdn_step_applies, gdn_decode_step, gdn_decode_step_torch, l2_normalize, rms_norm
-from .splitk import decode_attention, triton_available
+from .splitk import _sm_count, decode_attention, triton_available
+from .fa_step import applies as fa_prep_applies, fa_decode_prep
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layer import HeadwiseHybridAttention
@@ -74,6 +75,19 @@ DECODE_GDN = "triton"
 # "splitk": faster than SDPA for the hybrid's few KV groups at every measured length, and for device-position
 # decoding (SDPA must mask the whole buffer there) by 1.2-1.5x (same results files).
 DECODE_FA = "splitk"
+# With the split-K decode: the FA heads' q/k glue and the K/V cache write of a decode step in one Triton kernel
+# (``fa_step.py``; "triton") instead of the compiled glue and two copies ("glue"). Default "triton": on the H200
+# the two copies alone took ~3.8 µs per layer of a batch-16 step (benchmarks/profile_decode.py).
+DECODE_FA_PREP = "triton"
+# A decode step with the Triton GDN kernel can run it on a side CUDA stream, concurrently with the FA heads' prep
+# and split-K attention (independent work; the streams join before the output fusion; a captured CUDA graph keeps
+# the two branches). True / False: always / never; "auto" (default): when the GDN kernel's grid (batch x GDN heads
+# programs) is at most a quarter of the GPU's SMs. Measured on the H200 (SmolLM2 shape, 32K cached,
+# benchmarks/profile_decode.py): batch 1 (8 GDN programs) 36.2 vs 39.0 µs per layer with / without; batch 16 (128
+# programs) 96.9 vs 76.7: the concurrent GDN blocks took the SM slots of split-K's one-wave grid and the partial
+# kernel ran 1.5x longer.
+DECODE_OVERLAP = "auto"
+_side_streams: dict = {}
 _compiled: dict[tuple, Callable] = {}
 _compile_failed: list[str] = []
 
@@ -313,6 +327,10 @@ def block_tokens(n_gdn: int, d: int) -> int:
     return max(8192, (GDN_BLOCK_WORK // max(1, n_gdn * d * d)) // 64 * 64)
 
 
+def _as_long(slot: Any, dev: torch.device) -> Tensor:
+    return slot if isinstance(slot, Tensor) else torch.full((1,), int(slot), dtype=torch.long, device=dev)
+
+
 def _splitk_applies(q: Tensor, layer: "HeadwiseHybridAttention") -> bool:
     """Whether a decode step's FA heads go to :func:`~headscope.hybrid.splitk.decode_attention`."""
     d = q.shape[-1]
@@ -320,13 +338,22 @@ def _splitk_applies(q: Tensor, layer: "HeadwiseHybridAttention") -> bool:
             and (q.is_cuda or (os.environ.get("TRITON_INTERPRET") == "1" and q.dtype != torch.bfloat16)))
 
 
-def _fa_attend(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Tensor, v: Tensor, cache: Any,
-               dpos: Optional[Tensor], past: int) -> Tensor:
+def _fa_attend(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+               cache: Any, dpos: Optional[Tensor], past: int, prep: Optional[bool] = None) -> Tensor:
     """The FA heads' attention: q [B,T,nf,d], the new k, v [B,nk,T,d] (written into the cache when there is
     one) -> [B,T,nf,d]. A decode step goes to the split-K kernel where it applies; device-position steps
-    write slot ``dpos`` and attend over the buffer up to it (the split-K length, or SDPA with a slot mask)."""
+    write slot ``dpos`` and attend over the buffer up to it (the split-K length, or SDPA with a slot mask).
+    ``prep``: q is already prepared and the token's K/V already in the cache (:func:`fa_decode_prep`)."""
     T = q.shape[1]
     splitk = T == 1 and cache is not None and _splitk_applies(q, layer)
+    if splitk and prep is not None:  # q prepared and K/V written into the cache by fa_decode_prep
+        kc, vc, n_valid = cache.k, cache.v, None
+        if dpos is None:
+            kc, vc = kc[:, :, : past + 1], vc[:, :, : past + 1]
+        else:
+            n_valid = cache.n_valid if cache.n_valid is not None else dpos + 1
+        return decode_attention(q[:, 0], kc, vc, n_valid, layer.scaling,
+                                kv_index=None if layer._fa_gqa else p.fa_kv)[:, None]
     amask = None
     if dpos is not None:
         cache.k.index_copy_(2, dpos, k)
@@ -347,19 +374,41 @@ def _fa_attend(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Tensor,
 
 
 def _gdn_decode(layer: "HeadwiseHybridAttention", p: _Plan, qg: Tensor, kg: Tensor, vg: Tensor, a: Tensor,
-                b: Tensor, cs: tuple, S: Tensor) -> Tensor:
+                b: Tensor, cs: tuple, S: Tensor, out: Optional[Tensor] = None) -> Tensor:
     """One token of every GDN head from the projection's views (q/k/v [B,1,n·d], a/b [B,1,n]), the state
     ``S`` (the cache's) updated in place -> y [B,1,n,d]: the Triton kernel (``DECODE_GDN = "triton"``, where
-    it applies) or the same function compiled from PyTorch ("fused")."""
+    it applies; into ``out`` [B,n,d] when given) or the same function compiled from PyTorch ("fused")."""
     ng, d = p.ng, p.d
     q3, k3, v3 = (t.unflatten(-1, (ng, d)) for t in (qg, kg, vg))
     if DECODE_GDN == "triton" and gdn_step_applies(d, qg.device):
         rope = p.gdn_rope and cs[0] is not None
         return gdn_decode_step(q3[:, 0], k3[:, 0], v3[:, 0], a[:, 0], b[:, 0], S, p.A_neg, p.dtb, float(layer.scaling),
                                cos=cs[0][:, 0] if rope else None, sin=cs[1][:, 0] if rope else None,
-                               q_norm=p.qn, k_norm=p.kn, qk_eps=p.qk_eps)[:, None]
+                               q_norm=p.qn, k_norm=p.kn, qk_eps=p.qk_eps, out=out)[:, None]
     return _glue("dec_gdn", (q3, k3, v3, a, b, *cs), (S, p.A_neg, p.dtb, p.qn, p.kn), eps=p.qk_eps, rope=p.gdn_rope,
                  scale=float(layer.scaling))
+
+
+def _side_stream(dev: torch.device) -> "torch.cuda.Stream":
+    """The side CUDA stream of ``dev`` on which a decode step's GDN kernel overlaps the FA heads' work."""
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _side_streams:
+        _side_streams[i] = torch.cuda.Stream(torch.device("cuda", i))
+    return _side_streams[i]
+
+
+def _gdn_overlaps(p: _Plan, x: Tensor, T: int, S: Optional[Tensor]) -> bool:
+    """Whether this decode step runs its GDN kernel on the side stream (:data:`DECODE_OVERLAP`)."""
+    if not (DECODE_OVERLAP and x.is_cuda and T == 1 and S is not None and p.ng > 0 and p.nf > 0
+            and DECODE_GDN == "triton" and gdn_step_applies(p.d, x.device)):
+        return False
+    return DECODE_OVERLAP != "auto" or x.shape[0] * p.ng * 4 <= _sm_count(x.device)
+
+
+def _prep_applies(layer: "HeadwiseHybridAttention", q: Tensor, T: int, cache: Any) -> bool:
+    """Whether a decode step's FA glue and K/V write go to :func:`fa_decode_prep` (:data:`DECODE_FA_PREP`)."""
+    return (DECODE_FA_PREP == "triton" and T == 1 and cache is not None and _splitk_applies(q, layer)
+            and fa_prep_applies(q.shape[-1], q.device))
 
 
 # ---------------------------------------------------------------------------------------- forward
@@ -394,24 +443,54 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     z = F.linear(x, p.W, p.b) if one_gemm else None
     z_fa = z[..., : p.n_fa_rows] if one_gemm else (F.linear(x, p.W[: p.n_fa_rows], None if p.b is None else p.b[: p.n_fa_rows]) if nf else None)
 
+    # ---- a decode step's GDN heads on the side stream, concurrent with the FA heads (DECODE_OVERLAP)
+    y_side = side = None
+    if ng and _gdn_overlaps(p, x, T, cache.S if (cache is not None and (past or dpos is not None)) else None):
+        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+        y_side = x.new_empty(B, ng, d)  # allocated on the main stream, which reads it after the join
+        zg = z[..., p.n_fa_rows:]
+        qg, kg, vg, a, b = zg.split(p.g_sizes, dim=-1)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            _gdn_decode(layer, p, qg, kg, vg, a[..., :ng], b[..., :ng], (cos, sin) if cos is not None else (None, None),
+                        cache.S, out=y_side)
+        del zg, qg, kg, vg, a, b
+
     # ---- FA heads: softmax attention over the kept KV groups
     o_fa = gate = None
     if nf:
         parts = z_fa.split(p.fa_sizes, dim=-1)
         q, k, v = (t.unflatten(-1, (-1, d)) for t in parts[:3])
         gate = parts[3].unflatten(-1, (nf, d)) if p.gate else None
-        pos = None
-        if not p.fa_rope:
-            pos = position_ids if position_ids is not None else torch.arange(past, past + T, device=x.device)[None]
-            pos = pos.expand(B, T)
-        q, k = _glue("fa", (q, k, cos, sin, pos), (p.qn, p.kn), eps=p.qk_eps, rope=p.fa_rope,
-                     nope_a=float(layer.options.nope_a))
-        o_fa = _fa_attend(layer, p, q, k.transpose(1, 2), v.transpose(1, 2), cache, dpos, past)  # B, T, nf, d
+        if _prep_applies(layer, q, T, cache):  # one kernel: q/k glue + the K/V cache write
+            slot = dpos if dpos is not None else past
+            positions = None
+            if not p.fa_rope:
+                positions = position_ids[:, -1] if position_ids is not None else _as_long(slot, x.device)
+            rope = p.fa_rope and cos is not None
+            qp = fa_decode_prep(q[:, 0], k[:, 0], v[:, 0], cache.k, cache.v, slot,
+                                cos=cos[:, 0] if rope else None, sin=sin[:, 0] if rope else None, positions=positions,
+                                nope_a=None if p.fa_rope else float(layer.options.nope_a), q_norm=p.qn, k_norm=p.kn,
+                                qk_eps=p.qk_eps)
+            o_fa = _fa_attend(layer, p, qp[:, None], None, None, cache, dpos, past, prep=True)
+            del qp
+        else:
+            pos = None
+            if not p.fa_rope:
+                pos = position_ids if position_ids is not None else torch.arange(past, past + T, device=x.device)[None]
+                pos = pos.expand(B, T)
+            q, k = _glue("fa", (q, k, cos, sin, pos), (p.qn, p.kn), eps=p.qk_eps, rope=p.fa_rope,
+                         nope_a=float(layer.options.nope_a))
+            o_fa = _fa_attend(layer, p, q, k.transpose(1, 2), v.transpose(1, 2), cache, dpos, past)  # B, T, nf, d
         del q, k, v
+    if side is not None:  # join before anything made on the main stream is freed or read
+        torch.cuda.current_stream(x.device).wait_stream(side)
 
     # ---- GDN heads: all in one kernel call per time block, the state carried over
     y_g = None
-    if ng:
+    if y_side is not None:
+        y_g = y_side[:, None]
+    elif ng:
         S = cache.S if (cache is not None and (past or dpos is not None)) else None
         fused_step = T == 1 and S is not None and DECODE_GDN in ("fused", "triton")
         W_g = p.W[p.n_fa_rows:]

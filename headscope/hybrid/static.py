@@ -23,12 +23,18 @@ import time
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .graphs import capture as _capture
 
 
 TAIL_BACKEND = "inductor"  # torch.compile backend of the layers' norm + MLP tail (compile_tail=True)
+TAIL_MODE: Optional[str] = None  # its torch.compile mode (None: the default; e.g. "max-autotune-no-cudagraphs")
+# compile_tail: one compiled call per layer for residual + norm + MLP + the next layer's input norm, with the gate and
+# up projections in one GEMM (gated MLPs, checked against the module's forward first); False: the two calls.
+# On the H200 (SmolLM2 shape, batch 16) the gate/up GEMMs were 3.7 µs each (benchmarks/profile_decode.py).
+FUSED_TAIL = True
 
 
 class _Clock:
@@ -64,6 +70,25 @@ def _post(layer: Any, h: Tensor, a: Tensor) -> Tensor:
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
+def _post_fused(layer: Any, nxt: Any, h: Tensor, a: Tensor, W_gu: Tensor, b_gu: Optional[Tensor]) -> tuple:
+    """``_post`` with the gated MLP's gate and up projections as one GEMM (``W_gu`` = [gate; up] rows), and the
+    next layer's input norm (``nxt``; None after the last layer) in the same call: (h, next layer's input)."""
+    h = h + a
+    g, u = F.linear(layer.post_attention_layernorm(h), W_gu, b_gu).chunk(2, dim=-1)
+    h = h + layer.mlp.down_proj(layer.mlp.act_fn(g) * u)
+    return h, (nxt.input_layernorm(h) if nxt is not None else None)
+
+
+def _gated_mlp(layer: Any) -> bool:
+    """Whether a decoder layer's MLP has the gated form down(act(gate(x)) · up(x)) that ``_post_fused`` computes
+    (Llama / Qwen3 / Mistral ``*MLP``: linear gate_proj, up_proj, down_proj and an act_fn); checked numerically
+    against the module's own forward before use (:meth:`StaticDecoder._fused_tail_ok`)."""
+    m = getattr(layer, "mlp", None)
+    return (m is not None and all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+            and callable(getattr(m, "act_fn", None)) and hasattr(layer, "post_attention_layernorm")
+            and hasattr(layer, "input_layernorm"))
+
+
 class StaticDecoder:
     """Prefill / decode a hybrid model (``model.model.layers[i].self_attn`` a HeadwiseHybridAttention).
 
@@ -76,7 +101,9 @@ class StaticDecoder:
             compiled graph shared by all layers: Dynamo treats the modules' weights as inputs), so a decode
             step launches a few fused kernels per layer instead of ~20 small ones; eager after a compile
             failure (warned). Off by default (a first-use compile of ~30 s): on the H200 it made the whole-model
-            decode step 1.2–1.6× faster (``bench_hybrid.py --compile-tail``; README, whole-model decode).
+            decode step 1.2–1.6× faster (``bench_hybrid.py --compile-tail``; README, whole-model decode). With
+            :data:`FUSED_TAIL` and gated MLPs (checked against the modules' forward first) a layer's residual,
+            norm, MLP (gate and up projections in one GEMM) and the next layer's input norm are one compiled call.
 
     Raises:
         ValueError: a layer's attention is not a hybrid layer.
@@ -94,23 +121,79 @@ class StaticDecoder:
         self._pf_graph: Optional[torch.cuda.CUDAGraph] = None
         self._pf_ids: Optional[Tensor] = None
         self._clock: Optional[tuple] = None  # the last generate call's marks (last_timing)
-        self._pre, self._post = _pre, _post
+        self._pre, self._post, self._fused = _pre, _post, None
+        self._gu: list = [None] * len(self.base.layers)  # per layer: (weight versions, W_gu, b_gu)
         if compile_tail:
-            self._pre = torch.compile(_pre, backend=TAIL_BACKEND, fullgraph=True)
-            self._post = torch.compile(_post, backend=TAIL_BACKEND, fullgraph=True)
+            self._pre = torch.compile(_pre, backend=TAIL_BACKEND, fullgraph=True, mode=TAIL_MODE)
+            self._post = torch.compile(_post, backend=TAIL_BACKEND, fullgraph=True, mode=TAIL_MODE)
+            if FUSED_TAIL and all(_gated_mlp(layer) for layer in self.base.layers) and self._fused_tail_ok():
+                self._fused = torch.compile(_post_fused, backend=TAIL_BACKEND, fullgraph=True, mode=TAIL_MODE)
+
+    def _gate_up(self, i: int) -> tuple:
+        """Layer i's [gate; up] weight (and bias), concatenated once and again when either changes."""
+        m = self.base.layers[i].mlp
+        ps = (m.gate_proj.weight, m.up_proj.weight, m.gate_proj.bias, m.up_proj.bias)
+        key = tuple((id(p), p._version, p.device, p.dtype) if p is not None else None for p in ps)
+        got = self._gu[i]
+        if got is None or got[0] != key:
+            with torch.no_grad():
+                W = torch.cat([ps[0], ps[1]], 0)
+                b = None if ps[2] is None and ps[3] is None else torch.cat(
+                    [ps[2] if ps[2] is not None else ps[0].new_zeros(ps[0].shape[0]),
+                     ps[3] if ps[3] is not None else ps[1].new_zeros(ps[1].shape[0])])
+            got = self._gu[i] = (key, W, b)
+        return got[1], got[2]
+
+    @torch.no_grad()
+    def _fused_tail_ok(self, tol: Optional[float] = None) -> bool:
+        """The fused tail (eager) against the layers' own modules on random hidden states, for the first two
+        layers: False (with a warning) when they differ by more than ``tol`` relative to the largest value
+        (default 1e-4 in fp32, 3e-2 in 16-bit types: one GEMM of concatenated rows may round differently)."""
+        layers = self.base.layers
+        w = layers[0].mlp.gate_proj.weight
+        if tol is None:
+            tol = 1e-4 if w.dtype in (torch.float32, torch.float64) else 3e-2
+        g = torch.Generator(device="cpu").manual_seed(0)
+        h = torch.randn(2, 3, w.shape[1], generator=g).to(w.device, w.dtype)
+        a = torch.randn(2, 3, w.shape[1], generator=g).to(w.device, w.dtype)
+        for i in range(min(2, len(layers))):
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            ref_h = _post(layers[i], h, a)
+            ref_x = _pre(nxt, ref_h) if nxt is not None else None
+            got_h, got_x = _post_fused(layers[i], nxt, h, a, *self._gate_up(i))
+            for got, ref in ((got_h, ref_h), (got_x, ref_x)):
+                if ref is not None and ((got.float() - ref.float()).abs().max() > tol * ref.float().abs().max().clamp_min(1e-6)):
+                    import warnings
+
+                    warnings.warn("StaticDecoder: the fused layer tail (gate/up in one GEMM) differs from the MLP "
+                                  f"module's forward in layer {i} ({type(layers[i].mlp).__name__}); using the module",
+                                  stacklevel=3)
+                    return False
+        return True
 
     def _layers(self, h: Tensor, pe: Any, pos: Tensor) -> Tensor:
         """The decoder layers over hidden states h [batch, T, hidden] (attention through the caches)."""
-        for layer, dc in zip(self.base.layers, self.caches):
+        layers = self.base.layers
+        if self._fused is not None:
+            x = self._tail(0, layers[0], h)
+            for i, (layer, dc) in enumerate(zip(layers, self.caches)):
+                a, _ = layer.self_attn(x, position_embeddings=pe, cache=dc, position_ids=pos)
+                if self._fused is None:  # a compile failure in the previous layer: the two-call tail from here on
+                    h = self._tail(1, layer, h, a)
+                    x = self._tail(0, layers[i + 1], h) if i + 1 < len(layers) else None
+                    continue
+                h, x = self._tail(2, layer, layers[i + 1] if i + 1 < len(layers) else None, h, a, *self._gate_up(i))
+            return h
+        for layer, dc in zip(layers, self.caches):
             x = self._tail(0, layer, h)
             a, _ = layer.self_attn(x, position_embeddings=pe, cache=dc, position_ids=pos)
             h = self._tail(1, layer, h, a)
         return h
 
-    def _tail(self, i: int, *args: Any) -> Tensor:
-        """``_pre`` (i = 0) or ``_post`` (i = 1), compiled when ``compile_tail``; a compile failure warns
-        once and turns both back to eager."""
-        fn, eager = (self._pre, _pre) if i == 0 else (self._post, _post)
+    def _tail(self, i: int, *args: Any) -> Any:
+        """``_pre`` (i = 0), ``_post`` (i = 1) or ``_post_fused`` (i = 2), compiled when ``compile_tail``; a
+        compile failure warns once and turns all back to eager (the fused tail off)."""
+        fn, eager = ((self._pre, _pre), (self._post, _post), (self._fused, _post_fused))[i]
         if fn is eager:
             return eager(*args)
         try:
@@ -120,7 +203,7 @@ class StaticDecoder:
 
             warnings.warn(f"StaticDecoder: torch.compile of the layer tail failed ({type(e).__name__}: {e}); "
                           "running it eagerly", stacklevel=3)
-            self._pre, self._post = _pre, _post
+            self._pre, self._post, self._fused = _pre, _post, None
             return eager(*args)
 
     @property

@@ -1,0 +1,173 @@
+"""Where a whole-model decode step's time goes: the GPU kernels of one CUDA-graph-replayed step of the
+SmolLM2-135M-shaped teacher and its 7:1 hybrid (``bench_hybrid_model.py``'s models, random weights), through
+:class:`headscope.hybrid.static.StaticDecoder`.
+
+The caches are filled with random K/V and GDN states and set to ``T`` tokens (a decode step's time does not
+depend on the cached values), so no prefill runs and no GDN prefill kernel (fla) is needed. Per model and
+setting: the graph-replayed step (ms, CUDA events) and, from ``torch.profiler`` over replays of the same graph,
+every kernel's µs per step, grouped into classes (GEMM, split-K attention, GDN step, compiled elementwise,
+copies, other), their sum and the kernel count per step. ``sum_kernel_us`` below the step's time is idle time
+between kernels (launch latency inside the graph).
+
+    python benchmarks/profile_decode.py --out DIR [--batch 16 --length 32768 --tail-modes default max-autotune-no-cudagraphs]
+        [--variants defaults before:lean.DECODE_OVERLAP=False,lean.DECODE_FA_PREP=glue,static.FUSED_TAIL=False]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hybrid_model import mask_7to1, smollm2_config  # noqa: E402
+from bench_timing import time_ms  # noqa: E402
+
+from headscope.hybrid import hybridize, lean, splitk, static  # noqa: E402
+from headscope.hybrid.static import StaticDecoder  # noqa: E402
+from headscope.masks import HeadMask  # noqa: E402
+
+CLASSES = (("splitk", ("_partial", "_combine")), ("gdn_step", ("gdn",)),
+           ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_", "cublas", "splitKreduce")),
+           ("compiled", ("triton_",)), ("copy", ("copy", "index", "fill", "elementwise")))
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, keys in CLASSES:
+        if any(k.lower() in low for k in keys):
+            return cls
+    return "other"
+
+
+def fill(dec: StaticDecoder, T: int, seed: int = 0) -> None:
+    """Random cache contents at T tokens (K/V ~ N(0, 1), GDN states ~ N(0, 0.01))."""
+    g = torch.Generator(device=dec.caches[0].k.device if dec.caches[0].k is not None else "cuda").manual_seed(seed)
+    for c in dec.caches:
+        for t in (c.k, c.v):
+            if t is not None:
+                t.normal_(generator=g)
+        if c.S is not None:
+            c.S.normal_(std=0.01, generator=g)
+    dec._set_length(T)
+
+
+def profile_replay(dec: StaticDecoder, n: int = 5) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    dec.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            dec.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us and e.count:
+            rows.append({"kernel": e.key[:140], "class": kernel_class(e.key), "calls_per_step": e.count / n,
+                         "us_per_step": us / n})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    by = {}
+    for r in rows:
+        c = by.setdefault(r["class"], {"us_per_step": 0.0, "calls_per_step": 0.0})
+        c["us_per_step"] += r["us_per_step"]
+        c["calls_per_step"] += r["calls_per_step"]
+    return {"kernels": rows[:60], "by_class": by, "sum_kernel_us": sum(r["us_per_step"] for r in rows),
+            "kernels_per_step": sum(r["calls_per_step"] for r in rows)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--length", type=int, default=32768)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--tail-modes", nargs="+", default=["default"],
+                    help="torch.compile modes of the compiled layer tail to compare ('none': eager tail)")
+    ap.add_argument("--variants", nargs="+", default=["defaults"],
+                    help="settings to compare, each NAME or NAME:module.ATTR=value,...; 'defaults' = the library's; "
+                         "e.g. before:lean.DECODE_OVERLAP=False,lean.DECODE_FA_PREP=glue,static.FUSED_TAIL=False "
+                         "(modules: lean, static, splitk; values: ints, True/False, or strings)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_decode.py needs a CUDA device")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    cfg = smollm2_config(args.layers)
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(cfg).to(dt).eval()
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.normal_(std=0.02)
+    L = args.layers
+    models = {"teacher": hybridize(teacher, HeadMask(L, 9, 3, (tuple(range(9)),) * L), fusion="none").to(dev, dt).eval(),
+              "hybrid": hybridize(teacher, mask_7to1(L)).to(dev, dt).eval()}
+    res = {"batch": args.batch, "length": args.length, "layers": L, "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(), "cells": {}}
+    B, T = args.batch, args.length
+    ids = torch.randint(0, cfg.vocab_size, (B, 1), device=dev)
+    t0 = time.perf_counter()
+    mods = {"lean": lean, "static": static, "splitk": splitk}
+    cells = [(mode, v) for mode in args.tail_modes for v in args.variants]
+    for mode, variant in cells:
+        vname, _, spec = variant.partition(":")
+        overrides = []
+        for item in filter(None, spec.split(",")):
+            key, _, val = item.partition("=")
+            mod, attr = key.split(".")
+            v = {"True": True, "False": False}.get(val, int(val) if val.lstrip("-").isdigit() else val)
+            overrides.append((mods[mod], attr, v))
+        saved = [(m, a, getattr(m, a)) for m, a, _ in overrides]
+        for m, a, v in overrides:
+            setattr(m, a, v)
+        tag = mode if vname == "defaults" else f"{mode}+{vname}"
+        for name, model in models.items():
+            static.TAIL_MODE = None if mode in ("default", "none") else mode
+            dec = StaticDecoder(model, B, T + 1, compile_tail=mode != "none")
+            fill(dec, T)
+            dec.capture(ids)
+            ms = time_ms(dec.replay, dev, args.reps)
+            prof = profile_replay(dec)
+            cell = {"step_ms": ms, "per_layer_us": ms * 1e3 / L, "settings": {f"{m.__name__}.{a}": v for m, a, v in overrides},
+                    **prof}
+            res["cells"][f"{name}/{tag}"] = cell
+            print(f"{name:8s} tail={tag:28s} step {ms:.3f} ms ({ms * 1e3 / L:.1f} us/layer), kernels "
+                  f"{prof['sum_kernel_us']:.0f} us in {prof['kernels_per_step']:.0f} launches | "
+                  + " ".join(f"{k} {v['us_per_step'] / L:.1f}us/{v['calls_per_step'] / L:.1f}" for k, v in
+                             sorted(prof["by_class"].items())) + f" (per layer) | {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+            del dec
+            torch.cuda.empty_cache()
+            (out_dir / "profile_decode.json").write_text(json.dumps(res, indent=1, default=str))
+        for m, a, v in saved:
+            setattr(m, a, v)
+    static.TAIL_MODE = None
+    for mode, variant in cells:
+        tag = mode if variant.partition(":")[0] == "defaults" else f"{mode}+{variant.partition(':')[0]}"
+        t, h = res["cells"][f"teacher/{tag}"], res["cells"][f"hybrid/{tag}"]
+        h["speedup_vs_teacher"] = t["step_ms"] / h["step_ms"]
+        print(f"{tag}: speed-up {t['step_ms'] / h['step_ms']:.2f}x (teacher {t['step_ms']:.3f} ms, hybrid "
+              f"{h['step_ms']:.3f} ms)")
+    (out_dir / "profile_decode.json").write_text(json.dumps(res, indent=1, default=str))
+    for mode, variant in cells[:1]:
+        tag = mode if variant.partition(":")[0] == "defaults" else f"{mode}+{variant.partition(':')[0]}"
+        t, h = res["cells"][f"teacher/{tag}"], res["cells"][f"hybrid/{tag}"]
+        print(f"{tag}: top kernels of the hybrid step:")
+        for r in h["kernels"][:25]:
+            print(f"   {r['us_per_step']:8.1f} us {r['calls_per_step']:5.0f}x  {r['class']:9s} {r['kernel'][:100]}")
+        print("  teacher:")
+        for r in t["kernels"][:15]:
+            print(f"   {r['us_per_step']:8.1f} us {r['calls_per_step']:5.0f}x  {r['class']:9s} {r['kernel'][:100]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""The FA heads' per-token work of a decode step in one Triton kernel: q/k glue and the K/V cache write.
+
+Before the split-K attention of a decode step (``splitk.py``) the FA heads' new token needs its query and
+key normalized (the teacher's QK-RMSNorm, when it has one), rotated (RoPE) or its query scaled (HypeNet's
+NoPE coefficient s_t = log(t + a) / log(a)), and its key and value written into the decode cache at the
+token's slot. Done by the compiled glue and two copies, that is three kernels whose work is a few hundred
+bytes per head; on the H200 the two copies alone took ~3.8 µs per layer of a batch-16 decode step
+(``benchmarks/profile_decode.py``). :func:`fa_decode_prep` does it in one kernel: one program per (sequence,
+FA query head) writes the prepared query, one program per (sequence, kept KV group) writes the key and the
+value into the cache. The slot is a Python int or read from device memory (a [1] or [batch] integer tensor:
+one captured CUDA graph serves every position).
+
+Numerics follow the lean path's glue (``lean._glue_fa``): fp32 in registers, results rounded to the layer's
+dtype. :func:`fa_decode_prep_torch` is the same function in PyTorch (the reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from .gdn_step import rms_norm
+from .rope import apply_rope
+from .shapes import Float
+from .splitk import triton_available
+
+_kernels: dict = {}
+
+
+def _slot_tensor(slot: Union[int, Tensor], B: int, dev: torch.device) -> Tensor:
+    if isinstance(slot, Tensor):
+        if slot.dim() != 1 or slot.shape[0] not in (1, B) or slot.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"slot must be an int or an integer tensor of shape [1] or [batch]; got {slot.dtype} "
+                             f"{tuple(slot.shape)}")
+        return slot
+    return torch.full((1,), int(slot), dtype=torch.long, device=dev)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, cos: Optional[Tensor], sin: Optional[Tensor],
+           q_norm: Optional[Tensor], k_norm: Optional[Tensor], nope_a: Optional[float]) -> None:
+    B, nf, d = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[2] != d:
+        raise ValueError(f"want q [batch, fa_head, d] and k, v [batch, kv_group, d]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if kc.shape != vc.shape or kc.dim() != 4 or kc.shape[:2] != k.shape[:2] or kc.shape[3] != d:
+        raise ValueError(f"the caches must be [batch, kv_group, slots, d] matching k {tuple(k.shape)}; got "
+                         f"{tuple(kc.shape)}, {tuple(vc.shape)}")
+    if (cos is None) != (sin is None) or (q_norm is None) != (k_norm is None):
+        raise ValueError("give cos and sin together, and q_norm and k_norm together")
+    if cos is not None and nope_a is not None:
+        raise ValueError("RoPE (cos, sin) and the NoPE scale (nope_a) exclude each other")
+
+
+def fa_decode_prep_torch(
+    q: Float[Tensor, "batch fa_head d"],
+    k: Float[Tensor, "batch kv_group d"],
+    v: Float[Tensor, "batch kv_group d"],
+    k_cache: Float[Tensor, "batch kv_group slots d"],
+    v_cache: Float[Tensor, "batch kv_group slots d"],
+    slot: Union[int, Tensor],
+    cos: Optional[Float[Tensor, "batch d"]] = None,
+    sin: Optional[Float[Tensor, "batch d"]] = None,
+    positions: Optional[Tensor] = None,
+    nope_a: Optional[float] = None,
+    q_norm: Optional[Float[Tensor, " d"]] = None,
+    k_norm: Optional[Float[Tensor, " d"]] = None,
+    qk_eps: float = 0.0,
+) -> Float[Tensor, "batch fa_head d"]:
+    """The reference of :func:`fa_decode_prep` in PyTorch (same arguments; the caches written in place)."""
+    _check(q, k, v, k_cache, v_cache, cos, sin, q_norm, k_norm, nope_a)
+    B = q.shape[0]
+    qf, kf = q.float(), k.float()
+    if q_norm is not None:
+        qf, kf = rms_norm(qf, q_norm.float(), qk_eps), rms_norm(kf, k_norm.float(), qk_eps)
+    if cos is not None:
+        c, s_ = cos.float()[:, None], sin.float()[:, None]
+        qf, kf = apply_rope(qf[:, None], c, s_)[:, 0], apply_rope(kf[:, None], c, s_)[:, 0]
+    if nope_a is not None:
+        if positions is None:
+            raise ValueError("the NoPE scale needs the token's positions ([1] or [batch] integers)")
+        s_t = torch.log(positions.float().reshape(-1) + nope_a) / math.log(nope_a)
+        qf = qf * s_t.expand(B)[:, None, None]
+    s = _slot_tensor(slot, B, q.device).long().expand(B)
+    bi = torch.arange(B, device=q.device)
+    k_cache[bi, :, s] = kf.to(k_cache.dtype)
+    v_cache[bi, :, s] = v.to(v_cache.dtype)
+    return qf.to(q.dtype)
+
+
+def _build():
+    mode = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if _kernels.get("interpret") is mode:
+        return _kernels
+    _kernels.clear()
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _prep(Q, K, V, KC, VC, SLOT, slot_int, POS, COS, SIN, QN, KN, QO, qk_eps, inv_log_a, nope_a,
+              sqb, sqh, skb, skh, svb, svh, skcb, skch, skcl, svcb, svch, svcl, scb, ssb, sqob, sqoh,
+              slot_stride, pos_stride,
+              NF: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr, NOPE: tl.constexpr,
+              SLOT_PTR: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1)  # < NF: an FA query head; else the kept KV group j - NF
+        H2: tl.constexpr = D // 2
+        r = tl.arange(0, H2)
+        is_q = j < NF
+        if is_q:
+            src = Q + b * sqb + j * sqh
+        else:
+            src = K + b * skb + (j - NF) * skh
+        x1 = tl.load(src + r).to(tl.float32)
+        x2 = tl.load(src + H2 + r).to(tl.float32)
+        if QKN:  # the teacher's per-head QK-RMSNorm (Qwen3)
+            rr = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + qk_eps)
+            if is_q:
+                w1 = tl.load(QN + r)
+                w2 = tl.load(QN + H2 + r)
+            else:
+                w1 = tl.load(KN + r)
+                w2 = tl.load(KN + H2 + r)
+            x1 = x1 * rr * w1
+            x2 = x2 * rr * w2
+        if ROPE:  # half-split rotary embedding
+            c1 = tl.load(COS + b * scb + r).to(tl.float32)
+            c2 = tl.load(COS + b * scb + H2 + r).to(tl.float32)
+            s1 = tl.load(SIN + b * ssb + r).to(tl.float32)
+            s2 = tl.load(SIN + b * ssb + H2 + r).to(tl.float32)
+            x1, x2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+        if is_q:
+            if NOPE:  # HypeNet's query scale s_t = log(t + a) / log(a)
+                t = tl.load(POS + b * pos_stride).to(tl.float32)
+                st = tl.log(t + nope_a) * inv_log_a
+                x1 = x1 * st
+                x2 = x2 * st
+            dst = QO + b * sqob + j * sqoh
+            tl.store(dst + r, x1.to(QO.dtype.element_ty))
+            tl.store(dst + H2 + r, x2.to(QO.dtype.element_ty))
+        else:
+            g = j - NF
+            if SLOT_PTR:  # the slot from device memory (one CUDA graph for every position)
+                s = tl.load(SLOT + b * slot_stride).to(tl.int64)
+            else:  # a host int (a graph replays that slot)
+                s = slot_int.to(tl.int64)
+            dk = KC + b * skcb + g * skch + s * skcl
+            tl.store(dk + r, x1.to(KC.dtype.element_ty))
+            tl.store(dk + H2 + r, x2.to(KC.dtype.element_ty))
+            rd = tl.arange(0, D)
+            vv = tl.load(V + b * svb + g * svh + rd)
+            tl.store(VC + b * svcb + g * svch + s * svcl + rd, vv.to(VC.dtype.element_ty))
+
+    _kernels.update(prep=_prep, interpret=mode)
+    return _kernels
+
+
+def applies(d: int, device: torch.device) -> bool:
+    """Whether :func:`fa_decode_prep` runs here: triton importable, CUDA (or Triton's interpreter), head_dim a
+    power of two ≥ 16."""
+    return (d >= 16 and not d & (d - 1) and triton_available()
+            and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+def fa_decode_prep(
+    q: Float[Tensor, "batch fa_head d"],
+    k: Float[Tensor, "batch kv_group d"],
+    v: Float[Tensor, "batch kv_group d"],
+    k_cache: Float[Tensor, "batch kv_group slots d"],
+    v_cache: Float[Tensor, "batch kv_group slots d"],
+    slot: Union[int, Tensor],
+    cos: Optional[Float[Tensor, "batch d"]] = None,
+    sin: Optional[Float[Tensor, "batch d"]] = None,
+    positions: Optional[Tensor] = None,
+    nope_a: Optional[float] = None,
+    q_norm: Optional[Float[Tensor, " d"]] = None,
+    k_norm: Optional[Float[Tensor, " d"]] = None,
+    qk_eps: float = 0.0,
+) -> Float[Tensor, "batch fa_head d"]:
+    """One decode token of the FA heads: the prepared queries, and the key/value written into the cache.
+
+    Per FA query head: QK-RMSNorm (``q_norm``), then RoPE (``cos``/``sin``) or the NoPE scale
+    s_t = log(t + a) / log(a) (``nope_a``, t = ``positions``). Per kept KV group: QK-RMSNorm (``k_norm``) and
+    RoPE of the key, written with the value into ``k_cache`` / ``v_cache`` at ``slot``.
+
+    Args:
+        q: the token's FA queries [batch, fa_head, d] (views into the fused projection are fine: any batch /
+            head strides, unit stride in d), in the layer's dtype.
+        k, v: the token's keys and values of the kept KV groups [batch, kv_group, d] (likewise).
+        k_cache, v_cache: the decode cache's buffers [batch, kv_group, slots, d] (unit stride in d).
+        slot: the cache slot to write (0-based token index): an int (a kernel argument: a captured CUDA graph
+            replays that slot), or an integer tensor [1] / [batch] on the device (read by the kernel: one graph
+            serves every position).
+        cos, sin: the token's rotary embedding [batch, d] (half-split), when the FA heads use RoPE.
+        positions: integer tensor [1] / [batch], the token's position t (the NoPE scale only).
+        nope_a: HypeNet's a (> 1) when the FA heads are NoPE with the log-scale query coefficient.
+        q_norm, k_norm: the teacher's QK-RMSNorm weights [d] (fp32) and ``qk_eps``, when it has them.
+
+    Returns:
+        the prepared queries [batch, fa_head, d] in q's dtype (contiguous).
+
+    Raises:
+        ValueError: shapes that disagree, a head_dim that is not a power of two ≥ 16, RoPE and NoPE together,
+            NoPE without positions, an int slot outside the cache, or CPU tensors outside Triton's interpreter (``TRITON_INTERPRET=1``); the
+            message names :func:`fa_decode_prep_torch`.
+        ImportError: triton missing.
+
+    Source: the lean path's FA glue (RoPE: Su et al. 2021, half-split as Llama; NoPE scale: HypeNet, SPEC §4.2);
+    one kernel instead of three (``benchmarks/profile_decode.py``).
+    """
+    _check(q, k, v, k_cache, v_cache, cos, sin, q_norm, k_norm, nope_a)
+    B, nf, d = q.shape
+    nk = k.shape[1]
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"fa_decode_prep needs a head_dim that is a power of two ≥ 16 (got {d}); "
+                         "use fa_decode_prep_torch")
+    if nope_a is not None and positions is None:
+        raise ValueError("the NoPE scale needs the token's positions ([1] or [batch] integers)")
+    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs unit stride in its last dimension")
+    if not triton_available():
+        raise ImportError("fa_decode_prep needs triton (pip install triton); or use fa_decode_prep_torch")
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("fa_decode_prep runs a Triton kernel on CUDA tensors, or on CPU tensors in Triton's "
+                         "interpreter (set TRITON_INTERPRET=1 before Python starts); else use fa_decode_prep_torch")
+    kern = _build()
+    qo = torch.empty(B, nf, d, dtype=q.dtype, device=q.device)
+    slot_ptr = isinstance(slot, Tensor)
+    if slot_ptr:
+        _slot_tensor(slot, B, q.device)  # checks it
+    elif not 0 <= int(slot) < k_cache.shape[2]:
+        raise ValueError(f"slot {slot} is outside the cache's {k_cache.shape[2]} slots")
+    s = slot if slot_ptr else qo  # any pointer without SLOT_PTR
+    rope, qkn, nope = cos is not None, q_norm is not None, nope_a is not None
+    pos = positions.reshape(-1) if nope else s
+    if nope and (pos.shape[0] not in (1, B) or pos.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"positions must be an integer tensor of shape [1] or [batch]; got {pos.dtype} "
+                         f"{tuple(positions.shape)}")
+    cos_t = cos if rope else qo
+    sin_t = sin if rope else qo
+    qn = q_norm.float().contiguous() if qkn else qo
+    kn = k_norm.float().contiguous() if qkn else qo
+    a = float(nope_a) if nope else 2.0
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        kern["prep"][(B, nf + nk)](
+            q, k, v, k_cache, v_cache, s, 0 if slot_ptr else int(slot), pos, cos_t, sin_t, qn, kn, qo, float(qk_eps), 1.0 / math.log(a), a,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2), cos_t.stride(0) if rope else 0, sin_t.stride(0) if rope else 0, qo.stride(0),
+            qo.stride(1), s.stride(0) if slot_ptr and s.shape[0] > 1 else 0,
+            pos.stride(0) if nope and pos.shape[0] > 1 else 0,
+            NF=nf, D=d, ROPE=rope, QKN=qkn, NOPE=nope, SLOT_PTR=slot_ptr, num_warps=1)
+    return qo
