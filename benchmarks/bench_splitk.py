@@ -82,9 +82,9 @@ def _time_us(fn, dev, reps):
     return time_ms(graph.replay, dev, reps, warmup=1) * 1e3
 
 
-def sweep(shapes: dict, grid: dict, dtype, dev, reps: int, roof_tbs: float, tol: float) -> dict:
+def sweep(shapes: dict, grid: dict, dtype, dev, reps: int, roof_tbs: float, tol: float, on_shape=None) -> dict:
     """Every shape × setting: time, bandwidth, parity; SDPA and the defaults as baselines. Returns the
-    results dict (also the JSON's body)."""
+    results dict (also the JSON's body); ``on_shape(results so far)`` after each shape (saves a partial run)."""
     keys = list(grid)
     settings = [dict(zip(keys, vals)) for vals in itertools.product(*(grid[k] for k in keys))]
     out = {"shapes": {}, "settings": settings}
@@ -140,6 +140,8 @@ def sweep(shapes: dict, grid: dict, dtype, dev, reps: int, roof_tbs: float, tol:
               f"{row['default_us']:7.1f} (err {row['default_err']:.1e}) | best {b.get('us', float('nan')):7.1f} "
               f"{ {k: b.get(k) for k in keys} } splits {b.get('n_splits')} | bad {len(row['bad_settings'])}",
               flush=True)
+        if on_shape is not None:
+            on_shape(out)
     # one setting for all shapes: the least total time over the shapes where every shape ran it correctly
     totals = []
     for i, s in enumerate(settings):
@@ -172,15 +174,20 @@ def main() -> None:
         shapes = {k: SHAPES[k] for k in (a.shapes or SHAPES)}
     tol = a.tol if a.tol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
     t0 = time.time()
-    res = sweep(shapes, grid, dtype, dev, reps, a.roof_tbs, tol)
     import importlib.metadata as md
 
-    res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)",
-           "dtype": str(dtype), "roof_tbs": a.roof_tbs, "tol": tol,
-           "defaults": splitk.launch_defaults(),
-           "versions": {m: md.version(m) for m in ("torch", "triton")}, **res, "wall_s": time.time() - t0}
+    head = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)",
+            "dtype": str(dtype), "roof_tbs": a.roof_tbs, "tol": tol, "defaults": splitk.launch_defaults(),
+            "versions": {m: md.version(m) for m in ("torch", "triton")}}
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "bench_splitk.json").write_text(json.dumps(res, indent=1))
+
+    def write(body: dict, done: bool) -> None:  # after every shape: a stopped sweep keeps what it measured
+        (a.out / "bench_splitk.json").write_text(json.dumps({**head, **body, "complete": done,
+                                                             "wall_s": time.time() - t0}, indent=1))
+
+    res = sweep(shapes, grid, dtype, dev, reps, a.roof_tbs, tol, on_shape=lambda body: write(body, False))
+    write(res, True)
+    res = json.loads((a.out / "bench_splitk.json").read_text())
     if "best_overall" in res:
         print("best overall:", json.dumps(res["best_overall"]))
     print(f"wall {res['wall_s']:.1f} s; wrote {a.out / 'bench_splitk.json'}")

@@ -25,8 +25,10 @@ function with:
 A decode step through a HybridDecodeCache writes the FA K/V into the cache slot in place and the new
 GDN state into ``cache.S``, so it can be captured in a CUDA graph (after a warm-up call: the glue
 compiles on first use). By default (``DECODE_GDN``, ``DECODE_FA``) it runs all GDN heads' step in one
-Triton kernel that reads the projection's views and updates ``cache.S`` in place (``gdn_step.py``) and the
-FA heads through a split-K decode over their kept KV groups (``splitk.py``), where those apply.
+Triton kernel that reads the projection's views and updates ``cache.S`` in place (``gdn_step.py``), the FA
+heads' q/k glue and K/V cache write in one kernel (``fa_step.py``) and their attention through a split-K decode
+over their kept KV groups (``splitk.py``), where those apply; the GDN kernel on a side CUDA stream when its grid
+is small (``DECODE_OVERLAP``).
 """
 
 from __future__ import annotations
