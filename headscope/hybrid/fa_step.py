@@ -27,7 +27,7 @@ from torch import Tensor
 from .gdn_step import rms_norm
 from .rope import apply_rope
 from .shapes import Float
-from .splitk import triton_available
+from .splitk import build_kernels, triton_available
 
 _kernels: dict = {}
 
@@ -92,13 +92,8 @@ def fa_decode_prep_torch(
     return qf.to(q.dtype)
 
 
-def _build():
-    mode = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if _kernels.get("interpret") is mode:
-        return _kernels
-    _kernels.clear()
-    import triton
-    import triton.language as tl
+def _make(triton, tl) -> dict:
+    """The Triton kernel of the FA heads' decode prep."""
 
     @triton.jit
     def _prep(Q, K, V, KC, VC, SLOT, slot_int, POS, COS, SIN, QN, KN, QO, qk_eps, inv_log_a, nope_a,
@@ -155,8 +150,12 @@ def _build():
             vv = tl.load(V + b * svb + g * svh + rd)
             tl.store(VC + b * svcb + g * svch + s * svcl + rd, vv.to(VC.dtype.element_ty))
 
-    _kernels.update(prep=_prep, interpret=mode)
-    return _kernels
+    return {"prep": _prep}
+
+
+def _build() -> dict:
+    """The kernels, built on first use (see :func:`headscope.hybrid.splitk.build_kernels`)."""
+    return build_kernels(_kernels, _make)
 
 
 def applies(d: int, device: torch.device) -> bool:

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .rope import apply_rope
 from .shapes import Float
-from .splitk import triton_available
+from .splitk import build_kernels, triton_available
 
 _kernels: dict = {}
 
@@ -80,13 +80,8 @@ def gdn_decode_step_torch(
     return (scale * (qf[..., :, None] * S_new).sum(-2)).to(dt)
 
 
-def _build():
-    mode = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if _kernels.get("interpret") is mode:
-        return _kernels
-    _kernels.clear()
-    import triton
-    import triton.language as tl
+def _make(triton, tl) -> dict:
+    """The Triton kernel of the GDN decode step."""
 
     @triton.jit
     def _step(Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y, scale, qk_eps,
@@ -141,8 +136,12 @@ def _build():
         tl.store(p2, S2)
         tl.store(Y + b * syb + h * syh + cv, y.to(DT))
 
-    _kernels.update(step=_step, interpret=mode)
-    return _kernels
+    return {"step": _step}
+
+
+def _build() -> dict:
+    """The kernels, built on first use (see :func:`headscope.hybrid.splitk.build_kernels`)."""
+    return build_kernels(_kernels, _make)
 
 
 def applies(d: int, device: torch.device) -> bool:

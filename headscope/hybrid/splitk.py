@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -147,15 +147,23 @@ def _sm_count(dev: torch.device) -> int:
 _kernels: dict = {}
 
 
-def _build():
-    """The two Triton kernels (built on first use: importing triton is slow and optional; built again
-    when ``TRITON_INTERPRET`` changed, so tests can run them through Triton's CPU interpreter)."""
+def build_kernels(cache: dict, make: Callable[[Any, Any], dict]) -> dict:
+    """A module's Triton kernels, ``make(triton, triton.language)`` → {name: kernel}, kept in ``cache``: built on
+    first use (importing triton is slow and optional) and again when ``TRITON_INTERPRET`` changed (the tests run
+    them through Triton's CPU interpreter). Shared by ``splitk``, ``gdn_step`` and ``fa_step``."""
     mode = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if _kernels.get("interpret") is mode:
-        return _kernels
-    _kernels.clear()
+    if cache.get("interpret") is mode:
+        return cache
+    cache.clear()
     import triton
     import triton.language as tl
+
+    cache.update(make(triton, tl), interpret=mode)
+    return cache
+
+
+def _make(triton, tl) -> dict:
+    """The two Triton kernels: the per-split partials and their exact combination."""
 
     @triton.jit
     def _partial(Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
@@ -219,8 +227,12 @@ def _build():
         o = tl.sum(a * w[:, None], 0) / tl.sum(w * ls, 0)
         tl.store(O + b * sob + (h * G + g) * soh + rd, o.to(O.dtype.element_ty))
 
-    _kernels.update(partial=_partial, combine=_combine, interpret=mode)
-    return _kernels
+    return {"partial": _partial, "combine": _combine}
+
+
+def _build() -> dict:
+    """The kernels, built on first use (see :func:`build_kernels`)."""
+    return build_kernels(_kernels, _make)
 
 
 def decode_attention(
