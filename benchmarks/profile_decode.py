@@ -31,7 +31,9 @@ from headscope.hybrid import hybridize, lean, splitk, static  # noqa: E402
 from headscope.hybrid.static import StaticDecoder  # noqa: E402
 from headscope.masks import HeadMask  # noqa: E402
 
-CLASSES = (("splitk", ("_partial", "_combine")), ("gdn_step", ("gdn",)),
+# kernel classes by name (the GDN step and FA prep kernels were named _step / _prep, class "other", in the
+# 2026-12-01 result files)
+CLASSES = (("splitk", ("_partial", "_combine")), ("gdn_step", ("_gdn_decode_step",)), ("fa_prep", ("_fa_decode_prep",)),
            ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_", "cublas", "splitKreduce")),
            ("compiled", ("triton_",)), ("copy", ("copy", "index", "fill", "elementwise")))
 

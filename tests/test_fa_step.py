@@ -75,14 +75,19 @@ def test_torch_prep_equals_hand_computation(rope, qkn):
 @needs_kernel
 @pytest.mark.parametrize("dtype,d,rope,qkn,slot_kind", [
     (torch.float32, 64, True, True, "int"), (torch.float32, 32, False, False, "tensor1"),
-    (torch.float16, 128, True, False, "tensorB"), (torch.float32, 16, False, True, "tensor1")])
+    (torch.float16, 128, True, False, "tensorB"), (torch.float32, 16, False, True, "tensor1"),
+    (torch.float32, 64, True, False, "int1"), (torch.float16, 64, False, False, "int0")])
 def test_kernel_equals_torch_prep(dtype, d, rope, qkn, slot_kind):
     B, nf, nk, L = 3, 3, 2, 11
     (q, k, v, kc, vc), kw = _inputs(B, nf, nk, d, L, dtype, rope=rope, qkn=qkn)
     q, k, v, kc, vc = (t.to(DEV) for t in (q, k, v, kc, vc))
     kw = {n: (t.to(DEV) if torch.is_tensor(t) else t) for n, t in kw.items()}
-    slot = {"int": 7, "tensor1": torch.tensor([7], device=DEV), "tensorB": torch.tensor([7, 2, 10], device=DEV)}[slot_kind]
-    nope = {} if rope else {"positions": torch.tensor([7, 2, 10], device=DEV).expand(3), "nope_a": 500.0}
+    # int slots 0 and 1: Triton would make an int argument equal to 1 a compile-time constant (not here)
+    slot = {"int": 7, "int1": 1, "int0": 0, "tensor1": torch.tensor([7], device=DEV),
+            "tensorB": torch.tensor([7, 2, 10], device=DEV)}[slot_kind]
+    # NoPE positions: one per sequence, or one for all with stride 0 (as lean passes expanded position ids)
+    pos = torch.tensor([7, 2, 10], device=DEV) if slot_kind != "tensor1" else torch.tensor([7], device=DEV).expand(3)
+    nope = {} if rope else {"positions": pos, "nope_a": 500.0}
     kc_ref, vc_ref = kc.clone(), vc.clone()
     ref = fa_decode_prep_torch(q, k, v, kc_ref, vc_ref, slot, **nope, **kw)
     got = fa_decode_prep(q, k, v, kc, vc, slot, **nope, **kw)
@@ -101,6 +106,8 @@ def test_bad_input_names_the_problem():
         fa_decode_prep_torch(q, k, v, kc, vc, 0, nope_a=500.0)
     with pytest.raises(ValueError, match="slot must be"):
         fa_decode_prep_torch(q, k, v, kc, vc, torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="cos and sin must be"):
+        fa_decode_prep_torch(q, k, v, kc, vc, 0, cos=kw["cos"][:, :8], sin=kw["sin"][:, :8])
     if fa_step.applies(16, torch.device(DEV)):
         with pytest.raises(ValueError, match="outside the cache"):
             fa_decode_prep(*(t.to(DEV) for t in (q, k, v, kc, vc)), 5)
@@ -172,3 +179,23 @@ def test_lean_decode_steps_with_the_prep_kernel_equal_the_plain_forward(monkeypa
                        position_ids=torch.tensor([[t]], device=DEV).expand(B, 1))[0] for t in range(8, T)]
     assert len(preps) == T - 8
     assert (torch.cat([pre] + steps, 1) - ref).abs().max() < (1e-5 if DEV == "cpu" else 1e-4)
+
+
+@needs_kernel
+def test_kernel_takes_one_rotary_row_for_the_batch():
+    """cos/sin [1, d] (the same position for every sequence) = the rows repeated over the batch."""
+    (q, k, v, kc, vc), kw = _inputs(3, 2, 1, 16, 6, torch.float32, qkn=False)
+    q, k, v, kc, vc = (t.to(DEV) for t in (q, k, v, kc, vc))
+    c, s_ = kw["cos"][:1].to(DEV), kw["sin"][:1].to(DEV)
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = fa_decode_prep(q, k, v, kc, vc, 2, cos=c, sin=s_)
+    ref = fa_decode_prep_torch(q, k, v, kc2, vc2, 2, cos=c.expand(3, -1), sin=s_.expand(3, -1))
+    assert (got - ref).abs().max() < 1e-5 and (kc - kc2).abs().max() < 1e-5
+
+
+def test_overlap_rule():
+    """DECODE_OVERLAP="auto": the GDN grid (batch x heads x d/32 programs) at most a quarter of the SMs."""
+    assert lean.overlap_rule(1, 8, 64, 132)  # SmolLM2 at batch 1: 16 programs (measured faster with the side stream)
+    assert not lean.overlap_rule(16, 8, 64, 132)  # batch 16: 256 programs (measured slower)
+    assert lean.overlap_rule(2, 8, 64, 132) and not lean.overlap_rule(3, 8, 64, 132)  # 32 <= 33 < 48
+    assert not lean.overlap_rule(1, 14, 128, 132) and lean.overlap_rule(1, 14, 128, 224)  # 56 programs: 4 x 56 = 224

@@ -89,3 +89,19 @@ def test_bad_input_names_the_fix():
         gdn_decode_step(q, k, v, a, b, S.double(), A_neg, dtb, 1.0)
     with pytest.raises(ValueError, match="together"):
         gdn_decode_step(q, k, v, a, b, S, A_neg, dtb, 1.0, cos=torch.ones(1, 16))
+
+
+@needs_kernel
+def test_kernel_writes_into_a_given_output():
+    """out= (the side-stream path allocates y on the stream that reads it): the same y, in that tensor; a wrong
+    out is refused."""
+    args, kw = _inputs(2, 3, 32, torch.float32)
+    args = [t.to(DEV) for t in args]
+    kw = {k: (t.to(DEV) if torch.is_tensor(t) else t) for k, t in kw.items()}
+    S2 = args[5].clone()
+    ref = gdn_decode_step(*args, 32 ** -0.5, **kw)
+    out = torch.full((2, 3, 32), float("nan"), device=DEV)
+    got = gdn_decode_step(*args[:5], S2, *args[6:], 32 ** -0.5, out=out, **kw)
+    assert got is out and (out - ref).abs().max() < 1e-6
+    with pytest.raises(ValueError, match="out must be"):
+        gdn_decode_step(*args[:5], S2, *args[6:], 32 ** -0.5, out=out[:, :2], **kw)

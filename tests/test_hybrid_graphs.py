@@ -227,8 +227,16 @@ def test_fused_tail_matches_the_mlp_module_or_is_refused(monkeypatch):
         assert b is None and torch.equal(W, torch.cat([layers[1].mlp.gate_proj.weight, layers[1].mlp.up_proj.weight]))
         layers[1].mlp.up_proj.weight.mul_(2)  # a changed weight: the concatenation is rebuilt
         assert torch.equal(dec._gate_up(1)[0][W.shape[0] // 2:], layers[1].mlp.up_proj.weight)
-    mlp = layers[0].mlp
-    monkeypatch.setattr(type(mlp), "forward", lambda self, x: self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x)))
+        monkeypatch.setattr(static, "FUSED_GATE_UP_MAX_BYTES", 0)  # large layers: the two projections, same result
+        assert dec._gate_up(0) == (None, None)
+        got_h2, _ = static._post_fused(layers[0], layers[1], h, a, *dec._gate_up(0))
+        torch.testing.assert_close(got_h2, ref_h, rtol=0, atol=1e-5)
+    handle = layers[1].mlp.register_forward_hook(lambda *a: None)
+    with pytest.warns(UserWarning, match="forward hooks"):
+        assert StaticDecoder(model, batch=2, max_len=8, compile_tail=True)._fused is None
+    handle.remove()
+    mlp = layers[1].mlp  # the second layer only (an instance's forward): not just the first layer is checked
+    monkeypatch.setattr(mlp, "forward", lambda x: mlp.down_proj(mlp.act_fn(mlp.up_proj(x)) * mlp.gate_proj(x)))
     with pytest.warns(UserWarning, match="differs from the MLP module"):
         assert StaticDecoder(model, batch=2, max_len=8, compile_tail=True)._fused is None
 

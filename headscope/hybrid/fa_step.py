@@ -52,6 +52,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, cos: Optiona
                          f"{tuple(kc.shape)}, {tuple(vc.shape)}")
     if (cos is None) != (sin is None) or (q_norm is None) != (k_norm is None):
         raise ValueError("give cos and sin together, and q_norm and k_norm together")
+    if cos is not None and (cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] not in (1, B) or cos.shape[1] != d):
+        raise ValueError(f"cos and sin must be [batch={B} or 1, d={d}]; got {tuple(cos.shape)}, {tuple(sin.shape)}")
     if cos is not None and nope_a is not None:
         raise ValueError("RoPE (cos, sin) and the NoPE scale (nope_a) exclude each other")
 
@@ -95,8 +97,9 @@ def fa_decode_prep_torch(
 def _make(triton, tl) -> dict:
     """The Triton kernel of the FA heads' decode prep."""
 
-    @triton.jit
-    def _prep(Q, K, V, KC, VC, SLOT, slot_int, POS, COS, SIN, QN, KN, QO, qk_eps, inv_log_a, nope_a,
+    # slot_int is never specialized: Triton makes an int argument equal to 1 a compile-time constant (no .to)
+    @triton.jit(do_not_specialize=["slot_int"])
+    def _fa_decode_prep(Q, K, V, KC, VC, SLOT, slot_int, POS, COS, SIN, QN, KN, QO, qk_eps, inv_log_a, nope_a,
               sqb, sqh, skb, skh, svb, svh, skcb, skch, skcl, svcb, svch, svcl, scb, ssb, sqob, sqoh,
               slot_stride, pos_stride,
               NF: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr, NOPE: tl.constexpr,
@@ -150,7 +153,7 @@ def _make(triton, tl) -> dict:
             vv = tl.load(V + b * svb + g * svh + rd)
             tl.store(VC + b * svcb + g * svch + s * svcl + rd, vv.to(VC.dtype.element_ty))
 
-    return {"prep": _prep}
+    return {"prep": _fa_decode_prep}
 
 
 def _build() -> dict:
@@ -193,8 +196,8 @@ def fa_decode_prep(
         k_cache, v_cache: the decode cache's buffers [batch, kv_group, slots, d] (unit stride in d).
         slot: the cache slot to write (0-based token index): an int (a kernel argument: a captured CUDA graph
             replays that slot), or an integer tensor [1] / [batch] on the device (read by the kernel: one graph
-            serves every position).
-        cos, sin: the token's rotary embedding [batch, d] (half-split), when the FA heads use RoPE.
+            serves every position; not bounds-checked: it must be < slots).
+        cos, sin: the token's rotary embedding [batch, d] or [1, d] (half-split), when the FA heads use RoPE.
         positions: integer tensor [1] / [batch], the token's position t (the NoPE scale only).
         nope_a: HypeNet's a (> 1) when the FA heads are NoPE with the log-scale query coefficient.
         q_norm, k_norm: the teacher's QK-RMSNorm weights [d] (fp32) and ``qk_eps``, when it has them.
@@ -204,8 +207,8 @@ def fa_decode_prep(
 
     Raises:
         ValueError: shapes that disagree, a head_dim that is not a power of two ≥ 16, RoPE and NoPE together,
-            NoPE without positions, an int slot outside the cache, or CPU tensors outside Triton's interpreter (``TRITON_INTERPRET=1``); the
-            message names :func:`fa_decode_prep_torch`.
+            NoPE without positions, an int slot outside the cache, cos/sin of another shape, or CPU tensors outside
+            Triton's interpreter (``TRITON_INTERPRET=1``); the message names :func:`fa_decode_prep_torch`.
         ImportError: triton missing.
 
     Source: the lean path's FA glue (RoPE: Su et al. 2021, half-split as Llama; NoPE scale: HypeNet, SPEC §4.2);
@@ -219,8 +222,11 @@ def fa_decode_prep(
                          "use fa_decode_prep_torch")
     if nope_a is not None and positions is None:
         raise ValueError("the NoPE scale needs the token's positions ([1] or [batch] integers)")
-    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
+    if cos is not None and cos.shape[0] == 1:
+        cos, sin = cos.expand(B, -1), sin.expand(B, -1)  # stride 0 over the batch
+    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("cos", cos),
+                    ("sin", sin)):
+        if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} needs unit stride in its last dimension")
     if not triton_available():
         raise ImportError("fa_decode_prep needs triton (pip install triton); or use fa_decode_prep_torch")

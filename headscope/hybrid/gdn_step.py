@@ -84,7 +84,7 @@ def _make(triton, tl) -> dict:
     """The Triton kernel of the GDN decode step."""
 
     @triton.jit
-    def _step(Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y, scale, qk_eps,
+    def _gdn_decode_step(Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y, scale, qk_eps,
               sqb, sqh, skb, skh, svb, svh, sab, sbb, scb, ssb, syb, syh,
               N: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)  # (sequence, head); 64-bit offsets
@@ -136,7 +136,7 @@ def _make(triton, tl) -> dict:
         tl.store(p2, S2)
         tl.store(Y + b * syb + h * syh + cv, y.to(DT))
 
-    return {"step": _step}
+    return {"step": _gdn_decode_step}
 
 
 def _build() -> dict:

@@ -84,10 +84,10 @@ DECODE_FA_PREP = "triton"
 # A decode step with the Triton GDN kernel can run it on a side CUDA stream, concurrently with the FA heads' prep
 # and split-K attention (independent work; the streams join before the output fusion; a captured CUDA graph keeps
 # the two branches). True / False: always / never; "auto" (default): when the GDN kernel's grid (batch x GDN heads
-# programs) is at most a quarter of the GPU's SMs. Measured on the H200 (SmolLM2 shape, 32K cached,
-# benchmarks/profile_decode.py): batch 1 (8 GDN programs) 36.2 vs 39.0 µs per layer with / without; batch 16 (128
-# programs) 96.9 vs 76.7: the concurrent GDN blocks took the SM slots of split-K's one-wave grid and the partial
-# kernel ran 1.5x longer.
+# x head_dim/32 programs) is at most a quarter of the GPU's SMs (:func:`overlap_rule`). Measured on the H200
+# (SmolLM2 shape, 32K cached, benchmarks/profile_decode.py): batch 1 (16 GDN programs) 36.2 vs 39.0 µs per layer with
+# / without; batch 16 (256 programs) 77.8 vs 75.2 µs with split-K's 4 blocks per SM, and 96.9 vs 76.7 with 2: the
+# concurrent GDN blocks take SM slots of split-K's grid, whose partial kernel then runs longer.
 DECODE_OVERLAP = "auto"
 _side_streams: dict = {}
 _compiled: dict[tuple, Callable] = {}
@@ -348,7 +348,7 @@ def _fa_attend(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Optiona
     ``prep``: q is already prepared and the token's K/V already in the cache (:func:`fa_decode_prep`)."""
     T = q.shape[1]
     splitk = T == 1 and cache is not None and _splitk_applies(q, layer)
-    if splitk and prep is not None:  # q prepared and K/V written into the cache by fa_decode_prep
+    if splitk and prep:  # q prepared and K/V written into the cache by fa_decode_prep
         kc, vc, n_valid = cache.k, cache.v, None
         if dpos is None:
             kc, vc = kc[:, :, : past + 1], vc[:, :, : past + 1]
@@ -404,7 +404,13 @@ def _gdn_overlaps(p: _Plan, x: Tensor, T: int, S: Optional[Tensor]) -> bool:
     if not (DECODE_OVERLAP and x.is_cuda and T == 1 and S is not None and p.ng > 0 and p.nf > 0
             and DECODE_GDN == "triton" and gdn_step_applies(p.d, x.device)):
         return False
-    return DECODE_OVERLAP != "auto" or x.shape[0] * p.ng * 4 <= _sm_count(x.device)
+    return DECODE_OVERLAP != "auto" or overlap_rule(x.shape[0], p.ng, p.d, _sm_count(x.device))
+
+
+def overlap_rule(batch: int, n_gdn: int, d: int, sms: int) -> bool:
+    """``DECODE_OVERLAP = "auto"``: overlap when the GDN step's grid (batch · n_gdn · ⌈d / 32⌉ programs, as
+    :func:`~headscope.hybrid.gdn_step.gdn_decode_step` launches it) is at most a quarter of the ``sms``."""
+    return batch * n_gdn * max(1, -(-d // 32)) * 4 <= sms
 
 
 def _prep_applies(layer: "HeadwiseHybridAttention", q: Tensor, T: int, cache: Any) -> bool:

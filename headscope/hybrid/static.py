@@ -35,6 +35,10 @@ TAIL_MODE: Optional[str] = None  # its torch.compile mode (None: the default; e.
 # up projections in one GEMM (gated MLPs, checked against the module's forward first); False: the two calls.
 # On the H200 (SmolLM2 shape, batch 16) the gate/up GEMMs were 3.7 µs each (benchmarks/profile_decode.py).
 FUSED_TAIL = True
+# The one gate/up GEMM needs a concatenated copy of both weights per layer (106 MB for SmolLM2-135M in bf16): made only
+# where a layer's gate + up weights are at most this many bytes — small GEMMs, bound by latency, where one launch
+# fewer pays; larger layers keep the two projections (bandwidth-bound: nothing to gain) inside the same fused call.
+FUSED_GATE_UP_MAX_BYTES = 32 << 20
 
 
 class _Clock:
@@ -70,13 +74,33 @@ def _post(layer: Any, h: Tensor, a: Tensor) -> Tensor:
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def _post_fused(layer: Any, nxt: Any, h: Tensor, a: Tensor, W_gu: Tensor, b_gu: Optional[Tensor]) -> tuple:
-    """``_post`` with the gated MLP's gate and up projections as one GEMM (``W_gu`` = [gate; up] rows), and the
-    next layer's input norm (``nxt``; None after the last layer) in the same call: (h, next layer's input)."""
+def _post_fused(layer: Any, nxt: Any, h: Tensor, a: Tensor, W_gu: Optional[Tensor], b_gu: Optional[Tensor]) -> tuple:
+    """``_post`` with the gated MLP's gate and up projections as one GEMM (``W_gu`` = [gate; up] rows; None: the
+    two projections), and the next layer's input norm (``nxt``; None after the last layer) in the same call:
+    (h, next layer's input)."""
     h = h + a
-    g, u = F.linear(layer.post_attention_layernorm(h), W_gu, b_gu).chunk(2, dim=-1)
+    x = layer.post_attention_layernorm(h)
+    if W_gu is None:
+        g, u = layer.mlp.gate_proj(x), layer.mlp.up_proj(x)
+    else:
+        g, u = F.linear(x, W_gu, b_gu).chunk(2, dim=-1)
     h = h + layer.mlp.down_proj(layer.mlp.act_fn(g) * u)
     return h, (nxt.input_layernorm(h) if nxt is not None else None)
+
+
+def _version(p: Tensor) -> int:
+    """A tensor's version counter (-1 for inference-mode tensors, which have none)."""
+    try:
+        return p._version
+    except RuntimeError:
+        return -1
+
+
+def _hooked(layer: Any) -> bool:
+    """Whether any module the fused tail would bypass (norms, MLP and its projections) has forward hooks."""
+    mods = [layer.post_attention_layernorm, layer.input_layernorm, layer.mlp, layer.mlp.gate_proj, layer.mlp.up_proj,
+            layer.mlp.down_proj]
+    return any(m._forward_hooks or m._forward_pre_hooks for m in mods)
 
 
 def _gated_mlp(layer: Any) -> bool:
@@ -102,8 +126,10 @@ class StaticDecoder:
             step launches a few fused kernels per layer instead of ~20 small ones; eager after a compile
             failure (warned). Off by default (a first-use compile of ~30 s): on the H200 it made the whole-model
             decode step 1.2–1.6× faster (``bench_hybrid.py --compile-tail``; README, whole-model decode). With
-            :data:`FUSED_TAIL` and gated MLPs (checked against the modules' forward first) a layer's residual,
-            norm, MLP (gate and up projections in one GEMM) and the next layer's input norm are one compiled call.
+            :data:`FUSED_TAIL` and gated MLPs (checked against the modules' forward first; not with forward hooks
+            on the norms or MLPs, warned) a layer's residual, norm, MLP (gate and up projections in one GEMM up to
+            :data:`FUSED_GATE_UP_MAX_BYTES`: a concatenated weight copy) and the next layer's input norm are one
+            compiled call.
 
     Raises:
         ValueError: a layer's attention is not a hybrid layer.
@@ -126,14 +152,26 @@ class StaticDecoder:
         if compile_tail:
             self._pre = torch.compile(_pre, backend=TAIL_BACKEND, fullgraph=True, mode=TAIL_MODE)
             self._post = torch.compile(_post, backend=TAIL_BACKEND, fullgraph=True, mode=TAIL_MODE)
-            if FUSED_TAIL and all(_gated_mlp(layer) for layer in self.base.layers) and self._fused_tail_ok():
-                self._fused = torch.compile(_post_fused, backend=TAIL_BACKEND, fullgraph=True, mode=TAIL_MODE)
+            layers = self.base.layers
+            if FUSED_TAIL and all(_gated_mlp(layer) for layer in layers):
+                if any(_hooked(layer) for layer in layers):
+                    import warnings
+
+                    warnings.warn("StaticDecoder: forward hooks on the layers' norms or MLPs; the fused layer tail "
+                                  "would bypass them, so the modules are called (two compiled calls per layer)",
+                                  stacklevel=2)
+                elif self._fused_tail_ok():
+                    self._fused = torch.compile(_post_fused, backend=TAIL_BACKEND, fullgraph=True, mode=TAIL_MODE)
 
     def _gate_up(self, i: int) -> tuple:
-        """Layer i's [gate; up] weight (and bias), concatenated once and again when either changes."""
+        """Layer i's [gate; up] weight (and bias), concatenated once and again when either changes; (None, None)
+        above :data:`FUSED_GATE_UP_MAX_BYTES` (the two projections are used). A captured CUDA graph keeps the
+        copy it was captured with: capture again after editing the weights (as for the lean path's projections)."""
         m = self.base.layers[i].mlp
         ps = (m.gate_proj.weight, m.up_proj.weight, m.gate_proj.bias, m.up_proj.bias)
-        key = tuple((id(p), p._version, p.device, p.dtype) if p is not None else None for p in ps)
+        if (ps[0].numel() + ps[1].numel()) * ps[0].element_size() > FUSED_GATE_UP_MAX_BYTES:
+            return None, None
+        key = tuple((id(p), _version(p), p.device, p.dtype) if p is not None else None for p in ps)
         got = self._gu[i]
         if got is None or got[0] != key:
             with torch.no_grad():
@@ -146,9 +184,9 @@ class StaticDecoder:
 
     @torch.no_grad()
     def _fused_tail_ok(self, tol: Optional[float] = None) -> bool:
-        """The fused tail (eager) against the layers' own modules on random hidden states, for the first two
-        layers: False (with a warning) when they differ by more than ``tol`` relative to the largest value
-        (default 1e-4 in fp32, 3e-2 in 16-bit types: one GEMM of concatenated rows may round differently)."""
+        """The fused tail (eager) against the layers' own modules on random hidden states, for every layer: False
+        (with a warning) when they differ by more than ``tol`` relative to the largest value (default 1e-4 in
+        fp32, 3e-2 in 16-bit types: one GEMM of concatenated rows may round differently)."""
         layers = self.base.layers
         w = layers[0].mlp.gate_proj.weight
         if tol is None:
@@ -156,7 +194,7 @@ class StaticDecoder:
         g = torch.Generator(device="cpu").manual_seed(0)
         h = torch.randn(2, 3, w.shape[1], generator=g).to(w.device, w.dtype)
         a = torch.randn(2, 3, w.shape[1], generator=g).to(w.device, w.dtype)
-        for i in range(min(2, len(layers))):
+        for i in range(len(layers)):
             nxt = layers[i + 1] if i + 1 < len(layers) else None
             ref_h = _post(layers[i], h, a)
             ref_x = _pre(nxt, ref_h) if nxt is not None else None
