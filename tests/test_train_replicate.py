@@ -73,17 +73,20 @@ def _log(d: Path) -> list[dict]:
 
 
 def _check_weights(ref: dict, got: dict, start: dict, what) -> None:
-    """``got`` equals ``ref`` to float rounding: per tensor ‖got − ref‖ ≤ 1e-4 ‖ref‖ and every element
-    within 2 % of one AdamW step (lr); and training moved the weights. (AdamW divides by the gradient's
-    running RMS, so float rounding of small gradient components — summed in another order on two ranks —
-    reaches the weights amplified: measured max |diff| 2.6e-5 after 3 stage-3 steps at lr 3e-3, ≤ 5e-6
-    in stages 1 and 2; per-tensor relative ≤ 4.1e-5.)"""
+    """``got`` equals ``ref`` to float rounding: per tensor ‖got − ref‖ ≤ 1e-3 ‖ref − start‖ (a fraction of what
+    training moved it) and every element within 5 % of one AdamW step (lr); and training moved the weights.
+    AdamW divides by the gradient's running RMS, so float rounding of small gradient components — summed in
+    another order on two ranks — reaches the weights amplified, in proportion to the update, not to the weight:
+    measured (2026-12-01, a Xeon with AVX-512) per tensor ≤ 2.3e-4 of the movement and ≤ 1.9e-4 of the weight (a
+    near-zero β bias), every element ≤ 0.019 lr; an earlier machine gave ≤ 4.1e-5 of the weight. A wrong
+    gradient weighting would show at step 1, which the metrics check to 1e-6."""
     moved = max(float((ref[k] - start[k]).abs().max()) for k in ref)
     assert moved > 1e-3, what
     for k in ref:
         d = (ref[k].double() - got[k].double())
-        assert float(d.norm()) <= 1e-4 * max(float(ref[k].double().norm()), 1e-6), (what, k, float(d.norm()))
-        assert float(d.abs().max()) <= 0.02 * LR, (what, k, float(d.abs().max()))
+        step = float((ref[k].double() - start[k].double()).norm())
+        assert float(d.norm()) <= 1e-3 * max(step, 1e-6), (what, k, float(d.norm()), step)
+        assert float(d.abs().max()) <= 0.05 * LR, (what, k, float(d.abs().max()))
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +137,10 @@ def test_two_replicated_ranks_match_one_process(runs, stage):
         for k in a:
             if k in ("seconds",):
                 continue
-            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), (stage, a["step"], k)
+            # step 1: the same weights, only the reduction order differs (measured ≤ 2.4e-7 relative); later steps
+            # start from weights that differ by AdamW-amplified rounding (see _check_weights; measured ≤ 3.9e-5)
+            rel = 1e-6 if a["step"] == 1 else 2e-4
+            assert b[k] == pytest.approx(a[k], rel=rel, abs=1e-7), (stage, a["step"], k)
     assert one[-1]["loss"] != one[0]["loss"]
     start = torch.load(root / "student0.pt")
     w0, w1 = torch.load(root / f"two_s{stage}_r0.pt"), torch.load(root / f"two_s{stage}_r1.pt")
