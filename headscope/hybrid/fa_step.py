@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Optional, Union
 
 import torch
@@ -27,7 +26,7 @@ from torch import Tensor
 from .gdn_step import rms_norm
 from .rope import apply_rope
 from .shapes import Float
-from .splitk import build_kernels, triton_available
+from .splitk import build_kernels, kernel_applies, require_kernel
 
 _kernels: dict = {}
 
@@ -161,11 +160,7 @@ def _build() -> dict:
     return build_kernels(_kernels, _make)
 
 
-def applies(d: int, device: torch.device) -> bool:
-    """Whether :func:`fa_decode_prep` runs here: triton importable, CUDA (or Triton's interpreter), head_dim a
-    power of two ≥ 16."""
-    return (d >= 16 and not d & (d - 1) and triton_available()
-            and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+applies = kernel_applies  # whether :func:`fa_decode_prep` runs here (see splitk.kernel_applies)
 
 
 def fa_decode_prep(
@@ -228,11 +223,7 @@ def fa_decode_prep(
                     ("sin", sin)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} needs unit stride in its last dimension")
-    if not triton_available():
-        raise ImportError("fa_decode_prep needs triton (pip install triton); or use fa_decode_prep_torch")
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("fa_decode_prep runs a Triton kernel on CUDA tensors, or on CPU tensors in Triton's "
-                         "interpreter (set TRITON_INTERPRET=1 before Python starts); else use fa_decode_prep_torch")
+    require_kernel("fa_decode_prep", "fa_decode_prep_torch", q)
     kern = _build()
     qo = torch.empty(B, nf, d, dtype=q.dtype, device=q.device)
     slot_ptr = isinstance(slot, Tensor)

@@ -20,7 +20,6 @@ the recurrence are fp32. :func:`gdn_decode_step_torch` is the same function in P
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Optional
 
 import torch
@@ -29,7 +28,7 @@ from torch import Tensor
 
 from .rope import apply_rope
 from .shapes import Float
-from .splitk import build_kernels, triton_available
+from .splitk import build_kernels, kernel_applies, require_kernel
 
 _kernels: dict = {}
 
@@ -144,11 +143,7 @@ def _build() -> dict:
     return build_kernels(_kernels, _make)
 
 
-def applies(d: int, device: torch.device) -> bool:
-    """Whether :func:`gdn_decode_step` runs here: triton importable, CUDA (or Triton's interpreter),
-    head_dim a power of two ≥ 16."""
-    return (d >= 16 and not d & (d - 1) and triton_available()
-            and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+applies = kernel_applies  # whether :func:`gdn_decode_step` runs here (see splitk.kernel_applies)
 
 
 def gdn_decode_step(
@@ -208,11 +203,7 @@ def gdn_decode_step(
             raise ValueError(f"{name} needs unit stride in its last dimension")
     if (cos is None) != (sin is None) or (q_norm is None) != (k_norm is None):
         raise ValueError("give cos and sin together, and q_norm and k_norm together")
-    if not triton_available():
-        raise ImportError("gdn_decode_step needs triton (pip install triton); or use gdn_decode_step_torch")
-    if not v.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("gdn_decode_step runs a Triton kernel on CUDA tensors, or on CPU tensors in Triton's "
-                         "interpreter (set TRITON_INTERPRET=1 before Python starts); else use gdn_decode_step_torch")
+    require_kernel("gdn_decode_step", "gdn_decode_step_torch", v)
     kern = _build()
     bv = min(block_v, d)
     if out is not None and (out.shape != (B, N, d) or out.dtype != v.dtype or not out.is_contiguous()):

@@ -34,6 +34,28 @@ def triton_available() -> bool:
     return module_found("triton")
 
 
+def kernel_applies(d: int, device: torch.device) -> bool:
+    """Whether headscope's decode-step Triton kernels run here: triton importable, CUDA (or Triton's
+    interpreter, ``TRITON_INTERPRET=1``), head_dim a power of two ≥ 16."""
+    return (d >= 16 and not d & (d - 1) and triton_available()
+            and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+def require_kernel(name: str, reference: str, t: Tensor, plural: bool = False) -> None:
+    """Refuse a launch of the Triton kernel(s) of ``name`` where they cannot run, naming the PyTorch ``reference``.
+
+    Raises:
+        ImportError: triton is not installed.
+        ValueError: ``t`` is a CPU tensor outside Triton's interpreter (``TRITON_INTERPRET=1``).
+    """
+    if not triton_available():
+        raise ImportError(f"{name} needs triton (pip install triton); or use {reference}")
+    if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{name} runs {'Triton kernels' if plural else 'a Triton kernel'} on CUDA tensors, or on CPU "
+                         "tensors in Triton's interpreter (set TRITON_INTERPRET=1 before Python starts); else use "
+                         f"{reference}")
+
+
 def _check(q: Tensor, k: Tensor, v: Tensor, length: Optional[Tensor], kv_index: Optional[Tensor] = None) -> tuple[int, int, int, int, int]:
     if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"want q [batch, q_head, d] and k, v [batch, kv_head, slots, d]; got "
@@ -280,10 +302,8 @@ def decode_attention(
                          "use decode_attention_torch")
     if not triton_available():
         raise ImportError("split-K decode attention needs triton (pip install triton); or use decode_attention_torch")
+    require_kernel("decode_attention", "decode_attention_torch", q, plural=True)
     if not q.is_cuda:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("decode_attention runs Triton kernels on CUDA tensors, or on CPU tensors in Triton's "
-                             "interpreter (set TRITON_INTERPRET=1 before Python starts); else use decode_attention_torch")
         if q.dtype == torch.bfloat16:
             raise ValueError("Triton's CPU interpreter computes bf16 tl.dot wrongly (Triton 3.9): use fp32/fp16 "
                              "tensors there, or decode_attention_torch")
