@@ -205,6 +205,28 @@ def test_compiled_layer_tail_equals_eager(monkeypatch):
         assert two_calls._fused is None and torch.equal(two_calls.generate(ids, 5, cuda_graph=False), ref)
 
 
+def test_a_tail_compile_failure_warns_once_and_runs_eagerly(monkeypatch):
+    """A backend that fails: one warning, then the eager (still fused) tail, the same tokens."""
+    import torch._dynamo
+
+    import headscope.hybrid.static as static
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(static, "TAIL_BACKEND", broken)
+    torch._dynamo.reset()
+    model = _hybrid()
+    ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = StaticDecoder(model, batch=2, max_len=20).generate(ids, 5, cuda_graph=False)
+        dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
+        with pytest.warns(UserWarning, match="torch.compile of the layer tail failed") as rec:
+            got = dec.generate(ids, 5, cuda_graph=False)
+    assert len([w for w in rec if "layer tail failed" in str(w.message)]) == 1
+    assert dec._pre is static._pre and dec._fused is static._post_fused and torch.equal(got, ref)
+
+
 def test_fused_tail_matches_the_mlp_module_or_is_refused(monkeypatch):
     """The fused tail (gate/up in one GEMM + the next layer's input norm) equals the modules' two calls; an MLP
     whose forward is not the gated form is caught by the numerical check and the module is used (warned)."""

@@ -216,10 +216,6 @@ class StaticDecoder:
             x = self._tail(0, layers[0], h)
             for i, (layer, dc) in enumerate(zip(layers, self.caches)):
                 a, _ = layer.self_attn(x, position_embeddings=pe, cache=dc, position_ids=pos)
-                if self._fused is None:  # a compile failure in the previous layer: the two-call tail from here on
-                    h = self._tail(1, layer, h, a)
-                    x = self._tail(0, layers[i + 1], h) if i + 1 < len(layers) else None
-                    continue
                 h, x = self._tail(2, layer, layers[i + 1] if i + 1 < len(layers) else None, h, a, *self._gate_up(i))
             return h
         for layer, dc in zip(layers, self.caches):
@@ -230,7 +226,8 @@ class StaticDecoder:
 
     def _tail(self, i: int, *args: Any) -> Any:
         """``_pre`` (i = 0), ``_post`` (i = 1) or ``_post_fused`` (i = 2), compiled when ``compile_tail``; a
-        compile failure warns once and turns all back to eager (the fused tail off)."""
+        compile failure warns once and turns all three back to eager (the fused tail stays fused: it was checked
+        against the modules)."""
         fn, eager = ((self._pre, _pre), (self._post, _post), (self._fused, _post_fused))[i]
         if fn is eager:
             return eager(*args)
@@ -241,7 +238,8 @@ class StaticDecoder:
 
             warnings.warn(f"StaticDecoder: torch.compile of the layer tail failed ({type(e).__name__}: {e}); "
                           "running it eagerly", stacklevel=3)
-            self._pre, self._post, self._fused = _pre, _post, None
+            self._pre, self._post = _pre, _post
+            self._fused = _post_fused if self._fused is not None else None
             return eager(*args)
 
     @property
