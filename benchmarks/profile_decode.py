@@ -83,6 +83,22 @@ def profile_replay(dec: StaticDecoder, n: int = 5) -> dict:
             "kernels_per_step": sum(r["calls_per_step"] for r in rows)}
 
 
+def parse_variant(variant: str, ap: argparse.ArgumentParser) -> tuple:
+    """'NAME' or 'NAME:module.ATTR=value,...' -> (NAME, [(module, ATTR, value)]); a bad item is a usage error."""
+    mods = {"lean": lean, "static": static, "splitk": splitk}
+    vname, _, spec = variant.partition(":")
+    overrides = []
+    for item in filter(None, spec.split(",")):
+        key, _, val = item.partition("=")
+        mod, _, attr = key.partition(".")
+        if mod not in mods or not hasattr(mods[mod], attr) or not val:
+            ap.error(f"variant {variant!r}: {item!r} is not module.ATTR=value with module in {sorted(mods)} "
+                     "and an existing ATTR (e.g. lean.DECODE_OVERLAP=False)")
+        v = {"True": True, "False": False}.get(val, int(val) if val.lstrip("-").isdigit() else val)
+        overrides.append((mods[mod], attr, v))
+    return vname, overrides
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -97,6 +113,7 @@ def main() -> None:
                          "e.g. before:lean.DECODE_OVERLAP=False,lean.DECODE_FA_PREP=glue,static.FUSED_TAIL=False "
                          "(modules: lean, static, splitk; values: ints, True/False, or strings)")
     args = ap.parse_args()
+    parsed = {v: parse_variant(v, ap) for v in args.variants}
     if not torch.cuda.is_available():
         sys.exit("profile_decode.py needs a CUDA device")
     out_dir = Path(args.out)
@@ -118,16 +135,9 @@ def main() -> None:
     B, T = args.batch, args.length
     ids = torch.randint(0, cfg.vocab_size, (B, 1), device=dev)
     t0 = time.perf_counter()
-    mods = {"lean": lean, "static": static, "splitk": splitk}
     cells = [(mode, v) for mode in args.tail_modes for v in args.variants]
     for mode, variant in cells:
-        vname, _, spec = variant.partition(":")
-        overrides = []
-        for item in filter(None, spec.split(",")):
-            key, _, val = item.partition("=")
-            mod, attr = key.split(".")
-            v = {"True": True, "False": False}.get(val, int(val) if val.lstrip("-").isdigit() else val)
-            overrides.append((mods[mod], attr, v))
+        vname, overrides = parsed[variant]
         saved = [(m, a, getattr(m, a)) for m, a, _ in overrides]
         for m, a, v in overrides:
             setattr(m, a, v)
