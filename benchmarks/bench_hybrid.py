@@ -599,6 +599,9 @@ def main(argv=None):
     ap.add_argument("--splitk-from", type=Path, default=None,
                     help="a bench_splitk.json: run with its best_overall split-K launch settings")
     ap.add_argument("--model", action="store_true", help="whole SmolLM2-shaped model: hybrid vs teacher")
+    ap.add_argument("--mask", default="hydrahead",
+                    help="--model: the hybrid's FA heads: hydrahead (the ranked SmolLM2 mask, 30 KV groups kept), "
+                         "random (34 random heads; the figures before 2026-12-01), or a HeadMask JSON file")
     ap.add_argument("--model-lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
     ap.add_argument("--model-batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--compile-tail", action="store_true",
@@ -704,7 +707,7 @@ def main(argv=None):
                                        [1, 2] if a.smoke else a.model_batches, dump=dump, results=results,
                                        graph_prefill=not a.no_graph_prefill, cells=cells, generate=a.generate,
                                        compile_tail=a.compile_tail, decode_variants=a.decode_variants,
-                                       generate_only=a.generate_only)
+                                       generate_only=a.generate_only, mask=a.mask)
     print("\nshape              T | prefill ms fa / hybrid | peak MB fa / hybrid (plain path) | "
           "decode step us fa / hybrid | cache MB fa / hybrid")
     print("\n".join(rows))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -58,6 +59,34 @@ def mask_7to1(layers: int, heads: int = 9, kv: int = 3, seed: int = 0) -> HeadMa
     while sum(len(s) for s in fa) < n_fa:
         fa[int(torch.randint(layers, (1,), generator=g))].add(int(torch.randint(heads, (1,), generator=g)))
     return HeadMask(layers, heads, kv, tuple(tuple(sorted(s)) for s in fa))
+
+
+HYDRAHEAD_MASK = Path(__file__).resolve().parent.parent / "experiments" / "conversion-smollm2-50m" / "masks" / "hydrahead.json"
+MASKS = ("hydrahead", "random")
+
+
+def hybrid_mask(which: str, layers: int = 30) -> HeadMask:
+    """The 7:1 hybrid's FA heads: ``"hydrahead"`` — the mask that headscope's causal ranking chose for
+    SmolLM2-135M-Instruct and that the 50M-token conversion trained (``experiments/conversion-smollm2-50m/masks/
+    hydrahead.json``: 34 FA heads, one KV group kept per layer, 30 of 90); ``"random"`` — :func:`mask_7to1`
+    (34 heads at random, >= 1 per layer: 34 KV groups kept); or a path to a HeadMask JSON file. A decode step
+    reads the K/V cache of every KV group that holds an FA head, so the kept groups, not the FA heads, set the
+    split-K attention's time.
+
+    Raises:
+        ValueError: an unknown name, or ``"hydrahead"`` at another depth than SmolLM2's 30 layers.
+    """
+    if which == "random":
+        return mask_7to1(layers)
+    if which == "hydrahead":
+        if layers != 30:
+            raise ValueError(f"the hydrahead mask is SmolLM2's (30 layers), not {layers}; use --mask random")
+        return HeadMask.from_json(HYDRAHEAD_MASK)
+    if Path(which).is_file():
+        m = HeadMask.from_json(which)
+        m.check_geometry(layers, 9, 3)
+        return m
+    raise ValueError(f"mask {which!r}: want one of {MASKS} or a HeadMask JSON file")
 
 
 def _ms(fn, reps):
@@ -105,20 +134,20 @@ def _variants(compile_tail: bool, decode_variants: bool) -> dict:
 
 
 def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30, graph_reps=30, graph_prefill=True,
-                cells=None, generate=0, compile_tail=False, decode_variants=False, generate_only=False):
+                cells=None, generate=0, compile_tail=False, decode_variants=False, generate_only=False, mask="hydrahead"):
     cfg = smollm2_config(layers)
     torch.manual_seed(0)
     teacher = LlamaForCausalLM(cfg).to(dtype).eval()
     with torch.no_grad():
         for p in teacher.parameters():  # weights of a trained model's scale (default init is near-zero)
             p.normal_(std=0.02)
-    mask = mask_7to1(layers)
+    mask_name, mask = mask, hybrid_mask(mask, layers)
     models = {
         "teacher": hybridize(teacher, HeadMask(layers, 9, 3, (tuple(range(9)),) * layers), fusion="none").to(dev, dtype).eval(),
         "hybrid": hybridize(teacher, mask).to(dev, dtype).eval(),
     }
     weights = sum(p.numel() * p.element_size() for p in models["hybrid"].parameters())
-    out = {"layers": layers, "n_fa_heads": mask.n_fa, "fa_heads": [list(h) for h in mask.fa_heads],
+    out = {"layers": layers, "mask": mask_name, "kv_groups_kept": sum(len(g) for g in mask.kv_groups()), "n_fa_heads": mask.n_fa, "fa_heads": [list(h) for h in mask.fa_heads],
            "weights_bytes": {k: sum(p.numel() * p.element_size() for p in m.parameters()) for k, m in models.items()},
            "cells": {}}
     # parity: the all-FA hybrid = transformers' teacher forward; StaticDecoder prefill = the model's forward

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_hybrid_model import mask_7to1, smollm2_config  # noqa: E402
+from bench_hybrid_model import MASKS, hybrid_mask, smollm2_config  # noqa: E402
 from bench_timing import time_ms  # noqa: E402
 
 from headscope.hybrid import hybridize, lean, splitk, static  # noqa: E402
@@ -106,6 +106,9 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--masks", nargs="+", default=["hydrahead"],
+                    help=f"the hybrids' FA heads, each one of {MASKS} or a HeadMask JSON file (bench_hybrid_model.hybrid_mask); "
+                         "the first is 'hybrid', the others 'hybrid_<name>'")
     ap.add_argument("--tail-modes", nargs="+", default=["default"],
                     help="torch.compile modes of the compiled layer tail to compare ('none': eager tail)")
     ap.add_argument("--variants", nargs="+", default=["defaults"],
@@ -113,6 +116,11 @@ def main() -> None:
                          "e.g. before:lean.DECODE_OVERLAP=False,lean.DECODE_FA_PREP=glue,static.FUSED_TAIL=False "
                          "(modules: lean, static, splitk; values: ints, True/False, or strings)")
     args = ap.parse_args()
+    for m in args.masks:
+        try:
+            hybrid_mask(m, args.layers)
+        except ValueError as e:
+            ap.error(str(e))
     parsed = {v: parse_variant(v, ap) for v in args.variants}
     if not torch.cuda.is_available():
         sys.exit("profile_decode.py needs a CUDA device")
@@ -128,9 +136,12 @@ def main() -> None:
         for p in teacher.parameters():
             p.normal_(std=0.02)
     L = args.layers
-    models = {"teacher": hybridize(teacher, HeadMask(L, 9, 3, (tuple(range(9)),) * L), fusion="none").to(dev, dt).eval(),
-              "hybrid": hybridize(teacher, mask_7to1(L)).to(dev, dt).eval()}
+    masks = {m: hybrid_mask(m, L) for m in args.masks}
+    models = {"teacher": hybridize(teacher, HeadMask(L, 9, 3, (tuple(range(9)),) * L), fusion="none").to(dev, dt).eval()}
+    for i, (m, hm) in enumerate(masks.items()):
+        models["hybrid" if i == 0 else f"hybrid_{Path(m).stem}"] = hybridize(teacher, hm).to(dev, dt).eval()
     res = {"batch": args.batch, "length": args.length, "layers": L, "torch": torch.__version__,
+           "masks": {m: {"kv_groups_kept": sum(len(g) for g in hm.kv_groups()), "n_fa": hm.n_fa} for m, hm in masks.items()},
            "device": torch.cuda.get_device_name(), "cells": {}}
     B, T = args.batch, args.length
     ids = torch.randint(0, cfg.vocab_size, (B, 1), device=dev)
@@ -165,10 +176,14 @@ def main() -> None:
     static.TAIL_MODE = None
     for mode, variant in cells:
         tag = mode if variant.partition(":")[0] == "defaults" else f"{mode}+{variant.partition(':')[0]}"
-        t, h = res["cells"][f"teacher/{tag}"], res["cells"][f"hybrid/{tag}"]
-        h["speedup_vs_teacher"] = t["step_ms"] / h["step_ms"]
-        print(f"{tag}: speed-up {t['step_ms'] / h['step_ms']:.2f}x (teacher {t['step_ms']:.3f} ms, hybrid "
-              f"{h['step_ms']:.3f} ms)")
+        t = res["cells"][f"teacher/{tag}"]
+        for name in models:
+            if name == "teacher":
+                continue
+            h = res["cells"][f"{name}/{tag}"]
+            h["speedup_vs_teacher"] = t["step_ms"] / h["step_ms"]
+            print(f"{tag}: {name} speed-up {t['step_ms'] / h['step_ms']:.2f}x (teacher {t['step_ms']:.3f} ms, {name} "
+                  f"{h['step_ms']:.3f} ms)")
     (out_dir / "profile_decode.json").write_text(json.dumps(res, indent=1, default=str))
     for mode, variant in cells[:1]:
         tag = mode if variant.partition(":")[0] == "defaults" else f"{mode}+{variant.partition(':')[0]}"

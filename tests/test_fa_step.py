@@ -137,10 +137,13 @@ def test_torch_prep_equals_the_lean_glue():
 
 
 @needs_kernel
+@pytest.mark.parametrize("fused_out", [True, False])
 @pytest.mark.parametrize("qwen,opts", [(True, {}), (False, {"fa_pos": "nope", "fa_gate": True}), (True, {"fa_pos": "rope"})])
-def test_lean_decode_steps_with_the_prep_kernel_equal_the_plain_forward(monkeypatch, qwen, opts):
+def test_lean_decode_steps_with_the_prep_kernel_equal_the_plain_forward(monkeypatch, qwen, opts, fused_out):
     """A hybrid layer (head_dim 16, FA heads over two KV groups) decoding token by token through the lean path
-    with the prep kernel and split-K gives the plain forward's outputs (Qwen3 QK-norm, RoPE and NoPE)."""
+    with the prep kernel and split-K gives the plain forward's outputs (Qwen3 QK-norm, RoPE and NoPE); with
+    ``DECODE_FUSED_OUT`` the output fusion (gate, per-head RMSNorm, γ_h ≠ 1) runs inside the split-K combination
+    and the GDN step (no output glue), without it in the compiled glue."""
     from transformers import LlamaConfig, Qwen3Config
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
@@ -151,6 +154,10 @@ def test_lean_decode_steps_with_the_prep_kernel_equal_the_plain_forward(monkeypa
     preps = []
     real = lean.fa_decode_prep
     monkeypatch.setattr(lean, "fa_decode_prep", lambda *a, **k: preps.append(1) or real(*a, **k))
+    monkeypatch.setattr(lean, "DECODE_FUSED_OUT", fused_out)
+    glues = []
+    real_glue = lean._glue
+    monkeypatch.setattr(lean, "_glue", lambda name, *a, **k: glues.append(name) or real_glue(name, *a, **k))
     kw = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
               num_hidden_layers=1, vocab_size=50, rope_theta=10000.0)
     cfg = Qwen3Config(**kw) if qwen else LlamaConfig(**kw)
@@ -163,7 +170,7 @@ def test_lean_decode_steps_with_the_prep_kernel_equal_the_plain_forward(monkeypa
     layer.migrate_from(teacher)
     with torch.no_grad():
         for n, p in layer.named_parameters():
-            if "norm" in n:
+            if "norm" in n or n == "gamma":
                 p.add_(0.2 * torch.randn(p.shape))
     layer = layer.eval().to(DEV)
     B, T = 2, 12
@@ -178,6 +185,7 @@ def test_lean_decode_steps_with_the_prep_kernel_equal_the_plain_forward(monkeypa
         steps = [layer(x[:, t:t + 1], position_embeddings=(cos[:, t:t + 1], sin[:, t:t + 1]), cache=dc,
                        position_ids=torch.tensor([[t]], device=DEV).expand(B, 1))[0] for t in range(8, T)]
     assert len(preps) == T - 8
+    assert glues.count("out") == 1 + (0 if fused_out else T - 8)  # the prefill's, and the unfused steps'
     assert (torch.cat([pre] + steps, 1) - ref).abs().max() < (1e-5 if DEV == "cpu" else 1e-4)
 
 

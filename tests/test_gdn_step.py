@@ -105,3 +105,25 @@ def test_kernel_writes_into_a_given_output():
     assert got is out and (out - ref).abs().max() < 1e-6
     with pytest.raises(ValueError, match="out must be"):
         gdn_decode_step(*args[:5], S2, *args[6:], 32 ** -0.5, out=out[:, :2], **kw)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 32), (torch.float16, 64)])
+def test_kernel_folds_the_output_fusion_into_a_strided_output(dtype, d):
+    """gamma=: the step writes γ_h · y / RMS(y) (eq. 13–14, y rounded to the dtype first, as lean._glue_out sees
+    it) into a strided slice of a layer-wide [B, heads, d] buffer; the columns of the other heads stay untouched
+    and the state is the unfused step's."""
+    args, kw = _inputs(2, 3, d, dtype)
+    args = [t.to(DEV) for t in args]
+    kw = {k: (t.to(DEV) if torch.is_tensor(t) else t) for k, t in kw.items()}
+    gamma = (1 + 0.5 * torch.randn(3, d, generator=torch.Generator().manual_seed(7))).to(DEV)
+    S_ref = args[5].clone()
+    y = gdn_decode_step_torch(*args[:5], S_ref, *args[6:], d ** -0.5, **kw).float()
+    ref = (gamma * y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    buf = torch.full((2, 5, d), 7.0, dtype=dtype, device=DEV)  # 2 FA heads first, then the 3 GDN heads
+    got = gdn_decode_step(*args, d ** -0.5, out=buf[:, 2:], gamma=gamma, out_eps=1e-5, **kw)
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    assert got.data_ptr() == buf[:, 2:].data_ptr() and (buf[:, 2:].float() - ref.float()).abs().max() < tol
+    assert (buf[:, :2] == 7.0).all() and (args[5] - S_ref).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="gamma must have shape"):
+        gdn_decode_step(*args, d ** -0.5, gamma=gamma[:2], **kw)

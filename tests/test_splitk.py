@@ -187,3 +187,43 @@ def test_launch_defaults_are_set_checked_and_restored():
     finally:
         splitk.set_launch_defaults(**before)
     assert splitk.launch_defaults() == before
+
+
+def _glue_out_ref(o, gate, gamma, eps):
+    """lean._glue_out's arithmetic on the FA heads: o rounded to its dtype, × σ(gate), then γ_h · o / RMS(o)."""
+    of = o.float()
+    if gate is not None:
+        of = of * torch.sigmoid(gate.float())
+    if gamma is not None:
+        of = gamma * of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
+    return of.to(o.dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("Hq,Hk,kvi,ns,dtype,gate,norm", [
+    (2, 1, None, 3, torch.float32, True, True),       # a group of 2 FA heads, gate and norm
+    (3, 2, [0, 0, 1], 5, torch.float32, False, True),  # uneven groups (kv_index), norm only
+    (6, 3, None, 19, torch.float16, True, False),     # more splits than one chunk of the combination, gate only
+])
+def test_combination_folds_the_output_fusion(Hq, Hk, kvi, ns, dtype, gate, norm):
+    """gate= / gamma=: the split-K combination applies the hybrid's FA output step (σ(gate), then eq. 13–14's
+    per-head RMSNorm and γ_h) and writes into a strided slice of a layer-wide buffer; = attention then the glue."""
+    B, L, d = 2, 300, 32
+    q, k, v = _case(B, Hq, Hk, L, d, dtype)
+    g = torch.Generator().manual_seed(5)
+    gt = torch.randn(B, Hq + 4, d, generator=g).to(dtype)[:, 1:Hq + 1] if gate else None  # a strided view
+    gm = 1 + 0.5 * torch.randn(Hq, d, generator=g) if norm else None
+    ln = torch.tensor([L, 41])
+    kv_index = None if kvi is None else torch.tensor(kvi)
+    ref = _glue_out_ref(decode_attention_torch(q, k, v, ln, 0.2, kv_index=kv_index), gt, gm, 1e-6)
+    dev = KERNEL_DEVICE
+    buf = torch.full((B, Hq + 2, d), 3.0, dtype=dtype, device=dev)  # the FA heads first, then 2 GDN heads' columns
+    got = decode_attention(q.to(dev), k.to(dev), v.to(dev), ln.to(dev), 0.2, n_splits=ns,
+                           kv_index=None if kv_index is None else kv_index.to(dev), out=buf[:, :Hq],
+                           gate=None if gt is None else gt.to(dev), gamma=None if gm is None else gm.to(dev), eps=1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    assert got.data_ptr() == buf.data_ptr() and (buf[:, :Hq].cpu().float() - ref.float()).abs().max() < tol
+    assert (buf[:, Hq:] == 3.0).all()
+    with pytest.raises(ValueError, match="gamma must have shape"):
+        decode_attention(q.to(dev), k.to(dev), v.to(dev), ln.to(dev), 0.2, kv_index=None if kv_index is None
+                         else kv_index.to(dev), gamma=torch.ones(Hq + 1, d, device=dev))

@@ -83,9 +83,10 @@ def _make(triton, tl) -> dict:
     """The Triton kernel of the GDN decode step."""
 
     @triton.jit
-    def _gdn_decode_step(Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y, scale, qk_eps,
+    def _gdn_decode_step(Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y, GAMMA, scale, qk_eps, out_eps,
               sqb, sqh, skb, skh, svb, svh, sab, sbb, scb, ssb, syb, syh,
-              N: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr):
+              N: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr,
+              NORM: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)  # (sequence, head); 64-bit offsets
         b = pid // N
         h = pid % N
@@ -133,6 +134,9 @@ def _make(triton, tl) -> dict:
         y = scale * (tl.sum(q1[:, None] * S1, 0) + tl.sum(q2[:, None] * S2, 0))
         tl.store(p1, S1)
         tl.store(p2, S2)
+        if NORM:  # eq. 13–14 (BV = D: the whole head here): y rounded as the unfused path sees it, RMSNorm, γ_h
+            y = y.to(DT).to(tl.float32)
+            y = y / tl.sqrt(tl.sum(y * y, 0) / D + out_eps) * tl.load(GAMMA + h * D + cv)
         tl.store(Y + b * syb + h * syh + cv, y.to(DT))
 
     return {"step": _gdn_decode_step}
@@ -163,6 +167,8 @@ def gdn_decode_step(
     qk_eps: float = 0.0,
     block_v: int = 32,
     out: Optional[Tensor] = None,
+    gamma: Optional[Float[Tensor, "head d"]] = None,
+    out_eps: float = 1e-6,
 ) -> Float[Tensor, "batch head d"]:
     """One token of every GDN head (HydraHead eq. 7–8 with the layer's q/k glue) in one Triton kernel.
 
@@ -176,11 +182,15 @@ def gdn_decode_step(
         cos, sin: the token's rotary embedding [batch, d] (half-split) when the GDN heads use RoPE.
         q_norm, k_norm: the teacher's QK-RMSNorm weights [d] (fp32) and its ε, when it has them.
         block_v: value columns per program.
-        out: where to write y (contiguous [batch, head, d], v's dtype); e.g. a tensor allocated on the stream
-            that reads it when this runs on a side stream. None: a new tensor.
+        out: where to write y ([batch, head, d], v's dtype, unit stride in d): e.g. the GDN heads' columns of
+            the layer's fused output buffer, allocated on the stream that reads it when this runs on a side
+            stream. None: a new tensor.
+        gamma, out_eps: fold the hybrid's output fusion into the step (HydraHead eq. 13–14):
+            y ← γ_h · y / sqrt(mean(y²) + out_eps) per head, ``gamma`` fp32 [head, d]; y is rounded to v's
+            dtype first, as the unfused path (``lean._glue_out``) sees it. One program then holds a whole head.
 
     Returns:
-        y [batch, head, d] in v's dtype (contiguous; ``out`` when given).
+        y [batch, head, d] in v's dtype (contiguous, or ``out`` when given).
 
     Raises:
         ValueError: shapes or strides the kernel cannot take, or CPU tensors outside Triton's interpreter
@@ -205,20 +215,23 @@ def gdn_decode_step(
         raise ValueError("give cos and sin together, and q_norm and k_norm together")
     require_kernel("gdn_decode_step", "gdn_decode_step_torch", v)
     kern = _build()
-    bv = min(block_v, d)
-    if out is not None and (out.shape != (B, N, d) or out.dtype != v.dtype or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous {v.dtype} tensor of shape {(B, N, d)}")
+    bv = d if gamma is not None else min(block_v, d)
+    if out is not None and (out.shape != (B, N, d) or out.dtype != v.dtype or out.stride(-1) != 1):
+        raise ValueError(f"out must be a {v.dtype} tensor of shape {(B, N, d)} with unit stride in d")
+    if gamma is not None and gamma.shape != (N, d):
+        raise ValueError(f"gamma must have shape {(N, d)} (one γ_h per GDN head); got {tuple(gamma.shape)}")
     y = torch.empty(B, N, d, dtype=v.dtype, device=v.device) if out is None else out
     rope, qkn = cos is not None, q_norm is not None
     cos_t = cos if rope else y
     sin_t = sin if rope else y
     qn = q_norm.float().contiguous() if qkn else A_neg
     kn = k_norm.float().contiguous() if qkn else A_neg
+    gm = gamma.float().contiguous() if gamma is not None else A_neg
     with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
         kern["step"][(B * N, d // bv)](
-            q, k, v, a, b, cos_t, sin_t, qn, kn, A_neg.float().contiguous(), dt_bias.float().contiguous(), S, y,
-            float(scale), float(qk_eps),
+            q, k, v, a, b, cos_t, sin_t, qn, kn, A_neg.float().contiguous(), dt_bias.float().contiguous(), S, y, gm,
+            float(scale), float(qk_eps), float(out_eps),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
             cos_t.stride(0) if rope else 0, sin_t.stride(0) if rope else 0, y.stride(0), y.stride(1),
-            N=N, D=d, BV=bv, ROPE=rope, QKN=qkn, num_warps=2)
+            N=N, D=d, BV=bv, ROPE=rope, QKN=qkn, NORM=gamma is not None, num_warps=2)
     return y

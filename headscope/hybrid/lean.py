@@ -89,6 +89,12 @@ DECODE_FA_PREP = "triton"
 # / without; batch 16 (256 programs) 77.8 vs 75.2 µs with split-K's 4 blocks per SM, and 96.9 vs 76.7 with 2: the
 # concurrent GDN blocks take SM slots of split-K's grid, whose partial kernel then runs longer.
 DECODE_OVERLAP = "auto"
+# A decode step whose FA heads take the prep + split-K path and whose GDN heads take the Triton step writes every
+# head's output into one [batch, heads, d] buffer, the output fusion (FA gate, per-head RMSNorm and γ_h, eq. 13–14)
+# folded into the split-K combination and into the GDN step (True), instead of a compiled output glue after
+# both (False; the unfused path that the tests compare it with). The all-FA teacher (no γ, no gate) has no
+# output glue and is not affected.
+DECODE_FUSED_OUT = True
 _side_streams: dict = {}
 _compiled: dict[tuple, Callable] = {}
 _compile_failed: list[str] = []
@@ -341,11 +347,12 @@ def _splitk_applies(q: Tensor, layer: "HeadwiseHybridAttention") -> bool:
 
 
 def _fa_attend(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Optional[Tensor], v: Optional[Tensor],
-               cache: Any, dpos: Optional[Tensor], past: int, prep: Optional[bool] = None) -> Tensor:
+               cache: Any, dpos: Optional[Tensor], past: int, prep: Optional[bool] = None, **out: Any) -> Tensor:
     """The FA heads' attention: q [B,T,nf,d], the new k, v [B,nk,T,d] (written into the cache when there is
     one) -> [B,T,nf,d]. A decode step goes to the split-K kernel where it applies; device-position steps
     write slot ``dpos`` and attend over the buffer up to it (the split-K length, or SDPA with a slot mask).
-    ``prep``: q is already prepared and the token's K/V already in the cache (:func:`fa_decode_prep`)."""
+    ``prep``: q is already prepared and the token's K/V already in the cache (:func:`fa_decode_prep`); ``out``:
+    the split-K kernel's ``out``/``gate``/``gamma``/``eps`` (the fused output, :data:`DECODE_FUSED_OUT`)."""
     T = q.shape[1]
     splitk = T == 1 and cache is not None and _splitk_applies(q, layer)
     if splitk and prep:  # q prepared and K/V written into the cache by fa_decode_prep
@@ -355,7 +362,7 @@ def _fa_attend(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Optiona
         else:
             n_valid = cache.n_valid if cache.n_valid is not None else dpos + 1
         return decode_attention(q[:, 0], kc, vc, n_valid, layer.scaling,
-                                kv_index=None if layer._fa_gqa else p.fa_kv)[:, None]
+                                kv_index=None if layer._fa_gqa else p.fa_kv, **out)[:, None]
     amask = None
     if dpos is not None:
         cache.k.index_copy_(2, dpos, k)
@@ -376,17 +383,18 @@ def _fa_attend(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Optiona
 
 
 def _gdn_decode(layer: "HeadwiseHybridAttention", p: _Plan, qg: Tensor, kg: Tensor, vg: Tensor, a: Tensor,
-                b: Tensor, cs: tuple, S: Tensor, out: Optional[Tensor] = None) -> Tensor:
+                b: Tensor, cs: tuple, S: Tensor, out: Optional[Tensor] = None, gamma: Optional[Tensor] = None) -> Tensor:
     """One token of every GDN head from the projection's views (q/k/v [B,1,n·d], a/b [B,1,n]), the state
     ``S`` (the cache's) updated in place -> y [B,1,n,d]: the Triton kernel (``DECODE_GDN = "triton"``, where
-    it applies; into ``out`` [B,n,d] when given) or the same function compiled from PyTorch ("fused")."""
+    it applies; into ``out`` [B,n,d] when given, the output fusion folded in with ``gamma``) or the same function
+    compiled from PyTorch ("fused")."""
     ng, d = p.ng, p.d
     q3, k3, v3 = (t.unflatten(-1, (ng, d)) for t in (qg, kg, vg))
     if DECODE_GDN == "triton" and gdn_step_applies(d, qg.device):
         rope = p.gdn_rope and cs[0] is not None
         return gdn_decode_step(q3[:, 0], k3[:, 0], v3[:, 0], a[:, 0], b[:, 0], S, p.A_neg, p.dtb, float(layer.scaling),
                                cos=cs[0][:, 0] if rope else None, sin=cs[1][:, 0] if rope else None,
-                               q_norm=p.qn, k_norm=p.kn, qk_eps=p.qk_eps, out=out)[:, None]
+                               q_norm=p.qn, k_norm=p.kn, qk_eps=p.qk_eps, out=out, gamma=gamma, out_eps=p.eps)[:, None]
     return _glue("dec_gdn", (q3, k3, v3, a, b, *cs), (S, p.A_neg, p.dtb, p.qn, p.kn), eps=p.qk_eps, rope=p.gdn_rope,
                  scale=float(layer.scaling))
 
@@ -451,26 +459,38 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     z = F.linear(x, p.W, p.b) if one_gemm else None
     z_fa = z[..., : p.n_fa_rows] if one_gemm else (F.linear(x, p.W[: p.n_fa_rows], None if p.b is None else p.b[: p.n_fa_rows]) if nf else None)
 
+    S_dec = cache.S if (cache is not None and (past or dpos is not None)) else None
+    o_fa = gate = q = k = v = None
+    if nf:
+        parts = z_fa.split(p.fa_sizes, dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, d)) for t in parts[:3])
+        gate = parts[3].unflatten(-1, (nf, d)) if p.gate else None
+    prep = bool(nf) and _prep_applies(layer, q, T, cache)
+    # ---- the fused output of a decode step (DECODE_FUSED_OUT): every head writes its fused output here
+    y_buf = g_out = None
+    if (DECODE_FUSED_OUT and T == 1 and cache is not None and (p.gamma is not None or p.gate or (nf and ng))
+            and (prep or not nf) and (not ng or (S_dec is not None and DECODE_GDN == "triton"
+                                                 and gdn_step_applies(d, x.device)))):
+        y_buf = x.new_empty(B, nf + ng, d)
+        g_out = {"out": y_buf[:, nf:], "gamma": p.gamma[nf:] if p.gamma is not None else None}
+
     # ---- a decode step's GDN heads on the side stream, concurrent with the FA heads (DECODE_OVERLAP)
     y_side = side = None
-    if ng and _gdn_overlaps(p, x, T, cache.S if (cache is not None and (past or dpos is not None)) else None):
+    if ng and _gdn_overlaps(p, x, T, S_dec):
         main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-        y_side = x.new_empty(B, ng, d)  # allocated on the main stream, which reads it after the join
+        # allocated on the main stream, which reads it after the join
+        y_side = y_buf[:, nf:] if y_buf is not None else x.new_empty(B, ng, d)
         zg = z[..., p.n_fa_rows:]
         qg, kg, vg, a, b = zg.split(p.g_sizes, dim=-1)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             _gdn_decode(layer, p, qg, kg, vg, a[..., :ng], b[..., :ng], (cos, sin) if cos is not None else (None, None),
-                        cache.S, out=y_side)
+                        cache.S, out=y_side, gamma=g_out["gamma"] if g_out else None)
         del zg, qg, kg, vg, a, b
 
     # ---- FA heads: softmax attention over the kept KV groups
-    o_fa = gate = None
     if nf:
-        parts = z_fa.split(p.fa_sizes, dim=-1)
-        q, k, v = (t.unflatten(-1, (-1, d)) for t in parts[:3])
-        gate = parts[3].unflatten(-1, (nf, d)) if p.gate else None
-        if _prep_applies(layer, q, T, cache):  # one kernel: q/k glue + the K/V cache write
+        if prep:  # one kernel: q/k glue + the K/V cache write
             slot = dpos if dpos is not None else past
             positions = None
             if not p.fa_rope:
@@ -480,7 +500,9 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
                                 cos=cos[:, 0] if rope else None, sin=sin[:, 0] if rope else None, positions=positions,
                                 nope_a=None if p.fa_rope else float(layer.options.nope_a), q_norm=p.qn, k_norm=p.kn,
                                 qk_eps=p.qk_eps)
-            o_fa = _fa_attend(layer, p, qp[:, None], None, None, cache, dpos, past, prep=True)
+            fused = {} if y_buf is None else {"out": y_buf[:, :nf], "gate": gate[:, 0] if gate is not None else None,
+                                              "gamma": p.gamma[:nf] if p.gamma is not None else None, "eps": p.eps}
+            o_fa = _fa_attend(layer, p, qp[:, None], None, None, cache, dpos, past, prep=True, **fused)
             del qp
         else:
             pos = None
@@ -499,7 +521,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     if y_side is not None:
         y_g = y_side[:, None]
     elif ng:
-        S = cache.S if (cache is not None and (past or dpos is not None)) else None
+        S = S_dec
         fused_step = T == 1 and S is not None and DECODE_GDN in ("fused", "triton")
         W_g = p.W[p.n_fa_rows:]
         b_g = None if p.b is None else p.b[p.n_fa_rows:]
@@ -512,7 +534,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
             a, b = a[..., :ng], b[..., :ng]
             cs = (cos[:, t0:t1], sin[:, t0:t1]) if cos is not None else (None, None)
             if fused_step:  # one token: glue + recurrence + state write in one call (the state stays in cache.S)
-                y_g = _gdn_decode(layer, p, qg, kg, vg, a, b, cs, S)
+                y_g = _gdn_decode(layer, p, qg, kg, vg, a, b, cs, S, **(g_out or {}))
                 S = None
                 break
             qg, kg, vg, g, beta = _glue("gdn", (qg.unflatten(-1, (ng, d)), kg.unflatten(-1, (ng, d)),
@@ -536,6 +558,9 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
         cache.length = past + T
 
     # ---- fusion (eq. 13–14) in (FA, GDN) order, then o_proj with permuted input columns
+    if y_buf is not None:  # done by the kernels
+        del o_fa, y_g, gate
+        return F.linear(y_buf.view(B, 1, -1), p.Wo, p.bo)
     if p.gamma is None and gate is None and (o_fa is None or y_g is None):
         y = (o_fa if o_fa is not None else y_g).reshape(B, T, -1)
     else:

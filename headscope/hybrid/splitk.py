@@ -249,7 +249,41 @@ def _make(triton, tl) -> dict:
         o = tl.sum(a * w[:, None], 0) / tl.sum(w * ls, 0)
         tl.store(O + b * sob + (h * G + g) * soh + rd, o.to(O.dtype.element_ty))
 
-    return {"partial": _partial, "combine": _combine}
+    @triton.jit
+    def _combine_out(ACC, ML, O, GATE, GAMMA, sob, soh, sgb, sgh, eps, HK: tl.constexpr, G: tl.constexpr,
+                     D: tl.constexpr, NS: tl.constexpr, SC: tl.constexpr, HAS_GATE: tl.constexpr,
+                     HAS_NORM: tl.constexpr):
+        pid = tl.program_id(0)  # (batch, kv head, group member): a whole head row, the splits in chunks of SC
+        g = pid % G
+        bh = pid // G
+        b = (bh // HK).to(tl.int64)
+        h = bh % HK
+        qh = h * G + g
+        rd = tl.arange(0, D)
+        mv = tl.full([SC], float("-inf"), tl.float32)
+        for s0 in range(0, NS, SC):
+            rs = s0 + tl.arange(0, SC)
+            mv = tl.maximum(mv, tl.load(ML + ((bh * NS + rs) * G + g) * 2, mask=rs < NS, other=float("-inf")))
+        M = tl.max(mv, 0)
+        M = tl.where(M == float("-inf"), 0.0, M)
+        num = tl.zeros([D], tl.float32)
+        den = tl.zeros([SC], tl.float32)
+        for s0 in range(0, NS, SC):
+            rs = s0 + tl.arange(0, SC)
+            sm = rs < NS
+            w = tl.exp(tl.load(ML + ((bh * NS + rs) * G + g) * 2, mask=sm, other=float("-inf")) - M)
+            den += w * tl.load(ML + ((bh * NS + rs) * G + g) * 2 + 1, mask=sm, other=0.0)
+            a = tl.load(ACC + ((bh * NS + rs[:, None]) * G + g) * D + rd[None, :], mask=sm[:, None], other=0.0)
+            num += tl.sum(a * w[:, None], 0)
+        DT = O.dtype.element_ty
+        o = (num / tl.sum(den, 0)).to(DT).to(tl.float32)  # the attention output as the unfused path rounds it
+        if HAS_GATE:  # the FA output gate σ(W_g x + b_g)
+            o = o * tl.sigmoid(tl.load(GATE + b * sgb + qh * sgh + rd).to(tl.float32))
+        if HAS_NORM:  # eq. 13–14: per-head RMSNorm, then γ_h
+            o = o / tl.sqrt(tl.sum(o * o, 0) / D + eps) * tl.load(GAMMA + qh * D + rd)
+        tl.store(O + b * sob + qh * soh + rd, o.to(DT))
+
+    return {"partial": _partial, "combine": _combine, "combine_out": _combine_out}
 
 
 def _build() -> dict:
@@ -268,6 +302,10 @@ def decode_attention(
     kv_index: Optional[Tensor] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    out: Optional[Tensor] = None,
+    gate: Optional[Float[Tensor, "batch q_head d"]] = None,
+    gamma: Optional[Float[Tensor, "q_head d"]] = None,
+    eps: float = 1e-6,
 ) -> Float[Tensor, "batch q_head d"]:
     """Split-K (flash-decoding) softmax attention of one query token per sequence, GQA-native (query
     head i reads KV head i // (q_head / kv_head)), in two Triton kernels: per-split partials, then the
@@ -286,6 +324,13 @@ def decode_attention(
             unevenly over the kept KV groups: one program per query head, no K/V copy); None: GQA order.
         num_warps, num_stages: the partial kernel's launch settings (default :data:`NUM_WARPS`,
             :data:`NUM_STAGES`).
+        out: where to write the output ([batch, q_head, d] in q's dtype, unit stride in d; e.g. the FA heads'
+            columns of a layer's fused output buffer); None: a new tensor.
+        gate, gamma, eps: fold the head-wise hybrid's output step into the combination (one kernel, a
+            whole head per program): o ← o · σ(gate) (the FA output gate's pre-activation, [batch, q_head, d],
+            unit stride in d), then o ← γ_h · o / sqrt(mean(o²) + eps) (HydraHead eq. 13–14; ``gamma`` fp32
+            [q_head, d]). The attention output is rounded to q's dtype first, as the unfused path
+            (``lean._glue_out``) sees it; the result equals that path's.
 
     Raises:
         ValueError: shapes that disagree, d or block not a power of two ≥ 16, CPU tensors outside Triton's
@@ -323,7 +368,14 @@ def decode_attention(
     split_len = -(-split_len // block) * block
     acc = torch.empty(B * Hk * NS * G * d, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * Hk * NS * G * 2, dtype=torch.float32, device=q.device)
-    o = torch.empty(B, Hq, d, dtype=q.dtype, device=q.device)
+    if out is not None and (out.shape != (B, Hq, d) or out.dtype != q.dtype or out.stride(-1) != 1):
+        raise ValueError(f"out must be a {q.dtype} tensor of shape {(B, Hq, d)} with unit stride in d; got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    if gate is not None and (gate.shape != (B, Hq, d) or gate.stride(-1) != 1):
+        raise ValueError(f"gate must have shape {(B, Hq, d)} and unit stride in d; got {tuple(gate.shape)}")
+    if gamma is not None and gamma.shape != (Hq, d):
+        raise ValueError(f"gamma must have shape {(Hq, d)} (one γ_h per query head); got {tuple(gamma.shape)}")
+    o = torch.empty(B, Hq, d, dtype=q.dtype, device=q.device) if out is None else out
     has_len = length is not None
     ln = length if has_len else o  # any pointer; unused without HAS_LEN
     len_stride = 0 if (not has_len or length.shape[0] == 1) else 1
@@ -335,6 +387,14 @@ def decode_attention(
             PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 caches: exact products (no TF32)
             num_warps=NUM_WARPS if num_warps is None else num_warps,
             num_stages=NUM_STAGES if num_stages is None else num_stages)
+        if gate is not None or gamma is not None:
+            gm = gamma.float().contiguous() if gamma is not None else acc
+            gt = gate if gate is not None else o
+            kern["combine_out"][(B * Hk * G,)](
+                acc, ml, o, gt, gm, o.stride(0), o.stride(1), gt.stride(0), gt.stride(1), float(eps), HK=Hk, G=G,
+                D=d, NS=NS, SC=max(2, min(16, 1 << max(0, (NS - 1).bit_length()))), HAS_GATE=gate is not None,
+                HAS_NORM=gamma is not None)
+            return o
         SP = 1 << max(0, (NS - 1).bit_length())
         BD = min(d, 32 if SP <= 128 else 16)
         kern["combine"][(B * Hk * G, d // BD)](acc, ml, o, o.stride(0), o.stride(1), HK=Hk, G=G, D=d, NS=NS, SP=SP, BD=BD)
