@@ -144,6 +144,24 @@ def test_lean_decode_steps_with_the_prep_kernel_equal_the_plain_forward(monkeypa
     with the prep kernel and split-K gives the plain forward's outputs (Qwen3 QK-norm, RoPE and NoPE); with
     ``DECODE_FUSED_OUT`` the output fusion (gate, per-head RMSNorm, γ_h ≠ 1) runs inside the split-K combination
     and the GDN step (no output glue), without it in the compiled glue."""
+    _decode_vs_forward(monkeypatch, qwen, opts, fused_out)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the side CUDA stream needs CUDA")
+@pytest.mark.parametrize("overlap,prep_overlap", [(True, False), (False, True), (False, False)])
+def test_lean_decode_steps_on_the_side_stream_equal_the_plain_forward(monkeypatch, overlap, prep_overlap):
+    """The GDN step on the side stream beside the whole FA branch (DECODE_OVERLAP), beside the prep kernel only
+    (DECODE_OVERLAP_PREP), or on the main stream: the plain forward's outputs each time."""
+    monkeypatch.setattr(lean, "DECODE_OVERLAP", overlap)
+    monkeypatch.setattr(lean, "DECODE_OVERLAP_PREP", prep_overlap)
+    sides = []
+    real = lean._side_stream
+    monkeypatch.setattr(lean, "_side_stream", lambda dev: sides.append(1) or real(dev))
+    _decode_vs_forward(monkeypatch, False, {"fa_gate": True}, True)
+    assert len(sides) == (4 if overlap or prep_overlap else 0)  # one per decode step
+
+
+def _decode_vs_forward(monkeypatch, qwen, opts, fused_out):
     from transformers import LlamaConfig, Qwen3Config
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention

@@ -200,15 +200,16 @@ def _glue_out_ref(o, gate, gamma, eps):
 
 
 @needs_triton
-@pytest.mark.parametrize("Hq,Hk,kvi,ns,dtype,gate,norm", [
-    (2, 1, None, 3, torch.float32, True, True),       # a group of 2 FA heads, gate and norm
-    (3, 2, [0, 0, 1], 5, torch.float32, False, True),  # uneven groups (kv_index), norm only
-    (6, 3, None, 19, torch.float16, True, False),     # more splits than one chunk of the combination, gate only
+@pytest.mark.parametrize("Hq,Hk,kvi,ns,dtype,gate,norm,d", [
+    (2, 1, None, 3, torch.float32, True, True, 32),        # a group of 2 FA heads, gate and norm
+    (3, 2, [0, 0, 1], 5, torch.float32, False, True, 32),  # uneven groups (kv_index), norm only
+    (6, 3, None, 19, torch.float16, True, False, 32),      # gate only
+    (2, 1, None, 100, torch.float32, True, True, 128),     # 100 splits (most empty) > one chunk of 64 at d = 128
 ])
-def test_combination_folds_the_output_fusion(Hq, Hk, kvi, ns, dtype, gate, norm):
+def test_combination_folds_the_output_fusion(Hq, Hk, kvi, ns, dtype, gate, norm, d):
     """gate= / gamma=: the split-K combination applies the hybrid's FA output step (σ(gate), then eq. 13–14's
     per-head RMSNorm and γ_h) and writes into a strided slice of a layer-wide buffer; = attention then the glue."""
-    B, L, d = 2, 300, 32
+    B, L = 2, 300
     q, k, v = _case(B, Hq, Hk, L, d, dtype)
     g = torch.Generator().manual_seed(5)
     gt = torch.randn(B, Hq + 4, d, generator=g).to(dtype)[:, 1:Hq + 1] if gate else None  # a strided view

@@ -89,6 +89,10 @@ DECODE_FA_PREP = "triton"
 # / without; batch 16 (256 programs) 77.8 vs 75.2 µs with split-K's 4 blocks per SM, and 96.9 vs 76.7 with 2: the
 # concurrent GDN blocks take SM slots of split-K's grid, whose partial kernel then runs longer.
 DECODE_OVERLAP = "auto"
+# Where the GDN step does not overlap the whole FA branch (DECODE_OVERLAP), it still runs on the side stream beside
+# the FA heads' prep kernel (``fa_step.py``) and joins before the split-K attention (True), so that the two small
+# kernels run at once without taking SM slots from split-K's grid; False: after the FA branch, on the main stream.
+DECODE_OVERLAP_PREP = True
 # A decode step whose FA heads take the prep + split-K path and whose GDN heads take the Triton step writes every
 # head's output into one [batch, heads, d] buffer, the output fusion (FA gate, per-head RMSNorm and γ_h, eq. 13–14)
 # folded into the split-K combination and into the GDN step (True), instead of a compiled output glue after
@@ -407,10 +411,17 @@ def _side_stream(dev: torch.device) -> "torch.cuda.Stream":
     return _side_streams[i]
 
 
+def _side_ok(p: _Plan, x: Tensor, T: int, S: Optional[Tensor]) -> bool:
+    """Whether this decode step's GDN kernel can run on a side stream at all (CUDA, one token, a state, both
+    kinds of heads, the Triton GDN step)."""
+    return (x.is_cuda and T == 1 and S is not None and p.ng > 0 and p.nf > 0 and DECODE_GDN == "triton"
+            and gdn_step_applies(p.d, x.device))
+
+
 def _gdn_overlaps(p: _Plan, x: Tensor, T: int, S: Optional[Tensor]) -> bool:
-    """Whether this decode step runs its GDN kernel on the side stream (:data:`DECODE_OVERLAP`)."""
-    if not (DECODE_OVERLAP and x.is_cuda and T == 1 and S is not None and p.ng > 0 and p.nf > 0
-            and DECODE_GDN == "triton" and gdn_step_applies(p.d, x.device)):
+    """Whether this decode step runs its GDN kernel on the side stream beside the whole FA branch
+    (:data:`DECODE_OVERLAP`)."""
+    if not (DECODE_OVERLAP and _side_ok(p, x, T, S)):
         return False
     return DECODE_OVERLAP != "auto" or overlap_rule(x.shape[0], p.ng, p.d, _sm_count(x.device))
 
@@ -476,7 +487,9 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
 
     # ---- a decode step's GDN heads on the side stream, concurrent with the FA heads (DECODE_OVERLAP)
     y_side = side = None
-    if ng and _gdn_overlaps(p, x, T, S_dec):
+    ov_all = bool(ng) and _gdn_overlaps(p, x, T, S_dec)
+    ov_prep = not ov_all and prep and DECODE_OVERLAP_PREP and _side_ok(p, x, T, S_dec)
+    if ov_all or ov_prep:
         main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
         # allocated on the main stream, which reads it after the join
         y_side = y_buf[:, nf:] if y_buf is not None else x.new_empty(B, ng, d)
@@ -500,6 +513,9 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
                                 cos=cos[:, 0] if rope else None, sin=sin[:, 0] if rope else None, positions=positions,
                                 nope_a=None if p.fa_rope else float(layer.options.nope_a), q_norm=p.qn, k_norm=p.kn,
                                 qk_eps=p.qk_eps)
+            if ov_prep:  # the GDN step ran beside the prep kernel: join before the split-K attention
+                torch.cuda.current_stream(x.device).wait_stream(side)
+                side = None
             fused = {} if y_buf is None else {"out": y_buf[:, :nf], "gate": gate[:, 0] if gate is not None else None,
                                               "gamma": p.gamma[:nf] if p.gamma is not None else None, "eps": p.eps}
             o_fa = _fa_attend(layer, p, qp[:, None], None, None, cache, dpos, past, prep=True, **fused)

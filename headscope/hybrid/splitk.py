@@ -253,7 +253,8 @@ def _make(triton, tl) -> dict:
     def _combine_out(ACC, ML, O, GATE, GAMMA, sob, soh, sgb, sgh, eps, HK: tl.constexpr, G: tl.constexpr,
                      D: tl.constexpr, NS: tl.constexpr, SC: tl.constexpr, HAS_GATE: tl.constexpr,
                      HAS_NORM: tl.constexpr):
-        pid = tl.program_id(0)  # (batch, kv head, group member): a whole head row, the splits in chunks of SC
+        pid = tl.program_id(0)  # (batch, kv head, group member): a whole head row; the splits in chunks of SC
+        # (all at once up to 8192 partial values per program: one pass at decode-sized split counts)
         g = pid % G
         bh = pid // G
         b = (bh // HK).to(tl.int64)
@@ -392,7 +393,7 @@ def decode_attention(
             gt = gate if gate is not None else o
             kern["combine_out"][(B * Hk * G,)](
                 acc, ml, o, gt, gm, o.stride(0), o.stride(1), gt.stride(0), gt.stride(1), float(eps), HK=Hk, G=G,
-                D=d, NS=NS, SC=max(2, min(16, 1 << max(0, (NS - 1).bit_length()))), HAS_GATE=gate is not None,
+                D=d, NS=NS, SC=max(2, min(1 << max(0, (NS - 1).bit_length()), max(2, 8192 // d))), HAS_GATE=gate is not None,
                 HAS_NORM=gamma is not None)
             return o
         SP = 1 << max(0, (NS - 1).bit_length())
