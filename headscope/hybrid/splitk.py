@@ -131,13 +131,6 @@ NUM_STAGES = 3
 BLOCKS_PER_SM = 4  # was 2; with 4 the all-FA teacher's decode step was 6-8 % faster on the H200, the hybrid's equal (profile_decode.py)
 MIN_SPLIT = 256
 _sms: dict = {}
-# One launch per call: the last split of each (sequence, KV head) to finish combines the partials itself (an atomic
-# counter per pair, reset by that program; flash-decoding's second kernel and its launch gap saved), where every
-# split's partials of a head row fit one program (splits rounded up to a power of two × head_dim ≤ 8192). The
-# counters are one buffer per device: calls on one device must not run concurrently on two streams. False: the
-# two kernels.
-SINGLE_LAUNCH = True
-_cnt: dict = {}
 _LAUNCH = ("block", "num_warps", "num_stages", "blocks_per_sm", "min_split")
 
 
@@ -173,19 +166,6 @@ def _sm_count(dev: torch.device) -> int:
     return _sms[i]
 
 
-def _counters(dev: torch.device, n: int) -> Optional[Tensor]:
-    """The device's zeroed int32 split counters (at least ``n``; every kernel leaves them zeroed). None while a
-    CUDA graph is being captured and the buffer is missing or too small (it is not made inside a capture: the
-    graph's memory pool would own it); the caller then takes the two-kernel path."""
-    key = (dev.type, dev.index if dev.index is not None or dev.type != "cuda" else torch.cuda.current_device())
-    c = _cnt.get(key)
-    if c is None or c.numel() < n:
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        c = _cnt[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=dev)
-    return c
-
-
 _kernels: dict = {}
 
 
@@ -210,10 +190,8 @@ def _make(triton, tl) -> dict:
     @triton.jit
     def _partial(Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
                  sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
-                 CNT, O, GATE, GAMMA, sob, soh, sgb, sgh, eps,
                  HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                 NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr, PREC: tl.constexpr,
-                 LAST: tl.constexpr, SP: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr):
+                 NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr, PREC: tl.constexpr):
         bh = tl.program_id(0)
         s = tl.program_id(1)
         b = (bh // HK).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2^31 elements
@@ -251,30 +229,6 @@ def _make(triton, tl) -> dict:
         tl.store(ACC + (base + rg[:, None]) * D + rd[None, :], acc, mask=gmask[:, None])
         tl.store(ML + (base + rg) * 2, m, mask=gmask)
         tl.store(ML + (base + rg) * 2 + 1, l_, mask=gmask)
-        if LAST:  # the last split of this (sequence, KV head) to finish combines all of them (no second kernel)
-            tl.debug_barrier()  # every thread's partials stored before the counter moves (release below)
-            done = tl.atomic_add(CNT + bh, 1, sem="acq_rel", scope="gpu")
-            if done == NS - 1:
-                rs = tl.arange(0, SP)
-                smask = rs < NS
-                for g in tl.static_range(G):
-                    row = (bh * NS + rs) * G + g
-                    ms = tl.load(ML + row * 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
-                    ls = tl.load(ML + row * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
-                    a = tl.load(ACC + row[:, None] * D + rd[None, :], mask=smask[:, None], other=0.0,
-                                cache_modifier=".cg")
-                    M = tl.max(ms, 0)
-                    w = tl.exp(ms - tl.where(M == float("-inf"), 0.0, M))  # empty splits: exp(-inf) = 0
-                    o = tl.sum(a * w[:, None], 0) / tl.sum(w * ls, 0)
-                    DT = O.dtype.element_ty
-                    o = o.to(DT).to(tl.float32)  # the attention output as the unfused path rounds it
-                    qh = h * G + g
-                    if HAS_GATE:  # the FA output gate σ(W_g x + b_g)
-                        o = o * tl.sigmoid(tl.load(GATE + b * sgb + qh * sgh + rd).to(tl.float32))
-                    if HAS_NORM:  # eq. 13–14: per-head RMSNorm, then γ_h
-                        o = o / tl.sqrt(tl.sum(o * o, 0) / D + eps) * tl.load(GAMMA + qh * D + rd)
-                    tl.store(O + b * sob + qh * soh + rd, o.to(DT))
-                tl.store(CNT + bh, 0)  # ready for the next call (and the next replay of a captured graph)
 
     @triton.jit
     def _combine(ACC, ML, O, sob, soh, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
@@ -427,27 +381,22 @@ def decode_attention(
     ln = length if has_len else o  # any pointer; unused without HAS_LEN
     len_stride = 0 if (not has_len or length.shape[0] == 1) else 1
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        SP = 1 << max(0, (NS - 1).bit_length())
-        cnt = _counters(q.device, B * Hk) if SINGLE_LAUNCH and SP * d <= 8192 else None
-        gm = gamma.float().contiguous() if gamma is not None else acc
-        gt = gate if gate is not None else o
         kern["partial"][(B * Hk, NS)](
             q, k, v, ln, o if kv_index is None else kv_index, acc, ml, float(scale), L, split_len,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            len_stride, ml if cnt is None else cnt, o, gt, gm, o.stride(0), o.stride(1), gt.stride(0), gt.stride(1),
-            float(eps), HK=Hk, G=G, GP=GP, D=d, BN=block, NS=NS, HAS_LEN=has_len, HAS_KVI=kv_index is not None,
+            len_stride, HK=Hk, G=G, GP=GP, D=d, BN=block, NS=NS, HAS_LEN=has_len, HAS_KVI=kv_index is not None,
             PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 caches: exact products (no TF32)
-            LAST=cnt is not None, SP=SP, HAS_GATE=gate is not None, HAS_NORM=gamma is not None,
             num_warps=NUM_WARPS if num_warps is None else num_warps,
             num_stages=NUM_STAGES if num_stages is None else num_stages)
-        if cnt is not None:
-            return o
         if gate is not None or gamma is not None:
+            gm = gamma.float().contiguous() if gamma is not None else acc
+            gt = gate if gate is not None else o
             kern["combine_out"][(B * Hk * G,)](
                 acc, ml, o, gt, gm, o.stride(0), o.stride(1), gt.stride(0), gt.stride(1), float(eps), HK=Hk, G=G,
                 D=d, NS=NS, SC=max(2, min(1 << max(0, (NS - 1).bit_length()), max(2, 8192 // d))), HAS_GATE=gate is not None,
                 HAS_NORM=gamma is not None)
             return o
+        SP = 1 << max(0, (NS - 1).bit_length())
         BD = min(d, 32 if SP <= 128 else 16)
         kern["combine"][(B * Hk * G, d // BD)](acc, ml, o, o.stride(0), o.stride(1), HK=Hk, G=G, D=d, NS=NS, SP=SP, BD=BD)
     return o
