@@ -92,6 +92,14 @@ def _make(triton, tl) -> dict:
         h = pid % N
         H2: tl.constexpr = D // 2
         r = tl.arange(0, H2)
+        # the state first: its loads do not wait for the q/k normalizations below (one memory round trip, not two)
+        cv = tl.program_id(1) * BV + tl.arange(0, BV)
+        base = S + pid * D * D
+        p1 = base + r[:, None] * D + cv[None, :]
+        p2 = base + (H2 + r)[:, None] * D + cv[None, :]
+        S1 = tl.load(p1)
+        S2 = tl.load(p2)
+        vv = tl.load(V + b * svb + h * svh + cv).to(tl.float32)
         q1 = tl.load(Q + b * sqb + h * sqh + r).to(tl.float32)
         q2 = tl.load(Q + b * sqb + h * sqh + H2 + r).to(tl.float32)
         k1 = tl.load(K + b * skb + h * skh + r).to(tl.float32)
@@ -121,13 +129,8 @@ def _make(triton, tl) -> dict:
         sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # softplus (torch's threshold)
         alpha = tl.exp(tl.load(ANEG + h) * sp)
         beta = tl.sigmoid(tl.load(Bt + b * sbb + h).to(tl.float32)).to(DT).to(tl.float32)
-        cv = tl.program_id(1) * BV + tl.arange(0, BV)
-        vv = tl.load(V + b * svb + h * svh + cv).to(tl.float32)
-        base = S + pid * D * D
-        p1 = base + r[:, None] * D + cv[None, :]
-        p2 = base + (H2 + r)[:, None] * D + cv[None, :]
-        S1 = tl.load(p1) * alpha
-        S2 = tl.load(p2) * alpha
+        S1 = S1 * alpha
+        S2 = S2 * alpha
         delta = beta * (vv - tl.sum(k1[:, None] * S1, 0) - tl.sum(k2[:, None] * S2, 0))
         S1 = S1 + k1[:, None] * delta[None, :]
         S2 = S2 + k2[:, None] * delta[None, :]

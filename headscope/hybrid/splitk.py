@@ -261,21 +261,32 @@ def _make(triton, tl) -> dict:
         h = bh % HK
         qh = h * G + g
         rd = tl.arange(0, D)
-        mv = tl.full([SC], float("-inf"), tl.float32)
-        for s0 in range(0, NS, SC):
-            rs = s0 + tl.arange(0, SC)
-            mv = tl.maximum(mv, tl.load(ML + ((bh * NS + rs) * G + g) * 2, mask=rs < NS, other=float("-inf")))
-        M = tl.max(mv, 0)
-        M = tl.where(M == float("-inf"), 0.0, M)
-        num = tl.zeros([D], tl.float32)
-        den = tl.zeros([SC], tl.float32)
-        for s0 in range(0, NS, SC):
-            rs = s0 + tl.arange(0, SC)
+        if NS <= SC:  # one pass: every load issued at once
+            rs = tl.arange(0, SC)
             sm = rs < NS
-            w = tl.exp(tl.load(ML + ((bh * NS + rs) * G + g) * 2, mask=sm, other=float("-inf")) - M)
-            den += w * tl.load(ML + ((bh * NS + rs) * G + g) * 2 + 1, mask=sm, other=0.0)
+            ms = tl.load(ML + ((bh * NS + rs) * G + g) * 2, mask=sm, other=float("-inf"))
+            ls = tl.load(ML + ((bh * NS + rs) * G + g) * 2 + 1, mask=sm, other=0.0)
             a = tl.load(ACC + ((bh * NS + rs[:, None]) * G + g) * D + rd[None, :], mask=sm[:, None], other=0.0)
-            num += tl.sum(a * w[:, None], 0)
+            M = tl.max(ms, 0)
+            w = tl.exp(ms - tl.where(M == float("-inf"), 0.0, M))
+            num = tl.sum(a * w[:, None], 0)
+            den = w * ls
+        else:
+            mv = tl.full([SC], float("-inf"), tl.float32)  # two passes over chunks of SC splits
+            for s0 in range(0, NS, SC):
+                rs = s0 + tl.arange(0, SC)
+                mv = tl.maximum(mv, tl.load(ML + ((bh * NS + rs) * G + g) * 2, mask=rs < NS, other=float("-inf")))
+            M = tl.max(mv, 0)
+            M = tl.where(M == float("-inf"), 0.0, M)
+            num = tl.zeros([D], tl.float32)
+            den = tl.zeros([SC], tl.float32)
+            for s0 in range(0, NS, SC):
+                rs = s0 + tl.arange(0, SC)
+                sm = rs < NS
+                w = tl.exp(tl.load(ML + ((bh * NS + rs) * G + g) * 2, mask=sm, other=float("-inf")) - M)
+                den += w * tl.load(ML + ((bh * NS + rs) * G + g) * 2 + 1, mask=sm, other=0.0)
+                a = tl.load(ACC + ((bh * NS + rs[:, None]) * G + g) * D + rd[None, :], mask=sm[:, None], other=0.0)
+                num += tl.sum(a * w[:, None], 0)
         DT = O.dtype.element_ty
         o = (num / tl.sum(den, 0)).to(DT).to(tl.float32)  # the attention output as the unfused path rounds it
         if HAS_GATE:  # the FA output gate σ(W_g x + b_g)
