@@ -138,7 +138,8 @@ def test_torch_prep_equals_the_lean_glue():
 
 @needs_kernel
 @pytest.mark.parametrize("fused_out", [True, False])
-@pytest.mark.parametrize("qwen,opts", [(True, {}), (False, {"fa_pos": "nope", "fa_gate": True}), (True, {"fa_pos": "rope"})])
+@pytest.mark.parametrize("qwen,opts", [(True, {}), (False, {"fa_pos": "nope", "fa_gate": True}), (True, {"fa_pos": "rope"}),
+                                       (False, {"fusion": "none"})])
 def test_lean_decode_steps_with_the_prep_kernel_equal_the_plain_forward(monkeypatch, qwen, opts, fused_out):
     """A hybrid layer (head_dim 16, FA heads over two KV groups) decoding token by token through the lean path
     with the prep kernel and split-K gives the plain forward's outputs (Qwen3 QK-norm, RoPE and NoPE); with
