@@ -196,11 +196,12 @@ def gdn_decode_step(
         y [batch, head, d] in v's dtype (contiguous, or ``out`` when given).
 
     Raises:
-        ValueError: shapes or strides the kernel cannot take, or CPU tensors outside Triton's interpreter
-            (``TRITON_INTERPRET=1``); the message names the reference to use.
+        ValueError: shapes or strides the kernel cannot take (``out`` and ``gamma`` included), or CPU tensors
+            outside Triton's interpreter (``TRITON_INTERPRET=1``); the message names the reference to use.
         ImportError: triton missing.
 
-    Source: HydraHead eq. 7–8 (gated delta rule, Yang et al. 2024's GDN); the glue as in ``lean.py``.
+    Source: HydraHead eq. 7–8 (gated delta rule, Yang et al. 2024's GDN); the glue as in ``lean.py``; the
+    output fusion (``gamma``) eq. 13–14.
     """
     B, N, d = q.shape
     if d < 16 or d & (d - 1) or d % block_v and block_v < d:

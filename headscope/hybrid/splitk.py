@@ -347,11 +347,12 @@ def decode_attention(
     Raises:
         ValueError: shapes that disagree, d or block not a power of two ≥ 16, CPU tensors outside Triton's
             interpreter (``TRITON_INTERPRET=1``), or bf16 in the interpreter (its bf16 ``tl.dot`` is wrong in
-            Triton 3.9); each message names :func:`decode_attention_torch`.
+            Triton 3.9); each message names :func:`decode_attention_torch`. ``out``, ``gate`` or ``gamma`` of
+            the wrong shape, dtype or last-dimension stride (the message gives the shape wanted).
         ImportError: triton is not installed (use :func:`decode_attention_torch`).
 
     Source: flash-decoding (Dao et al., 2023); the combination is the online-softmax identity of
-    FlashAttention (Dao et al., 2022).
+    FlashAttention (Dao et al., 2022); the output fusion is HydraHead eq. 13–14.
     """
     B, Hq, Hk, L, d = _check(q, k, v, length, kv_index)
     if d < 16 or d & (d - 1):
