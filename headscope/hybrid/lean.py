@@ -27,8 +27,10 @@ GDN state into ``cache.S``, so it can be captured in a CUDA graph (after a warm-
 compiles on first use). By default (``DECODE_GDN``, ``DECODE_FA``) it runs all GDN heads' step in one
 Triton kernel that reads the projection's views and updates ``cache.S`` in place (``gdn_step.py``), the FA
 heads' q/k glue and K/V cache write in one kernel (``fa_step.py``) and their attention through a split-K decode
-over their kept KV groups (``splitk.py``), where those apply; the GDN kernel on a side CUDA stream when its grid
-is small (``DECODE_OVERLAP``).
+over their kept KV groups (``splitk.py``), where those apply; the GDN kernel on a side CUDA stream beside the whole
+FA branch when its grid is small (``DECODE_OVERLAP``), else beside the FA prep kernel only
+(``DECODE_OVERLAP_PREP``); the output fusion (FA gate, per-head RMSNorm, γ) inside the split-K combination and
+the GDN kernel, which write one buffer for ``o_proj`` (``DECODE_FUSED_OUT``).
 """
 
 from __future__ import annotations
