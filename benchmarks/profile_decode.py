@@ -139,7 +139,9 @@ def main() -> None:
     masks = {m: hybrid_mask(m, L) for m in args.masks}
     models = {"teacher": hybridize(teacher, HeadMask(L, 9, 3, (tuple(range(9)),) * L), fusion="none").to(dev, dt).eval()}
     for i, (m, hm) in enumerate(masks.items()):
-        models["hybrid" if i == 0 else f"hybrid_{Path(m).stem}"] = hybridize(teacher, hm).to(dev, dt).eval()
+        name = "hybrid" if i == 0 else f"hybrid_{Path(m).stem}"
+        name = name if name not in models else f"{name}_{i}"  # two mask files of one name
+        models[name] = hybridize(teacher, hm).to(dev, dt).eval()
     res = {"batch": args.batch, "length": args.length, "layers": L, "torch": torch.__version__,
            "masks": {m: {"kv_groups_kept": sum(len(g) for g in hm.kv_groups()), "n_fa": hm.n_fa} for m, hm in masks.items()},
            "device": torch.cuda.get_device_name(), "cells": {}}

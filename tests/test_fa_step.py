@@ -162,7 +162,16 @@ def test_lean_decode_steps_on_the_side_stream_equal_the_plain_forward(monkeypatc
     assert len(sides) == (4 if overlap or prep_overlap else 0)  # one per decode step
 
 
-def _decode_vs_forward(monkeypatch, qwen, opts, fused_out):
+@needs_kernel
+def test_lean_decode_fused_output_with_a_group_of_two_fa_heads_and_its_head_dim_limit(monkeypatch):
+    """FA heads 0 and 1 share a KV group (split-K with G = 2): the fused output equals the plain forward; above
+    ``FUSED_OUT_MAX_D`` the step keeps the output glue."""
+    _decode_vs_forward(monkeypatch, False, {"fa_gate": True}, True, fa=(0, 1))
+    monkeypatch.setattr(lean, "FUSED_OUT_MAX_D", 8)
+    _decode_vs_forward(monkeypatch, True, {}, True, expect_fused=False)
+
+
+def _decode_vs_forward(monkeypatch, qwen, opts, fused_out, fa=(0, 3), expect_fused=None):
     from transformers import LlamaConfig, Qwen3Config
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
@@ -185,7 +194,7 @@ def _decode_vs_forward(monkeypatch, qwen, opts, fused_out):
     teacher = (Qwen3Attention if qwen else LlamaAttention)(cfg, 0)
     for p in teacher.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    layer = HeadwiseHybridAttention(cfg, 0, (0, 3), HybridOptions(gdn_kernel="torch", **opts), qk_norm=qwen)
+    layer = HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel="torch", **opts), qk_norm=qwen)
     layer.migrate_from(teacher)
     with torch.no_grad():
         for n, p in layer.named_parameters():
@@ -204,7 +213,8 @@ def _decode_vs_forward(monkeypatch, qwen, opts, fused_out):
         steps = [layer(x[:, t:t + 1], position_embeddings=(cos[:, t:t + 1], sin[:, t:t + 1]), cache=dc,
                        position_ids=torch.tensor([[t]], device=DEV).expand(B, 1))[0] for t in range(8, T)]
     assert len(preps) == T - 8
-    assert glues.count("out") == 1 + (0 if fused_out else T - 8)  # the prefill's, and the unfused steps'
+    fused = fused_out if expect_fused is None else expect_fused
+    assert glues.count("out") == 1 + (0 if fused else T - 8)  # the prefill's, and the unfused steps'
     assert (torch.cat([pre] + steps, 1) - ref).abs().max() < (1e-5 if DEV == "cpu" else 1e-4)
 
 
@@ -226,3 +236,6 @@ def test_overlap_rule():
     assert not lean.overlap_rule(16, 8, 64, 132)  # batch 16: 256 programs (measured slower)
     assert lean.overlap_rule(2, 8, 64, 132) and not lean.overlap_rule(3, 8, 64, 132)  # 32 <= 33 < 48
     assert not lean.overlap_rule(1, 14, 128, 132) and lean.overlap_rule(1, 14, 128, 224)  # 56 programs: 4 x 56 = 224
+    # the fused output's norm: a whole head per program (8 programs at batch 1, 128 at batch 16)
+    assert lean.overlap_rule(4, 8, 64, 132, fused_norm=True) and not lean.overlap_rule(5, 8, 64, 132, fused_norm=True)
+    assert lean.overlap_rule(1, 14, 128, 56, fused_norm=True) and not lean.overlap_rule(1, 14, 128, 55, fused_norm=True)

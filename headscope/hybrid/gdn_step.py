@@ -145,6 +145,15 @@ def _make(triton, tl) -> dict:
     return {"step": _gdn_decode_step}
 
 
+def launch_shape(d: int, fused_norm: bool, block_v: int = 32) -> tuple[int, int]:
+    """(value columns per program, warps per program) of :func:`gdn_decode_step`: a whole head per program with the
+    output fusion (``gamma``), else ``block_v`` columns; warps so that a program's fp32 state slice stays about
+    ≤ 64 values per thread (2 warps up to a 64 × 64 slice, the setting timed on the H200)."""
+    bv = d if fused_norm else min(block_v, d)
+    n = bv * d
+    return bv, (2 if n <= 4096 else 4 if n <= 8192 else 8)
+
+
 def _build() -> dict:
     """The kernels, built on first use (see :func:`headscope.hybrid.splitk.build_kernels`)."""
     return build_kernels(_kernels, _make)
@@ -219,9 +228,10 @@ def gdn_decode_step(
         raise ValueError("give cos and sin together, and q_norm and k_norm together")
     require_kernel("gdn_decode_step", "gdn_decode_step_torch", v)
     kern = _build()
-    bv = d if gamma is not None else min(block_v, d)
-    if out is not None and (out.shape != (B, N, d) or out.dtype != v.dtype or out.stride(-1) != 1):
-        raise ValueError(f"out must be a {v.dtype} tensor of shape {(B, N, d)} with unit stride in d")
+    bv, warps = launch_shape(d, gamma is not None, block_v)
+    if out is not None and (out.shape != (B, N, d) or out.dtype != v.dtype or out.stride(-1) != 1
+                            or out.device != v.device):
+        raise ValueError(f"out must be a {v.dtype} tensor on {v.device} of shape {(B, N, d)} with unit stride in d")
     if gamma is not None and gamma.shape != (N, d):
         raise ValueError(f"gamma must have shape {(N, d)} (one γ_h per GDN head); got {tuple(gamma.shape)}")
     y = torch.empty(B, N, d, dtype=v.dtype, device=v.device) if out is None else out
@@ -237,5 +247,5 @@ def gdn_decode_step(
             float(scale), float(qk_eps), float(out_eps),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
             cos_t.stride(0) if rope else 0, sin_t.stride(0) if rope else 0, y.stride(0), y.stride(1),
-            N=N, D=d, BV=bv, ROPE=rope, QKN=qkn, NORM=gamma is not None, num_warps=2)
+            N=N, D=d, BV=bv, ROPE=rope, QKN=qkn, NORM=gamma is not None, num_warps=warps)
     return y

@@ -48,7 +48,7 @@ from .attn import fa_attention, flash_attn_available
 from .fused import stack_projections
 from .gdn import fla_available, gated_delta_rule
 from .rope import apply_rope
-from .gdn_step import applies as gdn_step_applies, gdn_decode_step, gdn_decode_step_torch, l2_normalize, rms_norm
+from .gdn_step import applies as gdn_step_applies, gdn_decode_step, launch_shape as gdn_launch_shape, gdn_decode_step_torch, l2_normalize, rms_norm
 from .splitk import _sm_count, decode_attention, triton_available
 from .fa_step import applies as fa_prep_applies, fa_decode_prep
 
@@ -84,9 +84,11 @@ DECODE_FA = "splitk"
 # the two copies alone took ~3.8 µs per layer of a batch-16 step (benchmarks/profile_decode.py).
 DECODE_FA_PREP = "triton"
 # A decode step with the Triton GDN kernel can run it on a side CUDA stream, concurrently with the FA heads' prep
-# and split-K attention (independent work; the streams join before the output fusion; a captured CUDA graph keeps
-# the two branches). True / False: always / never; "auto" (default): when the GDN kernel's grid (batch x GDN heads
-# x head_dim/32 programs) is at most a quarter of the GPU's SMs (:func:`overlap_rule`). Measured on the H200
+# and split-K attention (independent work; the streams join before o_proj, or before the output glue on the unfused
+# path; a captured CUDA graph keeps the two branches). True / False: always / never; "auto" (default): when the GDN
+# kernel's grid (batch x GDN heads x head_dim/32 programs; batch x GDN heads with the fused output's norm, a whole
+# head per program) is at most a quarter of the GPU's SMs (:func:`overlap_rule`; the counts below are of the
+# 32-column grid, measured before the fused output: with it, batch 1 is 8 programs, batch 16 is 128). Measured on the H200
 # (SmolLM2 shape, 32K cached, benchmarks/profile_decode.py): batch 1 (16 GDN programs) 36.2 vs 39.0 µs per layer with
 # / without; batch 16 (256 programs) 77.8 vs 75.2 µs with split-K's 4 blocks per SM, and 96.9 vs 76.7 with 2: the
 # concurrent GDN blocks take SM slots of split-K's grid, whose partial kernel then runs longer.
@@ -103,6 +105,9 @@ DECODE_OVERLAP_PREP = True
 # output glue and is not affected. H200, SmolLM2 shape, ranked 7:1 mask, B = 16, 32K: 2.038 vs 2.073 ms per
 # whole-model step (benchmarks/results/h200_profile_decode_r7_variants_b16_t32768.json).
 DECODE_FUSED_OUT = True
+# ... up to this head_dim: timed on the H200 at d = 64 only (SmolLM2); d = 128 (Qwen3) keeps the compiled output glue
+# until measured (a whole 128 x 128 state per GDN program).
+FUSED_OUT_MAX_D = 64
 _side_streams: dict = {}
 _compiled: dict[tuple, Callable] = {}
 _compile_failed: list[str] = []
@@ -422,18 +427,20 @@ def _side_ok(p: _Plan, x: Tensor, T: int, S: Optional[Tensor]) -> bool:
             and gdn_step_applies(p.d, x.device))
 
 
-def _gdn_overlaps(p: _Plan, x: Tensor, T: int, S: Optional[Tensor]) -> bool:
+def _gdn_overlaps(p: _Plan, x: Tensor, T: int, S: Optional[Tensor], fused_norm: bool) -> bool:
     """Whether this decode step runs its GDN kernel on the side stream beside the whole FA branch
-    (:data:`DECODE_OVERLAP`)."""
+    (:data:`DECODE_OVERLAP`); ``fused_norm``: the kernel does the output fusion's norm (a whole head per program)."""
     if not (DECODE_OVERLAP and _side_ok(p, x, T, S)):
         return False
-    return DECODE_OVERLAP != "auto" or overlap_rule(x.shape[0], p.ng, p.d, _sm_count(x.device))
+    return DECODE_OVERLAP != "auto" or overlap_rule(x.shape[0], p.ng, p.d, _sm_count(x.device), fused_norm)
 
 
-def overlap_rule(batch: int, n_gdn: int, d: int, sms: int) -> bool:
-    """``DECODE_OVERLAP = "auto"``: overlap when the GDN step's grid (batch · n_gdn · ⌈d / 32⌉ programs, as
-    :func:`~headscope.hybrid.gdn_step.gdn_decode_step` launches it) is at most a quarter of the ``sms``."""
-    return batch * n_gdn * max(1, -(-d // 32)) * 4 <= sms
+def overlap_rule(batch: int, n_gdn: int, d: int, sms: int, fused_norm: bool = False) -> bool:
+    """``DECODE_OVERLAP = "auto"``: overlap when the GDN step's grid, as
+    :func:`~headscope.hybrid.gdn_step.gdn_decode_step` launches it (batch · n_gdn · d / block programs: a whole head
+    per program with the output fusion's norm, ``fused_norm``, else 32 columns), is at most a quarter of the ``sms``."""
+    bv, _ = gdn_launch_shape(d, fused_norm)
+    return batch * n_gdn * max(1, d // bv) * 4 <= sms
 
 
 def _prep_applies(layer: "HeadwiseHybridAttention", q: Tensor, T: int, cache: Any) -> bool:
@@ -483,7 +490,8 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     prep = bool(nf) and _prep_applies(layer, q, T, cache)
     # ---- the fused output of a decode step (DECODE_FUSED_OUT): every head writes its fused output here
     y_buf = g_out = None
-    if (DECODE_FUSED_OUT and T == 1 and cache is not None and (p.gamma is not None or p.gate or (nf and ng))
+    if (DECODE_FUSED_OUT and T == 1 and cache is not None and d <= FUSED_OUT_MAX_D
+            and (p.gamma is not None or p.gate or (nf and ng))
             and (prep or not nf) and (not ng or (S_dec is not None and DECODE_GDN == "triton"
                                                  and gdn_step_applies(d, x.device)))):
         y_buf = x.new_empty(B, nf + ng, d)
@@ -491,7 +499,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
 
     # ---- a decode step's GDN heads on the side stream, concurrent with the FA heads (DECODE_OVERLAP)
     y_side = side = None
-    ov_all = bool(ng) and _gdn_overlaps(p, x, T, S_dec)
+    ov_all = bool(ng) and _gdn_overlaps(p, x, T, S_dec, bool(g_out) and g_out["gamma"] is not None)
     ov_prep = not ov_all and prep and DECODE_OVERLAP_PREP and _side_ok(p, x, T, S_dec)
     if ov_all or ov_prep:
         main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)

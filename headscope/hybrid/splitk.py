@@ -347,8 +347,8 @@ def decode_attention(
     Raises:
         ValueError: shapes that disagree, d or block not a power of two ≥ 16, CPU tensors outside Triton's
             interpreter (``TRITON_INTERPRET=1``), or bf16 in the interpreter (its bf16 ``tl.dot`` is wrong in
-            Triton 3.9); each message names :func:`decode_attention_torch`. ``out``, ``gate`` or ``gamma`` of
-            the wrong shape, dtype or last-dimension stride (the message gives the shape wanted).
+            Triton 3.9); each message names :func:`decode_attention_torch`. ``out`` of the wrong shape, dtype,
+            device or last-dimension stride, ``gate`` of the wrong shape or stride, ``gamma`` of the wrong shape.
         ImportError: triton is not installed (use :func:`decode_attention_torch`).
 
     Source: flash-decoding (Dao et al., 2023); the combination is the online-softmax identity of
@@ -381,9 +381,10 @@ def decode_attention(
     split_len = -(-split_len // block) * block
     acc = torch.empty(B * Hk * NS * G * d, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * Hk * NS * G * 2, dtype=torch.float32, device=q.device)
-    if out is not None and (out.shape != (B, Hq, d) or out.dtype != q.dtype or out.stride(-1) != 1):
-        raise ValueError(f"out must be a {q.dtype} tensor of shape {(B, Hq, d)} with unit stride in d; got "
-                         f"{out.dtype} {tuple(out.shape)}")
+    if out is not None and (out.shape != (B, Hq, d) or out.dtype != q.dtype or out.stride(-1) != 1
+                            or out.device != q.device):
+        raise ValueError(f"out must be a {q.dtype} tensor on {q.device} of shape {(B, Hq, d)} with unit stride in d; "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     if gate is not None and (gate.shape != (B, Hq, d) or gate.stride(-1) != 1):
         raise ValueError(f"gate must have shape {(B, Hq, d)} and unit stride in d; got {tuple(gate.shape)}")
     if gamma is not None and gamma.shape != (Hq, d):
