@@ -427,14 +427,6 @@ def _side_ok(p: _Plan, x: Tensor, T: int, S: Optional[Tensor]) -> bool:
             and gdn_step_applies(p.d, x.device))
 
 
-def _gdn_overlaps(p: _Plan, x: Tensor, T: int, S: Optional[Tensor], fused_norm: bool) -> bool:
-    """Whether this decode step runs its GDN kernel on the side stream beside the whole FA branch
-    (:data:`DECODE_OVERLAP`); ``fused_norm``: the kernel does the output fusion's norm (a whole head per program)."""
-    if not (DECODE_OVERLAP and _side_ok(p, x, T, S)):
-        return False
-    return DECODE_OVERLAP != "auto" or overlap_rule(x.shape[0], p.ng, p.d, _sm_count(x.device), fused_norm)
-
-
 def overlap_rule(batch: int, n_gdn: int, d: int, sms: int, fused_norm: bool = False) -> bool:
     """``DECODE_OVERLAP = "auto"``: overlap when the GDN step's grid, as
     :func:`~headscope.hybrid.gdn_step.gdn_decode_step` launches it (batch · n_gdn · d / block programs: a whole head
@@ -499,8 +491,11 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
 
     # ---- a decode step's GDN heads on the side stream, concurrent with the FA heads (DECODE_OVERLAP)
     y_side = side = None
-    ov_all = bool(ng) and _gdn_overlaps(p, x, T, S_dec, bool(g_out) and g_out["gamma"] is not None)
-    ov_prep = not ov_all and prep and DECODE_OVERLAP_PREP and _side_ok(p, x, T, S_dec)
+    # beside the whole FA branch (DECODE_OVERLAP), else beside the FA prep kernel only (DECODE_OVERLAP_PREP)
+    side_ok = _side_ok(p, x, T, S_dec)
+    ov_all = side_ok and bool(DECODE_OVERLAP) and (DECODE_OVERLAP != "auto" or overlap_rule(
+        B, ng, d, _sm_count(x.device), fused_norm=bool(g_out) and g_out["gamma"] is not None))
+    ov_prep = side_ok and not ov_all and prep and DECODE_OVERLAP_PREP
     if ov_all or ov_prep:
         main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
         # allocated on the main stream, which reads it after the join
