@@ -23,6 +23,18 @@ def experiment_module(name: str):
     return mod
 
 
+def rope_and_qk_norm(B: int, d: int, dtype, g: torch.Generator, rope: bool, qkn: bool) -> dict:
+    """Random decode-kernel extras (drawn from ``g`` in this order): a half-split rotary row per sequence
+    (``cos``, ``sin`` [B, d]) when ``rope``; QK-RMSNorm weights around 1 and their ε when ``qkn``."""
+    kw = {}
+    if rope:
+        ang = torch.rand(B, d // 2, generator=g) * 6
+        kw["cos"], kw["sin"] = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    if qkn:
+        kw["q_norm"], kw["k_norm"], kw["qk_eps"] = 1 + 0.3 * torch.randn(d, generator=g), 1 + 0.3 * torch.randn(d, generator=g), 1e-6
+    return kw
+
+
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     from transformers import AutoTokenizer

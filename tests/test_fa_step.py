@@ -15,6 +15,8 @@ import torch
 from headscope.hybrid import fa_step, lean
 from headscope.hybrid.fa_step import fa_decode_prep, fa_decode_prep_torch
 
+from conftest import rope_and_qk_norm
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernel = pytest.mark.skipif(not fa_step.applies(64, torch.device(DEV)),
                                   reason="needs triton and CUDA or TRITON_INTERPRET=1")
@@ -28,12 +30,7 @@ def _inputs(B, nf, nk, d, L, dtype, seed=0, rope=True, qkn=True):
     k = z[:, nf * d:(nf + nk) * d].unflatten(-1, (nk, d))
     v = z[:, (nf + nk) * d:(nf + 2 * nk) * d].unflatten(-1, (nk, d))
     kc, vc = torch.randn(B, nk, L, d, generator=g).to(dtype), torch.randn(B, nk, L, d, generator=g).to(dtype)
-    kw = {}
-    if rope:
-        ang = torch.rand(B, d // 2, generator=g) * 6
-        kw["cos"], kw["sin"] = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
-    if qkn:
-        kw["q_norm"], kw["k_norm"], kw["qk_eps"] = 1 + 0.3 * torch.randn(d, generator=g), 1 + 0.3 * torch.randn(d, generator=g), 1e-6
+    kw = rope_and_qk_norm(B, d, dtype, g, rope, qkn)
     return (q, k, v, kc, vc), kw
 
 

@@ -15,6 +15,8 @@ from headscope.hybrid import gdn_step
 from headscope.hybrid.gdn import gdn_naive
 from headscope.hybrid.gdn_step import gdn_decode_step, gdn_decode_step_torch
 
+from conftest import rope_and_qk_norm
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernel = pytest.mark.skipif(not gdn_step.applies(64, torch.device(DEV)),
                                   reason="needs triton and CUDA or TRITON_INTERPRET=1")
@@ -29,12 +31,7 @@ def _inputs(B, N, d, dtype, seed=0, rope=True, qkn=True):
     S = torch.randn(B, N, d, d, generator=g) * 0.3
     A_neg = -torch.rand(N, generator=g) * 2
     dtb = torch.randn(N, generator=g)
-    kw = {}
-    if rope:
-        ang = torch.rand(B, d // 2, generator=g) * 6
-        kw["cos"], kw["sin"] = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
-    if qkn:
-        kw["q_norm"], kw["k_norm"], kw["qk_eps"] = 1 + 0.3 * torch.randn(d, generator=g), 1 + 0.3 * torch.randn(d, generator=g), 1e-6
+    kw = rope_and_qk_norm(B, d, dtype, g, rope, qkn)
     return (q, k, v, a, b, S, A_neg, dtb), kw
 
 

@@ -181,19 +181,26 @@ def test_graphed_generate_equals_eager_generate(decode, monkeypatch):
     assert torch.equal(got, ref)
 
 
-def test_compiled_layer_tail_equals_eager(monkeypatch):
-    """compile_tail=True (here with Dynamo's aot_eager backend: the tracing, one graph for every layer)
-    gives the eager decoder's prefill and steps."""
+def _eager_tail_reference():
+    """A fresh Dynamo cache, the small hybrid, 2 prompts of 12 tokens and the eager-tail decoder's 5 greedy tokens."""
     import torch._dynamo
 
-    import headscope.hybrid.static as static
-
-    monkeypatch.setattr(static, "TAIL_BACKEND", "aot_eager")
     torch._dynamo.reset()
     model = _hybrid()
     ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         ref = StaticDecoder(model, batch=2, max_len=20).generate(ids, 5, cuda_graph=False)
+    return model, ids, ref
+
+
+def test_compiled_layer_tail_equals_eager(monkeypatch):
+    """compile_tail=True (here with Dynamo's aot_eager backend: the tracing, one graph for every layer)
+    gives the eager decoder's prefill and steps."""
+    import headscope.hybrid.static as static
+
+    monkeypatch.setattr(static, "TAIL_BACKEND", "aot_eager")
+    model, ids, ref = _eager_tail_reference()
+    with torch.no_grad():
         dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
         got = dec.generate(ids, 5, cuda_graph=False)
         assert dec._post is not static._post  # still compiled: no fallback happened
@@ -207,19 +214,14 @@ def test_compiled_layer_tail_equals_eager(monkeypatch):
 
 def test_a_tail_compile_failure_warns_once_and_runs_eagerly(monkeypatch):
     """A backend that fails: one warning, then the eager (still fused) tail, the same tokens."""
-    import torch._dynamo
-
     import headscope.hybrid.static as static
 
     def broken(gm, example_inputs):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(static, "TAIL_BACKEND", broken)
-    torch._dynamo.reset()
-    model = _hybrid()
-    ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(4))
+    model, ids, ref = _eager_tail_reference()
     with torch.no_grad():
-        ref = StaticDecoder(model, batch=2, max_len=20).generate(ids, 5, cuda_graph=False)
         dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
         with pytest.warns(UserWarning, match="torch.compile of the layer tail failed") as rec:
             got = dec.generate(ids, 5, cuda_graph=False)
