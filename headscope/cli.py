@@ -145,7 +145,8 @@ def _report(r: Any, cfg: Any, budget: str, min_per_layer: int, out: Path, top: i
         s = mask.summary()
         typer.echo(
             f"mask ({budget}, >= {min_per_layer}/layer): {s['n_fa']} FA heads of {s['n_total']}, "
-            f"KV cache kept {s['kv_cache_fraction']:.1%}"
+            f"KV cache kept {s['kv_cache_fraction']:.1%} ({s['kv_groups_kept']} of {mask.n_layers * mask.n_kv_heads} "
+            "KV groups: a group keeps its cache if any of its query heads is FA)"
         )
         for note in s.get("notes", []):
             typer.echo(f"note: {note}", err=True)

@@ -20,6 +20,8 @@ def test_rank_command_writes_outputs(tiny_dir, tmp_path):
     assert r.provenance["model_spec"] == str(model_dir) and r.provenance["direction"] == "noising"
     m = HeadMask.from_json(out / "mask.json")
     assert m.n_fa == 3 and all(len(h) >= 1 for h in m.fa_heads)
+    kept = sum(len(g) for g in m.kv_groups())  # the printed KV line counts the kept groups of the mask
+    assert f"KV cache kept {kept / (m.n_layers * m.n_kv_heads):.1%} ({kept} of {m.n_layers * m.n_kv_heads} KV groups" in res.output
     assert json.loads((out / "mask.json").read_text())["meta"]["n_pairs"] == 2
     assert (out / "heatmap.html").stat().st_size > 1000
     # the mask's heads are the best-scored ones of each layer plus the global best
