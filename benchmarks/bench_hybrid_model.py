@@ -52,7 +52,8 @@ def smollm2_config(layers: int = 30) -> LlamaConfig:
 
 
 def mask_7to1(layers: int, heads: int = 9, kv: int = 3, seed: int = 0) -> HeadMask:
-    """34 of 270 FA heads for SmolLM2 (7:1): one random head per layer, the rest in random layers."""
+    """A random 7:1 mask: ``max(layers, round(layers * heads / 8))`` FA heads (SmolLM2: 34 of 270; the Qwen3-1.7B
+    shape: 56 of 448), one random head per layer, the rest in random layers."""
     g = torch.Generator().manual_seed(seed)
     n_fa = max(layers, round(layers * heads / 8))
     fa = [{int(torch.randint(heads, (1,), generator=g))} for _ in range(layers)]
@@ -65,7 +66,7 @@ HYDRAHEAD_MASK = Path(__file__).resolve().parent.parent / "experiments" / "conve
 MASKS = ("hydrahead", "random")
 
 
-def hybrid_mask(which: str, layers: int = 30) -> HeadMask:
+def hybrid_mask(which: str, layers: int = 30, heads: int = 9, kv: int = 3) -> HeadMask:
     """The 7:1 hybrid's FA heads: ``"hydrahead"`` — the mask that headscope's causal ranking chose for
     SmolLM2-135M-Instruct and that the 50M-token conversion trained (``experiments/conversion-smollm2-50m/masks/
     hydrahead.json``: 34 FA heads, one KV group kept per layer, 30 of 90); ``"random"`` — :func:`mask_7to1`
@@ -73,18 +74,23 @@ def hybrid_mask(which: str, layers: int = 30) -> HeadMask:
     reads the K/V cache of every KV group that holds an FA head, so the kept groups, not the FA heads, set the
     split-K attention's time.
 
+    ``heads`` / ``kv``: query and KV heads per layer (SmolLM2's 9 / 3 by default; e.g. 16 / 8 for the
+    Qwen3-1.7B shape, where only ``"random"`` or a file of that geometry applies).
+
     Raises:
-        ValueError: an unknown name, or ``"hydrahead"`` at another depth than SmolLM2's 30 layers.
+        ValueError: an unknown name, ``"hydrahead"`` at another geometry than SmolLM2's (30 layers × 9 heads,
+            3 KV heads), or a mask file of another geometry.
     """
     if which == "random":
-        return mask_7to1(layers)
+        return mask_7to1(layers, heads, kv)
     if which == "hydrahead":
-        if layers != 30:
-            raise ValueError(f"the hydrahead mask is SmolLM2's (30 layers), not {layers}; use --mask random")
+        if (layers, heads, kv) != (30, 9, 3):
+            raise ValueError(f"the hydrahead mask is SmolLM2's (30 layers x 9 heads, 3 KV heads), not {layers} x "
+                             f"{heads}, {kv}; use --mask random")
         return HeadMask.from_json(HYDRAHEAD_MASK)
     if Path(which).is_file():
         m = HeadMask.from_json(which)
-        m.check_geometry(layers, 9, 3)
+        m.check_geometry(layers, heads, kv)
         return m
     raise ValueError(f"mask {which!r}: want one of {MASKS} or a HeadMask JSON file")
 

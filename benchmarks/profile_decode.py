@@ -11,6 +11,10 @@ between kernels (launch latency inside the graph).
 
     python benchmarks/profile_decode.py --out DIR [--batch 16 --length 32768 --tail-modes default max-autotune-no-cudagraphs]
         [--variants defaults before:lean.DECODE_OVERLAP=False,lean.DECODE_FA_PREP=glue,static.FUSED_TAIL=False]
+    python benchmarks/profile_decode.py --out DIR --shape qwen3-1.7b --layers 28 --masks random   # head_dim 128
+
+``--shape qwen3-1.7b``: a Qwen3-1.7B-shaped model (Qwen3 attention with QK-norm, hidden 2048, 16 query heads,
+8 KV heads, head_dim 128, MLP 6144, vocabulary 151,936; random weights) instead of SmolLM2's.
 """
 
 from __future__ import annotations
@@ -36,6 +40,21 @@ from headscope.masks import HeadMask  # noqa: E402
 CLASSES = (("splitk", ("_partial", "_combine")), ("gdn_step", ("_gdn_decode_step",)), ("fa_prep", ("_fa_decode_prep",)),
            ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_", "cublas", "splitKreduce")),
            ("compiled", ("triton_",)), ("copy", ("copy", "index", "fill", "elementwise")))
+
+
+def model_config(shape: str, layers: int):
+    """(config, model class) of the profiled model: ``"smollm2-135m"`` (Llama) or ``"qwen3-1.7b"`` (Qwen3)."""
+    if shape == "smollm2-135m":
+        from transformers import LlamaForCausalLM
+
+        return smollm2_config(layers), LlamaForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                      rope_theta=1000000.0, max_position_embeddings=1 << 17, rms_norm_eps=1e-6)
+    cfg._attn_implementation = "sdpa"
+    return cfg, Qwen3ForCausalLM
 
 
 def kernel_class(name: str) -> str:
@@ -105,6 +124,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--shape", default="smollm2-135m", choices=("smollm2-135m", "qwen3-1.7b"))
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--masks", nargs="+", default=["hydrahead"],
                     help=f"the hybrids' FA heads, each one of {MASKS} or a HeadMask JSON file (bench_hybrid_model.hybrid_mask); "
@@ -116,9 +136,10 @@ def main() -> None:
                          "e.g. before:lean.DECODE_OVERLAP=False,lean.DECODE_FA_PREP=glue,static.FUSED_TAIL=False "
                          "(modules: lean, static, splitk; values: ints, True/False, or strings)")
     args = ap.parse_args()
+    H, KV = (9, 3) if args.shape == "smollm2-135m" else (16, 8)
     for m in args.masks:
         try:
-            hybrid_mask(m, args.layers)
+            hybrid_mask(m, args.layers, H, KV)
         except ValueError as e:
             ap.error(str(e))
     parsed = {v: parse_variant(v, ap) for v in args.variants}
@@ -127,22 +148,20 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev, dt = torch.device("cuda"), torch.bfloat16
-    cfg = smollm2_config(args.layers)
-    from transformers import LlamaForCausalLM
-
+    cfg, cls = model_config(args.shape, args.layers)
     torch.manual_seed(0)
-    teacher = LlamaForCausalLM(cfg).to(dt).eval()
+    teacher = cls(cfg).to(dt).eval()
     with torch.no_grad():
         for p in teacher.parameters():
             p.normal_(std=0.02)
     L = args.layers
-    masks = {m: hybrid_mask(m, L) for m in args.masks}
-    models = {"teacher": hybridize(teacher, HeadMask(L, 9, 3, (tuple(range(9)),) * L), fusion="none").to(dev, dt).eval()}
+    masks = {m: hybrid_mask(m, L, H, KV) for m in args.masks}
+    models = {"teacher": hybridize(teacher, HeadMask(L, H, KV, (tuple(range(H)),) * L), fusion="none").to(dev, dt).eval()}
     for i, (m, hm) in enumerate(masks.items()):
         name = "hybrid" if i == 0 else f"hybrid_{Path(m).stem}"
         name = name if name not in models else f"{name}_{i}"  # two mask files of one name
         models[name] = hybridize(teacher, hm).to(dev, dt).eval()
-    res = {"batch": args.batch, "length": args.length, "layers": L, "torch": torch.__version__,
+    res = {"shape": args.shape, "batch": args.batch, "length": args.length, "layers": L, "torch": torch.__version__,
            "masks": {m: {"kv_groups_kept": sum(len(g) for g in hm.kv_groups()), "n_fa": hm.n_fa} for m, hm in masks.items()},
            "device": torch.cuda.get_device_name(), "cells": {}}
     B, T = args.batch, args.length

@@ -40,3 +40,16 @@ def test_random_mask_and_bad_names(bench, tmp_path):
         bench.hybrid_mask("hydrahead", layers=12)
     with pytest.raises(ValueError, match="want one of"):
         bench.hybrid_mask("hydra")
+
+
+def test_masks_of_another_geometry(bench, tmp_path):
+    """The Qwen3-1.7B shape (28 layers x 16 heads, 8 KV heads): a random 7:1 mask of 56 FA heads, >= 1 per layer;
+    the SmolLM2 mask and a SmolLM2-shaped file are refused there."""
+    q = bench.hybrid_mask("random", 28, 16, 8)
+    assert (q.n_layers, q.n_heads, q.n_kv_heads, q.n_fa) == (28, 16, 8, 56)
+    assert all(len(h) >= 1 for h in q.fa_heads)
+    with pytest.raises(ValueError, match="use --mask random"):
+        bench.hybrid_mask("hydrahead", 28, 16, 8)
+    p = bench.hybrid_mask("random").to_json(tmp_path / "smol.json")
+    with pytest.raises(ValueError):
+        bench.hybrid_mask(str(p), 28, 16, 8)

@@ -168,7 +168,15 @@ def test_lean_decode_fused_output_with_a_group_of_two_fa_heads_and_its_head_dim_
     _decode_vs_forward(monkeypatch, True, {}, True, expect_fused=False)
 
 
-def _decode_vs_forward(monkeypatch, qwen, opts, fused_out, fa=(0, 3), expect_fused=None):
+@needs_kernel
+def test_lean_decode_fused_output_at_head_dim_128(monkeypatch):
+    """Qwen3's head_dim 128 with the output fusion allowed there (``FUSED_OUT_MAX_D`` = 128): the fused split-K
+    combination and the GDN step with its per-head norm give the plain forward's outputs."""
+    monkeypatch.setattr(lean, "FUSED_OUT_MAX_D", 128)
+    _decode_vs_forward(monkeypatch, True, {}, True, d=128)
+
+
+def _decode_vs_forward(monkeypatch, qwen, opts, fused_out, fa=(0, 3), expect_fused=None, d=16):
     from transformers import LlamaConfig, Qwen3Config
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
@@ -183,7 +191,7 @@ def _decode_vs_forward(monkeypatch, qwen, opts, fused_out, fa=(0, 3), expect_fus
     glues = []
     real_glue = lean._glue
     monkeypatch.setattr(lean, "_glue", lambda name, *a, **k: glues.append(name) or real_glue(name, *a, **k))
-    kw = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
+    kw = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=d, intermediate_size=64,
               num_hidden_layers=1, vocab_size=50, rope_theta=10000.0)
     cfg = Qwen3Config(**kw) if qwen else LlamaConfig(**kw)
     cfg._attn_implementation = "sdpa"

@@ -105,7 +105,7 @@ def test_kernel_writes_into_a_given_output():
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype,d", [(torch.float32, 32), (torch.float16, 64)])
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 32), (torch.float16, 64), (torch.float16, 128)])
 def test_kernel_folds_the_output_fusion_into_a_strided_output(dtype, d):
     """gamma=: the step writes γ_h · y / RMS(y) (eq. 13–14, y rounded to the dtype first, as lean._glue_out sees
     it) into a strided slice of a layer-wide [B, heads, d] buffer; the columns of the other heads stay untouched
