@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .rope import apply_rope
 from .shapes import Float
-from .splitk import build_kernels, kernel_applies, require_kernel
+from .splitk import build_kernels, gdc_ops, kernel_applies, launch_kw, pdl_applies, require_kernel
 
 _kernels: dict = {}
 
@@ -81,12 +81,13 @@ def gdn_decode_step_torch(
 
 def _make(triton, tl) -> dict:
     """The Triton kernel of the GDN decode step."""
+    gdc_wait, gdc_launch = gdc_ops()
 
     @triton.jit
     def _gdn_decode_step(Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y, GAMMA, scale, qk_eps, out_eps,
               sqb, sqh, skb, skh, svb, svh, sab, sbb, scb, ssb, syb, syh,
               N: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr,
-              NORM: tl.constexpr):
+              NORM: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)  # (sequence, head); 64-bit offsets
         b = pid // N
         h = pid % N
@@ -99,6 +100,9 @@ def _make(triton, tl) -> dict:
         p2 = base + (H2 + r)[:, None] * D + cv[None, :]
         S1 = tl.load(p1)
         S2 = tl.load(p2)
+        if PDL:  # the state is no running kernel's output; q, k, v, a, b come from the projection before
+            gdc_wait()
+            gdc_launch()
         vv = tl.load(V + b * svb + h * svh + cv).to(tl.float32)
         q1 = tl.load(Q + b * sqb + h * sqh + r).to(tl.float32)
         q2 = tl.load(Q + b * sqb + h * sqh + H2 + r).to(tl.float32)
@@ -181,6 +185,7 @@ def gdn_decode_step(
     out: Optional[Tensor] = None,
     gamma: Optional[Float[Tensor, "head d"]] = None,
     out_eps: float = 1e-6,
+    pdl: Optional[bool] = None,
 ) -> Float[Tensor, "batch head d"]:
     """One token of every GDN head (HydraHead eq. 7–8 with the layer's q/k glue) in one Triton kernel.
 
@@ -200,6 +205,8 @@ def gdn_decode_step(
         gamma, out_eps: fold the hybrid's output fusion into the step (HydraHead eq. 13–14):
             y ← γ_h · y / sqrt(mean(y²) + out_eps) per head, ``gamma`` fp32 [head, d]; y is rounded to v's
             dtype first, as the unfused path (``lean._glue_out``) sees it. One program then holds a whole head.
+        pdl: launch with programmatic dependent launch where it applies (``splitk.pdl_applies``; None: there);
+            False for a launch whose stream waits on another stream's event just before (the side stream).
 
     Returns:
         y [batch, head, d] in v's dtype (contiguous, or ``out`` when given).
@@ -241,11 +248,13 @@ def gdn_decode_step(
     qn = q_norm.float().contiguous() if qkn else A_neg
     kn = k_norm.float().contiguous() if qkn else A_neg
     gm = gamma.float().contiguous() if gamma is not None else A_neg
+    use_pdl = pdl_applies(v) if pdl is None else (pdl and pdl_applies(v))
     with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
         kern["step"][(B * N, d // bv)](
             q, k, v, a, b, cos_t, sin_t, qn, kn, A_neg.float().contiguous(), dt_bias.float().contiguous(), S, y, gm,
             float(scale), float(qk_eps), float(out_eps),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
             cos_t.stride(0) if rope else 0, sin_t.stride(0) if rope else 0, y.stride(0), y.stride(1),
-            N=N, D=d, BV=bv, ROPE=rope, QKN=qkn, NORM=gamma is not None, num_warps=warps)
+            N=N, D=d, BV=bv, ROPE=rope, QKN=qkn, NORM=gamma is not None, PDL=use_pdl, num_warps=warps,
+            **launch_kw(use_pdl))
     return y

@@ -51,6 +51,7 @@ from .rope import apply_rope
 from .gdn_step import applies as gdn_step_applies, gdn_decode_step, launch_shape as gdn_launch_shape, gdn_decode_step_torch, l2_normalize, rms_norm
 from .splitk import _sm_count, decode_attention, triton_available
 from .fa_step import applies as fa_prep_applies, fa_decode_prep
+from .skinny import linear
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layer import HeadwiseHybridAttention
@@ -396,7 +397,8 @@ def _fa_attend(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Optiona
 
 
 def _gdn_decode(layer: "HeadwiseHybridAttention", p: _Plan, qg: Tensor, kg: Tensor, vg: Tensor, a: Tensor,
-                b: Tensor, cs: tuple, S: Tensor, out: Optional[Tensor] = None, gamma: Optional[Tensor] = None) -> Tensor:
+                b: Tensor, cs: tuple, S: Tensor, out: Optional[Tensor] = None, gamma: Optional[Tensor] = None,
+                pdl: Optional[bool] = None) -> Tensor:
     """One token of every GDN head from the projection's views (q/k/v [B,1,n·d], a/b [B,1,n]), the state
     ``S`` (the cache's) updated in place -> y [B,1,n,d]: the Triton kernel (``DECODE_GDN = "triton"``, where
     it applies; into ``out`` [B,n,d] when given, the output fusion folded in with ``gamma``) or the same function
@@ -407,7 +409,8 @@ def _gdn_decode(layer: "HeadwiseHybridAttention", p: _Plan, qg: Tensor, kg: Tens
         rope = p.gdn_rope and cs[0] is not None
         return gdn_decode_step(q3[:, 0], k3[:, 0], v3[:, 0], a[:, 0], b[:, 0], S, p.A_neg, p.dtb, float(layer.scaling),
                                cos=cs[0][:, 0] if rope else None, sin=cs[1][:, 0] if rope else None,
-                               q_norm=p.qn, k_norm=p.kn, qk_eps=p.qk_eps, out=out, gamma=gamma, out_eps=p.eps)[:, None]
+                               q_norm=p.qn, k_norm=p.kn, qk_eps=p.qk_eps, out=out, gamma=gamma, out_eps=p.eps,
+                               pdl=pdl)[:, None]
     return _glue("dec_gdn", (q3, k3, v3, a, b, *cs), (S, p.A_neg, p.dtb, p.qn, p.kn), eps=p.qk_eps, rope=p.gdn_rope,
                  scale=float(layer.scaling))
 
@@ -470,7 +473,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
                          "make it with a larger max_len")
     tb = max(1, block_tokens(ng, d) // B)
     one_gemm = T <= tb
-    z = F.linear(x, p.W, p.b) if one_gemm else None
+    z = linear(x, p.W, p.b) if one_gemm else None  # decode-sized: the rows kernel (skinny.py), else F.linear
     z_fa = z[..., : p.n_fa_rows] if one_gemm else (F.linear(x, p.W[: p.n_fa_rows], None if p.b is None else p.b[: p.n_fa_rows]) if nf else None)
 
     S_dec = cache.S if (cache is not None and (past or dpos is not None)) else None
@@ -505,7 +508,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
         side.wait_stream(main)
         with torch.cuda.stream(side):
             _gdn_decode(layer, p, qg, kg, vg, a[..., :ng], b[..., :ng], (cos, sin) if cos is not None else (None, None),
-                        cache.S, out=y_side, gamma=g_out["gamma"] if g_out else None)
+                        cache.S, out=y_side, gamma=g_out["gamma"] if g_out else None, pdl=False)  # after an event wait
         del zg, qg, kg, vg, a, b
 
     # ---- FA heads: softmax attention over the kept KV groups
@@ -583,10 +586,10 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     # ---- fusion (eq. 13–14) in (FA, GDN) order, then o_proj with permuted input columns
     if y_buf is not None:  # done by the kernels
         del o_fa, y_g, gate
-        return F.linear(y_buf.view(B, 1, -1), p.Wo, p.bo)
+        return linear(y_buf.view(B, 1, -1), p.Wo, p.bo)
     if p.gamma is None and gate is None and (o_fa is None or y_g is None):
         y = (o_fa if o_fa is not None else y_g).reshape(B, T, -1)
     else:
         y = _glue("out", (o_fa, gate, y_g), (p.gamma,), eps=p.eps)
     del o_fa, y_g, gate
-    return F.linear(y, p.Wo, p.bo)
+    return linear(y, p.Wo, p.bo)

@@ -23,10 +23,10 @@ import time
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .graphs import capture as _capture
+from .skinny import linear
 
 
 TAIL_BACKEND = "inductor"  # torch.compile backend of the layers' norm + MLP tail (compile_tail=True)
@@ -39,6 +39,10 @@ FUSED_TAIL = True
 # where a layer's gate + up weights are at most this many bytes — small GEMMs, bound by latency, where one launch
 # fewer pays; larger layers keep the two projections (bandwidth-bound: nothing to gain) inside the same fused call.
 FUSED_GATE_UP_MAX_BYTES = 32 << 20
+# Inductor's programmatic dependent launch for the compiled tail's Triton kernels on a GPU (its config
+# ``triton.enable_pdl``, where this torch has it; only with the default TAIL_MODE): they chain with headscope's
+# decode kernels (splitk.PDL) instead of waiting for each launch.
+TAIL_PDL = True
 
 
 class _Clock:
@@ -65,6 +69,17 @@ class _Clock:
         return (b - a) * 1e3
 
 
+def _compile(fn: Any, cuda: bool) -> Any:
+    """``torch.compile`` of a tail function (TAIL_BACKEND, TAIL_MODE; Inductor's PDL with :data:`TAIL_PDL` on CUDA)."""
+    opts = None
+    if TAIL_PDL and cuda and TAIL_BACKEND == "inductor" and TAIL_MODE is None:
+        import torch._inductor.config as icfg
+
+        if hasattr(icfg.triton, "enable_pdl"):
+            opts = {"triton.enable_pdl": True}
+    return torch.compile(fn, backend=TAIL_BACKEND, fullgraph=True, mode=TAIL_MODE, options=opts)
+
+
 def _pre(layer: Any, h: Tensor) -> Tensor:
     return layer.input_layernorm(h)
 
@@ -82,9 +97,10 @@ def _post_fused(layer: Any, nxt: Any, h: Tensor, a: Tensor, W_gu: Optional[Tenso
     x = layer.post_attention_layernorm(h)
     if W_gu is None:
         g, u = layer.mlp.gate_proj(x), layer.mlp.up_proj(x)
-    else:
-        g, u = F.linear(x, W_gu, b_gu).chunk(2, dim=-1)
-    h = h + layer.mlp.down_proj(layer.mlp.act_fn(g) * u)
+    else:  # decode-sized rows: skinny.linear's kernel (an opaque custom op to torch.compile), else F.linear
+        g, u = linear(x, W_gu, b_gu).chunk(2, dim=-1)
+    dn = layer.mlp.down_proj
+    h = h + linear(layer.mlp.act_fn(g) * u, dn.weight, dn.bias)
     return h, (nxt.input_layernorm(h) if nxt is not None else None)
 
 
@@ -150,8 +166,9 @@ class StaticDecoder:
         self._pre, self._post, self._fused = _pre, _post, None
         self._gu: list = [None] * len(self.base.layers)  # per layer: (weight versions, W_gu, b_gu)
         if compile_tail:
-            self._pre = torch.compile(_pre, backend=TAIL_BACKEND, fullgraph=True, mode=TAIL_MODE)
-            self._post = torch.compile(_post, backend=TAIL_BACKEND, fullgraph=True, mode=TAIL_MODE)
+            cuda = next(model.parameters()).is_cuda
+            self._pre = _compile(_pre, cuda)
+            self._post = _compile(_post, cuda)
             layers = self.base.layers
             if FUSED_TAIL and all(_gated_mlp(layer) for layer in layers):
                 if any(_hooked(layer) for layer in layers):
@@ -161,7 +178,7 @@ class StaticDecoder:
                                   "would bypass them, so the modules are called (two compiled calls per layer)",
                                   stacklevel=2)
                 elif self._fused_tail_ok():
-                    self._fused = torch.compile(_post_fused, backend=TAIL_BACKEND, fullgraph=True, mode=TAIL_MODE)
+                    self._fused = _compile(_post_fused, cuda)
 
     def _gate_up(self, i: int) -> tuple:
         """Layer i's [gate; up] weight (and bias), concatenated once and again when either changes; (None, None)
