@@ -231,7 +231,6 @@ def _make(triton, tl) -> dict:
                  PDL: tl.constexpr):
         if PDL:  # q and the new slot's K/V come from the kernel before
             gdc_wait()
-            gdc_launch()
         bh = tl.program_id(0)
         s = tl.program_id(1)
         b = (bh // HK).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2^31 elements
@@ -269,6 +268,8 @@ def _make(triton, tl) -> dict:
         tl.store(ACC + (base + rg[:, None]) * D + rd[None, :], acc, mask=gmask[:, None])
         tl.store(ML + (base + rg) * 2, m, mask=gmask)
         tl.store(ML + (base + rg) * 2 + 1, l_, mask=gmask)
+        if PDL:  # the combination may launch once every split is done (launched earlier, its programs would
+            gdc_launch()  # take thread-block slots that this bandwidth-bound kernel's later programs need)
 
     @triton.jit
     def _combine(ACC, ML, O, sob, soh, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
