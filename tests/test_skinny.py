@@ -66,8 +66,9 @@ def test_rows_kernel_refuses_what_it_cannot_take():
 
 
 def test_linear_dispatch_off_the_gpu_is_f_linear(monkeypatch):
-    """skinny.linear: F.linear itself on CPU tensors, above MAX_ROWS rows, or with ENABLE off; the kernel only where
-    ``applies`` (CUDA, ≤ 16 rows, matching dtypes, unit-stride weight)."""
+    """skinny.linear: F.linear itself on CPU tensors, above MAX_ROWS rows, or with ENABLE off (the default); the
+    kernel only where ``applies`` (ENABLE, CUDA, ≤ 16 rows, matching dtypes, unit-stride weight)."""
+    assert skinny.ENABLE is False and splitk.PDL is False
     x, W, b = _case(4, 64, 8, torch.float32, True)
     assert not skinny.applies(x, W)  # CPU
     assert torch.equal(skinny.linear(x, W, b), F.linear(x, W, b))
@@ -82,6 +83,7 @@ def test_linear_dispatch_off_the_gpu_is_f_linear(monkeypatch):
 def test_applies_on_a_gpu_and_not_above_the_row_limit(monkeypatch):
     x, W, _ = _case(16, 64, 8, torch.bfloat16, False)
     x, W = x.cuda(), W.cuda()
+    monkeypatch.setattr(skinny, "ENABLE", True)  # opt-in
     assert skinny.applies(x, W) and not skinny.applies(torch.cat([x, x[:1]]), W)
     assert not skinny.applies(x, W.T.contiguous().T)  # a weight without unit stride in K
     monkeypatch.setattr(skinny, "ENABLE", False)

@@ -5,7 +5,8 @@ latency-bound kernel. On the H200, cuBLAS takes 2.9–4.3 µs for each SmolLM2 p
 kernel about the same alone (``benchmarks/bench_decode_gemm.py``); the difference is in a chain: it loads its
 first weight tile, *then* waits on the kernel before it (programmatic dependent launch, ``splitk.PDL``), so its
 launch and weight fetch overlap that kernel. A layer-shaped chain of 7 decode kernels took 18.2 µs with cuBLAS
-and 14.9 µs with this kernel and PDL, bit-identical outputs (same run).
+and 14.9 µs with this kernel and PDL, bit-identical outputs (same run). In the whole decode step it did not pay
+(:data:`ENABLE`), so it is opt-in.
 
 - :func:`linear_rows` — the kernel (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``).
 - :func:`linear` — what the decode paths call: the kernel (as the custom op ``headscope::linear_rows``, opaque
@@ -24,7 +25,10 @@ from torch import Tensor
 from .shapes import Float
 from .splitk import build_kernels, gdc_ops, launch_kw, pdl_applies, require_kernel, triton_available
 
-ENABLE = True  # linear() uses the kernel where it applies (CUDA, ≤ MAX_ROWS rows); False: always F.linear
+# linear() uses the kernel where it applies (CUDA, ≤ MAX_ROWS rows); False: always F.linear. Off by default: it pays
+# only in a PDL chain (splitk.PDL); without PDL it took ~5 µs per projection inside the SmolLM2 decode step, cuBLAS
+# ~3.9 (H200, profile_decode.py), and with PDL the hybrid's step was within 0.5 % of cuBLAS + PDL.
+ENABLE = False
 MAX_ROWS = 16  # one 16-row tile (tl.dot's smallest M)
 # output columns per program, reduction chunk, warps: the best of bench_decode_gemm.py's grid for 4 of the 5
 # SmolLM2 decode projections on the H200 (gate/up: (16, 128, 2), within 0.1 µs)

@@ -60,9 +60,11 @@ def require_kernel(name: str, reference: str, t: Tensor, plural: bool = False) -
 # in the stream still runs, and waits (``griddepcontrol.wait``) before it touches memory that kernel may write, so
 # only launches and prologues overlap (and loads of data that no running kernel writes: weights, the GDN state).
 # Every PDL kernel waits in every program before it finishes, so a finished kernel implies finished predecessors.
-# On the H200, a chain of 7 decode-sized kernels: 18.2 µs (cuBLAS + Triton) vs 14.9 µs (all Triton with PDL)
-# (``benchmarks/bench_decode_gemm.py``). False: plain launches.
-PDL = True
+# Off by default. Measured on the H200 (whole SmolLM2-shaped decode step, B = 16, 32K, ``profile_decode.py``): a
+# chain of 7 decode-sized kernels 18.2 µs (cuBLAS + Triton) vs 14.9 µs (all Triton with PDL), but in the model,
+# with static.TAIL_PDL (and skinny.ENABLE), the 7:1 hybrid's step 2.021 -> 1.976-1.986 ms and the all-FA
+# teacher's 3.672 -> 3.972-4.087 ms (slower; cause not found). True: PDL launches where pdl_applies().
+PDL = False
 _caps: dict = {}
 
 

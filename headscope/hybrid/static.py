@@ -40,9 +40,9 @@ FUSED_TAIL = True
 # fewer pays; larger layers keep the two projections (bandwidth-bound: nothing to gain) inside the same fused call.
 FUSED_GATE_UP_MAX_BYTES = 32 << 20
 # Inductor's programmatic dependent launch for the compiled tail's Triton kernels on a GPU (its config
-# ``triton.enable_pdl``, where this torch has it; only with the default TAIL_MODE): they chain with headscope's
-# decode kernels (splitk.PDL) instead of waiting for each launch.
-TAIL_PDL = True
+# ``triton.enable_pdl``, where this torch has it; only with the default TAIL_MODE), to chain with headscope's decode
+# kernels under splitk.PDL. Off by default, like splitk.PDL (measured there).
+TAIL_PDL = False
 
 
 class _Clock:
