@@ -14,9 +14,10 @@ PDL (each kernel loads its weights, then ``gdc_wait``: the weight fetch overlaps
 from __future__ import annotations
 
 import argparse
+import ast
 import itertools
+import sys
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -113,6 +114,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--chain", type=int, default=30, help="calls (or layers) per graph")
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode_gemm.py needs a CUDA device (the kernels' times and PDL are GPU-only)")
     dev = torch.device("cuda")
     triton, skinny, rms, silu_mul, has_pdl = kernels()
     torch.manual_seed(0)
@@ -147,7 +150,7 @@ def main() -> None:
         best = min(ok, key=lambda k: ok[k]["us"]) if ok else None
         row["best"] = best
         if best and has_pdl:
-            cfg = eval(best)
+            cfg = ast.literal_eval(best)
             try:
                 row["best_pdl_us"] = graph_us(lambda: [lin(x, W, None, y, cfg, True) for _ in range(R)], per=R)
             except Exception as e:  # noqa: BLE001
@@ -165,7 +168,7 @@ def main() -> None:
     h = torch.randn(16, H, device=dev, dtype=torch.bfloat16)
     buf = {k: torch.empty(16, n, device=dev, dtype=torch.bfloat16) for k, n in
            (("n1", H), ("z", NI), ("o", H), ("n2", H), ("gu", 2 * I), ("a", I), ("h", H))}
-    cfgs = {k: eval(res["shapes"][s]["best"]) if res["shapes"][s]["best"] else (32, 128, 4)
+    cfgs = {k: ast.literal_eval(res["shapes"][s]["best"]) if res["shapes"][s]["best"] else (32, 128, 4)
             for k, s in (("in", "in_hybrid"), ("o", "o_proj"), ("gu", "gate_up"), ("down", "down"))}
 
     def layer(mode):
