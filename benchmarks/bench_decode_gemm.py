@@ -4,11 +4,14 @@ launch (PDL, Hopper), CUDA-graph replayed.
 A batch-16 decode step's projections are [16, K] × [K, N] products (SmolLM2: K = 576 / 1536, N = 576 … 3072);
 cuBLAS takes ~3.9 µs for each on the H200 (``profile_decode.py``), far above its bytes (≤ 3.5 MB: ≤ 0.8 µs).
 This measures, in one run, µs per call of each shape for cuBLAS (``F.linear``, the baseline) and for the skinny
-kernel over a small grid of tiles, and µs per *layer-shaped chain* (RMSNorm → in-proj → o_proj → RMSNorm →
+kernel (``headscope.hybrid.skinny.linear_rows``) over a small grid of tiles, and µs per *layer-shaped chain* (RMSNorm → in-proj → o_proj → RMSNorm →
 gate/up → SiLU·mul → down, 30 times in one graph) for: cuBLAS + Triton elementwise, all Triton, all Triton with
 PDL (each kernel loads its weights, then ``gdc_wait``: the weight fetch overlaps the previous kernel's tail).
 
     python benchmarks/bench_decode_gemm.py --out DIR        # CUDA only
+
+(``benchmarks/results/h200_bench_decode_gemm.json`` ran the same kernel from this script, before it moved into
+``headscope/hybrid/skinny.py``.)
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from headscope.hybrid import skinny, splitk
+
 # (M, K, N): SmolLM2 decode at batch 16 — hybrid in-proj, teacher in-proj, o_proj, gate+up, down
 SHAPES = {"in_hybrid": (16, 576, 1856), "in_teacher": (16, 576, 960), "o_proj": (16, 576, 576),
           "gate_up": (16, 576, 3072), "down": (16, 1536, 576)}
@@ -32,34 +37,7 @@ TILES = list(itertools.product((16, 32, 64), (64, 128, 256), (2, 4)))  # (BN, BK
 def kernels():
     import triton
     import triton.language as tl
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    except ImportError:  # an older Triton: no PDL
-        gdc_wait = gdc_launch_dependents = None
-
-    @triton.jit
-    def skinny(X, W, Bias, Y, M, N, K, sxm, swn, sym, HAS_B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr, PDL: tl.constexpr):
-        pid = tl.program_id(0)
-        rn = pid * BN + tl.arange(0, BN)
-        rm = tl.arange(0, BM)
-        rk = tl.arange(0, BK)
-        nm = rn < N
-        w = tl.load(W + rn[None, :] * swn + rk[:, None], mask=nm[None, :] & (rk[:, None] < K), other=0.0)
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        acc = tl.zeros([BM, BN], tl.float32)
-        for k0 in range(0, K, BK):
-            x = tl.load(X + rm[:, None] * sxm + (k0 + rk)[None, :], mask=(rm[:, None] < M) & ((k0 + rk)[None, :] < K),
-                        other=0.0)
-            acc += tl.dot(x, w)
-            k1 = k0 + BK
-            w = tl.load(W + rn[None, :] * swn + (k1 + rk)[:, None], mask=nm[None, :] & ((k1 + rk)[:, None] < K),
-                        other=0.0)
-        if HAS_B:
-            acc += tl.load(Bias + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + rm[:, None] * sym + rn[None, :], acc.to(Y.dtype.element_ty), mask=(rm[:, None] < M) & nm[None, :])
+    gdc_wait, gdc_launch_dependents = splitk.gdc_ops()  # (None, None) in an older Triton: no PDL
 
     @triton.jit
     def rms(X, Wn, Y, N, sx, sy, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -84,7 +62,7 @@ def kernels():
         u = tl.load(X + r * sx + N + c, mask=c < N, other=0.0).to(tl.float32)
         tl.store(Y + r * sy + c, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=c < N)
 
-    return triton, skinny, rms, silu_mul, gdc_wait is not None
+    return triton, rms, silu_mul, gdc_wait is not None
 
 
 def graph_us(fn, reps=200, per=1):
@@ -117,19 +95,15 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_decode_gemm.py needs a CUDA device (the kernels' times and PDL are GPU-only)")
     dev = torch.device("cuda")
-    triton, skinny, rms, silu_mul, has_pdl = kernels()
+    triton, rms, silu_mul, has_pdl = kernels()
+    splitk.PDL = True  # pdl=True below launches with PDL (where the GPU and Triton have it)
     torch.manual_seed(0)
     R = a.chain
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "pdl": has_pdl, "shapes": {}, "chains": {}}
 
     def lin(x, W, b, y, cfg, pdl=False):
-        BN, BK, nw = cfg
-        M, K = x.shape
-        N = W.shape[0]
-        skinny[(triton.cdiv(N, BN),)](x, W, b if b is not None else W, y, M, N, K, x.stride(0), W.stride(0),
-                                     y.stride(0), HAS_B=b is not None, BM=16, BN=BN, BK=BK, PDL=pdl,
-                                     num_warps=nw, **({"launch_pdl": True} if pdl else {}))
+        skinny.linear_rows(x, W, b, out=y, tiles=cfg, pdl=pdl)
 
     for name, (M, K, N) in SHAPES.items():
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)

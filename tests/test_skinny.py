@@ -55,6 +55,20 @@ def test_rows_kernel_keeps_leading_dimensions_and_the_custom_op_matches():
 
 
 @needs_kernel
+def test_rows_kernel_into_a_given_buffer_with_other_tiles():
+    """out= (a strided [rows, N] view of a wider buffer) and tiles=(32, 64, 4): the same numbers, other columns kept."""
+    x, W, b = _case(3, 200, 40, torch.float32, True)
+    buf = torch.full((3, 50), 7.0).to(DEV)
+    got = skinny.linear_rows(x.to(DEV), W.to(DEV), b.to(DEV), out=buf[:, 5:45], tiles=(32, 64, 4))
+    assert got.data_ptr() == buf[:, 5:45].data_ptr()
+    assert (buf[:, 5:45].cpu() - F.linear(x, W, b)).abs().max() < 1e-5 and (buf[:, :5] == 7).all()
+    with pytest.raises(ValueError, match="tiles"):
+        skinny.linear_rows(x.to(DEV), W.to(DEV), tiles=(24, 64, 4))
+    with pytest.raises(ValueError, match="out must be"):
+        skinny.linear_rows(x.to(DEV), W.to(DEV), out=buf[:, :39])
+
+
+@needs_kernel
 def test_rows_kernel_refuses_what_it_cannot_take():
     x, W, b = _case(17, 64, 8, torch.float32, True)
     with pytest.raises(ValueError, match="at most 16 rows"):

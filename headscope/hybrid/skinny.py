@@ -73,6 +73,9 @@ def linear_rows(
     x: Float[Tensor, "*rows k"],
     W: Float[Tensor, "n k"],
     b: Optional[Float[Tensor, " n"]] = None,
+    out: Optional[Float[Tensor, "rows n"]] = None,
+    tiles: Optional[tuple[int, int, int]] = None,
+    pdl: Optional[bool] = None,
 ) -> Float[Tensor, "*rows n"]:
     """``x @ W.T + b`` for at most :data:`MAX_ROWS` rows in one Triton kernel: fp32 accumulation, the bias added in
     fp32, one rounding to x's dtype (as cuBLAS does); fp32 inputs multiply exactly (no TF32).
@@ -81,13 +84,20 @@ def linear_rows(
         x: [..., K] activations whose leading dimensions hold ≤ :data:`MAX_ROWS` rows (any row stride after
             flattening them, unit stride in K).
         W: [N, K] weight (unit stride in K), x's dtype and device; b: [N] bias or None.
+        out: a [rows, N] tensor to write (x's dtype and device, unit stride in N; e.g. a benchmark's buffer);
+            None: a new one.
+        tiles: (output columns per program, reduction chunk, warps), powers of two, columns ≥ 16, chunk ≥ 16;
+            default (:data:`BN`, :data:`BK`, :data:`WARPS`).
+        pdl: launch with programmatic dependent launch where ``splitk.pdl_applies`` (None: there, i.e. when
+            ``splitk.PDL`` is on); False: a plain launch.
 
     Returns:
-        [..., N] in x's dtype.
+        [..., N] in x's dtype (``out`` when given, as [rows, N]).
 
     Raises:
         ValueError: more than MAX_ROWS rows, shapes / dtypes / devices that disagree, a last-dimension stride
-            ≠ 1, or CPU tensors outside Triton's interpreter; the message names ``torch.nn.functional.linear``.
+            ≠ 1, bad ``tiles`` or ``out``, or CPU tensors outside Triton's interpreter; the message names
+            ``torch.nn.functional.linear``.
         ImportError: triton missing.
 
     Source: a split-N GEMV-style product (one program per column block, the K loop software-pipelined by hand);
@@ -107,15 +117,20 @@ def linear_rows(
     if not triton_available():
         raise ImportError("linear_rows needs triton (pip install triton); or use torch.nn.functional.linear")
     require_kernel("linear_rows", "torch.nn.functional.linear", x)
+    bn, bk, warps = tiles if tiles is not None else (BN, BK, WARPS)
+    if min(bn, bk) < 16 or bn & (bn - 1) or bk & (bk - 1) or warps < 1 or warps & (warps - 1):
+        raise ValueError(f"tiles (columns, chunk, warps) must be powers of two with columns, chunk >= 16; got {tiles}")
+    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device or out.stride(1) != 1):
+        raise ValueError(f"out must be a {x.dtype} tensor on {x.device} of shape {(M, N)} with unit stride in N")
     kern = build_kernels(_kernels, _make)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    pdl = pdl_applies(x)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
+    pdl = pdl_applies(x) if pdl is None else (pdl and pdl_applies(x))
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        kern["linear_rows"][(-(-N // BN),)](
+        kern["linear_rows"][(-(-N // bn),)](
             x2, W, b if b is not None else W, y, M, N, K, x2.stride(0), W.stride(0), y.stride(0), HAS_B=b is not None,
-            BM=16, BN_=BN, BK_=BK, PREC="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=WARPS,
+            BM=16, BN_=bn, BK_=bk, PREC="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=warps,
             **launch_kw(pdl))
-    return y.view(*x.shape[:-1], N)
+    return y if out is not None else y.view(*x.shape[:-1], N)
 
 
 @torch.library.custom_op("headscope::linear_rows", mutates_args=())
