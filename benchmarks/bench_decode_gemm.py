@@ -10,8 +10,8 @@ PDL (each kernel loads its weights, then ``gdc_wait``: the weight fetch overlaps
 
     python benchmarks/bench_decode_gemm.py --out DIR        # CUDA only
 
-(``benchmarks/results/h200_bench_decode_gemm.json`` ran the same kernel from this script, before it moved into
-``headscope/hybrid/skinny.py``.)
+(``benchmarks/results/h200_bench_decode_gemm.{json,log}``: the log's first run timed the same kernel from this
+script, before it moved into ``headscope/hybrid/skinny.py``; the JSON is the re-run through the library's kernel.)
 """
 
 from __future__ import annotations
