@@ -106,8 +106,9 @@ DECODE_OVERLAP_PREP = True
 # output glue and is not affected. H200, SmolLM2 shape, ranked 7:1 mask, B = 16, 32K: 2.038 vs 2.073 ms per
 # whole-model step (benchmarks/results/h200_profile_decode_r7_variants_b16_t32768.json).
 DECODE_FUSED_OUT = True
-# ... up to this head_dim: timed on the H200 at d = 64 only (SmolLM2); d = 128 (Qwen3) keeps the compiled output glue
-# until measured (a whole 128 x 128 state per GDN program).
+# ... up to this head_dim. At d = 128 (Qwen3-1.7B shape, B = 16, 32K, H200) it was slower: 6.250 vs 5.983 ms per
+# whole-model step, the GDN step holding a whole 128 x 128 state per program (22.8 vs 10.2 µs per layer;
+# benchmarks/results/h200_profile_decode_qwen3_b16_t32768.json), so d = 128 keeps the compiled output glue.
 FUSED_OUT_MAX_D = 64
 _side_streams: dict = {}
 _compiled: dict[tuple, Callable] = {}
