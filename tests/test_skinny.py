@@ -105,11 +105,23 @@ def test_applies_on_a_gpu_and_not_above_the_row_limit(monkeypatch):
 
 
 def test_pdl_only_on_cuda_hopper_outside_the_interpreter(monkeypatch):
-    assert not splitk.pdl_applies(torch.zeros(1))
+    """pdl_applies: never on CPU or with PDL off; per-kernel opt-out through PDL_SKIP; unknown names refused."""
+    monkeypatch.setattr(splitk, "PDL", True)
+    assert not splitk.pdl_applies(torch.zeros(1)) and not splitk.pdl_applies(torch.zeros(1), "partial")
     assert splitk.launch_kw(False) == {} and splitk.launch_kw(True) == {"launch_pdl": True}
-    monkeypatch.setattr(splitk, "PDL", False)
+    with pytest.raises(ValueError, match="want one of"):
+        splitk.pdl_applies(torch.zeros(1), "parital")
+    monkeypatch.setattr(splitk, "PDL_SKIP", "partial+bogus")
+    with pytest.raises(ValueError, match="'bogus'"):
+        splitk.pdl_applies(torch.zeros(1), "rows")
     if torch.cuda.is_available():
-        assert not splitk.pdl_applies(torch.zeros(1, device="cuda"))
+        t = torch.zeros(1, device="cuda")
+        monkeypatch.setattr(splitk, "PDL_SKIP", "partial+combine")
+        hopper = torch.cuda.get_device_capability()[0] >= 9 and splitk.gdc_ops()[0] is not None
+        assert not splitk.pdl_applies(t, "partial") and not splitk.pdl_applies(t, "combine")
+        assert splitk.pdl_applies(t, "rows") == hopper
+        monkeypatch.setattr(splitk, "PDL", False)
+        assert not splitk.pdl_applies(t, "rows")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs with PDL need a GPU")
@@ -133,13 +145,14 @@ def test_a_pdl_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch):
         return skinny.linear_rows(o.reshape(16, -1)[:, :64], Ws[0])
 
     outs = {}
-    for pdl in (True, False):
+    for pdl, skip in ((True, ""), (True, "partial+rows"), (False, "")):
         monkeypatch.setattr(splitk, "PDL", pdl)
+        monkeypatch.setattr(splitk, "PDL_SKIP", skip)
         splitk._caps.clear()
         graph, out = capture(chain, warmup=2)
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
-        outs[pdl] = out.clone()
+        outs[pdl, skip] = out.clone()
     ref = chain()  # eager, PDL off
-    assert torch.equal(outs[True], outs[False]) and torch.equal(outs[False], ref)
+    assert all(torch.equal(o, ref) for o in outs.values())

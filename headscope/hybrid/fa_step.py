@@ -246,7 +246,7 @@ def fa_decode_prep(
     qn = q_norm.float().contiguous() if qkn else qo
     kn = k_norm.float().contiguous() if qkn else qo
     a = float(nope_a) if nope else 2.0
-    pdl = pdl_applies(q)
+    pdl = pdl_applies(q, "prep")
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         kern["prep"][(B, nf + nk)](
             q, k, v, k_cache, v_cache, s, 0 if slot_ptr else int(slot), pos, cos_t, sin_t, qn, kn, qo, float(qk_eps), 1.0 / math.log(a), a,

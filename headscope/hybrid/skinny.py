@@ -124,7 +124,7 @@ def linear_rows(
         raise ValueError(f"out must be a {x.dtype} tensor on {x.device} of shape {(M, N)} with unit stride in N")
     kern = build_kernels(_kernels, _make)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
-    pdl = pdl_applies(x) if pdl is None else (pdl and pdl_applies(x))
+    pdl = pdl_applies(x, "rows") if pdl is None else (pdl and pdl_applies(x, "rows"))
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         kern["linear_rows"][(-(-N // bn),)](
             x2, W, b if b is not None else W, y, M, N, K, x2.stride(0), W.stride(0), y.stride(0), HAS_B=b is not None,

@@ -65,6 +65,11 @@ def require_kernel(name: str, reference: str, t: Tensor, plural: bool = False) -
 # with static.TAIL_PDL (and skinny.ENABLE), the 7:1 hybrid's step 2.021 -> 1.976-1.986 ms and the all-FA
 # teacher's 3.672 -> 3.972-4.087 ms (slower; cause not found). True: PDL launches where pdl_applies().
 PDL = False
+# kernels launched plainly even with PDL on, '+'-separated names among "partial", "combine" (both combinations),
+# "prep" (fa_step), "gdn" (gdn_step), "rows" (skinny): to find which launch slows the all-FA step
+# (profile_decode.py --variants a:splitk.PDL=True,splitk.PDL_SKIP=partial b:...).
+PDL_SKIP = ""
+PDL_KERNELS = ("partial", "combine", "prep", "gdn", "rows")
 _caps: dict = {}
 
 
@@ -77,10 +82,19 @@ def gdc_ops() -> tuple:
     return gdc_wait, gdc_launch_dependents
 
 
-def pdl_applies(t: Tensor) -> bool:
-    """Whether headscope's decode kernels launch with PDL for ``t``'s device: :data:`PDL` on, a CUDA device of
-    compute capability ≥ 9.0 (Hopper), and a Triton with grid dependency control (never in the interpreter)."""
-    if not PDL or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+def pdl_applies(t: Tensor, kernel: Optional[str] = None) -> bool:
+    """Whether headscope's decode kernel ``kernel`` (one of :data:`PDL_KERNELS`; None: any) launches with PDL for
+    ``t``'s device: :data:`PDL` on, the kernel not in :data:`PDL_SKIP`, a CUDA device of compute capability ≥ 9.0
+    (Hopper), and a Triton with grid dependency control (never in the interpreter).
+
+    Raises:
+        ValueError: a kernel name, or a name in PDL_SKIP, that is not one of PDL_KERNELS.
+    """
+    skip = [k for k in PDL_SKIP.split("+") if k]
+    for k in skip + ([kernel] if kernel is not None else []):
+        if k not in PDL_KERNELS:
+            raise ValueError(f"PDL kernel {k!r}: want one of {PDL_KERNELS} (splitk.PDL_SKIP joins them with '+')")
+    if not PDL or kernel in skip or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     i = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if i not in _caps:
@@ -442,7 +456,8 @@ def decode_attention(
     has_len = length is not None
     ln = length if has_len else o  # any pointer; unused without HAS_LEN
     len_stride = 0 if (not has_len or length.shape[0] == 1) else 1
-    pdl = pdl_applies(q)
+    pdl = pdl_applies(q, "partial")
+    pdl_c = pdl_applies(q, "combine")
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         kern["partial"][(B * Hk, NS)](
             q, k, v, ln, o if kv_index is None else kv_index, acc, ml, float(scale), L, split_len,
@@ -457,10 +472,10 @@ def decode_attention(
             kern["combine_out"][(B * Hk * G,)](
                 acc, ml, o, gt, gm, o.stride(0), o.stride(1), gt.stride(0), gt.stride(1), float(eps), HK=Hk, G=G,
                 D=d, NS=NS, SC=max(2, min(1 << max(0, (NS - 1).bit_length()), max(2, 8192 // d))), HAS_GATE=gate is not None,
-                HAS_NORM=gamma is not None, PDL=pdl, **launch_kw(pdl))
+                HAS_NORM=gamma is not None, PDL=pdl_c, **launch_kw(pdl_c))
             return o
         SP = 1 << max(0, (NS - 1).bit_length())
         BD = min(d, 32 if SP <= 128 else 16)
         kern["combine"][(B * Hk * G, d // BD)](acc, ml, o, o.stride(0), o.stride(1), HK=Hk, G=G, D=d, NS=NS, SP=SP, BD=BD,
-                                                 PDL=pdl, **launch_kw(pdl))
+                                                 PDL=pdl_c, **launch_kw(pdl_c))
     return o
