@@ -51,5 +51,5 @@ def test_masks_of_another_geometry(bench, tmp_path):
     with pytest.raises(ValueError, match="use --mask random"):
         bench.hybrid_mask("hydrahead", 28, 16, 8)
     p = bench.hybrid_mask("random").to_json(tmp_path / "smol.json")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="30 layers x 9 heads"):
         bench.hybrid_mask(str(p), 28, 16, 8)

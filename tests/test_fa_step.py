@@ -168,6 +168,19 @@ def test_lean_decode_fused_output_with_a_group_of_two_fa_heads_and_its_head_dim_
     _decode_vs_forward(monkeypatch, True, {}, True, expect_fused=False)
 
 
+@pytest.mark.skipif(DEV != "cuda" or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs a Hopper GPU")
+@pytest.mark.parametrize("side", [False, True])
+def test_lean_decode_steps_with_pdl_equal_the_plain_forward(monkeypatch, side):
+    """splitk.PDL on (FA prep, split-K partials, the fused combination, and the GDN step on the main stream, or on
+    the side stream beside the prep kernel): the plain forward's outputs."""
+    from headscope.hybrid import splitk
+
+    monkeypatch.setattr(splitk, "PDL", True)
+    monkeypatch.setattr(lean, "DECODE_OVERLAP", False)
+    monkeypatch.setattr(lean, "DECODE_OVERLAP_PREP", side)
+    _decode_vs_forward(monkeypatch, True, {"fa_gate": True}, True)
+
+
 @needs_kernel
 def test_lean_decode_fused_output_at_head_dim_128(monkeypatch):
     """Qwen3's head_dim 128 with the output fusion allowed there (``FUSED_OUT_MAX_D`` = 128): the fused split-K

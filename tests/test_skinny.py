@@ -1,7 +1,7 @@
 """The decode-sized linear kernel (headscope.hybrid.skinny) and programmatic dependent launch (splitk.PDL).
 
 On this machine the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py); on a GPU
-the same tests run it compiled, and the last ones chain it with PDL inside a CUDA graph.
+the same tests run it compiled, and on a Hopper GPU the last one chains it with PDL inside a CUDA graph.
 """
 
 import os
@@ -77,18 +77,21 @@ def test_rows_kernel_refuses_what_it_cannot_take():
         skinny.linear_rows(x[:4].to(DEV), W[:, :32].to(DEV))
     with pytest.raises(ValueError, match="one dtype"):
         skinny.linear_rows(x[:4].to(DEV), W.half().to(DEV))
+    with pytest.raises(ValueError, match="one dtype"):  # a bias of another dtype (F.linear refuses it too)
+        skinny.linear_rows(x[:4].to(DEV), W.to(DEV), b.double().to(DEV))
+    with pytest.raises(ValueError, match="b unit stride"):  # a strided bias: the kernel reads it contiguously
+        skinny.linear_rows(x[:4].to(DEV), W.to(DEV), torch.randn(16).to(DEV)[::2])
 
 
 def test_linear_dispatch_off_the_gpu_is_f_linear(monkeypatch):
-    """skinny.linear: F.linear itself on CPU tensors, above MAX_ROWS rows, or with ENABLE off (the default); the
-    kernel only where ``applies`` (ENABLE, CUDA, ≤ 16 rows, matching dtypes, unit-stride weight)."""
+    """skinny.linear: F.linear itself on CPU tensors (and by default: ENABLE off); the custom op where ``applies``."""
     assert skinny.ENABLE is False and splitk.PDL is False
     x, W, b = _case(4, 64, 8, torch.float32, True)
     assert not skinny.applies(x, W)  # CPU
     assert torch.equal(skinny.linear(x, W, b), F.linear(x, W, b))
     calls = []
     monkeypatch.setattr(torch.ops.headscope, "linear_rows", lambda *a: calls.append(1) or F.linear(*a), raising=False)
-    monkeypatch.setattr(skinny, "applies", lambda x, W: True)
+    monkeypatch.setattr(skinny, "applies", lambda x, W, b=None: True)
     skinny.linear(x, W, b)
     assert calls == [1]
 
@@ -100,6 +103,10 @@ def test_applies_on_a_gpu_and_not_above_the_row_limit(monkeypatch):
     monkeypatch.setattr(skinny, "ENABLE", True)  # opt-in
     assert skinny.applies(x, W) and not skinny.applies(torch.cat([x, x[:1]]), W)
     assert not skinny.applies(x, W.T.contiguous().T)  # a weight without unit stride in K
+    assert not skinny.applies(x, W, torch.zeros(16, device="cuda", dtype=torch.bfloat16)[::2])  # strided bias
+    assert not skinny.applies(x, W.clone().requires_grad_())  # a gradient to record: the kernel has no backward
+    with torch.no_grad():
+        assert skinny.applies(x, W.clone().requires_grad_())
     monkeypatch.setattr(skinny, "ENABLE", False)
     assert not skinny.applies(x, W)
 
@@ -124,7 +131,12 @@ def test_pdl_only_on_cuda_hopper_outside_the_interpreter(monkeypatch):
         assert not splitk.pdl_applies(t, "rows")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs with PDL need a GPU")
+def _pdl_gpu() -> bool:
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+            and splitk.triton_available() and splitk.gdc_ops()[0] is not None)
+
+
+@pytest.mark.skipif(not _pdl_gpu(), reason="PDL needs a Hopper (or newer) GPU and a Triton with gdc_wait")
 def test_a_pdl_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch):
     """Eight dependent projections (each reads the previous output) plus split-K attention, captured in a CUDA graph
     with PDL and without: bit-identical results (PDL only overlaps launches; every kernel waits for its input)."""
@@ -149,6 +161,7 @@ def test_a_pdl_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch):
         monkeypatch.setattr(splitk, "PDL", pdl)
         monkeypatch.setattr(splitk, "PDL_SKIP", skip)
         splitk._caps.clear()
+        assert splitk.pdl_applies(x0, "partial") == (pdl and "partial" not in skip)  # PDL really used
         graph, out = capture(chain, warmup=2)
         for _ in range(3):
             graph.replay()

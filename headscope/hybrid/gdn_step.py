@@ -93,6 +93,9 @@ def _make(triton, tl) -> dict:
         h = pid % N
         H2: tl.constexpr = D // 2
         r = tl.arange(0, H2)
+        if PDL:  # q, k, v, a, b come from the kernel before (and S may, from another step's call)
+            gdc_wait()
+            gdc_launch()
         # the state first: its loads do not wait for the q/k normalizations below (one memory round trip, not two)
         cv = tl.program_id(1) * BV + tl.arange(0, BV)
         base = S + pid * D * D
@@ -100,9 +103,6 @@ def _make(triton, tl) -> dict:
         p2 = base + (H2 + r)[:, None] * D + cv[None, :]
         S1 = tl.load(p1)
         S2 = tl.load(p2)
-        if PDL:  # the state is no running kernel's output; q, k, v, a, b come from the projection before
-            gdc_wait()
-            gdc_launch()
         vv = tl.load(V + b * svb + h * svh + cv).to(tl.float32)
         q1 = tl.load(Q + b * sqb + h * sqh + r).to(tl.float32)
         q2 = tl.load(Q + b * sqb + h * sqh + H2 + r).to(tl.float32)

@@ -2,10 +2,10 @@
 
 At decode a projection multiplies [≤ 16, K] activations by an [N, K] weight: a few MB of weights and a
 latency-bound kernel. On the H200, cuBLAS takes 2.9–4.3 µs for each SmolLM2 projection at 16 rows and this
-kernel about the same alone (``benchmarks/bench_decode_gemm.py``); the difference is in a chain: it loads its
+kernel about the same alone (0.15 µs faster to 0.44 µs slower; ``benchmarks/bench_decode_gemm.py``); the difference is in a chain: it loads its
 first weight tile, *then* waits on the kernel before it (programmatic dependent launch, ``splitk.PDL``), so its
-launch and weight fetch overlap that kernel. A layer-shaped chain of 7 decode kernels took 18.2 µs with cuBLAS
-and 14.9 µs with this kernel and PDL, bit-identical outputs (same run). In the whole decode step it did not pay
+launch and weight fetch overlap that kernel. A layer-shaped chain of 7 decode kernels took 18.2–18.3 µs per layer
+with cuBLAS and 14.9 µs with this kernel and PDL, bit-identical outputs (same runs). In the whole decode step it did not pay
 (:data:`ENABLE`), so it is opt-in.
 
 - :func:`linear_rows` — the kernel (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``).
@@ -31,7 +31,7 @@ from .splitk import build_kernels, gdc_ops, launch_kw, pdl_applies, require_kern
 ENABLE = False
 MAX_ROWS = 16  # one 16-row tile (tl.dot's smallest M)
 # output columns per program, reduction chunk, warps: the best of bench_decode_gemm.py's grid for 4 of the 5
-# SmolLM2 decode projections on the H200 (gate/up: (16, 128, 2), within 0.1 µs)
+# SmolLM2 decode projections on the H200 (gate/up: (16, 128, 2), 0.15 µs faster there)
 BN, BK, WARPS = 16, 256, 2
 _kernels: dict = {}
 
@@ -83,7 +83,9 @@ def linear_rows(
     Args:
         x: [..., K] activations whose leading dimensions hold ≤ :data:`MAX_ROWS` rows (any row stride after
             flattening them, unit stride in K).
-        W: [N, K] weight (unit stride in K), x's dtype and device; b: [N] bias or None.
+        W: [N, K] weight (unit stride in K), x's dtype and device; b: [N] bias (x's dtype, unit stride) or None.
+            With PDL the kernel loads W and b *before* waiting on the kernel launched just before it: they must
+            be parameters, not that kernel's output.
         out: a [rows, N] tensor to write (x's dtype and device, unit stride in N; e.g. a benchmark's buffer);
             None: a new one.
         tiles: (output columns per program, reduction chunk, warps), powers of two, columns ≥ 16, chunk ≥ 16;
@@ -95,9 +97,9 @@ def linear_rows(
         [..., N] in x's dtype (``out`` when given, as [rows, N]).
 
     Raises:
-        ValueError: more than MAX_ROWS rows, shapes / dtypes / devices that disagree, a last-dimension stride
-            ≠ 1, bad ``tiles`` or ``out``, or CPU tensors outside Triton's interpreter; the message names
-            ``torch.nn.functional.linear``.
+        ValueError: more than MAX_ROWS rows, shapes / dtypes / devices that disagree, a stride ≠ 1 in x's or W's
+            last dimension or in b, bad ``tiles`` or ``out``, or CPU tensors outside Triton's interpreter; the
+            messages about rows, strides and the device name ``torch.nn.functional.linear`` as the fallback.
         ImportError: triton missing.
 
     Source: a split-N GEMV-style product (one program per column block, the K loop software-pipelined by hand);
@@ -110,10 +112,12 @@ def linear_rows(
         raise ValueError(f"linear_rows takes at most {MAX_ROWS} rows, got {M}; use torch.nn.functional.linear")
     if W.dim() != 2 or W.shape[1] != K or (b is not None and b.shape != (N,)):
         raise ValueError(f"want W [N, {K}] and b [N]; got W {tuple(W.shape)}, b {None if b is None else tuple(b.shape)}")
-    if W.dtype != x.dtype or W.device != x.device or (b is not None and (b.device != x.device)):
-        raise ValueError(f"x, W (and b) need one dtype and device; got {x.dtype}/{W.dtype} on {x.device}/{W.device}")
-    if x2.stride(1) != 1 or W.stride(1) != 1:
-        raise ValueError("x and W need unit stride in their last dimension; use torch.nn.functional.linear")
+    if W.dtype != x.dtype or W.device != x.device or (b is not None and (b.dtype != x.dtype or b.device != x.device)):
+        raise ValueError(f"x, W (and b) need one dtype and device; got {x.dtype}/{W.dtype}"
+                         f"{'' if b is None else '/' + str(b.dtype)} on {x.device}/{W.device}")
+    if x2.stride(1) != 1 or W.stride(1) != 1 or (b is not None and b.stride(0) != 1):
+        raise ValueError("x and W need unit stride in their last dimension, b unit stride; use "
+                         "torch.nn.functional.linear")
     if not triton_available():
         raise ImportError("linear_rows needs triton (pip install triton); or use torch.nn.functional.linear")
     require_kernel("linear_rows", "torch.nn.functional.linear", x)
@@ -143,18 +147,22 @@ def _(x: Tensor, W: Tensor, b: Optional[Tensor]) -> Tensor:
     return x.new_empty(*x.shape[:-1], W.shape[0])
 
 
-def applies(x: Tensor, W: Tensor) -> bool:
+def applies(x: Tensor, W: Tensor, b: Optional[Tensor] = None) -> bool:
     """Whether :func:`linear` uses the kernel: :data:`ENABLE`, CUDA, ≤ :data:`MAX_ROWS` rows, W [N, K] of x's
-    dtype with unit stride in K, K ≥ 16, 16/32-bit floats."""
-    return (ENABLE and x.is_cuda and x.dim() >= 1 and W.dim() == 2 and x.shape[-1] == W.shape[1] >= 16
+    dtype with unit stride in K, K ≥ 16, 16/32-bit floats, b None or of x's dtype with unit stride, and no
+    gradient to record (the kernel has no backward)."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or W.requires_grad or (b is not None and b.requires_grad))
+    return (ENABLE and not grad and x.is_cuda and x.dim() >= 1 and W.dim() == 2 and x.shape[-1] == W.shape[1] >= 16
             and x.numel() // max(1, x.shape[-1]) <= MAX_ROWS and W.dtype == x.dtype and W.stride(1) == 1
+            and (b is None or (b.dtype == x.dtype and b.dim() == 1 and b.stride(0) == 1))
             and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available())
 
 
 def linear(x: Float[Tensor, "*rows k"], W: Float[Tensor, "n k"], b: Optional[Float[Tensor, " n"]] = None
            ) -> Float[Tensor, "*rows n"]:
     """``F.linear(x, W, b)``, through :func:`linear_rows` (the custom op ``headscope::linear_rows``) where
-    :func:`applies`: a decode step's projections on a GPU. Same shapes and errors as ``F.linear``."""
-    if applies(x, W) and x.stride(-1) == 1:
+    :func:`applies` (a decode step's projections on a GPU, no gradient), else ``F.linear`` itself: same shapes
+    and, up to rounding, the same values."""
+    if applies(x, W, b) and x.stride(-1) == 1:
         return torch.ops.headscope.linear_rows(x, W, b)
     return F.linear(x, W, b)

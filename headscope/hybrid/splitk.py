@@ -58,12 +58,13 @@ def require_kernel(name: str, reference: str, t: Tensor, plural: bool = False) -
 
 # Programmatic dependent launch (PDL; Hopper and newer): each decode kernel is launched while the kernel before it
 # in the stream still runs, and waits (``griddepcontrol.wait``) before it touches memory that kernel may write, so
-# only launches and prologues overlap (and loads of data that no running kernel writes: weights, the GDN state).
-# Every PDL kernel waits in every program before it finishes, so a finished kernel implies finished predecessors.
-# Off by default. Measured on the H200 (whole SmolLM2-shaped decode step, B = 16, 32K, ``profile_decode.py``): a
-# chain of 7 decode-sized kernels 18.2 µs (cuBLAS + Triton) vs 14.9 µs (all Triton with PDL), but in the model,
-# with static.TAIL_PDL (and skinny.ENABLE), the 7:1 hybrid's step 2.021 -> 1.976-1.986 ms and the all-FA
-# teacher's 3.672 -> 3.972-4.087 ms (slower; cause not found). True: PDL launches where pdl_applies().
+# only launches and prologues overlap (and, in skinny.linear_rows, the load of the weights: parameters, which no
+# decode kernel writes). Every PDL kernel waits in every program before it signals its dependents and before it
+# finishes, so a finished kernel implies finished predecessors. Off by default. Measured on the H200: a chain of 7
+# decode-sized kernels, 18.2 µs per layer with cuBLAS + Triton vs 14.9 µs all Triton with PDL
+# (``benchmarks/bench_decode_gemm.py``); but in the whole SmolLM2-shaped decode step (B = 16, 32K,
+# ``profile_decode.py``), with static.TAIL_PDL (and skinny.ENABLE), the 7:1 hybrid's step 2.021 -> 1.976-1.986 ms
+# and the all-FA teacher's 3.672 -> 3.972-4.087 ms (slower; cause not found). True: PDL where pdl_applies().
 PDL = False
 # kernels launched plainly even with PDL on, '+'-separated names among "partial", "combine" (both combinations),
 # "prep" (fa_step), "gdn" (gdn_step), "rows" (skinny): to find which launch slows the all-FA step
