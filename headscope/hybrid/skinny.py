@@ -151,8 +151,10 @@ def applies(x: Tensor, W: Tensor, b: Optional[Tensor] = None) -> bool:
     """Whether :func:`linear` uses the kernel: :data:`ENABLE`, CUDA, ≤ :data:`MAX_ROWS` rows, W [N, K] of x's
     dtype with unit stride in K, K ≥ 16, 16/32-bit floats, b None or of x's dtype with unit stride, and no
     gradient to record (the kernel has no backward)."""
+    if not ENABLE or not x.is_cuda:  # the common case first: one check per call on the decode path's host time
+        return False
     grad = torch.is_grad_enabled() and (x.requires_grad or W.requires_grad or (b is not None and b.requires_grad))
-    return (ENABLE and not grad and x.is_cuda and x.dim() >= 1 and W.dim() == 2 and x.shape[-1] == W.shape[1] >= 16
+    return (not grad and x.is_cuda and x.dim() >= 1 and W.dim() == 2 and x.shape[-1] == W.shape[1] >= 16
             and x.numel() // max(1, x.shape[-1]) <= MAX_ROWS and W.dtype == x.dtype and W.stride(1) == 1
             and (b is None or (b.dtype == x.dtype and b.dim() == 1 and b.stride(0) == 1))
             and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available())
