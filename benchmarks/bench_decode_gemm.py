@@ -19,14 +19,18 @@ from __future__ import annotations
 import argparse
 import ast
 import itertools
-import sys
 import json
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from headscope.hybrid import skinny, splitk
+from headscope.hybrid.graphs import capture
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared timing
+from bench_timing import time_ms  # noqa: E402
 
 # (M, K, N): SmolLM2 decode at batch 16 — hybrid in-proj, teacher in-proj, o_proj, gate+up, down
 SHAPES = {"in_hybrid": (16, 576, 1856), "in_teacher": (16, 576, 960), "o_proj": (16, 576, 576),
@@ -66,25 +70,10 @@ def kernels():
 
 
 def graph_us(fn, reps=200, per=1):
-    """µs per ``per`` calls: ``fn`` captured once in a CUDA graph, replayed ``reps`` times."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / reps / per
+    """µs per ``per`` calls: ``fn`` captured once in a CUDA graph (``headscope.hybrid.graphs.capture``, 3 warm-up
+    calls), replayed ``reps`` times (``bench_timing.time_ms``: CUDA events)."""
+    graph, _ = capture(fn, warmup=3)
+    return time_ms(graph.replay, torch.device("cuda"), reps, warmup=1) * 1e3 / per
 
 
 def main() -> None:

@@ -248,7 +248,7 @@ def gdn_decode_step(
     qn = q_norm.float().contiguous() if qkn else A_neg
     kn = k_norm.float().contiguous() if qkn else A_neg
     gm = gamma.float().contiguous() if gamma is not None else A_neg
-    use_pdl = pdl_applies(v, "gdn") if pdl is None else (pdl and pdl_applies(v, "gdn"))
+    use_pdl = pdl_applies(v, "gdn", pdl)
     with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
         kern["step"][(B * N, d // bv)](
             q, k, v, a, b, cos_t, sin_t, qn, kn, A_neg.float().contiguous(), dt_bias.float().contiguous(), S, y, gm,

@@ -118,8 +118,6 @@ def linear_rows(
     if x2.stride(1) != 1 or W.stride(1) != 1 or (b is not None and b.stride(0) != 1):
         raise ValueError("x and W need unit stride in their last dimension, b unit stride; use "
                          "torch.nn.functional.linear")
-    if not triton_available():
-        raise ImportError("linear_rows needs triton (pip install triton); or use torch.nn.functional.linear")
     require_kernel("linear_rows", "torch.nn.functional.linear", x)
     bn, bk, warps = tiles if tiles is not None else (BN, BK, WARPS)
     if min(bn, bk) < 16 or bn & (bn - 1) or bk & (bk - 1) or warps < 1 or warps & (warps - 1):
@@ -128,7 +126,7 @@ def linear_rows(
         raise ValueError(f"out must be a {x.dtype} tensor on {x.device} of shape {(M, N)} with unit stride in N")
     kern = build_kernels(_kernels, _make)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
-    pdl = pdl_applies(x, "rows") if pdl is None else (pdl and pdl_applies(x, "rows"))
+    pdl = pdl_applies(x, "rows", pdl)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         kern["linear_rows"][(-(-N // bn),)](
             x2, W, b if b is not None else W, y, M, N, K, x2.stride(0), W.stride(0), y.stride(0), HAS_B=b is not None,
@@ -154,7 +152,7 @@ def applies(x: Tensor, W: Tensor, b: Optional[Tensor] = None) -> bool:
     if not ENABLE or not x.is_cuda:  # the common case first: one check per call on the decode path's host time
         return False
     grad = torch.is_grad_enabled() and (x.requires_grad or W.requires_grad or (b is not None and b.requires_grad))
-    return (not grad and x.is_cuda and x.dim() >= 1 and W.dim() == 2 and x.shape[-1] == W.shape[1] >= 16
+    return (not grad and x.dim() >= 1 and W.dim() == 2 and x.shape[-1] == W.shape[1] >= 16
             and x.numel() // max(1, x.shape[-1]) <= MAX_ROWS and W.dtype == x.dtype and W.stride(1) == 1
             and (b is None or (b.dtype == x.dtype and b.dim() == 1 and b.stride(0) == 1))
             and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available())

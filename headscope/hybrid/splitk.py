@@ -83,19 +83,22 @@ def gdc_ops() -> tuple:
     return gdc_wait, gdc_launch_dependents
 
 
-def pdl_applies(t: Tensor, kernel: Optional[str] = None) -> bool:
+def pdl_applies(t: Tensor, kernel: Optional[str] = None, allow: Optional[bool] = None) -> bool:
     """Whether headscope's decode kernel ``kernel`` (one of :data:`PDL_KERNELS`; None: any) launches with PDL for
-    ``t``'s device: :data:`PDL` on, the kernel not in :data:`PDL_SKIP`, a CUDA device of compute capability ≥ 9.0
-    (Hopper), and a Triton with grid dependency control (never in the interpreter).
+    ``t``'s device: :data:`PDL` on, ``allow`` not False (a caller's veto, e.g. a launch right after a stream
+    join), the kernel not in :data:`PDL_SKIP`, a CUDA device of compute capability ≥ 9.0 (Hopper), and a Triton
+    with grid dependency control (never in the interpreter).
 
     Raises:
-        ValueError: a kernel name, or a name in PDL_SKIP, that is not one of PDL_KERNELS.
+        ValueError: with PDL on, a kernel name, or a name in PDL_SKIP, that is not one of PDL_KERNELS.
     """
+    if not PDL or allow is False:  # the default: one check per launch on the decode path's host time
+        return False
     skip = [k for k in PDL_SKIP.split("+") if k]
     for k in skip + ([kernel] if kernel is not None else []):
         if k not in PDL_KERNELS:
             raise ValueError(f"PDL kernel {k!r}: want one of {PDL_KERNELS} (splitk.PDL_SKIP joins them with '+')")
-    if not PDL or kernel in skip or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if kernel in skip or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     i = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if i not in _caps:
@@ -422,8 +425,6 @@ def decode_attention(
     if d < 16 or d & (d - 1):
         raise ValueError(f"split-K decode needs a head_dim that is a power of two ≥ 16, got {d}; "
                          "use decode_attention_torch")
-    if not triton_available():
-        raise ImportError("split-K decode attention needs triton (pip install triton); or use decode_attention_torch")
     require_kernel("decode_attention", "decode_attention_torch", q, plural=True)
     if not q.is_cuda:
         if q.dtype == torch.bfloat16:
