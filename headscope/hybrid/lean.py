@@ -474,7 +474,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
                          "make it with a larger max_len")
     tb = max(1, block_tokens(ng, d) // B)
     one_gemm = T <= tb
-    z = linear(x, p.W, p.b) if one_gemm else None  # decode-sized: the rows kernel (skinny.py), else F.linear
+    z = linear(x, p.W, p.b) if one_gemm else None  # F.linear, or the rows kernel where skinny.ENABLE (opt-in)
     z_fa = z[..., : p.n_fa_rows] if one_gemm else (F.linear(x, p.W[: p.n_fa_rows], None if p.b is None else p.b[: p.n_fa_rows]) if nf else None)
 
     S_dec = cache.S if (cache is not None and (past or dpos is not None)) else None
