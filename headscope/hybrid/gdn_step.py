@@ -84,20 +84,18 @@ def _make(triton, tl) -> dict:
     gdc_wait, gdc_launch = gdc_ops()
 
     @triton.jit
-    def _gdn_decode_step(Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y, GAMMA, scale, qk_eps, out_eps,
-              sqb, sqh, skb, skh, svb, svh, sab, sbb, scb, ssb, syb, syh,
-              N: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr,
-              NORM: tl.constexpr, PDL: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)  # (sequence, head); 64-bit offsets
+    def _gdn_head(pid, cb, Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y, GAMMA, scale, qk_eps, out_eps,
+                  sqb, sqh, skb, skh, svb, svh, sab, sbb, scb, ssb, syb, syh,
+                  N: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr,
+                  NORM: tl.constexpr):
+        """Value columns block ``cb`` of (sequence, head) ``pid`` (int64): the step's body, shared with ``step.py``'s
+        one-launch decode step."""
         b = pid // N
         h = pid % N
         H2: tl.constexpr = D // 2
         r = tl.arange(0, H2)
-        if PDL:  # q, k, v, a, b come from the kernel before (and S may, from another step's call)
-            gdc_wait()
-            gdc_launch()
         # the state first: its loads do not wait for the q/k normalizations below (one memory round trip, not two)
-        cv = tl.program_id(1) * BV + tl.arange(0, BV)
+        cv = cb * BV + tl.arange(0, BV)
         base = S + pid * D * D
         p1 = base + r[:, None] * D + cv[None, :]
         p2 = base + (H2 + r)[:, None] * D + cv[None, :]
@@ -146,7 +144,21 @@ def _make(triton, tl) -> dict:
             y = y / tl.sqrt(tl.sum(y * y, 0) / D + out_eps) * tl.load(GAMMA + h * D + cv)
         tl.store(Y + b * syb + h * syh + cv, y.to(DT))
 
-    return {"step": _gdn_decode_step}
+    globals()["_gdn_head"] = _gdn_head  # where the kernel below (and the interpreter) looks it up
+
+    @triton.jit
+    def _gdn_decode_step(Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y, GAMMA, scale, qk_eps, out_eps,
+              sqb, sqh, skb, skh, svb, svh, sab, sbb, scb, ssb, syb, syh,
+              N: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr,
+              NORM: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # q, k, v, a, b come from the kernel before (and S may, from another step's call)
+            gdc_wait()
+            gdc_launch()
+        _gdn_head(tl.program_id(0).to(tl.int64), tl.program_id(1), Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y,
+                  GAMMA, scale, qk_eps, out_eps, sqb, sqh, skb, skh, svb, svh, sab, sbb, scb, ssb, syb, syh,
+                  N, D, BV, ROPE, QKN, NORM)
+
+    return {"step": _gdn_decode_step, "head": _gdn_head}
 
 
 def launch_shape(d: int, fused_norm: bool, block_v: int = 32) -> tuple[int, int]:
@@ -219,6 +231,21 @@ def gdn_decode_step(
     Source: HydraHead eq. 7–8 (gated delta rule, Yang et al. 2024's GDN); the glue as in ``lean.py``; the
     output fusion (``gamma``) eq. 13–14.
     """
+    grid, args, meta, y = setup(q, k, v, a, b, S, A_neg, dt_bias, scale, cos, sin, q_norm, k_norm, qk_eps, block_v,
+                                out, gamma, out_eps)
+    use_pdl = pdl_applies(v, "gdn", pdl)
+    with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
+        _build()["step"][grid](*args, **meta, PDL=use_pdl, num_warps=launch_shape(q.shape[-1], gamma is not None,
+                                                                                 block_v)[1], **launch_kw(use_pdl))
+    return y
+
+
+def setup(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, S: Tensor, A_neg: Tensor, dt_bias: Tensor,
+          scale: float, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, q_norm: Optional[Tensor] = None,
+          k_norm: Optional[Tensor] = None, qk_eps: float = 0.0, block_v: int = 32, out: Optional[Tensor] = None,
+          gamma: Optional[Tensor] = None, out_eps: float = 1e-6) -> tuple[tuple[int, int], tuple, dict, Tensor]:
+    """The checks of :func:`gdn_decode_step` (same arguments and errors) and its launch: (grid, the kernel's
+    run-time arguments in ``_gdn_head``'s order, its compile-time settings, y). Shared with ``step.py``."""
     B, N, d = q.shape
     if d < 16 or d & (d - 1) or d % block_v and block_v < d:
         raise ValueError(f"gdn_decode_step needs a head_dim that is a power of two ≥ 16 (got {d}); "
@@ -234,8 +261,7 @@ def gdn_decode_step(
     if (cos is None) != (sin is None) or (q_norm is None) != (k_norm is None):
         raise ValueError("give cos and sin together, and q_norm and k_norm together")
     require_kernel("gdn_decode_step", "gdn_decode_step_torch", v)
-    kern = _build()
-    bv, warps = launch_shape(d, gamma is not None, block_v)
+    bv, _ = launch_shape(d, gamma is not None, block_v)
     if out is not None and (out.shape != (B, N, d) or out.dtype != v.dtype or out.stride(-1) != 1
                             or out.device != v.device):
         raise ValueError(f"out must be a {v.dtype} tensor on {v.device} of shape {(B, N, d)} with unit stride in d")
@@ -248,13 +274,9 @@ def gdn_decode_step(
     qn = q_norm.float().contiguous() if qkn else A_neg
     kn = k_norm.float().contiguous() if qkn else A_neg
     gm = gamma.float().contiguous() if gamma is not None else A_neg
-    use_pdl = pdl_applies(v, "gdn", pdl)
-    with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
-        kern["step"][(B * N, d // bv)](
-            q, k, v, a, b, cos_t, sin_t, qn, kn, A_neg.float().contiguous(), dt_bias.float().contiguous(), S, y, gm,
+    args = (q, k, v, a, b, cos_t, sin_t, qn, kn, A_neg.float().contiguous(), dt_bias.float().contiguous(), S, y, gm,
             float(scale), float(qk_eps), float(out_eps),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-            cos_t.stride(0) if rope else 0, sin_t.stride(0) if rope else 0, y.stride(0), y.stride(1),
-            N=N, D=d, BV=bv, ROPE=rope, QKN=qkn, NORM=gamma is not None, PDL=use_pdl, num_warps=warps,
-            **launch_kw(use_pdl))
-    return y
+            cos_t.stride(0) if rope else 0, sin_t.stride(0) if rope else 0, y.stride(0), y.stride(1))
+    meta = dict(N=N, D=d, BV=bv, ROPE=rope, QKN=qkn, NORM=gamma is not None)
+    return (B * N, d // bv), args, meta, y

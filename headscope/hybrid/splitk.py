@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
@@ -165,12 +166,13 @@ def decode_attention_torch(
 
 
 def n_splits_for(batch_groups: int, slots: int, block: int = 64, sms: int = 132, min_split: Optional[int] = None,
-                 blocks_per_sm: Optional[int] = None) -> int:
+                 blocks_per_sm: Optional[int] = None, reserved: int = 0) -> int:
     """Splits of the time axis: about ``blocks_per_sm`` thread blocks per SM (default :data:`BLOCKS_PER_SM`) over
-    all (sequence, KV group) pairs, each split at least ``min_split`` slots (default :data:`MIN_SPLIT`; a whole
+    all (sequence, KV group) pairs, less ``reserved`` blocks of the same launch doing other work (the GDN heads of
+    ``step.py``'s one-launch step), each split at least ``min_split`` slots (default :data:`MIN_SPLIT`; a whole
     number of ``block``-slot tiles), at most :data:`MAX_SPLITS`."""
     per_sm = BLOCKS_PER_SM if blocks_per_sm is None else blocks_per_sm
-    want = max(1, (per_sm * sms + batch_groups - 1) // batch_groups)
+    want = max(1, (per_sm * sms - reserved + batch_groups - 1) // batch_groups)
     most = max(1, slots // max(MIN_SPLIT if min_split is None else min_split, block))
     return max(1, min(want, most, MAX_SPLITS))
 
@@ -240,19 +242,48 @@ def build_kernels(cache: dict, make: Callable[[Any, Any], dict]) -> dict:
 
 
 def _make(triton, tl) -> dict:
-    """The Triton kernels: the per-split partials and their exact combination (plain or with the output fusion)."""
+    """The Triton kernels: the per-split partials and their exact combination (plain or with the output fusion).
+    ``attend`` and ``tile`` are the partial's body and its per-tile update, shared with ``step.py``'s one-launch
+    decode step (a Triton function called from another kernel is inlined there)."""
     gdc_wait, gdc_launch = gdc_ops()
 
     @triton.jit
-    def _partial(Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
-                 sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
-                 HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                 NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr, PREC: tl.constexpr,
-                 PDL: tl.constexpr):
-        if PDL:  # q and the new slot's K/V come from the kernel before
-            gdc_wait()
-        bh = tl.program_id(0)
-        s = tl.program_id(1)
+    def _glue(x, xr, sign, c, s, w, wr, qk_eps, D: tl.constexpr, QKN: tl.constexpr, ROPE: tl.constexpr):
+        """The FA heads' q/k glue on rows [R, D] (fp32): x, and xr = x at the rotate-half columns (j + D/2 mod D),
+        sign = −1 on the first half; QK-RMSNorm (weights w, and w at the rotate-half columns wr), then half-split
+        RoPE (c, s: [1, D])."""
+        if QKN:
+            rr = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + qk_eps)
+            x = x * rr[:, None] * w
+            xr = xr * rr[:, None] * wr
+        if ROPE:
+            x = x * c + sign * xr * s
+        return x
+
+    @triton.jit
+    def _tile(q, kt, vt, tmask, m, l_, acc, scale, PREC: tl.constexpr):
+        """One tile of the online softmax: scores q·kᵀ of the tile's slots (``tmask``: valid), (m, l, acc) updated."""
+        sc = tl.dot(q, tl.trans(kt), input_precision=PREC) * scale  # [GP, BN] fp32
+        sc = tl.where(tmask[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(sc - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l_ = l_ * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
+        return m_new, l_, acc
+
+    @triton.jit
+    def _attend(bh, s, Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
+                sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
+                KN, VN, COS, SIN, QN, KNW, POS, qk_eps, inv_log_a, nope_a, sknb, sknh, svnb, svnh, scb, ssb, pos_stride,
+                HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr, PREC: tl.constexpr,
+                PREP: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr, NOPE: tl.constexpr):
+        """Split ``s`` of (sequence, KV head) ``bh``: the partial (acc, m, l) of its slots into ACC / ML. With PREP,
+        Q holds the raw queries and KN / VN the token's raw key and value: the program applies the glue to its
+        queries itself, and the program whose split holds the token's slot (length − 1) prepares the key, writes
+        key and value into the cache and uses them in place of the slot's old contents."""
         b = (bh // HK).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2^31 elements
         h = bh % HK  # a KV head (G query heads each), or with KVI a query head reading KV head KVI[h]
         hk = h.to(tl.int64)
@@ -266,28 +297,88 @@ def _make(triton, tl) -> dict:
         rg = tl.arange(0, GP)
         rd = tl.arange(0, D)
         gmask = rg < G
-        q = tl.load(Q + b * sqb + (h * G + rg[:, None]) * sqh + rd[None, :], mask=gmask[:, None], other=0.0)
+        qp = Q + b * sqb + (h * G + rg[:, None]) * sqh
+        if PREP:  # the query glue (as fa_step's kernel), rounded to the cache's dtype as that kernel stores it
+            H2: tl.constexpr = D // 2
+            rr = (rd + H2) % D
+            sign = tl.where(rd < H2, -1.0, 1.0)[None, :]
+            c = tl.zeros([1, D], tl.float32)
+            sn = tl.zeros([1, D], tl.float32)
+            w = tl.zeros([1, D], tl.float32)
+            wr = tl.zeros([1, D], tl.float32)
+            if ROPE:
+                c = tl.load(COS + b * scb + rd).to(tl.float32)[None, :]
+                sn = tl.load(SIN + b * ssb + rd).to(tl.float32)[None, :]
+            if QKN:
+                w = tl.load(QN + rd)[None, :]
+                wr = tl.load(QN + rr)[None, :]
+            x = tl.load(qp + rd[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+            xr = tl.load(qp + rr[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+            x = _glue(x, xr, sign, c, sn, w, wr, qk_eps, D, QKN, ROPE)
+            if NOPE:  # HypeNet's query scale s_t = log(t + a) / log(a)
+                x = x * (tl.log(tl.load(POS + b * pos_stride).to(tl.float32) + nope_a) * inv_log_a)
+            q = x.to(Q.dtype.element_ty)
+        else:
+            q = tl.load(qp + rd[None, :], mask=gmask[:, None], other=0.0)
         m = tl.full([GP], float("-inf"), tl.float32)
         l_ = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        for t0 in range(start, end, BN):
+        stop = end
+        if PREP:  # the split that holds the token's slot n − 1 does that slot's tile after the loop
+            own = (start <= n - 1) & (n - 1 < end)
+            t_own = start + ((n - 1 - start) // BN) * BN
+            stop = tl.where(own, t_own, end)
+        for t0 in range(start, stop, BN):
             rt = t0 + tl.arange(0, BN)
             tmask = rt < end
             kt = tl.load(K + b * skb + hk * skh + rt[:, None] * skl + rd[None, :], mask=tmask[:, None], other=0.0)
             vt = tl.load(V + b * svb + hk * svh + rt[:, None] * svl + rd[None, :], mask=tmask[:, None], other=0.0)
-            sc = tl.dot(q, tl.trans(kt), input_precision=PREC) * scale  # [GP, BN] fp32
-            sc = tl.where(tmask[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(sc - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
-            l_ = l_ * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
-            m = m_new
+            m, l_, acc = _tile(q, kt, vt, tmask, m, l_, acc, scale, PREC)
+        if PREP:
+            if own:
+                rt = t_own + tl.arange(0, BN)
+                tmask = rt < end
+                new = (rt == n - 1)[:, None]
+                kp = K + b * skb + hk * skh + rt[:, None] * skl + rd[None, :]
+                vp = V + b * svb + hk * svh + rt[:, None] * svl + rd[None, :]
+                kt = tl.load(kp, mask=tmask[:, None], other=0.0)
+                vt = tl.load(vp, mask=tmask[:, None], other=0.0)
+                # the token's key with the glue (every row of the tile the same vector: the glue's [rows, D] form)
+                zr = tl.zeros([BN, D], tl.int32)
+                kr = KN + b * sknb + hk * sknh
+                x = tl.load(kr + rd[None, :] + zr).to(tl.float32)
+                xr = tl.load(kr + rr[None, :] + zr).to(tl.float32)
+                if QKN:
+                    w = tl.load(KNW + rd)[None, :]
+                    wr = tl.load(KNW + rr)[None, :]
+                kn = _glue(x, xr, sign, c, sn, w, wr, qk_eps, D, QKN, ROPE).to(K.dtype.element_ty)
+                vn = tl.load(VN + b * svnb + hk * svnh + rd[None, :] + zr).to(V.dtype.element_ty)
+                tl.store(kp, kn, mask=new & tmask[:, None])
+                tl.store(vp, vn, mask=new & tmask[:, None])
+                kt = tl.where(new, kn, kt)
+                vt = tl.where(new, vn, vt)
+                m, l_, acc = _tile(q, kt, vt, tmask, m, l_, acc, scale, PREC)
         base = (bh * NS + s) * G
         tl.store(ACC + (base + rg[:, None]) * D + rd[None, :], acc, mask=gmask[:, None])
         tl.store(ML + (base + rg) * 2, m, mask=gmask)
         tl.store(ML + (base + rg) * 2 + 1, l_, mask=gmask)
+
+    # a kernel finds the Triton functions it calls among its module's globals (the interpreter does not look in
+    # closures): the bodies are published there when the kernels are built
+    globals().update(_glue=_glue, _tile=_tile, _attend=_attend)
+
+    @triton.jit
+    def _partial(Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
+                 sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
+                 HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                 NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr, PREC: tl.constexpr,
+                 PDL: tl.constexpr):
+        if PDL:  # q and the new slot's K/V come from the kernel before
+            gdc_wait()
+        _attend(tl.program_id(0), tl.program_id(1), Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
+                sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
+                Q, Q, Q, Q, ML, ML, LEN, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0,
+                HK, G, GP, D, BN, NS, HAS_LEN, HAS_KVI, PREC, False, False, False, False)
         if PDL:  # the combination may launch once every split is done (launched earlier, its programs would
             gdc_launch()  # take thread-block slots that this bandwidth-bound kernel's later programs need)
 
@@ -362,7 +453,7 @@ def _make(triton, tl) -> dict:
             o = o / tl.sqrt(tl.sum(o * o, 0) / D + eps) * tl.load(GAMMA + qh * D + rd)
         tl.store(O + b * sob + qh * soh + rd, o.to(DT))
 
-    return {"partial": _partial, "combine": _combine, "combine_out": _combine_out}
+    return {"partial": _partial, "combine": _combine, "combine_out": _combine_out, "attend": _attend}
 
 
 def _build() -> dict:
@@ -421,6 +512,22 @@ def decode_attention(
     Source: flash-decoding (Dao et al., 2023); the combination is the online-softmax identity of
     FlashAttention (Dao et al., 2022); the output fusion is HydraHead eq. 13–14.
     """
+    sp = _setup(q, k, v, length, kv_index, block, n_splits, out, gate, gamma)
+    pdl = pdl_applies(q, "partial")
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _build()["partial"][(sp.B * sp.Hk, sp.NS)](
+            *partial_args(sp, q, k, v, scale), **sp.meta, PDL=pdl,
+            num_warps=NUM_WARPS if num_warps is None else num_warps,
+            num_stages=NUM_STAGES if num_stages is None else num_stages, **launch_kw(pdl))
+    return combine(sp, gate, gamma, eps)
+
+
+def _setup(q: Tensor, k: Tensor, v: Tensor, length: Optional[Tensor], kv_index: Optional[Tensor], block: Optional[int],
+           n_splits: Optional[int], out: Optional[Tensor], gate: Optional[Tensor], gamma: Optional[Tensor],
+           reserved: int = 0) -> Any:
+    """The checks and buffers of a split-K launch (shared with ``step.py``): shapes, the split count (``reserved``:
+    programs of the same launch that are not splits), the partials' buffers, the output; the partial kernel's
+    compile-time settings in ``.meta``. Raises the ValueErrors of :func:`decode_attention`."""
     B, Hq, Hk, L, d = _check(q, k, v, length, kv_index)
     if d < 16 or d & (d - 1):
         raise ValueError(f"split-K decode needs a head_dim that is a power of two ≥ 16, got {d}; "
@@ -436,16 +543,12 @@ def decode_attention(
     block = BLOCK if block is None else block
     if block < 16 or block & (block - 1):
         raise ValueError(f"block (slots per tile) must be a power of two ≥ 16, got {block}")
-    kern = _build()
     if kv_index is not None:
         Hk = Hq  # one program (per split) per query head
     G = Hq // Hk
-    GP = max(16, 1 << (G - 1).bit_length())
-    NS = n_splits or n_splits_for(B * Hk, L, block, sms=_sm_count(q.device))
+    NS = n_splits or n_splits_for(B * Hk, L, block, sms=_sm_count(q.device), reserved=reserved)
     split_len = -(-L // NS)
     split_len = -(-split_len // block) * block
-    acc = torch.empty(B * Hk * NS * G * d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(B * Hk * NS * G * 2, dtype=torch.float32, device=q.device)
     if out is not None and (out.shape != (B, Hq, d) or out.dtype != q.dtype or out.stride(-1) != 1
                             or out.device != q.device):
         raise ValueError(f"out must be a {q.dtype} tensor on {q.device} of shape {(B, Hq, d)} with unit stride in d; "
@@ -456,28 +559,40 @@ def decode_attention(
         raise ValueError(f"gamma must have shape {(Hq, d)} (one γ_h per query head); got {tuple(gamma.shape)}")
     o = torch.empty(B, Hq, d, dtype=q.dtype, device=q.device) if out is None else out
     has_len = length is not None
-    ln = length if has_len else o  # any pointer; unused without HAS_LEN
-    len_stride = 0 if (not has_len or length.shape[0] == 1) else 1
-    pdl = pdl_applies(q, "partial")
-    pdl_c = pdl_applies(q, "combine")
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        kern["partial"][(B * Hk, NS)](
-            q, k, v, ln, o if kv_index is None else kv_index, acc, ml, float(scale), L, split_len,
+    return SimpleNamespace(
+        B=B, Hq=Hq, Hk=Hk, L=L, d=d, G=G, NS=NS, split_len=split_len, o=o, has_len=has_len,
+        acc=torch.empty(B * Hk * NS * G * d, dtype=torch.float32, device=q.device),
+        ml=torch.empty(B * Hk * NS * G * 2, dtype=torch.float32, device=q.device),
+        ln=length if has_len else o,  # any pointer; unused without HAS_LEN
+        len_stride=0 if (not has_len or length.shape[0] == 1) else 1,
+        kvi=kv_index if kv_index is not None else o,
+        meta=dict(HK=Hk, G=G, GP=max(16, 1 << (G - 1).bit_length()), D=d, BN=block, NS=NS, HAS_LEN=has_len,
+                  HAS_KVI=kv_index is not None,
+                  PREC="ieee" if q.dtype == torch.float32 else "tf32"))  # fp32 caches: exact products (no TF32)
+
+
+def partial_args(sp: Any, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple:
+    """The partial kernel's run-time arguments (after :func:`_setup`), in ``_attend``'s order."""
+    return (q, k, v, sp.ln, sp.kvi, sp.acc, sp.ml, float(scale), sp.L, sp.split_len,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            len_stride, HK=Hk, G=G, GP=GP, D=d, BN=block, NS=NS, HAS_LEN=has_len, HAS_KVI=kv_index is not None,
-            PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 caches: exact products (no TF32)
-            num_warps=NUM_WARPS if num_warps is None else num_warps,
-            num_stages=NUM_STAGES if num_stages is None else num_stages, PDL=pdl, **launch_kw(pdl))
+            sp.len_stride)
+
+
+def combine(sp: Any, gate: Optional[Tensor], gamma: Optional[Tensor], eps: float) -> Tensor:
+    """The exact combination of the partials into ``sp.o`` (with the output fusion when ``gate`` / ``gamma``)."""
+    kern, o, NS, d, G, Hk = _build(), sp.o, sp.NS, sp.d, sp.G, sp.Hk
+    pdl_c = pdl_applies(o, "combine")
+    with torch.cuda.device(o.device) if o.is_cuda else contextlib.nullcontext():
         if gate is not None or gamma is not None:
-            gm = gamma.float().contiguous() if gamma is not None else acc
+            gm = gamma.float().contiguous() if gamma is not None else sp.acc
             gt = gate if gate is not None else o
-            kern["combine_out"][(B * Hk * G,)](
-                acc, ml, o, gt, gm, o.stride(0), o.stride(1), gt.stride(0), gt.stride(1), float(eps), HK=Hk, G=G,
+            kern["combine_out"][(sp.B * Hk * G,)](
+                sp.acc, sp.ml, o, gt, gm, o.stride(0), o.stride(1), gt.stride(0), gt.stride(1), float(eps), HK=Hk, G=G,
                 D=d, NS=NS, SC=max(2, min(1 << max(0, (NS - 1).bit_length()), max(2, 8192 // d))), HAS_GATE=gate is not None,
                 HAS_NORM=gamma is not None, PDL=pdl_c, **launch_kw(pdl_c))
             return o
         SP = 1 << max(0, (NS - 1).bit_length())
         BD = min(d, 32 if SP <= 128 else 16)
-        kern["combine"][(B * Hk * G, d // BD)](acc, ml, o, o.stride(0), o.stride(1), HK=Hk, G=G, D=d, NS=NS, SP=SP, BD=BD,
-                                                 PDL=pdl_c, **launch_kw(pdl_c))
+        kern["combine"][(sp.B * Hk * G, d // BD)](sp.acc, sp.ml, o, o.stride(0), o.stride(1), HK=Hk, G=G, D=d, NS=NS,
+                                                    SP=SP, BD=BD, PDL=pdl_c, **launch_kw(pdl_c))
     return o

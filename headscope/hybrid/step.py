@@ -1,0 +1,192 @@
+"""A decode step's attention work of one hybrid layer in one kernel launch, then the split-K combination.
+
+Separately, a decode step's attention is three launches before the combination: the FA heads' prep
+(``fa_step.py``: q/k glue, the token's K/V written into the cache), the split-K partials over the cache
+(``splitk.py``) and the GDN heads' step (``gdn_step.py``). Each costs a launch and a ramp of a few µs on the H200,
+which at decode sizes is as much as the work (``benchmarks/profile_decode.py``). :func:`hybrid_decode_step` does
+all three in one launch:
+
+- **the prep folds into the partials**: every split-K program applies the query glue to its own query rows
+  (QK-RMSNorm, RoPE or the NoPE scale; a few hundred values), and the program whose split holds the token's slot
+  (``length − 1``) prepares the key, writes key and value into the cache and uses them in place of the slot's old
+  contents. No program reads that slot from memory, so no ordering between programs is needed;
+- **the GDN heads ride along**: the launch's first programs run the GDN step (one per sequence × head × value
+  block), the rest the splits; the split count leaves room for them (``splitk.n_splits_for(reserved=…)``), so all
+  programs fit one wave.
+
+The bodies are the same Triton functions as the separate kernels' (``splitk._attend``, ``gdn_step._gdn_head``):
+one definition of each computation. The results equal the three-launch path's up to the rounding of the glue's
+reductions (the query's norm summed over d at once here, in two halves there): the tests compare both with the
+PyTorch references.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import gdn_step, splitk
+from .fa_step import _check as _check_prep
+from .shapes import Float
+
+_kernels: dict = {}
+
+
+def _make(triton, tl) -> dict:
+    """The one-launch kernel (its bodies from splitk's and gdn_step's kernels, built first)."""
+    gdc_wait, gdc_launch = splitk.gdc_ops()
+    globals().update(_attend=splitk._build()["attend"], _gdn_head=gdn_step._build()["head"])
+
+    @triton.jit
+    def _one_launch(Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len, sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
+                    KN, VN, COS, SIN, QN, KNW, POS, qk_eps, inv_log_a, nope_a, sknb, sknh, svnb, svnh, scb, ssb,
+                    pos_stride,
+                    gQ, gK, gV, gA, gB, gCOS, gSIN, gQN, gKN, gANEG, gDTB, gS, gY, gGAMMA, g_scale, g_qk_eps, g_out_eps,
+                    gsqb, gsqh, gskb, gskh, gsvb, gsvh, gsab, gsbb, gscb, gssb, gsyb, gsyh,
+                    HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                    NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr, PREC: tl.constexpr,
+                    ROPE: tl.constexpr, QKN: tl.constexpr, NOPE: tl.constexpr,
+                    N: tl.constexpr, BV: tl.constexpr, GROPE: tl.constexpr, GQKN: tl.constexpr, NORM: tl.constexpr,
+                    NGP: tl.constexpr, NCB: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # the raw q/k/v of both kinds of heads come from the projection before
+            gdc_wait()
+        pid = tl.program_id(0)
+        if NGP > 0:
+            if pid < NGP:  # a GDN program: one (sequence, head, value block)
+                _gdn_head((pid // NCB).to(tl.int64), pid % NCB, gQ, gK, gV, gA, gB, gCOS, gSIN, gQN, gKN, gANEG, gDTB,
+                          gS, gY, gGAMMA, g_scale, g_qk_eps, g_out_eps, gsqb, gsqh, gskb, gskh, gsvb, gsvh, gsab,
+                          gsbb, gscb, gssb, gsyb, gsyh, N, D, BV, GROPE, GQKN, NORM)
+        j = pid - NGP
+        if j >= 0:  # a split of one (sequence, KV head)
+            _attend(j // NS, j % NS, Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
+                    sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
+                    KN, VN, COS, SIN, QN, KNW, POS, qk_eps, inv_log_a, nope_a, sknb, sknh, svnb, svnh, scb, ssb,
+                    pos_stride, HK, G, GP, D, BN, NS, HAS_LEN, HAS_KVI, PREC, True, ROPE, QKN, NOPE)
+        if PDL:
+            gdc_launch()
+
+    return {"step": _one_launch}
+
+
+def _build() -> dict:
+    """The kernel, built on first use (see :func:`headscope.hybrid.splitk.build_kernels`)."""
+    return splitk.build_kernels(_kernels, _make)
+
+
+def applies(d: int, device: torch.device) -> bool:
+    """Whether :func:`hybrid_decode_step` runs here: triton, and CUDA or Triton's interpreter, head_dim a power
+    of two ≥ 16 (as the split-K kernel)."""
+    return d >= 16 and not d & (d - 1) and splitk.kernel_applies(d, device)
+
+
+def hybrid_decode_step(
+    q: Float[Tensor, "batch fa_head d"],
+    k: Float[Tensor, "batch kv_group d"],
+    v: Float[Tensor, "batch kv_group d"],
+    k_cache: Float[Tensor, "batch kv_group slots d"],
+    v_cache: Float[Tensor, "batch kv_group slots d"],
+    length: Optional[Tensor],
+    scale: float,
+    cos: Optional[Float[Tensor, "batch d"]] = None,
+    sin: Optional[Float[Tensor, "batch d"]] = None,
+    positions: Optional[Tensor] = None,
+    nope_a: Optional[float] = None,
+    q_norm: Optional[Float[Tensor, " d"]] = None,
+    k_norm: Optional[Float[Tensor, " d"]] = None,
+    qk_eps: float = 0.0,
+    kv_index: Optional[Tensor] = None,
+    out: Optional[Tensor] = None,
+    gate: Optional[Float[Tensor, "batch fa_head d"]] = None,
+    gamma: Optional[Float[Tensor, "fa_head d"]] = None,
+    eps: float = 1e-6,
+    gdn: Optional[dict] = None,
+    n_splits: Optional[int] = None,
+) -> tuple[Float[Tensor, "batch fa_head d"], Optional[Float[Tensor, "batch gdn_head d"]]]:
+    """One decode token of a head-wise hybrid layer's attention: the FA heads' prep and split-K partials and
+    the GDN heads' step in one kernel launch, then the split-K combination (a second launch).
+
+    The FA part equals :func:`~headscope.hybrid.fa_step.fa_decode_prep` (q, k, v → the prepared queries, the
+    token's key and value written at slot ``length − 1``) followed by
+    :func:`~headscope.hybrid.splitk.decode_attention` over slots ``[0, length)``; the GDN part equals
+    :func:`~headscope.hybrid.gdn_step.gdn_decode_step` with the arguments in ``gdn``.
+
+    Args:
+        q: the token's raw FA queries [batch, fa_head, d] (views into the fused projection are fine: unit stride
+            in d), in the layer's dtype.
+        k, v: the token's raw keys and values of the kept KV groups [batch, kv_group, d] (likewise).
+        k_cache, v_cache: [batch, kv_group, slots, d] cache buffers (views of a longer buffer are fine); the
+            token's K/V are written at slot ``length − 1``.
+        length: Long/Int[1] or [batch] valid slots *after* this token, on the device (CUDA-graph safe); None: all
+            ``slots`` of the given views (the token at the last one).
+        scale: the FA logit scale.
+        cos, sin, positions, nope_a, q_norm, k_norm, qk_eps: the FA glue, as :func:`fa_decode_prep`'s.
+        kv_index: as :func:`decode_attention`'s (query heads spread unevenly over the kept KV groups; then every
+            query head's program of the token's split writes the same key and value).
+        out, gate, gamma, eps: the combination's output buffer and output fusion, as :func:`decode_attention`'s.
+        gdn: keyword arguments of :func:`gdn_decode_step` (``q, k, v, a, b, S, A_neg, dt_bias, scale`` and the
+            optional ones except ``pdl`` and ``block_v``; its ``S`` is updated in place); None: no GDN heads.
+        n_splits: split count; default :func:`splitk.n_splits_for` with the GDN programs reserved.
+
+    Returns:
+        (o [batch, fa_head, d] in q's dtype, y [batch, gdn_head, d] of the GDN heads or None).
+
+    Raises:
+        ValueError: the errors of the three functions (shapes, strides, dtypes, head_dim, RoPE with NoPE, CPU
+            tensors outside ``TRITON_INTERPRET=1``, bf16 in the interpreter); GDN heads of another head_dim;
+            ``length`` of zero slots is not checked (no host sync): it must be ≥ 1.
+        ImportError: triton missing (use the three PyTorch references).
+
+    Source: flash-decoding (Dao et al., 2023) with the FA glue of the lean path and the gated delta rule step
+    (HydraHead eq. 7–8), the output fusion eq. 13–14; one launch instead of three
+    (``benchmarks/profile_decode.py``).
+    """
+    _check_prep(q, k, v, k_cache, v_cache, cos, sin, q_norm, k_norm, nope_a)
+    B, _, d = q.shape
+    if nope_a is not None and positions is None:
+        raise ValueError("the NoPE scale needs the token's positions ([1] or [batch] integers)")
+    for name, t in (("k", k), ("v", v), ("cos", cos), ("sin", sin)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name} needs unit stride in its last dimension")
+    NGP = NCB = 0
+    gargs: tuple = ()
+    gmeta: dict = dict(N=1, BV=16, GROPE=False, GQKN=False, NORM=False)
+    y = None
+    if gdn is not None:
+        extra = {"pdl", "block_v"} & set(gdn)
+        if extra:
+            raise ValueError(f"gdn takes gdn_decode_step's arguments except {sorted(extra)}")
+        grid, gargs, gm, y = gdn_step.setup(**gdn)
+        if gm["D"] != d:
+            raise ValueError(f"the GDN heads' head_dim {gm['D']} differs from the FA heads' {d}")
+        NCB = grid[1]
+        NGP = grid[0] * NCB
+        gmeta = dict(N=gm["N"], BV=gm["BV"], GROPE=gm["ROPE"], GQKN=gm["QKN"], NORM=gm["NORM"])
+    sp = splitk._setup(q, k_cache, v_cache, length, kv_index, None, n_splits, out, gate, gamma, reserved=NGP)
+    if not gargs:  # dummies of the right kinds: never read without GDN programs
+        f = sp.ml
+        gargs = (q, q, q, q, q, f, f, f, f, f, f, f, q, f, 0.0, 0.0, 0.0) + (0,) * 12
+    if cos is not None and cos.shape[0] == 1:
+        cos, sin = cos.expand(B, -1), sin.expand(B, -1)  # stride 0 over the batch
+    rope, qkn, nope = cos is not None, q_norm is not None, nope_a is not None
+    pos = positions.reshape(-1) if nope else sp.ln
+    if nope and (pos.shape[0] not in (1, B) or pos.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"positions must be an integer tensor of shape [1] or [batch]; got {pos.dtype} "
+                         f"{tuple(positions.shape)}")
+    a = float(nope_a) if nope else 2.0
+    fa_args = (k, v, cos if rope else q, sin if rope else q,
+               q_norm.float().contiguous() if qkn else sp.ml, k_norm.float().contiguous() if qkn else sp.ml,
+               pos, float(qk_eps), 1.0 / math.log(a), a, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               cos.stride(0) if rope else 0, sin.stride(0) if rope else 0,
+               pos.stride(0) if nope and pos.shape[0] > 1 else 0)
+    meta = {k_: v_ for k_, v_ in sp.meta.items()}
+    pdl = splitk.pdl_applies(q, "partial")
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _build()["step"][(NGP + sp.B * sp.Hk * sp.NS,)](
+            *splitk.partial_args(sp, q, k_cache, v_cache, scale), *fa_args, *gargs, **meta, ROPE=rope, QKN=qkn,
+            NOPE=nope, **gmeta, NGP=NGP, NCB=max(NCB, 1), PDL=pdl, num_warps=splitk.NUM_WARPS,
+            num_stages=splitk.NUM_STAGES, **splitk.launch_kw(pdl))
+    return splitk.combine(sp, gate, gamma, eps), y

@@ -1,0 +1,140 @@
+"""The one-launch decode step of a hybrid layer (headscope.hybrid.step): FA prep + split-K partials + GDN step.
+
+The kernels run through Triton's interpreter here (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA),
+compiled on a GPU; skipped without triton. The references are the PyTorch functions of the three separate
+kernels (fa_decode_prep_torch → decode_attention_torch, gdn_decode_step_torch), and the separate Triton kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headscope.hybrid import step
+from headscope.hybrid.fa_step import fa_decode_prep, fa_decode_prep_torch
+from headscope.hybrid.gdn_step import gdn_decode_step, gdn_decode_step_torch
+from headscope.hybrid.splitk import decode_attention, decode_attention_torch
+
+from conftest import rope_and_qk_norm
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernel = pytest.mark.skipif(not step.applies(64, torch.device(DEV)),
+                                  reason="needs triton and CUDA or TRITON_INTERPRET=1")
+
+
+def _fa_inputs(B, nf, nk, d, L, dtype, g, rope, qkn):
+    cols = (nf + 2 * nk) * d + 3  # one fused projection row: strided views, as the lean layer passes them
+    z = torch.randn(B, cols, generator=g).to(dtype)
+    q = z[:, : nf * d].unflatten(-1, (nf, d))
+    k = z[:, nf * d:(nf + nk) * d].unflatten(-1, (nk, d))
+    v = z[:, (nf + nk) * d:(nf + 2 * nk) * d].unflatten(-1, (nk, d))
+    kc, vc = torch.randn(B, nk, L, d, generator=g).to(dtype), torch.randn(B, nk, L, d, generator=g).to(dtype)
+    return (q, k, v, kc, vc), rope_and_qk_norm(B, d, dtype, g, rope, qkn)
+
+
+def _gdn_inputs(B, N, d, dtype, g, kw):
+    z = torch.randn(B, 3 * N * d + 2 * N + 5, generator=g).to(dtype)
+    q, k, v = (z[:, i * N * d:(i + 1) * N * d].unflatten(-1, (N, d)) for i in range(3))
+    a, b = z[:, 3 * N * d:3 * N * d + N], z[:, 3 * N * d + N:3 * N * d + 2 * N]
+    return dict(q=q, k=k, v=v, a=a, b=b, S=torch.randn(B, N, d, d, generator=g) * 0.3,
+                A_neg=-torch.rand(N, generator=g) * 2, dt_bias=torch.randn(N, generator=g), scale=d ** -0.5, **kw)
+
+
+def _to(x):
+    """A copy on the device (S is updated in place: each path gets its own)."""
+    return {k: (t.to(DEV, copy=True) if isinstance(t, torch.Tensor) else t) for k, t in x.items()}
+
+
+CASES = [  # Hq, Hk, kv_index, length kind, rope, qkn, nope, n_gdn, fused output (gate + γ), n_splits
+    (3, 1, False, "B", True, True, False, 2, True, 2),
+    (4, 2, False, "one", True, False, False, 0, False, None),
+    (3, 2, True, "B", False, True, True, 3, False, 3),
+    (2, 2, False, "none", False, False, False, 1, True, 1),
+    (6, 2, False, "one", True, True, False, 4, True, 5),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("Hq,Hk,kvi,lkind,rope,qkn,nope,ng,fused,ns", CASES)
+def test_one_launch_equals_the_three_kernels_and_their_references(Hq, Hk, kvi, lkind, rope, qkn, nope, ng, fused, ns):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    B, d, L, dt = 3, 32, 300, torch.float32
+    (q, k, v, kc, vc), kw = _fa_inputs(B, Hq, Hk, d, L, dt, g, rope, qkn)
+    lengths = {"B": torch.tensor([290, 100, 1]), "one": torch.tensor([231]), "none": None}[lkind]
+    kv_index = torch.tensor([0, 1, 1][:Hq]) if kvi else None
+    pos = None
+    if nope:
+        kw, pos = {k_: w for k_, w in kw.items() if k_ not in ("cos", "sin")}, torch.tensor([7, 300, 12])
+    fa_kw = dict(kw, positions=pos, nope_a=500.0 if nope else None)
+    gate = torch.randn(B, Hq, d, generator=g) if fused else None
+    gamma = 1 + 0.2 * torch.randn(Hq, d, generator=g) if fused else None
+    gdn = _gdn_inputs(B, ng, d, dt, g, {"gamma": 1 + 0.2 * torch.randn(ng, d, generator=g)} if fused else {}) if ng else None
+
+    # the reference: PyTorch prep at slot length - 1, then split-K attention over [0, length); the GDN step
+    slot = lengths - 1 if lengths is not None else L - 1
+    kc_r, vc_r = kc.clone(), vc.clone()
+    qp = fa_decode_prep_torch(q, k, v, kc_r, vc_r, slot if isinstance(slot, int) else slot.clone(), **fa_kw)
+    o_r = decode_attention_torch(qp, kc_r, vc_r, lengths, d ** -0.5, kv_index=kv_index)
+    if fused:
+        o_r = o_r.float() * torch.sigmoid(gate)
+        o_r = o_r / torch.sqrt(o_r.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma
+
+    # the three Triton kernels (same device and dtype)
+    D = {k_: t.to(DEV) if isinstance(t, torch.Tensor) else t for k_, t in fa_kw.items()}
+    kc3, vc3 = kc.to(DEV, copy=True), vc.to(DEV, copy=True)
+    ln = lengths.to(DEV) if lengths is not None else None
+    kvd = kv_index.to(DEV) if kv_index is not None else None
+    qp3 = fa_decode_prep(q.to(DEV), k.to(DEV), v.to(DEV), kc3, vc3, ln - 1 if ln is not None else L - 1, **D)
+    o3 = decode_attention(qp3, kc3, vc3, ln, d ** -0.5, kv_index=kvd, n_splits=ns,
+                          gate=gate.to(DEV) if fused else None, gamma=gamma.to(DEV) if fused else None)
+    g3 = _to(gdn) if gdn else None
+    y3 = gdn_decode_step(**g3) if gdn else None
+    S3 = g3["S"] if gdn else None
+
+    # one launch
+    kc1, vc1 = kc.to(DEV, copy=True), vc.to(DEV, copy=True)
+    g1 = _to(gdn) if gdn else None
+    o1, y1 = step.hybrid_decode_step(q.to(DEV), k.to(DEV), v.to(DEV), kc1, vc1, ln, d ** -0.5, kv_index=kvd,
+                                     gate=gate.to(DEV) if fused else None, gamma=gamma.to(DEV) if fused else None,
+                                     gdn=g1, n_splits=ns, **D)
+    assert (o1.cpu().float() - o_r.float()).abs().max() < 2e-4
+    assert (o1 - o3).abs().max() < 2e-5
+    assert torch.allclose(kc1.cpu(), kc_r, atol=1e-5, rtol=0) and torch.equal(vc1.cpu(), vc_r)
+    assert (kc1 - kc3).abs().max() < 1e-6 and torch.equal(vc1, vc3)  # the key's glue summed in another order
+    other = torch.ones(B, 1, L, 1, dtype=torch.bool)  # no other slot touched
+    other[torch.arange(B), :, (slot if isinstance(slot, int) else slot.expand(B))] = False
+    assert torch.equal(kc1.cpu() * other, kc * other) and torch.equal(vc1.cpu() * other, vc * other)
+    if gdn:  # the same Triton body: the same bits as the separate GDN kernel
+        assert torch.equal(y1, y3) and torch.equal(g1["S"], S3)
+        if not fused:
+            S_r = gdn["S"].clone()
+            y_r = gdn_decode_step_torch(**dict(gdn, S=S_r))
+            assert (y1.cpu() - y_r).abs().max() < 1e-5 and (g1["S"].cpu() - S_r).abs().max() < 1e-5
+    else:
+        assert y1 is None
+
+
+@needs_kernel
+def test_the_split_count_leaves_room_for_the_gdn_programs():
+    from headscope.hybrid.splitk import n_splits_for
+    assert n_splits_for(16, 32768, sms=132, blocks_per_sm=4) == 33
+    assert n_splits_for(16, 32768, sms=132, blocks_per_sm=4, reserved=96) == 27  # (528 - 96) / 16
+    assert n_splits_for(1, 32768, sms=132, blocks_per_sm=4, reserved=6) == 128  # capped at 32768 / 256 slots
+
+
+@needs_kernel
+def test_bad_input_names_the_fix():
+    g = torch.Generator().manual_seed(0)
+    (q, k, v, kc, vc), _ = _fa_inputs(2, 3, 1, 32, 20, torch.float32, g, False, False)
+    q, k, v, kc, vc = (t.to(DEV) for t in (q, k, v, kc, vc))
+    gdn = _to(_gdn_inputs(2, 2, 16, torch.float32, g, {}))
+    with pytest.raises(ValueError, match="head_dim 16 differs"):
+        step.hybrid_decode_step(q, k, v, kc, vc, None, 0.1, gdn=gdn)
+    gdn = _to(_gdn_inputs(2, 2, 32, torch.float32, g, {}))
+    with pytest.raises(ValueError, match="except \\['pdl'\\]"):
+        step.hybrid_decode_step(q, k, v, kc, vc, None, 0.1, gdn=dict(gdn, pdl=True))
+    with pytest.raises(ValueError, match="positions"):
+        step.hybrid_decode_step(q, k, v, kc, vc, None, 0.1, nope_a=100.0)
+    with pytest.raises(ValueError, match="kv_group"):
+        step.hybrid_decode_step(q, k[:, :0], v[:, :0], kc, vc, None, 0.1)
