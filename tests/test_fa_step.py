@@ -134,15 +134,17 @@ def test_torch_prep_equals_the_lean_glue():
 
 
 @needs_kernel
+@pytest.mark.parametrize("one", [True, False], ids=["one-launch", "three-launches"])
 @pytest.mark.parametrize("fused_out", [True, False])
 @pytest.mark.parametrize("qwen,opts", [(True, {}), (False, {"fa_pos": "nope", "fa_gate": True}), (True, {"fa_pos": "rope"}),
                                        (False, {"fusion": "none"})])
-def test_lean_decode_steps_with_the_prep_kernel_equal_the_plain_forward(monkeypatch, qwen, opts, fused_out):
+def test_lean_decode_steps_with_the_prep_kernel_equal_the_plain_forward(monkeypatch, qwen, opts, fused_out, one):
     """A hybrid layer (head_dim 16, FA heads over two KV groups) decoding token by token through the lean path
     with the prep kernel and split-K gives the plain forward's outputs (Qwen3 QK-norm, RoPE and NoPE); with
     ``DECODE_FUSED_OUT`` the output fusion (gate, per-head RMSNorm, γ_h ≠ 1) runs inside the split-K combination
-    and the GDN step (no output glue), without it in the compiled glue."""
-    _decode_vs_forward(monkeypatch, qwen, opts, fused_out)
+    and the GDN step (no output glue), without it in the compiled glue; the prep, split-K partials and GDN step
+    in one launch (``DECODE_ONE_LAUNCH``, step.py) or in three."""
+    _decode_vs_forward(monkeypatch, qwen, opts, fused_out, one=one)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the side CUDA stream needs CUDA")
@@ -155,7 +157,7 @@ def test_lean_decode_steps_on_the_side_stream_equal_the_plain_forward(monkeypatc
     sides = []
     real = lean._side_stream
     monkeypatch.setattr(lean, "_side_stream", lambda dev: sides.append(1) or real(dev))
-    _decode_vs_forward(monkeypatch, False, {"fa_gate": True}, True)
+    _decode_vs_forward(monkeypatch, False, {"fa_gate": True}, True, one=False)
     assert len(sides) == (4 if overlap or prep_overlap else 0)  # one per decode step
 
 
@@ -169,16 +171,16 @@ def test_lean_decode_fused_output_with_a_group_of_two_fa_heads_and_its_head_dim_
 
 
 @pytest.mark.skipif(DEV != "cuda" or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs a Hopper GPU")
-@pytest.mark.parametrize("side", [False, True])
-def test_lean_decode_steps_with_pdl_equal_the_plain_forward(monkeypatch, side):
+@pytest.mark.parametrize("side,one", [(False, False), (True, False), (False, True)])
+def test_lean_decode_steps_with_pdl_equal_the_plain_forward(monkeypatch, side, one):
     """splitk.PDL on (FA prep, split-K partials, the fused combination, and the GDN step on the main stream, or on
-    the side stream beside the prep kernel): the plain forward's outputs."""
+    the side stream beside the prep kernel; or the one-launch step): the plain forward's outputs."""
     from headscope.hybrid import splitk
 
     monkeypatch.setattr(splitk, "PDL", True)
     monkeypatch.setattr(lean, "DECODE_OVERLAP", False)
     monkeypatch.setattr(lean, "DECODE_OVERLAP_PREP", side)
-    _decode_vs_forward(monkeypatch, True, {"fa_gate": True}, True)
+    _decode_vs_forward(monkeypatch, True, {"fa_gate": True}, True, one=one)
 
 
 @needs_kernel
@@ -189,7 +191,7 @@ def test_lean_decode_fused_output_at_head_dim_128(monkeypatch):
     _decode_vs_forward(monkeypatch, True, {}, True, d=128)
 
 
-def _decode_vs_forward(monkeypatch, qwen, opts, fused_out, fa=(0, 3), expect_fused=None, d=16):
+def _decode_vs_forward(monkeypatch, qwen, opts, fused_out, fa=(0, 3), expect_fused=None, d=16, one=True):
     from transformers import LlamaConfig, Qwen3Config
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
@@ -200,6 +202,9 @@ def _decode_vs_forward(monkeypatch, qwen, opts, fused_out, fa=(0, 3), expect_fus
     preps = []
     real = lean.fa_decode_prep
     monkeypatch.setattr(lean, "fa_decode_prep", lambda *a, **k: preps.append(1) or real(*a, **k))
+    monkeypatch.setattr(lean, "DECODE_ONE_LAUNCH", one)
+    real_one = lean.hybrid_decode_step
+    monkeypatch.setattr(lean, "hybrid_decode_step", lambda *a, **k: preps.append(2) or real_one(*a, **k))
     monkeypatch.setattr(lean, "DECODE_FUSED_OUT", fused_out)
     glues = []
     real_glue = lean._glue
@@ -230,7 +235,7 @@ def _decode_vs_forward(monkeypatch, qwen, opts, fused_out, fa=(0, 3), expect_fus
         pre, _ = layer(x[:, :8], position_embeddings=(cos[:, :8], sin[:, :8]), cache=dc)
         steps = [layer(x[:, t:t + 1], position_embeddings=(cos[:, t:t + 1], sin[:, t:t + 1]), cache=dc,
                        position_ids=torch.tensor([[t]], device=DEV).expand(B, 1))[0] for t in range(8, T)]
-    assert len(preps) == T - 8
+    assert preps == [2 if one else 1] * (T - 8)  # every step through the one-launch step, or the prep kernel
     fused = fused_out if expect_fused is None else expect_fused
     assert glues.count("out") == 1 + (0 if fused else T - 8)  # the prefill's, and the unfused steps'
     assert (torch.cat([pre] + steps, 1) - ref).abs().max() < (1e-5 if DEV == "cpu" else 1e-4)

@@ -77,8 +77,9 @@ def test_graphed_prefill_on_the_second_gpu():
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("decode", [("kernel", "sdpa"), ("fused", "splitk"), ("triton", "splitk")],
-                         ids=["glue+kernel+sdpa", "fused+splitk", "triton+splitk"])
+@pytest.mark.parametrize("decode", [("kernel", "sdpa", False), ("fused", "splitk", False), ("triton", "splitk", False),
+                                    ("triton", "splitk", True)],
+                         ids=["glue+kernel+sdpa", "fused+splitk", "triton+splitk", "one-launch"])
 @pytest.mark.parametrize("opts", [{}, {"fa_pos": "rope", "gdn_rope": False, "fa_gate": False}])
 def test_device_position_decoding_equals_eager_generate(opts, decode, monkeypatch):
     """Greedy decoding with the position in device memory (the step a CUDA graph replays) gives the
@@ -91,6 +92,11 @@ def test_device_position_decoding_equals_eager_generate(opts, decode, monkeypatc
     monkeypatch.setattr(lean, "ENABLE", True)
     monkeypatch.setattr(lean, "DECODE_GDN", decode[0])
     monkeypatch.setattr(lean, "DECODE_FA", decode[1])
+    monkeypatch.setattr(lean, "DECODE_ONE_LAUNCH", decode[2])
+    ones = []  # the one-launch step (FA prep + split-K + GDN step): its length argument, and whether GDN heads rode along
+    real_one = lean.hybrid_decode_step
+    monkeypatch.setattr(lean, "hybrid_decode_step",
+                        lambda *a, **k: ones.append((a[5], k["gdn"] is not None)) or real_one(*a, **k))
     calls = []
     if decode[1] == "splitk":
         if not splitk.triton_available() or os.environ.get("TRITON_INTERPRET") != "1":
@@ -124,7 +130,13 @@ def test_device_position_decoding_equals_eager_generate(opts, decode, monkeypatc
         got = dec._generate_device(ids, 10, capture=False)
         assert torch.equal(got, ref) and len(set(got[:, 9:].flatten().tolist())) > 2
         assert dec.length == 9 + 10 - 1 and all(c.pos is None and c.n_valid is None for c in dec.caches)
-        if decode[1] == "splitk":  # host-length split-K steps too; both kinds of step went through the kernel
+        if decode[2]:  # every step of both layers in one launch, the GDN heads included; no separate kernel
+            assert len(ones) == 2 * 9 and all(torch.is_tensor(n) and g for n, g in ones)
+            assert len({id(n) for n, _ in ones}) == 1 and not calls and not steps and not preps
+            assert torch.equal(StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False), ref)
+            assert len(ones) == 4 * 9 and ones[-1][0] is None  # host-length steps: the cache view's slots
+        elif decode[1] == "splitk":  # host-length split-K steps too; both kinds of step went through the kernel
+            assert not ones
             assert all(c is not None for c in calls) and len(calls) == 2 * 9  # 2 layers x 9 device-position steps
             assert len({id(c) for c in calls}) == 1  # one length tensor shared by the layers (cache.n_valid)
             assert len(steps) == (2 * 9 if decode[0] == "triton" else 0)  # the GDN step kernel in both layers

@@ -144,7 +144,7 @@ def _make(triton, tl) -> dict:
             y = y / tl.sqrt(tl.sum(y * y, 0) / D + out_eps) * tl.load(GAMMA + h * D + cv)
         tl.store(Y + b * syb + h * syh + cv, y.to(DT))
 
-    globals()["_gdn_head"] = _gdn_head  # where the kernel below (and the interpreter) looks it up
+    globals().update(_gdn_head=_gdn_head, tl=tl)  # where the kernel below (and the interpreter) looks them up
 
     @triton.jit
     def _gdn_decode_step(Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y, GAMMA, scale, qk_eps, out_eps,

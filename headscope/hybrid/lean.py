@@ -52,6 +52,7 @@ from .gdn_step import applies as gdn_step_applies, gdn_decode_step, launch_shape
 from .splitk import _sm_count, decode_attention, triton_available
 from .fa_step import applies as fa_prep_applies, fa_decode_prep
 from .skinny import linear
+from .step import applies as step_applies, hybrid_decode_step
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layer import HeadwiseHybridAttention
@@ -110,6 +111,10 @@ DECODE_FUSED_OUT = True
 # whole-model step, the GDN step holding a whole 128 x 128 state per program (22.8 vs 10.2 µs per layer;
 # benchmarks/results/h200_profile_decode_qwen3_b16_t32768.json), so d = 128 keeps the compiled output glue.
 FUSED_OUT_MAX_D = 64
+# A decode step whose FA heads take the prep + split-K path does the FA prep, the split-K partials and (when its GDN
+# heads take the Triton step) the GDN step in one kernel launch (``step.py``; True), instead of three launches with
+# the GDN step on the side stream (False, the path the tests compare it with).
+DECODE_ONE_LAUNCH = True
 _side_streams: dict = {}
 _compiled: dict[tuple, Callable] = {}
 _compile_failed: list[str] = []
@@ -445,6 +450,43 @@ def _prep_applies(layer: "HeadwiseHybridAttention", q: Tensor, T: int, cache: An
             and fa_prep_applies(q.shape[-1], q.device))
 
 
+def _one_launch(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Tensor, v: Tensor, z: Tensor, cache: Any,
+                dpos: Optional[Tensor], past: int, cos: Optional[Tensor], sin: Optional[Tensor],
+                position_ids: Optional[Tensor], y_buf: Optional[Tensor], gate: Optional[Tensor],
+                g_out: Optional[dict]) -> tuple[Tensor, Optional[Tensor]]:
+    """A decode step's FA prep + split-K attention and GDN step through :func:`hybrid_decode_step` (one launch, then
+    the combination): q [B,1,nf,d], k, v [B,1,nk,d] and the GDN rows of the projection z -> (o_fa [B,1,nf,d],
+    y [B,ng,d] or None); with ``y_buf`` both write their fused outputs there."""
+    d, ng = p.d, p.ng
+    x = q
+    slot = dpos if dpos is not None else past
+    if dpos is None:
+        kc, vc, n_valid = cache.k[:, :, : past + 1], cache.v[:, :, : past + 1], None
+    else:
+        kc, vc = cache.k, cache.v
+        n_valid = cache.n_valid if cache.n_valid is not None else dpos + 1
+    positions = None
+    if not p.fa_rope:
+        positions = position_ids[:, -1] if position_ids is not None else _as_long(slot, x.device)
+    rope = p.fa_rope and cos is not None
+    fused = {} if y_buf is None else {"out": y_buf[:, : p.nf], "gate": gate[:, 0] if gate is not None else None,
+                                      "gamma": p.gamma[: p.nf] if p.gamma is not None else None, "eps": p.eps}
+    gdn = None
+    if ng:
+        qg, kg, vg, a, b = z[..., p.n_fa_rows:].split(p.g_sizes, dim=-1)
+        g_rope = p.gdn_rope and cos is not None
+        gdn = dict(q=qg[:, 0].unflatten(-1, (ng, d)), k=kg[:, 0].unflatten(-1, (ng, d)),
+                   v=vg[:, 0].unflatten(-1, (ng, d)), a=a[:, 0, :ng], b=b[:, 0, :ng], S=cache.S, A_neg=p.A_neg,
+                   dt_bias=p.dtb, scale=float(layer.scaling), cos=cos[:, 0] if g_rope else None,
+                   sin=sin[:, 0] if g_rope else None, q_norm=p.qn, k_norm=p.kn, qk_eps=p.qk_eps,
+                   out=g_out["out"] if g_out else None, gamma=g_out["gamma"] if g_out else None, out_eps=p.eps)
+    o, y = hybrid_decode_step(q[:, 0], k[:, 0], v[:, 0], kc, vc, n_valid, layer.scaling,
+                              cos=cos[:, 0] if rope else None, sin=sin[:, 0] if rope else None, positions=positions,
+                              nope_a=None if p.fa_rope else float(layer.options.nope_a), q_norm=p.qn, k_norm=p.kn,
+                              qk_eps=p.qk_eps, kv_index=None if layer._fa_gqa else p.fa_kv, gdn=gdn, **fused)
+    return o[:, None], y
+
+
 # ---------------------------------------------------------------------------------------- forward
 def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]],
             position_ids: Optional[Tensor], cache: Any) -> Tensor:
@@ -493,10 +535,13 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
         y_buf = x.new_empty(B, nf + ng, d)
         g_out = {"out": y_buf[:, nf:], "gamma": p.gamma[nf:] if p.gamma is not None else None}
 
+    # ---- one launch for the FA prep + split-K partials and the GDN step (DECODE_ONE_LAUNCH)
+    one = (prep and DECODE_ONE_LAUNCH and step_applies(d, x.device)
+           and (not ng or (S_dec is not None and DECODE_GDN == "triton" and gdn_step_applies(d, x.device))))
     # ---- a decode step's GDN heads on the side stream, concurrent with the FA heads (DECODE_OVERLAP)
-    y_side = side = None
+    y_side = side = y_one = None
     # beside the whole FA branch (DECODE_OVERLAP), else beside the FA prep kernel only (DECODE_OVERLAP_PREP)
-    side_ok = _side_ok(p, x, T, S_dec)
+    side_ok = not one and _side_ok(p, x, T, S_dec)
     ov_all = side_ok and bool(DECODE_OVERLAP) and (DECODE_OVERLAP != "auto" or overlap_rule(
         B, ng, d, _sm_count(x.device), fused_norm=bool(g_out) and g_out["gamma"] is not None))
     ov_prep = side_ok and not ov_all and prep and DECODE_OVERLAP_PREP
@@ -514,7 +559,10 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
 
     # ---- FA heads: softmax attention over the kept KV groups
     if nf:
-        if prep:  # one kernel: q/k glue + the K/V cache write
+        if one:
+            o_fa, y_one = _one_launch(layer, p, q, k, v, z, cache, dpos, past, cos, sin, position_ids, y_buf, gate,
+                                      g_out)
+        elif prep:  # one kernel: q/k glue + the K/V cache write
             slot = dpos if dpos is not None else past
             positions = None
             if not p.fa_rope:
@@ -545,7 +593,9 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
 
     # ---- GDN heads: all in one kernel call per time block, the state carried over
     y_g = None
-    if y_side is not None:
+    if y_one is not None:
+        y_g = y_one[:, None]
+    elif y_side is not None:
         y_g = y_side[:, None]
     elif ng:
         S = S_dec

@@ -365,7 +365,7 @@ def _make(triton, tl) -> dict:
 
     # a kernel finds the Triton functions it calls among its module's globals (the interpreter does not look in
     # closures): the bodies are published there when the kernels are built
-    globals().update(_glue=_glue, _tile=_tile, _attend=_attend)
+    globals().update(_glue=_glue, _tile=_tile, _attend=_attend, tl=tl)  # the interpreter wants tl there too
 
     @triton.jit
     def _partial(Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,

@@ -39,7 +39,7 @@ _kernels: dict = {}
 def _make(triton, tl) -> dict:
     """The one-launch kernel (its bodies from splitk's and gdn_step's kernels, built first)."""
     gdc_wait, gdc_launch = splitk.gdc_ops()
-    globals().update(_attend=splitk._build()["attend"], _gdn_head=gdn_step._build()["head"])
+    globals().update(_attend=splitk._build()["attend"], _gdn_head=gdn_step._build()["head"], tl=tl)
 
     @triton.jit
     def _one_launch(Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len, sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
