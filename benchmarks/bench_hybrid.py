@@ -206,11 +206,14 @@ def _decode(mod, x, pe, T, dev, graph_reps, eager_reps):
     return r
 
 
-DECODE_VARIANTS = {  # name: (lean.DECODE_GDN, lean.DECODE_FA, device position); the default step uses lean's defaults
-    "kernel_sdpa": ("kernel", "sdpa", False),  # the decode step before the Triton kernels (glue, fla, SDPA)
-    "fused": ("fused", "sdpa", False), "splitk": ("kernel", "splitk", False), "fused_splitk": ("fused", "splitk", False),
-    "triton": ("triton", "sdpa", False), "triton_splitk": ("triton", "splitk", False),
-    "devpos_sdpa": ("kernel", "sdpa", True), "devpos_triton_splitk": ("triton", "splitk", True),
+DECODE_VARIANTS = {  # name: (lean.DECODE_GDN, lean.DECODE_FA, device position, lean.DECODE_ONE_LAUNCH); the default
+    # step uses lean's defaults. The names before the one-launch step (fifth session) keep their meaning: three launches
+    "kernel_sdpa": ("kernel", "sdpa", False, False),  # the decode step before the Triton kernels (glue, fla, SDPA)
+    "fused": ("fused", "sdpa", False, False), "splitk": ("kernel", "splitk", False, False),
+    "fused_splitk": ("fused", "splitk", False, False),
+    "triton": ("triton", "sdpa", False, False), "triton_splitk": ("triton", "splitk", False, False),
+    "devpos_sdpa": ("kernel", "sdpa", True, False), "devpos_triton_splitk": ("triton", "splitk", True, False),
+    "one_launch": ("triton", "splitk", False, True), "devpos_one_launch": ("triton", "splitk", True, True),
 }
 
 
@@ -219,9 +222,9 @@ def _decode_variant(mod, x, pe, T, dev, graph_reps, variant, ref, profile=False)
     (DECODE_VARIANTS); device-position variants read the position from device memory (one graph for every
     length; SDPA then masks the whole buffer). Returns its graph time, its output against ``ref`` (the
     default eager step) and, with ``profile``, the GPU kernels of one eager step."""
-    gdn_mode, fa_mode, devpos = DECODE_VARIANTS[variant]
-    prev = lean.DECODE_GDN, lean.DECODE_FA
-    lean.DECODE_GDN, lean.DECODE_FA = gdn_mode, fa_mode
+    gdn_mode, fa_mode, devpos, one = DECODE_VARIANTS[variant]
+    prev = lean.DECODE_GDN, lean.DECODE_FA, lean.DECODE_ONE_LAUNCH
+    lean.DECODE_GDN, lean.DECODE_FA, lean.DECODE_ONE_LAUNCH = gdn_mode, fa_mode, one
     try:
         x1 = x[:, T:]
         dc, pe1, restore = _prefilled(mod, x, pe, T)
@@ -243,7 +246,7 @@ def _decode_variant(mod, x, pe, T, dev, graph_reps, variant, ref, profile=False)
             r["profile"] = _profile_kernels(step, restore)
         return r
     finally:
-        lean.DECODE_GDN, lean.DECODE_FA = prev
+        lean.DECODE_GDN, lean.DECODE_FA, lean.DECODE_ONE_LAUNCH = prev
 
 
 def _profile_kernels(step, restore, n=5):
@@ -367,7 +370,10 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
         dec.pop("graph_vs_eager", None)
         out[name].update({f"decode_{k}" if not k.startswith("cache") else k: v for k, v in dec.items()})
         if decode_variants and dev.type == "cuda":
-            variants = DECODE_VARIANTS if name == "hybrid" else ("splitk", "devpos_sdpa", "devpos_triton_splitk")
+            variants = DECODE_VARIANTS if name == "hybrid" else ("splitk", "devpos_sdpa", "devpos_triton_splitk",
+                                                                 "one_launch", "devpos_one_launch")
+            if not isinstance(decode_variants, bool):  # the names given (--variants)
+                variants = decode_variants
             for vn in variants:
                 try:
                     vr = _decode_variant(mod, x, pe, T, dev, graph_reps, vn, step_out,
@@ -594,6 +600,8 @@ def main(argv=None):
                     help="layer part: also time the decode step with the GDN step fused into the glue, split-K FA "
                          "decode, and device-position decoding (lean.DECODE_GDN / DECODE_FA); model part: also the "
                          "Triton GDN step + split-K step and graphed generate (with --compile-tail: compiled tails)")
+    ap.add_argument("--variants", nargs="+", default=None, choices=list(DECODE_VARIANTS),
+                    help="layer part: only these decode variants, for both layers (implies --decode-variants)")
     ap.add_argument("--profile-at", type=int, nargs="*", default=[],
                     help="lengths at which to record the GPU kernels of one eager decode step (torch.profiler)")
     ap.add_argument("--splitk-from", type=Path, default=None,
@@ -647,7 +655,7 @@ def main(argv=None):
                "layer_path": "lean (hybrid/lean.py): fused projection, compiled glue, SDPA + one GDN call per block",
                "gdn_block_tokens": lean.GDN_BLOCK_TOKENS or f"auto: max(8192, {lean.GDN_BLOCK_WORK} // (n_gdn d^2))", "glue_compiled": dev.type == "cuda" and lean.COMPILE,
                "low_memory_block": layer_mod.BLOCK, "flash_qla_default": lean.FLASH_QLA,
-               "decode_defaults": {"gdn": lean.DECODE_GDN, "fa": lean.DECODE_FA}, "splitk": splitk.launch_defaults(),
+               "decode_defaults": {"gdn": lean.DECODE_GDN, "fa": lean.DECODE_FA, "one_launch": lean.DECODE_ONE_LAUNCH}, "splitk": splitk.launch_defaults(),
                "versions": _versions(), "bench": {}}
     print(f"device {results['device']}  torch {torch.__version__}  {dtype}  GDN kernel {gdn_kernel}  "
           f"FA kernel {fa_kernel}", flush=True)
@@ -683,8 +691,8 @@ def main(argv=None):
             try:
                 r = bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=a.graph_reps, eager_reps=eager_reps,
                                 before=not a.no_before, graph_prefill=not a.no_graph_prefill,
-                                graph_block=a.graph_block, flash_qla=a.flash_qla, decode_variants=a.decode_variants,
-                                profile=T in a.profile_at, **({"prefill_reps": 2, "dynamic_reps": 2} if a.smoke else {}))
+                                graph_block=a.graph_block, flash_qla=a.flash_qla,
+                                decode_variants=a.variants or a.decode_variants, profile=T in a.profile_at, **({"prefill_reps": 2, "dynamic_reps": 2} if a.smoke else {}))
             except Exception:  # pragma: no cover - OOM or a kernel failure: record, go on
                 import traceback
 

@@ -36,8 +36,9 @@ from headscope.hybrid.static import StaticDecoder  # noqa: E402
 from headscope.masks import HeadMask  # noqa: E402
 
 # kernel classes by name (the GDN step and FA prep kernels were named _step / _prep, class "other", in the
-# 2026-12-01 result files)
-CLASSES = (("splitk", ("_partial", "_combine")), ("gdn_step", ("_gdn_decode_step",)), ("fa_prep", ("_fa_decode_prep",)),
+# 2026-12-01 result files; one_launch: step.py's FA prep + split-K partials + GDN step, from the fifth session)
+CLASSES = (("one_launch", ("_one_launch",)), ("splitk", ("_partial", "_combine")), ("gdn_step", ("_gdn_decode_step",)),
+           ("fa_prep", ("_fa_decode_prep",)),
            ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_", "cublas", "splitKreduce")),
            ("compiled", ("triton_",)), ("copy", ("copy", "index", "fill", "elementwise")))
 

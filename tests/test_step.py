@@ -138,3 +138,30 @@ def test_bad_input_names_the_fix():
         step.hybrid_decode_step(q, k, v, kc, vc, None, 0.1, nope_a=100.0)
     with pytest.raises(ValueError, match="kv_group"):
         step.hybrid_decode_step(q, k[:, :0], v[:, :0], kc, vc, None, 0.1)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="bf16 needs the compiled kernels (CUDA)")
+@pytest.mark.parametrize("B,Hq,Hk,ng,L,length", [(16, 3, 1, 6, 32768, 30001), (1, 9, 3, 0, 8192, 8192), (2, 3, 1, 6, 4096, 77)])
+def test_one_launch_at_decode_sizes_in_bf16(B, Hq, Hk, ng, L, length):
+    """SmolLM2-sized heads (d = 64) in bf16 on the GPU, default split counts (GDN programs reserved): the one-launch
+    step equals the three kernels (the GDN part bit for bit; the FA output to bf16 rounding) and the references."""
+    g = torch.Generator().manual_seed(0)
+    d, dt = 64, torch.bfloat16
+    (q, k, v, kc, vc), kw = _fa_inputs(B, Hq, Hk, d, L, dt, g, True, False)
+    gdn = _gdn_inputs(B, ng, d, dt, g, {"gamma": 1 + 0.2 * torch.randn(ng, d, generator=g)}) if ng else None
+    gate, gamma = torch.randn(B, Hq, d, generator=g).to(DEV, dt), (1 + 0.2 * torch.randn(Hq, d, generator=g)).to(DEV)
+    ln = torch.tensor([length], device=DEV)
+    fa_kw = {k_: t.to(DEV) for k_, t in kw.items()}
+    q, k, v = q.to(DEV), k.to(DEV), v.to(DEV)
+    kc3, vc3, kc1, vc1 = kc.to(DEV), vc.to(DEV), kc.to(DEV), vc.to(DEV)
+    qp = fa_decode_prep(q, k, v, kc3, vc3, ln - 1, **fa_kw)
+    o3 = decode_attention(qp, kc3, vc3, ln, d ** -0.5, gate=gate, gamma=gamma)
+    g3, g1 = (_to(gdn), _to(gdn)) if gdn else (None, None)
+    y3 = gdn_decode_step(**g3) if gdn else None
+    o1, y1 = step.hybrid_decode_step(q, k, v, kc1, vc1, ln, d ** -0.5, gate=gate, gamma=gamma, gdn=g1, **fa_kw)
+    ref = decode_attention_torch(qp, kc3, vc3, ln, d ** -0.5).float() * torch.sigmoid(gate.float())
+    ref = ref / torch.sqrt(ref.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma
+    assert (o1.float() - o3.float()).abs().max() < 0.03 and (o1.float() - ref).abs().max() < 0.05
+    assert ((kc1.float() - kc3.float()).abs() <= kc3.float().abs() * 2 ** -7).all() and torch.equal(vc1, vc3)  # ≤ 1 ulp
+    if gdn:
+        assert torch.equal(y1, y3) and torch.equal(g1["S"], g3["S"])

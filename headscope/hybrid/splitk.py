@@ -335,29 +335,31 @@ def _make(triton, tl) -> dict:
             vt = tl.load(V + b * svb + hk * svh + rt[:, None] * svl + rd[None, :], mask=tmask[:, None], other=0.0)
             m, l_, acc = _tile(q, kt, vt, tmask, m, l_, acc, scale, PREC)
         if PREP:
-            if own:
-                rt = t_own + tl.arange(0, BN)
-                tmask = rt < end
-                new = (rt == n - 1)[:, None]
-                kp = K + b * skb + hk * skh + rt[:, None] * skl + rd[None, :]
-                vp = V + b * svb + hk * svh + rt[:, None] * svl + rd[None, :]
-                kt = tl.load(kp, mask=tmask[:, None], other=0.0)
-                vt = tl.load(vp, mask=tmask[:, None], other=0.0)
+            if own:  # (names of its own: a runtime branch may not change the type of a name from outside it)
+                ro = t_own + tl.arange(0, BN)
+                omask = ro < end
+                new = (ro == n - 1)[:, None]
+                kp = K + b * skb + hk * skh + ro[:, None] * skl + rd[None, :]
+                vp = V + b * svb + hk * svh + ro[:, None] * svl + rd[None, :]
+                ko = tl.load(kp, mask=omask[:, None], other=0.0)
+                vo = tl.load(vp, mask=omask[:, None], other=0.0)
                 # the token's key with the glue (every row of the tile the same vector: the glue's [rows, D] form)
                 zr = tl.zeros([BN, D], tl.int32)
                 kr = KN + b * sknb + hk * sknh
-                x = tl.load(kr + rd[None, :] + zr).to(tl.float32)
-                xr = tl.load(kr + rr[None, :] + zr).to(tl.float32)
+                xk = tl.load(kr + rd[None, :] + zr).to(tl.float32)
+                xkr = tl.load(kr + rr[None, :] + zr).to(tl.float32)
+                wk = w
+                wkr = wr
                 if QKN:
-                    w = tl.load(KNW + rd)[None, :]
-                    wr = tl.load(KNW + rr)[None, :]
-                kn = _glue(x, xr, sign, c, sn, w, wr, qk_eps, D, QKN, ROPE).to(K.dtype.element_ty)
+                    wk = tl.load(KNW + rd)[None, :]
+                    wkr = tl.load(KNW + rr)[None, :]
+                kn = _glue(xk, xkr, sign, c, sn, wk, wkr, qk_eps, D, QKN, ROPE).to(K.dtype.element_ty)
                 vn = tl.load(VN + b * svnb + hk * svnh + rd[None, :] + zr).to(V.dtype.element_ty)
-                tl.store(kp, kn, mask=new & tmask[:, None])
-                tl.store(vp, vn, mask=new & tmask[:, None])
-                kt = tl.where(new, kn, kt)
-                vt = tl.where(new, vn, vt)
-                m, l_, acc = _tile(q, kt, vt, tmask, m, l_, acc, scale, PREC)
+                tl.store(kp, kn, mask=new & omask[:, None])
+                tl.store(vp, vn, mask=new & omask[:, None])
+                ko = tl.where(new, kn, ko)
+                vo = tl.where(new, vn, vo)
+                m, l_, acc = _tile(q, ko, vo, omask, m, l_, acc, scale, PREC)
         base = (bh * NS + s) * G
         tl.store(ACC + (base + rg[:, None]) * D + rd[None, :], acc, mask=gmask[:, None])
         tl.store(ML + (base + rg) * 2, m, mask=gmask)
