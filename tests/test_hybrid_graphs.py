@@ -212,12 +212,22 @@ def test_compiled_layer_tail_equals_eager(monkeypatch):
 
     monkeypatch.setattr(static, "TAIL_BACKEND", "aot_eager")
     model, ids, ref = _eager_tail_reference()
+    tails = []
+    real = static.decode_mlp
+    monkeypatch.setattr(static, "decode_mlp", lambda *a: tails.append(a[0].shape[0]) or real(*a))
     with torch.no_grad():
         dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
+        kernel = static._mlp_applies(2, H * D, 64, torch.device("cpu"))  # the two-launch tail (interpreter here)
+        assert (dec._mlp is not None) == kernel
+        tails.clear()  # (the construction's check called it)
         got = dec.generate(ids, 5, cuda_graph=False)
         assert dec._post is not static._post  # still compiled: no fallback happened
         assert dec._fused is not None  # the fused tail (gate/up in one GEMM, next input norm) ran
+        assert tails == ([2] * 2 * 4 if kernel else [])  # 4 decode steps x 2 layers (prefill: 24 rows, compiled)
         assert torch.equal(got, ref)
+        monkeypatch.setattr(static, "MLP_KERNEL", False)
+        assert torch.equal(StaticDecoder(model, batch=2, max_len=20, compile_tail=True).generate(ids, 5), ref)
+        monkeypatch.setattr(static, "MLP_KERNEL", True)
         torch.testing.assert_close(dec.prefill(ids), StaticDecoder(model, batch=2, max_len=20).prefill(ids))
         monkeypatch.setattr(static, "FUSED_TAIL", False)
         two_calls = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
@@ -271,6 +281,17 @@ def test_fused_tail_matches_the_mlp_module_or_is_refused(monkeypatch):
     with pytest.warns(UserWarning, match="forward hooks"):
         assert StaticDecoder(model, batch=2, max_len=8, compile_tail=True)._fused is None
     handle.remove()
+    if static._mlp_applies(2, H * D, 64, torch.device("cpu")):  # another activation: the two-launch tail refused
+        act = layers[1].mlp.act_fn
+        monkeypatch.setattr(static, "FUSED_GATE_UP_MAX_BYTES", 32 << 20)
+        assert StaticDecoder(model, batch=2, max_len=8, compile_tail=True)._mlp is not None
+        layers[1].mlp.act_fn = torch.nn.GELU()
+        try:
+            with pytest.warns(UserWarning, match="two-launch MLP tail"):
+                dec2 = StaticDecoder(model, batch=2, max_len=8, compile_tail=True)
+        finally:
+            layers[1].mlp.act_fn = act
+        assert dec2._fused is not None and dec2._mlp is None
     mlp = layers[1].mlp  # the second layer only (an instance's forward): not just the first layer is checked
     monkeypatch.setattr(mlp, "forward", lambda x: mlp.down_proj(mlp.act_fn(mlp.up_proj(x)) * mlp.gate_proj(x)))
     with pytest.warns(UserWarning, match="differs from the MLP module"):

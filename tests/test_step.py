@@ -105,8 +105,8 @@ def test_one_launch_equals_the_three_kernels_and_their_references(Hq, Hk, kvi, l
     other = torch.ones(B, 1, L, 1, dtype=torch.bool)  # no other slot touched
     other[torch.arange(B), :, (slot if isinstance(slot, int) else slot.expand(B))] = False
     assert torch.equal(kc1.cpu() * other, kc * other) and torch.equal(vc1.cpu() * other, vc * other)
-    if gdn:  # the same Triton body: the same bits as the separate GDN kernel
-        assert torch.equal(y1, y3) and torch.equal(g1["S"], S3)
+    if gdn:  # the same Triton body (the same bits in the interpreter; compiled, other warps sum in another order)
+        assert (y1 - y3).abs().max() < 1e-5 and (g1["S"] - S3).abs().max() < 1e-5
         if not fused:
             S_r = gdn["S"].clone()
             y_r = gdn_decode_step_torch(**dict(gdn, S=S_r))
@@ -144,7 +144,7 @@ def test_bad_input_names_the_fix():
 @pytest.mark.parametrize("B,Hq,Hk,ng,L,length", [(16, 3, 1, 6, 32768, 30001), (1, 9, 3, 0, 8192, 8192), (2, 3, 1, 6, 4096, 77)])
 def test_one_launch_at_decode_sizes_in_bf16(B, Hq, Hk, ng, L, length):
     """SmolLM2-sized heads (d = 64) in bf16 on the GPU, default split counts (GDN programs reserved): the one-launch
-    step equals the three kernels (the GDN part bit for bit; the FA output to bf16 rounding) and the references."""
+    step equals the three kernels (to bf16 rounding) and the references."""
     g = torch.Generator().manual_seed(0)
     d, dt = 64, torch.bfloat16
     (q, k, v, kc, vc), kw = _fa_inputs(B, Hq, Hk, d, L, dt, g, True, False)
@@ -163,5 +163,6 @@ def test_one_launch_at_decode_sizes_in_bf16(B, Hq, Hk, ng, L, length):
     ref = ref / torch.sqrt(ref.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma
     assert (o1.float() - o3.float()).abs().max() < 0.03 and (o1.float() - ref).abs().max() < 0.05
     assert ((kc1.float() - kc3.float()).abs() <= kc3.float().abs() * 2 ** -7).all() and torch.equal(vc1, vc3)  # ≤ 1 ulp
-    if gdn:
-        assert torch.equal(y1, y3) and torch.equal(g1["S"], g3["S"])
+    if gdn:  # the GDN output to 1 ulp (bf16), its fp32 state to rounding
+        assert ((y1.float() - y3.float()).abs() <= y3.float().abs() * 2 ** -7).all()
+        assert (g1["S"] - g3["S"]).abs().max() < 1e-4

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .graphs import capture as _capture
+from .mlp_step import MAX_ROWS as _MLP_ROWS, applies as _mlp_applies, decode_mlp
 from .skinny import linear
 
 
@@ -43,6 +44,11 @@ FUSED_GATE_UP_MAX_BYTES = 32 << 20
 # ``triton.enable_pdl``, where this torch has it; only with the default TAIL_MODE), to chain with headscope's decode
 # kernels under splitk.PDL. Off by default, like splitk.PDL (measured there).
 TAIL_PDL = False
+# With the fused tail (compile_tail=True, FUSED_TAIL) a decode step of at most mlp_step.MAX_ROWS rows runs each layer's
+# residual + norm + gated MLP + residual + next norm as mlp_step.decode_mlp's two Triton launches instead of the
+# compiled call's five (two GEMMs and three fused kernels), where it applies (CUDA, bias-free SiLU MLPs, RMSNorms,
+# small layers: mlp_step.applies) and equals the layers' modules on random inputs (checked once, at construction).
+MLP_KERNEL = True
 
 
 class _Clock:
@@ -165,6 +171,7 @@ class StaticDecoder:
         self._clock: Optional[tuple] = None  # the last generate call's marks (last_timing)
         self._pre, self._post, self._fused = _pre, _post, None
         self._gu: list = [None] * len(self.base.layers)  # per layer: (weight versions, W_gu, b_gu)
+        self._mlp: Optional[list] = None  # per layer: the norms' (weight, ε) of mlp_step.decode_mlp, where it applies
         if compile_tail:
             cuda = next(model.parameters()).is_cuda
             self._pre = _compile(_pre, cuda)
@@ -179,6 +186,7 @@ class StaticDecoder:
                                   stacklevel=2)
                 elif self._fused_tail_ok():
                     self._fused = _compile(_post_fused, cuda)
+                    self._mlp = self._mlp_kernel_params() if MLP_KERNEL else None
 
     def _gate_up(self, i: int) -> tuple:
         """Layer i's [gate; up] weight (and bias), concatenated once and again when either changes; (None, None)
@@ -226,13 +234,68 @@ class StaticDecoder:
                     return False
         return True
 
+    def _mlp_kernel_params(self) -> Optional[list]:
+        """Per layer (post-attention norm's weight and ε, next layer's input norm's or None) for
+        :func:`~headscope.hybrid.mlp_step.decode_mlp`; None where it does not apply here (device, sizes, biases, a
+        norm without an ε attribute) or differs from the layers' modules on random inputs (warned)."""
+        layers = self.base.layers
+        w = layers[0].mlp.gate_proj.weight
+        rows = min(self.batch, _MLP_ROWS)
+        inter, hidden = w.shape
+        if not _mlp_applies(rows, hidden, inter, w.device):
+            return None
+
+        def norm(m: Any) -> Optional[tuple]:
+            eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+            return None if eps is None or getattr(m, "weight", None) is None else (m.weight, float(eps))
+
+        params = []
+        for i, layer in enumerate(layers):
+            mlp = layer.mlp
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            post, pre = norm(layer.post_attention_layernorm), (norm(nxt.input_layernorm) if nxt is not None else None)
+            W_gu, b_gu = self._gate_up(i)
+            if (post is None or (nxt is not None and pre is None) or W_gu is None or b_gu is not None
+                    or mlp.down_proj.bias is not None):
+                return None
+            params.append((post, pre))
+        g = torch.Generator(device="cpu").manual_seed(1)
+        tol = 1e-4 if w.dtype in (torch.float32, torch.float64) else 3e-2
+        with torch.no_grad():
+            for i, layer in enumerate(layers):
+                h = torch.randn(rows, hidden, generator=g).to(w.device, w.dtype)
+                a = torch.randn(rows, hidden, generator=g).to(w.device, w.dtype)
+                nxt = layers[i + 1] if i + 1 < len(layers) else None
+                ref_h = _post(layer, h, a)
+                ref_x = _pre(nxt, ref_h) if nxt is not None else None
+                (wp, ep), pre = params[i]
+                got_h, got_x = decode_mlp(h, a, wp, ep, self._gate_up(i)[0], layer.mlp.down_proj.weight,
+                                          *(pre if pre is not None else (None, 0.0)))
+                for got, ref in ((got_h, ref_h), (got_x, ref_x)):
+                    if ref is not None and ((got.float() - ref.float()).abs().max()
+                                            > tol * ref.float().abs().max().clamp_min(1e-6)):
+                        import warnings
+
+                        warnings.warn(f"StaticDecoder: the two-launch MLP tail (mlp_step) differs from layer {i}'s "
+                                      "modules; using the compiled tail", stacklevel=3)
+                        return None
+        return params
+
     def _layers(self, h: Tensor, pe: Any, pos: Tensor) -> Tensor:
         """The decoder layers over hidden states h [batch, T, hidden] (attention through the caches)."""
         layers = self.base.layers
         if self._fused is not None:
+            rows = h.shape[0] * h.shape[1]
+            mlp = self._mlp if (self._mlp is not None and rows <= _MLP_ROWS) else None
             x = self._tail(0, layers[0], h)
             for i, (layer, dc) in enumerate(zip(layers, self.caches)):
                 a, _ = layer.self_attn(x, position_embeddings=pe, cache=dc, position_ids=pos)
+                if mlp is not None:  # the two-launch tail (mlp_step.decode_mlp)
+                    (wp, ep), pre = mlp[i]
+                    hn, xn = decode_mlp(h.reshape(rows, -1), a.reshape(rows, -1), wp, ep, self._gate_up(i)[0],
+                                        layer.mlp.down_proj.weight, *(pre if pre is not None else (None, 0.0)))
+                    h, x = hn.view_as(h), (xn.view_as(h) if xn is not None else None)
+                    continue
                 h, x = self._tail(2, layer, layers[i + 1] if i + 1 < len(layers) else None, h, a, *self._gate_up(i))
             return h
         for layer, dc in zip(layers, self.caches):
