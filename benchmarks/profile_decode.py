@@ -37,8 +37,8 @@ from headscope.masks import HeadMask  # noqa: E402
 
 # kernel classes by name (the GDN step and FA prep kernels were named _step / _prep, class "other", in the
 # 2026-12-01 result files; one_launch: step.py's FA prep + split-K partials + GDN step, from the fifth session)
-CLASSES = (("one_launch", ("_one_launch",)), ("splitk", ("_partial", "_combine")), ("gdn_step", ("_gdn_decode_step",)),
-           ("fa_prep", ("_fa_decode_prep",)), ("mlp", ("_mlp_partials", "_mlp_finish")),
+CLASSES = (("one_launch", ("_one_launch",)), ("mlp", ("_mlp_partials", "_mlp_finish")), ("splitk", ("_partial", "_combine")),
+           ("gdn_step", ("_gdn_decode_step",)), ("fa_prep", ("_fa_decode_prep",)),
            ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_", "cublas", "splitKreduce")),
            ("compiled", ("triton_",)), ("copy", ("copy", "index", "fill", "elementwise")))
 

@@ -215,6 +215,7 @@ def test_compiled_layer_tail_equals_eager(monkeypatch):
     tails = []
     real = static.decode_mlp
     monkeypatch.setattr(static, "decode_mlp", lambda *a: tails.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(static, "MLP_KERNEL", True)  # opt-in (static.MLP_KERNEL says why)
     with torch.no_grad():
         dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
         kernel = static._mlp_applies(2, H * D, 64, torch.device("cpu"))  # the two-launch tail (interpreter here)
@@ -227,7 +228,6 @@ def test_compiled_layer_tail_equals_eager(monkeypatch):
         assert torch.equal(got, ref)
         monkeypatch.setattr(static, "MLP_KERNEL", False)
         assert torch.equal(StaticDecoder(model, batch=2, max_len=20, compile_tail=True).generate(ids, 5), ref)
-        monkeypatch.setattr(static, "MLP_KERNEL", True)
         torch.testing.assert_close(dec.prefill(ids), StaticDecoder(model, batch=2, max_len=20).prefill(ids))
         monkeypatch.setattr(static, "FUSED_TAIL", False)
         two_calls = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
@@ -284,6 +284,7 @@ def test_fused_tail_matches_the_mlp_module_or_is_refused(monkeypatch):
     if static._mlp_applies(2, H * D, 64, torch.device("cpu")):  # another activation: the two-launch tail refused
         act = layers[1].mlp.act_fn
         monkeypatch.setattr(static, "FUSED_GATE_UP_MAX_BYTES", 32 << 20)
+        monkeypatch.setattr(static, "MLP_KERNEL", True)
         assert StaticDecoder(model, batch=2, max_len=8, compile_tail=True)._mlp is not None
         layers[1].mlp.act_fn = torch.nn.GELU()
         try:

@@ -44,11 +44,14 @@ FUSED_GATE_UP_MAX_BYTES = 32 << 20
 # ``triton.enable_pdl``, where this torch has it; only with the default TAIL_MODE), to chain with headscope's decode
 # kernels under splitk.PDL. Off by default, like splitk.PDL (measured there).
 TAIL_PDL = False
-# With the fused tail (compile_tail=True, FUSED_TAIL) a decode step of at most mlp_step.MAX_ROWS rows runs each layer's
-# residual + norm + gated MLP + residual + next norm as mlp_step.decode_mlp's two Triton launches instead of the
+# With the fused tail (compile_tail=True, FUSED_TAIL) a decode step of at most mlp_step.MAX_ROWS rows can run each
+# layer's residual + norm + gated MLP + residual + next norm as mlp_step.decode_mlp's two Triton launches instead of the
 # compiled call's five (two GEMMs and three fused kernels), where it applies (CUDA, bias-free SiLU MLPs, RMSNorms,
 # small layers: mlp_step.applies) and equals the layers' modules on random inputs (checked once, at construction).
-MLP_KERNEL = True
+# Off by default: slower on the H200 (SmolLM2 shape, B = 16, 32K, profile_decode.py): its partials kernel took 14.3
+# µs and the finish 8.5 µs per layer (loops of dependent loads on 48 and 16 programs) against 12.4 µs for the five
+# launches; whole step 1.966 -> 2.237 ms (hybrid), 3.697 -> 3.979 ms (teacher).
+MLP_KERNEL = False
 
 
 class _Clock:
