@@ -161,11 +161,12 @@ def test_one_launch_at_decode_sizes_in_bf16(B, Hq, Hk, ng, L, length):
     o1, y1 = step.hybrid_decode_step(q, k, v, kc1, vc1, ln, d ** -0.5, gate=gate, gamma=gamma, gdn=g1, **fa_kw)
     ref = decode_attention_torch(qp, kc3, vc3, ln, d ** -0.5).float() * torch.sigmoid(gate.float())
     ref = ref / torch.sqrt(ref.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma
-    # other split counts (GDN programs reserved) sum in another order; the attention output is rounded to bf16
-    # before the gate and the per-head RMSNorm, which carry a flipped ulp on: within 4 ulp
-    assert ((o1.float() - o3.float()).abs() <= o3.float().abs() * 2 ** -5 + 1e-3).all()
+    # other split counts (GDN programs reserved): the P·V product takes p in bf16 (as flash attention does), so the
+    # outputs differ by ~2^-9 of the head's scale, not of each element; the per-head RMSNorm scales the head to ~1
+    assert ((o1.float() - o3.float()).abs() <= o3.float().abs() * 2 ** -5 + 1e-2).all()
     assert ((o1.float() - ref).abs() <= ref.abs() * 2 ** -5 + 1e-2).all()
-    assert ((kc1.float() - kc3.float()).abs() <= kc3.float().abs() * 2 ** -7).all() and torch.equal(vc1, vc3)  # ≤ 1 ulp
-    if gdn:  # the GDN output to 1 ulp (bf16), its fp32 state to rounding
-        assert ((y1.float() - y3.float()).abs() <= y3.float().abs() * 2 ** -7).all()
+    assert ((kc1.float() - kc3.float()).abs() <= kc3.float().abs() * 2 ** -7 + 1e-6).all()  # ≤ 1 ulp
+    assert torch.equal(vc1, vc3)
+    if gdn:  # the GDN output to 2 ulp (bf16; other warps sum in another order), its fp32 state to rounding
+        assert ((y1.float() - y3.float()).abs() <= y3.float().abs() * 2 ** -6 + 1e-3).all()
         assert (g1["S"] - g3["S"]).abs().max() < 1e-4
