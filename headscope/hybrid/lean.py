@@ -24,13 +24,13 @@ function with:
 
 A decode step through a HybridDecodeCache writes the FA K/V into the cache slot in place and the new
 GDN state into ``cache.S``, so it can be captured in a CUDA graph (after a warm-up call: the glue
-compiles on first use). By default (``DECODE_GDN``, ``DECODE_FA``) it runs all GDN heads' step in one
-Triton kernel that reads the projection's views and updates ``cache.S`` in place (``gdn_step.py``), the FA
-heads' q/k glue and K/V cache write in one kernel (``fa_step.py``) and their attention through a split-K decode
-over their kept KV groups (``splitk.py``), where those apply; the GDN kernel on a side CUDA stream beside the whole
-FA branch when its grid is small (``DECODE_OVERLAP``), else beside the FA prep kernel only
-(``DECODE_OVERLAP_PREP``); the output fusion (FA gate, per-head RMSNorm, γ) inside the split-K combination and
-the GDN kernel, which write one buffer for ``o_proj`` (``DECODE_FUSED_OUT``).
+compiles on first use). By default (``DECODE_GDN``, ``DECODE_FA``, ``DECODE_ONE_LAUNCH``) the FA heads' q/k glue
+and K/V cache write, their split-K attention over the kept KV groups and all GDN heads' step (state updated in
+place in ``cache.S``) run in one Triton launch (``step.py``), then the split-K combination, where those apply; with
+``DECODE_ONE_LAUNCH = False`` as three kernels (``fa_step.py``, ``splitk.py``, ``gdn_step.py``), the GDN kernel on a
+side CUDA stream beside the whole FA branch when its grid is small (``DECODE_OVERLAP``), else beside the FA prep
+kernel only (``DECODE_OVERLAP_PREP``). The output fusion (FA gate, per-head RMSNorm, γ) runs inside the split-K
+combination and the GDN step, which write one buffer for ``o_proj`` (``DECODE_FUSED_OUT``).
 """
 
 from __future__ import annotations
@@ -113,7 +113,9 @@ DECODE_FUSED_OUT = True
 FUSED_OUT_MAX_D = 64
 # A decode step whose FA heads take the prep + split-K path does the FA prep, the split-K partials and (when its GDN
 # heads take the Triton step) the GDN step in one kernel launch (``step.py``; True), instead of three launches with
-# the GDN step on the side stream (False, the path the tests compare it with).
+# the GDN step on the side stream (False, the path the tests compare it with). H200, SmolLM2 shape, ranked 7:1 mask,
+# whole-model step at B = 16, 32K: hybrid 1.948 vs 2.019 ms, teacher 3.653 vs 3.679 (same run; 1.88x vs 1.82x);
+# B = 1: 0.990 vs 1.044 and 1.087 vs 1.114 ms (benchmarks/results/h200_profile_decode_r10_one_launch_*).
 DECODE_ONE_LAUNCH = True
 _side_streams: dict = {}
 _compiled: dict[tuple, Callable] = {}
