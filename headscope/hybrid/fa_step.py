@@ -40,8 +40,9 @@ def _slot_tensor(slot: Union[int, Tensor], B: int, dev: torch.device) -> Tensor:
     return torch.full((1,), int(slot), dtype=torch.long, device=dev)
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, cos: Optional[Tensor], sin: Optional[Tensor],
-           q_norm: Optional[Tensor], k_norm: Optional[Tensor], nope_a: Optional[float]) -> None:
+def check_args(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, cos: Optional[Tensor], sin: Optional[Tensor],
+               q_norm: Optional[Tensor], k_norm: Optional[Tensor], nope_a: Optional[float]) -> None:
+    """The shape checks of :func:`fa_decode_prep` (shared with ``step.py``). Raises ValueError naming the mismatch."""
     B, nf, d = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[2] != d:
         raise ValueError(f"want q [batch, fa_head, d] and k, v [batch, kv_group, d]; got {tuple(q.shape)}, "
@@ -73,7 +74,7 @@ def fa_decode_prep_torch(
     qk_eps: float = 0.0,
 ) -> Float[Tensor, "batch fa_head d"]:
     """The reference of :func:`fa_decode_prep` in PyTorch (same arguments; the caches written in place)."""
-    _check(q, k, v, k_cache, v_cache, cos, sin, q_norm, k_norm, nope_a)
+    check_args(q, k, v, k_cache, v_cache, cos, sin, q_norm, k_norm, nope_a)
     B = q.shape[0]
     qf, kf = q.float(), k.float()
     if q_norm is not None:
@@ -213,7 +214,7 @@ def fa_decode_prep(
     Source: the lean path's FA glue (RoPE: Su et al. 2021, half-split as Llama; NoPE scale: HypeNet, SPEC §4.2);
     one kernel instead of three (``benchmarks/profile_decode.py``).
     """
-    _check(q, k, v, k_cache, v_cache, cos, sin, q_norm, k_norm, nope_a)
+    check_args(q, k, v, k_cache, v_cache, cos, sin, q_norm, k_norm, nope_a)
     B, nf, d = q.shape
     nk = k.shape[1]
     if d < 16 or d & (d - 1):

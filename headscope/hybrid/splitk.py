@@ -514,7 +514,7 @@ def decode_attention(
     Source: flash-decoding (Dao et al., 2023); the combination is the online-softmax identity of
     FlashAttention (Dao et al., 2022); the output fusion is HydraHead eq. 13–14.
     """
-    sp = _setup(q, k, v, length, kv_index, block, n_splits, out, gate, gamma)
+    sp = setup(q, k, v, length, kv_index, block, n_splits, out, gate, gamma)
     pdl = pdl_applies(q, "partial")
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _build()["partial"][(sp.B * sp.Hk, sp.NS)](
@@ -524,7 +524,7 @@ def decode_attention(
     return combine(sp, gate, gamma, eps)
 
 
-def _setup(q: Tensor, k: Tensor, v: Tensor, length: Optional[Tensor], kv_index: Optional[Tensor], block: Optional[int],
+def setup(q: Tensor, k: Tensor, v: Tensor, length: Optional[Tensor], kv_index: Optional[Tensor], block: Optional[int],
            n_splits: Optional[int], out: Optional[Tensor], gate: Optional[Tensor], gamma: Optional[Tensor],
            reserved: int = 0) -> Any:
     """The checks and buffers of a split-K launch (shared with ``step.py``): shapes, the split count (``reserved``:
@@ -574,7 +574,7 @@ def _setup(q: Tensor, k: Tensor, v: Tensor, length: Optional[Tensor], kv_index: 
 
 
 def partial_args(sp: Any, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple:
-    """The partial kernel's run-time arguments (after :func:`_setup`), in ``_attend``'s order."""
+    """The partial kernel's run-time arguments (after :func:`setup`), in ``_attend``'s order."""
     return (q, k, v, sp.ln, sp.kvi, sp.acc, sp.ml, float(scale), sp.L, sp.split_len,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             sp.len_stride)

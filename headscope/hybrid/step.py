@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from . import gdn_step, splitk
-from .fa_step import _check as _check_prep
+from .fa_step import check_args as _check_prep
 from .shapes import Float
 
 _kernels: dict = {}
@@ -165,7 +165,7 @@ def hybrid_decode_step(
         NCB = grid[1]
         NGP = grid[0] * NCB
         gmeta = dict(N=gm["N"], BV=gm["BV"], GROPE=gm["ROPE"], GQKN=gm["QKN"], NORM=gm["NORM"])
-    sp = splitk._setup(q, k_cache, v_cache, length, kv_index, None, n_splits, out, gate, gamma, reserved=NGP)
+    sp = splitk.setup(q, k_cache, v_cache, length, kv_index, None, n_splits, out, gate, gamma, reserved=NGP)
     if not gargs:  # dummies of the right kinds: never read without GDN programs
         f = sp.ml
         gargs = (q, q, q, q, q, f, f, f, f, f, f, f, q, f, 0.0, 0.0, 0.0) + (0,) * 12
