@@ -115,7 +115,6 @@ def test_one_launch_equals_the_three_kernels_and_their_references(Hq, Hk, kvi, l
         assert y1 is None
 
 
-@needs_kernel
 def test_the_split_count_leaves_room_for_the_gdn_programs():
     from headscope.hybrid.splitk import n_splits_for
     assert n_splits_for(16, 32768, sms=132, blocks_per_sm=4) == 33

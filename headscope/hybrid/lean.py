@@ -111,9 +111,10 @@ DECODE_FUSED_OUT = True
 # whole-model step, the GDN step holding a whole 128 x 128 state per program (22.8 vs 10.2 µs per layer;
 # benchmarks/results/h200_profile_decode_qwen3_b16_t32768.json), so d = 128 keeps the compiled output glue.
 FUSED_OUT_MAX_D = 64
-# A decode step whose FA heads take the prep + split-K path does the FA prep, the split-K partials and (when its GDN
-# heads take the Triton step) the GDN step in one kernel launch (``step.py``; True), instead of three launches with
-# the GDN step on the side stream (False, the path the tests compare it with). H200, SmolLM2 shape, ranked 7:1 mask,
+# A decode step whose FA heads take the prep + split-K path and whose GDN heads (if any) take the Triton step does the
+# FA prep, the split-K partials and the GDN step in one kernel launch (``step.py``; True), instead of three launches
+# with the GDN step on the side stream (False, the path the tests compare it with; also taken when the GDN heads
+# take another step). H200, SmolLM2 shape, ranked 7:1 mask,
 # whole-model step at B = 16, 32K: hybrid 1.948 vs 2.019 ms, teacher 3.653 vs 3.679 (same run; 1.88x vs 1.82x);
 # B = 1: 0.990 vs 1.044 and 1.087 vs 1.114 ms (benchmarks/results/h200_profile_decode_r10_one_launch_*).
 DECODE_ONE_LAUNCH = True

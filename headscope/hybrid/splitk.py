@@ -315,6 +315,7 @@ def _make(triton, tl) -> dict:
             x = tl.load(qp + rd[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
             xr = tl.load(qp + rr[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
             x = _glue(x, xr, sign, c, sn, w, wr, qk_eps, D, QKN, ROPE)
+            x = tl.where(gmask[:, None], x, 0.0)  # padded rows: 0, not the QK-norm's 0 · inf
             if NOPE:  # HypeNet's query scale s_t = log(t + a) / log(a)
                 x = x * (tl.log(tl.load(POS + b * pos_stride).to(tl.float32) + nope_a) * inv_log_a)
             q = x.to(Q.dtype.element_ty)
@@ -341,8 +342,9 @@ def _make(triton, tl) -> dict:
                 new = (ro == n - 1)[:, None]
                 kp = K + b * skb + hk * skh + ro[:, None] * skl + rd[None, :]
                 vp = V + b * svb + hk * svh + ro[:, None] * svl + rd[None, :]
-                ko = tl.load(kp, mask=omask[:, None], other=0.0)
-                vo = tl.load(vp, mask=omask[:, None], other=0.0)
+                keep = (omask & (ro != n - 1))[:, None]  # the token's row is not read (another program may write it)
+                ko = tl.load(kp, mask=keep, other=0.0)
+                vo = tl.load(vp, mask=keep, other=0.0)
                 # the token's key with the glue (every row of the tile the same vector: the glue's [rows, D] form)
                 zr = tl.zeros([BN, D], tl.int32)
                 kr = KN + b * sknb + hk * sknh

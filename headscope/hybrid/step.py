@@ -9,10 +9,11 @@ all three in one launch:
 - **the prep folds into the partials**: every split-K program applies the query glue to its own query rows
   (QK-RMSNorm, RoPE or the NoPE scale; a few hundred values), and the program whose split holds the token's slot
   (``length − 1``) prepares the key, writes key and value into the cache and uses them in place of the slot's old
-  contents. No program reads that slot from memory, so no ordering between programs is needed;
+  contents. No program reads that slot from memory (the owner masks it out of its tile load), so no ordering
+  between programs is needed;
 - **the GDN heads ride along**: the launch's first programs run the GDN step (one per sequence × head × value
   block), the rest the splits; the split count leaves room for them (``splitk.n_splits_for(reserved=…)``), so all
-  programs fit one wave.
+  programs fit about one wave.
 
 The bodies are the same Triton functions as the separate kernels' (``splitk._attend``, ``gdn_step._gdn_head``):
 one definition of each computation. The results equal the three-launch path's up to the rounding of the glue's
@@ -125,7 +126,8 @@ def hybrid_decode_step(
         scale: the FA logit scale.
         cos, sin, positions, nope_a, q_norm, k_norm, qk_eps: the FA glue, as :func:`fa_decode_prep`'s.
         kv_index: as :func:`decode_attention`'s (query heads spread unevenly over the kept KV groups; then every
-            query head's program of the token's split writes the same key and value).
+            query head's program of the token's split writes the same key and value). It must name every KV group
+            of the cache (as the lean layer's does): a group that no query head reads is not written.
         out, gate, gamma, eps: the combination's output buffer and output fusion, as :func:`decode_attention`'s.
         gdn: keyword arguments of :func:`gdn_decode_step` (``q, k, v, a, b, S, A_neg, dt_bias, scale`` and the
             optional ones except ``pdl`` and ``block_v``; its ``S`` is updated in place); None: no GDN heads.
