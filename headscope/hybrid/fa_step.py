@@ -58,6 +58,34 @@ def check_args(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, cos: Opt
         raise ValueError("RoPE (cos, sin) and the NoPE scale (nope_a) exclude each other")
 
 
+def glue_args(q: Tensor, cos: Optional[Tensor], sin: Optional[Tensor], positions: Optional[Tensor],
+              nope_a: Optional[float], q_norm: Optional[Tensor], k_norm: Optional[Tensor], dummy: Tensor) -> tuple:
+    """The FA glue's kernel arguments (shared with ``step.py``): (COS, SIN, QN, KN, POS, inv_log_a, a, cos stride,
+    sin stride, positions stride, ROPE, QKN, NOPE); ``dummy`` stands for the pointers a setting leaves unused.
+
+    Raises:
+        ValueError: NoPE without positions, positions that are not integers of shape [1] / [batch], cos / sin
+            without unit stride in d.
+    """
+    B = q.shape[0]
+    rope, qkn, nope = cos is not None, q_norm is not None, nope_a is not None
+    if nope and positions is None:
+        raise ValueError("the NoPE scale needs the token's positions ([1] or [batch] integers)")
+    if rope and cos.shape[0] == 1:
+        cos, sin = cos.expand(B, -1), sin.expand(B, -1)  # stride 0 over the batch
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name} needs unit stride in its last dimension")
+    pos = positions.reshape(-1) if nope else dummy
+    if nope and (pos.shape[0] not in (1, B) or pos.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"positions must be an integer tensor of shape [1] or [batch]; got {pos.dtype} "
+                         f"{tuple(positions.shape)}")
+    a = float(nope_a) if nope else 2.0
+    return (cos if rope else dummy, sin if rope else dummy, q_norm.float().contiguous() if qkn else dummy,
+            k_norm.float().contiguous() if qkn else dummy, pos, 1.0 / math.log(a), a, cos.stride(0) if rope else 0,
+            sin.stride(0) if rope else 0, pos.stride(0) if nope and pos.shape[0] > 1 else 0, rope, qkn, nope)
+
+
 def fa_decode_prep_torch(
     q: Float[Tensor, "batch fa_head d"],
     k: Float[Tensor, "batch kv_group d"],
@@ -220,41 +248,27 @@ def fa_decode_prep(
     if d < 16 or d & (d - 1):
         raise ValueError(f"fa_decode_prep needs a head_dim that is a power of two ≥ 16 (got {d}); "
                          "use fa_decode_prep_torch")
-    if nope_a is not None and positions is None:
-        raise ValueError("the NoPE scale needs the token's positions ([1] or [batch] integers)")
-    if cos is not None and cos.shape[0] == 1:
-        cos, sin = cos.expand(B, -1), sin.expand(B, -1)  # stride 0 over the batch
-    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("cos", cos),
-                    ("sin", sin)):
-        if t is not None and t.stride(-1) != 1:
+    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
             raise ValueError(f"{name} needs unit stride in its last dimension")
+    qo = torch.empty(B, nf, d, dtype=q.dtype, device=q.device)
+    cos_t, sin_t, qn, kn, pos, inv_log_a, a, scb, ssb, pos_stride, rope, qkn, nope = glue_args(
+        q, cos, sin, positions, nope_a, q_norm, k_norm, qo)
     require_kernel("fa_decode_prep", "fa_decode_prep_torch", q)
     kern = _build()
-    qo = torch.empty(B, nf, d, dtype=q.dtype, device=q.device)
     slot_ptr = isinstance(slot, Tensor)
     if slot_ptr:
         _slot_tensor(slot, B, q.device)  # checks it
     elif not 0 <= int(slot) < k_cache.shape[2]:
         raise ValueError(f"slot {slot} is outside the cache's {k_cache.shape[2]} slots")
     s = slot if slot_ptr else qo  # any pointer without SLOT_PTR
-    rope, qkn, nope = cos is not None, q_norm is not None, nope_a is not None
-    pos = positions.reshape(-1) if nope else s
-    if nope and (pos.shape[0] not in (1, B) or pos.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"positions must be an integer tensor of shape [1] or [batch]; got {pos.dtype} "
-                         f"{tuple(positions.shape)}")
-    cos_t = cos if rope else qo
-    sin_t = sin if rope else qo
-    qn = q_norm.float().contiguous() if qkn else qo
-    kn = k_norm.float().contiguous() if qkn else qo
-    a = float(nope_a) if nope else 2.0
     pdl = pdl_applies(q, "prep")
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         kern["prep"][(B, nf + nk)](
-            q, k, v, k_cache, v_cache, s, 0 if slot_ptr else int(slot), pos, cos_t, sin_t, qn, kn, qo, float(qk_eps), 1.0 / math.log(a), a,
+            q, k, v, k_cache, v_cache, s, 0 if slot_ptr else int(slot), pos, cos_t, sin_t, qn, kn, qo, float(qk_eps), inv_log_a, a,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-            v_cache.stride(2), cos_t.stride(0) if rope else 0, sin_t.stride(0) if rope else 0, qo.stride(0),
-            qo.stride(1), s.stride(0) if slot_ptr and s.shape[0] > 1 else 0,
-            pos.stride(0) if nope and pos.shape[0] > 1 else 0,
+            v_cache.stride(2), scb, ssb, qo.stride(0),
+            qo.stride(1), s.stride(0) if slot_ptr and s.shape[0] > 1 else 0, pos_stride,
             NF=nf, D=d, ROPE=rope, QKN=qkn, NOPE=nope, SLOT_PTR=slot_ptr, PDL=pdl, num_warps=1, **launch_kw(pdl))
     return qo

@@ -413,15 +413,43 @@ def _gdn_decode(layer: "HeadwiseHybridAttention", p: _Plan, qg: Tensor, kg: Tens
     it applies; into ``out`` [B,n,d] when given, the output fusion folded in with ``gamma``) or the same function
     compiled from PyTorch ("fused")."""
     ng, d = p.ng, p.d
-    q3, k3, v3 = (t.unflatten(-1, (ng, d)) for t in (qg, kg, vg))
     if DECODE_GDN == "triton" and gdn_step_applies(d, qg.device):
-        rope = p.gdn_rope and cs[0] is not None
-        return gdn_decode_step(q3[:, 0], k3[:, 0], v3[:, 0], a[:, 0], b[:, 0], S, p.A_neg, p.dtb, float(layer.scaling),
-                               cos=cs[0][:, 0] if rope else None, sin=cs[1][:, 0] if rope else None,
-                               q_norm=p.qn, k_norm=p.kn, qk_eps=p.qk_eps, out=out, gamma=gamma, out_eps=p.eps,
-                               pdl=pdl)[:, None]
+        return gdn_decode_step(**_gdn_step_kw(layer, p, qg, kg, vg, a, b, cs, S, out, gamma), pdl=pdl)[:, None]
+    q3, k3, v3 = (t.unflatten(-1, (ng, d)) for t in (qg, kg, vg))
     return _glue("dec_gdn", (q3, k3, v3, a, b, *cs), (S, p.A_neg, p.dtb, p.qn, p.kn), eps=p.qk_eps, rope=p.gdn_rope,
                  scale=float(layer.scaling))
+
+
+def _gdn_step_kw(layer: "HeadwiseHybridAttention", p: _Plan, qg: Tensor, kg: Tensor, vg: Tensor, a: Tensor,
+                 b: Tensor, cs: tuple, S: Tensor, out: Optional[Tensor], gamma: Optional[Tensor]) -> dict:
+    """:func:`gdn_decode_step`'s arguments (but ``pdl``) for one token from the projection's views (q/k/v [B,1,n·d],
+    a/b [B,1,n]) and the state ``S``; shared by the separate GDN step and the one-launch step."""
+    ng, d = p.ng, p.d
+    rope = p.gdn_rope and cs[0] is not None
+    return dict(q=qg[:, 0].unflatten(-1, (ng, d)), k=kg[:, 0].unflatten(-1, (ng, d)), v=vg[:, 0].unflatten(-1, (ng, d)),
+                a=a[:, 0], b=b[:, 0], S=S, A_neg=p.A_neg, dt_bias=p.dtb, scale=float(layer.scaling),
+                cos=cs[0][:, 0] if rope else None, sin=cs[1][:, 0] if rope else None, q_norm=p.qn, k_norm=p.kn,
+                qk_eps=p.qk_eps, out=out, gamma=gamma, out_eps=p.eps)
+
+
+def _fa_glue_kw(layer: "HeadwiseHybridAttention", p: _Plan, cos: Optional[Tensor], sin: Optional[Tensor],
+                position_ids: Optional[Tensor], slot: Any, dev: torch.device) -> dict:
+    """The FA glue's arguments of a decode step's prep (:func:`fa_decode_prep`, :func:`hybrid_decode_step`): the
+    token's rotary row, or the NoPE scale with its positions, and the QK-norm weights."""
+    rope = p.fa_rope and cos is not None
+    positions = None
+    if not p.fa_rope:
+        positions = position_ids[:, -1] if position_ids is not None else _as_long(slot, dev)
+    return dict(cos=cos[:, 0] if rope else None, sin=sin[:, 0] if rope else None, positions=positions,
+                nope_a=None if p.fa_rope else float(layer.options.nope_a), q_norm=p.qn, k_norm=p.kn, qk_eps=p.qk_eps)
+
+
+def _fa_fused_out(p: _Plan, y_buf: Optional[Tensor], gate: Optional[Tensor]) -> dict:
+    """The split-K combination's output fusion into the FA heads' columns of ``y_buf`` (none without a buffer)."""
+    if y_buf is None:
+        return {}
+    return {"out": y_buf[:, : p.nf], "gate": gate[:, 0] if gate is not None else None,
+            "gamma": p.gamma[: p.nf] if p.gamma is not None else None, "eps": p.eps}
 
 
 def _side_stream(dev: torch.device) -> "torch.cuda.Stream":
@@ -460,33 +488,21 @@ def _one_launch(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Tensor
     """A decode step's FA prep + split-K attention and GDN step through :func:`hybrid_decode_step` (one launch, then
     the combination): q [B,1,nf,d], k, v [B,1,nk,d] and the GDN rows of the projection z -> (o_fa [B,1,nf,d],
     y [B,ng,d] or None); with ``y_buf`` both write their fused outputs there."""
-    d, ng = p.d, p.ng
-    x = q
-    slot = dpos if dpos is not None else past
+    ng = p.ng
     if dpos is None:
         kc, vc, n_valid = cache.k[:, :, : past + 1], cache.v[:, :, : past + 1], None
     else:
         kc, vc = cache.k, cache.v
         n_valid = cache.n_valid if cache.n_valid is not None else dpos + 1
-    positions = None
-    if not p.fa_rope:
-        positions = position_ids[:, -1] if position_ids is not None else _as_long(slot, x.device)
-    rope = p.fa_rope and cos is not None
-    fused = {} if y_buf is None else {"out": y_buf[:, : p.nf], "gate": gate[:, 0] if gate is not None else None,
-                                      "gamma": p.gamma[: p.nf] if p.gamma is not None else None, "eps": p.eps}
     gdn = None
     if ng:
         qg, kg, vg, a, b = z[..., p.n_fa_rows:].split(p.g_sizes, dim=-1)
-        g_rope = p.gdn_rope and cos is not None
-        gdn = dict(q=qg[:, 0].unflatten(-1, (ng, d)), k=kg[:, 0].unflatten(-1, (ng, d)),
-                   v=vg[:, 0].unflatten(-1, (ng, d)), a=a[:, 0, :ng], b=b[:, 0, :ng], S=cache.S, A_neg=p.A_neg,
-                   dt_bias=p.dtb, scale=float(layer.scaling), cos=cos[:, 0] if g_rope else None,
-                   sin=sin[:, 0] if g_rope else None, q_norm=p.qn, k_norm=p.kn, qk_eps=p.qk_eps,
-                   out=g_out["out"] if g_out else None, gamma=g_out["gamma"] if g_out else None, out_eps=p.eps)
+        gdn = _gdn_step_kw(layer, p, qg, kg, vg, a[..., :ng], b[..., :ng], (cos, sin), cache.S,
+                           g_out["out"] if g_out else None, g_out["gamma"] if g_out else None)
     o, y = hybrid_decode_step(q[:, 0], k[:, 0], v[:, 0], kc, vc, n_valid, layer.scaling,
-                              cos=cos[:, 0] if rope else None, sin=sin[:, 0] if rope else None, positions=positions,
-                              nope_a=None if p.fa_rope else float(layer.options.nope_a), q_norm=p.qn, k_norm=p.kn,
-                              qk_eps=p.qk_eps, kv_index=None if layer._fa_gqa else p.fa_kv, gdn=gdn, **fused)
+                              kv_index=None if layer._fa_gqa else p.fa_kv, gdn=gdn,
+                              **_fa_glue_kw(layer, p, cos, sin, position_ids, dpos if dpos is not None else past,
+                                            q.device), **_fa_fused_out(p, y_buf, gate))
     return o[:, None], y
 
 
@@ -567,20 +583,13 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
                                       g_out)
         elif prep:  # one kernel: q/k glue + the K/V cache write
             slot = dpos if dpos is not None else past
-            positions = None
-            if not p.fa_rope:
-                positions = position_ids[:, -1] if position_ids is not None else _as_long(slot, x.device)
-            rope = p.fa_rope and cos is not None
             qp = fa_decode_prep(q[:, 0], k[:, 0], v[:, 0], cache.k, cache.v, slot,
-                                cos=cos[:, 0] if rope else None, sin=sin[:, 0] if rope else None, positions=positions,
-                                nope_a=None if p.fa_rope else float(layer.options.nope_a), q_norm=p.qn, k_norm=p.kn,
-                                qk_eps=p.qk_eps)
+                                **_fa_glue_kw(layer, p, cos, sin, position_ids, slot, x.device))
             if ov_prep:  # the GDN step ran beside the prep kernel: join before the split-K attention
                 torch.cuda.current_stream(x.device).wait_stream(side)
                 side = None
-            fused = {} if y_buf is None else {"out": y_buf[:, :nf], "gate": gate[:, 0] if gate is not None else None,
-                                              "gamma": p.gamma[:nf] if p.gamma is not None else None, "eps": p.eps}
-            o_fa = _fa_attend(layer, p, qp[:, None], None, None, cache, dpos, past, prep=True, **fused)
+            o_fa = _fa_attend(layer, p, qp[:, None], None, None, cache, dpos, past, prep=True,
+                              **_fa_fused_out(p, y_buf, gate))
             del qp
         else:
             pos = None

@@ -216,26 +216,37 @@ class StaticDecoder:
         (with a warning) when they differ by more than ``tol`` relative to the largest value (default 1e-4 in
         fp32, 3e-2 in 16-bit types: one GEMM of concatenated rows may round differently)."""
         layers = self.base.layers
+        i = self._differs_from_modules(lambda i, h, a: _post_fused(layers[i], layers[i + 1] if i + 1 < len(layers)
+                                                                   else None, h, a, *self._gate_up(i)), (2, 3), 0, tol)
+        if i is not None:
+            import warnings
+
+            warnings.warn("StaticDecoder: the fused layer tail (gate/up in one GEMM) differs from the MLP "
+                          f"module's forward in layer {i} ({type(layers[i].mlp).__name__}); using the module",
+                          stacklevel=3)
+            return False
+        return True
+
+    @torch.no_grad()
+    def _differs_from_modules(self, tail: Any, rows: tuple, seed: int, tol: Optional[float] = None) -> Optional[int]:
+        """The first layer whose ``tail(i, h, a) -> (h', next layer's input or None)`` differs from the layers' own
+        modules (``_post``, then ``_pre`` of the next layer) on random h, a [*rows, hidden] by more than ``tol``
+        relative to the largest value (default 1e-4 in fp32, 3e-2 in 16-bit types); None when none does."""
+        layers = self.base.layers
         w = layers[0].mlp.gate_proj.weight
         if tol is None:
             tol = 1e-4 if w.dtype in (torch.float32, torch.float64) else 3e-2
-        g = torch.Generator(device="cpu").manual_seed(0)
-        h = torch.randn(2, 3, w.shape[1], generator=g).to(w.device, w.dtype)
-        a = torch.randn(2, 3, w.shape[1], generator=g).to(w.device, w.dtype)
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        h = torch.randn(*rows, w.shape[1], generator=g).to(w.device, w.dtype)
+        a = torch.randn(*rows, w.shape[1], generator=g).to(w.device, w.dtype)
         for i in range(len(layers)):
             nxt = layers[i + 1] if i + 1 < len(layers) else None
             ref_h = _post(layers[i], h, a)
             ref_x = _pre(nxt, ref_h) if nxt is not None else None
-            got_h, got_x = _post_fused(layers[i], nxt, h, a, *self._gate_up(i))
-            for got, ref in ((got_h, ref_h), (got_x, ref_x)):
+            for got, ref in zip(tail(i, h, a), (ref_h, ref_x)):
                 if ref is not None and ((got.float() - ref.float()).abs().max() > tol * ref.float().abs().max().clamp_min(1e-6)):
-                    import warnings
-
-                    warnings.warn("StaticDecoder: the fused layer tail (gate/up in one GEMM) differs from the MLP "
-                                  f"module's forward in layer {i} ({type(layers[i].mlp).__name__}); using the module",
-                                  stacklevel=3)
-                    return False
-        return True
+                    return i
+        return None
 
     def _mlp_kernel_params(self) -> Optional[list]:
         """Per layer (post-attention norm's weight and ε, next layer's input norm's or None) for
@@ -262,27 +273,21 @@ class StaticDecoder:
                     or mlp.down_proj.bias is not None):
                 return None
             params.append((post, pre))
-        g = torch.Generator(device="cpu").manual_seed(1)
-        tol = 1e-4 if w.dtype in (torch.float32, torch.float64) else 3e-2
-        with torch.no_grad():
-            for i, layer in enumerate(layers):
-                h = torch.randn(rows, hidden, generator=g).to(w.device, w.dtype)
-                a = torch.randn(rows, hidden, generator=g).to(w.device, w.dtype)
-                nxt = layers[i + 1] if i + 1 < len(layers) else None
-                ref_h = _post(layer, h, a)
-                ref_x = _pre(nxt, ref_h) if nxt is not None else None
-                (wp, ep), pre = params[i]
-                got_h, got_x = decode_mlp(h, a, wp, ep, self._gate_up(i)[0], layer.mlp.down_proj.weight,
-                                          *(pre if pre is not None else (None, 0.0)))
-                for got, ref in ((got_h, ref_h), (got_x, ref_x)):
-                    if ref is not None and ((got.float() - ref.float()).abs().max()
-                                            > tol * ref.float().abs().max().clamp_min(1e-6)):
-                        import warnings
+        i = self._differs_from_modules(lambda i, h, a: self._mlp_tail(i, h, a, params), (rows,), 1)
+        if i is not None:
+            import warnings
 
-                        warnings.warn(f"StaticDecoder: the two-launch MLP tail (mlp_step) differs from layer {i}'s "
-                                      "modules; using the compiled tail", stacklevel=3)
-                        return None
+            warnings.warn(f"StaticDecoder: the two-launch MLP tail (mlp_step) differs from layer {i}'s modules; using "
+                          "the compiled tail", stacklevel=3)
+            return None
         return params
+
+    def _mlp_tail(self, i: int, h: Tensor, a: Tensor, params: list) -> tuple:
+        """Layer i's tail through :func:`~headscope.hybrid.mlp_step.decode_mlp` (h, a [rows, hidden]; ``params``
+        from :meth:`_mlp_kernel_params`)."""
+        (wp, ep), pre = params[i]
+        return decode_mlp(h, a, wp, ep, self._gate_up(i)[0], self.base.layers[i].mlp.down_proj.weight,
+                          *(pre if pre is not None else (None, 0.0)))
 
     def _layers(self, h: Tensor, pe: Any, pos: Tensor) -> Tensor:
         """The decoder layers over hidden states h [batch, T, hidden] (attention through the caches)."""
@@ -294,9 +299,7 @@ class StaticDecoder:
             for i, (layer, dc) in enumerate(zip(layers, self.caches)):
                 a, _ = layer.self_attn(x, position_embeddings=pe, cache=dc, position_ids=pos)
                 if mlp is not None:  # the two-launch tail (mlp_step.decode_mlp)
-                    (wp, ep), pre = mlp[i]
-                    hn, xn = decode_mlp(h.reshape(rows, -1), a.reshape(rows, -1), wp, ep, self._gate_up(i)[0],
-                                        layer.mlp.down_proj.weight, *(pre if pre is not None else (None, 0.0)))
+                    hn, xn = self._mlp_tail(i, h.reshape(rows, -1), a.reshape(rows, -1), mlp)
                     h, x = hn.view_as(h), (xn.view_as(h) if xn is not None else None)
                     continue
                 h, x = self._tail(2, layer, layers[i + 1] if i + 1 < len(layers) else None, h, a, *self._gate_up(i))

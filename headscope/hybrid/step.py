@@ -24,14 +24,13 @@ PyTorch references.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import gdn_step, splitk
-from .fa_step import check_args as _check_prep
+from .fa_step import check_args as _check_prep, glue_args
 from .shapes import Float
 
 _kernels: dict = {}
@@ -147,11 +146,9 @@ def hybrid_decode_step(
     (``benchmarks/profile_decode.py``).
     """
     _check_prep(q, k, v, k_cache, v_cache, cos, sin, q_norm, k_norm, nope_a)
-    B, _, d = q.shape
-    if nope_a is not None and positions is None:
-        raise ValueError("the NoPE scale needs the token's positions ([1] or [batch] integers)")
-    for name, t in (("k", k), ("v", v), ("cos", cos), ("sin", sin)):
-        if t is not None and t.stride(-1) != 1:
+    d = q.shape[-1]
+    for name, t in (("k", k), ("v", v)):
+        if t.stride(-1) != 1:
             raise ValueError(f"{name} needs unit stride in its last dimension")
     NGP = NCB = 0
     gargs: tuple = ()
@@ -171,24 +168,14 @@ def hybrid_decode_step(
     if not gargs:  # dummies of the right kinds: never read without GDN programs
         f = sp.ml
         gargs = (q, q, q, q, q, f, f, f, f, f, f, f, q, f, 0.0, 0.0, 0.0) + (0,) * 12
-    if cos is not None and cos.shape[0] == 1:
-        cos, sin = cos.expand(B, -1), sin.expand(B, -1)  # stride 0 over the batch
-    rope, qkn, nope = cos is not None, q_norm is not None, nope_a is not None
-    pos = positions.reshape(-1) if nope else sp.ln
-    if nope and (pos.shape[0] not in (1, B) or pos.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"positions must be an integer tensor of shape [1] or [batch]; got {pos.dtype} "
-                         f"{tuple(positions.shape)}")
-    a = float(nope_a) if nope else 2.0
-    fa_args = (k, v, cos if rope else q, sin if rope else q,
-               q_norm.float().contiguous() if qkn else sp.ml, k_norm.float().contiguous() if qkn else sp.ml,
-               pos, float(qk_eps), 1.0 / math.log(a), a, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               cos.stride(0) if rope else 0, sin.stride(0) if rope else 0,
-               pos.stride(0) if nope and pos.shape[0] > 1 else 0)
-    meta = {k_: v_ for k_, v_ in sp.meta.items()}
+    cos_t, sin_t, qn, kn, pos, inv_log_a, a, scb, ssb, pos_stride, rope, qkn, nope = glue_args(
+        q, cos, sin, positions, nope_a, q_norm, k_norm, sp.ml)
+    fa_args = (k, v, cos_t, sin_t, qn, kn, pos, float(qk_eps), inv_log_a, a, k.stride(0), k.stride(1), v.stride(0),
+               v.stride(1), scb, ssb, pos_stride)
     pdl = splitk.pdl_applies(q, "partial")
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _build()["step"][(NGP + sp.B * sp.Hk * sp.NS,)](
-            *splitk.partial_args(sp, q, k_cache, v_cache, scale), *fa_args, *gargs, **meta, ROPE=rope, QKN=qkn,
+            *splitk.partial_args(sp, q, k_cache, v_cache, scale), *fa_args, *gargs, **sp.meta, ROPE=rope, QKN=qkn,
             NOPE=nope, **gmeta, NGP=NGP, NCB=max(NCB, 1), PDL=pdl, num_warps=splitk.NUM_WARPS,
             num_stages=splitk.NUM_STAGES, **splitk.launch_kw(pdl))
     return splitk.combine(sp, gate, gamma, eps), y
