@@ -31,13 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hybrid_model import MASKS, hybrid_mask, smollm2_config  # noqa: E402
 from bench_timing import time_ms  # noqa: E402
 
-from headscope.hybrid import hybridize, lean, skinny, splitk, static  # noqa: E402
+from headscope.hybrid import hybridize, lean, skinny, splitk, static, tail_step  # noqa: E402
 from headscope.hybrid.static import StaticDecoder  # noqa: E402
 from headscope.masks import HeadMask  # noqa: E402
 
 # kernel classes by name (the GDN step and FA prep kernels were named _step / _prep, class "other", in the
-# 2026-12-01 result files; one_launch: step.py's FA prep + split-K partials + GDN step, from the fifth session)
-CLASSES = (("one_launch", ("_one_launch",)), ("mlp", ("_mlp_partials", "_mlp_finish")), ("splitk", ("_partial", "_combine")),
+# 2026-12-01 result files; one_launch: step.py's FA prep + split-K partials + GDN step, from the fifth session;
+# tail: tail_step.py's layer tail, from the sixth)
+CLASSES = (("one_launch", ("_one_launch",)), ("tail", ("_tail",)), ("mlp", ("_mlp_partials", "_mlp_finish")), ("splitk", ("_partial", "_combine")),
            ("gdn_step", ("_gdn_decode_step",)), ("fa_prep", ("_fa_decode_prep",)),
            ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_", "cublas", "splitKreduce")),
            ("compiled", ("triton_",)), ("copy", ("copy", "index", "fill", "elementwise")))
@@ -105,7 +106,7 @@ def profile_replay(dec: StaticDecoder, n: int = 5) -> dict:
 
 def parse_variant(variant: str, ap: argparse.ArgumentParser) -> tuple:
     """'NAME' or 'NAME:module.ATTR=value,...' -> (NAME, [(module, ATTR, value)]); a bad item is a usage error."""
-    mods = {"lean": lean, "static": static, "splitk": splitk, "skinny": skinny}
+    mods = {"lean": lean, "static": static, "splitk": splitk, "skinny": skinny, "tail_step": tail_step}
     vname, _, spec = variant.partition(":")
     overrides = []
     for item in filter(None, spec.split(",")):
@@ -135,7 +136,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["defaults"],
                     help="settings to compare, each NAME or NAME:module.ATTR=value,...; 'defaults' = the library's; "
                          "e.g. before:lean.DECODE_OVERLAP=False,lean.DECODE_FA_PREP=glue,static.FUSED_TAIL=False "
-                         "(modules: lean, static, splitk, skinny; values: ints, True/False, or strings)")
+                         "(modules: lean, static, splitk, skinny, tail_step; values: ints, True/False, or strings)")
     args = ap.parse_args()
     H, KV = (9, 3) if args.shape == "smollm2-135m" else (16, 8)
     for m in args.masks:

@@ -234,6 +234,55 @@ def test_compiled_layer_tail_equals_eager(monkeypatch):
         assert two_calls._fused is None and torch.equal(two_calls.generate(ids, 5, cuda_graph=False), ref)
 
 
+@pytest.mark.parametrize("fusion", ["default", "none"])
+def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion):
+    """static.TAIL_KERNEL: the lean path's one-launch decode steps hand their split-K partials to tail_step's
+    layer_tail (combination, o_proj, MLP tail, next norm in one launch; Triton's interpreter here); the same tokens
+    and step logits within fp32 rounding as the compiled tail. ``fusion="none"`` with an all-FA mask: the teacher's
+    decode (no output fusion: the plain combination in the kernel's first phase). A GELU MLP is refused (warned)."""
+    import torch._dynamo
+
+    import headscope.hybrid.lean as lean
+    import headscope.hybrid.static as static
+    from headscope.hybrid import tail_step
+
+    if not tail_step.applies(2, H * D, H * D, 64, torch.device("cpu")) or not torch.cuda.is_available() and (
+            os.environ.get("TRITON_INTERPRET") != "1"):
+        pytest.skip("needs triton and CUDA or TRITON_INTERPRET=1")
+    monkeypatch.setattr(static, "TAIL_BACKEND", "aot_eager")
+    monkeypatch.setattr(lean, "ENABLE", True)
+    torch._dynamo.reset()
+    if fusion == "none":
+        cfg = LlamaConfig(vocab_size=101, hidden_size=H * D, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=H, num_key_value_heads=KV, head_dim=D, max_position_embeddings=512)
+        torch.manual_seed(0)
+        model = hybridize(LlamaForCausalLM(cfg).eval(), HeadMask(2, H, KV, (tuple(range(H)),) * 2), fusion="none").eval()
+    else:
+        model = _hybrid()
+    ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(4))
+    calls = []
+    real = static.layer_tail
+    monkeypatch.setattr(static, "layer_tail", lambda *a, **k: calls.append(k["attn"] is not None) or real(*a, **k))
+    with torch.no_grad():
+        ref_dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
+        ref = ref_dec.generate(ids, 5)
+        monkeypatch.setattr(static, "TAIL_KERNEL", True)
+        dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
+        assert dec._tk is not None and calls == [False, False]  # the construction's check: one call per layer
+        calls.clear()
+        assert torch.equal(dec.generate(ids, 5), ref)
+        assert calls == [True] * 2 * 4  # 4 decode steps x 2 layers; the prefill (24 rows) takes the compiled tail
+        ref_dec.prefill(ids), dec.prefill(ids)
+        torch.testing.assert_close(dec.step(ids[:, -1:]), ref_dec.step(ids[:, -1:]), rtol=1e-5, atol=1e-5)
+        act = model.model.layers[1].mlp.act_fn
+        model.model.layers[1].mlp.act_fn = torch.nn.GELU()
+        try:
+            with pytest.warns(UserWarning, match="one-launch layer tail"):
+                assert StaticDecoder(model, batch=2, max_len=20, compile_tail=True)._tk is None
+        finally:
+            model.model.layers[1].mlp.act_fn = act
+
+
 def test_a_tail_compile_failure_warns_once_and_runs_eagerly(monkeypatch):
     """A backend that fails: one warning, then the eager (still fused) tail, the same tokens."""
     import headscope.hybrid.static as static

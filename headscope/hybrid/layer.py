@@ -313,6 +313,7 @@ class HeadwiseHybridAttention(nn.Module):
         cache: Any = None,
         past_key_values: Any = None,
         position_ids: Optional[Tensor] = None,
+        defer_out: bool = False,
         **kwargs: Any,
     ) -> tuple[Float[Tensor, "batch time hidden"], None]:
         """Hybrid attention output (before the residual add), same contract as the teacher's module.
@@ -326,6 +327,10 @@ class HeadwiseHybridAttention(nn.Module):
             cache / past_key_values: a transformers ``Cache`` (FA KV of kept groups + GDN state) or None.
             position_ids: [batch, time] absolute positions (for the NoPE coefficient); default counts
                 from the cache length.
+            defer_out: a decode step on the lean path's one-launch step returns a
+                :class:`~headscope.hybrid.lean.DeferredOutput` in place of the output (its combination and o_proj
+                left to :func:`~headscope.hybrid.tail_step.layer_tail`; ``StaticDecoder``'s tail kernel); other
+                paths ignore it.
 
         Returns:
             (output [batch, time, hidden], None) — no attention weights are returned.
@@ -337,7 +342,7 @@ class HeadwiseHybridAttention(nn.Module):
         if cache is None and attention_mask is None and position_embeddings is not None and fast_ready(self, hidden_states):
             return fast_forward(self, hidden_states, *position_embeddings, position_ids), None  # see fast.py
         if _lean_applies(self, hidden_states, attention_mask, isinstance(cache, HybridDecodeCache), cache):
-            return _lean_forward(self, hidden_states, position_embeddings, position_ids, cache), None  # lean.py
+            return _lean_forward(self, hidden_states, position_embeddings, position_ids, cache, defer_out), None  # lean.py
         if getattr(cache, "pos", None) is not None:
             raise ValueError("device-position decoding (cache.pos) runs on the lean path only: no gradient, no "
                              "attention mask, weights in the input's dtype, lean.ENABLE not False (CPU: True)")

@@ -49,7 +49,7 @@ from .fused import stack_projections
 from .gdn import fla_available, gated_delta_rule
 from .rope import apply_rope
 from .gdn_step import applies as gdn_step_applies, gdn_decode_step, launch_shape as gdn_launch_shape, gdn_decode_step_torch, l2_normalize, rms_norm
-from .splitk import _sm_count, decode_attention, triton_available
+from .splitk import _sm_count, combine, decode_attention, triton_available
 from .fa_step import applies as fa_prep_applies, fa_decode_prep
 from .skinny import linear
 from .step import applies as step_applies, hybrid_decode_step
@@ -484,10 +484,11 @@ def _prep_applies(layer: "HeadwiseHybridAttention", q: Tensor, T: int, cache: An
 def _one_launch(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Tensor, v: Tensor, z: Tensor, cache: Any,
                 dpos: Optional[Tensor], past: int, cos: Optional[Tensor], sin: Optional[Tensor],
                 position_ids: Optional[Tensor], y_buf: Optional[Tensor], gate: Optional[Tensor],
-                g_out: Optional[dict]) -> tuple[Tensor, Optional[Tensor]]:
+                g_out: Optional[dict], combine: bool = True) -> tuple[Any, Optional[Tensor]]:
     """A decode step's FA prep + split-K attention and GDN step through :func:`hybrid_decode_step` (one launch, then
     the combination): q [B,1,nf,d], k, v [B,1,nk,d] and the GDN rows of the projection z -> (o_fa [B,1,nf,d],
-    y [B,ng,d] or None); with ``y_buf`` both write their fused outputs there."""
+    y [B,ng,d] or None); with ``y_buf`` both write their fused outputs there. ``combine=False``: the split-K
+    namespace in place of o_fa (the combination left to ``tail_step.layer_tail``)."""
     ng = p.ng
     if dpos is None:
         kc, vc, n_valid = cache.k[:, :, : past + 1], cache.v[:, :, : past + 1], None
@@ -502,15 +503,40 @@ def _one_launch(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Tensor
     o, y = hybrid_decode_step(q[:, 0], k[:, 0], v[:, 0], kc, vc, n_valid, layer.scaling,
                               kv_index=None if layer._fa_gqa else p.fa_kv, gdn=gdn,
                               **_fa_glue_kw(layer, p, cos, sin, position_ids, dpos if dpos is not None else past,
-                                            q.device), **_fa_fused_out(p, y_buf, gate))
-    return o[:, None], y
+                                            q.device), **_fa_fused_out(p, y_buf, gate), combine=combine)
+    return (o[:, None] if combine else o), y
 
 
 # ---------------------------------------------------------------------------------------- forward
+class DeferredOutput:
+    """A decode step's attention output left unfinished (:func:`forward` with ``defer=True``), for
+    :func:`~headscope.hybrid.tail_step.layer_tail`, which combines the split-K partials and applies ``o_proj``
+    inside the layer's tail launch.
+
+    Attributes:
+        y: o_proj's input [batch, heads·d] in the layer's dtype: the GDN heads' fused outputs written, the FA heads'
+            columns still to come from ``attn``.
+        attn: (the split-K launch's namespace, gate, gamma, eps) of :func:`~headscope.hybrid.splitk.combine`.
+        w_o, b_o: o_proj's weight (input columns in (FA, GDN) order) and bias.
+    """
+
+    __slots__ = ("y", "attn", "w_o", "b_o")
+
+    def __init__(self, y: Tensor, attn: tuple, w_o: Tensor, b_o: Optional[Tensor]):
+        self.y, self.attn, self.w_o, self.b_o = y, attn, w_o, b_o
+
+    def finish(self) -> Tensor:
+        """The layer's output [batch, 1, hidden] through the separate kernels (the combination, then o_proj)."""
+        sp, gate, gamma, eps = self.attn
+        combine(sp, gate, gamma, eps)
+        return linear(self.y[:, None], self.w_o, self.b_o)
+
+
 def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]],
-            position_ids: Optional[Tensor], cache: Any) -> Tensor:
+            position_ids: Optional[Tensor], cache: Any, defer: bool = False) -> Any:
     """The layer's output [B, T, hidden] (before the residual add); ``cache`` is None or a
-    HybridDecodeCache (filled / advanced in place)."""
+    HybridDecodeCache (filled / advanced in place). ``defer``: a decode step that takes the one-launch path
+    returns a :class:`DeferredOutput` instead (the combination and o_proj left to the caller's layer tail)."""
     p = plan(layer)
     B, T, _ = x.shape
     d, nf, ng = p.d, p.nf, p.ng
@@ -557,6 +583,10 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     # ---- one launch for the FA prep + split-K partials and the GDN step (DECODE_ONE_LAUNCH)
     one = (prep and DECODE_ONE_LAUNCH and step_applies(d, x.device)
            and (not ng or (S_dec is not None and DECODE_GDN == "triton" and gdn_step_applies(d, x.device))))
+    # ---- the combination and o_proj left to the caller (defer: StaticDecoder's tail kernel)
+    deferred = defer and one and T == 1 and (y_buf is not None or not ng)
+    if deferred and y_buf is None:
+        y_buf = x.new_empty(B, nf, d)
     # ---- a decode step's GDN heads on the side stream, concurrent with the FA heads (DECODE_OVERLAP)
     y_side = side = y_one = None
     # beside the whole FA branch (DECODE_OVERLAP), else beside the FA prep kernel only (DECODE_OVERLAP_PREP)
@@ -580,7 +610,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     if nf:
         if one:
             o_fa, y_one = _one_launch(layer, p, q, k, v, z, cache, dpos, past, cos, sin, position_ids, y_buf, gate,
-                                      g_out)
+                                      g_out, combine=not deferred)
         elif prep:  # one kernel: q/k glue + the K/V cache write
             slot = dpos if dpos is not None else past
             qp = fa_decode_prep(q[:, 0], k[:, 0], v[:, 0], cache.k, cache.v, slot,
@@ -647,6 +677,9 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
         cache.length = past + T
 
     # ---- fusion (eq. 13–14) in (FA, GDN) order, then o_proj with permuted input columns
+    if deferred:  # o_fa is the split-K namespace
+        f = _fa_fused_out(p, y_buf, gate)
+        return DeferredOutput(y_buf.view(B, -1), (o_fa, f["gate"], f["gamma"], f["eps"]), p.Wo, p.bo)
     if y_buf is not None:  # done by the kernels
         del o_fa, y_g, gate
         return linear(y_buf.view(B, 1, -1), p.Wo, p.bo)

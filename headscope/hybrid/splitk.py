@@ -409,14 +409,11 @@ def _make(triton, tl) -> dict:
         tl.store(O + b * sob + (h * G + g) * soh + rd, o.to(O.dtype.element_ty))
 
     @triton.jit
-    def _combine_out(ACC, ML, O, GATE, GAMMA, sob, soh, sgb, sgh, eps, HK: tl.constexpr, G: tl.constexpr,
+    def _combine_row(pid, ACC, ML, O, GATE, GAMMA, sob, soh, sgb, sgh, eps, HK: tl.constexpr, G: tl.constexpr,
                      D: tl.constexpr, NS: tl.constexpr, SC: tl.constexpr, HAS_GATE: tl.constexpr,
-                     HAS_NORM: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            gdc_wait()
-            gdc_launch()
-        pid = tl.program_id(0)  # (batch, kv head, group member): a whole head row; the splits in chunks of SC
-        # (all at once up to 8192 partial values per program: one pass at decode-sized split counts)
+                     HAS_NORM: tl.constexpr):
+        # one (batch, kv head, group member): a whole head row; the splits in chunks of SC (all at once up to 8192
+        # partial values per program: one pass at decode-sized split counts). Shared with tail_step.py's layer tail.
         g = pid % G
         bh = pid // G
         b = (bh // HK).to(tl.int64)
@@ -457,7 +454,20 @@ def _make(triton, tl) -> dict:
             o = o / tl.sqrt(tl.sum(o * o, 0) / D + eps) * tl.load(GAMMA + qh * D + rd)
         tl.store(O + b * sob + qh * soh + rd, o.to(DT))
 
-    return {"partial": _partial, "combine": _combine, "combine_out": _combine_out, "attend": _attend}
+    globals()["_combine_row"] = _combine_row
+
+    @triton.jit
+    def _combine_out(ACC, ML, O, GATE, GAMMA, sob, soh, sgb, sgh, eps, HK: tl.constexpr, G: tl.constexpr,
+                     D: tl.constexpr, NS: tl.constexpr, SC: tl.constexpr, HAS_GATE: tl.constexpr,
+                     HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch()
+        _combine_row(tl.program_id(0), ACC, ML, O, GATE, GAMMA, sob, soh, sgb, sgh, eps, HK, G, D, NS, SC, HAS_GATE,
+                     HAS_NORM)
+
+    return {"partial": _partial, "combine": _combine, "combine_out": _combine_out, "attend": _attend,
+            "combine_row": _combine_row}
 
 
 def _build() -> dict:

@@ -26,8 +26,10 @@ import torch
 from torch import Tensor
 
 from .graphs import capture as _capture
+from .lean import DeferredOutput, plan as _plan
 from .mlp_step import MAX_ROWS as _MLP_ROWS, applies as _mlp_applies, decode_mlp
 from .skinny import linear
+from .tail_step import MAX_ROWS as _TAIL_ROWS, applies as _tail_applies, layer_tail
 
 
 TAIL_BACKEND = "inductor"  # torch.compile backend of the layers' norm + MLP tail (compile_tail=True)
@@ -52,6 +54,14 @@ TAIL_PDL = False
 # µs and the finish 8.5 µs per layer (loops of dependent loads on 48 and 16 programs) against 12.4 µs for the five
 # launches; whole step 1.966 -> 2.237 ms (hybrid), 3.697 -> 3.979 ms (teacher).
 MLP_KERNEL = False
+# With the fused tail (compile_tail=True, FUSED_TAIL), a decode step of at most tail_step.MAX_ROWS sequences whose
+# attention takes the lean path's one-launch step hands the split-K partials to tail_step.layer_tail: the combination,
+# o_proj, residual, norm, gated MLP, residual and the next layer's input norm in one persistent launch (grid-wide
+# barriers between the phases) instead of eight launches. Where it applies (CUDA, Llama-style SiLU MLP and RMSNorms,
+# sizes: tail_step.applies) and equals the layers' modules on random inputs (checked once, at construction).
+TAIL_KERNEL = False
+# The tail kernel also prefetches the next layer's input projection into L2 (read by the next cuBLAS GEMM).
+TAIL_PREFETCH_NEXT = True
 
 
 class _Clock:
@@ -111,6 +121,12 @@ def _post_fused(layer: Any, nxt: Any, h: Tensor, a: Tensor, W_gu: Optional[Tenso
     dn = layer.mlp.down_proj
     h = h + linear(layer.mlp.act_fn(g) * u, dn.weight, dn.bias)
     return h, (nxt.input_layernorm(h) if nxt is not None else None)
+
+
+def _norm_params(m: Any) -> Optional[tuple]:
+    """An RMSNorm module's (weight, ε), or None when it has no weight or ε attribute."""
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    return None if eps is None or getattr(m, "weight", None) is None else (m.weight, float(eps))
 
 
 def _version(p: Tensor) -> int:
@@ -175,6 +191,7 @@ class StaticDecoder:
         self._pre, self._post, self._fused = _pre, _post, None
         self._gu: list = [None] * len(self.base.layers)  # per layer: (weight versions, W_gu, b_gu)
         self._mlp: Optional[list] = None  # per layer: the norms' (weight, ε) of mlp_step.decode_mlp, where it applies
+        self._tk: Optional[list] = None  # per layer: the norms' (weight, ε) of tail_step.layer_tail, where it applies
         if compile_tail:
             cuda = next(model.parameters()).is_cuda
             self._pre = _compile(_pre, cuda)
@@ -190,6 +207,7 @@ class StaticDecoder:
                 elif self._fused_tail_ok():
                     self._fused = _compile(_post_fused, cuda)
                     self._mlp = self._mlp_kernel_params() if MLP_KERNEL else None
+                    self._tk = self._tail_kernel_params() if TAIL_KERNEL else None
 
     def _gate_up(self, i: int) -> tuple:
         """Layer i's [gate; up] weight (and bias), concatenated once and again when either changes; (None, None)
@@ -259,10 +277,7 @@ class StaticDecoder:
         if not _mlp_applies(rows, hidden, inter, w.device):
             return None
 
-        def norm(m: Any) -> Optional[tuple]:
-            eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
-            return None if eps is None or getattr(m, "weight", None) is None else (m.weight, float(eps))
-
+        norm = _norm_params
         params = []
         for i, layer in enumerate(layers):
             mlp = layer.mlp
@@ -282,6 +297,49 @@ class StaticDecoder:
             return None
         return params
 
+    def _tail_kernel_params(self) -> Optional[list]:
+        """Per layer (post-attention norm's weight and ε, next layer's input norm's or None) for
+        :func:`~headscope.hybrid.tail_step.layer_tail`; None where it does not apply here (device, sizes, a norm
+        without an ε attribute, the gate/up weights not concatenated) or differs from the layers' modules on random
+        inputs (warned). The check feeds the attention output through an identity o_proj (exact in any dtype)."""
+        layers = self.base.layers
+        w = layers[0].mlp.gate_proj.weight
+        rows = min(self.batch, _TAIL_ROWS)
+        inter, hidden = w.shape
+        if not _tail_applies(rows, hidden, hidden, inter, w.device):
+            return None
+        params = []
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            post = _norm_params(layer.post_attention_layernorm)
+            pre = _norm_params(nxt.input_layernorm) if nxt is not None else None
+            if post is None or (nxt is not None and pre is None) or self._gate_up(i)[0] is None:
+                return None
+            params.append((post, pre))
+        eye = torch.eye(hidden, dtype=w.dtype, device=w.device)
+        i = self._differs_from_modules(
+            lambda i, h, a: self._kernel_tail(i, h, a.contiguous(), eye, None, None, params, prefetch=False), (rows,), 2)
+        if i is not None:
+            import warnings
+
+            warnings.warn(f"StaticDecoder: the one-launch layer tail (tail_step) differs from layer {i}'s modules; "
+                          "using the compiled tail", stacklevel=3)
+            return None
+        return params
+
+    def _kernel_tail(self, i: int, h: Tensor, y: Tensor, w_o: Tensor, b_o: Optional[Tensor], attn: Optional[tuple],
+                     params: list, prefetch: bool = True) -> tuple:
+        """Layer i's tail through :func:`~headscope.hybrid.tail_step.layer_tail` (h [rows, hidden], y o_proj's
+        input [rows, k_o]; ``params`` from :meth:`_tail_kernel_params`) -> (h, next layer's input or None)."""
+        (wp, ep), pre = params[i]
+        layers = self.base.layers
+        mlp = layers[i].mlp
+        W_gu, b_gu = self._gate_up(i)
+        pf = (_plan(layers[i + 1].self_attn).W if prefetch and TAIL_PREFETCH_NEXT and i + 1 < len(layers)
+              and hasattr(layers[i + 1].self_attn, "fa_heads") else None)
+        return layer_tail(y, h, w_o, b_o, wp, ep, W_gu, b_gu, mlp.down_proj.weight, mlp.down_proj.bias,
+                          *(pre if pre is not None else (None, 0.0)), attn=attn, prefetch=pf)
+
     def _mlp_tail(self, i: int, h: Tensor, a: Tensor, params: list) -> tuple:
         """Layer i's tail through :func:`~headscope.hybrid.mlp_step.decode_mlp` (h, a [rows, hidden]; ``params``
         from :meth:`_mlp_kernel_params`)."""
@@ -295,9 +353,17 @@ class StaticDecoder:
         if self._fused is not None:
             rows = h.shape[0] * h.shape[1]
             mlp = self._mlp if (self._mlp is not None and rows <= _MLP_ROWS) else None
+            tk = self._tk if (self._tk is not None and h.shape[1] == 1 and rows <= _TAIL_ROWS) else None
             x = self._tail(0, layers[0], h)
             for i, (layer, dc) in enumerate(zip(layers, self.caches)):
-                a, _ = layer.self_attn(x, position_embeddings=pe, cache=dc, position_ids=pos)
+                if tk is not None:
+                    a, _ = layer.self_attn(x, position_embeddings=pe, cache=dc, position_ids=pos, defer_out=True)
+                    if isinstance(a, DeferredOutput):  # the combination, o_proj and the tail in one launch
+                        hn, xn = self._kernel_tail(i, h.reshape(rows, -1), a.y, a.w_o, a.b_o, a.attn, tk)
+                        h, x = hn.view_as(h), (xn.view_as(h) if xn is not None else None)
+                        continue
+                else:
+                    a, _ = layer.self_attn(x, position_embeddings=pe, cache=dc, position_ids=pos)
                 if mlp is not None:  # the two-launch tail (mlp_step.decode_mlp)
                     hn, xn = self._mlp_tail(i, h.reshape(rows, -1), a.reshape(rows, -1), mlp)
                     h, x = hn.view_as(h), (xn.view_as(h) if xn is not None else None)

@@ -24,7 +24,7 @@ PyTorch references.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -105,7 +105,8 @@ def hybrid_decode_step(
     eps: float = 1e-6,
     gdn: Optional[dict] = None,
     n_splits: Optional[int] = None,
-) -> tuple[Float[Tensor, "batch fa_head d"], Optional[Float[Tensor, "batch gdn_head d"]]]:
+    combine: bool = True,
+) -> tuple[Any, Optional[Float[Tensor, "batch gdn_head d"]]]:
     """One decode token of a head-wise hybrid layer's attention: the FA heads' prep and split-K partials and
     the GDN heads' step in one kernel launch, then the split-K combination (a second launch).
 
@@ -131,9 +132,12 @@ def hybrid_decode_step(
         gdn: keyword arguments of :func:`gdn_decode_step` (``q, k, v, a, b, S, A_neg, dt_bias, scale`` and the
             optional ones except ``pdl`` and ``block_v``; its ``S`` is updated in place); None: no GDN heads.
         n_splits: split count; default :func:`splitk.n_splits_for` with the GDN programs reserved.
+        combine: False: leave the combination to the caller (``tail_step.layer_tail``'s first phase) and return the
+            split-K launch's namespace (:func:`splitk.setup`: partials, output buffer) in place of o.
 
     Returns:
-        (o [batch, fa_head, d] in q's dtype, y [batch, gdn_head, d] of the GDN heads or None).
+        (o [batch, fa_head, d] in q's dtype — or the namespace when ``combine`` is False —, y [batch, gdn_head, d]
+        of the GDN heads or None).
 
     Raises:
         ValueError: the errors of the three functions (shapes, strides, dtypes, head_dim, RoPE with NoPE, CPU
@@ -178,4 +182,4 @@ def hybrid_decode_step(
             *splitk.partial_args(sp, q, k_cache, v_cache, scale), *fa_args, *gargs, **sp.meta, ROPE=rope, QKN=qkn,
             NOPE=nope, **gmeta, NGP=NGP, NCB=max(NCB, 1), PDL=pdl, num_warps=splitk.NUM_WARPS,
             num_stages=splitk.NUM_STAGES, **splitk.launch_kw(pdl))
-    return splitk.combine(sp, gate, gamma, eps), y
+    return (splitk.combine(sp, gate, gamma, eps) if combine else sp), y
