@@ -262,16 +262,24 @@ def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion):
     ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(4))
     calls = []
     real = static.layer_tail
-    monkeypatch.setattr(static, "layer_tail", lambda *a, **k: calls.append(k["attn"] is not None) or real(*a, **k))
+    monkeypatch.setattr(static, "layer_tail",
+                        lambda *a, **k: calls.append((k["attn"] is not None, k["w_in"] is not None)) or real(*a, **k))
     with torch.no_grad():
         ref_dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
         ref = ref_dec.generate(ids, 5)
         monkeypatch.setattr(static, "TAIL_KERNEL", True)
         dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
-        assert dec._tk is not None and calls == [False, False]  # the construction's check: one call per layer
+        assert dec._tk is not None and calls == [(False, False)] * 2  # the construction's check: one call per layer
         calls.clear()
         assert torch.equal(dec.generate(ids, 5), ref)
-        assert calls == [True] * 2 * 4  # 4 decode steps x 2 layers; the prefill (24 rows) takes the compiled tail
+        # 4 decode steps x 2 layers (the prefill, 24 rows, takes the compiled tail); the first layer's tail computes
+        # the second layer's input projection
+        assert calls == [(True, True), (True, False)] * 4
+        monkeypatch.setattr(static, "TAIL_PROJECT_NEXT", False)  # the next input norm only: the same tokens
+        calls.clear()
+        assert torch.equal(StaticDecoder(model, batch=2, max_len=20, compile_tail=True).generate(ids, 5), ref)
+        assert calls[2:] == [(True, False)] * 8
+        monkeypatch.setattr(static, "TAIL_PROJECT_NEXT", True)
         ref_dec.prefill(ids), dec.prefill(ids)
         torch.testing.assert_close(dec.step(ids[:, -1:]), ref_dec.step(ids[:, -1:]), rtol=1e-5, atol=1e-5)
         act = model.model.layers[1].mlp.act_fn

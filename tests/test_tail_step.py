@@ -22,12 +22,15 @@ needs_kernel = pytest.mark.skipif(not tail_step.applies(2, 64, 64, 64, torch.dev
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _weights(hidden, k_o, inter, dtype, g, bias=False, last=False):
+def _weights(hidden, k_o, inter, dtype, g, bias=False, last=False, n_in=0):
     t = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(DEV, dtype)  # noqa: E731
-    return dict(w_o=t(hidden, k_o, sc=k_o ** -0.5), b_o=t(hidden) if bias else None, w_post=1 + t(hidden, sc=0.2),
-                eps_post=1e-5, w_gu=t(2 * inter, hidden, sc=hidden ** -0.5), b_gu=t(2 * inter) if bias else None,
-                w_down=t(hidden, inter, sc=inter ** -0.5), b_down=t(hidden) if bias else None,
-                w_next=None if last else 1 + t(hidden, sc=0.2), eps_next=1e-6)
+    w = dict(w_o=t(hidden, k_o, sc=k_o ** -0.5), b_o=t(hidden) if bias else None, w_post=1 + t(hidden, sc=0.2),
+             eps_post=1e-5, w_gu=t(2 * inter, hidden, sc=hidden ** -0.5), b_gu=t(2 * inter) if bias else None,
+             w_down=t(hidden, inter, sc=inter ** -0.5), b_down=t(hidden) if bias else None,
+             w_next=None if last else 1 + t(hidden, sc=0.2), eps_next=1e-6)
+    if n_in:  # the next layer's input projection
+        w.update(w_in=t(n_in, hidden, sc=hidden ** -0.5), b_in=t(n_in) if bias else None)
+    return w
 
 
 def test_torch_reference_equals_the_llama_modules():
@@ -50,14 +53,15 @@ def test_torch_reference_equals_the_llama_modules():
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows,hidden,k_o,inter,bias,last", [
-    (3, 64, 48, 96, False, False),   # k_o, hidden in 16-/64-column chunks; three MLP column tiles per program loop
-    (1, 48, 80, 32, True, False),    # biases, one row, hidden 48 = 3 column tiles, k_o 80 = 5 chunks of 16
-    (16, 32, 32, 160, False, True),  # 16 rows, the last layer (no next norm)
+@pytest.mark.parametrize("rows,hidden,k_o,inter,bias,last,n_in", [
+    (3, 64, 48, 96, False, False, 0),    # k_o, hidden in 16-/64-column chunks; the next layer's input norm
+    (1, 48, 80, 32, True, False, 80),    # biases, one row, k_o 80 = 5 chunks of 16; the next input projection
+    (16, 32, 32, 160, False, True, 0),   # 16 rows, the last layer (no next norm)
+    (2, 16, 16, 1120, True, False, 32),  # the down projection in 5 pieces of 224 columns (the last adds them)
 ])
-def test_kernel_equals_the_reference(rows, hidden, k_o, inter, bias, last):
+def test_kernel_equals_the_reference(rows, hidden, k_o, inter, bias, last, n_in):
     g = torch.Generator().manual_seed(rows)
-    w = _weights(hidden, k_o, inter, torch.float32, g, bias, last)
+    w = _weights(hidden, k_o, inter, torch.float32, g, bias, last, n_in)
     y, h = torch.randn(rows, k_o, generator=g).to(DEV), torch.randn(rows, hidden, generator=g).to(DEV)
     ref_h, ref_x = layer_tail_torch(y, h, **w)
     got_h, got_x = layer_tail(y, h, **w)
@@ -101,11 +105,13 @@ def test_first_phase_is_the_split_k_combination(Hq, Hk, kvi, fused):
 def test_applies_and_bad_input_name_the_fix():
     interp = tail_step.applies(2, 64, 64, 64, torch.device(DEV))
     assert tail_step.applies(16, 576, 576, 1536, torch.device(DEV)) == interp  # SmolLM2
-    assert tail_step.applies(16, 2048, 2048, 6144, torch.device(DEV)) == interp  # Qwen3-1.7B
     assert not tail_step.applies(17, 576, 576, 1536, torch.device(DEV))  # more rows than one tile
     assert not tail_step.applies(2, 40, 64, 64, torch.device(DEV))  # hidden not a multiple of 16
     assert not tail_step.applies(2, 64, 72, 64, torch.device(DEV))  # o_proj input not a multiple of 16
-    assert [tail_step._chunk(k) for k in (576, 1536, 48, 80, 8)] == [64, 128, 16, 16, 0]
+    assert tail_step.applies(16, 2048, 2048, 6144, torch.device(DEV)) == interp  # Qwen3-1.7B
+    assert [tail_step._chunk(k) for k in (576, 1536, 48, 80, 8)] == [64, 64, 16, 16, 0]
+    assert [tail_step._stages(k) for k in (576, 1536, 2048, 48, 16)] == [10, 25, 25, 4, 2]  # every chunk in flight
+    assert [tail_step.down_pieces(n) for n in (1536, 6144, 96, 1120, 8)] == [3, 12, 1, 5, 1]
     if not interp:
         return
     g = torch.Generator().manual_seed(0)
@@ -113,6 +119,8 @@ def test_applies_and_bad_input_name_the_fix():
     y, h = torch.randn(2, 32).to(DEV), torch.randn(2, 32).to(DEV)
     with pytest.raises(ValueError, match="sizes disagree"):
         layer_tail(y, h[:, :16], **w)
+    with pytest.raises(ValueError, match="rows a multiple of 16"):  # the next projection's rows
+        layer_tail(y, h, **w, w_in=torch.randn(24, 32).to(DEV))
     with pytest.raises(ValueError, match="contiguous"):
         layer_tail(torch.randn(32, 2).to(DEV).t(), h, **w)
     with pytest.raises(ValueError, match="layer_tail_torch"):
@@ -124,10 +132,13 @@ def test_kernel_in_bf16_at_the_smollm2_shape_and_in_a_graph():
     """One launch with grid-wide barriers (132 programs on the H200): equals the reference within bf16 GEMM
     rounding, and replayed from a CUDA graph 50 times (the barrier counter only grows) gives the same result."""
     g = torch.Generator().manual_seed(0)
-    w = _weights(576, 576, 1536, torch.bfloat16, g)
+    w = _weights(576, 576, 1536, torch.bfloat16, g, n_in=1856)  # the hybrid's next input projection
     y, h = (torch.randn(16, 576, generator=g).to(DEV, torch.bfloat16) for _ in range(2))
     ref = layer_tail_torch(y, h, **w)
-    got = layer_tail(y, h, **w, prefetch=w["w_gu"])
+    got = layer_tail(y, h, **w)
+    w0 = {k: v for k, v in w.items() if k not in ("w_in", "b_in")}  # the next input norm alone
+    for r, o in zip(layer_tail_torch(y, h, **w0), layer_tail(y, h, **w0)):
+        assert ((o.float() - r.float()).abs() <= r.float().abs() * 2 ** -6 + 2e-2).all()
     for r, o in zip(ref, got):
         assert ((o.float() - r.float()).abs() <= r.float().abs() * 2 ** -6 + 2e-2).all()
     s = torch.cuda.Stream()
@@ -142,3 +153,36 @@ def test_kernel_in_bf16_at_the_smollm2_shape_and_in_a_graph():
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[0], got[0]) and torch.equal(out[1], got[1])
+
+
+@gpu
+def test_graphed_greedy_decoding_with_the_tail_kernel():
+    """StaticDecoder with static.TAIL_KERNEL on CUDA (fp32: exact products): the graphed greedy tokens equal the
+    compiled tail's, one step's logits agree within fp32 rounding, and every decode step's layers took the kernel."""
+    import headscope.hybrid.static as static
+    from test_hybrid_graphs import _hybrid
+
+    from headscope.hybrid.static import StaticDecoder
+
+    model = _hybrid("cuda")
+    ids = torch.randint(0, 101, (2, 24), generator=torch.Generator().manual_seed(3)).cuda()
+    calls = []
+    real = static.layer_tail
+    with torch.no_grad():
+        ref_dec = StaticDecoder(model, batch=2, max_len=40, compile_tail=True)
+        ref = ref_dec.generate(ids, 8, cuda_graph=True)
+        old = static.TAIL_KERNEL
+        static.TAIL_KERNEL = True
+        static.layer_tail = lambda *a, **k: calls.append(k["attn"] is not None) or real(*a, **k)
+        try:
+            dec = StaticDecoder(model, batch=2, max_len=40, compile_tail=True)
+            assert dec._tk is not None
+            calls.clear()
+            got = dec.generate(ids, 8, cuda_graph=True)
+            assert calls and all(calls)  # the captured step's layers (and the warm-ups)
+            assert torch.equal(got, ref)
+            ref_dec.prefill(ids), dec.prefill(ids)
+            torch.testing.assert_close(dec.step(ids[:, -1:]), ref_dec.step(ids[:, -1:]), rtol=1e-4, atol=1e-4)
+        finally:
+            static.TAIL_KERNEL = old
+            static.layer_tail = real

@@ -314,6 +314,7 @@ class HeadwiseHybridAttention(nn.Module):
         past_key_values: Any = None,
         position_ids: Optional[Tensor] = None,
         defer_out: bool = False,
+        projected: Optional[Tensor] = None,
         **kwargs: Any,
     ) -> tuple[Float[Tensor, "batch time hidden"], None]:
         """Hybrid attention output (before the residual add), same contract as the teacher's module.
@@ -331,18 +332,27 @@ class HeadwiseHybridAttention(nn.Module):
                 :class:`~headscope.hybrid.lean.DeferredOutput` in place of the output (its combination and o_proj
                 left to :func:`~headscope.hybrid.tail_step.layer_tail`; ``StaticDecoder``'s tail kernel); other
                 paths ignore it.
+            projected: the lean path's input projection of the (normalized) hidden states, already computed
+                ([batch, time, rows of ``lean.plan(self).W``]; the layer tail before computes it); hidden_states then
+                give only shape, dtype and device.
 
         Returns:
             (output [batch, time, hidden], None) — no attention weights are returned.
 
         Raises:
-            ValueError: missing position embeddings, ``gdn_kernel='fla'`` on a non-CUDA device.
+            ValueError: missing position embeddings, ``gdn_kernel='fla'`` on a non-CUDA device, ``projected``
+                where the lean path does not run or of the wrong shape.
         """
         cache = cache if cache is not None else past_key_values
-        if cache is None and attention_mask is None and position_embeddings is not None and fast_ready(self, hidden_states):
+        if (cache is None and attention_mask is None and projected is None and position_embeddings is not None
+                and fast_ready(self, hidden_states)):
             return fast_forward(self, hidden_states, *position_embeddings, position_ids), None  # see fast.py
         if _lean_applies(self, hidden_states, attention_mask, isinstance(cache, HybridDecodeCache), cache):
-            return _lean_forward(self, hidden_states, position_embeddings, position_ids, cache, defer_out), None  # lean.py
+            return _lean_forward(self, hidden_states, position_embeddings, position_ids, cache, defer_out,
+                                 projected), None  # lean.py
+        if projected is not None:
+            raise ValueError("projected= needs the lean path (no gradient, no attention mask, a decode cache or none, "
+                             "weights in the input's dtype): pass the normalized hidden states instead")
         if getattr(cache, "pos", None) is not None:
             raise ValueError("device-position decoding (cache.pos) runs on the lean path only: no gradient, no "
                              "attention mask, weights in the input's dtype, lean.ENABLE not False (CPU: True)")

@@ -533,10 +533,12 @@ class DeferredOutput:
 
 
 def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]],
-            position_ids: Optional[Tensor], cache: Any, defer: bool = False) -> Any:
+            position_ids: Optional[Tensor], cache: Any, defer: bool = False, z_in: Optional[Tensor] = None) -> Any:
     """The layer's output [B, T, hidden] (before the residual add); ``cache`` is None or a
     HybridDecodeCache (filled / advanced in place). ``defer``: a decode step that takes the one-launch path
-    returns a :class:`DeferredOutput` instead (the combination and o_proj left to the caller's layer tail)."""
+    returns a :class:`DeferredOutput` instead (the combination and o_proj left to the caller's layer tail).
+    ``z_in``: the input projection ``x @ plan(layer).Wᵀ + b`` [B, 1, rows of W], already computed (by the layer
+    tail before: ``tail_step.layer_tail``'s ``w_in``); then only x's shape, dtype and device are read."""
     p = plan(layer)
     B, T, _ = x.shape
     d, nf, ng = p.d, p.nf, p.ng
@@ -561,7 +563,10 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
                          "make it with a larger max_len")
     tb = max(1, block_tokens(ng, d) // B)
     one_gemm = T <= tb
-    z = linear(x, p.W, p.b) if one_gemm else None  # F.linear, or the rows kernel where skinny.ENABLE (opt-in)
+    if z_in is not None and (not one_gemm or z_in.shape != (B, T, p.W.shape[0])):
+        raise ValueError(f"z_in must be the input projection [{B}, {T}, {p.W.shape[0]}] of a step that fits one "
+                         f"GEMM; got {tuple(z_in.shape)}: pass hidden states instead")
+    z = z_in if z_in is not None else (linear(x, p.W, p.b) if one_gemm else None)  # F.linear, or the rows kernel where skinny.ENABLE (opt-in)
     z_fa = z[..., : p.n_fa_rows] if one_gemm else (F.linear(x, p.W[: p.n_fa_rows], None if p.b is None else p.b[: p.n_fa_rows]) if nf else None)
 
     S_dec = cache.S if (cache is not None and (past or dpos is not None)) else None

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .graphs import capture as _capture
-from .lean import DeferredOutput, plan as _plan
+from .lean import DeferredOutput, applies as _lean_applies, plan as _plan
 from .mlp_step import MAX_ROWS as _MLP_ROWS, applies as _mlp_applies, decode_mlp
 from .skinny import linear
 from .tail_step import MAX_ROWS as _TAIL_ROWS, applies as _tail_applies, layer_tail
@@ -56,12 +56,14 @@ TAIL_PDL = False
 MLP_KERNEL = False
 # With the fused tail (compile_tail=True, FUSED_TAIL), a decode step of at most tail_step.MAX_ROWS sequences whose
 # attention takes the lean path's one-launch step hands the split-K partials to tail_step.layer_tail: the combination,
-# o_proj, residual, norm, gated MLP, residual and the next layer's input norm in one persistent launch (grid-wide
-# barriers between the phases) instead of eight launches. Where it applies (CUDA, Llama-style SiLU MLP and RMSNorms,
-# sizes: tail_step.applies) and equals the layers' modules on random inputs (checked once, at construction).
+# o_proj, residual, norm, gated MLP, residual, the next layer's input norm and (TAIL_PROJECT_NEXT) that layer's input
+# projection in one persistent launch (grid-wide barriers between the phases) instead of nine launches. Where it
+# applies (CUDA, Llama-style SiLU MLP and RMSNorms, sizes: tail_step.applies) and equals the layers' modules on random
+# inputs (checked once, at construction).
 TAIL_KERNEL = False
-# The tail kernel also prefetches the next layer's input projection into L2 (read by the next cuBLAS GEMM).
-TAIL_PREFETCH_NEXT = True
+# The tail kernel computes the next layer's input projection too (where that layer takes the lean path), which then
+# skips its own GEMM (lean.forward's z_in).
+TAIL_PROJECT_NEXT = True
 
 
 class _Clock:
@@ -318,7 +320,7 @@ class StaticDecoder:
             params.append((post, pre))
         eye = torch.eye(hidden, dtype=w.dtype, device=w.device)
         i = self._differs_from_modules(
-            lambda i, h, a: self._kernel_tail(i, h, a.contiguous(), eye, None, None, params, prefetch=False), (rows,), 2)
+            lambda i, h, a: self._kernel_tail(i, h, a.contiguous(), eye, None, None, params), (rows,), 2)
         if i is not None:
             import warnings
 
@@ -328,17 +330,28 @@ class StaticDecoder:
         return params
 
     def _kernel_tail(self, i: int, h: Tensor, y: Tensor, w_o: Tensor, b_o: Optional[Tensor], attn: Optional[tuple],
-                     params: list, prefetch: bool = True) -> tuple:
+                     params: list, proj: Optional[Any] = None) -> tuple:
         """Layer i's tail through :func:`~headscope.hybrid.tail_step.layer_tail` (h [rows, hidden], y o_proj's
-        input [rows, k_o]; ``params`` from :meth:`_tail_kernel_params`) -> (h, next layer's input or None)."""
+        input [rows, k_o]; ``params`` from :meth:`_tail_kernel_params`) -> (h, next layer's input or None); with
+        ``proj`` (the next layer's lean plan) the second is that layer's input projection."""
         (wp, ep), pre = params[i]
-        layers = self.base.layers
-        mlp = layers[i].mlp
+        mlp = self.base.layers[i].mlp
         W_gu, b_gu = self._gate_up(i)
-        pf = (_plan(layers[i + 1].self_attn).W if prefetch and TAIL_PREFETCH_NEXT and i + 1 < len(layers)
-              and hasattr(layers[i + 1].self_attn, "fa_heads") else None)
         return layer_tail(y, h, w_o, b_o, wp, ep, W_gu, b_gu, mlp.down_proj.weight, mlp.down_proj.bias,
-                          *(pre if pre is not None else (None, 0.0)), attn=attn, prefetch=pf)
+                          *(pre if pre is not None else (None, 0.0)), w_in=proj.W if proj is not None else None,
+                          b_in=proj.b if proj is not None else None, attn=attn)
+
+    def _projects(self, i: int, h: Tensor) -> Optional[Any]:
+        """The lean plan of layer i + 1 when the tail kernel of layer i can compute its input projection
+        (:data:`TAIL_PROJECT_NEXT`, the layer takes the lean path for this step, its rows a multiple of 16)."""
+        layers = self.base.layers
+        if not TAIL_PROJECT_NEXT or i + 1 >= len(layers):
+            return None
+        attn = layers[i + 1].self_attn
+        if not _lean_applies(attn, h, None, True, self.caches[i + 1]):
+            return None
+        p = _plan(attn)
+        return p if p.W.shape[0] % 16 == 0 else None
 
     def _mlp_tail(self, i: int, h: Tensor, a: Tensor, params: list) -> tuple:
         """Layer i's tail through :func:`~headscope.hybrid.mlp_step.decode_mlp` (h, a [rows, hidden]; ``params``
@@ -355,12 +368,20 @@ class StaticDecoder:
             mlp = self._mlp if (self._mlp is not None and rows <= _MLP_ROWS) else None
             tk = self._tk if (self._tk is not None and h.shape[1] == 1 and rows <= _TAIL_ROWS) else None
             x = self._tail(0, layers[0], h)
+            z = None  # the layer's input projection, when the tail kernel before computed it
             for i, (layer, dc) in enumerate(zip(layers, self.caches)):
                 if tk is not None:
-                    a, _ = layer.self_attn(x, position_embeddings=pe, cache=dc, position_ids=pos, defer_out=True)
+                    a, _ = layer.self_attn(x if z is None else h, position_embeddings=pe, cache=dc, position_ids=pos,
+                                           defer_out=True, projected=z)
+                    z = None
                     if isinstance(a, DeferredOutput):  # the combination, o_proj and the tail in one launch
-                        hn, xn = self._kernel_tail(i, h.reshape(rows, -1), a.y, a.w_o, a.b_o, a.attn, tk)
-                        h, x = hn.view_as(h), (xn.view_as(h) if xn is not None else None)
+                        proj = self._projects(i, h)
+                        hn, nxt = self._kernel_tail(i, h.reshape(rows, -1), a.y, a.w_o, a.b_o, a.attn, tk, proj)
+                        h = hn.view_as(h)
+                        if proj is not None:
+                            z, x = nxt.view(h.shape[0], 1, -1), None
+                        else:
+                            x = nxt.view_as(h) if nxt is not None else None
                         continue
                 else:
                     a, _ = layer.self_attn(x, position_embeddings=pe, cache=dc, position_ids=pos)

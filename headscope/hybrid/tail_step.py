@@ -5,20 +5,25 @@ After the attention kernel, a SmolLM2-sized decode layer launched seven more ker
 cuBLAS GEMMs of 16 rows, three compiled norm / SiLU·mul kernels; ``benchmarks/profile_decode.py``): each is bound
 by its launch and its first loads (2–4 µs on the H200), not by its few hundred KB of weights. :func:`layer_tail`
 does that chain as the *phases* of one launch of at most one program per SM, separated by grid-wide barriers
-(an atomic counter the programs wait on; every program of the launch is resident, so none waits on a program that
-never runs):
+(an atomic counter that only grows: each program adds one per barrier and waits until all have; every program of
+the launch is resident, so none waits on a program that never runs):
 
 0. the split-K combination with the output fusion (``splitk._combine_row``: FA gate, per-head RMSNorm, γ_h) into
    the FA heads' columns of ``o_proj``'s input (the GDN heads' columns are already there);
-1. ``h1 = h + o_proj(y)`` in column tiles;
-2. ``act = silu(gate(x)) · up(x)``, ``x = RMSNorm(h1)`` recomputed from the whole rows by every program;
-3. ``h2 = h1 + down(act)``;
-4. ``x_next = RMSNorm'(h2)`` (the next layer's input norm; none after the last layer).
+1. ``h1 = h + o_proj(y)`` in 16-column tiles;
+2. ``act = silu(gate(x)) · up(x)`` in 16-column tiles, ``x = RMSNorm(h1)`` from the whole rows in every program;
+3. ``h2 = h1 + down(act)`` in 16-column tiles × a few pieces of the reduction (fp32 partials, more programs with
+   shorter loops; the last piece of a tile to finish, found by a per-tile atomic counter, adds them in order);
+4. the next layer's input ``x = RMSNorm'(h2)``, or straight away its input projection ``x @ W_inᵀ + b_in`` (the
+   next attention layer's first GEMM, one cuBLAS launch fewer; ``lean.forward``'s ``z``).
 
-At the start every program prefetches its weight tiles of phases 1–3 into L2 (and a share of an optional extra
-region, e.g. the next layer's input projection), so their DRAM latency passes during phase 0 and the barriers.
-Rounding follows the modules' (each GEMM's output, the residual sums, the norms' ``weight · x.to(dtype)`` in the
-activations' dtype); products accumulate in fp32.
+Every reduction is a software-pipelined loop deep enough that all its chunks' copies into shared memory are in
+flight before the first product: a ``tl.dot``'s operands pass through shared memory behind a barrier that no later
+load moves above, so chunks loaded one after another would wait a memory latency each (the first version of this
+kernel, 17–19 µs per layer on the H200). The norms' row statistics come from the tiles of the phase before (sums
+of squares per tile, added by every program of the next phase), not from a second pass over the rows. Rounding follows the modules' (each
+GEMM's output, the residual sums, the norms' ``weight · x.to(dtype)``, SiLU then the product, in the activations'
+dtype); products accumulate in fp32.
 
 Without a GPU (Triton's interpreter, ``TRITON_INTERPRET=1``), whose programs run one after another and cannot
 wait on each other, the phases run as five launches of the same kernel.
@@ -40,7 +45,6 @@ from .shapes import Float
 BN = 16  # output columns per work item of a GEMM phase (tl.dot's smallest N)
 NUM_WARPS = 4
 MAX_ROWS = 16  # rows (sequences) of one step: one 16-row tile
-PREFETCH = True  # L2 prefetch of every program's weight tiles at the start (GPU only)
 _kernels: dict = {}
 _counters: dict = {}
 
@@ -50,97 +54,90 @@ def _make(triton, tl) -> dict:
     globals().update(_combine_row=splitk._build()["combine_row"], tl=tl)
 
     @triton.jit
-    def _grid_sync(CNT, NP: tl.constexpr):
-        # a grid-wide barrier: each program adds one to a counter that only grows (every launch adds NP per
-        # barrier, so a barrier's generation is the count // NP) and waits until the generation is complete
-        tl.debug_barrier()  # this program's stores are done before it arrives (release, cumulative)
-        old = tl.atomic_add(CNT, 1, sem="release", scope="gpu")
-        target = (old // NP + 1) * NP
-        cur = old + 1
+    def _arrive(CNT):
+        # a grid-wide barrier's arrival: this program's stores are done (bar.sync) and released with the add
+        tl.debug_barrier()
+        tl.atomic_add(CNT, 1, sem="release", scope="gpu")
+
+    @triton.jit
+    def _wait(CNT, target):
+        # ... and its wait: until every program of the launch has arrived (the count reaches target)
+        cur = tl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
         while cur < target:
             cur = tl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
 
     @triton.jit
-    def _prefetch(P, first, n, NL: tl.constexpr, LINE: tl.constexpr):
-        # L2 prefetch of the cache lines [first, first + n) of the region at P (LINE elements per 128-byte line)
-        rl = tl.arange(0, NL)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
-            "=r,l,r", [P + (first + rl).to(tl.int64) * LINE, (rl < n).to(tl.int32)], dtype=tl.int32, is_pure=False,
-            pack=1)
-
-    @triton.jit
-    def _rms(X, rows, bmask, HID: tl.constexpr, KC: tl.constexpr, eps):
-        # 1 / sqrt(mean(x²) + eps) of rows [16] of X [*, HID] (written by this launch: read past L1)
-        ss = tl.zeros([16], tl.float32)
-        for k0 in tl.static_range(0, HID, KC):
-            rk = k0 + tl.arange(0, KC)
-            x = tl.load(X + rows[:, None] * HID + rk[None, :], mask=bmask[:, None], other=0.0,
-                        cache_modifier=".cg").to(tl.float32)
-            ss += tl.sum(x * x, 1)
-        return 1.0 / tl.sqrt(ss / HID + eps)
+    def _mm(A, lda, W, ldw, rows, bmask, rn, k0, K: tl.constexpr, KC: tl.constexpr, NST: tl.constexpr,
+            PREC: tl.constexpr):
+        # [16, BN] fp32 = A[rows, k0:k0+K] @ W[rn, k0:k0+K]^T in KC-column chunks, software-pipelined NST deep: the
+        # chunks' copies into shared memory are all issued before the first product waits (A, written by this
+        # launch, is read past L1: the copies are L2-only)
+        acc = tl.zeros([16, rn.shape[0]], tl.float32)
+        for kk in tl.range(0, K, KC, num_stages=NST):
+            rk = k0 + kk + tl.arange(0, KC)
+            a = tl.load(A + rows[:, None] * lda + rk[None, :], mask=bmask[:, None], other=0.0, cache_modifier=".cg")
+            w = tl.load(W + rn[:, None] * ldw + rk[None, :])
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+        return acc
 
     @triton.jit
     def _tail(ACC, ML, O, GATE, GAMMA, sob, soh, sgb, sgh, out_eps,
-              Y, WO, BO, H, H1, WN1, eps1, WGU, BGU, ACT, WD, BD, H2, WN2, eps2, XN, CNT, XPF, xpf_lines, B,
-              HID: tl.constexpr, KO: tl.constexpr, INTER: tl.constexpr, NCOMB: tl.constexpr,
+              Y, WO, BO, H, H1, SSQ, WN1, eps1, WGU, BGU, ACT, WD, BD, DP, TCNT, H2, SSQ2, WN2, eps2, XN, WIN, BIN, Z,
+              CNT, B,
+              HID: tl.constexpr, KO: tl.constexpr, INTER: tl.constexpr, NIN: tl.constexpr, NCOMB: tl.constexpr,
               HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, SC: tl.constexpr,
               HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
-              BN: tl.constexpr, KCO: tl.constexpr, KCH: tl.constexpr, KCI: tl.constexpr,
-              HAS_BO: tl.constexpr, HAS_BGU: tl.constexpr, HAS_BD: tl.constexpr, HAS_NEXT: tl.constexpr,
-              PREC: tl.constexpr, NP: tl.constexpr, PHASES: tl.constexpr, SYNC: tl.constexpr,
-              PREFETCH: tl.constexpr, LINE: tl.constexpr, NLO: tl.constexpr, NLG: tl.constexpr, NLD: tl.constexpr,
-              NLX: tl.constexpr):
+              BN: tl.constexpr, KCO: tl.constexpr, KCH: tl.constexpr, KCI: tl.constexpr, DS: tl.constexpr,
+              NSTO: tl.constexpr, NSTH: tl.constexpr, NSTI: tl.constexpr, TP: tl.constexpr,
+              HAS_BO: tl.constexpr, HAS_BGU: tl.constexpr, HAS_BD: tl.constexpr, HAS_BIN: tl.constexpr,
+              NEXT: tl.constexpr, PREC: tl.constexpr, NP: tl.constexpr, PHASES: tl.constexpr, SYNC: tl.constexpr):
         pid = tl.program_id(0)
         DT = H.dtype.element_ty
         rb = tl.arange(0, 16)
         bmask = rb < B
         rows = rb.to(tl.int64)
-        if PREFETCH:  # this program's weight tiles of phases 1-3 (and its share of the extra region) into L2
-            for it in range(pid, HID // BN, NP):
-                _prefetch(WO, it * (BN * KO // LINE), BN * KO // LINE, NLO, LINE)
-                _prefetch(WD, it * (BN * INTER // LINE), BN * INTER // LINE, NLD, LINE)
-            for it in range(pid, INTER // BN, NP):
-                _prefetch(WGU, it * (BN * HID // LINE), BN * HID // LINE, NLG, LINE)
-                _prefetch(WGU, (INTER + it * BN) * HID // LINE, BN * HID // LINE, NLG, LINE)
-            if NLX > 0:
-                per = tl.cdiv(xpf_lines, NP)
-                _prefetch(XPF, pid * per, tl.minimum(per, xpf_lines - pid * per), NLX, LINE)
+        base = 0
+        if SYNC:  # the counter only grows, by 4 · NP per launch (four arrivals per program, waited on or not):
+            # this launch's count starts at the multiple of 4 · NP below the count now (its last barrier cannot
+            # complete before this program arrives)
+            base = tl.atomic_add(CNT, 0, sem="acquire", scope="gpu") // (4 * NP) * (4 * NP)
         # ---- phase 0: the split-K combination (+ output fusion) into the FA heads' columns of Y
         if PHASES & 1:
             for it in range(pid, NCOMB, NP):
                 _combine_row(it, ACC, ML, O, GATE, GAMMA, sob, soh, sgb, sgh, out_eps, HK, G, D, NS, SC, HAS_GATE,
                              HAS_NORM)
-            if SYNC and NCOMB > 0:
-                _grid_sync(CNT, NP)
-        # ---- phase 1: h1 = h + o_proj(y)
+            if SYNC:
+                _arrive(CNT)
+                if NCOMB > 0:
+                    _wait(CNT, base + NP)
+        # ---- phase 1: h1 = h + o_proj(y), a column tile per item; the tile's sums of squares for the norm
         if PHASES & 2:
             for it in range(pid, HID // BN, NP):
                 rn = it * BN + tl.arange(0, BN)
-                acc = tl.zeros([16, BN], tl.float32)
-                for k0 in tl.static_range(0, KO, KCO):
-                    rk = k0 + tl.arange(0, KCO)
-                    a = tl.load(Y + rows[:, None] * KO + rk[None, :], mask=bmask[:, None], other=0.0,
-                                cache_modifier=".cg")
-                    w = tl.load(WO + rn[:, None] * KO + rk[None, :])
-                    acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+                hv = tl.load(H + rows[:, None] * HID + rn[None, :], mask=bmask[:, None], other=0.0)
+                acc = _mm(Y, KO, WO, KO, rows, bmask, rn, 0, KO, KCO, NSTO, PREC)
                 if HAS_BO:
                     acc += tl.load(BO + rn).to(tl.float32)[None, :]
-                hv = tl.load(H + rows[:, None] * HID + rn[None, :], mask=bmask[:, None], other=0.0)
                 h1 = (hv.to(tl.float32) + acc.to(DT).to(tl.float32)).to(DT)
                 tl.store(H1 + rows[:, None] * HID + rn[None, :], h1, mask=bmask[:, None])
+                h1f = h1.to(tl.float32)
+                tl.store(SSQ + it * 16 + rb, tl.sum(h1f * h1f, 1))
             if SYNC:
-                _grid_sync(CNT, NP)
-        # ---- phase 2: act = silu(gate(x)) * up(x), x = RMSNorm(h1) (every program normalizes the whole rows)
+                _arrive(CNT)
+                _wait(CNT, base + 2 * NP)
+        # ---- phase 2: act = silu(gate(x)) * up(x), x = RMSNorm(h1) (the rows' statistics from phase 1's tiles)
         if PHASES & 4:
             for it in range(pid, INTER // BN, NP):
-                r1 = _rms(H1, rows, bmask, HID, KCH, eps1)
+                rt = tl.arange(0, TP)
+                ss = tl.sum(tl.load(SSQ + rt[:, None] * 16 + rb[None, :], mask=(rt < HID // BN)[:, None], other=0.0,
+                                    cache_modifier=".cg"), 0)
+                r1 = 1.0 / tl.sqrt(ss / HID + eps1)
                 rn = it * BN + tl.arange(0, BN)
                 acg = tl.zeros([16, BN], tl.float32)
                 acu = tl.zeros([16, BN], tl.float32)
-                for k0 in tl.static_range(0, HID, KCH):
-                    rk = k0 + tl.arange(0, KCH)
+                for kk in tl.range(0, HID, KCH, num_stages=NSTH):
+                    rk = kk + tl.arange(0, KCH)
                     hv = tl.load(H1 + rows[:, None] * HID + rk[None, :], mask=bmask[:, None], other=0.0,
                                  cache_modifier=".cg").to(tl.float32)
                     x = (tl.load(WN1 + rk).to(tl.float32)[None, :] * (hv * r1[:, None]).to(DT).to(tl.float32)).to(DT)
@@ -156,38 +153,73 @@ def _make(triton, tl) -> dict:
                 act = (sg * acu.to(DT).to(tl.float32)).to(DT)
                 tl.store(ACT + rows[:, None] * INTER + rn[None, :], act, mask=bmask[:, None])
             if SYNC:
-                _grid_sync(CNT, NP)
-        # ---- phase 3: h2 = h1 + down(act)
+                _arrive(CNT)
+                _wait(CNT, base + 3 * NP)
+        # ---- phase 3: h2 = h1 + down(act), and the tile's sums of squares: per 16-column tile, DS pieces of the
+        # reduction on as many programs (fp32 partials); the tile's last piece to finish adds them in order
         if PHASES & 8:
-            for it in range(pid, HID // BN, NP):
-                rn = it * BN + tl.arange(0, BN)
-                acc = tl.zeros([16, BN], tl.float32)
-                for k0 in tl.static_range(0, INTER, KCI):
-                    rk = k0 + tl.arange(0, KCI)
-                    a = tl.load(ACT + rows[:, None] * INTER + rk[None, :], mask=bmask[:, None], other=0.0,
-                                cache_modifier=".cg")
-                    w = tl.load(WD + rn[:, None] * INTER + rk[None, :])
-                    acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
-                if HAS_BD:
-                    acc += tl.load(BD + rn).to(tl.float32)[None, :]
-                hv = tl.load(H1 + rows[:, None] * HID + rn[None, :], mask=bmask[:, None], other=0.0,
-                             cache_modifier=".cg")
-                h2 = (hv.to(tl.float32) + acc.to(DT).to(tl.float32)).to(DT)
-                tl.store(H2 + rows[:, None] * HID + rn[None, :], h2, mask=bmask[:, None])
-            if SYNC and HAS_NEXT:
-                _grid_sync(CNT, NP)
-        # ---- phase 4: the next layer's input norm
+            for it in range(pid, (HID // BN) * DS, NP):
+                sp = it % DS
+                t = it // DS
+                rn = t * BN + tl.arange(0, BN)
+                acc = _mm(ACT, INTER, WD, INTER, rows, bmask, rn, sp * (INTER // DS), INTER // DS, KCI, NSTI, PREC)
+                last = True
+                if DS > 1:
+                    tl.store(DP + (sp * 16 + rows[:, None]) * HID + rn[None, :], acc)
+                    if SYNC:  # the tile's counter grows by DS per launch: the DS-th arrival is the last
+                        tl.debug_barrier()
+                        last = tl.atomic_add(TCNT + t, 1, sem="acq_rel", scope="gpu") % DS == DS - 1
+                    else:  # the interpreter runs the programs in order, one item each
+                        last = sp == DS - 1
+                if last:
+                    if DS > 1:
+                        acc = tl.zeros([16, BN], tl.float32)
+                        for s in tl.static_range(DS):
+                            acc += tl.load(DP + (s * 16 + rows[:, None]) * HID + rn[None, :], cache_modifier=".cg")
+                    if HAS_BD:
+                        acc += tl.load(BD + rn).to(tl.float32)[None, :]
+                    hv = tl.load(H1 + rows[:, None] * HID + rn[None, :], mask=bmask[:, None], other=0.0,
+                                 cache_modifier=".cg")
+                    h2 = (hv.to(tl.float32) + acc.to(DT).to(tl.float32)).to(DT)
+                    tl.store(H2 + rows[:, None] * HID + rn[None, :], h2, mask=bmask[:, None])
+                    h2f = h2.to(tl.float32)
+                    tl.store(SSQ2 + t * 16 + rb, tl.sum(h2f * h2f, 1))
+            if SYNC:
+                _arrive(CNT)
+                if NEXT > 0:
+                    _wait(CNT, base + 4 * NP)
+        # ---- phase 4: the next layer's input norm (NEXT = 1: x_next), or its input projection of the normalized
+        # rows (NEXT = 2: z = RMSNorm'(h2) @ W_in^T + b_in, what the next layer's attention would compute first)
         if PHASES & 16:
-            if HAS_NEXT:
+            if NEXT > 0:
+                rt = tl.arange(0, TP)
+                ss2 = tl.sum(tl.load(SSQ2 + rt[:, None] * 16 + rb[None, :], mask=(rt < HID // BN)[:, None],
+                                     other=0.0, cache_modifier=".cg"), 0)
+                r2 = 1.0 / tl.sqrt(ss2 / HID + eps2)
+            if NEXT == 1:
                 for it in range(pid, HID // BN, NP):
-                    r2 = _rms(H2, rows, bmask, HID, KCH, eps2)
                     rn = it * BN + tl.arange(0, BN)
                     hv = tl.load(H2 + rows[:, None] * HID + rn[None, :], mask=bmask[:, None], other=0.0,
                                  cache_modifier=".cg").to(tl.float32)
-                    xn = (tl.load(WN2 + rn).to(tl.float32)[None, :] * (hv * r2[:, None]).to(DT).to(tl.float32))
+                    xn = tl.load(WN2 + rn).to(tl.float32)[None, :] * (hv * r2[:, None]).to(DT).to(tl.float32)
                     tl.store(XN + rows[:, None] * HID + rn[None, :], xn.to(DT), mask=bmask[:, None])
+            if NEXT == 2:
+                for it in range(pid, NIN // BN, NP):
+                    rn = it * BN + tl.arange(0, BN)
+                    acc = tl.zeros([16, BN], tl.float32)
+                    for kk in tl.range(0, HID, KCH, num_stages=NSTH):
+                        rk = kk + tl.arange(0, KCH)
+                        hv = tl.load(H2 + rows[:, None] * HID + rk[None, :], mask=bmask[:, None], other=0.0,
+                                     cache_modifier=".cg").to(tl.float32)
+                        x = (tl.load(WN2 + rk).to(tl.float32)[None, :] * (hv * r2[:, None]).to(DT).to(tl.float32)
+                             ).to(DT)
+                        w = tl.load(WIN + rn[:, None] * HID + rk[None, :])
+                        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+                    if HAS_BIN:
+                        acc += tl.load(BIN + rn).to(tl.float32)[None, :]
+                    tl.store(Z + rows[:, None] * NIN + rn[None, :], acc.to(DT), mask=bmask[:, None])
 
-    globals().update(_grid_sync=_grid_sync, _prefetch=_prefetch, _rms=_rms)  # the interpreter's name lookup
+    globals().update(_arrive=_arrive, _wait=_wait, _mm=_mm)
     return {"tail": _tail}
 
 
@@ -196,28 +228,49 @@ def _build() -> dict:
     return splitk.build_kernels(_kernels, _make)
 
 
+MAX_STAGES = 25  # the deepest software pipeline of a work item's reduction (shared memory: ≤ 25 × 4 KB)
+DOWN_PIECE = 512  # the longest piece of the down projection's reduction per work item (phase 3)
+
+
 def _chunk(k: int) -> int:
-    """The reduction chunk of a K-long row: the largest power of two ≤ 128 that divides k (0: none ≥ 16)."""
-    c = 128
-    while c >= 16 and k % c:
-        c //= 2
-    return c if c >= 16 else 0
+    """The reduction chunk of a k-long row: 64, 32 or 16 columns, the largest that divides k (0: none)."""
+    return next((c for c in (64, 32, 16) if k % c == 0), 0)
+
+
+def _stages(k: int) -> int:
+    """Pipeline depth of a k-long reduction: every chunk in flight at once, up to :data:`MAX_STAGES`."""
+    return max(2, min(MAX_STAGES, k // _chunk(k) + 1))
+
+
+def down_pieces(inter: int) -> int:
+    """How many equal pieces phase 3 cuts the down projection's reduction into: the fewest of at most
+    :data:`DOWN_PIECE` columns, a multiple of 16 each (1 where none up to 16 pieces is)."""
+    return next((n for n in range(1, 17) if inter % n == 0 and inter // n <= DOWN_PIECE and inter // n % 16 == 0), 1)
+
+
+def _tile_counters(dev: torch.device, n_tiles: int, pieces: int) -> Tensor:
+    """Phase 3's per-tile arrival counters (int32, each grows by ``pieces`` per launch; one set per shape)."""
+    key = ("tiles", str(dev), n_tiles, pieces)
+    c = _counters.get(key)
+    if c is None:
+        c = _counters[key] = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
+    return c
 
 
 def applies(rows: int, hidden: int, k_o: int, inter: int, device: torch.device) -> bool:
     """Whether :func:`layer_tail` runs for these sizes here: triton, CUDA (or Triton's interpreter), ≤ 16 rows, and
-    ``hidden``, ``inter`` multiples of :data:`BN` with every reduction length (``k_o`` = o_proj's input, hidden,
-    inter) a multiple of 16."""
+    ``hidden``, ``inter`` and o_proj's input ``k_o`` multiples of 16."""
     if not splitk.triton_available() or rows > MAX_ROWS:
         return False
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
-    return hidden % BN == 0 and inter % BN == 0 and all(_chunk(k) for k in (k_o, hidden, inter))
+    return hidden % BN == 0 and inter % BN == 0 and k_o % 16 == 0
 
 
 def _counter(dev: torch.device, n_programs: int) -> Tensor:
-    """The grid barrier's counter of launches of ``n_programs`` programs on ``dev`` (one int64 that only grows; one
-    per grid size, so that every barrier's generation is count // n_programs)."""
+    """The grid barriers' counter of launches of ``n_programs`` programs on ``dev``: one int64 that only grows, by
+    4 · n_programs per launch, one per grid size (a launch finds its start as the multiple of 4 · n_programs below
+    the count). Launches that share it must not run concurrently (one stream)."""
     key = (str(dev), n_programs)
     c = _counters.get(key)
     if c is None:
@@ -238,12 +291,14 @@ def layer_tail(
     b_down: Optional[Tensor],
     w_next: Optional[Float[Tensor, " hidden"]] = None,
     eps_next: float = 0.0,
+    w_in: Optional[Float[Tensor, "n_in hidden"]] = None,
+    b_in: Optional[Tensor] = None,
     attn: Optional[tuple] = None,
-    prefetch: Optional[Tensor] = None,
-) -> tuple[Float[Tensor, "batch hidden"], Optional[Float[Tensor, "batch hidden"]]]:
+) -> tuple[Float[Tensor, "batch hidden"], Optional[Float[Tensor, "batch n"]]]:
     """A decode step's layer tail of a Llama-family layer (SiLU-gated MLP, RMSNorms) in one launch (see the module
     docstring): ``h1 = h + o_proj(y)``, ``h2 = h1 + down(silu(gate(x)) · up(x))`` with ``x = RMSNorm(h1)``,
-    and the next layer's input ``RMSNorm'(h2)``.
+    and the next layer's input ``RMSNorm'(h2)`` — or, with ``w_in``, that input's projection
+    ``RMSNorm'(h2) @ w_inᵀ + b_in`` (the next attention layer's first GEMM).
 
     Args:
         y: o_proj's input [batch ≤ 16, k_o], contiguous. With ``attn`` its FA heads' columns are written by the
@@ -255,14 +310,15 @@ def layer_tail(
             (or None).
         w_down, b_down: the down projection's weight [hidden, inter] and bias (or None).
         w_next, eps_next: the next layer's input RMSNorm (None after the last layer).
+        w_in, b_in: the next layer's input projection [n_in, hidden] (n_in a multiple of 16) and bias, applied to the
+            normalized rows (needs ``w_next``); None: the normalized rows are returned.
         attn: ``(sp, gate, gamma, eps)``: the split-K partials of :func:`~headscope.hybrid.splitk.setup` (after the
             partial kernel ran) and the output fusion of :func:`~headscope.hybrid.splitk.combine`; None: y is
             complete.
-        prefetch: a contiguous tensor to bring into L2 during the launch (e.g. the next layer's input projection,
-            read by the next kernel), or None.
 
     Returns:
-        (h2 [batch, hidden], x_next [batch, hidden] or None), new tensors in h's dtype.
+        (h2 [batch, hidden], x_next [batch, hidden] — or z [batch, n_in] with ``w_in`` — or None), new tensors in
+        h's dtype.
 
     Raises:
         ValueError: sizes or dtypes that disagree, or sizes where :func:`applies` is False (use
@@ -277,10 +333,14 @@ def layer_tail(
     hid = h.shape[1]
     inter = w_down.shape[1]
     if (h.shape[0] != B or w_o.shape != (hid, k_o) or w_gu.shape != (2 * inter, hid) or w_down.shape != (hid, inter)
-            or w_post.shape != (hid,) or (w_next is not None and w_next.shape != (hid,))):
+            or w_post.shape != (hid,) or (w_next is not None and w_next.shape != (hid,))
+            or (w_in is not None and (w_next is None or w_in.dim() != 2 or w_in.shape[1] != hid or w_in.shape[0] % BN))):
         raise ValueError(f"layer_tail: sizes disagree: y {tuple(y.shape)}, h {tuple(h.shape)}, w_o {tuple(w_o.shape)}, "
-                         f"w_gu {tuple(w_gu.shape)}, w_down {tuple(w_down.shape)}, w_post {tuple(w_post.shape)}")
-    for name, t in (("y", y), ("h", h), ("w_o", w_o), ("w_gu", w_gu), ("w_down", w_down)):
+                         f"w_gu {tuple(w_gu.shape)}, w_down {tuple(w_down.shape)}, w_post {tuple(w_post.shape)}, "
+                         f"w_in {None if w_in is None else tuple(w_in.shape)} (rows a multiple of {BN}; with w_next)")
+    for name, t in (("y", y), ("h", h), ("w_o", w_o), ("w_gu", w_gu), ("w_down", w_down), ("w_in", w_in)):
+        if t is None:
+            continue
         if t.dtype != h.dtype or not t.is_contiguous():
             raise ValueError(f"layer_tail: {name} must be contiguous in h's dtype {h.dtype}")
     splitk.require_kernel("layer_tail", "layer_tail_torch", h)
@@ -293,7 +353,11 @@ def layer_tail(
                          "there, or layer_tail_torch")
     h1, h2 = torch.empty_like(h), torch.empty_like(h)
     act = h.new_empty(B, inter)
-    xn = torch.empty_like(h) if w_next is not None else None
+    ssq = torch.empty(2, hid // BN, MAX_ROWS, dtype=torch.float32, device=h.device)  # phases 1 and 3
+    DS = down_pieces(inter)
+    dp = torch.empty(DS, MAX_ROWS, hid, dtype=torch.float32, device=h.device) if DS > 1 else ssq
+    nxt = 0 if w_next is None else (2 if w_in is not None else 1)
+    out = None if nxt == 0 else (torch.empty_like(h) if nxt == 1 else h.new_empty(B, w_in.shape[0]))
     if attn is not None:
         sp, gate, gamma, out_eps = attn
         o = sp.o
@@ -306,33 +370,29 @@ def layer_tail(
     else:
         comb = (y, y, y, y, y, 0, 0, 0, 0, 0.0)
         cmeta = dict(NCOMB=0, HK=1, G=1, D=16, NS=1, SC=2, HAS_GATE=False, HAS_NORM=False)
-    line = 128 // h.element_size()
-    pf = prefetch is not None and PREFETCH and not interp
-    xlines = prefetch.numel() * prefetch.element_size() // 128 if pf else 0
-    n_items = max(cmeta["NCOMB"], hid // BN, inter // BN)
+    n_items = max(cmeta["NCOMB"], inter // BN, (hid // BN) * DS, w_in.shape[0] // BN if nxt == 2 else 0)
     NP = n_items if interp else min(n_items, splitk._sm_count(h.device))
     dummy = h1
-    args = (*comb, y, w_o, b_o if b_o is not None else dummy, h, h1, w_post, float(eps_post), w_gu,
-            b_gu if b_gu is not None else dummy, act, w_down, b_down if b_down is not None else dummy, h2,
-            w_next if w_next is not None else w_post, float(eps_next), xn if xn is not None else dummy,
-            _counter(h.device, NP), prefetch if pf else dummy, xlines, B)
+    args = (*comb, y, w_o, b_o if b_o is not None else dummy, h, h1, ssq[0], w_post, float(eps_post), w_gu,
+            b_gu if b_gu is not None else dummy, act, w_down, b_down if b_down is not None else dummy, dp,
+            _tile_counters(h.device, hid // BN, DS), h2, ssq[1],
+            w_next if w_next is not None else w_post, float(eps_next), out if nxt == 1 else dummy,
+            w_in if w_in is not None else w_o, b_in if b_in is not None else dummy, out if nxt == 2 else dummy,
+            _counter(h.device, NP), B)
 
-    def p2(n: int) -> int:
-        return 1 << max(0, (max(1, n) - 1).bit_length())
-
-    meta = dict(HID=hid, KO=k_o, INTER=inter, **cmeta, BN=BN, KCO=_chunk(k_o), KCH=_chunk(hid), KCI=_chunk(inter),
-                HAS_BO=b_o is not None, HAS_BGU=b_gu is not None, HAS_BD=b_down is not None,
-                HAS_NEXT=w_next is not None, PREC="ieee" if h.dtype == torch.float32 else "tf32", NP=NP,
-                LINE=line, NLO=p2(BN * k_o // line), NLG=p2(BN * hid // line), NLD=p2(BN * inter // line),
-                NLX=p2(-(-xlines // NP)) if pf else 0)
+    p2 = lambda n: 1 << max(0, (max(1, n) - 1).bit_length())  # noqa: E731
+    meta = dict(HID=hid, KO=k_o, INTER=inter, NIN=w_in.shape[0] if nxt == 2 else 0, **cmeta, BN=BN,
+                KCO=_chunk(k_o), KCH=_chunk(hid), KCI=_chunk(inter // DS), DS=DS, NSTO=_stages(k_o),
+                NSTH=_stages(hid), NSTI=_stages(inter // DS), TP=p2(hid // BN), HAS_BO=b_o is not None, HAS_BGU=b_gu is not None,
+                HAS_BD=b_down is not None, HAS_BIN=b_in is not None, NEXT=nxt, PREC="ieee" if h.dtype == torch.float32 else "tf32", NP=NP)
     kern = _build()["tail"]
     with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
         if interp:  # programs run one after another: one launch per phase
             for ph in range(5):
-                kern[(NP,)](*args, **meta, PHASES=1 << ph, SYNC=False, PREFETCH=False, num_warps=NUM_WARPS)
+                kern[(NP,)](*args, **meta, PHASES=1 << ph, SYNC=False, num_warps=NUM_WARPS)
         else:
-            kern[(NP,)](*args, **meta, PHASES=31, SYNC=True, PREFETCH=PREFETCH, num_warps=NUM_WARPS)
-    return h2, xn
+            kern[(NP,)](*args, **meta, PHASES=31, SYNC=True, num_warps=NUM_WARPS)
+    return h2, out
 
 
 def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -344,10 +404,13 @@ def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
 def layer_tail_torch(
     y: Tensor, h: Tensor, w_o: Tensor, b_o: Optional[Tensor], w_post: Tensor, eps_post: float, w_gu: Tensor,
     b_gu: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], w_next: Optional[Tensor] = None,
-    eps_next: float = 0.0,
+    eps_next: float = 0.0, w_in: Optional[Tensor] = None, b_in: Optional[Tensor] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """:func:`layer_tail`'s computation in PyTorch for a complete ``y`` (no ``attn``): the reference, any device."""
     h1 = h + F.linear(y, w_o, b_o)
     g, u = F.linear(_rms_norm(h1, w_post, eps_post), w_gu, b_gu).chunk(2, dim=-1)
     h2 = h1 + F.linear(F.silu(g) * u, w_down, b_down)
-    return h2, (_rms_norm(h2, w_next, eps_next) if w_next is not None else None)
+    if w_next is None:
+        return h2, None
+    x = _rms_norm(h2, w_next, eps_next)
+    return h2, (F.linear(x, w_in, b_in) if w_in is not None else x)
