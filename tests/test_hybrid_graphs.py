@@ -265,6 +265,7 @@ def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion):
     monkeypatch.setattr(static, "layer_tail",
                         lambda *a, **k: calls.append((k["attn"] is not None, k["w_in"] is not None)) or real(*a, **k))
     with torch.no_grad():
+        monkeypatch.setattr(static, "TAIL_KERNEL", False)  # the reference: the compiled tail
         ref_dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
         ref = ref_dec.generate(ids, 5)
         monkeypatch.setattr(static, "TAIL_KERNEL", True)

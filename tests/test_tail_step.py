@@ -127,6 +127,31 @@ def test_applies_and_bad_input_name_the_fix():
         layer_tail(torch.randn(17, 32).to(DEV), torch.randn(17, 32).to(DEV), **w)
 
 
+def test_a_precomputed_input_projection_equals_the_layers_own(monkeypatch):
+    """lean.forward's z_in (the module's ``projected=``, what the tail kernel hands the next layer): the same output
+    and cache as the layer computing x @ Wᵀ + b itself; a wrong shape, or a call off the lean path, names the fix."""
+    import headscope.hybrid.lean as lean
+    from test_hybrid_graphs import _hybrid
+
+    monkeypatch.setattr(lean, "ENABLE", True)
+    attn = _hybrid().model.layers[0].self_attn
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 1, attn.q_proj.weight.shape[1], generator=g)
+    cos, sin = torch.randn(2, 1, attn.head_dim, generator=g), torch.randn(2, 1, attn.head_dim, generator=g)
+    p = lean.plan(attn)
+    with torch.no_grad():
+        z = torch.nn.functional.linear(x, p.W, p.b)
+        c1, c2 = attn.new_decode_cache(2, 8), attn.new_decode_cache(2, 8)
+        ref, _ = attn(x, position_embeddings=(cos, sin), cache=c1)
+        got, _ = attn(torch.zeros_like(x), position_embeddings=(cos, sin), cache=c2, projected=z)
+        assert torch.equal(got, ref) and torch.equal(c1.S, c2.S) and torch.equal(c1.k, c2.k) and c2.length == 1
+        with pytest.raises(ValueError, match="z_in must be the input projection"):
+            attn(x, position_embeddings=(cos, sin), cache=attn.new_decode_cache(2, 8), projected=z[..., :-1])
+        monkeypatch.setattr(lean, "ENABLE", False)
+        with pytest.raises(ValueError, match="projected= needs the lean path"):
+            attn(x, position_embeddings=(cos, sin), cache=attn.new_decode_cache(2, 8), projected=z)
+
+
 @gpu
 def test_kernel_in_bf16_at_the_smollm2_shape_and_in_a_graph():
     """One launch with grid-wide barriers (132 programs on the H200): equals the reference within bf16 GEMM
@@ -156,7 +181,7 @@ def test_kernel_in_bf16_at_the_smollm2_shape_and_in_a_graph():
 
 
 @gpu
-def test_graphed_greedy_decoding_with_the_tail_kernel():
+def test_graphed_greedy_decoding_with_the_tail_kernel(monkeypatch):
     """StaticDecoder with static.TAIL_KERNEL on CUDA (fp32: exact products): the graphed greedy tokens equal the
     compiled tail's, one step's logits agree within fp32 rounding, and every decode step's layers took the kernel."""
     import headscope.hybrid.static as static
@@ -169,20 +194,16 @@ def test_graphed_greedy_decoding_with_the_tail_kernel():
     calls = []
     real = static.layer_tail
     with torch.no_grad():
+        monkeypatch.setattr(static, "TAIL_KERNEL", False)  # the reference: the compiled tail
         ref_dec = StaticDecoder(model, batch=2, max_len=40, compile_tail=True)
         ref = ref_dec.generate(ids, 8, cuda_graph=True)
-        old = static.TAIL_KERNEL
-        static.TAIL_KERNEL = True
-        static.layer_tail = lambda *a, **k: calls.append(k["attn"] is not None) or real(*a, **k)
-        try:
-            dec = StaticDecoder(model, batch=2, max_len=40, compile_tail=True)
-            assert dec._tk is not None
-            calls.clear()
-            got = dec.generate(ids, 8, cuda_graph=True)
-            assert calls and all(calls)  # the captured step's layers (and the warm-ups)
-            assert torch.equal(got, ref)
-            ref_dec.prefill(ids), dec.prefill(ids)
-            torch.testing.assert_close(dec.step(ids[:, -1:]), ref_dec.step(ids[:, -1:]), rtol=1e-4, atol=1e-4)
-        finally:
-            static.TAIL_KERNEL = old
-            static.layer_tail = real
+        monkeypatch.setattr(static, "TAIL_KERNEL", True)
+        monkeypatch.setattr(static, "layer_tail", lambda *a, **k: calls.append(k["attn"] is not None) or real(*a, **k))
+        dec = StaticDecoder(model, batch=2, max_len=40, compile_tail=True)
+        assert dec._tk is not None
+        calls.clear()
+        got = dec.generate(ids, 8, cuda_graph=True)
+        assert calls and all(calls)  # the captured step's layers (and the warm-ups)
+        assert torch.equal(got, ref)
+        ref_dec.prefill(ids), dec.prefill(ids)
+        torch.testing.assert_close(dec.step(ids[:, -1:]), ref_dec.step(ids[:, -1:]), rtol=1e-4, atol=1e-4)

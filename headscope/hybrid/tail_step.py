@@ -1,29 +1,31 @@
 """A decode step's layer tail in one persistent Triton launch: the split-K combination, ``o_proj`` and the
-residual, the post-attention RMSNorm, the gated MLP and its residual, and the next layer's input RMSNorm.
+residual, the post-attention RMSNorm, the gated MLP and its residual, the next layer's input RMSNorm and, optionally,
+that layer's input projection.
 
-After the attention kernel, a SmolLM2-sized decode layer launched seven more kernels (the combination, four
-cuBLAS GEMMs of 16 rows, three compiled norm / SiLU·mul kernels; ``benchmarks/profile_decode.py``): each is bound
-by its launch and its first loads (2–4 µs on the H200), not by its few hundred KB of weights. :func:`layer_tail`
-does that chain as the *phases* of one launch of at most one program per SM, separated by grid-wide barriers
-(an atomic counter that only grows: each program adds one per barrier and waits until all have; every program of
-the launch is resident, so none waits on a program that never runs):
+After the attention kernel, a SmolLM2-sized decode layer launched nine more kernels (the combination, five cuBLAS
+GEMMs of 16 rows counting the next layer's input projection, three compiled norm / SiLU·mul kernels;
+``benchmarks/profile_decode.py``): each is bound by its launch and its first loads (2–4 µs on the H200), not by its
+few hundred KB of weights. :func:`layer_tail` does that chain as the *phases* of one launch of at most one program
+per SM, separated by grid-wide barriers (an atomic counter that only grows: each program adds one per barrier and
+waits until all have; every program of the launch is resident, so none waits on a program that never runs):
 
 0. the split-K combination with the output fusion (``splitk._combine_row``: FA gate, per-head RMSNorm, γ_h) into
    the FA heads' columns of ``o_proj``'s input (the GDN heads' columns are already there);
 1. ``h1 = h + o_proj(y)`` in 16-column tiles;
-2. ``act = silu(gate(x)) · up(x)`` in 16-column tiles, ``x = RMSNorm(h1)`` from the whole rows in every program;
+2. ``act = silu(gate(x)) · up(x)`` in 16-column tiles, ``x = RMSNorm(h1)``;
 3. ``h2 = h1 + down(act)`` in 16-column tiles × a few pieces of the reduction (fp32 partials, more programs with
    shorter loops; the last piece of a tile to finish, found by a per-tile atomic counter, adds them in order);
 4. the next layer's input ``x = RMSNorm'(h2)``, or straight away its input projection ``x @ W_inᵀ + b_in`` (the
-   next attention layer's first GEMM, one cuBLAS launch fewer; ``lean.forward``'s ``z``).
+   next attention layer's first GEMM; ``lean.forward``'s ``z_in``).
 
 Every reduction is a software-pipelined loop deep enough that all its chunks' copies into shared memory are in
 flight before the first product: a ``tl.dot``'s operands pass through shared memory behind a barrier that no later
 load moves above, so chunks loaded one after another would wait a memory latency each (the first version of this
-kernel, 17–19 µs per layer on the H200). The norms' row statistics come from the tiles of the phase before (sums
-of squares per tile, added by every program of the next phase), not from a second pass over the rows. Rounding follows the modules' (each
-GEMM's output, the residual sums, the norms' ``weight · x.to(dtype)``, SiLU then the product, in the activations'
-dtype); products accumulate in fp32.
+kernel, 17–19 µs per layer on the H200; this one 19–20 µs with the next projection, against ~29 µs for the launches
+it replaces). The norms' row statistics come from the tiles of the phase before (sums of squares per tile, added by
+every program of the next phase), not from a second pass over the rows. Rounding follows the modules' (each GEMM's
+output, the residual sums, the norms' ``weight · x.to(dtype)``, SiLU then the product, in the activations' dtype);
+products accumulate in fp32.
 
 Without a GPU (Triton's interpreter, ``TRITON_INTERPRET=1``), whose programs run one after another and cannot
 wait on each other, the phases run as five launches of the same kernel.
@@ -343,6 +345,9 @@ def layer_tail(
             continue
         if t.dtype != h.dtype or not t.is_contiguous():
             raise ValueError(f"layer_tail: {name} must be contiguous in h's dtype {h.dtype}")
+    if attn is not None and (attn[0].B != B or attn[0].o.device != y.device):
+        raise ValueError(f"layer_tail: attn's split-K launch has {attn[0].B} rows on {attn[0].o.device}; y has {B} on "
+                         f"{y.device} (its output buffer must be a view of y)")
     splitk.require_kernel("layer_tail", "layer_tail_torch", h)
     if not applies(B, hid, k_o, inter, h.device):
         raise ValueError(f"layer_tail does not apply to {B} rows, hidden {hid}, o_proj input {k_o}, MLP {inter} "
