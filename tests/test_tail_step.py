@@ -152,6 +152,31 @@ def test_a_precomputed_input_projection_equals_the_layers_own(monkeypatch):
             attn(x, position_embeddings=(cos, sin), cache=attn.new_decode_cache(2, 8), projected=z)
 
 
+def test_a_deferred_output_finishes_as_the_layers_own(monkeypatch):
+    """defer_out=True on a decode step of the one-launch path: a lean.DeferredOutput (the split-K partials, o_proj's
+    input with the GDN heads' columns written) whose finish() (the combination, then o_proj) is the plain output."""
+    import headscope.hybrid.lean as lean
+    from test_hybrid_graphs import _hybrid
+
+    if not tail_step.applies(2, 64, 64, 64, torch.device(DEV)) or DEV == "cuda":
+        pytest.skip("the CPU model through Triton's interpreter")
+    monkeypatch.setattr(lean, "ENABLE", True)
+    attn = _hybrid().model.layers[0].self_attn
+    g = torch.Generator().manual_seed(1)
+    x0, x1 = (torch.randn(2, 1, attn.q_proj.weight.shape[1], generator=g) for _ in range(2))
+    pe = [(torch.randn(2, 1, attn.head_dim, generator=g), torch.randn(2, 1, attn.head_dim, generator=g))
+          for _ in range(2)]
+    with torch.no_grad():
+        c1, c2 = attn.new_decode_cache(2, 8), attn.new_decode_cache(2, 8)
+        for c in (c1, c2):
+            attn(x0, position_embeddings=pe[0], cache=c)
+        ref, _ = attn(x1, position_embeddings=pe[1], cache=c1)
+        d, _ = attn(x1, position_embeddings=pe[1], cache=c2, defer_out=True)
+        assert isinstance(d, lean.DeferredOutput) and d.y.shape == (2, attn.q_proj.weight.shape[0])
+        torch.testing.assert_close(d.finish(), ref, rtol=1e-6, atol=1e-6)
+        assert torch.equal(c1.S, c2.S) and torch.equal(c1.k, c2.k) and c2.length == 2
+
+
 @gpu
 def test_kernel_in_bf16_at_the_smollm2_shape_and_in_a_graph():
     """One launch with grid-wide barriers (132 programs on the H200): equals the reference within bf16 GEMM

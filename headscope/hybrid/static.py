@@ -377,6 +377,9 @@ class StaticDecoder:
                     a, _ = layer.self_attn(x if z is None else h, position_embeddings=pe, cache=dc, position_ids=pos,
                                            defer_out=True, projected=z)
                     z = None
+                    if isinstance(a, DeferredOutput) and not _tail_applies(
+                            rows, h.shape[-1], a.y.shape[1], layer.mlp.down_proj.weight.shape[1], h.device):
+                        a = a.finish()  # o_proj's input of a size the kernel does not take: the separate kernels
                     if isinstance(a, DeferredOutput):  # the combination, o_proj and the tail in one launch
                         proj = self._projects(i, h)
                         hn, nxt = self._kernel_tail(i, h.reshape(rows, -1), a.y, a.w_o, a.b_o, a.attn, tk, proj)

@@ -21,11 +21,11 @@ waits until all have; every program of the launch is resident, so none waits on 
 Every reduction is a software-pipelined loop deep enough that all its chunks' copies into shared memory are in
 flight before the first product: a ``tl.dot``'s operands pass through shared memory behind a barrier that no later
 load moves above, so chunks loaded one after another would wait a memory latency each (the first version of this
-kernel, 17–19 µs per layer on the H200; this one 19–20 µs with the next projection, against ~29 µs for the launches
-it replaces). The norms' row statistics come from the tiles of the phase before (sums of squares per tile, added by
-every program of the next phase), not from a second pass over the rows. Rounding follows the modules' (each GEMM's
-output, the residual sums, the norms' ``weight · x.to(dtype)``, SiLU then the product, in the activations' dtype);
-products accumulate in fp32.
+kernel, 17–19 µs per layer on the H200; this one 19–20 µs with the next projection, against ~29 µs for the
+launches it replaces). The norms' row statistics come from the tiles of the phase before (sums of squares per
+tile, added by every program of the next phase), not from a second pass over the rows. Rounding follows the
+modules' (each GEMM's output, the residual sums, the norms' ``weight · x.to(dtype)``, SiLU then the product, in the
+activations' dtype); products accumulate in fp32.
 
 Without a GPU (Triton's interpreter, ``TRITON_INTERPRET=1``), whose programs run one after another and cannot
 wait on each other, the phases run as five launches of the same kernel.
@@ -84,6 +84,18 @@ def _make(triton, tl) -> dict:
         return acc
 
     @triton.jit
+    def _residual(acc, BIAS, r, OUT, SSQ, t, rows, rb, bmask, rn, HID: tl.constexpr, HAS_BIAS: tl.constexpr):
+        # a column tile of out = r + (acc + bias), rounded as the modules round (the GEMM's output, then the sum), and
+        # the tile's sums of squares per row for the next norm
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rn).to(tl.float32)[None, :]
+        DT = OUT.dtype.element_ty
+        o = (r.to(tl.float32) + acc.to(DT).to(tl.float32)).to(DT)
+        tl.store(OUT + rows[:, None] * HID + rn[None, :], o, mask=bmask[:, None])
+        of = o.to(tl.float32)
+        tl.store(SSQ + t * 16 + rb, tl.sum(of * of, 1))
+
+    @triton.jit
     def _tail(ACC, ML, O, GATE, GAMMA, sob, soh, sgb, sgh, out_eps,
               Y, WO, BO, H, H1, SSQ, WN1, eps1, WGU, BGU, ACT, WD, BD, DP, TCNT, H2, SSQ2, WN2, eps2, XN, WIN, BIN, Z,
               CNT, B,
@@ -119,12 +131,7 @@ def _make(triton, tl) -> dict:
                 rn = it * BN + tl.arange(0, BN)
                 hv = tl.load(H + rows[:, None] * HID + rn[None, :], mask=bmask[:, None], other=0.0)
                 acc = _mm(Y, KO, WO, KO, rows, bmask, rn, 0, KO, KCO, NSTO, PREC)
-                if HAS_BO:
-                    acc += tl.load(BO + rn).to(tl.float32)[None, :]
-                h1 = (hv.to(tl.float32) + acc.to(DT).to(tl.float32)).to(DT)
-                tl.store(H1 + rows[:, None] * HID + rn[None, :], h1, mask=bmask[:, None])
-                h1f = h1.to(tl.float32)
-                tl.store(SSQ + it * 16 + rb, tl.sum(h1f * h1f, 1))
+                _residual(acc, BO, hv, H1, SSQ, it, rows, rb, bmask, rn, HID, HAS_BO)
             if SYNC:
                 _arrive(CNT)
                 _wait(CNT, base + 2 * NP)
@@ -178,14 +185,9 @@ def _make(triton, tl) -> dict:
                         acc = tl.zeros([16, BN], tl.float32)
                         for s in tl.static_range(DS):
                             acc += tl.load(DP + (s * 16 + rows[:, None]) * HID + rn[None, :], cache_modifier=".cg")
-                    if HAS_BD:
-                        acc += tl.load(BD + rn).to(tl.float32)[None, :]
                     hv = tl.load(H1 + rows[:, None] * HID + rn[None, :], mask=bmask[:, None], other=0.0,
                                  cache_modifier=".cg")
-                    h2 = (hv.to(tl.float32) + acc.to(DT).to(tl.float32)).to(DT)
-                    tl.store(H2 + rows[:, None] * HID + rn[None, :], h2, mask=bmask[:, None])
-                    h2f = h2.to(tl.float32)
-                    tl.store(SSQ2 + t * 16 + rb, tl.sum(h2f * h2f, 1))
+                    _residual(acc, BD, hv, H2, SSQ2, t, rows, rb, bmask, rn, HID, HAS_BD)
             if SYNC:
                 _arrive(CNT)
                 if NEXT > 0:
@@ -221,7 +223,7 @@ def _make(triton, tl) -> dict:
                         acc += tl.load(BIN + rn).to(tl.float32)[None, :]
                     tl.store(Z + rows[:, None] * NIN + rn[None, :], acc.to(DT), mask=bmask[:, None])
 
-    globals().update(_arrive=_arrive, _wait=_wait, _mm=_mm)
+    globals().update(_arrive=_arrive, _wait=_wait, _mm=_mm, _residual=_residual)
     return {"tail": _tail}
 
 
@@ -336,7 +338,8 @@ def layer_tail(
     inter = w_down.shape[1]
     if (h.shape[0] != B or w_o.shape != (hid, k_o) or w_gu.shape != (2 * inter, hid) or w_down.shape != (hid, inter)
             or w_post.shape != (hid,) or (w_next is not None and w_next.shape != (hid,))
-            or (w_in is not None and (w_next is None or w_in.dim() != 2 or w_in.shape[1] != hid or w_in.shape[0] % BN))):
+            or (w_in is not None and (w_next is None or w_in.dim() != 2 or w_in.shape[1] != hid
+                                      or w_in.shape[0] % BN))):
         raise ValueError(f"layer_tail: sizes disagree: y {tuple(y.shape)}, h {tuple(h.shape)}, w_o {tuple(w_o.shape)}, "
                          f"w_gu {tuple(w_gu.shape)}, w_down {tuple(w_down.shape)}, w_post {tuple(w_post.shape)}, "
                          f"w_in {None if w_in is None else tuple(w_in.shape)} (rows a multiple of {BN}; with w_next)")
@@ -388,8 +391,9 @@ def layer_tail(
     p2 = lambda n: 1 << max(0, (max(1, n) - 1).bit_length())  # noqa: E731
     meta = dict(HID=hid, KO=k_o, INTER=inter, NIN=w_in.shape[0] if nxt == 2 else 0, **cmeta, BN=BN,
                 KCO=_chunk(k_o), KCH=_chunk(hid), KCI=_chunk(inter // DS), DS=DS, NSTO=_stages(k_o),
-                NSTH=_stages(hid), NSTI=_stages(inter // DS), TP=p2(hid // BN), HAS_BO=b_o is not None, HAS_BGU=b_gu is not None,
-                HAS_BD=b_down is not None, HAS_BIN=b_in is not None, NEXT=nxt, PREC="ieee" if h.dtype == torch.float32 else "tf32", NP=NP)
+                NSTH=_stages(hid), NSTI=_stages(inter // DS), TP=p2(hid // BN), HAS_BO=b_o is not None,
+                HAS_BGU=b_gu is not None, HAS_BD=b_down is not None, HAS_BIN=b_in is not None, NEXT=nxt,
+                PREC="ieee" if h.dtype == torch.float32 else "tf32", NP=NP)
     kern = _build()["tail"]
     with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
         if interp:  # programs run one after another: one launch per phase
