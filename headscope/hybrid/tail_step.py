@@ -253,11 +253,12 @@ def down_pieces(inter: int) -> int:
 
 
 def _tile_counters(dev: torch.device, n_tiles: int, pieces: int) -> Tensor:
-    """Phase 3's per-tile arrival counters (int32, each grows by ``pieces`` per launch; one set per shape)."""
+    """Phase 3's per-tile arrival counters (int64, each grows by ``pieces`` per launch and never wraps; int32 would
+    after ~12 hours of B = 16 decoding of a 30-layer model; one set per shape)."""
     key = ("tiles", str(dev), n_tiles, pieces)
     c = _counters.get(key)
     if c is None:
-        c = _counters[key] = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
+        c = _counters[key] = torch.zeros(n_tiles, dtype=torch.int64, device=dev)
     return c
 
 
