@@ -49,7 +49,7 @@ from .fused import stack_projections
 from .gdn import fla_available, gated_delta_rule
 from .rope import apply_rope
 from .gdn_step import applies as gdn_step_applies, gdn_decode_step, launch_shape as gdn_launch_shape, gdn_decode_step_torch, l2_normalize, rms_norm
-from .splitk import _sm_count, combine, decode_attention, triton_available
+from .splitk import _sm_count, combine as _combine_partials, decode_attention, triton_available
 from .fa_step import applies as fa_prep_applies, fa_decode_prep
 from .skinny import linear
 from .step import applies as step_applies, hybrid_decode_step
@@ -528,7 +528,7 @@ class DeferredOutput:
     def finish(self) -> Tensor:
         """The layer's output [batch, 1, hidden] through the separate kernels (the combination, then o_proj)."""
         sp, gate, gamma, eps = self.attn
-        combine(sp, gate, gamma, eps)
+        _combine_partials(sp, gate, gamma, eps)
         return linear(self.y[:, None], self.w_o, self.b_o)
 
 
