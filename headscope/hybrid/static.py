@@ -62,7 +62,7 @@ MLP_KERNEL = False
 # inputs (checked once, at construction). On the H200 (SmolLM2 shape, ranked 7:1 mask, graph-replayed step;
 # profile_decode.py, off vs on in one run): B = 16, 32K teacher 3.611 -> 3.505 ms, hybrid 1.952 -> 1.792 ms (1.85x ->
 # 1.96x; 1.98x in another run); 64K 2.13x -> 2.25x; B = 1, 32K 1.10x -> 1.12x (both models faster everywhere). The
-# tail kernel takes 19-20 us per layer against ~29 us for the launches it replaces.
+# tail kernel takes 19-20 us per layer against 25-26 us for the launches it replaces.
 TAIL_KERNEL = True
 # The tail kernel computes the next layer's input projection too (where that layer takes the lean path), which then
 # skips its own GEMM (lean.forward's z_in).

@@ -21,7 +21,7 @@ waits until all have; every program of the launch is resident, so none waits on 
 Every reduction is a software-pipelined loop deep enough that all its chunks' copies into shared memory are in
 flight before the first product: a ``tl.dot``'s operands pass through shared memory behind a barrier that no later
 load moves above, so chunks loaded one after another would wait a memory latency each (the first version of this
-kernel, 17–19 µs per layer on the H200; this one 19–20 µs with the next projection, against ~29 µs for the
+kernel, 17–19 µs per layer on the H200; this one 19–20 µs with the next projection, against 25–26 µs for the
 launches it replaces). The norms' row statistics come from the tiles of the phase before (sums of squares per
 tile, added by every program of the next phase), not from a second pass over the rows. Rounding follows the
 modules' (each GEMM's output, the residual sums, the norms' ``weight · x.to(dtype)``, SiLU then the product, in the
