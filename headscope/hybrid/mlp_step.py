@@ -43,7 +43,7 @@ BLOCK_I, BLOCK_K, BLOCK_N, WARPS = 32, 64, 64, 4
 _kernels: dict = {}
 
 
-def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+def llama_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     """``w · RMSNorm(x)`` as Llama's and Qwen3's RMSNorm compute it (fp32 statistics, rounded before the weight)."""
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -61,9 +61,9 @@ def decode_mlp_torch(
 ) -> tuple[Tensor, Optional[Tensor]]:
     """The reference of :func:`decode_mlp` (same arguments and results), as the modules compute it."""
     h = h + a
-    g, u = F.linear(_rms(h, w_post, eps_post), W_gu).chunk(2, dim=-1)
+    g, u = F.linear(llama_rms_norm(h, w_post, eps_post), W_gu).chunk(2, dim=-1)
     h = h + F.linear(F.silu(g) * u, W_down)
-    return h, (_rms(h, w_next, eps_next) if w_next is not None else None)
+    return h, (llama_rms_norm(h, w_next, eps_next) if w_next is not None else None)
 
 
 def _make(triton, tl) -> dict:

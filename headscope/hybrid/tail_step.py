@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import splitk
+from .mlp_step import llama_rms_norm
 from .shapes import Float
 
 BN = 16  # output columns per work item of a GEMM phase (tl.dot's smallest N)
@@ -373,13 +374,15 @@ def down_pieces(inter: int) -> int:
     return next((n for n in range(1, 17) if inter % n == 0 and inter // n <= DOWN_PIECE and inter // n % 16 == 0), 1)
 
 
-def _tile_counters(dev: torch.device, n_tiles: int, pieces: int) -> Tensor:
-    """Phase 3's per-tile arrival counters (int64, each grows by ``pieces`` per launch and never wraps; int32 would
-    after ~12 hours of B = 16 decoding of a 30-layer model; one set per shape)."""
-    key = ("tiles", str(dev), n_tiles, pieces)
+def _counters_for(key: tuple, n: int, dev: torch.device) -> Tensor:
+    """Arrival counters kept across launches (int64 zeros on ``dev``, made once per key): they only grow, so a launch
+    finds its start from them and none needs a reset (a CUDA graph replays the same buffers); int64 never wraps (int32
+    would after ~12 hours of B = 16 decoding). Keys: ("grid", device, programs) — the barriers' one counter, +4 ·
+    programs per launch; ("tiles", device, tiles, pieces) — phase 3's per-tile counters, +pieces per launch. Launches
+    that share a counter must not run concurrently (one stream)."""
     c = _counters.get(key)
     if c is None:
-        c = _counters[key] = torch.zeros(n_tiles, dtype=torch.int64, device=dev)
+        c = _counters[key] = torch.zeros(n, dtype=torch.int64, device=dev)
     return c
 
 
@@ -391,17 +394,6 @@ def applies(rows: int, hidden: int, k_o: int, inter: int, device: torch.device) 
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
     return hidden % BN == 0 and inter % BN == 0 and k_o % 16 == 0
-
-
-def _counter(dev: torch.device, n_programs: int) -> Tensor:
-    """The grid barriers' counter of launches of ``n_programs`` programs on ``dev``: one int64 that only grows, by
-    4 · n_programs per launch, one per grid size (a launch finds its start as the multiple of 4 · n_programs below
-    the count). Launches that share it must not run concurrently (one stream)."""
-    key = (str(dev), n_programs)
-    c = _counters.get(key)
-    if c is None:
-        c = _counters[key] = torch.zeros(1, dtype=torch.int64, device=dev)
-    return c
 
 
 def layer_tail(
@@ -505,10 +497,10 @@ def layer_tail(
     dummy = h1
     args = (*comb, y, w_o, b_o if b_o is not None else dummy, h, h1, ssq[0], w_post, float(eps_post), w_gu,
             b_gu if b_gu is not None else dummy, act, w_down, b_down if b_down is not None else dummy, dp,
-            _tile_counters(h.device, hid // BN, DS), h2, ssq[1],
+            _counters_for(("tiles", str(h.device), hid // BN, DS), hid // BN, h.device), h2, ssq[1],
             w_next if w_next is not None else w_post, float(eps_next), out if nxt == 1 else dummy,
             w_in if w_in is not None else w_o, b_in if b_in is not None else dummy, out if nxt == 2 else dummy,
-            _counter(h.device, NP), B)
+            _counters_for(("grid", str(h.device), NP), 1, h.device), B)
 
     p2 = lambda n: 1 << max(0, (max(1, n) - 1).bit_length())  # noqa: E731
     meta = dict(HID=hid, KO=k_o, INTER=inter, NIN=w_in.shape[0] if nxt == 2 else 0, **cmeta, BN=BN,
@@ -529,12 +521,6 @@ def layer_tail(
     return h2, out
 
 
-def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """Llama's RMSNorm: ``w · (x / sqrt(mean(x²) + eps)).to(x.dtype)`` (statistics in fp32)."""
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def layer_tail_torch(
     y: Tensor, h: Tensor, w_o: Tensor, b_o: Optional[Tensor], w_post: Tensor, eps_post: float, w_gu: Tensor,
     b_gu: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], w_next: Optional[Tensor] = None,
@@ -542,9 +528,9 @@ def layer_tail_torch(
 ) -> tuple[Tensor, Optional[Tensor]]:
     """:func:`layer_tail`'s computation in PyTorch for a complete ``y`` (no ``attn``): the reference, any device."""
     h1 = h + F.linear(y, w_o, b_o)
-    g, u = F.linear(_rms_norm(h1, w_post, eps_post), w_gu, b_gu).chunk(2, dim=-1)
+    g, u = F.linear(llama_rms_norm(h1, w_post, eps_post), w_gu, b_gu).chunk(2, dim=-1)
     h2 = h1 + F.linear(F.silu(g) * u, w_down, b_down)
     if w_next is None:
         return h2, None
-    x = _rms_norm(h2, w_next, eps_next)
+    x = llama_rms_norm(h2, w_next, eps_next)
     return h2, (F.linear(x, w_in, b_in) if w_in is not None else x)
