@@ -53,18 +53,13 @@ def test_torch_reference_equals_the_llama_modules():
 
 
 @needs_kernel
-@pytest.mark.parametrize("preload", [False, True], ids=["pipelined", "preload"])
 @pytest.mark.parametrize("rows,hidden,k_o,inter,bias,last,n_in", [
     (3, 64, 48, 96, False, False, 0),    # k_o, hidden in 16-/64-column chunks; the next layer's input norm
     (1, 48, 80, 32, True, False, 80),    # biases, one row, k_o 80 = 5 chunks of 16; the next input projection
     (16, 32, 32, 160, False, True, 0),   # 16 rows, the last layer (no next norm)
     (2, 16, 16, 1120, True, False, 32),  # the down projection in 5 pieces of 224 columns (the last adds them)
 ])
-def test_kernel_equals_the_reference(rows, hidden, k_o, inter, bias, last, n_in, preload, monkeypatch):
-    """Both ways of loading the weights: software-pipelined loops, and (tail_step.PRELOAD) register tiles loaded
-    before the barrier — where its sizes apply (not the 5 pieces of 224 = 128 + 96 columns: that case falls back)."""
-    monkeypatch.setattr(tail_step, "PRELOAD", preload)
-    assert tail_step.preload_applies(hidden, k_o, inter, n_in, 10 ** 6) == (inter != 1120)
+def test_kernel_equals_the_reference(rows, hidden, k_o, inter, bias, last, n_in):
     g = torch.Generator().manual_seed(rows)
     w = _weights(hidden, k_o, inter, torch.float32, g, bias, last, n_in)
     y, h = torch.randn(rows, k_o, generator=g).to(DEV), torch.randn(rows, hidden, generator=g).to(DEV)
@@ -78,12 +73,10 @@ def test_kernel_equals_the_reference(rows, hidden, k_o, inter, bias, last, n_in,
 
 
 @needs_kernel
-@pytest.mark.parametrize("Hq,Hk,kvi,fused,preload", [(3, 1, False, True, False), (4, 2, False, False, True),
-                                                     (3, 2, True, True, True)])
-def test_first_phase_is_the_split_k_combination(Hq, Hk, kvi, fused, preload, monkeypatch):
+@pytest.mark.parametrize("Hq,Hk,kvi,fused", [(3, 1, False, True), (4, 2, False, False), (3, 2, True, True)])
+def test_first_phase_is_the_split_k_combination(Hq, Hk, kvi, fused):
     """With ``attn`` (the one-launch step's partials, combine=False) the tail writes the FA heads' columns of y as
     splitk.combine does (the same Triton body: bit-equal), then continues as the reference on the completed y."""
-    monkeypatch.setattr(tail_step, "PRELOAD", preload)
     g = torch.Generator().manual_seed(Hq + Hk)
     B, d, L, ng, dt = 3, 16, 200, 2, torch.float32
     q = torch.randn(B, Hq, d, generator=g).to(DEV)
@@ -119,11 +112,6 @@ def test_applies_and_bad_input_name_the_fix():
     assert [tail_step._chunk(k) for k in (576, 1536, 48, 80, 8)] == [64, 64, 16, 16, 0]
     assert [tail_step._stages(k) for k in (576, 1536, 2048, 48, 16)] == [10, 25, 25, 4, 2]  # every chunk in flight
     assert [tail_step.down_pieces(n) for n in (1536, 6144, 96, 1120, 8)] == [3, 12, 1, 5, 1]
-    assert [tail_step._split(k) for k in (576, 512, 48, 80, 112, 8)] == [(512, 64), (512, 0), (32, 16), (64, 16),
-                                                                          (0, 0), (0, 0)]
-    assert tail_step.preload_applies(576, 576, 1536, 1856, 132)  # SmolLM2's hybrid: 36 / 96 / 108 / 116 items
-    assert not tail_step.preload_applies(576, 576, 1536, 1856, 100)  # more items than programs
-    assert not tail_step.preload_applies(2048, 2048, 6144, 0, 132)  # Qwen3-1.7B: 128 x 12 down pieces
     if not interp:
         return
     g = torch.Generator().manual_seed(0)
@@ -190,11 +178,9 @@ def test_a_deferred_output_finishes_as_the_layers_own(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("preload", [False, True], ids=["pipelined", "preload"])
-def test_kernel_in_bf16_at_the_smollm2_shape_and_in_a_graph(preload, monkeypatch):
+def test_kernel_in_bf16_at_the_smollm2_shape_and_in_a_graph():
     """One launch with grid-wide barriers (132 programs on the H200): equals the reference within bf16 GEMM
     rounding, and replayed from a CUDA graph 50 times (the barrier counter only grows) gives the same result."""
-    monkeypatch.setattr(tail_step, "PRELOAD", preload)
     g = torch.Generator().manual_seed(0)
     w = _weights(576, 576, 1536, torch.bfloat16, g, n_in=1856)  # the hybrid's next input projection
     y, h = (torch.randn(16, 576, generator=g).to(DEV, torch.bfloat16) for _ in range(2))

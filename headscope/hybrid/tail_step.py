@@ -27,10 +27,6 @@ tile, added by every program of the next phase), not from a second pass over the
 modules' (each GEMM's output, the residual sums, the norms' ``weight · x.to(dtype)``, SiLU then the product, in the
 activations' dtype); products accumulate in fp32.
 
-With :data:`PRELOAD` (opt-in, not timed yet) each program instead loads its weight tile of the next phase into
-registers between arriving at a barrier and waiting on it (the weights do not depend on the phase before), so that
-after the barrier only the activations' L2 latency remains.
-
 Without a GPU (Triton's interpreter, ``TRITON_INTERPRET=1``), whose programs run one after another and cannot
 wait on each other, the phases run as five launches of the same kernel.
 """
@@ -89,30 +85,6 @@ def _make(triton, tl) -> dict:
         return acc
 
     @triton.jit
-    def _ld_tile(W, ldw, rn, k0, n_rows, K1: tl.constexpr, K2: tl.constexpr):
-        # a weight tile W[rn, k0:k0+K1+K2] as one or two register tensors (rows ≥ n_rows masked: no traffic)
-        m = (rn < n_rows)[:, None]
-        w1 = tl.load(W + rn[:, None] * ldw + (k0 + tl.arange(0, K1))[None, :], mask=m, other=0.0)
-        if K2 > 0:
-            w2 = tl.load(W + rn[:, None] * ldw + (k0 + K1 + tl.arange(0, K2))[None, :], mask=m, other=0.0)
-        else:
-            w2 = w1
-        return w1, w2
-
-    @triton.jit
-    def _dot_tile(A, lda, rows, bmask, k0, w1, w2, K1: tl.constexpr, K2: tl.constexpr, PREC: tl.constexpr):
-        # [16, BN] fp32 = A[rows, k0:k0+K1+K2] @ (w1 | w2)^T for a preloaded weight tile (A read past L1)
-        a1 = tl.load(A + rows[:, None] * lda + (k0 + tl.arange(0, K1))[None, :], mask=bmask[:, None], other=0.0,
-                     cache_modifier=".cg")
-        if K2 > 0:
-            a2 = tl.load(A + rows[:, None] * lda + (k0 + K1 + tl.arange(0, K2))[None, :], mask=bmask[:, None],
-                         other=0.0, cache_modifier=".cg")
-        acc = tl.dot(a1, tl.trans(w1), input_precision=PREC)
-        if K2 > 0:
-            acc = tl.dot(a2, tl.trans(w2), acc, input_precision=PREC)
-        return acc
-
-    @triton.jit
     def _rstd(SSQ, rb, eps, HID: tl.constexpr, BN: tl.constexpr, TP: tl.constexpr):
         # the rows' 1 / rms from the per-tile sums of squares SSQ[tile, row] of the phase before
         rt = tl.arange(0, TP)
@@ -163,14 +135,8 @@ def _make(triton, tl) -> dict:
               BN: tl.constexpr, KCO: tl.constexpr, KCH: tl.constexpr, KCI: tl.constexpr, DS: tl.constexpr,
               NSTO: tl.constexpr, NSTH: tl.constexpr, NSTI: tl.constexpr, TP: tl.constexpr,
               HAS_BO: tl.constexpr, HAS_BGU: tl.constexpr, HAS_BD: tl.constexpr, HAS_BIN: tl.constexpr,
-              NEXT: tl.constexpr, PREC: tl.constexpr, NP: tl.constexpr, PHASES: tl.constexpr, SYNC: tl.constexpr,
-              PRELOAD: tl.constexpr, KO1: tl.constexpr, KO2: tl.constexpr, KH1: tl.constexpr, KH2: tl.constexpr,
-              KD1: tl.constexpr, KD2: tl.constexpr):
-        # PRELOAD (one item per program in every GEMM phase): each program loads its weight tile of phase p + 1
-        # between arriving at the barrier after phase p and waiting on it (on the GPU; in the interpreter, whose
-        # programs run one after another, at the start of phase p + 1)
+              NEXT: tl.constexpr, PREC: tl.constexpr, NP: tl.constexpr, PHASES: tl.constexpr, SYNC: tl.constexpr):
         pid = tl.program_id(0)
-        rp = pid * BN + tl.arange(0, BN)  # PRELOAD: this program's 16 output columns (phases 1, 2, 4)
         DT = H.dtype.element_ty
         rb = tl.arange(0, 16)
         bmask = rb < B
@@ -187,82 +153,44 @@ def _make(triton, tl) -> dict:
                              HAS_NORM)
             if SYNC:
                 _arrive(CNT)
-                if PRELOAD:  # after arriving: the barrier does not wait on this program's weight loads
-                    wo1, wo2 = _ld_tile(WO, KO, rp, 0, HID, KO1, KO2)
                 if NCOMB > 0:
                     _wait(CNT, base + NP)
         # ---- phase 1: h1 = h + o_proj(y), a column tile per item; the tile's sums of squares for the norm
         if PHASES & 2:
-            if PRELOAD:
-                if not SYNC:
-                    wo1, wo2 = _ld_tile(WO, KO, rp, 0, HID, KO1, KO2)
-                if pid < HID // BN:
-                    hv = tl.load(H + rows[:, None] * HID + rp[None, :], mask=bmask[:, None], other=0.0)
-                    acc = _dot_tile(Y, KO, rows, bmask, 0, wo1, wo2, KO1, KO2, PREC)
-                    _residual(acc, BO, hv, H1, SSQ, pid, rows, rb, bmask, rp, HID, HAS_BO)
-            else:
-                for it in range(pid, HID // BN, NP):
-                    rn = it * BN + tl.arange(0, BN)
-                    hv = tl.load(H + rows[:, None] * HID + rn[None, :], mask=bmask[:, None], other=0.0)
-                    acc = _mm(Y, KO, WO, KO, rows, bmask, rn, 0, KO, KCO, NSTO, PREC)
-                    _residual(acc, BO, hv, H1, SSQ, it, rows, rb, bmask, rn, HID, HAS_BO)
+            for it in range(pid, HID // BN, NP):
+                rn = it * BN + tl.arange(0, BN)
+                hv = tl.load(H + rows[:, None] * HID + rn[None, :], mask=bmask[:, None], other=0.0)
+                acc = _mm(Y, KO, WO, KO, rows, bmask, rn, 0, KO, KCO, NSTO, PREC)
+                _residual(acc, BO, hv, H1, SSQ, it, rows, rb, bmask, rn, HID, HAS_BO)
             if SYNC:
                 _arrive(CNT)
-                if PRELOAD:
-                    wg1, wg2 = _ld_tile(WGU, HID, rp, 0, INTER, KH1, KH2)
-                    wu1, wu2 = _ld_tile(WGU + INTER * HID, HID, rp, 0, INTER, KH1, KH2)
                 _wait(CNT, base + 2 * NP)
         # ---- phase 2: act = silu(gate(x)) * up(x), x = RMSNorm(h1) (the rows' statistics from phase 1's tiles)
         if PHASES & 4:
-            if PRELOAD:
-                if not SYNC:
-                    wg1, wg2 = _ld_tile(WGU, HID, rp, 0, INTER, KH1, KH2)
-                    wu1, wu2 = _ld_tile(WGU + INTER * HID, HID, rp, 0, INTER, KH1, KH2)
-                if pid < INTER // BN:
-                    r1 = _rstd(SSQ, rb, eps1, HID, BN, TP)
-                    x1 = _normed(H1, rows, bmask, 0, WN1, r1, HID, KH1)
-                    if KH2 > 0:
-                        x2 = _normed(H1, rows, bmask, KH1, WN1, r1, HID, KH2)
-                    acg = tl.dot(x1, tl.trans(wg1), input_precision=PREC)
-                    acu = tl.dot(x1, tl.trans(wu1), input_precision=PREC)
-                    if KH2 > 0:
-                        acg = tl.dot(x2, tl.trans(wg2), acg, input_precision=PREC)
-                        acu = tl.dot(x2, tl.trans(wu2), acu, input_precision=PREC)
-                    _gated(acg, acu, BGU, ACT, rows, bmask, rp, INTER, HAS_BGU)
-            else:
-                for it in range(pid, INTER // BN, NP):
-                    r1 = _rstd(SSQ, rb, eps1, HID, BN, TP)
-                    rn = it * BN + tl.arange(0, BN)
-                    acg = tl.zeros([16, BN], tl.float32)
-                    acu = tl.zeros([16, BN], tl.float32)
-                    for kk in tl.range(0, HID, KCH, num_stages=NSTH):
-                        rk = kk + tl.arange(0, KCH)
-                        x = _normed(H1, rows, bmask, kk, WN1, r1, HID, KCH)
-                        wg = tl.load(WGU + rn[:, None] * HID + rk[None, :])
-                        wu = tl.load(WGU + (INTER + rn)[:, None] * HID + rk[None, :])
-                        acg = tl.dot(x, tl.trans(wg), acg, input_precision=PREC)
-                        acu = tl.dot(x, tl.trans(wu), acu, input_precision=PREC)
-                    _gated(acg, acu, BGU, ACT, rows, bmask, rn, INTER, HAS_BGU)
+            for it in range(pid, INTER // BN, NP):
+                r1 = _rstd(SSQ, rb, eps1, HID, BN, TP)
+                rn = it * BN + tl.arange(0, BN)
+                acg = tl.zeros([16, BN], tl.float32)
+                acu = tl.zeros([16, BN], tl.float32)
+                for kk in tl.range(0, HID, KCH, num_stages=NSTH):
+                    rk = kk + tl.arange(0, KCH)
+                    x = _normed(H1, rows, bmask, kk, WN1, r1, HID, KCH)
+                    wg = tl.load(WGU + rn[:, None] * HID + rk[None, :])
+                    wu = tl.load(WGU + (INTER + rn)[:, None] * HID + rk[None, :])
+                    acg = tl.dot(x, tl.trans(wg), acg, input_precision=PREC)
+                    acu = tl.dot(x, tl.trans(wu), acu, input_precision=PREC)
+                _gated(acg, acu, BGU, ACT, rows, bmask, rn, INTER, HAS_BGU)
             if SYNC:
                 _arrive(CNT)
-                if PRELOAD:
-                    wd1, wd2 = _ld_tile(WD, INTER, (pid // DS) * BN + tl.arange(0, BN), (pid % DS) * (INTER // DS),
-                                        HID, KD1, KD2)
                 _wait(CNT, base + 3 * NP)
         # ---- phase 3: h2 = h1 + down(act), and the tile's sums of squares: per 16-column tile, DS pieces of the
         # reduction on as many programs (fp32 partials); the tile's last piece to finish adds them in order
         if PHASES & 8:
-            if PRELOAD and not SYNC:
-                wd1, wd2 = _ld_tile(WD, INTER, (pid // DS) * BN + tl.arange(0, BN), (pid % DS) * (INTER // DS), HID,
-                                    KD1, KD2)
             for it in range(pid, (HID // BN) * DS, NP):
                 sp = it % DS
                 t = it // DS
                 rn = t * BN + tl.arange(0, BN)
-                if PRELOAD:  # one item per program: it = pid
-                    acc = _dot_tile(ACT, INTER, rows, bmask, sp * (INTER // DS), wd1, wd2, KD1, KD2, PREC)
-                else:
-                    acc = _mm(ACT, INTER, WD, INTER, rows, bmask, rn, sp * (INTER // DS), INTER // DS, KCI, NSTI, PREC)
+                acc = _mm(ACT, INTER, WD, INTER, rows, bmask, rn, sp * (INTER // DS), INTER // DS, KCI, NSTI, PREC)
                 last = True
                 if DS > 1:
                     tl.store(DP + (sp * 16 + rows[:, None]) * HID + rn[None, :], acc)
@@ -281,8 +209,6 @@ def _make(triton, tl) -> dict:
                     _residual(acc, BD, hv, H2, SSQ2, t, rows, rb, bmask, rn, HID, HAS_BD)
             if SYNC:
                 _arrive(CNT)
-                if PRELOAD and NEXT == 2:
-                    wi1, wi2 = _ld_tile(WIN, HID, rp, 0, NIN, KH1, KH2)
                 if NEXT > 0:
                     _wait(CNT, base + 4 * NP)
         # ---- phase 4: the next layer's input norm (NEXT = 1: x_next), or its input projection of the normalized
@@ -297,19 +223,7 @@ def _make(triton, tl) -> dict:
                                  cache_modifier=".cg").to(tl.float32)
                     xn = tl.load(WN2 + rn).to(tl.float32)[None, :] * (hv * r2[:, None]).to(DT).to(tl.float32)
                     tl.store(XN + rows[:, None] * HID + rn[None, :], xn.to(DT), mask=bmask[:, None])
-            if NEXT == 2 and PRELOAD:
-                if not SYNC:
-                    wi1, wi2 = _ld_tile(WIN, HID, rp, 0, NIN, KH1, KH2)
-                if pid < NIN // BN:
-                    x1 = _normed(H2, rows, bmask, 0, WN2, r2, HID, KH1)
-                    acc = tl.dot(x1, tl.trans(wi1), input_precision=PREC)
-                    if KH2 > 0:
-                        x2 = _normed(H2, rows, bmask, KH1, WN2, r2, HID, KH2)
-                        acc = tl.dot(x2, tl.trans(wi2), acc, input_precision=PREC)
-                    if HAS_BIN:
-                        acc += tl.load(BIN + rp).to(tl.float32)[None, :]
-                    tl.store(Z + rows[:, None] * NIN + rp[None, :], acc.to(DT), mask=bmask[:, None])
-            if NEXT == 2 and not PRELOAD:
+            if NEXT == 2:
                 for it in range(pid, NIN // BN, NP):
                     rn = it * BN + tl.arange(0, BN)
                     acc = tl.zeros([16, BN], tl.float32)
@@ -323,7 +237,7 @@ def _make(triton, tl) -> dict:
                     tl.store(Z + rows[:, None] * NIN + rn[None, :], acc.to(DT), mask=bmask[:, None])
 
     globals().update(_arrive=_arrive, _wait=_wait, _mm=_mm, _residual=_residual, _gated=_gated, _rstd=_rstd,
-                     _ld_tile=_ld_tile, _dot_tile=_dot_tile, _normed=_normed)
+                     _normed=_normed)
     return {"tail": _tail}
 
 
@@ -332,10 +246,6 @@ def _build() -> dict:
     return splitk.build_kernels(_kernels, _make)
 
 
-# Each program loads its weight tile of the next phase before the barrier, into registers, so that after the barrier
-# only the activations' L2 latency remains (where every GEMM phase has one item per program and its reductions are one
-# or two powers of two). Opt-in: not timed yet (written after the session's last GPU call; tested in the interpreter).
-PRELOAD = False
 MAX_STAGES = 25  # the deepest software pipeline of a work item's reduction (shared memory: ≤ 25 × 4 KB)
 DOWN_PIECE = 512  # the longest piece of the down projection's reduction per work item (phase 3)
 
@@ -343,24 +253,6 @@ DOWN_PIECE = 512  # the longest piece of the down projection's reduction per wor
 def _chunk(k: int) -> int:
     """The reduction chunk of a k-long row: 64, 32 or 16 columns, the largest that divides k (0: none)."""
     return next((c for c in (64, 32, 16) if k % c == 0), 0)
-
-
-def _split(k: int) -> tuple[int, int]:
-    """A reduction length as one or two powers of two ≥ 16, largest first: (k1, k2), k2 = 0 for one; (0, 0) when k is
-    no such sum (PRELOAD's register tiles)."""
-    if k < 16:
-        return 0, 0
-    k1 = 1 << (k.bit_length() - 1)
-    k2 = k - k1
-    return (k1, k2) if k2 == 0 or (k2 >= 16 and not k2 & (k2 - 1)) else (0, 0)
-
-
-def preload_applies(hidden: int, k_o: int, inter: int, n_in: int, n_programs: int) -> bool:
-    """Whether :data:`PRELOAD` can take these sizes on ``n_programs`` programs: one work item per program in every
-    GEMM phase (o_proj, gate/up, the down pieces, the next projection's ``n_in`` rows) and every reduction (o_proj's
-    input ``k_o``, ``hidden``, a down piece) one or two powers of two ≥ 16."""
-    items = max(hidden // BN, inter // BN, hidden // BN * down_pieces(inter), n_in // BN)
-    return items <= n_programs and all(_split(k)[0] for k in (k_o, hidden, inter // down_pieces(inter)))
 
 
 def _stages(k: int) -> int:
@@ -508,9 +400,6 @@ def layer_tail(
                 NSTH=_stages(hid), NSTI=_stages(inter // DS), TP=p2(hid // BN), HAS_BO=b_o is not None,
                 HAS_BGU=b_gu is not None, HAS_BD=b_down is not None, HAS_BIN=b_in is not None, NEXT=nxt,
                 PREC="ieee" if h.dtype == torch.float32 else "tf32", NP=NP)
-    ko, kh, kd = _split(k_o), _split(hid), _split(inter // DS)
-    meta.update(PRELOAD=PRELOAD and preload_applies(hid, k_o, inter, w_in.shape[0] if nxt == 2 else 0, NP),
-                KO1=ko[0], KO2=ko[1], KH1=kh[0], KH2=kh[1], KD1=kd[0], KD2=kd[1])
     kern = _build()["tail"]
     with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
         if interp:  # programs run one after another: one launch per phase
