@@ -223,6 +223,7 @@ def test_compiled_layer_tail_equals_eager(monkeypatch):
         tails.clear()  # (the construction's check called it)
         got = dec.generate(ids, 5, cuda_graph=False)
         assert dec._post is not static._post  # still compiled: no fallback happened
+        assert dec._embed is not static._embed and dec._head is not static._head  # the step's ends too (COMPILE_ENDS)
         assert dec._fused is not None  # the fused tail (gate/up in one GEMM, next input norm) ran
         assert tails == ([2] * 2 * 4 if kernel else [])  # 4 decode steps x 2 layers (prefill: 24 rows, compiled)
         assert torch.equal(got, ref)
@@ -307,6 +308,7 @@ def test_a_tail_compile_failure_warns_once_and_runs_eagerly(monkeypatch):
             got = dec.generate(ids, 5, cuda_graph=False)
     assert len([w for w in rec if "layer tail failed" in str(w.message)]) == 1
     assert dec._pre is static._pre and dec._fused is static._post_fused and torch.equal(got, ref)
+    assert dec._embed is static._embed and dec._head is static._head
 
 
 def test_fused_tail_matches_the_mlp_module_or_is_refused(monkeypatch):
