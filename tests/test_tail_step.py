@@ -73,8 +73,8 @@ def test_kernel_equals_the_reference(rows, hidden, k_o, inter, bias, last, n_in)
 
 
 @needs_kernel
-@pytest.mark.parametrize("Hq,Hk,kvi,fused,at", [(3, 1, False, True, 0), (4, 2, False, False, 1), (3, 2, True, True, 2)])
-def test_first_phase_is_the_split_k_combination(Hq, Hk, kvi, fused, at):
+@pytest.mark.parametrize("Hq,Hk,kvi,fused", [(3, 1, False, True), (4, 2, False, False), (3, 2, True, True)])
+def test_first_phase_is_the_split_k_combination(Hq, Hk, kvi, fused):
     """With ``attn`` (the one-launch step's partials, combine=False) the tail writes the FA heads' columns of y as
     splitk.combine does (the same Triton body: bit-equal), then continues as the reference on the completed y."""
     g = torch.Generator().manual_seed(Hq + Hk)
@@ -86,12 +86,10 @@ def test_first_phase_is_the_split_k_combination(Hq, Hk, kvi, fused, at):
     gate = torch.randn(B, Hq, d, generator=g).to(DEV) if fused else None
     gamma = (1 + 0.2 * torch.randn(Hq, d, generator=g)).to(DEV) if fused else None
     y = torch.randn(B, Hq + ng, d, generator=g).to(DEV)  # the GDN columns: written before the tail
-    # the FA heads' output at head `at` of y: phase 1's products over the other columns come before its wait
-    assert tail_step._phase0_columns(y.view(B, -1), y[:, at:at + Hq]) == (at * d, (at + Hq) * d)
     sp, _ = step.hybrid_decode_step(q, k, v, kc, vc, length, d ** -0.5, kv_index=torch.tensor([0, 1, 1]).to(DEV)
-                                    if kvi else None, out=y[:, at:at + Hq], gate=gate, gamma=gamma, eps=1e-6, n_splits=3,
+                                    if kvi else None, out=y[:, :Hq], gate=gate, gamma=gamma, eps=1e-6, n_splits=3,
                                     combine=False)
-    assert isinstance(sp.acc, torch.Tensor) and sp.o.data_ptr() == y[:, at].data_ptr()
+    assert isinstance(sp.acc, torch.Tensor) and sp.o.data_ptr() == y.data_ptr()
     hidden, inter = 32, 48
     w = _weights(hidden, (Hq + ng) * d, inter, dt, g)
     h = torch.randn(B, hidden, generator=g).to(DEV)
@@ -102,16 +100,6 @@ def test_first_phase_is_the_split_k_combination(Hq, Hk, kvi, fused, at):
     ref_h, ref_x = layer_tail_torch(y.view(B, -1), h, **w)
     torch.testing.assert_close(got_h, ref_h, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_x, ref_x, rtol=1e-5, atol=1e-5)
-
-
-def test_phase0_columns_fall_back_to_all_columns():
-    """Where the split-K output is not a run of whole 16-column pieces of y, phase 1 waits before every product."""
-    y = torch.zeros(2, 10, 16)
-    assert tail_step._phase0_columns(y.view(2, -1), y[:, 2:5]) == (32, 80)
-    assert tail_step._phase0_columns(y.view(2, -1), y[:, 2:5, :8]) == (0, 160)  # heads not side by side
-    assert tail_step._phase0_columns(y.view(2, -1), torch.zeros(2, 3, 16)) == (0, 160)  # not a view of y
-    y8 = torch.zeros(2, 10, 8)
-    assert tail_step._phase0_columns(y8.view(2, -1), y8[:, 1:3]) == (0, 80)  # 8-column offset: no 16-column chunk
 
 
 def test_applies_and_bad_input_name_the_fix():

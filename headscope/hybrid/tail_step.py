@@ -130,8 +130,6 @@ def _make(triton, tl) -> dict:
               Y, WO, BO, H, H1, SSQ, WN1, eps1, WGU, BGU, ACT, WD, BD, DP, TCNT, H2, SSQ2, WN2, eps2, XN, WIN, BIN, Z,
               CNT, B,
               HID: tl.constexpr, KO: tl.constexpr, INTER: tl.constexpr, NIN: tl.constexpr, NCOMB: tl.constexpr,
-              C0: tl.constexpr, C1: tl.constexpr, KCA: tl.constexpr, NSTA: tl.constexpr, KCB: tl.constexpr,
-              NSTB: tl.constexpr,
               HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, SC: tl.constexpr,
               HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
               BN: tl.constexpr, KCO: tl.constexpr, KCH: tl.constexpr, KCI: tl.constexpr, DS: tl.constexpr,
@@ -154,21 +152,15 @@ def _make(triton, tl) -> dict:
                 _combine_row(it, ACC, ML, O, GATE, GAMMA, sob, soh, sgb, sgh, out_eps, HK, G, D, NS, SC, HAS_GATE,
                              HAS_NORM)
             if SYNC:
-                _arrive(CNT)  # waited on in phase 1, after the products over the columns phase 0 does not write
-        # ---- phase 1: h1 = h + o_proj(y), a column tile per item; the tile's sums of squares for the norm. y's
-        # columns [C0, C1) are phase 0's (the FA heads'): the products over the others (the GDN heads', complete at
-        # launch) come first, then the wait for phase 0, then those columns' products
+                _arrive(CNT)
+                if NCOMB > 0:
+                    _wait(CNT, base + NP)
+        # ---- phase 1: h1 = h + o_proj(y), a column tile per item; the tile's sums of squares for the norm
         if PHASES & 2:
             for it in range(pid, HID // BN, NP):
                 rn = it * BN + tl.arange(0, BN)
                 hv = tl.load(H + rows[:, None] * HID + rn[None, :], mask=bmask[:, None], other=0.0)
-                acc = _mm(Y, KO, WO, KO, rows, bmask, rn, C1, KO - C1, KCB, NSTB, PREC)
-                if C0 > 0:
-                    acc += _mm(Y, KO, WO, KO, rows, bmask, rn, 0, C0, KCA, NSTA, PREC)
-                if SYNC and NCOMB > 0:
-                    _wait(CNT, base + NP)
-                if C1 > C0:
-                    acc += _mm(Y, KO, WO, KO, rows, bmask, rn, C0, C1 - C0, KCO, NSTO, PREC)
+                acc = _mm(Y, KO, WO, KO, rows, bmask, rn, 0, KO, KCO, NSTO, PREC)
                 _residual(acc, BO, hv, H1, SSQ, it, rows, rb, bmask, rn, HID, HAS_BO)
             if SYNC:
                 _arrive(CNT)
@@ -255,10 +247,6 @@ def _build() -> dict:
 
 
 MAX_STAGES = 25  # the deepest software pipeline of a work item's reduction (shared memory: ≤ 25 × 4 KB)
-# Phase 1 computes o_proj's products over the columns that phase 0 does not write (the GDN heads', complete when the
-# launch starts) before it waits for phase 0, so that the barrier's latency hides behind them (hybrid layers only:
-# an all-FA layer's columns are all phase 0's). False: every product after the wait.
-EARLY_PRODUCTS = True
 DOWN_PIECE = 512  # the longest piece of the down projection's reduction per work item (phase 3)
 
 
@@ -276,18 +264,6 @@ def down_pieces(inter: int) -> int:
     """How many equal pieces phase 3 cuts the down projection's reduction into: the fewest of at most
     :data:`DOWN_PIECE` columns, a multiple of 16 each (1 where none up to 16 pieces is)."""
     return next((n for n in range(1, 17) if inter % n == 0 and inter // n <= DOWN_PIECE and inter // n % 16 == 0), 1)
-
-
-def _phase0_columns(y: Tensor, o: Tensor) -> tuple[int, int]:
-    """The columns [c0, c1) of o_proj's input y [batch, k_o] that phase 0 writes: those of the split-K output o
-    [batch, heads, d], a view of y with its heads side by side; (0, k_o) — every column after the wait — where o is
-    laid out otherwise or a piece is not a multiple of 16 columns (the reductions' smallest chunk)."""
-    k_o, n = y.shape[1], o.shape[1] * o.shape[2]
-    off, rem = divmod(o.data_ptr() - y.data_ptr(), y.element_size())
-    if (rem or not 0 <= off <= k_o - n or o.stride(0) != y.stride(0) or o.stride(2) != 1 or o.stride(1) != o.shape[2]
-            or off % 16 or n % 16):
-        return 0, k_o
-    return off, off + n
 
 
 def _counters_for(key: tuple, n: int, dev: torch.device) -> Tensor:
@@ -402,13 +378,12 @@ def layer_tail(
         gm = gamma.float().contiguous() if gamma is not None else sp.acc
         gt = gate if gate is not None else o
         comb = (sp.acc, sp.ml, o, gt, gm, o.stride(0), o.stride(1), gt.stride(0), gt.stride(1), float(out_eps))
-        c0, c1 = _phase0_columns(y, o) if EARLY_PRODUCTS else (0, k_o)
-        cmeta = dict(NCOMB=sp.B * sp.Hk * sp.G, HK=sp.Hk, G=sp.G, D=sp.d, NS=sp.NS, C0=c0, C1=c1,
+        cmeta = dict(NCOMB=sp.B * sp.Hk * sp.G, HK=sp.Hk, G=sp.G, D=sp.d, NS=sp.NS,
                      SC=max(2, min(1 << max(0, (sp.NS - 1).bit_length()), max(2, 8192 // sp.d))),
                      HAS_GATE=gate is not None, HAS_NORM=gamma is not None)
     else:
         comb = (y, y, y, y, y, 0, 0, 0, 0, 0.0)
-        cmeta = dict(NCOMB=0, HK=1, G=1, D=16, NS=1, SC=2, HAS_GATE=False, HAS_NORM=False, C0=0, C1=0)
+        cmeta = dict(NCOMB=0, HK=1, G=1, D=16, NS=1, SC=2, HAS_GATE=False, HAS_NORM=False)
     n_items = max(cmeta["NCOMB"], inter // BN, (hid // BN) * DS, w_in.shape[0] // BN if nxt == 2 else 0)
     NP = n_items if interp else min(n_items, splitk._sm_count(h.device))
     dummy = h1
@@ -421,9 +396,7 @@ def layer_tail(
 
     p2 = lambda n: 1 << max(0, (max(1, n) - 1).bit_length())  # noqa: E731
     meta = dict(HID=hid, KO=k_o, INTER=inter, NIN=w_in.shape[0] if nxt == 2 else 0, **cmeta, BN=BN,
-                KCO=_chunk(cmeta["C1"] - cmeta["C0"]), NSTO=_stages(cmeta["C1"] - cmeta["C0"]),
-                KCA=_chunk(cmeta["C0"]), NSTA=_stages(cmeta["C0"]), KCB=_chunk(k_o - cmeta["C1"]),
-                NSTB=_stages(k_o - cmeta["C1"]), KCH=_chunk(hid), KCI=_chunk(inter // DS), DS=DS,
+                KCO=_chunk(k_o), KCH=_chunk(hid), KCI=_chunk(inter // DS), DS=DS, NSTO=_stages(k_o),
                 NSTH=_stages(hid), NSTI=_stages(inter // DS), TP=p2(hid // BN), HAS_BO=b_o is not None,
                 HAS_BGU=b_gu is not None, HAS_BD=b_down is not None, HAS_BIN=b_in is not None, NEXT=nxt,
                 PREC="ieee" if h.dtype == torch.float32 else "tf32", NP=NP)
