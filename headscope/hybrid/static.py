@@ -70,6 +70,8 @@ TAIL_PROJECT_NEXT = True
 # compile_tail: a decode step's ends compiled too — the embedding lookup with the rotary embedding's cos/sin, and the
 # final norm with the LM head (and, in generate, the argmax) — instead of ~15 eager launches (the embedding's gather
 # alone took 11 µs of a 1.8 ms step on the H200: a few thread blocks looping over the rows). Prefills stay eager.
+# On the H200 (SmolLM2 shape, ranked 7:1 mask, B = 16, 32K; profile_decode.py, off vs on in one run): 83 -> 70
+# launches per step, teacher 3.564 -> 3.528 ms, hybrid 1.814 -> 1.768 ms (1.96x -> 2.00x).
 COMPILE_ENDS = True
 
 
