@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hybrid_model import MASKS, hybrid_mask, smollm2_config  # noqa: E402
 from bench_timing import time_ms  # noqa: E402
 
-from headscope.hybrid import hybridize, lean, skinny, splitk, static, tail_step  # noqa: E402
+from headscope.hybrid import hybridize, lean, skinny, splitk, static, step, tail_step  # noqa: E402
 from headscope.hybrid.static import StaticDecoder  # noqa: E402
 from headscope.masks import HeadMask  # noqa: E402
 
@@ -106,7 +106,7 @@ def profile_replay(dec: StaticDecoder, n: int = 5) -> dict:
 
 def parse_variant(variant: str, ap: argparse.ArgumentParser) -> tuple:
     """'NAME' or 'NAME:module.ATTR=value,...' -> (NAME, [(module, ATTR, value)]); a bad item is a usage error."""
-    mods = {"lean": lean, "static": static, "splitk": splitk, "skinny": skinny, "tail_step": tail_step}
+    mods = {"lean": lean, "static": static, "splitk": splitk, "skinny": skinny, "tail_step": tail_step, "step": step}
     vname, _, spec = variant.partition(":")
     overrides = []
     for item in filter(None, spec.split(",")):
@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["defaults"],
                     help="settings to compare, each NAME or NAME:module.ATTR=value,...; 'defaults' = the library's; "
                          "e.g. before:lean.DECODE_OVERLAP=False,lean.DECODE_FA_PREP=glue,static.FUSED_TAIL=False "
-                         "(modules: lean, static, splitk, skinny, tail_step; values: ints, True/False, or strings)")
+                         "(modules: lean, static, splitk, skinny, tail_step, step; values: ints, True/False, or strings)")
     args = ap.parse_args()
     H, KV = (9, 3) if args.shape == "smollm2-135m" else (16, 8)
     for m in args.masks:

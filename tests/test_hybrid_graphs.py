@@ -235,12 +235,14 @@ def test_compiled_layer_tail_equals_eager(monkeypatch):
         assert two_calls._fused is None and torch.equal(two_calls.generate(ids, 5, cuda_graph=False), ref)
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["combined", "deferred"])
 @pytest.mark.parametrize("fusion", ["default", "none"])
-def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion):
-    """static.TAIL_KERNEL: the lean path's one-launch decode steps hand their split-K partials to tail_step's
-    layer_tail (combination, o_proj, MLP tail, next norm in one launch; Triton's interpreter here); the same tokens
-    and step logits within fp32 rounding as the compiled tail. ``fusion="none"`` with an all-FA mask: the teacher's
-    decode (no output fusion: the plain combination in the kernel's first phase). A GELU MLP is refused (warned)."""
+def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion, defer):
+    """static.TAIL_KERNEL: the lean path's one-launch decode steps hand o_proj's input to tail_step's layer_tail
+    (o_proj, MLP tail, next norm in one launch; Triton's interpreter here) — complete (the split-K combination in the
+    attention's launch, the default) or, with lean.DECODE_DEFER_COMBINE, as partials that the tail's first phase
+    combines; the same tokens and step logits within fp32 rounding as the compiled tail. ``fusion="none"`` with an
+    all-FA mask: the teacher's decode (no output fusion: the plain combination). A GELU MLP is refused (warned)."""
     import torch._dynamo
 
     import headscope.hybrid.lean as lean
@@ -252,6 +254,7 @@ def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion):
         pytest.skip("needs triton and CUDA or TRITON_INTERPRET=1")
     monkeypatch.setattr(static, "TAIL_BACKEND", "aot_eager")
     monkeypatch.setattr(lean, "ENABLE", True)
+    monkeypatch.setattr(lean, "DECODE_DEFER_COMBINE", defer)
     torch._dynamo.reset()
     if fusion == "none":
         cfg = LlamaConfig(vocab_size=101, hidden_size=H * D, intermediate_size=64, num_hidden_layers=2,
@@ -276,11 +279,11 @@ def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion):
         assert torch.equal(dec.generate(ids, 5), ref)
         # 4 decode steps x 2 layers (the prefill, 24 rows, takes the compiled tail); the first layer's tail computes
         # the second layer's input projection
-        assert calls == [(True, True), (True, False)] * 4
+        assert calls == [(defer, True), (defer, False)] * 4
         monkeypatch.setattr(static, "TAIL_PROJECT_NEXT", False)  # the next input norm only: the same tokens
         calls.clear()
         assert torch.equal(StaticDecoder(model, batch=2, max_len=20, compile_tail=True).generate(ids, 5), ref)
-        assert calls[2:] == [(True, False)] * 8
+        assert calls[2:] == [(defer, False)] * 8
         monkeypatch.setattr(static, "TAIL_PROJECT_NEXT", True)
         ref_dec.prefill(ids), dec.prefill(ids)
         torch.testing.assert_close(dec.step(ids[:, -1:]), ref_dec.step(ids[:, -1:]), rtol=1e-5, atol=1e-5)

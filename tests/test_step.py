@@ -100,6 +100,13 @@ def test_one_launch_equals_the_three_kernels_and_their_references(Hq, Hk, kvi, l
                                      gdn=g1, n_splits=ns, **D)
     assert (o1.cpu().float() - o_r.float()).abs().max() < 2e-4
     assert (o1 - o3).abs().max() < 2e-5
+    # the combination inside the launch (step.COMBINE's default) = the separate combination kernel: one body, same bits
+    assert step.COMBINE == "launch"
+    ok, _ = step.hybrid_decode_step(q.to(DEV), k.to(DEV), v.to(DEV), kc.to(DEV, copy=True), vc.to(DEV, copy=True), ln,
+                                    d ** -0.5, kv_index=kvd, gate=gate.to(DEV) if fused else None,
+                                    gamma=gamma.to(DEV) if fused else None, gdn=_to(gdn) if gdn else None, n_splits=ns,
+                                    combine="kernel", **D)
+    assert torch.equal(ok, o1)
     assert torch.allclose(kc1.cpu(), kc_r, atol=1e-5, rtol=0) and torch.equal(vc1.cpu(), vc_r)
     assert (kc1 - kc3).abs().max() < 1e-6 and torch.equal(vc1, vc3)  # the key's glue summed in another order
     other = torch.ones(B, 1, L, 1, dtype=torch.bool)  # no other slot touched
@@ -137,6 +144,8 @@ def test_bad_input_names_the_fix():
         step.hybrid_decode_step(q, k, v, kc, vc, None, 0.1, nope_a=100.0)
     with pytest.raises(ValueError, match="kv_group"):
         step.hybrid_decode_step(q, k[:, :0], v[:, :0], kc, vc, None, 0.1)
+    with pytest.raises(ValueError, match="'launch' or 'kernel'"):
+        step.hybrid_decode_step(q, k, v, kc, vc, None, 0.1, combine="tail")
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="bf16 needs the compiled kernels (CUDA)")
@@ -158,6 +167,15 @@ def test_one_launch_at_decode_sizes_in_bf16(B, Hq, Hk, ng, L, length):
     g3, g1 = (_to(gdn), _to(gdn)) if gdn else (None, None)
     y3 = gdn_decode_step(**g3) if gdn else None
     o1, y1 = step.hybrid_decode_step(q, k, v, kc1, vc1, ln, d ** -0.5, gate=gate, gamma=gamma, gdn=g1, **fa_kw)
+    # the combination in the launch, its per-row counters carried over launches: again (the same K/V write) and with
+    # the separate combination kernel, the same FA output
+    for mode in ("launch", "kernel", "launch"):
+        o2, _ = step.hybrid_decode_step(q, k, v, kc1, vc1, ln, d ** -0.5, gate=gate, gamma=gamma, gdn=_to(gdn) if gdn
+                                        else None, combine=mode, **fa_kw)
+        if mode == "launch":
+            assert torch.equal(o2, o1)
+        else:
+            assert (o2.float() - o1.float()).abs().max() <= 2 ** -7 * o1.float().abs().max()
     ref = decode_attention_torch(qp, kc3, vc3, ln, d ** -0.5).float() * torch.sigmoid(gate.float())
     ref = ref / torch.sqrt(ref.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma
     # other split counts (GDN programs reserved): the P·V product takes p in bf16 (as flash attention does), so the

@@ -118,6 +118,10 @@ FUSED_OUT_MAX_D = 64
 # whole-model step at B = 16, 32K: hybrid 1.948 vs 2.019 ms, teacher 3.653 vs 3.679 (same run; 1.88x vs 1.82x);
 # B = 1: 0.990 vs 1.044 and 1.087 vs 1.114 ms (benchmarks/results/h200_profile_decode_r10_one_launch_*).
 DECODE_ONE_LAUNCH = True
+# A deferred decode step (``forward(defer=True)``: StaticDecoder's tail kernel) hands the tail the split-K partials,
+# whose first phase combines them (True), or combines them in its own launch (``step.COMBINE``) and hands over a
+# complete o_proj input (False: the tail kernel skips its first phase and that phase's barrier).
+DECODE_DEFER_COMBINE = False
 _side_streams: dict = {}
 _compiled: dict[tuple, Callable] = {}
 _compile_failed: list[str] = []
@@ -516,19 +520,21 @@ class DeferredOutput:
     Attributes:
         y: o_proj's input [batch, heads·d] in the layer's dtype: the GDN heads' fused outputs written, the FA heads'
             columns still to come from ``attn``.
-        attn: (the split-K launch's namespace, gate, gamma, eps) of :func:`~headscope.hybrid.splitk.combine`.
+        attn: (the split-K launch's namespace, gate, gamma, eps) of :func:`~headscope.hybrid.splitk.combine`, or
+            None where the FA heads' columns of y are written too (:data:`DECODE_DEFER_COMBINE` False: combined
+            inside the attention's launch).
         w_o, b_o: o_proj's weight (input columns in (FA, GDN) order) and bias.
     """
 
     __slots__ = ("y", "attn", "w_o", "b_o")
 
-    def __init__(self, y: Tensor, attn: tuple, w_o: Tensor, b_o: Optional[Tensor]):
+    def __init__(self, y: Tensor, attn: Optional[tuple], w_o: Tensor, b_o: Optional[Tensor]):
         self.y, self.attn, self.w_o, self.b_o = y, attn, w_o, b_o
 
     def finish(self) -> Tensor:
         """The layer's output [batch, 1, hidden] through the separate kernels (the combination, then o_proj)."""
-        sp, gate, gamma, eps = self.attn
-        _combine_partials(sp, gate, gamma, eps)
+        if self.attn is not None:
+            _combine_partials(*self.attn)
         return linear(self.y[:, None], self.w_o, self.b_o)
 
 
@@ -615,7 +621,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     if nf:
         if one:
             o_fa, y_one = _one_launch(layer, p, q, k, v, z, cache, dpos, past, cos, sin, position_ids, y_buf, gate,
-                                      g_out, combine=not deferred)
+                                      g_out, combine=not (deferred and DECODE_DEFER_COMBINE))
         elif prep:  # one kernel: q/k glue + the K/V cache write
             slot = dpos if dpos is not None else past
             qp = fa_decode_prep(q[:, 0], k[:, 0], v[:, 0], cache.k, cache.v, slot,
@@ -682,7 +688,9 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
         cache.length = past + T
 
     # ---- fusion (eq. 13–14) in (FA, GDN) order, then o_proj with permuted input columns
-    if deferred:  # o_fa is the split-K namespace
+    if deferred:  # o_fa is the split-K namespace, or the FA heads' output already in y_buf
+        if not DECODE_DEFER_COMBINE:
+            return DeferredOutput(y_buf.view(B, -1), None, p.Wo, p.bo)
         f = _fa_fused_out(p, y_buf, gate)
         return DeferredOutput(y_buf.view(B, -1), (o_fa, f["gate"], f["gamma"], f["eps"]), p.Wo, p.bo)
     if y_buf is not None:  # done by the kernels

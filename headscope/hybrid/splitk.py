@@ -188,6 +188,7 @@ NUM_STAGES = 3
 BLOCKS_PER_SM = 4  # was 2; with 4 the all-FA teacher's decode step was 6-8 % faster on the H200, the hybrid's equal (profile_decode.py)
 MIN_SPLIT = 256
 _sms: dict = {}
+_counters: dict = {}
 _LAUNCH = ("block", "num_warps", "num_stages", "blocks_per_sm", "min_split")
 
 
@@ -224,6 +225,20 @@ def _sm_count(dev: torch.device) -> int:
 
 
 _kernels: dict = {}
+
+
+def counters(key: tuple, n: int, dev: torch.device) -> Tensor:
+    """Arrival counters kept across launches (``n`` int64 zeros on ``dev``, made once per key): they only grow, so a
+    launch finds its start from them and none needs a reset (a CUDA graph replays the same buffers); int64 never wraps
+    (int32 would after ~12 hours of B = 16 decoding). Keys (the device first after the kind): ("grid", device,
+    programs) — ``tail_step``'s grid barrier, +4 · programs per launch; ("tiles", device, tiles, pieces) — its phase
+    3's per-tile counters, +pieces per launch; ("splits", device, rows, splits) — ``step.py``'s in-launch combination,
+    +splits per (sequence, KV head) row per launch. Launches that share a counter must not run concurrently (one
+    stream)."""
+    c = _counters.get(key)
+    if c is None:
+        c = _counters[key] = torch.zeros(n, dtype=torch.int64, device=dev)
+    return c
 
 
 def build_kernels(cache: dict, make: Callable[[Any, Any], dict]) -> dict:
@@ -592,6 +607,12 @@ def partial_args(sp: Any, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tupl
             sp.len_stride)
 
 
+def combine_chunk(n_splits: int, d: int) -> int:
+    """Splits per pass of the combination's body (``_combine_row``'s SC): all of them at once (the next power of two)
+    up to 8192 partial values per program, else chunks of that many."""
+    return max(2, min(1 << max(0, (n_splits - 1).bit_length()), max(2, 8192 // d)))
+
+
 def combine(sp: Any, gate: Optional[Tensor], gamma: Optional[Tensor], eps: float) -> Tensor:
     """The exact combination of the partials into ``sp.o`` (with the output fusion when ``gate`` / ``gamma``)."""
     kern, o, NS, d, G, Hk = _build(), sp.o, sp.NS, sp.d, sp.G, sp.Hk
@@ -602,7 +623,7 @@ def combine(sp: Any, gate: Optional[Tensor], gamma: Optional[Tensor], eps: float
             gt = gate if gate is not None else o
             kern["combine_out"][(sp.B * Hk * G,)](
                 sp.acc, sp.ml, o, gt, gm, o.stride(0), o.stride(1), gt.stride(0), gt.stride(1), float(eps), HK=Hk, G=G,
-                D=d, NS=NS, SC=max(2, min(1 << max(0, (NS - 1).bit_length()), max(2, 8192 // d))), HAS_GATE=gate is not None,
+                D=d, NS=NS, SC=combine_chunk(NS, d), HAS_GATE=gate is not None,
                 HAS_NORM=gamma is not None, PDL=pdl_c, **launch_kw(pdl_c))
             return o
         SP = 1 << max(0, (NS - 1).bit_length())

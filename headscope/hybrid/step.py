@@ -1,4 +1,4 @@
-"""A decode step's attention work of one hybrid layer in one kernel launch, then the split-K combination.
+"""A decode step's attention work of one hybrid layer in one kernel launch, the split-K combination included.
 
 Separately, a decode step's attention is three launches before the combination: the FA heads' prep
 (``fa_step.py``: q/k glue, the token's K/V written into the cache), the split-K partials over the cache
@@ -15,7 +15,12 @@ all three in one launch:
   block), the rest the splits; the split count leaves room for them (``splitk.n_splits_for(reserved=…)``), so all
   programs fit about one wave.
 
-The bodies are the same Triton functions as the separate kernels' (``splitk._attend``, ``gdn_step._gdn_head``):
+- **the combination rides along too** (:data:`COMBINE` ``"launch"``): each (sequence, KV head) row's last split to
+  finish — found by a per-row counter that grows by the split count per launch — combines the row's partials
+  (``splitk._combine_row``, with the output fusion) instead of a second launch.
+
+The bodies are the same Triton functions as the separate kernels' (``splitk._attend``, ``gdn_step._gdn_head``,
+``splitk._combine_row``):
 one definition of each computation. The results equal the three-launch path's up to the rounding of the glue's
 reductions (the query's norm summed over d at once here, in two halves there): the tests compare both with the
 PyTorch references.
@@ -34,12 +39,17 @@ from .fa_step import check_args as _check_prep, glue_args
 from .shapes import Float
 
 _kernels: dict = {}
+# Where hybrid_decode_step's split-K combination runs by default: "launch" — inside the one launch, by the last split of
+# each (sequence, KV head) to finish (a per-row counter), which saves the second launch (or the tail kernel's first
+# phase and its barrier); "kernel" — splitk.combine's separate launch (before the seventh session).
+COMBINE = "launch"
 
 
 def _make(triton, tl) -> dict:
     """The one-launch kernel (its bodies from splitk's and gdn_step's kernels, built first)."""
     gdc_wait, gdc_launch = splitk.gdc_ops()
-    globals().update(_attend=splitk._build()["attend"], _gdn_head=gdn_step._build()["head"], tl=tl)
+    globals().update(_attend=splitk._build()["attend"], _combine_row=splitk._build()["combine_row"],
+                     _gdn_head=gdn_step._build()["head"], tl=tl)
 
     @triton.jit
     def _one_launch(Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len, sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
@@ -47,11 +57,13 @@ def _make(triton, tl) -> dict:
                     pos_stride,
                     gQ, gK, gV, gA, gB, gCOS, gSIN, gQN, gKN, gANEG, gDTB, gS, gY, gGAMMA, g_scale, g_qk_eps, g_out_eps,
                     gsqb, gsqh, gskb, gskh, gsvb, gsvh, gsab, gsbb, gscb, gssb, gsyb, gsyh,
+                    O, GATE, GAMMA, sob, soh, sgb, sgh, out_eps, SCNT,
                     HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                     NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr, PREC: tl.constexpr,
                     ROPE: tl.constexpr, QKN: tl.constexpr, NOPE: tl.constexpr,
                     N: tl.constexpr, BV: tl.constexpr, GROPE: tl.constexpr, GQKN: tl.constexpr, NORM: tl.constexpr,
-                    NGP: tl.constexpr, NCB: tl.constexpr, PDL: tl.constexpr):
+                    NGP: tl.constexpr, NCB: tl.constexpr, PDL: tl.constexpr, COMB: tl.constexpr,
+                    SC: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, SYNC: tl.constexpr):
         if PDL:  # the raw q/k/v of both kinds of heads come from the projection before
             gdc_wait()
         pid = tl.program_id(0)
@@ -66,6 +78,17 @@ def _make(triton, tl) -> dict:
                     sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
                     KN, VN, COS, SIN, QN, KNW, POS, qk_eps, inv_log_a, nope_a, sknb, sknh, svnb, svnh, scb, ssb,
                     pos_stride, HK, G, GP, D, BN, NS, HAS_LEN, HAS_KVI, PREC, True, ROPE, QKN, NOPE)
+            if COMB:  # the row's last split to finish combines its G heads (the splits' partials released first)
+                bh = j // NS
+                if SYNC:  # a per-row counter that grows by NS per launch: the NS-th arrival is the last
+                    tl.debug_barrier()
+                    last = tl.atomic_add(SCNT + bh, 1, sem="acq_rel", scope="gpu") % NS == NS - 1
+                else:  # Triton's interpreter runs the programs in order
+                    last = j % NS == NS - 1
+                if last:
+                    for g in tl.static_range(G):
+                        _combine_row(bh * G + g, ACC, ML, O, GATE, GAMMA, sob, soh, sgb, sgh, out_eps, HK, G, D, NS,
+                                     SC, HAS_GATE, HAS_NORM)
         if PDL:
             gdc_launch()
 
@@ -105,7 +128,7 @@ def hybrid_decode_step(
     eps: float = 1e-6,
     gdn: Optional[dict] = None,
     n_splits: Optional[int] = None,
-    combine: bool = True,
+    combine: Any = True,
 ) -> tuple[Any, Optional[Float[Tensor, "batch gdn_head d"]]]:
     """One decode token of a head-wise hybrid layer's attention: the FA heads' prep and split-K partials and
     the GDN heads' step in one kernel launch, then the split-K combination (a second launch).
@@ -132,8 +155,10 @@ def hybrid_decode_step(
         gdn: keyword arguments of :func:`gdn_decode_step` (``q, k, v, a, b, S, A_neg, dt_bias, scale`` and the
             optional ones except ``pdl`` and ``block_v``; its ``S`` is updated in place); None: no GDN heads.
         n_splits: split count; default :func:`splitk.n_splits_for` with the GDN programs reserved.
-        combine: False: leave the combination to the caller (``tail_step.layer_tail``'s first phase) and return the
-            split-K launch's namespace (:func:`splitk.setup`: partials, output buffer) in place of o.
+        combine: where the split-K combination (with the output fusion) runs: ``"launch"`` — in this launch, by
+            the last split of each (sequence, KV head) to finish; ``"kernel"`` — a second launch; True — the
+            default, :data:`COMBINE`; False — left to the caller (``tail_step.layer_tail``'s first phase): the
+            split-K launch's namespace (:func:`splitk.setup`: partials, output buffer) is returned in place of o.
 
     Returns:
         (o [batch, fa_head, d] in q's dtype — or the namespace when ``combine`` is False —, y [batch, gdn_head, d]
@@ -176,10 +201,22 @@ def hybrid_decode_step(
         q, cos, sin, positions, nope_a, q_norm, k_norm, sp.ml)
     fa_args = (k, v, cos_t, sin_t, qn, kn, pos, float(qk_eps), inv_log_a, a, k.stride(0), k.stride(1), v.stride(0),
                v.stride(1), scb, ssb, pos_stride)
+    mode = COMBINE if combine is True else combine
+    if mode not in ("launch", "kernel", False):
+        raise ValueError(f"combine must be True, False, 'launch' or 'kernel', got {combine!r}")
+    o = sp.o
+    rows = sp.B * sp.Hk
+    comb = (o, gate if gate is not None else o, gamma.float().contiguous() if gamma is not None else sp.ml,
+            o.stride(0), o.stride(1), gate.stride(0) if gate is not None else 0,
+            gate.stride(1) if gate is not None else 0, float(eps),
+            splitk.counters(("splits", str(q.device), rows, sp.NS), rows, q.device) if mode == "launch" else sp.ml)
     pdl = splitk.pdl_applies(q, "partial")
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _build()["step"][(NGP + sp.B * sp.Hk * sp.NS,)](
-            *splitk.partial_args(sp, q, k_cache, v_cache, scale), *fa_args, *gargs, **sp.meta, ROPE=rope, QKN=qkn,
-            NOPE=nope, **gmeta, NGP=NGP, NCB=max(NCB, 1), PDL=pdl, num_warps=splitk.NUM_WARPS,
-            num_stages=splitk.NUM_STAGES, **splitk.launch_kw(pdl))
-    return (splitk.combine(sp, gate, gamma, eps) if combine else sp), y
+        _build()["step"][(NGP + rows * sp.NS,)](
+            *splitk.partial_args(sp, q, k_cache, v_cache, scale), *fa_args, *gargs, *comb, **sp.meta, ROPE=rope,
+            QKN=qkn, NOPE=nope, **gmeta, NGP=NGP, NCB=max(NCB, 1), PDL=pdl, COMB=mode == "launch",
+            SC=splitk.combine_chunk(sp.NS, sp.d), HAS_GATE=gate is not None, HAS_NORM=gamma is not None,
+            SYNC=q.is_cuda, num_warps=splitk.NUM_WARPS, num_stages=splitk.NUM_STAGES, **splitk.launch_kw(pdl))
+    if mode == "kernel":
+        return splitk.combine(sp, gate, gamma, eps), y
+    return (o if mode == "launch" else sp), y

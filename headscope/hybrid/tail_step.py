@@ -49,7 +49,6 @@ BN = 16  # output columns per work item of a GEMM phase (tl.dot's smallest N)
 NUM_WARPS = 4
 MAX_ROWS = 16  # rows (sequences) of one step: one 16-row tile
 _kernels: dict = {}
-_counters: dict = {}
 
 
 def _make(triton, tl) -> dict:
@@ -266,18 +265,6 @@ def down_pieces(inter: int) -> int:
     return next((n for n in range(1, 17) if inter % n == 0 and inter // n <= DOWN_PIECE and inter // n % 16 == 0), 1)
 
 
-def _counters_for(key: tuple, n: int, dev: torch.device) -> Tensor:
-    """Arrival counters kept across launches (int64 zeros on ``dev``, made once per key): they only grow, so a launch
-    finds its start from them and none needs a reset (a CUDA graph replays the same buffers); int64 never wraps (int32
-    would after ~12 hours of B = 16 decoding). Keys: ("grid", device, programs) — the barriers' one counter, +4 ·
-    programs per launch; ("tiles", device, tiles, pieces) — phase 3's per-tile counters, +pieces per launch. Launches
-    that share a counter must not run concurrently (one stream)."""
-    c = _counters.get(key)
-    if c is None:
-        c = _counters[key] = torch.zeros(n, dtype=torch.int64, device=dev)
-    return c
-
-
 def applies(rows: int, hidden: int, k_o: int, inter: int, device: torch.device) -> bool:
     """Whether :func:`layer_tail` runs for these sizes here: triton, CUDA (or Triton's interpreter), ≤ 16 rows, and
     ``hidden``, ``inter`` and o_proj's input ``k_o`` multiples of 16."""
@@ -379,7 +366,7 @@ def layer_tail(
         gt = gate if gate is not None else o
         comb = (sp.acc, sp.ml, o, gt, gm, o.stride(0), o.stride(1), gt.stride(0), gt.stride(1), float(out_eps))
         cmeta = dict(NCOMB=sp.B * sp.Hk * sp.G, HK=sp.Hk, G=sp.G, D=sp.d, NS=sp.NS,
-                     SC=max(2, min(1 << max(0, (sp.NS - 1).bit_length()), max(2, 8192 // sp.d))),
+                     SC=splitk.combine_chunk(sp.NS, sp.d),
                      HAS_GATE=gate is not None, HAS_NORM=gamma is not None)
     else:
         comb = (y, y, y, y, y, 0, 0, 0, 0, 0.0)
@@ -389,10 +376,10 @@ def layer_tail(
     dummy = h1
     args = (*comb, y, w_o, b_o if b_o is not None else dummy, h, h1, ssq[0], w_post, float(eps_post), w_gu,
             b_gu if b_gu is not None else dummy, act, w_down, b_down if b_down is not None else dummy, dp,
-            _counters_for(("tiles", str(h.device), hid // BN, DS), hid // BN, h.device), h2, ssq[1],
+            splitk.counters(("tiles", str(h.device), hid // BN, DS), hid // BN, h.device), h2, ssq[1],
             w_next if w_next is not None else w_post, float(eps_next), out if nxt == 1 else dummy,
             w_in if w_in is not None else w_o, b_in if b_in is not None else dummy, out if nxt == 2 else dummy,
-            _counters_for(("grid", str(h.device), NP), 1, h.device), B)
+            splitk.counters(("grid", str(h.device), NP), 1, h.device), B)
 
     p2 = lambda n: 1 << max(0, (max(1, n) - 1).bit_length())  # noqa: E731
     meta = dict(HID=hid, KO=k_o, INTER=inter, NIN=w_in.shape[0] if nxt == 2 else 0, **cmeta, BN=BN,
