@@ -13,15 +13,13 @@ all three in one launch:
   between programs is needed;
 - **the GDN heads ride along**: the launch's first programs run the GDN step (one per sequence × head × value
   block), the rest the splits; the split count leaves room for them (``splitk.n_splits_for(reserved=…)``), so all
-  programs fit about one wave.
-
+  programs fit about one wave;
 - **the combination rides along too** (:data:`COMBINE` ``"launch"``): each (sequence, KV head) row's last split to
   finish — found by a per-row counter that grows by the split count per launch — combines the row's partials
   (``splitk._combine_row``, with the output fusion) instead of a second launch.
 
 The bodies are the same Triton functions as the separate kernels' (``splitk._attend``, ``gdn_step._gdn_head``,
-``splitk._combine_row``):
-one definition of each computation. The results equal the three-launch path's up to the rounding of the glue's
+``splitk._combine_row``): one definition of each computation. The results equal the three-launch path's up to the rounding of the glue's
 reductions (the query's norm summed over d at once here, in two halves there): the tests compare both with the
 PyTorch references.
 """
