@@ -100,13 +100,18 @@ def test_one_launch_equals_the_three_kernels_and_their_references(Hq, Hk, kvi, l
                                      gdn=g1, n_splits=ns, **D)
     assert (o1.cpu().float() - o_r.float()).abs().max() < 2e-4
     assert (o1 - o3).abs().max() < 2e-5
-    # the combination inside the launch (step.COMBINE's default) = the separate combination kernel: one body, same bits
-    assert step.COMBINE == "launch"
+    # the combination inside the launch (the default for rows of ≤ 2 heads) = the separate combination kernel, bit
+    # for bit (one body)
+    assert [step.combine_mode(g) for g in (1, 2, 3)] == ["launch", "launch", "kernel"]
+    ok1, _ = step.hybrid_decode_step(q.to(DEV), k.to(DEV), v.to(DEV), kc.to(DEV, copy=True), vc.to(DEV, copy=True),
+                                     ln, d ** -0.5, kv_index=kvd, gate=gate.to(DEV) if fused else None,
+                                     gamma=gamma.to(DEV) if fused else None, gdn=_to(gdn) if gdn else None,
+                                     n_splits=ns, combine="launch", **D)
     ok, _ = step.hybrid_decode_step(q.to(DEV), k.to(DEV), v.to(DEV), kc.to(DEV, copy=True), vc.to(DEV, copy=True), ln,
                                     d ** -0.5, kv_index=kvd, gate=gate.to(DEV) if fused else None,
                                     gamma=gamma.to(DEV) if fused else None, gdn=_to(gdn) if gdn else None, n_splits=ns,
                                     combine="kernel", **D)
-    assert torch.equal(ok, o1)
+    assert torch.equal(ok, o1) and torch.equal(ok1, o1)
     assert torch.allclose(kc1.cpu(), kc_r, atol=1e-5, rtol=0) and torch.equal(vc1.cpu(), vc_r)
     assert (kc1 - kc3).abs().max() < 1e-6 and torch.equal(vc1, vc3)  # the key's glue summed in another order
     other = torch.ones(B, 1, L, 1, dtype=torch.bool)  # no other slot touched

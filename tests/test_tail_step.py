@@ -206,14 +206,19 @@ def test_kernel_in_bf16_at_the_smollm2_shape_and_in_a_graph():
 
 
 @gpu
-def test_graphed_greedy_decoding_with_the_tail_kernel(monkeypatch):
+@pytest.mark.parametrize("defer", [False, True], ids=["combined", "deferred"])
+def test_graphed_greedy_decoding_with_the_tail_kernel(monkeypatch, defer):
     """StaticDecoder with static.TAIL_KERNEL on CUDA (fp32: exact products): the graphed greedy tokens equal the
-    compiled tail's, one step's logits agree within fp32 rounding, and every decode step's layers took the kernel."""
+    compiled tail's, one step's logits agree within fp32 rounding, and every decode step's layers took the kernel —
+    with the split-K combination in the attention's launch (rows of ≤ 2 heads here) or in the tail's first phase
+    (lean.DECODE_DEFER_COMBINE)."""
+    import headscope.hybrid.lean as lean
     import headscope.hybrid.static as static
     from test_hybrid_graphs import _hybrid
 
     from headscope.hybrid.static import StaticDecoder
 
+    monkeypatch.setattr(lean, "DECODE_DEFER_COMBINE", defer)
     model = _hybrid("cuda")
     ids = torch.randint(0, 101, (2, 24), generator=torch.Generator().manual_seed(3)).cuda()
     calls = []
@@ -228,7 +233,7 @@ def test_graphed_greedy_decoding_with_the_tail_kernel(monkeypatch):
         assert dec._tk is not None
         calls.clear()
         got = dec.generate(ids, 8, cuda_graph=True)
-        assert calls and all(calls)  # the captured step's layers (and the warm-ups)
+        assert calls and all(c == defer for c in calls)  # the captured step's layers (and the warm-ups)
         assert torch.equal(got, ref)
         ref_dec.prefill(ids), dec.prefill(ids)
         torch.testing.assert_close(dec.step(ids[:, -1:]), ref_dec.step(ids[:, -1:]), rtol=1e-4, atol=1e-4)

@@ -52,7 +52,7 @@ from .gdn_step import applies as gdn_step_applies, gdn_decode_step, launch_shape
 from .splitk import _sm_count, combine as _combine_partials, decode_attention, triton_available
 from .fa_step import applies as fa_prep_applies, fa_decode_prep
 from .skinny import linear
-from .step import applies as step_applies, hybrid_decode_step
+from .step import applies as step_applies, combine_mode as _combine_mode, hybrid_decode_step
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layer import HeadwiseHybridAttention
@@ -119,8 +119,9 @@ FUSED_OUT_MAX_D = 64
 # B = 1: 0.990 vs 1.044 and 1.087 vs 1.114 ms (benchmarks/results/h200_profile_decode_r10_one_launch_*).
 DECODE_ONE_LAUNCH = True
 # A deferred decode step (``forward(defer=True)``: StaticDecoder's tail kernel) hands the tail the split-K partials,
-# whose first phase combines them (True), or combines them in its own launch (``step.COMBINE``) and hands over a
-# complete o_proj input (False: the tail kernel skips its first phase and that phase's barrier).
+# whose first phase combines them (True), or — where the one launch combines them (``step.combine_mode``: rows of at
+# most step.LAUNCH_COMBINE_MAX_G query heads) — a complete o_proj input (False: the tail kernel skips its first phase
+# and that phase's barrier; rows of more heads still go to the tail's first phase).
 DECODE_DEFER_COMBINE = False
 _side_streams: dict = {}
 _compiled: dict[tuple, Callable] = {}
@@ -620,8 +621,11 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     # ---- FA heads: softmax attention over the kept KV groups
     if nf:
         if one:
+            # deferred: the partials go to the tail kernel unless the launch combines them (rows of few heads)
+            combined = not deferred or (not DECODE_DEFER_COMBINE and _combine_mode(
+                q.shape[2] // k.shape[2] if layer._fa_gqa else 1) == "launch")
             o_fa, y_one = _one_launch(layer, p, q, k, v, z, cache, dpos, past, cos, sin, position_ids, y_buf, gate,
-                                      g_out, combine=not (deferred and DECODE_DEFER_COMBINE))
+                                      g_out, combine=combined)
         elif prep:  # one kernel: q/k glue + the K/V cache write
             slot = dpos if dpos is not None else past
             qp = fa_decode_prep(q[:, 0], k[:, 0], v[:, 0], cache.k, cache.v, slot,
@@ -689,7 +693,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
 
     # ---- fusion (eq. 13–14) in (FA, GDN) order, then o_proj with permuted input columns
     if deferred:  # o_fa is the split-K namespace, or the FA heads' output already in y_buf
-        if not DECODE_DEFER_COMBINE:
+        if combined:
             return DeferredOutput(y_buf.view(B, -1), None, p.Wo, p.bo)
         f = _fa_fused_out(p, y_buf, gate)
         return DeferredOutput(y_buf.view(B, -1), (o_fa, f["gate"], f["gamma"], f["eps"]), p.Wo, p.bo)

@@ -41,6 +41,17 @@ _kernels: dict = {}
 # each (sequence, KV head) to finish (a per-row counter), which saves the second launch (or the tail kernel's first
 # phase and its barrier); "kernel" — splitk.combine's separate launch (before the seventh session).
 COMBINE = "launch"
+# ... where a row has at most this many query heads (G): its last split combines them one after another, at the end of
+# the launch. On the H200 (SmolLM2 shape, B = 16, 32K; profile_decode.py) the all-FA teacher's rows (G = 3) made the
+# launch 95.6 -> 100.0 µs per layer against 20.3 -> 17.4 µs saved in the tail kernel (slower), the hybrid's (G = 1-2)
+# 38.2 -> 38.9-39.6 against 19.4 -> 17.7-18.0 (faster); rows of more heads keep the separate combination.
+LAUNCH_COMBINE_MAX_G = 2
+
+
+def combine_mode(g: int) -> str:
+    """Where :func:`hybrid_decode_step` combines by default (``combine=True``) for rows of ``g`` query heads:
+    ``"launch"`` or ``"kernel"`` (:data:`COMBINE`, :data:`LAUNCH_COMBINE_MAX_G`)."""
+    return "launch" if COMBINE == "launch" and g <= LAUNCH_COMBINE_MAX_G else "kernel"
 
 
 def _make(triton, tl) -> dict:
@@ -155,7 +166,7 @@ def hybrid_decode_step(
         n_splits: split count; default :func:`splitk.n_splits_for` with the GDN programs reserved.
         combine: where the split-K combination (with the output fusion) runs: ``"launch"`` — in this launch, by
             the last split of each (sequence, KV head) to finish; ``"kernel"`` — a second launch; True — the
-            default, :data:`COMBINE`; False — left to the caller (``tail_step.layer_tail``'s first phase): the
+            default, :func:`combine_mode` of the rows' query heads; False — left to the caller (``tail_step.layer_tail``'s first phase): the
             split-K launch's namespace (:func:`splitk.setup`: partials, output buffer) is returned in place of o.
 
     Returns:
@@ -199,7 +210,7 @@ def hybrid_decode_step(
         q, cos, sin, positions, nope_a, q_norm, k_norm, sp.ml)
     fa_args = (k, v, cos_t, sin_t, qn, kn, pos, float(qk_eps), inv_log_a, a, k.stride(0), k.stride(1), v.stride(0),
                v.stride(1), scb, ssb, pos_stride)
-    mode = COMBINE if combine is True else combine
+    mode = combine_mode(sp.G) if combine is True else combine
     if mode not in ("launch", "kernel", False):
         raise ValueError(f"combine must be True, False, 'launch' or 'kernel', got {combine!r}")
     o = sp.o
