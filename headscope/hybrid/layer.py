@@ -329,9 +329,10 @@ class HeadwiseHybridAttention(nn.Module):
             position_ids: [batch, time] absolute positions (for the NoPE coefficient); default counts
                 from the cache length.
             defer_out: a decode step on the lean path's one-launch step returns a
-                :class:`~headscope.hybrid.lean.DeferredOutput` in place of the output (its combination and o_proj
-                left to :func:`~headscope.hybrid.tail_step.layer_tail`; ``StaticDecoder``'s tail kernel); other
-                paths ignore it.
+                :class:`~headscope.hybrid.lean.DeferredOutput` in place of the output (its o_proj — and, for rows
+                the launch does not combine, the split-K combination — left to
+                :func:`~headscope.hybrid.tail_step.layer_tail`; ``StaticDecoder``'s tail kernel); other paths ignore
+                it.
             projected: the lean path's input projection of the (normalized) hidden states, already computed
                 ([batch, time, rows of ``lean.plan(self).W``]; the layer tail before computes it); hidden_states then
                 give only shape, dtype and device.

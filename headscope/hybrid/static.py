@@ -55,8 +55,8 @@ TAIL_PDL = False
 # launches; whole step 1.966 -> 2.237 ms (hybrid), 3.697 -> 3.979 ms (teacher).
 MLP_KERNEL = False
 # With the fused tail (compile_tail=True, FUSED_TAIL), a decode step of at most tail_step.MAX_ROWS sequences whose
-# attention takes the lean path's one-launch step hands the split-K partials to tail_step.layer_tail: the combination,
-# o_proj, residual, norm, gated MLP, residual, the next layer's input norm and (TAIL_PROJECT_NEXT) that layer's input
+# attention takes the lean path's one-launch step hands o_proj's input (or the split-K partials, for rows the launch
+# does not combine: lean.DECODE_DEFER_COMBINE) to tail_step.layer_tail: the combination, o_proj, residual, norm, gated MLP, residual, the next layer's input norm and (TAIL_PROJECT_NEXT) that layer's input
 # projection in one persistent launch (grid-wide barriers between the phases) instead of nine launches. Where it
 # applies (CUDA, Llama-style SiLU MLP and RMSNorms, sizes: tail_step.applies) and equals the layers' modules on random
 # inputs (checked once, at construction). On the H200 (SmolLM2 shape, ranked 7:1 mask, graph-replayed step;
