@@ -56,8 +56,9 @@ TAIL_PDL = False
 MLP_KERNEL = False
 # With the fused tail (compile_tail=True, FUSED_TAIL), a decode step of at most tail_step.MAX_ROWS sequences whose
 # attention takes the lean path's one-launch step hands o_proj's input (or the split-K partials, for rows the launch
-# does not combine: lean.DECODE_DEFER_COMBINE) to tail_step.layer_tail: the combination, o_proj, residual, norm, gated MLP, residual, the next layer's input norm and (TAIL_PROJECT_NEXT) that layer's input
-# projection in one persistent launch (grid-wide barriers between the phases) instead of nine launches. Where it
+# does not combine: lean.DECODE_DEFER_COMBINE) to tail_step.layer_tail: the combination, o_proj, residual, norm, gated
+# MLP, residual, the next layer's input norm and (TAIL_PROJECT_NEXT) that layer's input projection in one persistent
+# launch (grid-wide barriers between the phases) instead of nine launches. Where it
 # applies (CUDA, Llama-style SiLU MLP and RMSNorms, sizes: tail_step.applies) and equals the layers' modules on random
 # inputs (checked once, at construction). On the H200 (SmolLM2 shape, ranked 7:1 mask, graph-replayed step;
 # profile_decode.py, off vs on in one run): B = 16, 32K teacher 3.611 -> 3.505 ms, hybrid 1.952 -> 1.792 ms (1.85x ->
@@ -193,7 +194,8 @@ class StaticDecoder:
             :data:`FUSED_TAIL` and gated MLPs (checked against the modules' forward first; not with forward hooks
             on the norms or MLPs, warned) a layer's residual, norm, MLP (gate and up projections in one GEMM up to
             :data:`FUSED_GATE_UP_MAX_BYTES`: a concatenated weight copy) and the next layer's input norm are one
-            compiled call.
+            compiled call; a decode step's ends (embedding + rotary, final norm + LM head) are compiled too
+            (:data:`COMPILE_ENDS`).
 
     Raises:
         ValueError: a layer's attention is not a hybrid layer.

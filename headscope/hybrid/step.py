@@ -19,9 +19,9 @@ all three in one launch:
   (``splitk._combine_row``, with the output fusion) instead of a second launch.
 
 The bodies are the same Triton functions as the separate kernels' (``splitk._attend``, ``gdn_step._gdn_head``,
-``splitk._combine_row``): one definition of each computation. The results equal the three-launch path's up to the rounding of the glue's
-reductions (the query's norm summed over d at once here, in two halves there): the tests compare both with the
-PyTorch references.
+``splitk._combine_row``): one definition of each computation. The results equal the three-launch path's up to the
+rounding of the glue's reductions (the query's norm summed over d at once here, in two halves there): the tests
+compare both with the PyTorch references.
 """
 
 from __future__ import annotations
@@ -139,8 +139,9 @@ def hybrid_decode_step(
     n_splits: Optional[int] = None,
     combine: Any = True,
 ) -> tuple[Any, Optional[Float[Tensor, "batch gdn_head d"]]]:
-    """One decode token of a head-wise hybrid layer's attention: the FA heads' prep and split-K partials and
-    the GDN heads' step in one kernel launch, then the split-K combination (a second launch).
+    """One decode token of a head-wise hybrid layer's attention: the FA heads' prep, split-K partials and their
+    combination, and the GDN heads' step in one kernel launch (the combination in a second launch for rows of many
+    heads, see ``combine``).
 
     The FA part equals :func:`~headscope.hybrid.fa_step.fa_decode_prep` (q, k, v → the prepared queries, the
     token's key and value written at slot ``length − 1``) followed by
@@ -166,8 +167,9 @@ def hybrid_decode_step(
         n_splits: split count; default :func:`splitk.n_splits_for` with the GDN programs reserved.
         combine: where the split-K combination (with the output fusion) runs: ``"launch"`` — in this launch, by
             the last split of each (sequence, KV head) to finish; ``"kernel"`` — a second launch; True — the
-            default, :func:`combine_mode` of the rows' query heads; False — left to the caller (``tail_step.layer_tail``'s first phase): the
-            split-K launch's namespace (:func:`splitk.setup`: partials, output buffer) is returned in place of o.
+            default, :func:`combine_mode` of the rows' query heads; False — left to the caller
+            (``tail_step.layer_tail``'s first phase): the split-K launch's namespace (:func:`splitk.setup`:
+            partials, output buffer) is returned in place of o.
 
     Returns:
         (o [batch, fa_head, d] in q's dtype — or the namespace when ``combine`` is False —, y [batch, gdn_head, d]
@@ -176,7 +178,8 @@ def hybrid_decode_step(
     Raises:
         ValueError: the errors of the three functions (shapes, strides, dtypes, head_dim, RoPE with NoPE, CPU
             tensors outside ``TRITON_INTERPRET=1``, bf16 in the interpreter); GDN heads of another head_dim;
-            ``length`` of zero slots is not checked (no host sync): it must be ≥ 1.
+            ``length`` of zero slots is not checked (no host sync): it must be ≥ 1; ``combine`` not one of
+            True, False, ``"launch"``, ``"kernel"``.
         ImportError: triton missing (use the three PyTorch references).
 
     Source: flash-decoding (Dao et al., 2023) with the FA glue of the lean path and the gated delta rule step
