@@ -10,7 +10,8 @@ per SM, separated by grid-wide barriers (an atomic counter that only grows: each
 waits until all have; every program of the launch is resident, so none waits on a program that never runs):
 
 0. the split-K combination with the output fusion (``splitk._combine_row``: FA gate, per-head RMSNorm, γ_h) into
-   the FA heads' columns of ``o_proj``'s input (the GDN heads' columns are already there);
+   the FA heads' columns of ``o_proj``'s input (the GDN heads' columns are already there) — skipped, with its
+   barrier's wait, where the attention's launch combined them itself (``step.combine_mode``: rows of few heads);
 1. ``h1 = h + o_proj(y)`` in 16-column tiles;
 2. ``act = silu(gate(x)) · up(x)`` in 16-column tiles, ``x = RMSNorm(h1)``;
 3. ``h2 = h1 + down(act)`` in 16-column tiles × a few pieces of the reduction (fp32 partials, more programs with
