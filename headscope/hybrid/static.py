@@ -459,13 +459,10 @@ class StaticDecoder:
         B, T = ids.shape
         past = self.length
         pos = torch.arange(past, past + T, device=ids.device)[None].expand(B, -1)
-        if T == 1:  # a decode step: its ends compiled (compile_tail, COMPILE_ENDS)
-            h, pe = self._tail(3, m, ids, pos)
-            return self._tail(4, self.model, self._layers(h, pe, pos), False)[:, 0]
-        h = m.embed_tokens(ids)
-        pe = m.rotary_emb(h, pos)
-        h = self._layers(h, pe, pos)
-        return self.model.lm_head(m.norm(h[:, -1:]))[:, 0]
+        step = T == 1  # a decode step: its ends compiled (compile_tail, COMPILE_ENDS); a prefill's eager
+        h, pe = self._tail(3, m, ids, pos) if step else _embed(m, ids, pos)
+        h = self._layers(h, pe, pos)[:, -1:]
+        return (self._tail(4, self.model, h, False) if step else _head(self.model, h, False))[:, 0]
 
     def prefill(self, ids: Tensor) -> Tensor:
         """Start fresh sequences: ``ids`` [batch, T] → logits [batch, vocab] of the last position."""
