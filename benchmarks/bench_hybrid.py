@@ -52,12 +52,15 @@ from headscope.hybrid.graphs import capture as capture_graph, warm_up
 from headscope.hybrid.gdn import fla_available, gdn_chunked_torch, gated_delta_rule
 from headscope.masks import HeadMask
 
-from bench_timing import time_ms
+from bench_timing import parse_overrides, time_ms
 
 SHAPES = {
     # name: (hidden, q heads, kv heads, head_dim, FA heads of the layer at 7:1 with >= 1 per layer)
     "smollm2-135m": (576, 9, 3, 64, (0,)),
     "qwen3-1.7b": (2048, 16, 8, 128, (0, 1)),
+    # a diagnostic shape: the SmolLM2 hybrid layer's FA part alone (one query head over one KV group, no GDN heads),
+    # so that its decode step against smollm2-135m's hybrid step shows what the GDN heads cost
+    "smollm2-fa-part": (576, 1, 1, 64, (0,)),
 }
 
 
@@ -214,7 +217,7 @@ DECODE_VARIANTS = {  # name: (lean.DECODE_GDN, lean.DECODE_FA, device position, 
     "triton": ("triton", "sdpa", False, False), "triton_splitk": ("triton", "splitk", False, False),
     "devpos_sdpa": ("kernel", "sdpa", True, False), "devpos_triton_splitk": ("triton", "splitk", True, False),
     "one_launch": ("triton", "splitk", False, True), "devpos_one_launch": ("triton", "splitk", True, True),
-}
+}  # a variant name may add module options: 'one_launch:step.COMBINE=kernel,splitk.MIN_SPLIT=128' (bench_timing)
 
 
 def _decode_variant(mod, x, pe, T, dev, graph_reps, variant, ref, profile=False):
@@ -222,9 +225,13 @@ def _decode_variant(mod, x, pe, T, dev, graph_reps, variant, ref, profile=False)
     (DECODE_VARIANTS); device-position variants read the position from device memory (one graph for every
     length; SDPA then masks the whole buffer). Returns its graph time, its output against ``ref`` (the
     default eager step) and, with ``profile``, the GPU kernels of one eager step."""
-    gdn_mode, fa_mode, devpos, one = DECODE_VARIANTS[variant]
+    base, overrides = parse_overrides(variant)
+    gdn_mode, fa_mode, devpos, one = DECODE_VARIANTS[base]
     prev = lean.DECODE_GDN, lean.DECODE_FA, lean.DECODE_ONE_LAUNCH
+    saved = [(m, a, getattr(m, a)) for m, a, _ in overrides]
     lean.DECODE_GDN, lean.DECODE_FA, lean.DECODE_ONE_LAUNCH = gdn_mode, fa_mode, one
+    for m, a, v in overrides:
+        setattr(m, a, v)
     try:
         x1 = x[:, T:]
         dc, pe1, restore = _prefilled(mod, x, pe, T)
@@ -247,6 +254,8 @@ def _decode_variant(mod, x, pe, T, dev, graph_reps, variant, ref, profile=False)
         return r
     finally:
         lean.DECODE_GDN, lean.DECODE_FA, lean.DECODE_ONE_LAUNCH = prev
+        for m, a, v in saved:
+            setattr(m, a, v)
 
 
 def _profile_kernels(step, restore, n=5):
@@ -377,7 +386,8 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
             for vn in variants:
                 try:
                     vr = _decode_variant(mod, x, pe, T, dev, graph_reps, vn, step_out,
-                                         profile=profile and vn in ("triton_splitk", "devpos_triton_splitk", "splitk"))
+                                         profile=profile and (vn in ("triton_splitk", "devpos_triton_splitk", "splitk",
+                                                                            "one_launch") or ":" in vn))
                     out[name][f"decode_graph_ms_{vn}"] = vr.pop("graph_ms")
                     out["parity"][f"{name}_decode_{vn}_vs_default"] = vr.pop("vs_default_eager")
                     out["parity"][f"{name}_decode_{vn}_graph_vs_eager"] = vr.pop("graph_vs_eager")
@@ -581,7 +591,8 @@ def _fmt_row(shape, r):
             f"eager {g(f['decode_eager_ms'])} {g(hy['decode_eager_ms'])} x{ra['decode_eager_ms']:.2f} "
             f"| cache MB {f['cache_bytes'] / 2**20:7.2f} {hy['cache_bytes'] / 2**20:7.2f} x{ra['cache_bytes']:.3f}"
             + "".join(f" | {vn} us fa {g(f.get('decode_graph_ms_' + vn))} hybrid {g(hy.get('decode_graph_ms_' + vn))}"
-                      for vn in DECODE_VARIANTS if hy.get("decode_graph_ms_" + vn) or f.get("decode_graph_ms_" + vn)))
+                      for vn in dict.fromkeys(k[len("decode_graph_ms_"):] for k in (*f, *hy)
+                                              if k.startswith("decode_graph_ms_"))))
 
 
 def main(argv=None):
@@ -600,8 +611,10 @@ def main(argv=None):
                     help="layer part: also time the decode step with the GDN step fused into the glue, split-K FA "
                          "decode, and device-position decoding (lean.DECODE_GDN / DECODE_FA); model part: also the "
                          "Triton GDN step + split-K step and graphed generate (with --compile-tail: compiled tails)")
-    ap.add_argument("--variants", nargs="+", default=None, choices=list(DECODE_VARIANTS),
-                    help="layer part: only these decode variants, for both layers (implies --decode-variants)")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help=f"layer part: only these decode variants, for both layers (implies --decode-variants): each "
+                         f"one of {sorted(DECODE_VARIANTS)}, optionally with module options, "
+                         "e.g. one_launch:splitk.MIN_SPLIT=128,step.COMBINE=kernel")
     ap.add_argument("--profile-at", type=int, nargs="*", default=[],
                     help="lengths at which to record the GPU kernels of one eager decode step (torch.profiler)")
     ap.add_argument("--splitk-from", type=Path, default=None,
@@ -621,7 +634,7 @@ def main(argv=None):
                     help="model part: only the end-to-end generate timings (--generate N) of each cell")
     ap.add_argument("--model-cells", default=None,
                     help="only these (batch x length) cells of the model part, e.g. 1x8192,16x32768")
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=["smollm2-135m", "qwen3-1.7b"], choices=list(SHAPES))
     ap.add_argument("--check", action="store_true", help="CUDA kernels vs the CPU reference first")
     ap.add_argument("--smoke", action="store_true", help="CPU, toy lengths (64, 128): checks the script")
     ap.add_argument("--out", type=Path, default=None, help="directory for bench_hybrid.json")
@@ -630,6 +643,12 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=200.0,
                     help="skip the remaining (shape, length) cells once this many seconds have passed")
     a = ap.parse_args(argv)
+    for v in a.variants or ():
+        try:
+            if parse_overrides(v)[0] not in DECODE_VARIANTS:
+                ap.error(f"variant {v!r}: the name before ':' must be one of {sorted(DECODE_VARIANTS)}")
+        except ValueError as e:
+            ap.error(str(e))
     t0 = time.perf_counter()
     dev = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     if dev.type == "cpu":

@@ -19,7 +19,9 @@ which computes the teacher's function (checked against transformers' own forward
 - ``--generate N``: end-to-end greedy ``generate``, ms per new token of a 2N-token call's decode steps on the
   device's timeline (``StaticDecoder.last_timing``: CUDA events, prefill and capture left out; a host that cannot
   keep up shows), with graphed device-position steps and with eager steps (2 × 9 tokens); the graphed default
-  also as a host-wall estimate (``generate_wall_ms_per_token_graph``);
+  also as a host-wall estimate (``generate_wall_ms_per_token_graph``); with ``--compile-tail`` also graphed through
+  ``StaticDecoder(compile_tail=True)`` (``generate_ms_per_token_graph_compiled_tail``: compiled step ends, the
+  layer-tail kernel; the library's fastest decode);
 - cache bytes per sequence at T; concurrent sequences of 32K tokens that fit in 100 GiB next to the
   weights: floor((100 GiB − weights) / (cache per sequence at 32K + decode activations per sequence)).
 """
@@ -247,6 +249,11 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
                     cell[name]["generate_ms_per_token_graph"] = _generate_ms_per_token(model, B, T, cfg.vocab_size, generate,
                                                                                        True, wall=w)
                     cell[name]["generate_wall_ms_per_token_graph"] = w["ms_per_token"]
+                    if compile_tail:  # graphed through the library's fastest decode path (compiled tail, tail kernel)
+                        cell[name]["generate_ms_per_token_graph_compiled_tail"] = _generate_ms_per_token(
+                            model, B, T, cfg.vocab_size, generate, True, compile_tail=True)
+                        print(f"model B={B:2d} T={T:6d} {name}: generate ms/token graphed, compiled tail: "
+                              f"{cell[name]['generate_ms_per_token_graph_compiled_tail']:.2f}", flush=True)
                     if decode_variants:  # graphed, with the decode options (and the compiled tail when asked)
                         prev = lean.DECODE_GDN, lean.DECODE_FA
                         lean.DECODE_GDN, lean.DECODE_FA = "triton", "splitk"

@@ -1,4 +1,4 @@
-"""Timing shared by the benchmarks: mean milliseconds per call of a function."""
+"""Shared by the benchmarks: mean milliseconds per call of a function, and module-option overrides of a variant."""
 
 from __future__ import annotations
 
@@ -25,3 +25,27 @@ def time_ms(fn, dev: torch.device, reps: int, warmup: int = 1) -> float:
     for _ in range(reps):
         fn()
     return (time.perf_counter() - t) * 1e3 / reps
+
+
+def parse_overrides(variant: str) -> tuple[str, list]:
+    """'NAME' or 'NAME:module.ATTR=value,...' -> (NAME, [(module, ATTR, value)]) for headscope.hybrid's modules
+    lean, static, splitk, skinny, tail_step, step and gdn_step; values True/False/integers are converted.
+
+    Raises:
+        ValueError: an item that is not module.ATTR=value with a known module and an existing ATTR.
+    """
+    from headscope.hybrid import gdn_step, lean, skinny, splitk, static, step, tail_step
+
+    mods = {"lean": lean, "static": static, "splitk": splitk, "skinny": skinny, "tail_step": tail_step, "step": step,
+            "gdn_step": gdn_step}
+    vname, _, spec = variant.partition(":")
+    overrides = []
+    for item in filter(None, spec.split(",")):
+        key, _, val = item.partition("=")
+        mod, _, attr = key.partition(".")
+        if mod not in mods or not hasattr(mods[mod], attr) or not val:
+            raise ValueError(f"variant {variant!r}: {item!r} is not module.ATTR=value with module in {sorted(mods)} "
+                             "and an existing ATTR (e.g. lean.DECODE_OVERLAP=False)")
+        v = {"True": True, "False": False}.get(val, int(val) if val.lstrip("-").isdigit() else val)
+        overrides.append((mods[mod], attr, v))
+    return vname, overrides

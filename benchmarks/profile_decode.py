@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hybrid_model import MASKS, hybrid_mask, smollm2_config  # noqa: E402
-from bench_timing import time_ms  # noqa: E402
+from bench_timing import parse_overrides, time_ms  # noqa: E402
 
-from headscope.hybrid import hybridize, lean, skinny, splitk, static, step, tail_step  # noqa: E402
+from headscope.hybrid import hybridize, static  # noqa: E402
 from headscope.hybrid.static import StaticDecoder  # noqa: E402
 from headscope.masks import HeadMask  # noqa: E402
 
@@ -105,19 +105,11 @@ def profile_replay(dec: StaticDecoder, n: int = 5) -> dict:
 
 
 def parse_variant(variant: str, ap: argparse.ArgumentParser) -> tuple:
-    """'NAME' or 'NAME:module.ATTR=value,...' -> (NAME, [(module, ATTR, value)]); a bad item is a usage error."""
-    mods = {"lean": lean, "static": static, "splitk": splitk, "skinny": skinny, "tail_step": tail_step, "step": step}
-    vname, _, spec = variant.partition(":")
-    overrides = []
-    for item in filter(None, spec.split(",")):
-        key, _, val = item.partition("=")
-        mod, _, attr = key.partition(".")
-        if mod not in mods or not hasattr(mods[mod], attr) or not val:
-            ap.error(f"variant {variant!r}: {item!r} is not module.ATTR=value with module in {sorted(mods)} "
-                     "and an existing ATTR (e.g. lean.DECODE_OVERLAP=False)")
-        v = {"True": True, "False": False}.get(val, int(val) if val.lstrip("-").isdigit() else val)
-        overrides.append((mods[mod], attr, v))
-    return vname, overrides
+    """bench_timing.parse_overrides, a bad item a usage error."""
+    try:
+        return parse_overrides(variant)
+    except ValueError as e:
+        ap.error(str(e))
 
 
 def main() -> None:
