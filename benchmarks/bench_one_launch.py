@@ -8,8 +8,7 @@ takes it apart:
 
 - ``default``: the library's settings; ``combine_kernel`` / ``no_combine``: the split-K combination in a second
   launch / not at all (the partials only: what the combination costs);
-- ``shared_gdn``: ``step.GDN_PROGRAMS = "shared"`` (the first splits' programs run the GDN heads); ``peel`` /
-  ``teacher_peel``: ``splitk.PEEL_FIRST`` (each split's first K/V tile loaded before the query and its glue);
+- ``shared_gdn``: ``step.GDN_PROGRAMS = "shared"`` (the first splits' programs run the GDN heads);
 - ``fa_only``: no GDN heads (its own split count), ``fa_only_ns``: no GDN heads at the default's split count (what
   the GDN programs cost); ``gdn_only``: ``gdn_step.gdn_decode_step`` alone (its own launch);
 - ``ns<N>``: the default with N splits per row;
@@ -106,12 +105,7 @@ def bench(B: int, L: int, dev: torch.device, reps: int, splits: list[int], smoke
             assert (_call(x)()[0] - ref).abs().max() < 1e-4
         finally:
             step.GDN_PROGRAMS = prev
-        splitk.PEEL_FIRST = True
-        try:
-            assert (_call(x)()[0] - ref).abs().max() < 1e-4
-        finally:
-            splitk.PEEL_FIRST = False
-        return {"batch": B, "length": L, "smoke": "ok", "cells": [*cells, "shared_gdn", "peel"]}
+        return {"batch": B, "length": L, "smoke": "ok", "cells": [*cells, "shared_gdn"]}
     us = {}
     for name, fn in cells.items():
         us[name] = _graphed_us(fn, dev, reps)
@@ -121,24 +115,11 @@ def bench(B: int, L: int, dev: torch.device, reps: int, splits: list[int], smoke
         us["shared_gdn"] = _graphed_us(_call(x), dev, reps)
     finally:
         step.GDN_PROGRAMS = prev
-    parity = {}
-    o_def = _call(x, n_splits=ns_default)()[0].float()
-    splitk.PEEL_FIRST = True  # each split's first tile loaded before the query
-    try:
-        us["peel"] = _graphed_us(_call(x), dev, reps)
-        parity["peel_vs_default_max_abs"] = float((_call(x, n_splits=ns_default)()[0].float() - o_def).abs().max())
-    finally:
-        splitk.PEEL_FIRST = False
     kc, vc = x["kc"], x["vc"]
     us["read_ref"] = _graphed_us(lambda: (kc.sum(dtype=torch.float32), vc.sum(dtype=torch.float32)), dev, reps)
     del x, cells
     t = _inputs(B, 9, 3, 0, d, L, dev, g)
     us["teacher"] = _graphed_us(_call(t), dev, reps)
-    splitk.PEEL_FIRST = True
-    try:
-        us["teacher_peel"] = _graphed_us(_call(t), dev, reps)
-    finally:
-        splitk.PEEL_FIRST = False
     teacher_bytes = 2 * t["kc"].numel() * 2
     tk, tv = t["kc"], t["vc"]
     us["teacher_read_ref"] = _graphed_us(lambda: (tk.sum(dtype=torch.float32), tv.sum(dtype=torch.float32)), dev, reps)
@@ -147,7 +128,7 @@ def bench(B: int, L: int, dev: torch.device, reps: int, splits: list[int], smoke
     rate = {k: (teacher_bytes if k.startswith("teacher") else cache_bytes) / (v * 1e-6) / 1e12
             for k, v in us.items() if k != "gdn_only"}
     return {"batch": B, "length": L, "cache_MB": cache_bytes / 2**20, "teacher_cache_MB": teacher_bytes / 2**20,
-            "n_splits_default": ns_default, "gdn_programs": NGP, "us": us, "TB_per_s": rate, "parity": parity}
+            "n_splits_default": ns_default, "gdn_programs": NGP, "us": us, "TB_per_s": rate}
 
 
 def main(argv=None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headscope.hybrid import splitk, step
+from headscope.hybrid import step
 from headscope.hybrid.fa_step import fa_decode_prep, fa_decode_prep_torch
 from headscope.hybrid.gdn_step import gdn_decode_step, gdn_decode_step_torch
 from headscope.hybrid.splitk import decode_attention, decode_attention_torch
@@ -166,31 +166,6 @@ def test_shared_gdn_programs_when_they_outnumber_the_splits(monkeypatch):
     with pytest.raises(ValueError, match="'own' or 'shared'"):
         step.hybrid_decode_step(q.to(DEV), k.to(DEV), v.to(DEV), kc.to(DEV), vc.to(DEV), ln, d ** -0.5,
                                 gdn=_to(gdn), **D)
-
-
-@needs_kernel
-@pytest.mark.parametrize("ns", [1, 3, 7])
-def test_peeled_first_tile_gives_the_same_bits(ns, monkeypatch):
-    """splitk.PEEL_FIRST (each split's first K/V tile loaded before the query): the same partials in the same order, so
-    the same bits, for splits whose first tile is the token's own (length 1), splits shorter than a tile, empty
-    splits (length < slots) and whole ones; in the one launch and in decode_attention's partial kernel."""
-    g = torch.Generator().manual_seed(5)
-    B, d, L = 4, 32, 300
-    (q, k, v, kc, vc), kw = _fa_inputs(B, 3, 1, d, L, torch.float32, g, True, False)
-    gdn = _gdn_inputs(B, 2, d, torch.float32, g, {})
-    ln = torch.tensor([290, 100, 1, 37], device=DEV)
-    D = {k_: t.to(DEV) for k_, t in kw.items()}
-    outs = []
-    for peel in (False, True):
-        monkeypatch.setattr(splitk, "PEEL_FIRST", peel)
-        kc1, vc1, gm = kc.to(DEV, copy=True), vc.to(DEV, copy=True), _to(gdn)
-        o, y = step.hybrid_decode_step(q.to(DEV), k.to(DEV), v.to(DEV), kc1, vc1, ln, d ** -0.5, gdn=gm, n_splits=ns,
-                                       **D)
-        oa = decode_attention(q.to(DEV), kc1, vc1, ln, d ** -0.5, n_splits=ns, block=16)
-        outs.append((o, y, kc1, vc1, oa))
-    (o0, y0, k0, v0, a0), (o1, y1, k1, v1, a1) = outs
-    assert torch.equal(o0, o1) and torch.equal(y0, y1) and torch.equal(k0, k1) and torch.equal(a0, a1)
-    assert (a1 - decode_attention_torch(q.to(DEV), k1, v1, ln, d ** -0.5)).abs().max() < 1e-5
 
 
 def test_the_split_count_leaves_room_for_the_gdn_programs():

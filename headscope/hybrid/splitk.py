@@ -187,9 +187,6 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 BLOCKS_PER_SM = 4  # was 2; with 4 the all-FA teacher's decode step was 6-8 % faster on the H200, the hybrid's equal (profile_decode.py)
 MIN_SPLIT = 256
-# Each split's first tile of K/V loaded before its query (and the query's glue): the two memory latencies overlap
-# instead of following each other (opt-in, untimed; bench_one_launch.py's "peel" cell measures it).
-PEEL_FIRST = False
 _sms: dict = {}
 _counters: dict = {}
 _LAUNCH = ("block", "num_warps", "num_stages", "blocks_per_sm", "min_split")
@@ -297,8 +294,7 @@ def _make(triton, tl) -> dict:
                 KN, VN, COS, SIN, QN, KNW, POS, qk_eps, inv_log_a, nope_a, sknb, sknh, svnb, svnh, scb, ssb, pos_stride,
                 HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                 NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr, PREC: tl.constexpr,
-                PREP: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr, NOPE: tl.constexpr,
-                PEEL: tl.constexpr):
+                PREP: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr, NOPE: tl.constexpr):
         """Split ``s`` of (sequence, KV head) ``bh``: the partial (acc, m, l) of its slots into ACC / ML. With PREP,
         Q holds the raw queries and KN / VN the token's raw key and value: the program applies the glue to its
         queries itself, and the program whose split holds the token's slot (length − 1) prepares the key, writes
@@ -316,16 +312,6 @@ def _make(triton, tl) -> dict:
         rg = tl.arange(0, GP)
         rd = tl.arange(0, D)
         gmask = rg < G
-        stop = end
-        if PREP:  # the split that holds the token's slot n − 1 does that slot's tile after the loop
-            own = (start <= n - 1) & (n - 1 < end)
-            t_own = start + ((n - 1 - start) // BN) * BN
-            stop = tl.where(own, t_own, end)
-        if PEEL:  # the first tile's loads issued now: their latency overlaps the query's load and glue
-            r0 = start + tl.arange(0, BN)
-            mask0 = r0 < stop
-            k0 = tl.load(K + b * skb + hk * skh + r0[:, None] * skl + rd[None, :], mask=mask0[:, None], other=0.0)
-            v0 = tl.load(V + b * svb + hk * svh + r0[:, None] * svl + rd[None, :], mask=mask0[:, None], other=0.0)
         qp = Q + b * sqb + (h * G + rg[:, None]) * sqh
         if PREP:  # the query glue (as fa_step's kernel), rounded to the cache's dtype as that kernel stores it
             H2: tl.constexpr = D // 2
@@ -353,12 +339,12 @@ def _make(triton, tl) -> dict:
         m = tl.full([GP], float("-inf"), tl.float32)
         l_ = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        first = start
-        if PEEL:
-            if start < stop:  # (a tile of no slot would turn m's −inf into NaN)
-                m, l_, acc = _tile(q, k0, v0, mask0, m, l_, acc, scale, PREC)
-            first = start + BN
-        for t0 in range(first, stop, BN):
+        stop = end
+        if PREP:  # the split that holds the token's slot n − 1 does that slot's tile after the loop
+            own = (start <= n - 1) & (n - 1 < end)
+            t_own = start + ((n - 1 - start) // BN) * BN
+            stop = tl.where(own, t_own, end)
+        for t0 in range(start, stop, BN):
             rt = t0 + tl.arange(0, BN)
             tmask = rt < end
             kt = tl.load(K + b * skb + hk * skh + rt[:, None] * skl + rd[None, :], mask=tmask[:, None], other=0.0)
@@ -405,13 +391,13 @@ def _make(triton, tl) -> dict:
                  sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
                  HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                  NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr, PREC: tl.constexpr,
-                 PDL: tl.constexpr, PEEL: tl.constexpr):
+                 PDL: tl.constexpr):
         if PDL:  # q and the new slot's K/V come from the kernel before
             gdc_wait()
         _attend(tl.program_id(0), tl.program_id(1), Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
                 sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
                 Q, Q, Q, Q, ML, ML, LEN, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0,
-                HK, G, GP, D, BN, NS, HAS_LEN, HAS_KVI, PREC, False, False, False, False, PEEL)
+                HK, G, GP, D, BN, NS, HAS_LEN, HAS_KVI, PREC, False, False, False, False)
         if PDL:  # the combination may launch once every split is done (launched earlier, its programs would
             gdc_launch()  # take thread-block slots that this bandwidth-bound kernel's later programs need)
 
@@ -610,7 +596,7 @@ def setup(q: Tensor, k: Tensor, v: Tensor, length: Optional[Tensor], kv_index: O
         len_stride=0 if (not has_len or length.shape[0] == 1) else 1,
         kvi=kv_index if kv_index is not None else o,
         meta=dict(HK=Hk, G=G, GP=max(16, 1 << (G - 1).bit_length()), D=d, BN=block, NS=NS, HAS_LEN=has_len,
-                  HAS_KVI=kv_index is not None, PEEL=bool(PEEL_FIRST),
+                  HAS_KVI=kv_index is not None,
                   PREC="ieee" if q.dtype == torch.float32 else "tf32"))  # fp32 caches: exact products (no TF32)
 
 

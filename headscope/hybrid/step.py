@@ -78,7 +78,7 @@ def _make(triton, tl) -> dict:
                     N: tl.constexpr, BV: tl.constexpr, GROPE: tl.constexpr, GQKN: tl.constexpr, NORM: tl.constexpr,
                     NGP: tl.constexpr, NCB: tl.constexpr, PDL: tl.constexpr, COMB: tl.constexpr,
                     SC: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, SYNC: tl.constexpr,
-                    NSP, SHARE: tl.constexpr, PEEL: tl.constexpr):
+                    NSP, SHARE: tl.constexpr):
         if PDL:  # the raw q/k/v of both kinds of heads come from the projection before
             gdc_wait()
         pid = tl.program_id(0)
@@ -97,7 +97,7 @@ def _make(triton, tl) -> dict:
             _attend(j // NS, j % NS, Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
                     sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
                     KN, VN, COS, SIN, QN, KNW, POS, qk_eps, inv_log_a, nope_a, sknb, sknh, svnb, svnh, scb, ssb,
-                    pos_stride, HK, G, GP, D, BN, NS, HAS_LEN, HAS_KVI, PREC, True, ROPE, QKN, NOPE, PEEL)
+                    pos_stride, HK, G, GP, D, BN, NS, HAS_LEN, HAS_KVI, PREC, True, ROPE, QKN, NOPE)
             if COMB:  # the row's last split to finish combines its G heads (the splits' partials released first)
                 bh = j // NS
                 if SYNC:  # a per-row counter that grows by NS per launch: the NS-th arrival is the last
