@@ -8,7 +8,6 @@ takes it apart:
 
 - ``default``: the library's settings; ``combine_kernel`` / ``no_combine``: the split-K combination in a second
   launch / not at all (the partials only: what the combination costs);
-- ``shared_gdn``: ``step.GDN_PROGRAMS = "shared"`` (the first splits' programs run the GDN heads);
 - ``fa_only``: no GDN heads (its own split count), ``fa_only_ns``: no GDN heads at the default's split count (what
   the GDN programs cost); ``gdn_only``: ``gdn_step.gdn_decode_step`` alone (its own launch);
 - ``ns<N>``: the default with N splits per row;
@@ -99,22 +98,10 @@ def bench(B: int, L: int, dev: torch.device, reps: int, splits: list[int], smoke
             o = fn()
             if name != "gdn_only" and name != "no_combine":
                 assert (o[0] - ref).abs().max() < 1e-4, name
-        prev = step.GDN_PROGRAMS
-        step.GDN_PROGRAMS = "shared"
-        try:
-            assert (_call(x)()[0] - ref).abs().max() < 1e-4
-        finally:
-            step.GDN_PROGRAMS = prev
-        return {"batch": B, "length": L, "smoke": "ok", "cells": [*cells, "shared_gdn"]}
+        return {"batch": B, "length": L, "smoke": "ok", "cells": list(cells)}
     us = {}
     for name, fn in cells.items():
         us[name] = _graphed_us(fn, dev, reps)
-    prev = step.GDN_PROGRAMS
-    step.GDN_PROGRAMS = "shared"
-    try:
-        us["shared_gdn"] = _graphed_us(_call(x), dev, reps)
-    finally:
-        step.GDN_PROGRAMS = prev
     kc, vc = x["kc"], x["vc"]
     us["read_ref"] = _graphed_us(lambda: (kc.sum(dtype=torch.float32), vc.sum(dtype=torch.float32)), dev, reps)
     del x, cells
@@ -161,8 +148,8 @@ def main(argv=None) -> None:
             print(f"  {k:16s} {v:8.2f} us" + (f"  {tb:5.2f} TB/s" if tb else ""), flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "splitk": splitk.launch_defaults(),
-            "step": {"COMBINE": step.COMBINE, "LAUNCH_COMBINE_MAX_G": step.LAUNCH_COMBINE_MAX_G,
-                     "GDN_PROGRAMS": step.GDN_PROGRAMS}, "wall_s": time.perf_counter() - t0}
+            "step": {"COMBINE": step.COMBINE, "LAUNCH_COMBINE_MAX_G": step.LAUNCH_COMBINE_MAX_G},
+            "wall_s": time.perf_counter() - t0}
     (a.out / "bench_one_launch.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wall {meta['wall_s']:.1f} s; wrote {a.out / 'bench_one_launch.json'}")
 

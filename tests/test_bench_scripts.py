@@ -20,7 +20,7 @@ def test_bench_one_launch_smoke_runs_every_cell_and_they_agree():
                        capture_output=True, text=True, timeout=600, cwd=BENCH.parent,
                        env={**os.environ, "PYTHONPATH": str(BENCH.parent)})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.count("'smoke': 'ok'") == 2 and "shared_gdn" in r.stdout
+    assert r.stdout.count("'smoke': 'ok'") == 2 and "fa_only_ns" in r.stdout
 
 
 def test_variant_overrides_are_parsed_and_bad_items_name_the_fix():
@@ -29,11 +29,11 @@ def test_variant_overrides_are_parsed_and_bad_items_name_the_fix():
         from bench_timing import parse_overrides
     finally:
         sys.path.remove(str(BENCH))
-    from headscope.hybrid import splitk, step
+    from headscope.hybrid import lean, splitk, step
 
-    name, ov = parse_overrides("one_launch:splitk.MIN_SPLIT=128,step.COMBINE=kernel,step.GDN_PROGRAMS=shared")
+    name, ov = parse_overrides("one_launch:splitk.MIN_SPLIT=128,step.COMBINE=kernel,lean.DECODE_ONE_LAUNCH=False")
     assert name == "one_launch"
-    assert ov == [(splitk, "MIN_SPLIT", 128), (step, "COMBINE", "kernel"), (step, "GDN_PROGRAMS", "shared")]
+    assert ov == [(splitk, "MIN_SPLIT", 128), (step, "COMBINE", "kernel"), (lean, "DECODE_ONE_LAUNCH", False)]
     assert parse_overrides("again:") == ("again", [])
     with pytest.raises(ValueError, match="module.ATTR=value"):
         parse_overrides("x:splitk.NO_SUCH=1")

@@ -56,8 +56,7 @@ CASES = [  # Hq, Hk, kv_index, length kind, rope, qkn, nope, n_gdn, fused output
 
 @needs_kernel
 @pytest.mark.parametrize("Hq,Hk,kvi,lkind,rope,qkn,nope,ng,fused,ns", CASES)
-def test_one_launch_equals_the_three_kernels_and_their_references(Hq, Hk, kvi, lkind, rope, qkn, nope, ng, fused, ns,
-                                                                  monkeypatch):
+def test_one_launch_equals_the_three_kernels_and_their_references(Hq, Hk, kvi, lkind, rope, qkn, nope, ng, fused, ns):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     B, d, L, dt = 3, 32, 300, torch.float32
@@ -113,20 +112,6 @@ def test_one_launch_equals_the_three_kernels_and_their_references(Hq, Hk, kvi, l
                                     gamma=gamma.to(DEV) if fused else None, gdn=_to(gdn) if gdn else None, n_splits=ns,
                                     combine="kernel", **D)
     assert torch.equal(ok, o1) and torch.equal(ok1, o1)
-    # the GDN heads run by the first splits' programs (GDN_PROGRAMS "shared"): with the same split count the same
-    # bits; with the default count (none reserved: more splits) equal to the partials' rounding
-    monkeypatch.setattr(step, "GDN_PROGRAMS", "shared")
-    gs = _to(gdn) if gdn else None
-    os_, ys = step.hybrid_decode_step(q.to(DEV), k.to(DEV), v.to(DEV), kc.to(DEV, copy=True), vc.to(DEV, copy=True),
-                                      ln, d ** -0.5, kv_index=kvd, gate=gate.to(DEV) if fused else None,
-                                      gamma=gamma.to(DEV) if fused else None, gdn=gs, n_splits=ns, **D)
-    monkeypatch.setattr(step, "GDN_PROGRAMS", "own")
-    if ns is not None:
-        assert torch.equal(os_, o1)
-    else:
-        assert (os_ - o1).abs().max() < 2e-5
-    if gdn:
-        assert torch.equal(ys, y1) and torch.equal(gs["S"], g1["S"])
     assert torch.allclose(kc1.cpu(), kc_r, atol=1e-5, rtol=0) and torch.equal(vc1.cpu(), vc_r)
     assert (kc1 - kc3).abs().max() < 1e-6 and torch.equal(vc1, vc3)  # the key's glue summed in another order
     other = torch.ones(B, 1, L, 1, dtype=torch.bool)  # no other slot touched
@@ -140,32 +125,6 @@ def test_one_launch_equals_the_three_kernels_and_their_references(Hq, Hk, kvi, l
             assert (y1.cpu() - y_r).abs().max() < 1e-5 and (g1["S"].cpu() - S_r).abs().max() < 1e-5
     else:
         assert y1 is None
-
-
-@needs_kernel
-def test_shared_gdn_programs_when_they_outnumber_the_splits(monkeypatch):
-    """GDN_PROGRAMS "shared" with more GDN programs (3 sequences × 4 heads) than splits (3 rows × 1): the grid covers
-    both, the extra programs run their GDN head only; outputs equal the default launch's, a bad setting names the fix."""
-    g = torch.Generator().manual_seed(3)
-    B, d, L = 3, 32, 40
-    (q, k, v, kc, vc), kw = _fa_inputs(B, 1, 1, d, L, torch.float32, g, True, False)
-    gdn = _gdn_inputs(B, 4, d, torch.float32, g, {"gamma": 1 + 0.2 * torch.randn(4, d, generator=g)})
-    ln = torch.tensor([40, 7, 21], device=DEV)
-    D = {k_: t.to(DEV) for k_, t in kw.items()}
-    outs = []
-    for mode in ("own", "shared"):
-        monkeypatch.setattr(step, "GDN_PROGRAMS", mode)
-        gm = _to(gdn)
-        o, y = step.hybrid_decode_step(q.to(DEV), k.to(DEV), v.to(DEV), kc.to(DEV, copy=True), vc.to(DEV, copy=True),
-                                       ln, d ** -0.5, gdn=gm, n_splits=1, **D)
-        outs.append((o, y, gm["S"]))
-    (o0, y0, S0), (o1, y1, S1) = outs
-    assert torch.equal(o0, o1) and torch.equal(y0, y1) and torch.equal(S0, S1)
-    assert not torch.equal(S0, gdn["S"].to(DEV))  # every GDN head's state was written
-    monkeypatch.setattr(step, "GDN_PROGRAMS", "mixed")
-    with pytest.raises(ValueError, match="'own' or 'shared'"):
-        step.hybrid_decode_step(q.to(DEV), k.to(DEV), v.to(DEV), kc.to(DEV), vc.to(DEV), ln, d ** -0.5,
-                                gdn=_to(gdn), **D)
 
 
 def test_the_split_count_leaves_room_for_the_gdn_programs():

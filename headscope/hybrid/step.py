@@ -46,11 +46,6 @@ COMBINE = "launch"
 # launch 95.6 -> 100.0 µs per layer against 20.3 -> 17.4 µs saved in the tail kernel (slower), the hybrid's (G = 1-2)
 # 38.2 -> 38.9-39.6 against 19.4 -> 17.7-18.0 (faster); rows of more heads keep the separate combination.
 LAUNCH_COMBINE_MAX_G = 2
-# Which programs run the GDN heads: "own" — programs of their own, before the splits, whose slots the split count
-# leaves free (``splitk.n_splits_for(reserved=…)``); "shared" — the first splits' programs run a GDN head first, so the
-# split count is that of the FA heads alone and every program reads cache (opt-in, untimed: an SM whose GDN program
-# has finished sits one program short while the splits run on).
-GDN_PROGRAMS = "own"
 
 
 def combine_mode(g: int) -> str:
@@ -77,8 +72,7 @@ def _make(triton, tl) -> dict:
                     ROPE: tl.constexpr, QKN: tl.constexpr, NOPE: tl.constexpr,
                     N: tl.constexpr, BV: tl.constexpr, GROPE: tl.constexpr, GQKN: tl.constexpr, NORM: tl.constexpr,
                     NGP: tl.constexpr, NCB: tl.constexpr, PDL: tl.constexpr, COMB: tl.constexpr,
-                    SC: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, SYNC: tl.constexpr,
-                    NSP, SHARE: tl.constexpr):
+                    SC: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, SYNC: tl.constexpr):
         if PDL:  # the raw q/k/v of both kinds of heads come from the projection before
             gdc_wait()
         pid = tl.program_id(0)
@@ -87,13 +81,8 @@ def _make(triton, tl) -> dict:
                 _gdn_head((pid // NCB).to(tl.int64), pid % NCB, gQ, gK, gV, gA, gB, gCOS, gSIN, gQN, gKN, gANEG, gDTB,
                           gS, gY, gGAMMA, g_scale, g_qk_eps, g_out_eps, gsqb, gsqh, gskb, gskh, gsvb, gsvh, gsab,
                           gsbb, gscb, gssb, gsyb, gsyh, N, D, BV, GROPE, GQKN, NORM)
-        if SHARE:  # GDN_PROGRAMS "shared": program i < NGP ran GDN program i's work and goes on to split i
-            j = pid
-            run = j < NSP
-        else:
-            j = pid - NGP
-            run = j >= 0
-        if run:  # a split of one (sequence, KV head)
+        j = pid - NGP
+        if j >= 0:  # a split of one (sequence, KV head)
             _attend(j // NS, j % NS, Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
                     sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
                     KN, VN, COS, SIN, QN, KNW, POS, qk_eps, inv_log_a, nope_a, sknb, sknh, svnb, svnh, scb, ssb,
@@ -175,8 +164,7 @@ def hybrid_decode_step(
         out, gate, gamma, eps: the combination's output buffer and output fusion, as :func:`decode_attention`'s.
         gdn: keyword arguments of :func:`gdn_decode_step` (``q, k, v, a, b, S, A_neg, dt_bias, scale`` and the
             optional ones except ``pdl`` and ``block_v``; its ``S`` is updated in place); None: no GDN heads.
-        n_splits: split count; default :func:`splitk.n_splits_for` with the GDN programs reserved (none reserved
-            with :data:`GDN_PROGRAMS` ``"shared"``).
+        n_splits: split count; default :func:`splitk.n_splits_for` with the GDN programs reserved.
         combine: where the split-K combination (with the output fusion) runs: ``"launch"`` — in this launch, by
             the last split of each (sequence, KV head) to finish; ``"kernel"`` — a second launch; True — the
             default, :func:`combine_mode` of the rows' query heads; False — left to the caller
@@ -191,7 +179,7 @@ def hybrid_decode_step(
         ValueError: the errors of the three functions (shapes, strides, dtypes, head_dim, RoPE with NoPE, CPU
             tensors outside ``TRITON_INTERPRET=1``, bf16 in the interpreter); GDN heads of another head_dim;
             ``length`` of zero slots is not checked (no host sync): it must be ≥ 1; ``combine`` not one of
-            True, False, ``"launch"``, ``"kernel"``; :data:`GDN_PROGRAMS` not ``"own"`` or ``"shared"``.
+            True, False, ``"launch"``, ``"kernel"``.
         ImportError: triton missing (use the three PyTorch references).
 
     Source: flash-decoding (Dao et al., 2023) with the FA glue of the lean path and the gated delta rule step
@@ -217,11 +205,7 @@ def hybrid_decode_step(
         NCB = grid[1]
         NGP = grid[0] * NCB
         gmeta = dict(N=gm["N"], BV=gm["BV"], GROPE=gm["ROPE"], GQKN=gm["QKN"], NORM=gm["NORM"])
-    if GDN_PROGRAMS not in ("own", "shared"):
-        raise ValueError(f"step.GDN_PROGRAMS must be 'own' or 'shared', got {GDN_PROGRAMS!r}")
-    share = GDN_PROGRAMS == "shared" and NGP > 0
-    sp = splitk.setup(q, k_cache, v_cache, length, kv_index, None, n_splits, out, gate, gamma,
-                      reserved=0 if share else NGP)
+    sp = splitk.setup(q, k_cache, v_cache, length, kv_index, None, n_splits, out, gate, gamma, reserved=NGP)
     if not gargs:  # dummies of the right kinds: never read without GDN programs
         f = sp.ml
         gargs = (q, q, q, q, q, f, f, f, f, f, f, f, q, f, 0.0, 0.0, 0.0) + (0,) * 12
@@ -240,13 +224,11 @@ def hybrid_decode_step(
             splitk.counters(("splits", str(q.device), rows, sp.NS), rows, q.device) if mode == "launch" else sp.ml)
     pdl = splitk.pdl_applies(q, "partial")
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        nsp = rows * sp.NS
-        _build()["step"][(max(NGP, nsp) if share else NGP + nsp,)](
+        _build()["step"][(NGP + rows * sp.NS,)](
             *splitk.partial_args(sp, q, k_cache, v_cache, scale), *fa_args, *gargs, *comb, **sp.meta, ROPE=rope,
             QKN=qkn, NOPE=nope, **gmeta, NGP=NGP, NCB=max(NCB, 1), PDL=pdl, COMB=mode == "launch",
             SC=splitk.combine_chunk(sp.NS, sp.d), HAS_GATE=gate is not None, HAS_NORM=gamma is not None,
-            SYNC=q.is_cuda, NSP=nsp, SHARE=share, num_warps=splitk.NUM_WARPS, num_stages=splitk.NUM_STAGES,
-            **splitk.launch_kw(pdl))
+            SYNC=q.is_cuda, num_warps=splitk.NUM_WARPS, num_stages=splitk.NUM_STAGES, **splitk.launch_kw(pdl))
     if mode == "kernel":
         return splitk.combine(sp, gate, gamma, eps), y
     return (o if mode == "launch" else sp), y
