@@ -29,26 +29,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_timing import time_ms  # noqa: E402
+from bench_timing import graphed_ms  # noqa: E402
 
 from headscope.hybrid import splitk  # noqa: E402
 
 # name: (q heads, KV groups, head_dim, the hybrid's FA query heads, the KV groups they read)
 SHAPES = {"smollm2-135m": (9, 3, 64, 1, 1), "qwen3-1.7b": (16, 8, 128, 2, 1)}
-
-
-def _graphed_ms(fn, dev: torch.device, reps: int) -> float:
-    """Mean ms of one replay of ``fn`` captured in a CUDA graph (after warm-up calls on a side stream)."""
-    s = torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream(dev).wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return time_ms(g.replay, dev, reps, warmup=5)
 
 
 def bench(shape: str, T: int, B: int, dev: torch.device, reps: int) -> dict:
@@ -88,12 +74,12 @@ def bench(shape: str, T: int, B: int, dev: torch.device, reps: int) -> dict:
 
     r = {"shape": shape, "T": T, "batch": B, "cache_MB_fa": 2 * K.numel() * 2 / 2**20,
          "cache_MB_hybrid": 2 * Kf.numel() * 2 / 2**20, "gdn_state_MB": S.numel() * 4 / 2**20}
-    ms = {name: _graphed_ms(fn, dev, reps) for name, fn in
+    ms = {name: graphed_ms(fn, dev, reps) for name, fn in
           (("sdpa_fa", sdpa_fa), ("sdpa_hybrid", sdpa_hy), ("splitk_fa", splitk_fa), ("splitk_hybrid", splitk_hy),
            ("gdn_fla", gdn))}
     # both of the hybrid's ops in one graph, one after the other (what the separate launches cost together)
-    ms["sdpa_hybrid+gdn_fla"] = _graphed_ms(lambda: (sdpa_hy(), gdn()), dev, reps)
-    ms["splitk_hybrid+gdn_fla"] = _graphed_ms(lambda: (splitk_hy(), gdn()), dev, reps)
+    ms["sdpa_hybrid+gdn_fla"] = graphed_ms(lambda: (sdpa_hy(), gdn()), dev, reps)
+    ms["splitk_hybrid+gdn_fla"] = graphed_ms(lambda: (splitk_hy(), gdn()), dev, reps)
     r["us"] = {k: v * 1e3 for k, v in ms.items()}
     r["ratio_sdpa"] = ms["sdpa_fa"] / ms["sdpa_hybrid+gdn_fla"]
     r["ratio_splitk"] = ms["splitk_fa"] / ms["splitk_hybrid+gdn_fla"]

@@ -36,22 +36,9 @@ if "--smoke" in sys.argv:  # Triton's interpreter must be chosen before triton i
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_timing import time_ms  # noqa: E402
+from bench_timing import graphed_ms  # noqa: E402
 
 from headscope.hybrid import gdn_step, splitk, step  # noqa: E402
-
-
-def _graphed_us(fn, dev: torch.device, reps: int) -> float:
-    s = torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream(dev).wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return time_ms(g.replay, dev, reps, warmup=5) * 1e3
 
 
 def _inputs(B: int, Hq: int, Hk: int, ng: int, d: int, L: int, dev: torch.device, g: torch.Generator,
@@ -101,15 +88,15 @@ def bench(B: int, L: int, dev: torch.device, reps: int, splits: list[int], smoke
         return {"batch": B, "length": L, "smoke": "ok", "cells": list(cells)}
     us = {}
     for name, fn in cells.items():
-        us[name] = _graphed_us(fn, dev, reps)
+        us[name] = graphed_ms(fn, dev, reps) * 1e3
     kc, vc = x["kc"], x["vc"]
-    us["read_ref"] = _graphed_us(lambda: (kc.sum(dtype=torch.float32), vc.sum(dtype=torch.float32)), dev, reps)
+    us["read_ref"] = 1e3 * graphed_ms(lambda: (kc.sum(dtype=torch.float32), vc.sum(dtype=torch.float32)), dev, reps)
     del x, cells
     t = _inputs(B, 9, 3, 0, d, L, dev, g)
-    us["teacher"] = _graphed_us(_call(t), dev, reps)
+    us["teacher"] = 1e3 * graphed_ms(_call(t), dev, reps)
     teacher_bytes = 2 * t["kc"].numel() * 2
     tk, tv = t["kc"], t["vc"]
-    us["teacher_read_ref"] = _graphed_us(lambda: (tk.sum(dtype=torch.float32), tv.sum(dtype=torch.float32)), dev, reps)
+    us["teacher_read_ref"] = 1e3 * graphed_ms(lambda: (tk.sum(dtype=torch.float32), tv.sum(dtype=torch.float32)), dev, reps)
     del t
     torch.cuda.empty_cache()
     rate = {k: (teacher_bytes if k.startswith("teacher") else cache_bytes) / (v * 1e-6) / 1e12

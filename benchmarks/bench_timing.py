@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: mean milliseconds per call of a function, and module-option overrides of a variant."""
+"""Shared by the benchmarks: mean milliseconds per call of a function (eager or graph-replayed), and module-option
+overrides of a variant."""
 
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ def time_ms(fn, dev: torch.device, reps: int, warmup: int = 1) -> float:
     for _ in range(reps):
         fn()
     return (time.perf_counter() - t) * 1e3 / reps
+
+
+def graphed_ms(fn, dev: torch.device, reps: int, warmup: int = 3) -> float:
+    """Mean ms of one replay of ``fn`` recorded in a CUDA graph (``headscope.hybrid.graphs.capture`` after ``warmup``
+    eager calls), by :func:`time_ms` over ``reps`` replays."""
+    from headscope.hybrid.graphs import capture
+
+    graph, _ = capture(fn, warmup=warmup, device=dev)
+    return time_ms(graph.replay, dev, reps, warmup=5)
 
 
 def parse_overrides(variant: str) -> tuple[str, list]:
