@@ -112,6 +112,15 @@ def test_one_launch_equals_the_three_kernels_and_their_references(Hq, Hk, kvi, l
                                     gamma=gamma.to(DEV) if fused else None, gdn=_to(gdn) if gdn else None, n_splits=ns,
                                     combine="kernel", **D)
     assert torch.equal(ok, o1) and torch.equal(ok1, o1)
+    # "defer": combined in the launch for rows of ≤ 2 heads (the same bits), else the namespace for the caller
+    od, _ = step.hybrid_decode_step(q.to(DEV), k.to(DEV), v.to(DEV), kc.to(DEV, copy=True), vc.to(DEV, copy=True), ln,
+                                    d ** -0.5, kv_index=kvd, gate=gate.to(DEV) if fused else None,
+                                    gamma=gamma.to(DEV) if fused else None, gdn=_to(gdn) if gdn else None, n_splits=ns,
+                                    combine="defer", **D)
+    if (1 if kvi else Hq // Hk) <= 2:
+        assert torch.equal(od, o1)
+    else:
+        assert not isinstance(od, torch.Tensor) and od.NS == (ns or od.NS) and od.o.shape == o1.shape
     assert torch.allclose(kc1.cpu(), kc_r, atol=1e-5, rtol=0) and torch.equal(vc1.cpu(), vc_r)
     assert (kc1 - kc3).abs().max() < 1e-6 and torch.equal(vc1, vc3)  # the key's glue summed in another order
     other = torch.ones(B, 1, L, 1, dtype=torch.bool)  # no other slot touched
@@ -149,7 +158,7 @@ def test_bad_input_names_the_fix():
         step.hybrid_decode_step(q, k, v, kc, vc, None, 0.1, nope_a=100.0)
     with pytest.raises(ValueError, match="kv_group"):
         step.hybrid_decode_step(q, k[:, :0], v[:, :0], kc, vc, None, 0.1)
-    with pytest.raises(ValueError, match="'launch' or 'kernel'"):
+    with pytest.raises(ValueError, match="'launch', 'kernel' or 'defer'"):
         step.hybrid_decode_step(q, k, v, kc, vc, None, 0.1, combine="tail")
 
 

@@ -52,7 +52,7 @@ from .gdn_step import applies as gdn_step_applies, gdn_decode_step, launch_shape
 from .splitk import _sm_count, combine as _combine_partials, decode_attention, triton_available
 from .fa_step import applies as fa_prep_applies, fa_decode_prep
 from .skinny import linear
-from .step import applies as step_applies, combine_mode as _combine_mode, hybrid_decode_step
+from .step import applies as step_applies, hybrid_decode_step
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layer import HeadwiseHybridAttention
@@ -489,11 +489,12 @@ def _prep_applies(layer: "HeadwiseHybridAttention", q: Tensor, T: int, cache: An
 def _one_launch(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Tensor, v: Tensor, z: Tensor, cache: Any,
                 dpos: Optional[Tensor], past: int, cos: Optional[Tensor], sin: Optional[Tensor],
                 position_ids: Optional[Tensor], y_buf: Optional[Tensor], gate: Optional[Tensor],
-                g_out: Optional[dict], combine: bool = True) -> tuple[Any, Optional[Tensor]]:
+                g_out: Optional[dict], combine: Any = True) -> tuple[Any, Optional[Tensor]]:
     """A decode step's FA prep + split-K attention and GDN step through :func:`hybrid_decode_step` (one launch, then
     the combination): q [B,1,nf,d], k, v [B,1,nk,d] and the GDN rows of the projection z -> (o_fa [B,1,nf,d],
-    y [B,ng,d] or None); with ``y_buf`` both write their fused outputs there. ``combine=False``: the split-K
-    namespace in place of o_fa (the combination left to ``tail_step.layer_tail``)."""
+    y [B,ng,d] or None); with ``y_buf`` both write their fused outputs there. ``combine``: as
+    :func:`hybrid_decode_step`'s; where it leaves the combination to the caller (``tail_step.layer_tail``), the
+    split-K namespace in place of o_fa."""
     ng = p.ng
     if dpos is None:
         kc, vc, n_valid = cache.k[:, :, : past + 1], cache.v[:, :, : past + 1], None
@@ -509,7 +510,7 @@ def _one_launch(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Tensor
                               kv_index=None if layer._fa_gqa else p.fa_kv, gdn=gdn,
                               **_fa_glue_kw(layer, p, cos, sin, position_ids, dpos if dpos is not None else past,
                                             q.device), **_fa_fused_out(p, y_buf, gate), combine=combine)
-    return (o[:, None] if combine else o), y
+    return (o[:, None] if isinstance(o, Tensor) else o), y
 
 
 # ---------------------------------------------------------------------------------------- forward
@@ -622,10 +623,10 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     if nf:
         if one:
             # deferred: the partials go to the tail kernel unless the launch combines them (rows of few heads)
-            combined = not deferred or (not DECODE_DEFER_COMBINE and _combine_mode(
-                q.shape[2] // k.shape[2] if layer._fa_gqa else 1) == "launch")
             o_fa, y_one = _one_launch(layer, p, q, k, v, z, cache, dpos, past, cos, sin, position_ids, y_buf, gate,
-                                      g_out, combine=combined)
+                                      g_out, combine=True if not deferred else False if DECODE_DEFER_COMBINE
+                                      else "defer")
+            combined = isinstance(o_fa, Tensor)
         elif prep:  # one kernel: q/k glue + the K/V cache write
             slot = dpos if dpos is not None else past
             qp = fa_decode_prep(q[:, 0], k[:, 0], v[:, 0], cache.k, cache.v, slot,

@@ -169,17 +169,19 @@ def hybrid_decode_step(
             the last split of each (sequence, KV head) to finish; ``"kernel"`` — a second launch; True — the
             default, :func:`combine_mode` of the rows' query heads; False — left to the caller
             (``tail_step.layer_tail``'s first phase): the split-K launch's namespace (:func:`splitk.setup`:
-            partials, output buffer) is returned in place of o.
+            partials, output buffer) is returned in place of o; ``"defer"`` — in this launch where
+            :func:`combine_mode` says ``"launch"``, else left to the caller as with False (the caller tells the two
+            by the type returned: a tensor is combined).
 
     Returns:
-        (o [batch, fa_head, d] in q's dtype — or the namespace when ``combine`` is False —, y [batch, gdn_head, d]
+        (o [batch, fa_head, d] in q's dtype — or the namespace where the caller combines —, y [batch, gdn_head, d]
         of the GDN heads or None).
 
     Raises:
         ValueError: the errors of the three functions (shapes, strides, dtypes, head_dim, RoPE with NoPE, CPU
             tensors outside ``TRITON_INTERPRET=1``, bf16 in the interpreter); GDN heads of another head_dim;
             ``length`` of zero slots is not checked (no host sync): it must be ≥ 1; ``combine`` not one of
-            True, False, ``"launch"``, ``"kernel"``.
+            True, False, ``"launch"``, ``"kernel"``, ``"defer"``.
         ImportError: triton missing (use the three PyTorch references).
 
     Source: flash-decoding (Dao et al., 2023) with the FA glue of the lean path and the gated delta rule step
@@ -213,9 +215,14 @@ def hybrid_decode_step(
         q, cos, sin, positions, nope_a, q_norm, k_norm, sp.ml)
     fa_args = (k, v, cos_t, sin_t, qn, kn, pos, float(qk_eps), inv_log_a, a, k.stride(0), k.stride(1), v.stride(0),
                v.stride(1), scb, ssb, pos_stride)
-    mode = combine_mode(sp.G) if combine is True else combine
+    if combine is True:
+        mode = combine_mode(sp.G)
+    elif combine == "defer":
+        mode = "launch" if combine_mode(sp.G) == "launch" else False
+    else:
+        mode = combine
     if mode not in ("launch", "kernel", False):
-        raise ValueError(f"combine must be True, False, 'launch' or 'kernel', got {combine!r}")
+        raise ValueError(f"combine must be True, False, 'launch', 'kernel' or 'defer', got {combine!r}")
     o = sp.o
     rows = sp.B * sp.Hk
     comb = (o, gate if gate is not None else o, gamma.float().contiguous() if gamma is not None else sp.ml,
