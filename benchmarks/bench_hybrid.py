@@ -52,7 +52,7 @@ from headscope.hybrid.graphs import capture as capture_graph, warm_up
 from headscope.hybrid.gdn import fla_available, gdn_chunked_torch, gated_delta_rule
 from headscope.masks import HeadMask
 
-from bench_timing import parse_overrides, time_ms
+from bench_timing import applied, parse_overrides, time_ms
 
 SHAPES = {
     # name: (hidden, q heads, kv heads, head_dim, FA heads of the layer at 7:1 with >= 1 per layer)
@@ -227,12 +227,8 @@ def _decode_variant(mod, x, pe, T, dev, graph_reps, variant, ref, profile=False)
     default eager step) and, with ``profile``, the GPU kernels of one eager step."""
     base, overrides = parse_overrides(variant)
     gdn_mode, fa_mode, devpos, one = DECODE_VARIANTS[base]
-    prev = lean.DECODE_GDN, lean.DECODE_FA, lean.DECODE_ONE_LAUNCH
-    saved = [(m, a, getattr(m, a)) for m, a, _ in overrides]
-    lean.DECODE_GDN, lean.DECODE_FA, lean.DECODE_ONE_LAUNCH = gdn_mode, fa_mode, one
-    for m, a, v in overrides:
-        setattr(m, a, v)
-    try:
+    with applied([(lean, "DECODE_GDN", gdn_mode), (lean, "DECODE_FA", fa_mode), (lean, "DECODE_ONE_LAUNCH", one),
+                  *overrides]):
         x1 = x[:, T:]
         dc, pe1, restore = _prefilled(mod, x, pe, T)
         pos = torch.full((1,), T, dtype=torch.long, device=dev)
@@ -252,10 +248,6 @@ def _decode_variant(mod, x, pe, T, dev, graph_reps, variant, ref, profile=False)
         if profile:
             r["profile"] = _profile_kernels(step, restore)
         return r
-    finally:
-        lean.DECODE_GDN, lean.DECODE_FA, lean.DECODE_ONE_LAUNCH = prev
-        for m, a, v in saved:
-            setattr(m, a, v)
 
 
 def _profile_kernels(step, restore, n=5):

@@ -1,9 +1,11 @@
-"""Shared by the benchmarks: mean milliseconds per call of a function (eager or graph-replayed), and module-option
-overrides of a variant."""
+"""Shared by the benchmarks: mean milliseconds per call of a function (eager or graph-replayed), and a variant's
+module-option overrides (parsed, and applied for a block)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Iterator
 
 import torch
 
@@ -59,3 +61,16 @@ def parse_overrides(variant: str) -> tuple[str, list]:
         v = {"True": True, "False": False}.get(val, int(val) if val.lstrip("-").isdigit() else val)
         overrides.append((mods[mod], attr, v))
     return vname, overrides
+
+
+@contextlib.contextmanager
+def applied(overrides: list) -> Iterator[None]:
+    """Module options [(module, ATTR, value)] (:func:`parse_overrides`) set for the ``with`` block, restored after."""
+    saved = [(m, a, getattr(m, a)) for m, a, _ in overrides]
+    try:
+        for m, a, v in overrides:
+            setattr(m, a, v)
+        yield
+    finally:
+        for m, a, v in reversed(saved):
+            setattr(m, a, v)

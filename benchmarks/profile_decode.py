@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hybrid_model import MASKS, hybrid_mask, smollm2_config  # noqa: E402
-from bench_timing import parse_overrides, time_ms  # noqa: E402
+from bench_timing import applied, parse_overrides, time_ms  # noqa: E402
 
 from headscope.hybrid import hybridize, static  # noqa: E402
 from headscope.hybrid.static import StaticDecoder  # noqa: E402
@@ -164,30 +164,26 @@ def main() -> None:
     cells = [(mode, v) for mode in args.tail_modes for v in args.variants]
     for mode, variant in cells:
         vname, overrides = parsed[variant]
-        saved = [(m, a, getattr(m, a)) for m, a, _ in overrides]
-        for m, a, v in overrides:
-            setattr(m, a, v)
-        tag = mode if vname == "defaults" else f"{mode}+{vname}"
-        for name, model in models.items():
-            static.TAIL_MODE = None if mode in ("default", "none") else mode
-            dec = StaticDecoder(model, B, T + 1, compile_tail=mode != "none")
-            fill(dec, T)
-            dec.capture(ids)
-            ms = time_ms(dec.replay, dev, args.reps)
-            prof = profile_replay(dec)
-            cell = {"step_ms": ms, "per_layer_us": ms * 1e3 / L, "settings": {f"{m.__name__}.{a}": v for m, a, v in overrides},
-                    **prof}
-            res["cells"][f"{name}/{tag}"] = cell
-            print(f"{name:8s} tail={tag:28s} step {ms:.3f} ms ({ms * 1e3 / L:.1f} us/layer), kernels "
-                  f"{prof['sum_kernel_us']:.0f} us in {prof['kernels_per_step']:.0f} launches | "
-                  + " ".join(f"{k} {v['us_per_step'] / L:.1f}us/{v['calls_per_step'] / L:.1f}" for k, v in
-                             sorted(prof["by_class"].items())) + f" (per layer) | {time.perf_counter() - t0:.0f} s",
-                  flush=True)
-            del dec
-            torch.cuda.empty_cache()
-            (out_dir / "profile_decode.json").write_text(json.dumps(res, indent=1, default=str))
-        for m, a, v in saved:
-            setattr(m, a, v)
+        with applied(overrides):
+            tag = mode if vname == "defaults" else f"{mode}+{vname}"
+            for name, model in models.items():
+                static.TAIL_MODE = None if mode in ("default", "none") else mode
+                dec = StaticDecoder(model, B, T + 1, compile_tail=mode != "none")
+                fill(dec, T)
+                dec.capture(ids)
+                ms = time_ms(dec.replay, dev, args.reps)
+                prof = profile_replay(dec)
+                cell = {"step_ms": ms, "per_layer_us": ms * 1e3 / L,
+                        "settings": {f"{m.__name__}.{a}": v for m, a, v in overrides}, **prof}
+                res["cells"][f"{name}/{tag}"] = cell
+                print(f"{name:8s} tail={tag:28s} step {ms:.3f} ms ({ms * 1e3 / L:.1f} us/layer), kernels "
+                      f"{prof['sum_kernel_us']:.0f} us in {prof['kernels_per_step']:.0f} launches | "
+                      + " ".join(f"{k} {v['us_per_step'] / L:.1f}us/{v['calls_per_step'] / L:.1f}" for k, v in
+                                 sorted(prof["by_class"].items())) + f" (per layer) | {time.perf_counter() - t0:.0f} s",
+                      flush=True)
+                del dec
+                torch.cuda.empty_cache()
+                (out_dir / "profile_decode.json").write_text(json.dumps(res, indent=1, default=str))
     static.TAIL_MODE = None
     for mode, variant in cells:
         tag = mode if variant.partition(":")[0] == "defaults" else f"{mode}+{variant.partition(':')[0]}"

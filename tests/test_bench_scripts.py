@@ -26,7 +26,7 @@ def test_bench_one_launch_smoke_runs_every_cell_and_they_agree():
 def test_variant_overrides_are_parsed_and_bad_items_name_the_fix():
     sys.path.insert(0, str(BENCH))
     try:
-        from bench_timing import parse_overrides
+        from bench_timing import applied, parse_overrides
     finally:
         sys.path.remove(str(BENCH))
     from headscope.hybrid import lean, splitk, step
@@ -39,3 +39,9 @@ def test_variant_overrides_are_parsed_and_bad_items_name_the_fix():
         parse_overrides("x:splitk.NO_SUCH=1")
     with pytest.raises(ValueError, match="module.ATTR=value"):
         parse_overrides("x:torch.cuda=1")
+    before = splitk.MIN_SPLIT
+    with pytest.raises(RuntimeError):  # applied: the options hold inside the block and are restored after, also on error
+        with applied(ov):
+            assert (splitk.MIN_SPLIT, step.COMBINE, lean.DECODE_ONE_LAUNCH) == (128, "kernel", False)
+            raise RuntimeError
+    assert (splitk.MIN_SPLIT, step.COMBINE, lean.DECODE_ONE_LAUNCH) == (before, "launch", True)
