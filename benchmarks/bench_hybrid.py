@@ -518,8 +518,11 @@ def checks(dev):
 
 
 @torch.no_grad()
-def block_sweep(shapes, dev, dtype, gdn_kernel, lengths=None, blocks=(8192, 16384, 32768, 65536, 1 << 17)):
-    """The hybrid layer's prefill time and peak per lean.GDN_BLOCK_TOKENS (and the all-FA layer's)."""
+def block_sweep(shapes, dev, dtype, gdn_kernel, lengths=None, blocks=(8192, 16384, 32768, 65536, 1 << 17),
+                graphed=False, variants=(("defaults", []),)):
+    """The hybrid layer's prefill time (ms) and peak (bytes) per lean.GDN_BLOCK_TOKENS, and the all-FA layer's;
+    ``graphed``: replayed from a CUDA graph, peak while capturing (:func:`_prefill_graph`), else eager;
+    ``variants``: [(name, module overrides)] (bench_timing.parse_overrides), each timed at every block."""
     res = {}
     old = lean.GDN_BLOCK_TOKENS
     for shape in shapes:
@@ -535,15 +538,29 @@ def block_sweep(shapes, dev, dtype, gdn_kernel, lengths=None, blocks=(8192, 1638
             pe = rope(x, torch.arange(T, device=dev)[None])
             reps = max(3, min(10, (1 << 17) // T))
             fa_call = lambda: mods["fa"](x, position_embeddings=pe)[0]  # noqa: E731
-            row = {"fa_ms": _time(fa_call, dev, reps), "fa_peak": _peak_bytes(fa_call, dev)}
-            for blk in blocks:
-                lean.GDN_BLOCK_TOKENS = blk
-                call = lambda: mods["hybrid"](x, position_embeddings=pe)[0]  # noqa: E731
-                row[f"hybrid_ms@{blk}"] = _time(call, dev, reps)
-                row[f"hybrid_peak@{blk}"] = _peak_bytes(call, dev)
+            call = lambda: mods["hybrid"](x, position_embeddings=pe)[0]  # noqa: E731
+            if graphed and dev.type == "cuda":
+                row = dict(zip(("fa_ms", "fa_peak", "fa_err"), _prefill_graph(fa_call, dev, reps, fa_call())))
+                row.pop("fa_err")
+                lean.GDN_BLOCK_TOKENS = old
+                ref = call()
+            else:
+                row = {"fa_ms": _time(fa_call, dev, reps), "fa_peak": _peak_bytes(fa_call, dev)}
+            for vname, overrides in variants:
+                sfx = "" if vname == "defaults" else f"[{vname}]"
+                with applied(overrides):
+                    for blk in blocks:
+                        lean.GDN_BLOCK_TOKENS = blk
+                        if graphed and dev.type == "cuda":
+                            ms, pk, e = _prefill_graph(call, dev, reps, ref)
+                            row[f"hybrid_err@{blk}{sfx}"] = e
+                        else:
+                            ms, pk = _time(call, dev, reps), _peak_bytes(call, dev)
+                        row[f"hybrid_ms@{blk}{sfx}"], row[f"hybrid_peak@{blk}{sfx}"] = ms, pk
+                    lean.GDN_BLOCK_TOKENS = old
             res[f"{shape}@{T}"] = row
             print(f"block sweep {shape}@{T}: " + " ".join(
-                f"{k}={v / 2**20:.0f}MB" if "peak" in k else f"{k}={v:.3f}" for k, v in row.items()), flush=True)
+                f"{k}={v / 2**20:.0f}MB" if "peak" in k else f"{k}={v:.3g}" for k, v in row.items()), flush=True)
             del x, pe
     lean.GDN_BLOCK_TOKENS = old
     return res
@@ -592,6 +609,11 @@ def main(argv=None):
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
     ap.add_argument("--gdn-block", type=int, default=None, help="lean.GDN_BLOCK_TOKENS (tokens per GDN kernel call)")
     ap.add_argument("--block-sweep", action="store_true", help="time/peak of the hybrid layer per GDN block size")
+    ap.add_argument("--sweep-blocks", type=int, nargs="+", default=None, help="--block-sweep's block sizes (tokens)")
+    ap.add_argument("--sweep-lengths", type=int, nargs="+", default=None, help="--block-sweep's lengths")
+    ap.add_argument("--sweep-graphed", action="store_true", help="--block-sweep replayed from CUDA graphs")
+    ap.add_argument("--sweep-variants", nargs="+", default=None,
+                    help="--block-sweep's variants, NAME:module.ATTR=value,... (one named 'defaults' is unsuffixed)")
     ap.add_argument("--no-before", action="store_true", help="skip the layer before the lean path")
     ap.add_argument("--no-layer", action="store_true", help="skip the layer benchmark")
     ap.add_argument("--no-graph-prefill", action="store_true", help="skip the CUDA-graph-replayed prefill")
@@ -688,7 +710,11 @@ def main(argv=None):
         print(json.dumps(results["checks"], indent=1), flush=True)
         dump()
     if a.block_sweep:
-        results["block_sweep"] = block_sweep(a.shapes, dev, dtype, gdn_kernel, [64, 128] if a.smoke else None)
+        kw = {"blocks": tuple(a.sweep_blocks)} if a.sweep_blocks else {}
+        if a.sweep_variants:
+            kw["variants"] = [parse_overrides(v) for v in a.sweep_variants]
+        results["block_sweep"] = block_sweep(a.shapes, dev, dtype, gdn_kernel,
+                                             [64, 128] if a.smoke else a.sweep_lengths, graphed=a.sweep_graphed, **kw)
         dump()
     rows = []
     for shape in ([] if a.no_layer else a.shapes):

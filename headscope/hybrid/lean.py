@@ -60,6 +60,9 @@ if TYPE_CHECKING:  # pragma: no cover
 ENABLE: Optional[bool] = None  # None: on CUDA tensors; True: on every device (CPU tests); False: never
 COMPILE = True  # torch.compile the glue on CUDA (eager on CPU, or when compilation fails)
 GDN_BLOCK_TOKENS: Optional[int] = None  # batch x time per GDN kernel call in prefill; None: block_tokens()
+# fla's chunk forward called stage by stage (:func:`_fla_chunk_low_memory`), each intermediate freed when no later stage
+# needs it (the same kernels and output as fla's ``chunk_gated_delta_rule_fwd``); False: fla's one call.
+GDN_LOW_MEMORY = True
 GDN_BLOCK_WORK = 1 << 31  # auto blocks: tokens x GDN heads x d² per call (~1.5 ms of H200 work at B = 1)
 # FlashQLA (``flash-qla`` on PyPI, TileLang kernels with intra-card context parallelism) for the GDN prefill
 # instead of fla's Triton chunk forward: only for head_dim 128 in bf16/fp16 on CUDA (its kernels' limits,
@@ -335,8 +338,55 @@ def flash_qla_applies(q: Tensor, v: Tensor) -> bool:
             and v.shape[-1] == 128 and _flash_qla_fwd() is not None)
 
 
+_fla_parts: list = []
+
+
+def _fla_chunk_parts():
+    """fla's chunk-forward stages (gate cumsum, intra-chunk WY factors, state pass, output) or None."""
+    if not _fla_parts:
+        try:
+            from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+            from fla.ops.common.chunk_o import chunk_fwd_o
+            from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+            from fla.ops.utils import chunk_local_cumsum
+            from fla.ops.utils.constant import RCP_LN2
+
+            _fla_parts.append((chunk_local_cumsum, chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_h,
+                               chunk_fwd_o, RCP_LN2))
+        except ImportError:  # pragma: no cover - another fla version
+            _fla_parts.append(None)
+    return _fla_parts[0]
+
+
+def _fla_chunk_low_memory(ops: list, scale: float, h0: Optional[Tensor], chunk_size: int) -> tuple[Tensor, Tensor]:
+    """fla's chunk forward stage by stage (the stages of its ``chunk_gated_delta_rule_fwd``, called in its order
+    with its arguments: the same kernels, the same output), each input and intermediate freed as soon as no later
+    stage reads it: v, β and the intra-chunk matrix A after the WY factors, w and u after the state pass. ``ops``
+    = [q, k, v, g, β] is emptied (the caller must hold no other reference for the memory to be freed)."""
+    cumsum, intra, fwd_h, fwd_o, rcp_ln2 = _fla_chunk_parts()
+    q, k, v, g, beta = ops
+    ops.clear()
+    g = cumsum(g, chunk_size=chunk_size, scale=rcp_ln2)
+    w, u, A = intra(k=k, v=v, g=g, beta=beta, chunk_size=chunk_size)
+    del v, beta, A
+    h, v_new, final = fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True, chunk_size=chunk_size)
+    del w, u
+    o = fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=chunk_size)
+    return o, final
+
+
 def gdn(q, k, v, g, beta, scale: float, h0: Optional[Tensor], kernel: str, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
-    """All GDN heads in one call: (y [B,T,n,d] in v's dtype, final state [B,n,d,d] fp32)."""
+    """All GDN heads in one call: (y [B,T,n,d] in v's dtype, final state [B,n,d,d] fp32). ``q`` may instead be a
+    list [q, k, v, g, β] (the rest None) that the call empties, so that fla's stages free each input when done
+    (:data:`GDN_LOW_MEMORY`)."""
+    if isinstance(q, list):
+        ops = q
+        if (kernel == "fla" and ops[0].shape[1] > 8 and GDN_LOW_MEMORY and not flash_qla_applies(ops[0], ops[2])
+                and _fla_chunk_parts() is not None):
+            with torch.cuda.device(ops[0].device):
+                return _fla_chunk_low_memory(ops, scale, None if h0 is None else h0.float(), 64)
+        q, k, v, g, beta = ops
+        ops.clear()
     T = q.shape[1]
     if kernel == "fla" and T > 8 and flash_qla_applies(q, v):
         with torch.cuda.device(q.device):
@@ -680,8 +730,9 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
                 gate = gate.clone() if gate is not None else None
                 del z, z_fa
                 z = z_fa = None
-            y, S = gdn(qg, kg, vg, g, beta, layer.scaling, S, p.gdn_kernel, layer.options.chunk_size)
+            ops = [qg, kg, vg, g, beta]
             del qg, kg, vg, g, beta
+            y, S = gdn(ops, None, None, None, None, layer.scaling, S, p.gdn_kernel, layer.options.chunk_size)
             if len(blocks) > 1:
                 y_g[:, t0:t1] = y
             else:
