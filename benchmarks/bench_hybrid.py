@@ -560,7 +560,8 @@ def block_sweep(shapes, dev, dtype, gdn_kernel, lengths=None, blocks=(8192, 1638
                     lean.GDN_BLOCK_TOKENS = old
             res[f"{shape}@{T}"] = row
             print(f"block sweep {shape}@{T}: " + " ".join(
-                f"{k}={v / 2**20:.0f}MB" if "peak" in k else f"{k}={v:.3g}" for k, v in row.items()), flush=True)
+                f"{k}={v / 2**20:.0f}MB" if "peak" in k else f"{k}={v:.3g}" for k, v in row.items()
+                if isinstance(v, (int, float))), flush=True)
             del x, pe
     lean.GDN_BLOCK_TOKENS = old
     return res

@@ -153,8 +153,43 @@ def test_block_tokens_rule(monkeypatch):
     assert lean.block_tokens(8, 64) == 65536  # SmolLM2 layer at 7:1: 8 GDN heads of d 64
     assert lean.block_tokens(14, 128) == 9344  # Qwen3-1.7B shape: 14 GDN heads of d 128
     assert lean.block_tokens(1, 8) == (1 << 31) // 64 // 64 * 64
+    # captured in a CUDA graph: a quarter of the tokens, a multiple of 64, at least GDN_GRAPH_BLOCK_MIN
+    assert lean.block_tokens(8, 64, 65536, graphed=True) == 16384
+    assert lean.block_tokens(14, 128, 131072, graphed=True) == 32768
+    assert lean.block_tokens(8, 64, 16 * 3000, graphed=True) == 11968  # 12000 rounded down to 64
+    assert lean.block_tokens(8, 64, 4096, graphed=True) == 2048
+    monkeypatch.setattr(lean, "GDN_GRAPH_BLOCK_DIVISOR", 0)
+    assert lean.block_tokens(8, 64, 65536, graphed=True) == 65536
     monkeypatch.setattr(lean, "GDN_BLOCK_TOKENS", 4096)
-    assert lean.block_tokens(8, 64) == 4096
+    assert lean.block_tokens(8, 64) == 4096 == lean.block_tokens(8, 64, 65536, graphed=True)
+
+
+def test_graph_capture_blocks_are_a_quarter_of_the_tokens(lean_on, monkeypatch):
+    """While a graph is captured (lean._capturing, patched here: CPU), a prefill's GDN heads run in blocks of
+    tokens / GDN_GRAPH_BLOCK_DIVISOR, the state carried over, and the output equals the plain forward's."""
+    layer, _, cfg = _layer((1,))
+    B, T = 2, 256
+    x, cos, sin = _inputs(cfg, B, T)
+    calls = []
+    real = lean.gdn
+
+    def spy(q, *a, **kw):
+        calls.append((q[0] if isinstance(q, list) else q).shape[1])
+        return real(q, *a, **kw)
+
+    monkeypatch.setattr(lean, "gdn", spy)
+    monkeypatch.setattr(lean, "GDN_GRAPH_BLOCK_MIN", 64)
+    monkeypatch.setattr(lean, "_capturing", lambda x: True)
+    with torch.no_grad():
+        ref = _plain(layer, x, position_embeddings=(cos, sin))
+        out, _ = layer(x, position_embeddings=(cos, sin))
+    assert calls == [64, 64, 64, 64]  # B*T/4 = 128 tokens per call: 64 time steps of both sequences
+    assert (out - ref).abs().max() < 1e-5
+    calls.clear()
+    monkeypatch.setattr(lean, "_capturing", lambda x: False)
+    with torch.no_grad():
+        layer(x, position_embeddings=(cos, sin))
+    assert calls == [T]  # eager: the speed rule's one call
 
 
 def test_lean_path_is_cuda_only_by_default():

@@ -20,7 +20,9 @@ function with:
   below its autograd wrapper; ``fused_recurrent_gated_delta_rule`` for ≤ 8 tokens; the PyTorch chunked
   form / recurrence without fla), the state carried from block to block;
 - **memory**: the GDN branch runs in time blocks, so fla's per-chunk intermediates (states, WY
-  factors) are bounded by the block, not the sequence.
+  factors) are bounded by the block, not the sequence (:func:`block_tokens`: sized for host time when eager, a
+  quarter of the tokens when captured in a CUDA graph), and fla's stages free each intermediate when done
+  (``GDN_LOW_MEMORY``).
 
 A decode step through a HybridDecodeCache writes the FA K/V into the cache slot in place and the new
 GDN state into ``cache.S``, so it can be captured in a CUDA graph (after a warm-up call: the glue
@@ -64,6 +66,14 @@ GDN_BLOCK_TOKENS: Optional[int] = None  # batch x time per GDN kernel call in pr
 # needs it (the same kernels and output as fla's ``chunk_gated_delta_rule_fwd``); False: fla's one call.
 GDN_LOW_MEMORY = True
 GDN_BLOCK_WORK = 1 << 31  # auto blocks: tokens x GDN heads x d² per call (~1.5 ms of H200 work at B = 1)
+# A prefill captured in a CUDA graph (StaticDecoder.prefill_graphed, or any torch.cuda.graph capture) pays no host
+# time per GDN call, so its auto blocks are sized for memory instead: tokens / GDN_GRAPH_BLOCK_DIVISOR (at least
+# GDN_GRAPH_BLOCK_MIN; a multiple of 64), so fla's per-block intermediates stay a fixed fraction of the activations
+# that grow with the sequence. H200, bf16, one layer, B = 1, graphed, with GDN_LOW_MEMORY: peak 0.73-0.82x the
+# all-FA layer's for the SmolLM2 shape and 0.67x for the Qwen3-1.7B shape at 16K-128K with divisor 4, 1.06-1.12x
+# with 2 (benchmarks/results/h200_bench_hybrid_r14_block_sweep.*); 0: the speed rule (as eager).
+GDN_GRAPH_BLOCK_DIVISOR = 4
+GDN_GRAPH_BLOCK_MIN = 2048
 # FlashQLA (``flash-qla`` on PyPI, TileLang kernels with intra-card context parallelism) for the GDN prefill
 # instead of fla's Triton chunk forward: only for head_dim 128 in bf16/fp16 on CUDA (its kernels' limits,
 # read from fla 0.6's FlashQLA backend), when the package is installed. On: measured faster than fla's chunk
@@ -403,14 +413,25 @@ def gdn(q, k, v, g, beta, scale: float, h0: Optional[Tensor], kernel: str, chunk
     return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, kernel=kernel, chunk_size=chunk_size)
 
 
-def block_tokens(n_gdn: int, d: int) -> int:
-    """Tokens (batch x time) per GDN kernel call in prefill: ``GDN_BLOCK_TOKENS`` when set, else enough
-    that one call's work (tokens x heads x d²) is ``GDN_BLOCK_WORK`` (at least 8192, a multiple of 64).
-    Each call costs ~1-1.5 ms of host time (glue + fla's launches) on the H200, hidden only behind that
-    much GPU work; a smaller block bounds fla's intermediates (memory) but is then host-bound."""
+def block_tokens(n_gdn: int, d: int, tokens: int = 0, graphed: bool = False) -> int:
+    """Tokens (batch x time) per GDN kernel call in a prefill of ``tokens`` (batch x time) tokens.
+
+    ``GDN_BLOCK_TOKENS`` when set. Else, eager (``graphed`` False): enough that one call's work (tokens x heads x
+    d²) is ``GDN_BLOCK_WORK`` (at least 8192, a multiple of 64) — each call costs ~1-1.5 ms of host time (glue +
+    fla's launches) on the H200, hidden only behind that much GPU work, so smaller blocks are host-bound. While a
+    CUDA graph is captured (``graphed``; no host time at replay): ``tokens // GDN_GRAPH_BLOCK_DIVISOR`` (at least
+    ``GDN_GRAPH_BLOCK_MIN``, a multiple of 64), which bounds fla's intermediates by a fraction of the sequence
+    (the prefill's peak memory) at little cost in speed."""
     if GDN_BLOCK_TOKENS:
         return GDN_BLOCK_TOKENS
+    if graphed and GDN_GRAPH_BLOCK_DIVISOR:
+        return max(GDN_GRAPH_BLOCK_MIN, tokens // GDN_GRAPH_BLOCK_DIVISOR // 64 * 64)
     return max(8192, (GDN_BLOCK_WORK // max(1, n_gdn * d * d)) // 64 * 64)
+
+
+def _capturing(x: Tensor) -> bool:
+    """Whether a CUDA graph is being captured on x's device's current stream."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _as_long(slot: Any, dev: torch.device) -> Tensor:
@@ -619,7 +640,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     if cache is not None and dpos is None and past + T > cache.max_len:
         raise ValueError(f"HybridDecodeCache holds {cache.max_len} tokens but {past + T} are needed; "
                          "make it with a larger max_len")
-    tb = max(1, block_tokens(ng, d) // B)
+    tb = max(1, block_tokens(ng, d, B * T, T > 1 and _capturing(x)) // B)
     one_gemm = T <= tb
     if z_in is not None and (not one_gemm or z_in.shape != (B, T, p.W.shape[0])):
         raise ValueError(f"z_in must be the input projection [{B}, {T}, {p.W.shape[0]}] of a step that fits one "
