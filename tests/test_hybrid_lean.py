@@ -164,8 +164,8 @@ def test_block_tokens_rule(monkeypatch):
     assert lean.block_tokens(8, 64) == 4096 == lean.block_tokens(8, 64, 65536, graphed=True)
 
 
-def test_graph_capture_blocks_are_a_quarter_of_the_tokens(lean_on, monkeypatch):
-    """While a graph is captured (lean._capturing, patched here: CPU), a prefill's GDN heads run in blocks of
+def test_graph_recorded_blocks_are_a_quarter_of_the_tokens(lean_on, monkeypatch):
+    """While a call is recorded for a graph (lean._graph_blocks, patched here: CPU), a prefill's GDN heads run in blocks of
     tokens / GDN_GRAPH_BLOCK_DIVISOR, the state carried over, and the output equals the plain forward's."""
     layer, _, cfg = _layer((1,))
     B, T = 2, 256
@@ -179,14 +179,14 @@ def test_graph_capture_blocks_are_a_quarter_of_the_tokens(lean_on, monkeypatch):
 
     monkeypatch.setattr(lean, "gdn", spy)
     monkeypatch.setattr(lean, "GDN_GRAPH_BLOCK_MIN", 64)
-    monkeypatch.setattr(lean, "_capturing", lambda x: True)
+    monkeypatch.setattr(lean, "_graph_blocks", lambda x: True)
     with torch.no_grad():
         ref = _plain(layer, x, position_embeddings=(cos, sin))
         out, _ = layer(x, position_embeddings=(cos, sin))
     assert calls == [64, 64, 64, 64]  # B*T/4 = 128 tokens per call: 64 time steps of both sequences
     assert (out - ref).abs().max() < 1e-5
     calls.clear()
-    monkeypatch.setattr(lean, "_capturing", lambda x: False)
+    monkeypatch.setattr(lean, "_graph_blocks", lambda x: False)
     with torch.no_grad():
         layer(x, position_embeddings=(cos, sin))
     assert calls == [T]  # eager: the speed rule's one call
@@ -306,3 +306,18 @@ def test_static_decoder_equals_full_forward_and_generate(lean_on, family):
         for _ in range(4):
             ref = torch.cat([ref, hyb(ref).logits[:, -1:].argmax(-1)], 1)
     assert torch.equal(out, ref)
+
+
+def test_graphs_for_graph_marks_the_calls_it_wraps():
+    from headscope.hybrid import graphs
+
+    assert not graphs.recording()
+    with graphs.for_graph():
+        assert graphs.recording()
+        with graphs.for_graph():
+            assert graphs.recording()
+        assert graphs.recording()
+    assert not graphs.recording()
+    x = torch.zeros(1)
+    with graphs.for_graph():
+        assert not lean._graph_blocks(x)  # CPU tensors: no graph

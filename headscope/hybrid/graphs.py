@@ -10,16 +10,39 @@ the call closed over: copy new data into them (``Tensor.copy_``) before each rep
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator
 
 import torch
+
+_recording = contextvars.ContextVar("headscope_graph_recording", default=False)
+
+
+def recording() -> bool:
+    """True inside :func:`warm_up` and :func:`capture` (and :func:`for_graph`): calls that a graph will replay,
+    whose host time does not count, so the lean path may pick shapes for memory instead of host time
+    (``lean.block_tokens``). The warm-up and the capture see the same value, so the capture meets no shape the
+    warm-up has not compiled and tuned."""
+    return _recording.get()
+
+
+@contextlib.contextmanager
+def for_graph() -> Iterator[None]:
+    """Mark the calls in the block as recorded for a CUDA graph (see :func:`recording`): wrap both your own
+    warm-up and your own ``torch.cuda.graph`` capture in it, or neither."""
+    tok = _recording.set(True)
+    try:
+        yield
+    finally:
+        _recording.reset(tok)
 
 
 def warm_up(fn: Callable[[], Any], n: int, device: Any = None) -> None:
     """Run ``fn()`` ``n`` times on a side stream of ``device`` (default: the current CUDA device), as a
     CUDA-graph capture wants before it (compilation, autotuning and lazy initialisation happen here)."""
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    with torch.cuda.device(dev):
+    with torch.cuda.device(dev), for_graph():
         s = torch.cuda.Stream(dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
@@ -54,7 +77,7 @@ def capture(fn: Callable[[], Any], warmup: int = 2, device: Any = None) -> tuple
                            "generate(cuda_graph=False))")
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     warm_up(fn, warmup, dev)
-    with torch.cuda.device(dev):
+    with torch.cuda.device(dev), for_graph():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):
             out = fn()

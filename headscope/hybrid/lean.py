@@ -21,7 +21,7 @@ function with:
   form / recurrence without fla), the state carried from block to block;
 - **memory**: the GDN branch runs in time blocks, so fla's per-chunk intermediates (states, WY
   factors) are bounded by the block, not the sequence (:func:`block_tokens`: sized for host time when eager, a
-  quarter of the tokens when captured in a CUDA graph), and fla's stages free each intermediate when done
+  quarter of the tokens when recorded for a CUDA graph), and fla's stages free each intermediate when done
   (``GDN_LOW_MEMORY``).
 
 A decode step through a HybridDecodeCache writes the FA K/V into the cache slot in place and the new
@@ -49,6 +49,7 @@ from torch import Tensor
 from .attn import fa_attention, flash_attn_available
 from .fused import stack_projections
 from .gdn import fla_available, gated_delta_rule
+from .graphs import recording as _graph_recording
 from .rope import apply_rope
 from .gdn_step import applies as gdn_step_applies, gdn_decode_step, launch_shape as gdn_launch_shape, gdn_decode_step_torch, l2_normalize, rms_norm
 from .splitk import _sm_count, combine as _combine_partials, decode_attention, triton_available
@@ -66,7 +67,7 @@ GDN_BLOCK_TOKENS: Optional[int] = None  # batch x time per GDN kernel call in pr
 # needs it (the same kernels and output as fla's ``chunk_gated_delta_rule_fwd``); False: fla's one call.
 GDN_LOW_MEMORY = True
 GDN_BLOCK_WORK = 1 << 31  # auto blocks: tokens x GDN heads x d² per call (~1.5 ms of H200 work at B = 1)
-# A prefill captured in a CUDA graph (StaticDecoder.prefill_graphed, or any torch.cuda.graph capture) pays no host
+# A prefill recorded for a CUDA graph (graphs.capture: StaticDecoder.prefill_graphed, or graphs.for_graph) pays no host
 # time per GDN call, so its auto blocks are sized for memory instead: tokens / GDN_GRAPH_BLOCK_DIVISOR (at least
 # GDN_GRAPH_BLOCK_MIN; a multiple of 64), so fla's per-block intermediates stay a fixed fraction of the activations
 # that grow with the sequence. H200, bf16, one layer, B = 1, graphed, with GDN_LOW_MEMORY: peak 0.73-0.82x the
@@ -418,8 +419,8 @@ def block_tokens(n_gdn: int, d: int, tokens: int = 0, graphed: bool = False) -> 
 
     ``GDN_BLOCK_TOKENS`` when set. Else, eager (``graphed`` False): enough that one call's work (tokens x heads x
     d²) is ``GDN_BLOCK_WORK`` (at least 8192, a multiple of 64) — each call costs ~1-1.5 ms of host time (glue +
-    fla's launches) on the H200, hidden only behind that much GPU work, so smaller blocks are host-bound. While a
-    CUDA graph is captured (``graphed``; no host time at replay): ``tokens // GDN_GRAPH_BLOCK_DIVISOR`` (at least
+    fla's launches) on the H200, hidden only behind that much GPU work, so smaller blocks are host-bound. For a call
+    recorded for a CUDA graph (``graphed``: :func:`headscope.hybrid.graphs.recording`; no host time at replay): ``tokens // GDN_GRAPH_BLOCK_DIVISOR`` (at least
     ``GDN_GRAPH_BLOCK_MIN``, a multiple of 64), which bounds fla's intermediates by a fraction of the sequence
     (the prefill's peak memory) at little cost in speed."""
     if GDN_BLOCK_TOKENS:
@@ -429,9 +430,11 @@ def block_tokens(n_gdn: int, d: int, tokens: int = 0, graphed: bool = False) -> 
     return max(8192, (GDN_BLOCK_WORK // max(1, n_gdn * d * d)) // 64 * 64)
 
 
-def _capturing(x: Tensor) -> bool:
-    """Whether a CUDA graph is being captured on x's device's current stream."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+def _graph_blocks(x: Tensor) -> bool:
+    """Whether this call is recorded for a CUDA graph by :mod:`headscope.hybrid.graphs` (its warm-up or capture:
+    both see the same block sizes, so nothing compiles or autotunes inside the capture). A capture made with
+    ``torch.cuda.graph`` directly keeps the eager rule unless wrapped in ``graphs.for_graph()``."""
+    return x.is_cuda and _graph_recording()
 
 
 def _as_long(slot: Any, dev: torch.device) -> Tensor:
@@ -640,7 +643,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     if cache is not None and dpos is None and past + T > cache.max_len:
         raise ValueError(f"HybridDecodeCache holds {cache.max_len} tokens but {past + T} are needed; "
                          "make it with a larger max_len")
-    tb = max(1, block_tokens(ng, d, B * T, T > 1 and _capturing(x)) // B)
+    tb = max(1, block_tokens(ng, d, B * T, T > 1 and _graph_blocks(x)) // B)
     one_gemm = T <= tb
     if z_in is not None and (not one_gemm or z_in.shape != (B, T, p.W.shape[0])):
         raise ValueError(f"z_in must be the input projection [{B}, {T}, {p.W.shape[0]}] of a step that fits one "
