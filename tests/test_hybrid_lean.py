@@ -171,13 +171,13 @@ def test_graph_recorded_blocks_are_a_quarter_of_the_tokens(lean_on, monkeypatch)
     B, T = 2, 256
     x, cos, sin = _inputs(cfg, B, T)
     calls = []
-    real = lean.gdn
+    real = lean.gdn_consume
 
-    def spy(q, *a, **kw):
-        calls.append((q[0] if isinstance(q, list) else q).shape[1])
-        return real(q, *a, **kw)
+    def spy(ops, *a, **kw):
+        calls.append(ops[0].shape[1])
+        return real(ops, *a, **kw)
 
-    monkeypatch.setattr(lean, "gdn", spy)
+    monkeypatch.setattr(lean, "gdn_consume", spy)
     monkeypatch.setattr(lean, "GDN_GRAPH_BLOCK_MIN", 64)
     monkeypatch.setattr(lean, "_graph_blocks", lambda x: True)
     with torch.no_grad():
@@ -265,7 +265,7 @@ def test_fla_low_memory_stages_equal_flas_one_call_and_free_intermediates():
             old = lean.GDN_LOW_MEMORY
             lean.GDN_LOW_MEMORY = low
             try:
-                outs[low] = lean.gdn(ops, None, None, None, None, d ** -0.5, init, "fla")
+                outs[low] = lean.gdn_consume(ops, d ** -0.5, init, "fla")
             finally:
                 lean.GDN_LOW_MEMORY = old
             torch.cuda.synchronize()

@@ -386,18 +386,24 @@ def _fla_chunk_low_memory(ops: list, scale: float, h0: Optional[Tensor], chunk_s
     return o, final
 
 
+def gdn_consume(ops: list, scale: float, h0: Optional[Tensor], kernel: str, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+    """:func:`gdn` on ``ops`` = [q, k, v, g, β], which the call empties: where fla's chunk forward runs stage by
+    stage (:data:`GDN_LOW_MEMORY`), each input is freed when no later stage reads it (if the caller holds no
+    other reference)."""
+    q, v = ops[0], ops[2]
+    if (kernel == "fla" and q.shape[1] > 8 and GDN_LOW_MEMORY and not flash_qla_applies(q, v)
+            and _fla_chunk_parts() is not None):
+        del q, v
+        with torch.cuda.device(ops[0].device):
+            return _fla_chunk_low_memory(ops, scale, None if h0 is None else h0.float(), 64)
+    del q, v
+    args = tuple(ops)
+    ops.clear()
+    return gdn(*args, scale, h0, kernel, chunk_size)
+
+
 def gdn(q, k, v, g, beta, scale: float, h0: Optional[Tensor], kernel: str, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
-    """All GDN heads in one call: (y [B,T,n,d] in v's dtype, final state [B,n,d,d] fp32). ``q`` may instead be a
-    list [q, k, v, g, β] (the rest None) that the call empties, so that fla's stages free each input when done
-    (:data:`GDN_LOW_MEMORY`)."""
-    if isinstance(q, list):
-        ops = q
-        if (kernel == "fla" and ops[0].shape[1] > 8 and GDN_LOW_MEMORY and not flash_qla_applies(ops[0], ops[2])
-                and _fla_chunk_parts() is not None):
-            with torch.cuda.device(ops[0].device):
-                return _fla_chunk_low_memory(ops, scale, None if h0 is None else h0.float(), 64)
-        q, k, v, g, beta = ops
-        ops.clear()
+    """All GDN heads in one call: (y [B,T,n,d] in v's dtype, final state [B,n,d,d] fp32)."""
     T = q.shape[1]
     if kernel == "fla" and T > 8 and flash_qla_applies(q, v):
         with torch.cuda.device(q.device):
@@ -420,9 +426,9 @@ def block_tokens(n_gdn: int, d: int, tokens: int = 0, graphed: bool = False) -> 
     ``GDN_BLOCK_TOKENS`` when set. Else, eager (``graphed`` False): enough that one call's work (tokens x heads x
     d²) is ``GDN_BLOCK_WORK`` (at least 8192, a multiple of 64) — each call costs ~1-1.5 ms of host time (glue +
     fla's launches) on the H200, hidden only behind that much GPU work, so smaller blocks are host-bound. For a call
-    recorded for a CUDA graph (``graphed``: :func:`headscope.hybrid.graphs.recording`; no host time at replay): ``tokens // GDN_GRAPH_BLOCK_DIVISOR`` (at least
-    ``GDN_GRAPH_BLOCK_MIN``, a multiple of 64), which bounds fla's intermediates by a fraction of the sequence
-    (the prefill's peak memory) at little cost in speed."""
+    recorded for a CUDA graph (``graphed``: :func:`headscope.hybrid.graphs.recording`; no host time at replay):
+    ``tokens // GDN_GRAPH_BLOCK_DIVISOR`` (at least ``GDN_GRAPH_BLOCK_MIN``, a multiple of 64), which bounds fla's
+    intermediates by a fraction of the sequence (the prefill's peak memory) at little cost in speed."""
     if GDN_BLOCK_TOKENS:
         return GDN_BLOCK_TOKENS
     if graphed and GDN_GRAPH_BLOCK_DIVISOR:
@@ -756,7 +762,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
                 z = z_fa = None
             ops = [qg, kg, vg, g, beta]
             del qg, kg, vg, g, beta
-            y, S = gdn(ops, None, None, None, None, layer.scaling, S, p.gdn_kernel, layer.options.chunk_size)
+            y, S = gdn_consume(ops, layer.scaling, S, p.gdn_kernel, layer.options.chunk_size)
             if len(blocks) > 1:
                 y_g[:, t0:t1] = y
             else:
