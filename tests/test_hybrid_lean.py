@@ -321,3 +321,42 @@ def test_graphs_for_graph_marks_the_calls_it_wraps():
     x = torch.zeros(1)
     with graphs.for_graph():
         assert not lean._graph_blocks(x)  # CPU tensors: no graph
+
+
+def test_fla_stages_free_each_input_when_no_later_stage_reads_it(monkeypatch):
+    """lean._fla_chunk_low_memory (CPU, fla's stages replaced by recording fakes): the stages run in fla's order with
+    fla's arguments, v, β and A are gone before the state pass, w and u before the output, and the caller's list
+    is emptied (the GPU test checks the real kernels' outputs bit for bit and the lower peak)."""
+    import gc
+    import weakref
+
+    seen, refs = [], {}
+
+    def cumsum(g, chunk_size, scale):
+        seen.append(("cumsum", chunk_size, scale))
+        return g * 2
+
+    def intra(k, v, g, beta, chunk_size):
+        seen.append(("intra", chunk_size))
+        refs.update(v=weakref.ref(v), beta=weakref.ref(beta))
+        w, u, A = k + 1, v + 1, torch.zeros(3)
+        refs.update(A=weakref.ref(A), w=weakref.ref(w), u=weakref.ref(u))
+        return w, u, A
+
+    def fwd_h(k, w, u, g, initial_state, output_final_state, chunk_size):
+        gc.collect()
+        seen.append(("fwd_h", [n for n in ("v", "beta", "A") if refs[n]() is not None], output_final_state))
+        return k * 0 + 5, u - w, torch.ones(1) if initial_state is None else initial_state + 1
+
+    def fwd_o(q, k, v, h, g, scale, chunk_size):
+        gc.collect()
+        seen.append(("fwd_o", [n for n in ("w", "u") if refs[n]() is not None], scale))
+        return q + v
+
+    monkeypatch.setattr(lean, "_fla_parts", [(cumsum, intra, fwd_h, fwd_o, 1.4427)])
+    ops = [torch.full((2,), float(i)) for i in range(5)]  # q, k, v, g, beta
+    o, final = lean._fla_chunk_low_memory(ops, 0.125, None, 64)
+    assert ops == []
+    assert seen == [("cumsum", 64, 1.4427), ("intra", 64), ("fwd_h", [], True), ("fwd_o", [], 0.125)]
+    # o = q + (u - w) = q + (v + 1) - (k + 1) = 0 + 2 - 1
+    assert torch.equal(o, torch.full((2,), 1.0)) and torch.equal(final, torch.ones(1))
