@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_timing import graphed_ms  # noqa: E402
+from bench_timing import cuda_device, graphed_ms  # noqa: E402
 
 from headscope.hybrid import splitk  # noqa: E402
 
@@ -97,9 +97,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--reps", type=int, default=300)
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_decode_raw.py times CUDA kernels: run it on a GPU host (see benchmarks/README.md)")
-    dev = torch.device("cuda")
+    dev = cuda_device("bench_decode_raw.py")
     t0 = time.perf_counter()
     rows = []
     for shape in a.shapes:

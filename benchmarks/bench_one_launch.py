@@ -36,7 +36,7 @@ if "--smoke" in sys.argv:  # Triton's interpreter must be chosen before triton i
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_timing import graphed_ms  # noqa: E402
+from bench_timing import cuda_device, graphed_ms  # noqa: E402
 
 from headscope.hybrid import gdn_step, splitk, step  # noqa: E402
 
@@ -119,9 +119,7 @@ def main(argv=None) -> None:
         for B in (3, 1):
             print(bench(B, 96, torch.device("cpu"), 1, [2, 5], smoke=True), flush=True)
         return
-    if not torch.cuda.is_available():
-        sys.exit("bench_one_launch.py times a CUDA kernel: run it on a GPU host (see benchmarks/README.md)")
-    dev = torch.device("cuda")
+    dev = cuda_device("bench_one_launch.py")
     t0 = time.perf_counter()
     rows = []
     for B in a.batch:

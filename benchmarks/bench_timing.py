@@ -4,10 +4,18 @@ module-option overrides (parsed, and applied for a block)."""
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from typing import Iterator
 
 import torch
+
+
+def cuda_device(script: str) -> torch.device:
+    """The CUDA device a GPU-only benchmark runs on; exits naming the fix where there is none."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} times CUDA kernels: run it on a GPU host (see benchmarks/README.md)")
+    return torch.device("cuda")
 
 
 def time_ms(fn, dev: torch.device, reps: int, warmup: int = 1) -> float:

@@ -390,13 +390,10 @@ def gdn_consume(ops: list, scale: float, h0: Optional[Tensor], kernel: str, chun
     """:func:`gdn` on ``ops`` = [q, k, v, g, β], which the call empties: where fla's chunk forward runs stage by
     stage (:data:`GDN_LOW_MEMORY`), each input is freed when no later stage reads it (if the caller holds no
     other reference)."""
-    q, v = ops[0], ops[2]
-    if (kernel == "fla" and q.shape[1] > 8 and GDN_LOW_MEMORY and not flash_qla_applies(q, v)
+    if (kernel == "fla" and ops[0].shape[1] > 8 and GDN_LOW_MEMORY and not flash_qla_applies(ops[0], ops[2])
             and _fla_chunk_parts() is not None):
-        del q, v
         with torch.cuda.device(ops[0].device):
             return _fla_chunk_low_memory(ops, scale, None if h0 is None else h0.float(), 64)
-    del q, v
     args = tuple(ops)
     ops.clear()
     return gdn(*args, scale, h0, kernel, chunk_size)
