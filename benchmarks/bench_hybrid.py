@@ -109,6 +109,12 @@ def _peak_bytes(fn, dev):
     return peak
 
 
+def _graph_pool_bytes():
+    """Bytes of the CUDA caching allocator's segments that belong to CUDA-graph memory pools (held by the graphs
+    between calls, allocated or not)."""
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+
+
 def _err(a, ref):
     a, ref = a.float().cpu(), ref.float().cpu()
     m = (a - ref).abs().max().item()
@@ -328,7 +334,10 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
         kw = {"attention_mask": None} if name == "teacher" else {}
         call = lambda: mod(xp, position_embeddings=pep, **kw)[0]  # noqa: E731
         r = {"prefill_ms": _time(call, dev, reps)}
+        lean.release_eager_graphs()  # the eager peak includes making the GDN block graphs (lean.EAGER_GDN_GRAPHS)
         r["prefill_peak_bytes"] = _peak_bytes(call, dev)
+        if lean.eager_graph_bytes():
+            r["eager_graph_held_bytes"] = lean.eager_graph_bytes() + _graph_pool_bytes()
         if name == "hybrid" and before:
             prev, lean.ENABLE = lean.ENABLE, False  # the layer before the lean path (its default low-memory path)
             try:
@@ -595,6 +604,8 @@ def _fmt_row(shape, r):
     return (f"{shape:13s} {r['T']:6d} | prefill ms {f['prefill_ms']:8.3f} {hy['prefill_ms']:8.3f} x{ra['prefill_ms']:.2f} {gr}"
             f"| peak MB {f['prefill_peak_bytes'] / 2**20:7.1f} {hy['prefill_peak_bytes'] / 2**20:7.1f} "
             f"(teacher {r['teacher']['prefill_peak_bytes'] / 2**20:7.1f}) x{ra['prefill_peak_bytes']:.2f} "
+            + (f"(held by the eager GDN graphs {hy['eager_graph_held_bytes'] / 2**20:.1f}) "
+               if hy.get("eager_graph_held_bytes") else "") +
             f"| decode us graph {g(f['decode_graph_ms'])} {g(hy['decode_graph_ms'])} "
             f"x{'-' if ra['decode_graph_ms'] is None else format(ra['decode_graph_ms'], '.2f')} "
             f"eager {g(f['decode_eager_ms'])} {g(hy['decode_eager_ms'])} x{ra['decode_eager_ms']:.2f} "

@@ -82,3 +82,64 @@ def capture(fn: Callable[[], Any], warmup: int = 2, device: Any = None) -> tuple
         with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):
             out = fn()
     return graph, out
+
+
+class ShapeGraphs:
+    """CUDA graphs of one fixed-shape function, one per key, replayed on new data copied into static inputs.
+
+    ``fn(*inputs) -> tuple of tensors`` is recorded once per key (after an eager warm-up that compiles and tunes
+    it) over static input tensors; each later call of that key copies its data into them (``fill``), replays the
+    graph and returns the static outputs, which the next call of any key may overwrite: read them on the same stream
+    before calling again. All graphs of an instance share one memory pool per device (they run one after another on
+    one stream, never concurrently, and their static inputs and outputs stay referenced, so no graph is handed
+    another's live tensors). The least recently used graph is dropped beyond ``max_graphs``.
+
+    On a CPU tensor, inside a capture or a graph recording of its own (:func:`recording`), or under ``torch.compile``,
+    :meth:`run` calls ``fn`` on the static inputs directly: the same data path, without a graph.
+    """
+
+    def __init__(self, fn: Callable[..., tuple], max_graphs: int = 8):
+        self.fn, self.max_graphs = fn, max_graphs
+        self._entries: dict = {}  # key -> (static inputs, graph or None, static outputs)
+        self._pools: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def release(self) -> None:
+        """Drop every graph and static buffer (their memory returns to PyTorch's cache)."""
+        self._entries.clear()
+        self._pools.clear()
+
+    def nbytes(self) -> int:
+        """Bytes of the static inputs and outputs held (the shared pools' intermediates not counted)."""
+        return sum(t.numel() * t.element_size() for ins, _, outs in self._entries.values()
+                   for t in (*ins, *outs) if isinstance(t, torch.Tensor))
+
+    def run(self, key: Any, make_inputs: Callable[[], list], fill: Callable[[list], None]) -> tuple:
+        """``fn``'s outputs for the inputs that ``fill(static)`` copies into the static inputs of ``key`` (made by
+        ``make_inputs()`` on its first call)."""
+        ent = self._entries.pop(key, None)
+        ins, graph, outs = ent if ent is not None else (make_inputs(), None, None)
+        fill(ins)
+        dev = next(t.device for t in ins if isinstance(t, torch.Tensor))
+        direct = (dev.type != "cuda" or recording() or torch.cuda.is_current_stream_capturing()
+                  or torch.compiler.is_compiling())
+        if direct:  # no graph of ours here: the same data path, eagerly (or recorded into the caller's graph)
+            out_now = self.fn(*ins)
+            if graph is None:
+                outs = out_now
+            self._entries[key] = (ins, graph, outs)
+            return out_now
+        if graph is None:
+            while len(self._entries) >= self.max_graphs:
+                self._entries.pop(next(iter(self._entries)))
+            pool = self._pools.setdefault(dev, torch.cuda.graph_pool_handle())
+            warm_up(lambda: self.fn(*ins), 2, dev)
+            with torch.cuda.device(dev), for_graph():
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(dev)):
+                    outs = self.fn(*ins)
+        graph.replay()
+        self._entries[key] = (ins, graph, outs)  # most recently used last
+        return outs

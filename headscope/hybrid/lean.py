@@ -37,6 +37,7 @@ combination and the GDN step, which write one buffer for ``o_proj`` (``DECODE_FU
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -49,8 +50,9 @@ from torch import Tensor
 from .attn import fa_attention, flash_attn_available
 from .fused import stack_projections
 from .gdn import fla_available, gated_delta_rule
-from .graphs import recording as _graph_recording
+from .graphs import ShapeGraphs, recording as _graph_recording
 from .rope import apply_rope
+from .shapes import Float
 from .gdn_step import applies as gdn_step_applies, gdn_decode_step, launch_shape as gdn_launch_shape, gdn_decode_step_torch, l2_normalize, rms_norm
 from .splitk import _sm_count, combine as _combine_partials, decode_attention, triton_available
 from .fa_step import applies as fa_prep_applies, fa_decode_prep
@@ -75,6 +77,18 @@ GDN_BLOCK_WORK = 1 << 31  # auto blocks: tokens x GDN heads x d² per call (~1.5
 # with 2 (benchmarks/results/h200_bench_hybrid_r14_block_sweep.*); 0: the speed rule (as eager).
 GDN_GRAPH_BLOCK_DIVISOR = 4
 GDN_GRAPH_BLOCK_MIN = 2048
+# An eager prefill without autograd (CUDA, fla) runs its GDN heads in fixed-shape blocks replayed from CUDA graphs
+# (:func:`gdn_block_graphed`): the glue's guards and fla's launches cost host time once per block shape instead of
+# ~0.5-1 ms per call, so the blocks can be small (the prefill's peak memory) without making eager calls host-bound.
+# Blocks of EAGER_GRAPH_TOKENS (batch x time) tokens, the last one padded (rows that leave the state unchanged:
+# _glue_gdn's ``valid``); a prefill shorter than one block takes a power-of-two block of at least
+# EAGER_GRAPH_MIN tokens. The graphs (at most EAGER_GRAPH_MAX shapes) and their static inputs stay allocated
+# between calls: release_eager_graphs() frees them. None: where it applies (CUDA); True: also on CPU, where the
+# same padded static-buffer path runs without graphs (tests); False: never.
+EAGER_GDN_GRAPHS: Optional[bool] = None
+EAGER_GRAPH_TOKENS = 8192
+EAGER_GRAPH_MIN = 256
+EAGER_GRAPH_MAX = 8
 # FlashQLA (``flash-qla`` on PyPI, TileLang kernels with intra-card context parallelism) for the GDN prefill
 # instead of fla's Triton chunk forward: only for head_dim 128 in bf16/fp16 on CUDA (its kernels' limits,
 # read from fla 0.6's FlashQLA backend), when the package is installed. On: measured faster than fla's chunk
@@ -240,14 +254,19 @@ def _glue_fa(q, k, cos, sin, pos, qn, kn, *, eps: float, rope: bool, nope_a: flo
     return qf.to(q.dtype), kf.to(k.dtype)
 
 
-def _glue_gdn(q, k, v, a, b, cos, sin, A_neg, dtb, qn, kn, *, eps: float, rope: bool):
+def _glue_gdn(q, k, v, a, b, cos, sin, valid, A_neg, dtb, qn, kn, *, eps: float, rope: bool):
     """GDN q, k, v [B,T,n,d], a, b [B,T,n] (views of the projection) -> L2-normalized q, k (after
-    QK-RMSNorm and RoPE), contiguous v, g = −exp(A_log)·softplus(a + dt_bias) (fp32), β = σ(b)."""
+    QK-RMSNorm and RoPE), contiguous v, g = −exp(A_log)·softplus(a + dt_bias) (fp32), β = σ(b).
+    ``valid`` [1,T] (1 / 0, or None: all valid): rows of 0 get k = 0, g = 0 and β = 0, so they leave the
+    recurrent state as it was (eq. 7: decay 1, no write) — a fixed-shape block padded past its last token."""
     dt = q.dtype
     qf, kf = _qk_fp32(q, k, cos, sin, qn, kn, eps, rope)
     qf, kf = l2_normalize(qf), l2_normalize(kf)
     g = A_neg * F.softplus(a.float() + dtb)
     beta = torch.sigmoid(b.float())
+    if valid is not None:
+        m = valid[:, :, None]
+        g, beta, kf = g * m, beta * m, kf * m[..., None]
     return qf.to(dt), kf.to(dt), v.clone(memory_format=torch.contiguous_format), g, beta.to(dt)
 
 
@@ -431,6 +450,98 @@ def block_tokens(n_gdn: int, d: int, tokens: int = 0, graphed: bool = False) -> 
     if graphed and GDN_GRAPH_BLOCK_DIVISOR:
         return max(GDN_GRAPH_BLOCK_MIN, tokens // GDN_GRAPH_BLOCK_DIVISOR // 64 * 64)
     return max(8192, (GDN_BLOCK_WORK // max(1, n_gdn * d * d)) // 64 * 64)
+
+
+def eager_graph_block(B: int, T: int) -> int:
+    """Time steps per GDN block of an eager prefill through CUDA graphs (:data:`EAGER_GDN_GRAPHS`): blocks of
+    :data:`EAGER_GRAPH_TOKENS` tokens (batch x time, a multiple of 64 time steps), or for a shorter prefill the
+    smallest power of two ≥ T and ≥ :data:`EAGER_GRAPH_MIN` (a few graph shapes cover every length)."""
+    full = max(64, EAGER_GRAPH_TOKENS // max(1, B) // 64 * 64)
+    if T >= full:
+        return full
+    return min(full, max(EAGER_GRAPH_MIN, 1 << (T - 1).bit_length()))
+
+
+def _eager_graphs(x: Tensor, p: _Plan, T: int) -> bool:
+    """Whether this prefill's GDN heads run as graph-replayed fixed-shape blocks (:data:`EAGER_GDN_GRAPHS`)."""
+    if EAGER_GDN_GRAPHS is False or T <= 8 or not p.ng or torch.is_grad_enabled():
+        return False
+    if EAGER_GDN_GRAPHS is None and not (x.is_cuda and p.gdn_kernel == "fla"):
+        return False
+    return not (_graph_recording() or torch.compiler.is_compiling()
+                or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def _gdn_block(cfg: tuple, zg, cos, sin, h0, valid, A_neg, dtb, qn, kn) -> tuple[Tensor, Tensor]:
+    """One fixed-shape GDN block: the glue (padded rows masked by ``valid``) and the chunk forward from ``h0``."""
+    sizes, ng, d, eps, rope, scale, kernel, chunk = cfg
+    qg, kg, vg, a, b = zg.split(sizes, dim=-1)
+    ops = list(_glue("gdn", (qg.unflatten(-1, (ng, d)), kg.unflatten(-1, (ng, d)), vg.unflatten(-1, (ng, d)),
+                             a[..., :ng], b[..., :ng], cos, sin, valid), (A_neg, dtb, qn, kn), eps=eps, rope=rope))
+    return gdn_consume(ops, scale, h0, kernel, chunk)
+
+
+_block_graphs: dict = {}  # block configuration -> graphs.ShapeGraphs
+
+
+def release_eager_graphs() -> None:
+    """Free the CUDA graphs and static buffers of eager prefills' GDN blocks (:data:`EAGER_GDN_GRAPHS`)."""
+    _block_graphs.clear()
+
+
+def eager_graph_bytes() -> int:
+    """Bytes held between calls by the static inputs and outputs of the eager GDN block graphs (their shared memory
+    pool, one block's fla intermediates, not counted)."""
+    return sum(g.nbytes() for g in _block_graphs.values())
+
+
+def gdn_block_graphed(layer: "HeadwiseHybridAttention", zg: Float[Tensor, "B t R"], cos: Optional[Tensor],
+                      sin: Optional[Tensor], S: Optional[Float[Tensor, "B n d d"]],
+                      tb: int) -> tuple[Float[Tensor, "B tb n d"], Float[Tensor, "B n d d"]]:
+    """The GDN heads of ``t ≤ tb`` time steps as one block of ``tb``: ``zg`` (their rows of the input projection),
+    cos/sin [B, t, d] (or None without RoPE) and the state S (None: zeros) are copied into the static inputs of a
+    CUDA graph of :func:`_gdn_block` (one per shape, captured on first use), rows past t padded so that they leave
+    the state as it was. Returns the block's output (rows ≥ t: padding) and the final state — static buffers that
+    the next block call overwrites (read them first, on the same stream). On CPU the same path runs eagerly.
+
+    Raises:
+        ValueError: t > tb."""
+    p = plan(layer)
+    B, t, R = zg.shape
+    if t > tb:
+        raise ValueError(f"a block of {t} time steps does not fit the {tb}-step graph block")
+    rope = cos is not None
+    cfg = (tuple(p.g_sizes), p.ng, p.d, p.qk_eps, p.gdn_rope and rope, float(layer.scaling), p.gdn_kernel,
+           int(layer.options.chunk_size))
+    sg = _block_graphs.get(cfg)
+    if sg is None:
+        sg = _block_graphs[cfg] = ShapeGraphs(functools.partial(_gdn_block, cfg), max_graphs=EAGER_GRAPH_MAX)
+    opt = (p.qn, p.kn)
+    key = (zg.device, zg.dtype, B, tb, R, None if not rope else (cos.dtype, cos.shape[-1]),
+           tuple(w is not None for w in opt))
+
+    def make() -> list:
+        z0 = zg.new_zeros
+        cs = [z0(B, tb, cos.shape[-1], dtype=cos.dtype), z0(B, tb, sin.shape[-1], dtype=sin.dtype)] if rope else [None, None]
+        return [z0(B, tb, R), *cs, z0(B, p.ng, p.d, p.d, dtype=torch.float32), z0(1, tb, dtype=torch.float32),
+                torch.empty_like(p.A_neg), torch.empty_like(p.dtb), *(None if w is None else torch.empty_like(w) for w in opt)]
+
+    def fill(ins: list) -> None:
+        ins[0][:, :t].copy_(zg)
+        if rope:
+            ins[1][:, :t].copy_(cos)
+            ins[2][:, :t].copy_(sin)
+        if S is None:
+            ins[3].zero_()
+        else:
+            ins[3].copy_(S)
+        ins[4][:, :t].fill_(1.0)
+        ins[4][:, t:].fill_(0.0)
+        for dst, src in zip(ins[5:], (p.A_neg, p.dtb, *opt)):
+            if src is not None:
+                dst.copy_(src)
+
+    return sg.run(key, make, fill)
 
 
 def _graph_blocks(x: Tensor) -> bool:
@@ -646,7 +757,8 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     if cache is not None and dpos is None and past + T > cache.max_len:
         raise ValueError(f"HybridDecodeCache holds {cache.max_len} tokens but {past + T} are needed; "
                          "make it with a larger max_len")
-    tb = max(1, block_tokens(ng, d, B * T, T > 1 and _graph_blocks(x)) // B)
+    eg = _eager_graphs(x, p, T)  # the GDN heads as graph-replayed fixed-shape blocks (EAGER_GDN_GRAPHS)
+    tb = eager_graph_block(B, T) if eg else max(1, block_tokens(ng, d, B * T, T > 1 and _graph_blocks(x)) // B)
     one_gemm = T <= tb
     if z_in is not None and (not one_gemm or z_in.shape != (B, T, p.W.shape[0])):
         raise ValueError(f"z_in must be the input projection [{B}, {T}, {p.W.shape[0]}] of a step that fits one "
@@ -742,15 +854,28 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
             y_g = x.new_empty(B, T, ng, d)
         for t0, t1 in blocks:
             zg = z[..., p.n_fa_rows:] if one_gemm else F.linear(x[:, t0:t1], W_g, b_g)
+            cs = (cos[:, t0:t1], sin[:, t0:t1]) if cos is not None else (None, None)
+            if eg:
+                y, S = gdn_block_graphed(layer, zg, *(cs if p.gdn_rope else (None, None)), S, tb)
+                y = y[:, : t1 - t0]
+                del zg
+                if one_gemm:  # copied into the graph's input: free the projection
+                    gate = gate.clone() if gate is not None else None
+                    del z, z_fa
+                    z = z_fa = None
+                if len(blocks) > 1:
+                    y_g[:, t0:t1] = y
+                else:
+                    y_g = y
+                continue
             qg, kg, vg, a, b = zg.split(p.g_sizes, dim=-1)
             a, b = a[..., :ng], b[..., :ng]
-            cs = (cos[:, t0:t1], sin[:, t0:t1]) if cos is not None else (None, None)
             if fused_step:  # one token: glue + recurrence + state write in one call (the state stays in cache.S)
                 y_g = _gdn_decode(layer, p, qg, kg, vg, a, b, cs, S, **(g_out or {}))
                 S = None
                 break
             qg, kg, vg, g, beta = _glue("gdn", (qg.unflatten(-1, (ng, d)), kg.unflatten(-1, (ng, d)),
-                                                vg.unflatten(-1, (ng, d)), a, b, *cs),
+                                                vg.unflatten(-1, (ng, d)), a, b, *cs, None),
                                         (p.A_neg, p.dtb, p.qn, p.kn), eps=p.qk_eps, rope=p.gdn_rope)
             del zg, a, b
             if one_gemm:  # the projection is no longer needed: free it before fla's intermediates

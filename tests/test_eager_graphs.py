@@ -1,0 +1,182 @@
+"""An eager prefill's GDN heads as fixed-shape, graph-replayed blocks (lean.EAGER_GDN_GRAPHS).
+
+On CPU the same padded static-buffer path runs without graphs (ShapeGraphs calls the block function directly),
+so these tests check the padding (rows that leave the state unchanged), the block bookkeeping and the static
+buffers' reuse across calls; the GPU test checks the captured graphs against the path without them.
+"""
+
+import pytest
+import torch
+
+import headscope.hybrid.lean as lean
+from headscope.hybrid.graphs import ShapeGraphs
+from headscope.hybrid.gdn import fla_available
+
+from test_hybrid_lean import CASES, IDS, _inputs, _layer, _plain
+
+
+@pytest.fixture
+def eager_graphs(monkeypatch):
+    monkeypatch.setattr(lean, "ENABLE", True)
+    monkeypatch.setattr(lean, "EAGER_GDN_GRAPHS", True)
+    lean.release_eager_graphs()
+    yield
+    lean.release_eager_graphs()
+
+
+def test_eager_graph_block_rule(monkeypatch):
+    assert lean.EAGER_GRAPH_TOKENS == 8192 and lean.EAGER_GRAPH_MIN == 256
+    assert lean.eager_graph_block(1, 131072) == 8192 == lean.eager_graph_block(1, 8192)
+    assert lean.eager_graph_block(1, 8191) == 8192  # the next power of two
+    assert lean.eager_graph_block(1, 3000) == 4096
+    assert lean.eager_graph_block(1, 257) == 512
+    assert lean.eager_graph_block(1, 9) == 256  # at least EAGER_GRAPH_MIN
+    assert lean.eager_graph_block(16, 32768) == 512  # 8192 tokens over 16 sequences
+    assert lean.eager_graph_block(3, 32768) == 2688  # 8192 // 3 = 2730, down to a multiple of 64
+    assert lean.eager_graph_block(3, 1000) == 1024
+    assert lean.eager_graph_block(1000, 5000) == 64  # never below 64 time steps
+
+
+@pytest.mark.parametrize("fa,qwen,opts", CASES, ids=IDS)
+def test_padded_blocks_equal_the_plain_forward_and_keep_the_state(eager_graphs, monkeypatch, fa, qwen, opts):
+    """Blocks of 64 time steps, the last one padded: the output equals the plain forward's, the state after the
+    prefill equals the path without blocks (EAGER_GDN_GRAPHS off), and so does the next decode step; a second,
+    shorter prefill reuses the static buffers (stale rows from the first call in the padding) and is exact too."""
+    layer, _, cfg = _layer(fa, qwen, **opts)
+    monkeypatch.setattr(lean, "EAGER_GRAPH_TOKENS", 128)  # B = 2: 64 time steps per block
+    monkeypatch.setattr(lean, "EAGER_GRAPH_MIN", 64)
+    calls = []
+    real = lean.gdn_consume
+
+    def spy(ops, *a, **kw):
+        calls.append(ops[0].shape[1])
+        return real(ops, *a, **kw)
+
+    monkeypatch.setattr(lean, "gdn_consume", spy)
+    B = 2
+    for T in (150, 100):
+        x, cos, sin = _inputs(cfg, B, T + 1, seed=T)
+        pe, pe1 = (cos[:, :T], sin[:, :T]), (cos[:, T:], sin[:, T:])
+        with torch.no_grad():
+            ref = _plain(layer, x[:, :T], position_embeddings=pe)
+            calls.clear()
+            dc = layer.new_decode_cache(B, T + 1)
+            out, _ = layer(x[:, :T], position_embeddings=pe, cache=dc)
+            assert calls == [64] * (-(-T // 64))  # every block padded to 64 time steps
+            step = layer(x[:, T:], position_embeddings=pe1, cache=dc)[0]
+            monkeypatch.setattr(lean, "EAGER_GDN_GRAPHS", False)
+            calls.clear()
+            dc2 = layer.new_decode_cache(B, T + 1)
+            out2, _ = layer(x[:, :T], position_embeddings=pe, cache=dc2)
+            assert calls == [T]  # one call without the blocks
+            step2 = layer(x[:, T:], position_embeddings=pe1, cache=dc2)[0]
+            monkeypatch.setattr(lean, "EAGER_GDN_GRAPHS", True)
+        assert (out - ref).abs().max() < 1e-5 * max(1.0, ref.abs().max().item())
+        assert (out - out2).abs().max() < 1e-5
+        assert (dc.S - dc2.S).abs().max() < 1e-5 * dc2.S.abs().max()
+        assert (step - step2).abs().max() < 1e-5
+    assert len(lean._block_graphs) == 1 and lean.eager_graph_bytes() > 0  # one configuration, its buffers held
+    lean.release_eager_graphs()
+    assert lean.eager_graph_bytes() == 0
+
+
+def test_padded_rows_leave_the_state_unchanged(eager_graphs):
+    """One block of 256 for 37 real rows vs the same 37 rows unpadded: output rows and final state agree."""
+    layer, _, cfg = _layer((1,))
+    x, cos, sin = _inputs(cfg, 1, 37)
+    p = lean.plan(layer)
+    with torch.no_grad():
+        zg = torch.nn.functional.linear(x, p.W[p.n_fa_rows:], None if p.b is None else p.b[p.n_fa_rows:])
+        S0 = torch.randn(1, p.ng, p.d, p.d)
+        y, S = lean.gdn_block_graphed(layer, zg, cos, sin, S0, 256)
+        y, S = y[:, :37].clone(), S.clone()
+        ref_y, ref_S = lean._gdn_block((tuple(p.g_sizes), p.ng, p.d, p.qk_eps, True, float(layer.scaling),
+                                        p.gdn_kernel, int(layer.options.chunk_size)),
+                                       zg, cos, sin, S0, None, p.A_neg, p.dtb, p.qn, p.kn)
+    assert y.shape == ref_y.shape == (1, 37, p.ng, p.d)
+    assert (y - ref_y).abs().max() < 1e-5 * ref_y.abs().max()
+    assert (S - ref_S).abs().max() < 1e-5 * ref_S.abs().max()
+    with pytest.raises(ValueError, match="does not fit"):
+        lean.gdn_block_graphed(layer, zg, cos, sin, S0, 32)
+
+
+def test_blocks_are_not_used_with_autograd_or_without_gdn_heads(eager_graphs, monkeypatch):
+    layer, _, cfg = _layer((1,))
+    x, cos, sin = _inputs(cfg, 1, 100)
+    seen = []
+    monkeypatch.setattr(lean, "gdn_block_graphed", lambda *a, **k: seen.append(1))
+    layer(x, position_embeddings=(cos, sin))  # grad enabled: the training path
+    assert not seen and lean.eager_graph_bytes() == 0
+    monkeypatch.setattr(lean, "EAGER_GDN_GRAPHS", None)  # the default: CUDA only
+    with torch.no_grad():
+        layer(x, position_embeddings=(cos, sin))
+    assert not seen
+
+
+def test_shape_graphs_make_once_fill_every_call_and_drop_the_oldest():
+    made, filled = [], []
+
+    def fn(a, b):
+        return (a * 2 + b,)
+
+    sg = ShapeGraphs(fn, max_graphs=2)
+
+    def run(key, val):
+        def make():
+            made.append(key)
+            return [torch.zeros(3), torch.ones(3)]
+
+        def fill(ins):
+            filled.append(key)
+            ins[0].fill_(val)
+
+        return sg.run(key, make, fill)[0]
+
+    assert run("a", 1.0).tolist() == [3.0] * 3
+    assert run("a", 2.0).tolist() == [5.0] * 3
+    assert run("b", 0.0).tolist() == [1.0] * 3
+    assert made == ["a", "b"] and filled == ["a", "a", "b"]
+    assert len(sg) == 2 and sg.nbytes() == 2 * (3 * 4 * 3)  # two inputs and one output of 3 floats per key
+    sg.release()
+    assert len(sg) == 0 and sg.nbytes() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla")
+@pytest.mark.parametrize("qwen", [False, True], ids=["llama", "qwen3"])
+def test_cuda_graph_blocks_equal_the_path_without_them(monkeypatch, qwen):
+    """On CUDA (bf16, fla): the graph-replayed blocks (captured on first use, 3 shapes over the lengths) give the
+    output and the state of the path without them, also on a second call of a shape (replay, stale padding), and a
+    prefill recorded into the caller's own graph does not use them."""
+    monkeypatch.setattr(lean, "EAGER_GRAPH_TOKENS", 1024)
+    lean.release_eager_graphs()
+    layer, _, cfg = _layer((1,), qwen, gdn_kernel="fla")
+    layer = layer.cuda().to(torch.bfloat16)
+    B = 1
+    try:
+        for T in (2500, 700, 2500, 300):
+            x, cos, sin = (t.bfloat16() for t in _inputs(cfg, B, T, seed=T, device="cuda"))
+            with torch.no_grad():
+                monkeypatch.setattr(lean, "EAGER_GDN_GRAPHS", False)
+                dc2 = layer.new_decode_cache(B, T)
+                ref, _ = layer(x, position_embeddings=(cos, sin), cache=dc2)
+                monkeypatch.setattr(lean, "EAGER_GDN_GRAPHS", None)
+                dc = layer.new_decode_cache(B, T)
+                out, _ = layer(x, position_embeddings=(cos, sin), cache=dc)
+            torch.cuda.synchronize()
+            scale = ref.float().abs().max()
+            assert (out.float() - ref.float()).abs().max() < 2e-2 * scale, T
+            assert (dc.S - dc2.S).abs().max() < 2e-2 * dc2.S.abs().max(), T
+        shapes = [k[3] for k in next(iter(lean._block_graphs.values()))._entries]
+        assert sorted(shapes) == [512, 1024]  # 2500 -> blocks of 1024; 700 -> 1024; 300 -> 512
+        from headscope.hybrid.graphs import capture
+
+        n = lean.eager_graph_bytes()
+        with torch.no_grad():
+            graph, static = capture(lambda: layer(x, position_embeddings=(cos, sin))[0], warmup=1)
+            graph.replay()
+        torch.cuda.synchronize()
+        assert lean.eager_graph_bytes() == n  # recorded calls take the graphed-prefill rule, no block graphs
+        assert (static.float() - out.float()).abs().max() < 2e-2 * scale
+    finally:
+        lean.release_eager_graphs()
