@@ -80,6 +80,22 @@ def test_padded_blocks_equal_the_plain_forward_and_keep_the_state(eager_graphs, 
     assert lean.eager_graph_bytes() == 0
 
 
+def test_layers_sharing_a_block_graph_each_get_their_own_weights(eager_graphs, monkeypatch):
+    """Two layers of one shape take turns on the same block graph (as a model's layers do): each call refreshes the
+    static copies of the layer's gate weights, and each output equals that layer's plain forward."""
+    monkeypatch.setattr(lean, "EAGER_GRAPH_TOKENS", 64)
+    monkeypatch.setattr(lean, "EAGER_GRAPH_MIN", 64)
+    l1, _, cfg = _layer((1,), seed=0)
+    l2, _, _ = _layer((1,), seed=5)
+    x, cos, sin = _inputs(cfg, 1, 150)
+    with torch.no_grad():
+        for lay in (l1, l2, l1, l2):
+            out, _ = lay(x, position_embeddings=(cos, sin))
+            ref = _plain(lay, x, position_embeddings=(cos, sin))
+            assert (out - ref).abs().max() < 1e-5 * ref.abs().max()
+    assert len(lean._block_graphs) == 1
+
+
 def test_padded_rows_leave_the_state_unchanged(eager_graphs):
     """One block of 256 for 37 real rows vs the same 37 rows unpadded: output rows and final state agree."""
     layer, _, cfg = _layer((1,))
@@ -126,8 +142,9 @@ def test_shape_graphs_make_once_fill_every_call_and_drop_the_oldest():
             made.append(key)
             return [torch.zeros(3), torch.ones(3)]
 
-        def fill(ins):
-            filled.append(key)
+        def fill(ins, memo):
+            filled.append((key, memo.get("n", 0)))
+            memo["n"] = memo.get("n", 0) + 1
             ins[0].fill_(val)
 
         return sg.run(key, make, fill)[0]
@@ -135,7 +152,7 @@ def test_shape_graphs_make_once_fill_every_call_and_drop_the_oldest():
     assert run("a", 1.0).tolist() == [3.0] * 3
     assert run("a", 2.0).tolist() == [5.0] * 3
     assert run("b", 0.0).tolist() == [1.0] * 3
-    assert made == ["a", "b"] and filled == ["a", "a", "b"]
+    assert made == ["a", "b"] and filled == [("a", 0), ("a", 1), ("b", 0)]  # the memo kept per key
     assert len(sg) == 2 and sg.nbytes() == 2 * (3 * 4 * 3)  # two inputs and one output of 3 floats per key
     sg.release()
     assert len(sg) == 0 and sg.nbytes() == 0

@@ -100,7 +100,7 @@ class ShapeGraphs:
 
     def __init__(self, fn: Callable[..., tuple], max_graphs: int = 8):
         self.fn, self.max_graphs = fn, max_graphs
-        self._entries: dict = {}  # key -> (static inputs, graph or None, static outputs)
+        self._entries: dict = {}  # key -> (static inputs, graph or None, static outputs, the fill's memo)
         self._pools: dict = {}
 
     def __len__(self) -> int:
@@ -113,15 +113,16 @@ class ShapeGraphs:
 
     def nbytes(self) -> int:
         """Bytes of the static inputs and outputs held (the shared pools' intermediates not counted)."""
-        return sum(t.numel() * t.element_size() for ins, _, outs in self._entries.values()
+        return sum(t.numel() * t.element_size() for ins, _, outs, _ in self._entries.values()
                    for t in (*ins, *outs) if isinstance(t, torch.Tensor))
 
-    def run(self, key: Any, make_inputs: Callable[[], list], fill: Callable[[list], None]) -> tuple:
-        """``fn``'s outputs for the inputs that ``fill(static)`` copies into the static inputs of ``key`` (made by
-        ``make_inputs()`` on its first call)."""
+    def run(self, key: Any, make_inputs: Callable[[], list], fill: Callable[[list, dict], None]) -> tuple:
+        """``fn``'s outputs for the inputs that ``fill(static, memo)`` copies into the static inputs of ``key`` (made
+        by ``make_inputs()`` on its first call); ``memo`` is a dict kept with them, for ``fill`` to skip copies of
+        what has not changed since its last call."""
         ent = self._entries.pop(key, None)
-        ins, graph, outs = ent if ent is not None else (make_inputs(), None, None)
-        fill(ins)
+        ins, graph, outs, memo = ent if ent is not None else (make_inputs(), None, None, {})
+        fill(ins, memo)
         dev = next(t.device for t in ins if isinstance(t, torch.Tensor))
         direct = (dev.type != "cuda" or recording() or torch.cuda.is_current_stream_capturing()
                   or torch.compiler.is_compiling())
@@ -129,7 +130,7 @@ class ShapeGraphs:
             out_now = self.fn(*ins)
             if graph is None:
                 outs = out_now
-            self._entries[key] = (ins, graph, outs)
+            self._entries[key] = (ins, graph, outs, memo)
             return out_now
         if graph is None:
             while len(self._entries) >= self.max_graphs:
@@ -141,5 +142,5 @@ class ShapeGraphs:
                 with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(dev)):
                     outs = self.fn(*ins)
         graph.replay()
-        self._entries[key] = (ins, graph, outs)  # most recently used last
+        self._entries[key] = (ins, graph, outs, memo)  # most recently used last
         return outs

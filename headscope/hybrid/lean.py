@@ -473,12 +473,16 @@ def _eager_graphs(x: Tensor, p: _Plan, T: int) -> bool:
 
 
 def _gdn_block(cfg: tuple, zg, cos, sin, h0, valid, A_neg, dtb, qn, kn) -> tuple[Tensor, Tensor]:
-    """One fixed-shape GDN block: the glue (padded rows masked by ``valid``) and the chunk forward from ``h0``."""
+    """One fixed-shape GDN block: the glue (padded rows masked by ``valid``) and the chunk forward from ``h0``
+    [B,n,d,d] fp32, whose final state is written back into ``h0`` (returned as the state: the next block of the
+    same graph starts from it without a copy)."""
     sizes, ng, d, eps, rope, scale, kernel, chunk = cfg
     qg, kg, vg, a, b = zg.split(sizes, dim=-1)
     ops = list(_glue("gdn", (qg.unflatten(-1, (ng, d)), kg.unflatten(-1, (ng, d)), vg.unflatten(-1, (ng, d)),
                              a[..., :ng], b[..., :ng], cos, sin, valid), (A_neg, dtb, qn, kn), eps=eps, rope=rope))
-    return gdn_consume(ops, scale, h0, kernel, chunk)
+    y, S = gdn_consume(ops, scale, h0, kernel, chunk)
+    h0.copy_(S)
+    return y, h0
 
 
 _block_graphs: dict = {}  # block configuration -> graphs.ShapeGraphs
@@ -526,20 +530,28 @@ def gdn_block_graphed(layer: "HeadwiseHybridAttention", zg: Float[Tensor, "B t R
         return [z0(B, tb, R), *cs, z0(B, p.ng, p.d, p.d, dtype=torch.float32), z0(1, tb, dtype=torch.float32),
                 torch.empty_like(p.A_neg), torch.empty_like(p.dtb), *(None if w is None else torch.empty_like(w) for w in opt)]
 
-    def fill(ins: list) -> None:
+    wkey = tuple((id(w), w._version) for w in (p.A_neg, p.dtb, *opt) if w is not None)
+
+    def fill(ins: list, memo: dict) -> None:
+        # only what changed since this graph's last call (host time: each copy is a launch): the layer's small
+        # weights, the padding mask, the state (already in place when S is this graph's own output)
+        last_t, last_w = memo.get("t"), memo.get("w")
         ins[0][:, :t].copy_(zg)
         if rope:
             ins[1][:, :t].copy_(cos)
             ins[2][:, :t].copy_(sin)
         if S is None:
             ins[3].zero_()
-        else:
+        elif S is not ins[3]:
             ins[3].copy_(S)
-        ins[4][:, :t].fill_(1.0)
-        ins[4][:, t:].fill_(0.0)
-        for dst, src in zip(ins[5:], (p.A_neg, p.dtb, *opt)):
-            if src is not None:
-                dst.copy_(src)
+        if t != last_t:
+            ins[4][:, :t].fill_(1.0)
+            ins[4][:, t:].fill_(0.0)
+        if wkey != last_w:
+            for dst, src in zip(ins[5:], (p.A_neg, p.dtb, *opt)):
+                if src is not None:
+                    dst.copy_(src)
+        memo.update(t=t, w=wkey, refs=(p.A_neg, p.dtb, *opt))  # the refs keep the ids in wkey from being reused
 
     return sg.run(key, make, fill)
 
