@@ -189,6 +189,8 @@ def test_cuda_graph_blocks_equal_the_path_without_them(monkeypatch, qwen):
         from headscope.hybrid.graphs import capture
 
         n = lean.eager_graph_bytes()
+        pooled = sum(g.pool_bytes() for g in lean._block_graphs.values())
+        assert 0 < pooled < n  # the graphs' pool is found and counted with the static inputs
         with torch.no_grad():
             graph, static = capture(lambda: layer(x, position_embeddings=(cos, sin))[0], warmup=1)
             graph.replay()

@@ -112,9 +112,20 @@ class ShapeGraphs:
         self._pools.clear()
 
     def nbytes(self) -> int:
-        """Bytes of the static inputs and outputs held (the shared pools' intermediates not counted)."""
-        return sum(t.numel() * t.element_size() for ins, _, outs, _ in self._entries.values()
-                   for t in (*ins, *outs) if isinstance(t, torch.Tensor))
+        """Bytes held between calls: the static inputs, and the graphs' memory pool (their outputs and the
+        intermediates of the largest graph, reserved for the replays; on CPU, where there are no graphs, the
+        outputs)."""
+        held = {id(t): t.numel() * t.element_size() for ins, g, outs, _ in self._entries.values()
+                for t in (*ins, *(outs if g is None else ())) if isinstance(t, torch.Tensor)}
+        return sum(held.values()) + self.pool_bytes()
+
+    def pool_bytes(self) -> int:
+        """Bytes of the CUDA memory segments of the graphs' pool (0 without graphs)."""
+        pools = {tuple(p) for p in self._pools.values()}
+        if not pools:
+            return 0
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                   if tuple(seg.get("segment_pool_id", (0, 0))) in pools)
 
     def run(self, key: Any, make_inputs: Callable[[], list], fill: Callable[[list, dict], None]) -> tuple:
         """``fn``'s outputs for the inputs that ``fill(static, memo)`` copies into the static inputs of ``key`` (made
@@ -136,11 +147,16 @@ class ShapeGraphs:
             while len(self._entries) >= self.max_graphs:
                 self._entries.pop(next(iter(self._entries)))
             pool = self._pools.setdefault(dev, torch.cuda.graph_pool_handle())
+            saved = [t.clone() if isinstance(t, torch.Tensor) else None for t in ins]  # fn may write its inputs
             warm_up(lambda: self.fn(*ins), 2, dev)
             with torch.cuda.device(dev), for_graph():
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(dev)):
                     outs = self.fn(*ins)
+            for t, s_ in zip(ins, saved):  # the warm-up's writes undone: the replay starts from the filled inputs
+                if s_ is not None:
+                    t.copy_(s_)
+            del saved
         graph.replay()
         self._entries[key] = (ins, graph, outs, memo)  # most recently used last
         return outs

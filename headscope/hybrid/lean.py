@@ -494,8 +494,8 @@ def release_eager_graphs() -> None:
 
 
 def eager_graph_bytes() -> int:
-    """Bytes held between calls by the static inputs and outputs of the eager GDN block graphs (their shared memory
-    pool, one block's fla intermediates, not counted)."""
+    """Bytes held between calls by the eager GDN block graphs: their static inputs and outputs and their memory pool
+    (one block's glue and fla intermediates)."""
     return sum(g.nbytes() for g in _block_graphs.values())
 
 
