@@ -299,25 +299,29 @@ def _decode_dynamic(mod, x, pe, T, dev, reps):
     return ms
 
 
-@torch.no_grad()
-def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30, prefill_reps=None, dynamic_reps=0,
-                before=True, graph_prefill=True, graph_block=8192, flash_qla=False, decode_variants=False,
-                profile=False):
+def layers(shape, dev, dtype, gdn_kernel):
+    """({"teacher": LlamaAttention with random weights, "fa": the all-FA layer (fusion off), "hybrid": the shape's
+    hybrid layer}, both migrated from the teacher, on ``dev`` in ``dtype``, eval mode; the config)."""
     hidden, h, kv, d, fa = SHAPES[shape]
     cfg = _cfg(hidden, h, kv, d)
     torch.manual_seed(0)
     teacher = LlamaAttention(cfg, 0)
     for p in teacher.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    mods = {
-        "teacher": teacher,
-        "fa": HeadwiseHybridAttention(cfg, 0, tuple(range(h)), HybridOptions(fusion="none", gdn_kernel=gdn_kernel)),
-        "hybrid": HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel=gdn_kernel)),
-    }
+    mods = {"teacher": teacher,
+            "fa": HeadwiseHybridAttention(cfg, 0, tuple(range(h)), HybridOptions(fusion="none", gdn_kernel=gdn_kernel)),
+            "hybrid": HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel=gdn_kernel))}
     mods["fa"].migrate_from(teacher)
     mods["hybrid"].migrate_from(teacher)
-    for k in mods:
-        mods[k] = mods[k].to(dev, dtype).eval()
+    return {k: m.to(dev, dtype).eval() for k, m in mods.items()}, cfg
+
+
+@torch.no_grad()
+def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30, prefill_reps=None, dynamic_reps=0,
+                before=True, graph_prefill=True, graph_block=8192, flash_qla=False, decode_variants=False,
+                profile=False):
+    mods, cfg = layers(shape, dev, dtype, gdn_kernel)
+    teacher, hidden, d = mods["teacher"], cfg.hidden_size, SHAPES[shape][3]
     rope = LlamaRotaryEmbedding(cfg).to(dev)
     x = torch.randn(1, T + 1, hidden, device=dev, dtype=dtype)
     pe = rope(x, torch.arange(T + 1, device=dev)[None])

@@ -26,25 +26,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from bench_hybrid import SHAPES, _cfg
+from bench_hybrid import SHAPES, layers
 from bench_timing import applied, cuda_device, graphed_ms, parse_overrides, time_ms
-from headscope.hybrid import HeadwiseHybridAttention, HybridOptions
-
-
-def _layers(shape: str, dev, dtype):
-    hidden, h, kv, d, fa = SHAPES[shape]
-    cfg = _cfg(hidden, h, kv, d)
-    torch.manual_seed(0)
-    teacher = LlamaAttention(cfg, 0)
-    for p in teacher.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    mods = {"fa": HeadwiseHybridAttention(cfg, 0, tuple(range(h)), HybridOptions(fusion="none", gdn_kernel="fla")),
-            "hybrid": HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel="fla"))}
-    for m in mods.values():
-        m.migrate_from(teacher)
-    return {k: m.to(dev, dtype).eval() for k, m in mods.items()}, cfg
 
 
 def _host_ms(call, reps: int) -> float:
@@ -103,7 +88,8 @@ def main(argv=None) -> int:
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     t_all = time.time()
     for shape in a.shapes:
-        mods, cfg = _layers(shape, dev, dtype)
+        mods, cfg = layers(shape, dev, dtype, "fla")
+        del mods["teacher"]
         rope = LlamaRotaryEmbedding(cfg).to(dev)
         for T in a.lengths:
             x = torch.randn(1, T, cfg.hidden_size, device=dev, dtype=dtype)

@@ -12,7 +12,7 @@ import headscope.hybrid.lean as lean
 from headscope.hybrid.graphs import ShapeGraphs
 from headscope.hybrid.gdn import fla_available
 
-from test_hybrid_lean import CASES, IDS, _inputs, _layer, _plain
+from test_hybrid_lean import CASES, IDS, _inputs, _layer, _plain, spy_gdn_calls
 
 
 @pytest.fixture
@@ -45,14 +45,7 @@ def test_padded_blocks_equal_the_plain_forward_and_keep_the_state(eager_graphs, 
     layer, _, cfg = _layer(fa, qwen, **opts)
     monkeypatch.setattr(lean, "EAGER_GRAPH_TOKENS", 128)  # B = 2: 64 time steps per block
     monkeypatch.setattr(lean, "EAGER_GRAPH_MIN", 64)
-    calls = []
-    real = lean.gdn_consume
-
-    def spy(ops, *a, **kw):
-        calls.append(ops[0].shape[1])
-        return real(ops, *a, **kw)
-
-    monkeypatch.setattr(lean, "gdn_consume", spy)
+    calls = spy_gdn_calls(monkeypatch)
     B = 2
     for T in (150, 100):
         x, cos, sin = _inputs(cfg, B, T + 1, seed=T)

@@ -164,12 +164,8 @@ def test_block_tokens_rule(monkeypatch):
     assert lean.block_tokens(8, 64) == 4096 == lean.block_tokens(8, 64, 65536, graphed=True)
 
 
-def test_graph_recorded_blocks_are_a_quarter_of_the_tokens(lean_on, monkeypatch):
-    """While a call is recorded for a graph (lean._graph_blocks, patched here: CPU), a prefill's GDN heads run in blocks of
-    tokens / GDN_GRAPH_BLOCK_DIVISOR, the state carried over, and the output equals the plain forward's."""
-    layer, _, cfg = _layer((1,))
-    B, T = 2, 256
-    x, cos, sin = _inputs(cfg, B, T)
+def spy_gdn_calls(monkeypatch) -> list:
+    """The time length of every GDN kernel call (lean.gdn_consume) made after this, appended to the returned list."""
     calls = []
     real = lean.gdn_consume
 
@@ -178,6 +174,16 @@ def test_graph_recorded_blocks_are_a_quarter_of_the_tokens(lean_on, monkeypatch)
         return real(ops, *a, **kw)
 
     monkeypatch.setattr(lean, "gdn_consume", spy)
+    return calls
+
+
+def test_graph_recorded_blocks_are_a_quarter_of_the_tokens(lean_on, monkeypatch):
+    """While a call is recorded for a graph (lean._graph_blocks, patched here: CPU), a prefill's GDN heads run in blocks of
+    tokens / GDN_GRAPH_BLOCK_DIVISOR, the state carried over, and the output equals the plain forward's."""
+    layer, _, cfg = _layer((1,))
+    B, T = 2, 256
+    x, cos, sin = _inputs(cfg, B, T)
+    calls = spy_gdn_calls(monkeypatch)
     monkeypatch.setattr(lean, "GDN_GRAPH_BLOCK_MIN", 64)
     monkeypatch.setattr(lean, "_graph_blocks", lambda x: True)
     with torch.no_grad():
