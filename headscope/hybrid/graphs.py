@@ -6,6 +6,9 @@ issues"), more than the kernels take at 8–16K tokens. Recording the call once 
 replaying it removes that host time for every later call of the same shape (the technique inference
 servers use for decode steps and, piecewise, for prefill buckets). Inputs are read from the tensors
 the call closed over: copy new data into them (``Tensor.copy_``) before each replay.
+
+:class:`ShapeGraphs` keeps such graphs for a function called with many shapes, one graph per shape key, the
+data copied into its static inputs on each call (the lean path's eager prefill records its GDN blocks so).
 """
 
 from __future__ import annotations

@@ -20,9 +20,13 @@ function with:
   below its autograd wrapper; ``fused_recurrent_gated_delta_rule`` for ≤ 8 tokens; the PyTorch chunked
   form / recurrence without fla), the state carried from block to block;
 - **memory**: the GDN branch runs in time blocks, so fla's per-chunk intermediates (states, WY
-  factors) are bounded by the block, not the sequence (:func:`block_tokens`: sized for host time when eager, a
-  quarter of the tokens when recorded for a CUDA graph), and fla's stages free each intermediate when done
-  (``GDN_LOW_MEMORY``).
+  factors) are bounded by the block, not the sequence, and fla's stages free each intermediate when done
+  (``GDN_LOW_MEMORY``). An eager prefill without autograd runs fixed-shape blocks of ``EAGER_GRAPH_TOKENS``,
+  each replayed from a CUDA graph of the GDN glue and fla's stages (:func:`gdn_block_graphed`; the last block
+  padded with rows that leave the state unchanged), so small blocks cost no host time per call
+  (``EAGER_GDN_GRAPHS``); a call recorded for a CUDA graph of the caller's uses blocks of a quarter of the
+  tokens, and with ``EAGER_GDN_GRAPHS = False`` eager blocks are sized to hide each call's host time
+  (:func:`block_tokens`).
 
 A decode step through a HybridDecodeCache writes the FA K/V into the cache slot in place and the new
 GDN state into ``cache.S``, so it can be captured in a CUDA graph (after a warm-up call: the glue
