@@ -192,3 +192,21 @@ def test_cuda_graph_blocks_equal_the_path_without_them(monkeypatch, qwen):
         assert (static.float() - out.float()).abs().max() < 2e-2 * scale
     finally:
         lean.release_eager_graphs()
+
+
+def test_blocks_made_under_inference_mode_serve_no_grad_calls_and_back(eager_graphs, monkeypatch):
+    """The static buffers are ordinary tensors even when made inside torch.inference_mode, so a later call under
+    no_grad can copy into them (an inference tensor cannot be written outside inference mode), and the reverse."""
+    monkeypatch.setattr(lean, "EAGER_GRAPH_TOKENS", 64)
+    monkeypatch.setattr(lean, "EAGER_GRAPH_MIN", 64)
+    layer, _, cfg = _layer((1,))
+    x, cos, sin = _inputs(cfg, 1, 100)
+    with torch.inference_mode():
+        a, _ = layer(x, position_embeddings=(cos, sin))
+    with torch.no_grad():
+        b, _ = layer(x, position_embeddings=(cos, sin))
+        ref = _plain(layer, x, position_embeddings=(cos, sin))
+    with torch.inference_mode():
+        c, _ = layer(x, position_embeddings=(cos, sin))
+    assert (a - ref).abs().max() < 1e-5 * ref.abs().max()
+    assert torch.equal(a, b) and torch.equal(b, c)

@@ -528,13 +528,16 @@ def gdn_block_graphed(layer: "HeadwiseHybridAttention", zg: Float[Tensor, "B t R
     key = (zg.device, zg.dtype, B, tb, R, None if not rope else (cos.dtype, cos.shape[-1]),
            tuple(w is not None for w in opt))
 
+    @torch.inference_mode(False)  # ordinary tensors, so that calls outside inference mode can write them too
     def make() -> list:
         z0 = zg.new_zeros
         cs = [z0(B, tb, cos.shape[-1], dtype=cos.dtype), z0(B, tb, sin.shape[-1], dtype=sin.dtype)] if rope else [None, None]
         return [z0(B, tb, R), *cs, z0(B, p.ng, p.d, p.d, dtype=torch.float32), z0(1, tb, dtype=torch.float32),
                 torch.empty_like(p.A_neg), torch.empty_like(p.dtb), *(None if w is None else torch.empty_like(w) for w in opt)]
 
-    wkey = tuple((id(w), w._version) for w in (p.A_neg, p.dtb, *opt) if w is not None)
+    # the plan's tensors are never written in place (a changed parameter makes a new plan), so their identity says
+    # whether the static copies are current; the memo keeps them referenced, so an id is not reused meanwhile
+    wkey = tuple(id(w) for w in (p.A_neg, p.dtb, *opt) if w is not None)
 
     def fill(ins: list, memo: dict) -> None:
         # only what changed since this graph's last call (host time: each copy is a launch): the layer's small
