@@ -282,9 +282,15 @@ def test_fla_low_memory_stages_equal_flas_one_call_and_free_intermediates():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_static_decoder_equals_full_forward_and_generate(lean_on, family):
+@pytest.mark.parametrize("eager_graphs", [False, True], ids=["blocks", "graph-blocks"])
+def test_static_decoder_equals_full_forward_and_generate(lean_on, monkeypatch, family, eager_graphs):
     """Whole model through StaticDecoder (per-layer HybridDecodeCache, lean path): prefill + steps equal
-    the full forward's logits; an all-FA mask with fusion off equals the teacher; generate = greedy."""
+    the full forward's logits; an all-FA mask with fusion off equals the teacher; generate = greedy. With
+    ``graph-blocks`` the prefills run the GDN heads as padded fixed-shape blocks (lean.EAGER_GDN_GRAPHS; on CPU
+    without graphs), the two layers sharing the blocks' static buffers."""
+    monkeypatch.setattr(lean, "EAGER_GDN_GRAPHS", eager_graphs)
+    monkeypatch.setattr(lean, "EAGER_GRAPH_MIN", 16)
+    lean.release_eager_graphs()
     from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
     from headscope.hybrid import hybridize
