@@ -210,3 +210,31 @@ def test_blocks_made_under_inference_mode_serve_no_grad_calls_and_back(eager_gra
         c, _ = layer(x, position_embeddings=(cos, sin))
     assert (a - ref).abs().max() < 1e-5 * ref.abs().max()
     assert torch.equal(a, b) and torch.equal(b, c)
+
+
+def test_a_failed_capture_warns_once_and_runs_without_graphs(monkeypatch):
+    """A capture that raises (e.g. a kernel a GPU cannot capture): one warning naming the error, the call's inputs as
+    filled (the failed warm-up's writes undone), its result from the function itself, and no capture tried again."""
+    def fn(a):
+        out = (a * 3,)
+        a.add_(100.0)  # writes its input, as the GDN block writes its state
+        return out
+
+    sg = ShapeGraphs(fn)
+    tries = []
+
+    def capture(ins, dev):
+        tries.append(1)
+        fn(*ins)  # the warm-up ran before the failure
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(sg, "_capture", capture)
+    monkeypatch.setattr(sg, "_direct", lambda dev: sg.failed is not None)  # as if on CUDA
+
+    def run(val):
+        return sg.run("k", lambda: [torch.zeros(2)], lambda ins, memo: ins[0].fill_(val))[0]
+
+    with pytest.warns(UserWarning, match="capture failed.*not permitted"):
+        assert run(1.0).tolist() == [3.0, 3.0]  # from the filled 1.0, not from the warm-up's 101.0
+    assert run(2.0).tolist() == [6.0, 6.0] and tries == [1]
+    assert sg.failed.startswith("RuntimeError")

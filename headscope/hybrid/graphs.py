@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Callable, Iterator
+import warnings
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -98,13 +99,29 @@ class ShapeGraphs:
     another's live tensors). The least recently used graph is dropped beyond ``max_graphs``.
 
     On a CPU tensor, inside a capture or a graph recording of its own (:func:`recording`), or under ``torch.compile``,
-    :meth:`run` calls ``fn`` on the static inputs directly: the same data path, without a graph.
+    :meth:`run` calls ``fn`` on the static inputs directly: the same data path, without a graph. So does every call
+    after a capture failed (warned once, with the error).
     """
 
     def __init__(self, fn: Callable[..., tuple], max_graphs: int = 8):
         self.fn, self.max_graphs = fn, max_graphs
         self._entries: dict = {}  # key -> (static inputs, graph or None, static outputs, the fill's memo)
         self._pools: dict = {}
+        self.failed: Optional[str] = None  # why a capture failed: no graphs after it
+
+    def _direct(self, dev: torch.device) -> bool:
+        return (self.failed is not None or dev.type != "cuda" or recording()
+                or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling())
+
+    def _capture(self, ins: list, dev: torch.device) -> tuple:
+        """(graph, static outputs) of ``fn`` on ``ins`` after two warm-up calls (which may write ``ins``)."""
+        pool = self._pools.setdefault(dev, torch.cuda.graph_pool_handle())
+        warm_up(lambda: self.fn(*ins), 2, dev)
+        with torch.cuda.device(dev), for_graph():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(dev)):
+                outs = self.fn(*ins)
+        return graph, outs
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -138,28 +155,28 @@ class ShapeGraphs:
         ins, graph, outs, memo = ent if ent is not None else (make_inputs(), None, None, {})
         fill(ins, memo)
         dev = next(t.device for t in ins if isinstance(t, torch.Tensor))
-        direct = (dev.type != "cuda" or recording() or torch.cuda.is_current_stream_capturing()
-                  or torch.compiler.is_compiling())
-        if direct:  # no graph of ours here: the same data path, eagerly (or recorded into the caller's graph)
+        if graph is None and not self._direct(dev):
+            while len(self._entries) >= self.max_graphs:
+                self._entries.pop(next(iter(self._entries)))
+            saved = [t.clone() if isinstance(t, torch.Tensor) else None for t in ins]  # fn may write its inputs
+            try:
+                graph, outs = self._capture(ins, dev)
+            except Exception as e:  # noqa: BLE001 - e.g. a kernel that cannot be captured on this GPU / toolchain
+                self.failed = f"{type(e).__name__}: {e}"
+                self._entries.clear()
+                graph = None
+                warnings.warn(f"headscope: CUDA-graph capture failed ({self.failed}); running these calls without "
+                              "graphs from now on", stacklevel=3)
+            for t, s_ in zip(ins, saved):  # the warm-up's writes undone: the call starts from the filled inputs
+                if s_ is not None:
+                    t.copy_(s_)
+            del saved
+        if graph is None or self._direct(dev):  # the same data path, eagerly (or recorded into the caller's graph)
             out_now = self.fn(*ins)
             if graph is None:
                 outs = out_now
             self._entries[key] = (ins, graph, outs, memo)
             return out_now
-        if graph is None:
-            while len(self._entries) >= self.max_graphs:
-                self._entries.pop(next(iter(self._entries)))
-            pool = self._pools.setdefault(dev, torch.cuda.graph_pool_handle())
-            saved = [t.clone() if isinstance(t, torch.Tensor) else None for t in ins]  # fn may write its inputs
-            warm_up(lambda: self.fn(*ins), 2, dev)
-            with torch.cuda.device(dev), for_graph():
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(dev)):
-                    outs = self.fn(*ins)
-            for t, s_ in zip(ins, saved):  # the warm-up's writes undone: the replay starts from the filled inputs
-                if s_ is not None:
-                    t.copy_(s_)
-            del saved
         graph.replay()
         self._entries[key] = (ins, graph, outs, memo)  # most recently used last
         return outs
