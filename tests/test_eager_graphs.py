@@ -99,9 +99,8 @@ def test_padded_rows_leave_the_state_unchanged(eager_graphs):
         S0 = torch.randn(1, p.ng, p.d, p.d)
         y, S = lean.gdn_block_graphed(layer, zg, cos, sin, S0, 256)
         y, S = y[:, :37].clone(), S.clone()
-        ref_y, ref_S = lean._gdn_block((tuple(p.g_sizes), p.ng, p.d, p.qk_eps, True, float(layer.scaling),
-                                        p.gdn_kernel, int(layer.options.chunk_size)),
-                                       zg, cos, sin, S0, None, p.A_neg, p.dtb, p.qn, p.kn)
+        ref_y, ref_S = lean._gdn_block(lean._gdn_cfg(layer, p, True), zg, cos, sin, S0, None, p.A_neg, p.dtb, p.qn,
+                                       p.kn)
     assert y.shape == ref_y.shape == (1, 37, p.ng, p.d)
     assert (y - ref_y).abs().max() < 1e-5 * ref_y.abs().max()
     assert (S - ref_S).abs().max() < 1e-5 * ref_S.abs().max()

@@ -476,15 +476,27 @@ def _eager_graphs(x: Tensor, p: _Plan, T: int) -> bool:
                 or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
-def _gdn_block(cfg: tuple, zg, cos, sin, h0, valid, A_neg, dtb, qn, kn) -> tuple[Tensor, Tensor]:
-    """One fixed-shape GDN block: the glue (padded rows masked by ``valid``) and the chunk forward from ``h0``
-    [B,n,d,d] fp32, whose final state is written back into ``h0`` (returned as the state: the next block of the
-    same graph starts from it without a copy)."""
-    sizes, ng, d, eps, rope, scale, kernel, chunk = cfg
+def _gdn_cfg(layer: "HeadwiseHybridAttention", p: _Plan, rope: bool) -> tuple:
+    """The static configuration of a layer's GDN block: (column sizes of its projection rows, heads, d, QK-norm eps,
+    RoPE, scale, kernel, chunk size)."""
+    return (tuple(p.g_sizes), p.ng, p.d, p.qk_eps, p.gdn_rope and rope, float(layer.scaling), p.gdn_kernel,
+            int(layer.options.chunk_size))
+
+
+def _gdn_ops(cfg: tuple, zg, cos, sin, valid, A_neg, dtb, qn, kn) -> list:
+    """[q, k, v, g, β] of the GDN heads from their rows ``zg`` [B,t,R] of the input projection (:func:`_glue_gdn`;
+    padded rows masked by ``valid``, or None)."""
+    sizes, ng, d, eps, rope = cfg[:5]
     qg, kg, vg, a, b = zg.split(sizes, dim=-1)
-    ops = list(_glue("gdn", (qg.unflatten(-1, (ng, d)), kg.unflatten(-1, (ng, d)), vg.unflatten(-1, (ng, d)),
-                             a[..., :ng], b[..., :ng], cos, sin, valid), (A_neg, dtb, qn, kn), eps=eps, rope=rope))
-    y, S = gdn_consume(ops, scale, h0, kernel, chunk)
+    return list(_glue("gdn", (qg.unflatten(-1, (ng, d)), kg.unflatten(-1, (ng, d)), vg.unflatten(-1, (ng, d)),
+                              a[..., :ng], b[..., :ng], cos, sin, valid), (A_neg, dtb, qn, kn), eps=eps, rope=rope))
+
+
+def _gdn_block(cfg: tuple, zg, cos, sin, h0, valid, A_neg, dtb, qn, kn) -> tuple[Tensor, Tensor]:
+    """One fixed-shape GDN block: the glue (:func:`_gdn_ops`) and the chunk forward from ``h0`` [B,n,d,d] fp32, whose
+    final state is written back into ``h0`` (returned as the state: the next block of the same graph starts from it
+    without a copy)."""
+    y, S = gdn_consume(_gdn_ops(cfg, zg, cos, sin, valid, A_neg, dtb, qn, kn), cfg[5], h0, cfg[6], cfg[7])
     h0.copy_(S)
     return y, h0
 
@@ -498,8 +510,8 @@ def release_eager_graphs() -> None:
 
 
 def eager_graph_bytes() -> int:
-    """Bytes held between calls by the eager GDN block graphs: their static inputs and outputs and their memory pool
-    (one block's glue and fla intermediates)."""
+    """Bytes held between calls by the eager GDN block graphs: their static inputs and their memory pool (outputs, one
+    block's glue and fla intermediates)."""
     return sum(g.nbytes() for g in _block_graphs.values())
 
 
@@ -519,8 +531,7 @@ def gdn_block_graphed(layer: "HeadwiseHybridAttention", zg: Float[Tensor, "B t R
     if t > tb:
         raise ValueError(f"a block of {t} time steps does not fit the {tb}-step graph block")
     rope = cos is not None
-    cfg = (tuple(p.g_sizes), p.ng, p.d, p.qk_eps, p.gdn_rope and rope, float(layer.scaling), p.gdn_kernel,
-           int(layer.options.chunk_size))
+    cfg = _gdn_cfg(layer, p, rope)
     sg = _block_graphs.get(cfg)
     if sg is None:
         sg = _block_graphs[cfg] = ShapeGraphs(functools.partial(_gdn_block, cfg), max_graphs=EAGER_GRAPH_MAX)
@@ -873,37 +884,25 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
             y_g = x.new_empty(B, T, ng, d)
         for t0, t1 in blocks:
             zg = z[..., p.n_fa_rows:] if one_gemm else F.linear(x[:, t0:t1], W_g, b_g)
-            cs = (cos[:, t0:t1], sin[:, t0:t1]) if cos is not None else (None, None)
-            if eg:
-                y, S = gdn_block_graphed(layer, zg, *(cs if p.gdn_rope else (None, None)), S, tb)
+            cs = (cos[:, t0:t1], sin[:, t0:t1]) if cos is not None and p.gdn_rope else (None, None)
+            ops = None
+            if eg:  # the glue and the chunk forward in a graph-replayed block (zg copied into its input)
+                y, S = gdn_block_graphed(layer, zg, *cs, S, tb)
                 y = y[:, : t1 - t0]
-                del zg
-                if one_gemm:  # copied into the graph's input: free the projection
-                    gate = gate.clone() if gate is not None else None
-                    del z, z_fa
-                    z = z_fa = None
-                if len(blocks) > 1:
-                    y_g[:, t0:t1] = y
-                else:
-                    y_g = y
-                continue
-            qg, kg, vg, a, b = zg.split(p.g_sizes, dim=-1)
-            a, b = a[..., :ng], b[..., :ng]
-            if fused_step:  # one token: glue + recurrence + state write in one call (the state stays in cache.S)
-                y_g = _gdn_decode(layer, p, qg, kg, vg, a, b, cs, S, **(g_out or {}))
+            elif fused_step:  # one token: glue + recurrence + state write in one call (the state stays in cache.S)
+                qg, kg, vg, a, b = zg.split(p.g_sizes, dim=-1)
+                y_g = _gdn_decode(layer, p, qg, kg, vg, a[..., :ng], b[..., :ng], cs, S, **(g_out or {}))
                 S = None
                 break
-            qg, kg, vg, g, beta = _glue("gdn", (qg.unflatten(-1, (ng, d)), kg.unflatten(-1, (ng, d)),
-                                                vg.unflatten(-1, (ng, d)), a, b, *cs, None),
-                                        (p.A_neg, p.dtb, p.qn, p.kn), eps=p.qk_eps, rope=p.gdn_rope)
-            del zg, a, b
+            else:
+                ops = _gdn_ops(_gdn_cfg(layer, p, cs[0] is not None), zg, *cs, None, p.A_neg, p.dtb, p.qn, p.kn)
+            del zg
             if one_gemm:  # the projection is no longer needed: free it before fla's intermediates
                 gate = gate.clone() if gate is not None else None
                 del z, z_fa
                 z = z_fa = None
-            ops = [qg, kg, vg, g, beta]
-            del qg, kg, vg, g, beta
-            y, S = gdn_consume(ops, layer.scaling, S, p.gdn_kernel, layer.options.chunk_size)
+            if ops is not None:
+                y, S = gdn_consume(ops, layer.scaling, S, p.gdn_kernel, layer.options.chunk_size)
             if len(blocks) > 1:
                 y_g[:, t0:t1] = y
             else:
