@@ -43,7 +43,9 @@ from .plan import Entry, LayerCtx, LayerStack, PassResult, Plan, RunCache, stack
 __all__ = ["Engine", "EngineMismatch", "Entry", "LayerStack", "Plan", "RunCache", "UnsupportedArchitecture",
            "head_slice"]
 
-MLP_BLOCK = 1024  # tokens per block of the gradient-free fp32 MLP (intermediates stay in cache)
+MLP_BLOCK = 1024  # tokens per block of the gradient-free MLP on a CPU (intermediates stay in cache)
+MLP_BLOCK_CUDA = 16384  # on a GPU: blocks bound the intermediates' memory; bigger GEMMs run nearer peak
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 SELF_CHECK_TOL = 1e-4
 
 
@@ -73,13 +75,14 @@ class Positions:
         return self._t[key]
 
 
-def _plain_rmsnorm(mod: torch.nn.Module, h: Tensor) -> bool:
-    """A Llama-style RMSNorm (``weight * x / rms(x)``, float32) that ``F.rms_norm`` computes exactly."""
+def _plain_rmsnorm(mod: torch.nn.Module, h: Tensor, any_dtype: bool = False) -> bool:
+    """A Llama-style RMSNorm (``weight * x / rms(x)``, float32) that ``F.rms_norm`` computes exactly.
+    ``any_dtype``: the formula only (the caller computes it in float32 from weights of any dtype)."""
     w = getattr(mod, "weight", None)
     return (type(mod).__name__ in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm",
                                    "SmolLM3RMSNorm", "GraniteRMSNorm", "Phi3RMSNorm")
             and getattr(mod, "variance_epsilon", None) is not None and w is not None
-            and h.dtype == torch.float32 and w.dtype == torch.float32 and w.shape == h.shape[-1:]
+            and (any_dtype or (h.dtype == torch.float32 and w.dtype == torch.float32)) and w.shape == h.shape[-1:]
             and not (mod._forward_hooks or mod._forward_pre_hooks))
 
 
@@ -110,6 +113,7 @@ class Engine:
         self.dtype = model.dtype
         self.matmul_dtype = matmul_dtype
         self._low: dict[int, dict[str, tuple[Tensor, Tensor | None]]] = {}
+        self._head32: tuple[Tensor, Tensor | None] | None = None
         if matmul_dtype is not None:
             for i, L in enumerate(self.layers):
                 self._low[i] = self._low_weights(L, matmul_dtype)
@@ -268,7 +272,7 @@ class Engine:
                  else None)
         if parts is None:
             return h + L.mlp(self.norm(L.ln2, h))
-        return mlp_blocks(parts, lambda x: self.norm(L.ln2, x), h, MLP_BLOCK)
+        return mlp_blocks(parts, lambda x: self.norm(L.ln2, x), h, MLP_BLOCK_CUDA if h.is_cuda else MLP_BLOCK)
 
     def final(self, h: Tensor) -> Tensor:
         """The final norm of the residual stream (before the unembedding)."""
@@ -277,8 +281,33 @@ class Engine:
         return self.norm(self.arch.final_norm, h)
 
     def unembed(self, h: Tensor) -> Tensor:
-        """Logits of residual ``h`` (final norm, unembedding, logit divisor and soft-cap)."""
-        return self.head(self.final(h))
+        """Logits of residual ``h`` (final norm, unembedding, logit divisor and soft-cap).
+
+        For a bf16/fp16 model the readout accumulates in float32 (the residual upcast, the final
+        RMSNorm and the unembedding in float32, weights upcast once): logits are not rounded to the
+        model's dtype, whose step at a logit of 4 is 0.016 in bf16, above the gaps patching resolves.
+        Returns float32 logits then; the model's dtype otherwise."""
+        if self.dtype not in LOW_PRECISION or self.arch.lm_head.hooked:
+            return self.head(self.final(h))
+        if self.multi_device:
+            h = h.to(self.head_device)
+        mod = self.arch.final_norm
+        if mod is not None and _plain_rmsnorm(mod, h.float(), any_dtype=True):
+            x = F.rms_norm(h.float(), (h.shape[-1],), mod.weight.float(), mod.variance_epsilon)
+        else:
+            x = self.norm(mod, h).float()
+        w, b = self._head_fp32()
+        y = F.linear(x, w, b)
+        if self.arch.logit_divisor != 1.0:
+            y = y / self.arch.logit_divisor
+        return softcap(y, self.arch.final_softcap)
+
+    def _head_fp32(self) -> tuple[Tensor, Tensor | None]:
+        """The unembedding's weight and bias in float32 (copied once, on first use)."""
+        if self._head32 is None:
+            p = self.arch.lm_head
+            self._head32 = (p.weight.detach().float(), None if p.bias is None else p.bias.detach().float())
+        return self._head32
 
     def head(self, x: Tensor) -> Tensor:
         """Logits of final-normed hidden states ``x`` (unembedding, logit divisor and soft-cap)."""
