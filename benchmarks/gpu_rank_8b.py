@@ -310,7 +310,12 @@ def main() -> None:
         raise SystemExit("--piece sweep compares with the engine's values of the same process: add engine")
     pair_idx = (list(range(n_pairs)) if args.pair_idx is None
                 else [int(x) for x in args.pair_idx.split(",")])
-    store_root = Path(args.store_dir or ("/tmp/headscope_rank8b_smoke" if smoke else "/tmp/headscope_rank8b"))
+    if smoke:
+        import tempfile
+
+        store_root = Path(tempfile.mkdtemp(prefix="headscope_rank8b_smoke_"))
+    else:
+        store_root = Path(args.store_dir or "/tmp/headscope_rank8b") / f"T{seq_len}_n{n_pairs}"
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = "smoke" if smoke else f"{'-'.join(sorted(pieces))}_{'-'.join(map(str, pair_idx))}"
