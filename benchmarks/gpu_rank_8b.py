@@ -39,8 +39,11 @@ softmax and elementwise work are not counted. ``mfu`` = counted FLOPs / (engine 
 SXM's dense bf16 tensor-core peak (NVIDIA H200 datasheet: 1,979 TFLOPS bf16 with 2:4 sparsity, i.e. 989.5 dense).
 The sweep's FLOPs are counted the same way for a full forward with logits at every position.
 
-IE needs a clean/corrupted gap; a random model separates a+ from a- weakly, so the check reports the patched
-metric m (logits) difference too, and the gaps.
+IE needs a clean/corrupted gap, and a random model separates a+ from a- by ~1e-3 logits (its IE is noise, any
+bf16 difference is a huge ΔIE). So one head (layer 0, head 0) is planted (:func:`plant_retrieval_head`): it
+attends to digit tokens and the digits' unembedding rows read what it writes, giving gaps of logits (recorded per
+pair); the other 1,023 heads and every MLP stay random. ``--no-plant`` runs the purely random model. The check
+reports the patched metric m's difference (logits) next to the IE difference.
 """
 
 from __future__ import annotations
@@ -108,6 +111,56 @@ def build_model(shape: dict, tokenizer, device: str, dtype: torch.dtype, seed: i
     model = wrap(hf, tokenizer, name="llama3.1-8b-shape-random" if shape["hidden_size"] == 4096 else "tiny-llama")
     restore_rope(model)  # its buffers were left empty by to_empty
     return model
+
+
+@torch.no_grad()
+def plant_retrieval_head(model, tokenizer, layer: int = 0, head: int = 0, score: float = 16.0, gamma: float = 4.0,
+                         seed: int = 1) -> dict:
+    """Give the random model one digit-copying head, so that clean and corrupted prompts differ in m by logits,
+    not by the ~1e-3 of a random model (whose IE would be noise): every embedding row gets a shared direction
+    ``c`` and the digit tokens a direction ``e``; head ``head`` of ``layer`` reads ``c`` into its query and ``e``
+    into its key on the lowest-frequency RoPE pair (about position-independent over 8K tokens: it attends to
+    the digit tokens with a logit margin of ``score``), its value/output stay random, and each digit's
+    unembedding row gets ``gamma`` x the unit vector of what the head writes for that digit. Returns the planted
+    settings (recorded in the JSON)."""
+    hf = model.hf_model
+    cfg = hf.config
+    d, dh, H = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
+    kv = head // (H // cfg.num_key_value_heads)
+    dev = model.device
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    basis, _ = torch.linalg.qr(torch.randn(d, 2, generator=gen))
+    c, e = basis[:, 0].to(dev), basis[:, 1].to(dev)
+    digits = torch.as_tensor(tokenizer.convert_tokens_to_ids(list("0123456789")), device=dev)
+    E = hf.model.embed_tokens.weight
+    E.add_(c.to(E.dtype))
+    E[digits] += e.to(E.dtype)
+    att = hf.model.layers[layer].self_attn
+    ln = hf.model.layers[layer].input_layernorm
+
+    def normed(rows):
+        x = rows.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ln.variance_epsilon) * ln.weight.float()
+
+    sample = normed(E[:4096])
+    cx = float((sample @ c).mean())
+    xd = normed(E[digits])
+    ex = float((xd @ e).mean())
+    scale = (score * math.sqrt(dh) / (cx * ex)) ** 0.5
+    r = dh // 2 - 1  # rotate_half pairs r with r + dh/2: the lowest RoPE frequency
+    q = att.q_proj.weight
+    q[head * dh:(head + 1) * dh] = 0
+    q[head * dh + r] = (scale * c).to(q.dtype)
+    k = att.k_proj.weight
+    k[kv * dh + r] = (scale * e).to(k.dtype)
+    v = att.v_proj.weight[kv * dh:(kv + 1) * dh].float()
+    o = att.o_proj.weight[:, head * dh:(head + 1) * dh].float()
+    w = (xd @ v.T) @ o.T  # [10, d]: what the head writes for each digit
+    w = w - w.mean(0, keepdim=True)  # the part that tells the digits apart
+    U = hf.lm_head.weight
+    U[digits] += (gamma * w / w.norm(dim=-1, keepdim=True)).to(U.dtype)
+    return {"layer": layer, "head": head, "score_margin": score, "gamma": gamma, "qk_scale": round(scale, 4),
+            "c_dot_x": round(cx, 2), "e_dot_x_digits": round(ex, 2), "digit_tokens": digits.tolist()}
 
 
 def restore_rope(model) -> None:
@@ -288,6 +341,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=540.0, help="wall seconds of this process, from its start")
     ap.add_argument("--sweep-heads", type=int, default=32)
     ap.add_argument("--fp32-heads", type=int, default=4)
+    ap.add_argument("--no-plant", action="store_true", help="purely random weights (gaps ~1e-3 logits: IE is noise)")
+    ap.add_argument("--plant-gamma", type=float, default=8.0, help="unembedding gain of the planted digit-copying head")
     ap.add_argument("--tokenizer", default=None, help="HF tokenizer dir (default .gpu/smol_tokenizer, else the GGUF)")
     ap.add_argument("--store-dir", default=None, help="resume store (default /tmp/headscope_rank8b)")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "."))
@@ -333,6 +388,7 @@ def main() -> None:
     model = build_model(shape, tok, device, torch.bfloat16)
     sync()
     build_s = time.perf_counter() - t
+    planted = None if args.no_plant else plant_retrieval_head(model, tok, gamma=args.plant_gamma)
     cfg = model.hf_model.config
     t = time.perf_counter()
     pairs, depths = make_pairs(tok, n_pairs, seq_len)
@@ -340,7 +396,7 @@ def main() -> None:
     g = model.geometry
     res: dict = {
         "piece": sorted(pieces), "pair_idx": pair_idx, "smoke": smoke, "versions": versions(),
-        "config": {"shape": {**{k: getattr(cfg, k, None) for k in LLAMA_8B}, "rope_parameters": getattr(cfg, "rope_parameters", None)}, "dtype": "bfloat16", "init": "normal(0, 0.02), norms 1",
+        "config": {"shape": {**{k: getattr(cfg, k, None) for k in LLAMA_8B}, "rope_parameters": getattr(cfg, "rope_parameters", None)}, "dtype": "bfloat16", "init": "normal(0, 0.02), norms 1", "planted_head": planted,
                    "tokenizer": tok_src, "tokenizer_vocab": len(tok), "task": "niah_single", "seq_len": seq_len,
                    "depths": depths, "n_pairs": n_pairs, "readout": "lam 0.9, noising, min_gap 0 (float32 readout)",
                    "budget_s": args.budget_s},
@@ -389,6 +445,8 @@ def main() -> None:
     if "sweep" in pieces and eng:
         i = int(next(iter(eng)))
         heads = sample_heads(g.n_layers, g.n_heads, max(args.sweep_heads, 16) if not smoke else g.n_layers * g.n_heads)
+        if (0, 0) not in heads:
+            heads = sorted(heads + [(0, 0)])  # the planted head
         sw = Sweep(model, pairs[i])
         end = budget_end - 60 if not smoke else None
         m_c, m_x, vals, secs, base_s = sw.run(heads, end, sync)
@@ -511,6 +569,8 @@ def merge(paths: list[str], out: str) -> None:
         "counted_tflop": round(flops / 1e12, 1),
         "peak_gb": max((p.get("peak_gb", 0) for p in parts), default=None),
         "max_abs_diff_vs_bruteforce": None if ck is None else ck["max_abs_diff_ie"],
+        "max_abs_diff_vs_bruteforce_m_logits": None if ck is None else ck["max_abs_diff_m_logits"],
+        "gaps": {k: round(e["m_clean"] - e["m_corrupt"], 4) for k, e in sorted(eng.items())},
         "check": ck, "fp32_reference": f32,
         "sweep": None if sw is None else {k: v for k, v in sw.items() if k != "values"},
         "flops_counting": ("engine: 2 x multiply-adds of its matmuls + causal attention QK^T/PV over visible keys "
