@@ -532,6 +532,8 @@ def main() -> None:
                 res["screen"] = {"error": str(err)[:300], "seconds_until_stop": round(time.perf_counter() - t, 1)}
         write(out_path, res)
 
+    if cuda:
+        res["peak_gb_process"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)  # incl. sweep, fp32, screen
     res["wall_seconds"] = round(time.perf_counter() - T_START, 2)
     write(out_path, res)
     print(f"wrote {out_path} ({res['wall_seconds']} s)", flush=True)
