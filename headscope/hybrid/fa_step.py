@@ -26,7 +26,7 @@ from torch import Tensor
 from .gdn_step import rms_norm
 from .rope import apply_rope
 from .shapes import Float
-from .splitk import build_kernels, gdc_ops, kernel_applies, launch_kw, pdl_applies, require_kernel
+from .splitk import build_kernels, kernel_applies, require_kernel
 
 _kernels: dict = {}
 
@@ -124,7 +124,6 @@ def fa_decode_prep_torch(
 
 def _make(triton, tl) -> dict:
     """The Triton kernel of the FA heads' decode prep."""
-    gdc_wait, gdc_launch = gdc_ops()
 
     # slot_int is never specialized: Triton makes an int argument equal to 1 a compile-time constant (no .to)
     @triton.jit(do_not_specialize=["slot_int"])
@@ -132,10 +131,7 @@ def _make(triton, tl) -> dict:
               sqb, sqh, skb, skh, svb, svh, skcb, skch, skcl, svcb, svch, svcl, scb, ssb, sqob, sqoh,
               slot_stride, pos_stride,
               NF: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr, NOPE: tl.constexpr,
-              SLOT_PTR: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # q, k, v come from the projection before
-            gdc_wait()
-            gdc_launch()
+              SLOT_PTR: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1)  # < NF: an FA query head; else the kept KV group j - NF
         H2: tl.constexpr = D // 2
@@ -262,7 +258,6 @@ def fa_decode_prep(
     elif not 0 <= int(slot) < k_cache.shape[2]:
         raise ValueError(f"slot {slot} is outside the cache's {k_cache.shape[2]} slots")
     s = slot if slot_ptr else qo  # any pointer without SLOT_PTR
-    pdl = pdl_applies(q, "prep")
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         kern["prep"][(B, nf + nk)](
             q, k, v, k_cache, v_cache, s, 0 if slot_ptr else int(slot), pos, cos_t, sin_t, qn, kn, qo, float(qk_eps), inv_log_a, a,
@@ -270,5 +265,5 @@ def fa_decode_prep(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), scb, ssb, qo.stride(0),
             qo.stride(1), s.stride(0) if slot_ptr and s.shape[0] > 1 else 0, pos_stride,
-            NF=nf, D=d, ROPE=rope, QKN=qkn, NOPE=nope, SLOT_PTR=slot_ptr, PDL=pdl, num_warps=1, **launch_kw(pdl))
+            NF=nf, D=d, ROPE=rope, QKN=qkn, NOPE=nope, SLOT_PTR=slot_ptr, num_warps=1)
     return qo

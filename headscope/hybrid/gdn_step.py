@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .rope import apply_rope
 from .shapes import Float
-from .splitk import build_kernels, gdc_ops, kernel_applies, launch_kw, pdl_applies, require_kernel
+from .splitk import build_kernels, kernel_applies, require_kernel
 
 _kernels: dict = {}
 
@@ -81,7 +81,6 @@ def gdn_decode_step_torch(
 
 def _make(triton, tl) -> dict:
     """The Triton kernel of the GDN decode step."""
-    gdc_wait, gdc_launch = gdc_ops()
 
     @triton.jit
     def _gdn_head(pid, cb, Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y, GAMMA, scale, qk_eps, out_eps,
@@ -150,10 +149,7 @@ def _make(triton, tl) -> dict:
     def _gdn_decode_step(Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y, GAMMA, scale, qk_eps, out_eps,
               sqb, sqh, skb, skh, svb, svh, sab, sbb, scb, ssb, syb, syh,
               N: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr,
-              NORM: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # q, k, v, a, b come from the kernel before (and S may, from another step's call)
-            gdc_wait()
-            gdc_launch()
+              NORM: tl.constexpr):
         _gdn_head(tl.program_id(0).to(tl.int64), tl.program_id(1), Q, K, V, A, Bt, COS, SIN, QN, KN, ANEG, DTB, S, Y,
                   GAMMA, scale, qk_eps, out_eps, sqb, sqh, skb, skh, svb, svh, sab, sbb, scb, ssb, syb, syh,
                   N, D, BV, ROPE, QKN, NORM)
@@ -197,7 +193,6 @@ def gdn_decode_step(
     out: Optional[Tensor] = None,
     gamma: Optional[Float[Tensor, "head d"]] = None,
     out_eps: float = 1e-6,
-    pdl: Optional[bool] = None,
 ) -> Float[Tensor, "batch head d"]:
     """One token of every GDN head (HydraHead eq. 7–8 with the layer's q/k glue) in one Triton kernel.
 
@@ -217,8 +212,6 @@ def gdn_decode_step(
         gamma, out_eps: fold the hybrid's output fusion into the step (HydraHead eq. 13–14):
             y ← γ_h · y / sqrt(mean(y²) + out_eps) per head, ``gamma`` fp32 [head, d]; y is rounded to v's
             dtype first, as the unfused path (``lean._glue_out``) sees it. One program then holds a whole head.
-        pdl: launch with programmatic dependent launch where it applies (``splitk.pdl_applies``; None: there);
-            False for a launch whose stream waits on another stream's event just before (the side stream).
 
     Returns:
         y [batch, head, d] in v's dtype (contiguous, or ``out`` when given).
@@ -233,10 +226,8 @@ def gdn_decode_step(
     """
     grid, args, meta, y = setup(q, k, v, a, b, S, A_neg, dt_bias, scale, cos, sin, q_norm, k_norm, qk_eps, block_v,
                                 out, gamma, out_eps)
-    use_pdl = pdl_applies(v, "gdn", pdl)
     with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
-        _build()["step"][grid](*args, **meta, PDL=use_pdl, num_warps=launch_shape(q.shape[-1], gamma is not None,
-                                                                                 block_v)[1], **launch_kw(use_pdl))
+        _build()["step"][grid](*args, **meta, num_warps=launch_shape(q.shape[-1], gamma is not None, block_v)[1])
     return y
 
 

@@ -356,7 +356,7 @@ class HeadwiseHybridAttention(nn.Module):
                              "weights in the input's dtype): pass the normalized hidden states instead")
         if getattr(cache, "pos", None) is not None:
             raise ValueError("device-position decoding (cache.pos) runs on the lean path only: no gradient, no "
-                             "attention mask, weights in the input's dtype, lean.ENABLE not False (CPU: True)")
+                             "attention mask, weights in the input's dtype, InferenceConfig.fast_path not \"never\" (CPU: \"always\")")
         B, T, _ = hidden_states.shape
         d, x = self.head_dim, hidden_states
         opts = self.options

@@ -2,13 +2,14 @@
 
 Taken when no gradient is needed, there is no attention mask, the cache is None or a
 :class:`~headscope.hybrid.HybridDecodeCache`, the layer has no short convolution and its weights are in
-the input's dtype (no autocast); by default on CUDA only (``ENABLE``). It computes the plain forward's
+the input's dtype (no autocast); by default on CUDA only (``InferenceConfig.fast_path``, read from the layer:
+:func:`~headscope.hybrid.inference.use_inference`). It computes the plain forward's
 function with:
 
 - **one fused input projection**: the rows of every projection of the layer — q (FA heads, then GDN
   heads), the kept K/V groups, the FA gate, GDN K/V, decay (``a_proj``) and β (``b_proj``) — stacked
   into one weight, built once and rebuilt only when a parameter changes (its version counter). A long
-  prefill runs the FA rows over all tokens and the GDN rows per block of ``GDN_BLOCK_TOKENS``;
+  prefill runs the FA rows over all tokens and the GDN rows per block of ``InferenceConfig.gdn_block_tokens``;
 - **no head permutation of activations**: outputs stay in (FA, GDN) order; γ's rows and ``o_proj``'s
   input columns are permuted instead;
 - **fused elementwise glue** (``torch.compile`` on CUDA, eager elsewhere, the same code): per-head
@@ -21,22 +22,21 @@ function with:
   form / recurrence without fla), the state carried from block to block;
 - **memory**: the GDN branch runs in time blocks, so fla's per-chunk intermediates (states, WY
   factors) are bounded by the block, not the sequence, and fla's stages free each intermediate when done
-  (``GDN_LOW_MEMORY``). An eager prefill without autograd runs fixed-shape blocks of ``EAGER_GRAPH_TOKENS``,
+  (called stage by stage). An eager prefill without autograd runs fixed-shape blocks of ``eager_graph_tokens``,
   each replayed from a CUDA graph of the GDN glue and fla's stages (:func:`gdn_block_graphed`; the last block
   padded with rows that leave the state unchanged), so small blocks cost no host time per call
-  (``EAGER_GDN_GRAPHS``); a call recorded for a CUDA graph of the caller's uses blocks of a quarter of the
-  tokens, and with ``EAGER_GDN_GRAPHS = False`` eager blocks are sized to hide each call's host time
+  (``eager_gdn_graphs``); a call recorded for a CUDA graph of the caller's uses blocks of a quarter of the
+  tokens, and with ``eager_gdn_graphs="never"`` eager blocks are sized to hide each call's host time
   (:func:`block_tokens`).
 
 A decode step through a HybridDecodeCache writes the FA K/V into the cache slot in place and the new
 GDN state into ``cache.S``, so it can be captured in a CUDA graph (after a warm-up call: the glue
-compiles on first use). By default (``DECODE_GDN``, ``DECODE_FA``, ``DECODE_ONE_LAUNCH``) the FA heads' q/k glue
-and K/V cache write, their split-K attention over the kept KV groups and all GDN heads' step (state updated in
-place in ``cache.S``) run in one Triton launch (``step.py``), then the split-K combination, where those apply; with
-``DECODE_ONE_LAUNCH = False`` as three kernels (``fa_step.py``, ``splitk.py``, ``gdn_step.py``), the GDN kernel on a
-side CUDA stream beside the whole FA branch when its grid is small (``DECODE_OVERLAP``), else beside the FA prep
-kernel only (``DECODE_OVERLAP_PREP``). The output fusion (FA gate, per-head RMSNorm, γ) runs inside the split-K
-combination and the GDN step, which write one buffer for ``o_proj`` (``DECODE_FUSED_OUT``).
+compiles on first use). Where the Triton kernels apply (CUDA or Triton's interpreter, head_dim a power of two ≥ 16)
+the FA heads' q/k glue and K/V cache write, their split-K attention over the kept KV groups and all GDN heads' step
+(state updated in place in ``cache.S``) run in one Triton launch (``step.py``), then the split-K combination; the
+separate kernels (``fa_step.py``, ``splitk.py``, ``gdn_step.py``) where only some apply, PyTorch (SDPA, the compiled
+recurrence) elsewhere. Up to ``InferenceConfig.fused_out_max_d`` the output fusion (FA gate, per-head RMSNorm, γ)
+runs inside the split-K combination and the GDN step, which write one buffer for ``o_proj``.
 """
 
 from __future__ import annotations
@@ -57,112 +57,23 @@ from .gdn import fla_available, gated_delta_rule
 from .graphs import ShapeGraphs, recording as _graph_recording
 from .rope import apply_rope
 from .shapes import Float
-from .gdn_step import applies as gdn_step_applies, gdn_decode_step, launch_shape as gdn_launch_shape, gdn_decode_step_torch, l2_normalize, rms_norm
-from .splitk import _sm_count, combine as _combine_partials, decode_attention, triton_available
+from .gdn_step import applies as gdn_step_applies, gdn_decode_step, gdn_decode_step_torch, l2_normalize, rms_norm
+from .splitk import combine as _combine_partials, decode_attention, triton_available
 from .fa_step import applies as fa_prep_applies, fa_decode_prep
-from .skinny import linear
+from .inference.config import InferenceConfig, inference_config
 from .step import applies as step_applies, hybrid_decode_step
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layer import HeadwiseHybridAttention
 
-ENABLE: Optional[bool] = None  # None: on CUDA tensors; True: on every device (CPU tests); False: never
-COMPILE = True  # torch.compile the glue on CUDA (eager on CPU, or when compilation fails)
-GDN_BLOCK_TOKENS: Optional[int] = None  # batch x time per GDN kernel call in prefill; None: block_tokens()
-# fla's chunk forward called stage by stage (:func:`_fla_chunk_low_memory`), each intermediate freed when no later stage
-# needs it (the same kernels and output as fla's ``chunk_gated_delta_rule_fwd``); False: fla's one call.
-GDN_LOW_MEMORY = True
-GDN_BLOCK_WORK = 1 << 31  # auto blocks: tokens x GDN heads x d² per call (~1.5 ms of H200 work at B = 1)
-# A prefill recorded for a CUDA graph (graphs.capture: StaticDecoder.prefill_graphed, or graphs.for_graph) pays no host
-# time per GDN call, so its auto blocks are sized for memory instead: tokens / GDN_GRAPH_BLOCK_DIVISOR (at least
-# GDN_GRAPH_BLOCK_MIN; a multiple of 64), so fla's per-block intermediates stay a fixed fraction of the activations
-# that grow with the sequence. H200, bf16, one layer, B = 1, graphed, with GDN_LOW_MEMORY: peak 0.73-0.82x the
-# all-FA layer's for the SmolLM2 shape and 0.67x for the Qwen3-1.7B shape at 16K-128K with divisor 4, 1.06-1.12x
-# with 2 (benchmarks/results/h200_bench_hybrid_r14_block_sweep.*); 0: the speed rule (as eager).
-GDN_GRAPH_BLOCK_DIVISOR = 4
-GDN_GRAPH_BLOCK_MIN = 2048
-# An eager prefill without autograd (CUDA, fla) runs its GDN heads in fixed-shape blocks replayed from CUDA graphs
-# (:func:`gdn_block_graphed`): the glue's guards and fla's launches cost host time once per block shape instead of
-# ~0.5-1 ms per call, so the blocks can be small (the prefill's peak memory) without making eager calls host-bound.
-# Blocks of EAGER_GRAPH_TOKENS (batch x time) tokens, the last one padded (rows that leave the state unchanged:
-# _glue_gdn's ``valid``); a prefill shorter than one block takes a power-of-two block of at least
-# EAGER_GRAPH_MIN tokens. The graphs (at most EAGER_GRAPH_MAX shapes) and their static inputs stay allocated
-# between calls: release_eager_graphs() frees them. None: where it applies (CUDA); True: also on CPU, where the
-# same padded static-buffer path runs without graphs (tests); False: never.
-EAGER_GDN_GRAPHS: Optional[bool] = None
-EAGER_GRAPH_TOKENS = 8192
-EAGER_GRAPH_MIN = 256
-EAGER_GRAPH_MAX = 8
-# FlashQLA (``flash-qla`` on PyPI, TileLang kernels with intra-card context parallelism) for the GDN prefill
-# instead of fla's Triton chunk forward: only for head_dim 128 in bf16/fp16 on CUDA (its kernels' limits,
-# read from fla 0.6's FlashQLA backend), when the package is installed. On: measured faster than fla's chunk
-# forward on the H200 at every length 8K-128K of the Qwen3-1.7B shape, eager and graphed, with a lower peak at
-# 8K (benchmarks/results/h200_bench_hybrid_r1_qwen3.json); False: always fla.
-FLASH_QLA = True
-# Decode steps (one token, a HybridDecodeCache): "kernel" runs the GDN glue, then the GDN kernel (fla's fused
-# recurrent on CUDA) as prefill does, then copies the state into the cache; "fused" computes the glue and the
-# gated delta rule step of all GDN heads in one compiled function that writes the state in place; "triton"
-# does it in one Triton kernel (headscope.hybrid.gdn_step; CUDA with triton, head_dim a power of two ≥ 16;
-# "fused" otherwise). Default "triton": the fastest on the H200 at 8K-128K for both benchmark shapes, its
-# output equal to "kernel"'s in 9 of 10 cells and 2.7e-3 relative (bf16) in the other
-# (benchmarks/results/h200_bench_hybrid_r2_*.json).
-DECODE_GDN = "triton"
-# The FA heads' attention in a decode step: "sdpa" (PyTorch; device-position decoding masks the whole
-# buffer), or "splitk" (headscope.hybrid.splitk: flash-decoding in Triton, the cache length read from
-# device memory; CUDA with triton and a head_dim that is a power of two ≥ 16; SDPA otherwise). Default
-# "splitk": faster than SDPA for the hybrid's few KV groups at every measured length, and for device-position
-# decoding (SDPA must mask the whole buffer there) by 1.2-1.5x (same results files).
-DECODE_FA = "splitk"
-# With the split-K decode: the FA heads' q/k glue and the K/V cache write of a decode step in one Triton kernel
-# (``fa_step.py``; "triton") instead of the compiled glue and two copies ("glue"). Default "triton": on the H200
-# the two copies alone took ~3.8 µs per layer of a batch-16 step (benchmarks/profile_decode.py).
-DECODE_FA_PREP = "triton"
-# A decode step with the Triton GDN kernel can run it on a side CUDA stream, concurrently with the FA heads' prep
-# and split-K attention (independent work; the streams join before o_proj, or before the output glue on the unfused
-# path; a captured CUDA graph keeps the two branches). True / False: always / never; "auto" (default): when the GDN
-# kernel's grid (batch x GDN heads x head_dim/32 programs; batch x GDN heads with the fused output's norm, a whole
-# head per program) is at most a quarter of the GPU's SMs (:func:`overlap_rule`; the counts below are of the
-# 32-column grid, measured before the fused output: with it, batch 1 is 8 programs, batch 16 is 128). Measured on the H200
-# (SmolLM2 shape, 32K cached, benchmarks/profile_decode.py): batch 1 (16 GDN programs) 36.2 vs 39.0 µs per layer with
-# / without; batch 16 (256 programs) 77.8 vs 75.2 µs with split-K's 4 blocks per SM, and 96.9 vs 76.7 with 2: the
-# concurrent GDN blocks take SM slots of split-K's grid, whose partial kernel then runs longer.
-DECODE_OVERLAP = "auto"
-# Where the GDN step does not overlap the whole FA branch (DECODE_OVERLAP), it still runs on the side stream beside
-# the FA heads' prep kernel (``fa_step.py``) and joins before the split-K attention (True), so that the two small
-# kernels run at once without taking SM slots from split-K's grid; False: after the FA branch, on the main stream.
-# Same run: 2.038 vs 2.088 ms.
-DECODE_OVERLAP_PREP = True
-# A decode step whose FA heads take the prep + split-K path and whose GDN heads take the Triton step writes every
-# head's output into one [batch, heads, d] buffer, the output fusion (FA gate, per-head RMSNorm and γ_h, eq. 13–14)
-# folded into the split-K combination and into the GDN step (True), instead of a compiled output glue after
-# both (False; the unfused path that the tests compare it with). The all-FA teacher (no γ, no gate) has no
-# output glue and is not affected. H200, SmolLM2 shape, ranked 7:1 mask, B = 16, 32K: 2.038 vs 2.073 ms per
-# whole-model step (benchmarks/results/h200_profile_decode_r7_variants_b16_t32768.json).
-DECODE_FUSED_OUT = True
-# ... up to this head_dim. At d = 128 (Qwen3-1.7B shape, B = 16, 32K, H200) it was slower: 6.250 vs 5.983 ms per
-# whole-model step, the GDN step holding a whole 128 x 128 state per program (22.8 vs 10.2 µs per layer;
-# benchmarks/results/h200_profile_decode_qwen3_b16_t32768.json), so d = 128 keeps the compiled output glue.
-FUSED_OUT_MAX_D = 64
-# A decode step whose FA heads take the prep + split-K path and whose GDN heads (if any) take the Triton step does the
-# FA prep, the split-K partials and the GDN step in one kernel launch (``step.py``; True), instead of three launches
-# with the GDN step on the side stream (False, the path the tests compare it with; also taken when the GDN heads
-# take another step). H200, SmolLM2 shape, ranked 7:1 mask,
-# whole-model step at B = 16, 32K: hybrid 1.948 vs 2.019 ms, teacher 3.653 vs 3.679 (same run; 1.88x vs 1.82x);
-# B = 1: 0.990 vs 1.044 and 1.087 vs 1.114 ms (benchmarks/results/h200_profile_decode_r10_one_launch_*).
-DECODE_ONE_LAUNCH = True
-# A deferred decode step (``forward(defer=True)``: StaticDecoder's tail kernel) hands the tail the split-K partials,
-# whose first phase combines them (True), or — where the one launch combines them (``step.combine_mode``: rows of at
-# most step.LAUNCH_COMBINE_MAX_G query heads) — a complete o_proj input (False: the tail kernel skips its first phase
-# and that phase's barrier; rows of more heads still go to the tail's first phase).
-DECODE_DEFER_COMBINE = False
-_side_streams: dict = {}
 _compiled: dict[tuple, Callable] = {}
 _compile_failed: list[str] = []
 
 
 def applies(layer: "HeadwiseHybridAttention", x: Tensor, attention_mask: Any, decode_cache: bool, cache: Any) -> bool:
     """True when the lean path computes this call (see the module docstring)."""
-    if ENABLE is False or (ENABLE is None and x.device.type != "cuda"):
+    where = inference_config(layer).fast_path
+    if where == "never" or (where == "cuda" and x.device.type != "cuda"):
         return False
     if attention_mask is not None or (cache is not None and not decode_cache) or layer.gdn_conv is not None:
         return False
@@ -305,13 +216,13 @@ def _glue_dec_gdn(q, k, v, a, b, cos, sin, S, A_neg, dtb, qn, kn, *, eps: float,
 _GLUE = {"fa": _glue_fa, "gdn": _glue_gdn, "out": _glue_out, "dec_gdn": _glue_dec_gdn}
 
 
-def _glue(name: str, acts: tuple, weights: tuple = (), **static: Any) -> Any:
+def _glue(name: str, acts: tuple, weights: tuple = (), compiled: bool = True, **static: Any) -> Any:
     """Run a glue function on activations ``acts`` (batch and time leading) and ``weights``: compiled
-    on CUDA (one graph per static configuration, batch and time dynamic), eager elsewhere or after a
-    compile failure (warned once)."""
+    on CUDA when ``compiled`` (InferenceConfig.compile_glue; one graph per static configuration, batch and time
+    dynamic), eager elsewhere or after a compile failure (warned once)."""
     fn = _GLUE[name]
     t0 = next(a for a in acts if isinstance(a, Tensor))
-    if not (COMPILE and t0.device.type == "cuda") or name in _compile_failed:
+    if not (compiled and t0.device.type == "cuda") or name in _compile_failed:
         return fn(*acts, *weights, **static)
     key = (name,) + tuple(sorted(static.items()))
     cf = _compiled.get(key)
@@ -366,9 +277,10 @@ def _flash_qla_fwd():
     return _fq_fwd[0]
 
 
-def flash_qla_applies(q: Tensor, v: Tensor) -> bool:
-    """Whether :data:`FLASH_QLA` routes this GDN call to FlashQLA (CUDA, bf16/fp16, head_dim 128)."""
-    return (FLASH_QLA and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == 128
+def flash_qla_applies(q: Tensor, v: Tensor, on: bool = True) -> bool:
+    """Whether a GDN call goes to FlashQLA (``on``: InferenceConfig.flash_qla; CUDA, bf16/fp16, head_dim 128,
+    installed)."""
+    return (on and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == 128
             and v.shape[-1] == 128 and _flash_qla_fwd() is not None)
 
 
@@ -409,23 +321,25 @@ def _fla_chunk_low_memory(ops: list, scale: float, h0: Optional[Tensor], chunk_s
     return o, final
 
 
-def gdn_consume(ops: list, scale: float, h0: Optional[Tensor], kernel: str, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
-    """:func:`gdn` on ``ops`` = [q, k, v, g, β], which the call empties: where fla's chunk forward runs stage by
-    stage (:data:`GDN_LOW_MEMORY`), each input is freed when no later stage reads it (if the caller holds no
-    other reference)."""
-    if (kernel == "fla" and ops[0].shape[1] > 8 and GDN_LOW_MEMORY and not flash_qla_applies(ops[0], ops[2])
+def gdn_consume(ops: list, scale: float, h0: Optional[Tensor], kernel: str, chunk_size: int = 64,
+                flash_qla: bool = True) -> tuple[Tensor, Tensor]:
+    """:func:`gdn` on ``ops`` = [q, k, v, g, β], which the call empties: where fla's chunk forward runs, it runs
+    stage by stage, each input freed when no later stage reads it (if the caller holds no other reference)."""
+    if (kernel == "fla" and ops[0].shape[1] > 8 and not flash_qla_applies(ops[0], ops[2], flash_qla)
             and _fla_chunk_parts() is not None):
         with torch.cuda.device(ops[0].device):
             return _fla_chunk_low_memory(ops, scale, None if h0 is None else h0.float(), 64)
     args = tuple(ops)
     ops.clear()
-    return gdn(*args, scale, h0, kernel, chunk_size)
+    return gdn(*args, scale, h0, kernel, chunk_size, flash_qla)
 
 
-def gdn(q, k, v, g, beta, scale: float, h0: Optional[Tensor], kernel: str, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
-    """All GDN heads in one call: (y [B,T,n,d] in v's dtype, final state [B,n,d,d] fp32)."""
+def gdn(q, k, v, g, beta, scale: float, h0: Optional[Tensor], kernel: str, chunk_size: int = 64,
+        flash_qla: bool = True) -> tuple[Tensor, Tensor]:
+    """All GDN heads in one call: (y [B,T,n,d] in v's dtype, final state [B,n,d,d] fp32); FlashQLA where
+    ``flash_qla`` and it applies, else fla's chunk forward, else headscope's PyTorch forms."""
     T = q.shape[1]
-    if kernel == "fla" and T > 8 and flash_qla_applies(q, v):
+    if kernel == "fla" and T > 8 and flash_qla_applies(q, v, flash_qla):
         with torch.cuda.device(q.device):
             out = _flash_qla_fwd()(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
                                    initial_state=None if h0 is None else h0.float(), output_final_state=True)
@@ -440,37 +354,38 @@ def gdn(q, k, v, g, beta, scale: float, h0: Optional[Tensor], kernel: str, chunk
     return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, kernel=kernel, chunk_size=chunk_size)
 
 
-def block_tokens(n_gdn: int, d: int, tokens: int = 0, graphed: bool = False) -> int:
+def block_tokens(n_gdn: int, d: int, tokens: int = 0, graphed: bool = False,
+                 cfg: InferenceConfig = InferenceConfig()) -> int:
     """Tokens (batch x time) per GDN kernel call in a prefill of ``tokens`` (batch x time) tokens.
 
-    ``GDN_BLOCK_TOKENS`` when set. Else, eager (``graphed`` False): enough that one call's work (tokens x heads x
-    d²) is ``GDN_BLOCK_WORK`` (at least 8192, a multiple of 64) — each call costs ~1-1.5 ms of host time (glue +
+    ``cfg.gdn_block_tokens`` when set. Else, eager (``graphed`` False): enough that one call's work (tokens x heads x
+    d²) is ``cfg.gdn_block_work`` (at least 8192, a multiple of 64) — each call costs ~1-1.5 ms of host time (glue +
     fla's launches) on the H200, hidden only behind that much GPU work, so smaller blocks are host-bound. For a call
     recorded for a CUDA graph (``graphed``: :func:`headscope.hybrid.graphs.recording`; no host time at replay):
-    ``tokens // GDN_GRAPH_BLOCK_DIVISOR`` (at least ``GDN_GRAPH_BLOCK_MIN``, a multiple of 64), which bounds fla's
-    intermediates by a fraction of the sequence (the prefill's peak memory) at little cost in speed."""
-    if GDN_BLOCK_TOKENS:
-        return GDN_BLOCK_TOKENS
-    if graphed and GDN_GRAPH_BLOCK_DIVISOR:
-        return max(GDN_GRAPH_BLOCK_MIN, tokens // GDN_GRAPH_BLOCK_DIVISOR // 64 * 64)
-    return max(8192, (GDN_BLOCK_WORK // max(1, n_gdn * d * d)) // 64 * 64)
+    ``tokens // cfg.gdn_graph_block_divisor`` (at least ``cfg.gdn_graph_block_min``, a multiple of 64), which bounds
+    fla's intermediates by a fraction of the sequence (the prefill's peak memory) at little cost in speed."""
+    if cfg.gdn_block_tokens:
+        return cfg.gdn_block_tokens
+    if graphed and cfg.gdn_graph_block_divisor:
+        return max(cfg.gdn_graph_block_min, tokens // cfg.gdn_graph_block_divisor // 64 * 64)
+    return max(8192, (cfg.gdn_block_work // max(1, n_gdn * d * d)) // 64 * 64)
 
 
-def eager_graph_block(B: int, T: int) -> int:
-    """Time steps per GDN block of an eager prefill through CUDA graphs (:data:`EAGER_GDN_GRAPHS`): blocks of
-    :data:`EAGER_GRAPH_TOKENS` tokens (batch x time, a multiple of 64 time steps), or for a shorter prefill the
-    smallest power of two ≥ T and ≥ :data:`EAGER_GRAPH_MIN` (a few graph shapes cover every length)."""
-    full = max(64, EAGER_GRAPH_TOKENS // max(1, B) // 64 * 64)
+def eager_graph_block(B: int, T: int, cfg: InferenceConfig = InferenceConfig()) -> int:
+    """Time steps per GDN block of an eager prefill through CUDA graphs (``cfg.eager_gdn_graphs``): blocks of
+    ``cfg.eager_graph_tokens`` tokens (batch x time, a multiple of 64 time steps), or for a shorter prefill the
+    smallest power of two ≥ T and ≥ ``cfg.eager_graph_min`` (a few graph shapes cover every length)."""
+    full = max(64, cfg.eager_graph_tokens // max(1, B) // 64 * 64)
     if T >= full:
         return full
-    return min(full, max(EAGER_GRAPH_MIN, 1 << (T - 1).bit_length()))
+    return min(full, max(cfg.eager_graph_min, 1 << (T - 1).bit_length()))
 
 
-def _eager_graphs(x: Tensor, p: _Plan, T: int) -> bool:
-    """Whether this prefill's GDN heads run as graph-replayed fixed-shape blocks (:data:`EAGER_GDN_GRAPHS`)."""
-    if EAGER_GDN_GRAPHS is False or T <= 8 or not p.ng or torch.is_grad_enabled():
+def _eager_graphs(x: Tensor, p: _Plan, T: int, cfg: InferenceConfig) -> bool:
+    """Whether this prefill's GDN heads run as graph-replayed fixed-shape blocks (``cfg.eager_gdn_graphs``)."""
+    if cfg.eager_gdn_graphs == "never" or T <= 8 or not p.ng or torch.is_grad_enabled():
         return False
-    if EAGER_GDN_GRAPHS is None and not (x.is_cuda and p.gdn_kernel == "fla"):
+    if cfg.eager_gdn_graphs == "cuda" and not (x.is_cuda and p.gdn_kernel == "fla"):
         return False
     return not (_graph_recording() or torch.compiler.is_compiling()
                 or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
@@ -478,9 +393,10 @@ def _eager_graphs(x: Tensor, p: _Plan, T: int) -> bool:
 
 def _gdn_cfg(layer: "HeadwiseHybridAttention", p: _Plan, rope: bool) -> tuple:
     """The static configuration of a layer's GDN block: (column sizes of its projection rows, heads, d, QK-norm eps,
-    RoPE, scale, kernel, chunk size)."""
+    RoPE, scale, kernel, chunk size, compiled glue, FlashQLA)."""
+    cfg = inference_config(layer)
     return (tuple(p.g_sizes), p.ng, p.d, p.qk_eps, p.gdn_rope and rope, float(layer.scaling), p.gdn_kernel,
-            int(layer.options.chunk_size))
+            int(layer.options.chunk_size), cfg.compile_glue, cfg.flash_qla)
 
 
 def _gdn_ops(cfg: tuple, zg, cos, sin, valid, A_neg, dtb, qn, kn) -> list:
@@ -489,14 +405,15 @@ def _gdn_ops(cfg: tuple, zg, cos, sin, valid, A_neg, dtb, qn, kn) -> list:
     sizes, ng, d, eps, rope = cfg[:5]
     qg, kg, vg, a, b = zg.split(sizes, dim=-1)
     return list(_glue("gdn", (qg.unflatten(-1, (ng, d)), kg.unflatten(-1, (ng, d)), vg.unflatten(-1, (ng, d)),
-                              a[..., :ng], b[..., :ng], cos, sin, valid), (A_neg, dtb, qn, kn), eps=eps, rope=rope))
+                              a[..., :ng], b[..., :ng], cos, sin, valid), (A_neg, dtb, qn, kn), cfg[8], eps=eps,
+                              rope=rope))
 
 
 def _gdn_block(cfg: tuple, zg, cos, sin, h0, valid, A_neg, dtb, qn, kn) -> tuple[Tensor, Tensor]:
     """One fixed-shape GDN block: the glue (:func:`_gdn_ops`) and the chunk forward from ``h0`` [B,n,d,d] fp32, whose
     final state is written back into ``h0`` (returned as the state: the next block of the same graph starts from it
     without a copy)."""
-    y, S = gdn_consume(_gdn_ops(cfg, zg, cos, sin, valid, A_neg, dtb, qn, kn), cfg[5], h0, cfg[6], cfg[7])
+    y, S = gdn_consume(_gdn_ops(cfg, zg, cos, sin, valid, A_neg, dtb, qn, kn), cfg[5], h0, cfg[6], cfg[7], cfg[9])
     h0.copy_(S)
     return y, h0
 
@@ -505,7 +422,7 @@ _block_graphs: dict = {}  # block configuration -> graphs.ShapeGraphs
 
 
 def release_eager_graphs() -> None:
-    """Free the CUDA graphs and static buffers of eager prefills' GDN blocks (:data:`EAGER_GDN_GRAPHS`)."""
+    """Free the CUDA graphs and static buffers of eager prefills' GDN blocks (InferenceConfig.eager_gdn_graphs)."""
     _block_graphs.clear()
 
 
@@ -534,7 +451,8 @@ def gdn_block_graphed(layer: "HeadwiseHybridAttention", zg: Float[Tensor, "B t R
     cfg = _gdn_cfg(layer, p, rope)
     sg = _block_graphs.get(cfg)
     if sg is None:
-        sg = _block_graphs[cfg] = ShapeGraphs(functools.partial(_gdn_block, cfg), max_graphs=EAGER_GRAPH_MAX)
+        sg = _block_graphs[cfg] = ShapeGraphs(functools.partial(_gdn_block, cfg),
+                                                 max_graphs=inference_config(layer).eager_graph_max)
     opt = (p.qn, p.kn)
     key = (zg.device, zg.dtype, B, tb, R, None if not rope else (cos.dtype, cos.shape[-1]),
            tuple(w is not None for w in opt))
@@ -588,7 +506,7 @@ def _as_long(slot: Any, dev: torch.device) -> Tensor:
 def _splitk_applies(q: Tensor, layer: "HeadwiseHybridAttention") -> bool:
     """Whether a decode step's FA heads go to :func:`~headscope.hybrid.splitk.decode_attention`."""
     d = q.shape[-1]
-    return (DECODE_FA == "splitk" and d >= 16 and not d & (d - 1) and triton_available()
+    return (d >= 16 and not d & (d - 1) and triton_available()
             and (q.is_cuda or (os.environ.get("TRITON_INTERPRET") == "1" and q.dtype != torch.bfloat16)))
 
 
@@ -598,7 +516,7 @@ def _fa_attend(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Optiona
     one) -> [B,T,nf,d]. A decode step goes to the split-K kernel where it applies; device-position steps
     write slot ``dpos`` and attend over the buffer up to it (the split-K length, or SDPA with a slot mask).
     ``prep``: q is already prepared and the token's K/V already in the cache (:func:`fa_decode_prep`); ``out``:
-    the split-K kernel's ``out``/``gate``/``gamma``/``eps`` (the fused output, :data:`DECODE_FUSED_OUT`)."""
+    the split-K kernel's ``out``/``gate``/``gamma``/``eps`` (the fused output)."""
     T = q.shape[1]
     splitk = T == 1 and cache is not None and _splitk_applies(q, layer)
     if splitk and prep:  # q prepared and K/V written into the cache by fa_decode_prep
@@ -629,23 +547,21 @@ def _fa_attend(layer: "HeadwiseHybridAttention", p: _Plan, q: Tensor, k: Optiona
 
 
 def _gdn_decode(layer: "HeadwiseHybridAttention", p: _Plan, qg: Tensor, kg: Tensor, vg: Tensor, a: Tensor,
-                b: Tensor, cs: tuple, S: Tensor, out: Optional[Tensor] = None, gamma: Optional[Tensor] = None,
-                pdl: Optional[bool] = None) -> Tensor:
+                b: Tensor, cs: tuple, S: Tensor, out: Optional[Tensor] = None, gamma: Optional[Tensor] = None) -> Tensor:
     """One token of every GDN head from the projection's views (q/k/v [B,1,n·d], a/b [B,1,n]), the state
-    ``S`` (the cache's) updated in place -> y [B,1,n,d]: the Triton kernel (``DECODE_GDN = "triton"``, where
-    it applies; into ``out`` [B,n,d] when given, the output fusion folded in with ``gamma``) or the same function
-    compiled from PyTorch ("fused")."""
+    ``S`` (the cache's) updated in place -> y [B,1,n,d]: the Triton kernel where it applies (into ``out`` [B,n,d]
+    when given, the output fusion folded in with ``gamma``), else the same function compiled from PyTorch."""
     ng, d = p.ng, p.d
-    if DECODE_GDN == "triton" and gdn_step_applies(d, qg.device):
-        return gdn_decode_step(**_gdn_step_kw(layer, p, qg, kg, vg, a, b, cs, S, out, gamma), pdl=pdl)[:, None]
+    if gdn_step_applies(d, qg.device):
+        return gdn_decode_step(**_gdn_step_kw(layer, p, qg, kg, vg, a, b, cs, S, out, gamma))[:, None]
     q3, k3, v3 = (t.unflatten(-1, (ng, d)) for t in (qg, kg, vg))
-    return _glue("dec_gdn", (q3, k3, v3, a, b, *cs), (S, p.A_neg, p.dtb, p.qn, p.kn), eps=p.qk_eps, rope=p.gdn_rope,
-                 scale=float(layer.scaling))
+    return _glue("dec_gdn", (q3, k3, v3, a, b, *cs), (S, p.A_neg, p.dtb, p.qn, p.kn),
+                 inference_config(layer).compile_glue, eps=p.qk_eps, rope=p.gdn_rope, scale=float(layer.scaling))
 
 
 def _gdn_step_kw(layer: "HeadwiseHybridAttention", p: _Plan, qg: Tensor, kg: Tensor, vg: Tensor, a: Tensor,
                  b: Tensor, cs: tuple, S: Tensor, out: Optional[Tensor], gamma: Optional[Tensor]) -> dict:
-    """:func:`gdn_decode_step`'s arguments (but ``pdl``) for one token from the projection's views (q/k/v [B,1,n·d],
+    """:func:`gdn_decode_step`'s arguments for one token from the projection's views (q/k/v [B,1,n·d],
     a/b [B,1,n]) and the state ``S``; shared by the separate GDN step and the one-launch step."""
     ng, d = p.ng, p.d
     rope = p.gdn_rope and cs[0] is not None
@@ -675,32 +591,9 @@ def _fa_fused_out(p: _Plan, y_buf: Optional[Tensor], gate: Optional[Tensor]) -> 
             "gamma": p.gamma[: p.nf] if p.gamma is not None else None, "eps": p.eps}
 
 
-def _side_stream(dev: torch.device) -> "torch.cuda.Stream":
-    """The side CUDA stream of ``dev`` on which a decode step's GDN kernel overlaps the FA heads' work."""
-    i = dev.index if dev.index is not None else torch.cuda.current_device()
-    if i not in _side_streams:
-        _side_streams[i] = torch.cuda.Stream(torch.device("cuda", i))
-    return _side_streams[i]
-
-
-def _side_ok(p: _Plan, x: Tensor, T: int, S: Optional[Tensor]) -> bool:
-    """Whether this decode step's GDN kernel can run on a side stream at all (CUDA, one token, a state, both
-    kinds of heads, the Triton GDN step)."""
-    return (x.is_cuda and T == 1 and S is not None and p.ng > 0 and p.nf > 0 and DECODE_GDN == "triton"
-            and gdn_step_applies(p.d, x.device))
-
-
-def overlap_rule(batch: int, n_gdn: int, d: int, sms: int, fused_norm: bool = False) -> bool:
-    """``DECODE_OVERLAP = "auto"``: overlap when the GDN step's grid, as
-    :func:`~headscope.hybrid.gdn_step.gdn_decode_step` launches it (batch · n_gdn · d / block programs: a whole head
-    per program with the output fusion's norm, ``fused_norm``, else 32 columns), is at most a quarter of the ``sms``."""
-    bv, _ = gdn_launch_shape(d, fused_norm)
-    return batch * n_gdn * max(1, d // bv) * 4 <= sms
-
-
 def _prep_applies(layer: "HeadwiseHybridAttention", q: Tensor, T: int, cache: Any) -> bool:
-    """Whether a decode step's FA glue and K/V write go to :func:`fa_decode_prep` (:data:`DECODE_FA_PREP`)."""
-    return (DECODE_FA_PREP == "triton" and T == 1 and cache is not None and _splitk_applies(q, layer)
+    """Whether a decode step's FA glue and K/V write go to :func:`fa_decode_prep` (one Triton kernel)."""
+    return (T == 1 and cache is not None and _splitk_applies(q, layer)
             and fa_prep_applies(q.shape[-1], q.device))
 
 
@@ -741,8 +634,7 @@ class DeferredOutput:
         y: o_proj's input [batch, heads·d] in the layer's dtype: the GDN heads' fused outputs written, the FA heads'
             columns still to come from ``attn``.
         attn: (the split-K launch's namespace, gate, gamma, eps) of :func:`~headscope.hybrid.splitk.combine`, or
-            None where the FA heads' columns of y are written too (:data:`DECODE_DEFER_COMBINE` False: combined
-            inside the attention's launch).
+            None where the FA heads' columns of y are written too (combined inside the attention's launch).
         w_o, b_o: o_proj's weight (input columns in (FA, GDN) order) and bias.
     """
 
@@ -755,7 +647,7 @@ class DeferredOutput:
         """The layer's output [batch, 1, hidden] through the separate kernels (the combination, then o_proj)."""
         if self.attn is not None:
             _combine_partials(*self.attn)
-        return linear(self.y[:, None], self.w_o, self.b_o)
+        return F.linear(self.y[:, None], self.w_o, self.b_o)
 
 
 def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]],
@@ -787,13 +679,14 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     if cache is not None and dpos is None and past + T > cache.max_len:
         raise ValueError(f"HybridDecodeCache holds {cache.max_len} tokens but {past + T} are needed; "
                          "make it with a larger max_len")
-    eg = _eager_graphs(x, p, T)  # the GDN heads as graph-replayed fixed-shape blocks (EAGER_GDN_GRAPHS)
-    tb = eager_graph_block(B, T) if eg else max(1, block_tokens(ng, d, B * T, T > 1 and _graph_blocks(x)) // B)
+    cfg = inference_config(layer)
+    eg = _eager_graphs(x, p, T, cfg)  # the GDN heads as graph-replayed fixed-shape blocks (cfg.eager_gdn_graphs)
+    tb = eager_graph_block(B, T, cfg) if eg else max(1, block_tokens(ng, d, B * T, T > 1 and _graph_blocks(x), cfg) // B)
     one_gemm = T <= tb
     if z_in is not None and (not one_gemm or z_in.shape != (B, T, p.W.shape[0])):
         raise ValueError(f"z_in must be the input projection [{B}, {T}, {p.W.shape[0]}] of a step that fits one "
                          f"GEMM; got {tuple(z_in.shape)}: pass hidden states instead")
-    z = z_in if z_in is not None else (linear(x, p.W, p.b) if one_gemm else None)  # F.linear, or the rows kernel where skinny.ENABLE (opt-in)
+    z = z_in if z_in is not None else (F.linear(x, p.W, p.b) if one_gemm else None)
     z_fa = z[..., : p.n_fa_rows] if one_gemm else (F.linear(x, p.W[: p.n_fa_rows], None if p.b is None else p.b[: p.n_fa_rows]) if nf else None)
 
     S_dec = cache.S if (cache is not None and (past or dpos is not None)) else None
@@ -803,56 +696,33 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
         q, k, v = (t.unflatten(-1, (-1, d)) for t in parts[:3])
         gate = parts[3].unflatten(-1, (nf, d)) if p.gate else None
     prep = bool(nf) and _prep_applies(layer, q, T, cache)
-    # ---- the fused output of a decode step (DECODE_FUSED_OUT): every head writes its fused output here
+    gdn_triton = not ng or (S_dec is not None and gdn_step_applies(d, x.device))
+    # ---- the fused output of a decode step: every head writes its fused output here
     y_buf = g_out = None
-    if (DECODE_FUSED_OUT and T == 1 and cache is not None and d <= FUSED_OUT_MAX_D
-            and (p.gamma is not None or p.gate or (nf and ng))
-            and (prep or not nf) and (not ng or (S_dec is not None and DECODE_GDN == "triton"
-                                                 and gdn_step_applies(d, x.device)))):
+    if (T == 1 and cache is not None and d <= cfg.fused_out_max_d and (p.gamma is not None or p.gate or (nf and ng))
+            and (prep or not nf) and gdn_triton):
         y_buf = x.new_empty(B, nf + ng, d)
         g_out = {"out": y_buf[:, nf:], "gamma": p.gamma[nf:] if p.gamma is not None else None}
 
-    # ---- one launch for the FA prep + split-K partials and the GDN step (DECODE_ONE_LAUNCH)
-    one = (prep and DECODE_ONE_LAUNCH and step_applies(d, x.device)
-           and (not ng or (S_dec is not None and DECODE_GDN == "triton" and gdn_step_applies(d, x.device))))
+    # ---- one launch for the FA prep + split-K partials and the GDN step
+    one = prep and step_applies(d, x.device) and gdn_triton
     # ---- the combination and o_proj left to the caller (defer: StaticDecoder's tail kernel)
     deferred = defer and one and T == 1 and (y_buf is not None or not ng)
     if deferred and y_buf is None:
         y_buf = x.new_empty(B, nf, d)
-    # ---- a decode step's GDN heads on the side stream, concurrent with the FA heads (DECODE_OVERLAP)
-    y_side = side = y_one = None
-    # beside the whole FA branch (DECODE_OVERLAP), else beside the FA prep kernel only (DECODE_OVERLAP_PREP)
-    side_ok = not one and _side_ok(p, x, T, S_dec)
-    ov_all = side_ok and bool(DECODE_OVERLAP) and (DECODE_OVERLAP != "auto" or overlap_rule(
-        B, ng, d, _sm_count(x.device), fused_norm=bool(g_out) and g_out["gamma"] is not None))
-    ov_prep = side_ok and not ov_all and prep and DECODE_OVERLAP_PREP
-    if ov_all or ov_prep:
-        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-        # allocated on the main stream, which reads it after the join
-        y_side = y_buf[:, nf:] if y_buf is not None else x.new_empty(B, ng, d)
-        zg = z[..., p.n_fa_rows:]
-        qg, kg, vg, a, b = zg.split(p.g_sizes, dim=-1)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            _gdn_decode(layer, p, qg, kg, vg, a[..., :ng], b[..., :ng], (cos, sin) if cos is not None else (None, None),
-                        cache.S, out=y_side, gamma=g_out["gamma"] if g_out else None, pdl=False)  # after an event wait
-        del zg, qg, kg, vg, a, b
+    y_one = None
 
     # ---- FA heads: softmax attention over the kept KV groups
     if nf:
         if one:
             # deferred: the partials go to the tail kernel unless the launch combines them (rows of few heads)
             o_fa, y_one = _one_launch(layer, p, q, k, v, z, cache, dpos, past, cos, sin, position_ids, y_buf, gate,
-                                      g_out, combine=True if not deferred else False if DECODE_DEFER_COMBINE
-                                      else "defer")
+                                      g_out, combine="defer" if deferred else True)
             combined = isinstance(o_fa, Tensor)
         elif prep:  # one kernel: q/k glue + the K/V cache write
             slot = dpos if dpos is not None else past
             qp = fa_decode_prep(q[:, 0], k[:, 0], v[:, 0], cache.k, cache.v, slot,
                                 **_fa_glue_kw(layer, p, cos, sin, position_ids, slot, x.device))
-            if ov_prep:  # the GDN step ran beside the prep kernel: join before the split-K attention
-                torch.cuda.current_stream(x.device).wait_stream(side)
-                side = None
             o_fa = _fa_attend(layer, p, qp[:, None], None, None, cache, dpos, past, prep=True,
                               **_fa_fused_out(p, y_buf, gate))
             del qp
@@ -861,22 +731,18 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
             if not p.fa_rope:
                 pos = position_ids if position_ids is not None else torch.arange(past, past + T, device=x.device)[None]
                 pos = pos.expand(B, T)
-            q, k = _glue("fa", (q, k, cos, sin, pos), (p.qn, p.kn), eps=p.qk_eps, rope=p.fa_rope,
+            q, k = _glue("fa", (q, k, cos, sin, pos), (p.qn, p.kn), cfg.compile_glue, eps=p.qk_eps, rope=p.fa_rope,
                          nope_a=float(layer.options.nope_a))
             o_fa = _fa_attend(layer, p, q, k.transpose(1, 2), v.transpose(1, 2), cache, dpos, past)  # B, T, nf, d
         del q, k, v
-    if side is not None:  # join before anything made on the main stream is freed or read
-        torch.cuda.current_stream(x.device).wait_stream(side)
 
     # ---- GDN heads: all in one kernel call per time block, the state carried over
     y_g = None
     if y_one is not None:
         y_g = y_one[:, None]
-    elif y_side is not None:
-        y_g = y_side[:, None]
     elif ng:
         S = S_dec
-        fused_step = T == 1 and S is not None and DECODE_GDN in ("fused", "triton")
+        fused_step = T == 1 and S is not None
         W_g = p.W[p.n_fa_rows:]
         b_g = None if p.b is None else p.b[p.n_fa_rows:]
         blocks = [(0, T)] if one_gemm else [(s, min(s + tb, T)) for s in range(0, T, tb)]
@@ -902,7 +768,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
                 del z, z_fa
                 z = z_fa = None
             if ops is not None:
-                y, S = gdn_consume(ops, layer.scaling, S, p.gdn_kernel, layer.options.chunk_size)
+                y, S = gdn_consume(ops, layer.scaling, S, p.gdn_kernel, layer.options.chunk_size, cfg.flash_qla)
             if len(blocks) > 1:
                 y_g[:, t0:t1] = y
             else:
@@ -921,10 +787,10 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
         return DeferredOutput(y_buf.view(B, -1), (o_fa, f["gate"], f["gamma"], f["eps"]), p.Wo, p.bo)
     if y_buf is not None:  # done by the kernels
         del o_fa, y_g, gate
-        return linear(y_buf.view(B, 1, -1), p.Wo, p.bo)
+        return F.linear(y_buf.view(B, 1, -1), p.Wo, p.bo)
     if p.gamma is None and gate is None and (o_fa is None or y_g is None):
         y = (o_fa if o_fa is not None else y_g).reshape(B, T, -1)
     else:
-        y = _glue("out", (o_fa, gate, y_g), (p.gamma,), eps=p.eps)
+        y = _glue("out", (o_fa, gate, y_g), (p.gamma,), cfg.compile_glue, eps=p.eps)
     del o_fa, y_g, gate
-    return linear(y, p.Wo, p.bo)
+    return F.linear(y, p.Wo, p.bo)

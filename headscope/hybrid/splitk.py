@@ -57,61 +57,6 @@ def require_kernel(name: str, reference: str, t: Tensor, plural: bool = False) -
                          f"{reference}")
 
 
-# Programmatic dependent launch (PDL; Hopper and newer): each decode kernel is launched while the kernel before it
-# in the stream still runs, and waits (``griddepcontrol.wait``) before it touches memory that kernel may write, so
-# only launches and prologues overlap (and, in skinny.linear_rows, the load of the weights: parameters, which no
-# decode kernel writes). Every PDL kernel waits in every program before it signals its dependents and before it
-# finishes, so a finished kernel implies finished predecessors. Off by default. Measured on the H200: a chain of 7
-# decode-sized kernels, 18.2 µs per layer with cuBLAS + Triton vs 14.9 µs all Triton with PDL
-# (``benchmarks/bench_decode_gemm.py``); but in the whole SmolLM2-shaped decode step (B = 16, 32K,
-# ``profile_decode.py``), with static.TAIL_PDL (and skinny.ENABLE), the 7:1 hybrid's step 2.021 -> 1.976-1.986 ms
-# and the all-FA teacher's 3.672 -> 3.972-4.087 ms (slower; cause not found). True: PDL where pdl_applies().
-PDL = False
-# kernels launched plainly even with PDL on, '+'-separated names among "partial", "combine" (both combinations),
-# "prep" (fa_step), "gdn" (gdn_step), "rows" (skinny): to find which launch slows the all-FA step
-# (profile_decode.py --variants a:splitk.PDL=True,splitk.PDL_SKIP=partial b:...).
-PDL_SKIP = ""
-PDL_KERNELS = ("partial", "combine", "prep", "gdn", "rows")
-_caps: dict = {}
-
-
-def gdc_ops() -> tuple:
-    """(gdc_wait, gdc_launch_dependents) of Triton's CUDA extras, or (None, None) in a Triton without them."""
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    except ImportError:
-        return None, None
-    return gdc_wait, gdc_launch_dependents
-
-
-def pdl_applies(t: Tensor, kernel: Optional[str] = None, allow: Optional[bool] = None) -> bool:
-    """Whether headscope's decode kernel ``kernel`` (one of :data:`PDL_KERNELS`; None: any) launches with PDL for
-    ``t``'s device: :data:`PDL` on, ``allow`` not False (a caller's veto, e.g. a launch right after a stream
-    join), the kernel not in :data:`PDL_SKIP`, a CUDA device of compute capability ≥ 9.0 (Hopper), and a Triton
-    with grid dependency control (never in the interpreter).
-
-    Raises:
-        ValueError: with PDL on, a kernel name, or a name in PDL_SKIP, that is not one of PDL_KERNELS.
-    """
-    if not PDL or allow is False:  # the default: one check per launch on the decode path's host time
-        return False
-    skip = [k for k in PDL_SKIP.split("+") if k]
-    for k in skip + ([kernel] if kernel is not None else []):
-        if k not in PDL_KERNELS:
-            raise ValueError(f"PDL kernel {k!r}: want one of {PDL_KERNELS} (splitk.PDL_SKIP joins them with '+')")
-    if kernel in skip or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    i = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if i not in _caps:
-        _caps[i] = torch.cuda.get_device_capability(i)[0] >= 9 and gdc_ops()[0] is not None
-    return _caps[i]
-
-
-def launch_kw(pdl: bool) -> dict:
-    """Extra launch arguments of a Triton kernel: ``launch_pdl=True`` with PDL, else none."""
-    return {"launch_pdl": True} if pdl else {}
-
-
 def _check(q: Tensor, k: Tensor, v: Tensor, length: Optional[Tensor], kv_index: Optional[Tensor] = None) -> tuple[int, int, int, int, int]:
     if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"want q [batch, q_head, d] and k, v [batch, kv_head, slots, d]; got "
@@ -197,23 +142,6 @@ def launch_defaults() -> dict:
     return {k: globals()[k.upper()] for k in _LAUNCH}
 
 
-def set_launch_defaults(**settings: int) -> dict:
-    """Set some of the split-K launch settings (e.g. the best of ``benchmarks/bench_splitk.py``: its
-    ``best_overall``); unknown keys are ignored. Returns the settings before the change (pass them back to undo).
-
-    Raises:
-        ValueError: a value that is not a positive integer, or a block that is not a power of two ≥ 16.
-    """
-    before = launch_defaults()
-    new = {k: settings[k] for k in _LAUNCH if k in settings}
-    for k, v in new.items():
-        if not isinstance(v, int) or v < 1 or (k == "block" and (v < 16 or v & (v - 1))):
-            raise ValueError(f"split-K setting {k}={v!r}: want a positive integer (block: a power of two ≥ 16)")
-    for k, v in new.items():
-        globals()[k.upper()] = v
-    return before
-
-
 def _sm_count(dev: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (132 on the H100/H200; 132 off CUDA), read once."""
     if dev.type != "cuda":
@@ -260,8 +188,6 @@ def _make(triton, tl) -> dict:
     """The Triton kernels: the per-split partials and their exact combination (plain or with the output fusion).
     ``attend`` and ``tile`` are the partial's body and its per-tile update, shared with ``step.py``'s one-launch
     decode step (a Triton function called from another kernel is inlined there)."""
-    gdc_wait, gdc_launch = gdc_ops()
-
     @triton.jit
     def _glue(x, xr, sign, c, s, w, wr, qk_eps, D: tl.constexpr, QKN: tl.constexpr, ROPE: tl.constexpr):
         """The FA heads' q/k glue on rows [R, D] (fp32): x, and xr = x at the rotate-half columns (j + D/2 mod D),
@@ -390,23 +316,15 @@ def _make(triton, tl) -> dict:
     def _partial(Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
                  sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
                  HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                 NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr, PREC: tl.constexpr,
-                 PDL: tl.constexpr):
-        if PDL:  # q and the new slot's K/V come from the kernel before
-            gdc_wait()
+                 NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr, PREC: tl.constexpr):
         _attend(tl.program_id(0), tl.program_id(1), Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
                 sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
                 Q, Q, Q, Q, ML, ML, LEN, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0,
                 HK, G, GP, D, BN, NS, HAS_LEN, HAS_KVI, PREC, False, False, False, False)
-        if PDL:  # the combination may launch once every split is done (launched earlier, its programs would
-            gdc_launch()  # take thread-block slots that this bandwidth-bound kernel's later programs need)
 
     @triton.jit
     def _combine(ACC, ML, O, sob, soh, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
-                 SP: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            gdc_wait()
-            gdc_launch()
+                 SP: tl.constexpr, BD: tl.constexpr):
         pid = tl.program_id(0)  # (batch, kv head, group member) x a BD-column block of d: one pass, all splits
         g = pid % G
         bh = pid // G
@@ -474,10 +392,7 @@ def _make(triton, tl) -> dict:
     @triton.jit
     def _combine_out(ACC, ML, O, GATE, GAMMA, sob, soh, sgb, sgh, eps, HK: tl.constexpr, G: tl.constexpr,
                      D: tl.constexpr, NS: tl.constexpr, SC: tl.constexpr, HAS_GATE: tl.constexpr,
-                     HAS_NORM: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            gdc_wait()
-            gdc_launch()
+                     HAS_NORM: tl.constexpr):
         _combine_row(tl.program_id(0), ACC, ML, O, GATE, GAMMA, sob, soh, sgb, sgh, eps, HK, G, D, NS, SC, HAS_GATE,
                      HAS_NORM)
 
@@ -542,12 +457,11 @@ def decode_attention(
     FlashAttention (Dao et al., 2022); the output fusion is HydraHead eq. 13–14.
     """
     sp = setup(q, k, v, length, kv_index, block, n_splits, out, gate, gamma)
-    pdl = pdl_applies(q, "partial")
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _build()["partial"][(sp.B * sp.Hk, sp.NS)](
-            *partial_args(sp, q, k, v, scale), **sp.meta, PDL=pdl,
+            *partial_args(sp, q, k, v, scale), **sp.meta,
             num_warps=NUM_WARPS if num_warps is None else num_warps,
-            num_stages=NUM_STAGES if num_stages is None else num_stages, **launch_kw(pdl))
+            num_stages=NUM_STAGES if num_stages is None else num_stages)
     return combine(sp, gate, gamma, eps)
 
 
@@ -616,7 +530,6 @@ def combine_chunk(n_splits: int, d: int) -> int:
 def combine(sp: Any, gate: Optional[Tensor], gamma: Optional[Tensor], eps: float) -> Tensor:
     """The exact combination of the partials into ``sp.o`` (with the output fusion when ``gate`` / ``gamma``)."""
     kern, o, NS, d, G, Hk = _build(), sp.o, sp.NS, sp.d, sp.G, sp.Hk
-    pdl_c = pdl_applies(o, "combine")
     with torch.cuda.device(o.device) if o.is_cuda else contextlib.nullcontext():
         if gate is not None or gamma is not None:
             gm = gamma.float().contiguous() if gamma is not None else sp.acc
@@ -624,10 +537,10 @@ def combine(sp: Any, gate: Optional[Tensor], gamma: Optional[Tensor], eps: float
             kern["combine_out"][(sp.B * Hk * G,)](
                 sp.acc, sp.ml, o, gt, gm, o.stride(0), o.stride(1), gt.stride(0), gt.stride(1), float(eps), HK=Hk, G=G,
                 D=d, NS=NS, SC=combine_chunk(NS, d), HAS_GATE=gate is not None,
-                HAS_NORM=gamma is not None, PDL=pdl_c, **launch_kw(pdl_c))
+                HAS_NORM=gamma is not None)
             return o
         SP = 1 << max(0, (NS - 1).bit_length())
         BD = min(d, 32 if SP <= 128 else 16)
         kern["combine"][(sp.B * Hk * G, d // BD)](sp.acc, sp.ml, o, o.stride(0), o.stride(1), HK=Hk, G=G, D=d, NS=NS,
-                                                    SP=SP, BD=BD, PDL=pdl_c, **launch_kw(pdl_c))
+                                                    SP=SP, BD=BD)
     return o

@@ -20,60 +20,17 @@ host time per layer: see ``graphs.py``)::
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .graphs import capture as _capture
+from .inference.config import InferenceConfig, inference_config, use_inference
 from .lean import DeferredOutput, applies as _lean_applies, plan as _plan
-from .mlp_step import MAX_ROWS as _MLP_ROWS, applies as _mlp_applies, decode_mlp
-from .skinny import linear
 from .tail_step import MAX_ROWS as _TAIL_ROWS, applies as _tail_applies, layer_tail
-
-
-TAIL_BACKEND = "inductor"  # torch.compile backend of the layers' norm + MLP tail (compile_tail=True)
-TAIL_MODE: Optional[str] = None  # its torch.compile mode (None: the default; e.g. "max-autotune-no-cudagraphs")
-# compile_tail: one compiled call per layer for residual + norm + MLP + the next layer's input norm, with the gate and
-# up projections in one GEMM (gated MLPs, checked against the module's forward first); False: the two calls.
-# On the H200 (SmolLM2 shape, batch 16) the gate/up GEMMs were 3.7 µs each (benchmarks/profile_decode.py).
-FUSED_TAIL = True
-# The one gate/up GEMM needs a concatenated copy of both weights per layer (106 MB for SmolLM2-135M in bf16): made only
-# where a layer's gate + up weights are at most this many bytes — small GEMMs, bound by latency, where one launch
-# fewer pays; larger layers keep the two projections (bandwidth-bound: nothing to gain) inside the same fused call.
-FUSED_GATE_UP_MAX_BYTES = 32 << 20
-# Inductor's programmatic dependent launch for the compiled tail's Triton kernels on a GPU (its config
-# ``triton.enable_pdl``, where this torch has it; only with the default TAIL_MODE), to chain with headscope's decode
-# kernels under splitk.PDL. Off by default, like splitk.PDL (measured there).
-TAIL_PDL = False
-# With the fused tail (compile_tail=True, FUSED_TAIL) a decode step of at most mlp_step.MAX_ROWS rows can run each
-# layer's residual + norm + gated MLP + residual + next norm as mlp_step.decode_mlp's two Triton launches instead of the
-# compiled call's five (two GEMMs and three fused kernels), where it applies (CUDA, bias-free SiLU MLPs, RMSNorms,
-# small layers: mlp_step.applies) and equals the layers' modules on random inputs (checked once, at construction).
-# Off by default: slower on the H200 (SmolLM2 shape, B = 16, 32K, profile_decode.py): its partials kernel took 14.3
-# µs and the finish 8.5 µs per layer (loops of dependent loads on 48 and 16 programs) against 12.4 µs for the five
-# launches; whole step 1.966 -> 2.237 ms (hybrid), 3.697 -> 3.979 ms (teacher).
-MLP_KERNEL = False
-# With the fused tail (compile_tail=True, FUSED_TAIL), a decode step of at most tail_step.MAX_ROWS sequences whose
-# attention takes the lean path's one-launch step hands o_proj's input (or the split-K partials, for rows the launch
-# does not combine: lean.DECODE_DEFER_COMBINE) to tail_step.layer_tail: the combination, o_proj, residual, norm, gated
-# MLP, residual, the next layer's input norm and (TAIL_PROJECT_NEXT) that layer's input projection in one persistent
-# launch (grid-wide barriers between the phases) instead of nine launches. Where it
-# applies (CUDA, Llama-style SiLU MLP and RMSNorms, sizes: tail_step.applies) and equals the layers' modules on random
-# inputs (checked once, at construction). On the H200 (SmolLM2 shape, ranked 7:1 mask, graph-replayed step;
-# profile_decode.py, off vs on in one run): B = 16, 32K teacher 3.611 -> 3.505 ms, hybrid 1.952 -> 1.792 ms (1.85x ->
-# 1.96x; 1.98x in another run); 64K 2.13x -> 2.25x; B = 1, 32K 1.10x -> 1.12x (both models faster everywhere). The
-# tail kernel takes 19-20 us per layer against 25-26 us for the launches it replaces.
-TAIL_KERNEL = True
-# The tail kernel computes the next layer's input projection too (where that layer takes the lean path), which then
-# skips its own GEMM (lean.forward's z_in).
-TAIL_PROJECT_NEXT = True
-# compile_tail: a decode step's ends compiled too — the embedding lookup with the rotary embedding's cos/sin, and the
-# final norm with the LM head (and, in generate, the argmax) — instead of ~15 eager launches (the embedding's gather
-# alone took 11 µs of a 1.8 ms step on the H200: a few thread blocks looping over the rows). Prefills stay eager.
-# On the H200 (SmolLM2 shape, ranked 7:1 mask, B = 16, 32K; profile_decode.py, off vs on in one run): 83 -> 70
-# launches per step, teacher 3.564 -> 3.528 ms, hybrid 1.814 -> 1.768 ms (1.96x -> 2.00x).
-COMPILE_ENDS = True
 
 
 class _Clock:
@@ -100,15 +57,9 @@ class _Clock:
         return (b - a) * 1e3
 
 
-def _compile(fn: Any, cuda: bool) -> Any:
-    """``torch.compile`` of a tail function (TAIL_BACKEND, TAIL_MODE; Inductor's PDL with :data:`TAIL_PDL` on CUDA)."""
-    opts = None
-    if TAIL_PDL and cuda and TAIL_BACKEND == "inductor" and TAIL_MODE is None:
-        import torch._inductor.config as icfg
-
-        if hasattr(icfg.triton, "enable_pdl"):
-            opts = {"triton.enable_pdl": True}
-    return torch.compile(fn, backend=TAIL_BACKEND, fullgraph=True, mode=TAIL_MODE, options=opts)
+def _compile(fn: Any, cfg: InferenceConfig) -> Any:
+    """``torch.compile`` of a tail function (``cfg.tail_backend``, ``cfg.tail_mode``)."""
+    return torch.compile(fn, backend=cfg.tail_backend, fullgraph=True, mode=cfg.tail_mode)
 
 
 def _pre(layer: Any, h: Tensor) -> Tensor:
@@ -140,10 +91,10 @@ def _post_fused(layer: Any, nxt: Any, h: Tensor, a: Tensor, W_gu: Optional[Tenso
     x = layer.post_attention_layernorm(h)
     if W_gu is None:
         g, u = layer.mlp.gate_proj(x), layer.mlp.up_proj(x)
-    else:  # decode-sized rows: skinny.linear's kernel (an opaque custom op to torch.compile), else F.linear
-        g, u = linear(x, W_gu, b_gu).chunk(2, dim=-1)
+    else:
+        g, u = F.linear(x, W_gu, b_gu).chunk(2, dim=-1)
     dn = layer.mlp.down_proj
-    h = h + linear(layer.mlp.act_fn(g) * u, dn.weight, dn.bias)
+    h = h + F.linear(layer.mlp.act_fn(g) * u, dn.weight, dn.bias)
     return h, (nxt.input_layernorm(h) if nxt is not None else None)
 
 
@@ -191,22 +142,29 @@ class StaticDecoder:
             step launches a few fused kernels per layer instead of ~20 small ones; eager after a compile
             failure (warned). Off by default (a first-use compile of ~30 s): on the H200 it made the whole-model
             decode step 1.2–1.6× faster (``bench_hybrid.py --compile-tail``; ``benchmarks/HISTORY.md``). With
-            :data:`FUSED_TAIL` and gated MLPs (checked against the modules' forward first; not with forward hooks
-            on the norms or MLPs, warned) a layer's residual, norm, MLP (gate and up projections in one GEMM up to
-            :data:`FUSED_GATE_UP_MAX_BYTES`: a concatenated weight copy) and the next layer's input norm are one
-            compiled call; a decode step's ends (embedding + rotary, final norm + LM head) are compiled too
-            (:data:`COMPILE_ENDS`).
+            gated MLPs (checked against the modules' forward first; not with forward hooks on the norms or MLPs,
+            warned) a layer's residual, norm, MLP (gate and up projections in one GEMM up to
+            ``config.fused_gate_up_max_bytes``: a concatenated weight copy) and the next layer's input norm are one
+            compiled call (on the H200 the gate/up GEMMs were 3.7 µs each at batch 16), or with
+            ``config.tail_kernel`` one Triton launch per layer (``tail_step.py``) that also computes the next
+            layer's input projection; a decode step's ends (embedding + rotary, final norm + LM head) are compiled
+            too (83 -> 70 launches per step; hybrid 1.814 -> 1.768 ms, SmolLM2 shape, B = 16, 32K).
+        config: the fast paths' :class:`~headscope.hybrid.inference.InferenceConfig`, set on the model
+            (:func:`~headscope.hybrid.inference.use_inference`); None: the model's own (default unless set).
 
     Raises:
         ValueError: a layer's attention is not a hybrid layer.
     """
 
-    def __init__(self, model: Any, batch: int, max_len: int, compile_tail: bool = False):
+    def __init__(self, model: Any, batch: int, max_len: int, compile_tail: bool = False,
+                 config: Optional[InferenceConfig] = None):
         self.model = model
         self.base = model.model
         for i, layer in enumerate(self.base.layers):
             if not hasattr(layer.self_attn, "new_decode_cache"):
                 raise ValueError(f"layer {i} is not a hybrid attention layer; hybridize the model first")
+        self.config = use_inference(model, config) if config is not None else inference_config(model)
+        cfg = self.config
         self.caches = [layer.self_attn.new_decode_cache(batch, max_len) for layer in self.base.layers]
         self.batch, self.max_len = batch, max_len
         self._graph: Optional[torch.cuda.CUDAGraph] = None
@@ -216,34 +174,28 @@ class StaticDecoder:
         self._pre, self._post, self._fused = _pre, _post, None
         self._embed, self._head = _embed, _head
         self._gu: list = [None] * len(self.base.layers)  # per layer: (weight versions, W_gu, b_gu)
-        self._mlp: Optional[list] = None  # per layer: the norms' (weight, ε) of mlp_step.decode_mlp, where it applies
         self._tk: Optional[list] = None  # per layer: the norms' (weight, ε) of tail_step.layer_tail, where it applies
         if compile_tail:
-            cuda = next(model.parameters()).is_cuda
-            self._pre = _compile(_pre, cuda)
-            self._post = _compile(_post, cuda)
-            if COMPILE_ENDS:
-                self._embed, self._head = _compile(_embed, cuda), _compile(_head, cuda)
+            self._pre = _compile(_pre, cfg)
+            self._post = _compile(_post, cfg)
+            self._embed, self._head = _compile(_embed, cfg), _compile(_head, cfg)
             layers = self.base.layers
-            if FUSED_TAIL and all(_gated_mlp(layer) for layer in layers):
+            if all(_gated_mlp(layer) for layer in layers):
                 if any(_hooked(layer) for layer in layers):
-                    import warnings
-
                     warnings.warn("StaticDecoder: forward hooks on the layers' norms or MLPs; the fused layer tail "
                                   "would bypass them, so the modules are called (two compiled calls per layer)",
                                   stacklevel=2)
                 elif self._fused_tail_ok():
-                    self._fused = _compile(_post_fused, cuda)
-                    self._mlp = self._mlp_kernel_params() if MLP_KERNEL else None
-                    self._tk = self._tail_kernel_params() if TAIL_KERNEL else None
+                    self._fused = _compile(_post_fused, cfg)
+                    self._tk = self._tail_kernel_params() if cfg.tail_kernel else None
 
     def _gate_up(self, i: int) -> tuple:
         """Layer i's [gate; up] weight (and bias), concatenated once and again when either changes; (None, None)
-        above :data:`FUSED_GATE_UP_MAX_BYTES` (the two projections are used). A captured CUDA graph keeps the
+        above ``config.fused_gate_up_max_bytes`` (the two projections are used). A captured CUDA graph keeps the
         copy it was captured with: capture again after editing the weights (as for the lean path's projections)."""
         m = self.base.layers[i].mlp
         ps = (m.gate_proj.weight, m.up_proj.weight, m.gate_proj.bias, m.up_proj.bias)
-        if (ps[0].numel() + ps[1].numel()) * ps[0].element_size() > FUSED_GATE_UP_MAX_BYTES:
+        if (ps[0].numel() + ps[1].numel()) * ps[0].element_size() > self.config.fused_gate_up_max_bytes:
             return None, None
         key = tuple((id(p), _version(p), p.device, p.dtype) if p is not None else None for p in ps)
         got = self._gu[i]
@@ -265,8 +217,6 @@ class StaticDecoder:
         i = self._differs_from_modules(lambda i, h, a: _post_fused(layers[i], layers[i + 1] if i + 1 < len(layers)
                                                                    else None, h, a, *self._gate_up(i)), (2, 3), 0, tol)
         if i is not None:
-            import warnings
-
             warnings.warn("StaticDecoder: the fused layer tail (gate/up in one GEMM) differs from the MLP "
                           f"module's forward in layer {i} ({type(layers[i].mlp).__name__}); using the module",
                           stacklevel=3)
@@ -294,37 +244,6 @@ class StaticDecoder:
                     return i
         return None
 
-    def _mlp_kernel_params(self) -> Optional[list]:
-        """Per layer (post-attention norm's weight and ε, next layer's input norm's or None) for
-        :func:`~headscope.hybrid.mlp_step.decode_mlp`; None where it does not apply here (device, sizes, biases, a
-        norm without an ε attribute) or differs from the layers' modules on random inputs (warned)."""
-        layers = self.base.layers
-        w = layers[0].mlp.gate_proj.weight
-        rows = min(self.batch, _MLP_ROWS)
-        inter, hidden = w.shape
-        if not _mlp_applies(rows, hidden, inter, w.device):
-            return None
-
-        norm = _norm_params
-        params = []
-        for i, layer in enumerate(layers):
-            mlp = layer.mlp
-            nxt = layers[i + 1] if i + 1 < len(layers) else None
-            post, pre = norm(layer.post_attention_layernorm), (norm(nxt.input_layernorm) if nxt is not None else None)
-            W_gu, b_gu = self._gate_up(i)
-            if (post is None or (nxt is not None and pre is None) or W_gu is None or b_gu is not None
-                    or mlp.down_proj.bias is not None):
-                return None
-            params.append((post, pre))
-        i = self._differs_from_modules(lambda i, h, a: self._mlp_tail(i, h, a, params), (rows,), 1)
-        if i is not None:
-            import warnings
-
-            warnings.warn(f"StaticDecoder: the two-launch MLP tail (mlp_step) differs from layer {i}'s modules; using "
-                          "the compiled tail", stacklevel=3)
-            return None
-        return params
-
     def _tail_kernel_params(self) -> Optional[list]:
         """Per layer (post-attention norm's weight and ε, next layer's input norm's or None) for
         :func:`~headscope.hybrid.tail_step.layer_tail`; None where it does not apply here (device, sizes, a norm
@@ -348,8 +267,6 @@ class StaticDecoder:
         i = self._differs_from_modules(
             lambda i, h, a: self._kernel_tail(i, h, a.contiguous(), eye, None, None, params), (rows,), 2)
         if i is not None:
-            import warnings
-
             warnings.warn(f"StaticDecoder: the one-launch layer tail (tail_step) differs from layer {i}'s modules; "
                           "using the compiled tail", stacklevel=3)
             return None
@@ -369,9 +286,9 @@ class StaticDecoder:
 
     def _projects(self, i: int, h: Tensor) -> Optional[Any]:
         """The lean plan of layer i + 1 when the tail kernel of layer i can compute its input projection
-        (:data:`TAIL_PROJECT_NEXT`, the layer takes the lean path for this step, its rows a multiple of 16)."""
+        (the layer takes the lean path for this step, its rows a multiple of 16)."""
         layers = self.base.layers
-        if not TAIL_PROJECT_NEXT or i + 1 >= len(layers):
+        if i + 1 >= len(layers):
             return None
         attn = layers[i + 1].self_attn
         if not _lean_applies(attn, h, None, True, self.caches[i + 1]):
@@ -379,19 +296,11 @@ class StaticDecoder:
         p = _plan(attn)
         return p if p.W.shape[0] % 16 == 0 else None
 
-    def _mlp_tail(self, i: int, h: Tensor, a: Tensor, params: list) -> tuple:
-        """Layer i's tail through :func:`~headscope.hybrid.mlp_step.decode_mlp` (h, a [rows, hidden]; ``params``
-        from :meth:`_mlp_kernel_params`)."""
-        (wp, ep), pre = params[i]
-        return decode_mlp(h, a, wp, ep, self._gate_up(i)[0], self.base.layers[i].mlp.down_proj.weight,
-                          *(pre if pre is not None else (None, 0.0)))
-
     def _layers(self, h: Tensor, pe: Any, pos: Tensor) -> Tensor:
         """The decoder layers over hidden states h [batch, T, hidden] (attention through the caches)."""
         layers = self.base.layers
         if self._fused is not None:
             rows = h.shape[0] * h.shape[1]
-            mlp = self._mlp if (self._mlp is not None and rows <= _MLP_ROWS) else None
             tk = self._tk if (self._tk is not None and h.shape[1] == 1 and rows <= _TAIL_ROWS) else None
             x = self._tail(0, layers[0], h)
             z = None  # the layer's input projection, when the tail kernel before computed it
@@ -414,10 +323,6 @@ class StaticDecoder:
                         continue
                 else:
                     a, _ = layer.self_attn(x, position_embeddings=pe, cache=dc, position_ids=pos)
-                if mlp is not None:  # the two-launch tail (mlp_step.decode_mlp)
-                    hn, xn = self._mlp_tail(i, h.reshape(rows, -1), a.reshape(rows, -1), mlp)
-                    h, x = hn.view_as(h), (xn.view_as(h) if xn is not None else None)
-                    continue
                 h, x = self._tail(2, layer, layers[i + 1] if i + 1 < len(layers) else None, h, a, *self._gate_up(i))
             return h
         for layer, dc in zip(layers, self.caches):
@@ -437,8 +342,6 @@ class StaticDecoder:
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - a compile failure: eager from here on
-            import warnings
-
             warnings.warn(f"StaticDecoder: torch.compile of the layer tail failed ({type(e).__name__}: {e}); "
                           "running it eagerly", stacklevel=3)
             self._pre, self._post, self._embed, self._head = _pre, _post, _embed, _head
@@ -459,7 +362,7 @@ class StaticDecoder:
         B, T = ids.shape
         past = self.length
         pos = torch.arange(past, past + T, device=ids.device)[None].expand(B, -1)
-        step = T == 1  # a decode step: its ends compiled (compile_tail, COMPILE_ENDS); a prefill's eager
+        step = T == 1  # a decode step: its ends compiled (compile_tail); a prefill's eager
         h, pe = self._tail(3, m, ids, pos) if step else _embed(m, ids, pos)
         h = self._layers(h, pe, pos)[:, -1:]
         return (self._tail(4, self.model, h, False) if step else _head(self.model, h, False))[:, 0]

@@ -14,7 +14,7 @@ all three in one launch:
 - **the GDN heads ride along**: the launch's first programs run the GDN step (one per sequence × head × value
   block), the rest the splits; the split count leaves room for them (``splitk.n_splits_for(reserved=…)``), so all
   programs fit about one wave;
-- **the combination rides along too** (:data:`COMBINE` ``"launch"``): each (sequence, KV head) row's last split to
+- **the combination rides along too** (rows of at most :data:`LAUNCH_COMBINE_MAX_G` query heads): each (sequence, KV head) row's last split to
   finish — found by a per-row counter that grows by the split count per launch — combines the row's partials
   (``splitk._combine_row``, with the output fusion) instead of a second launch.
 
@@ -37,26 +37,23 @@ from .fa_step import check_args as _check_prep, glue_args
 from .shapes import Float
 
 _kernels: dict = {}
-# Where hybrid_decode_step's split-K combination runs by default: "launch" — inside the one launch, by the last split of
-# each (sequence, KV head) to finish (a per-row counter), which saves the second launch (or the tail kernel's first
-# phase and its barrier); "kernel" — splitk.combine's separate launch (before the seventh session).
-COMBINE = "launch"
-# ... where a row has at most this many query heads (G): its last split combines them one after another, at the end of
-# the launch. On the H200 (SmolLM2 shape, B = 16, 32K; profile_decode.py) the all-FA teacher's rows (G = 3) made the
-# launch 95.6 -> 100.0 µs per layer against 20.3 -> 17.4 µs saved in the tail kernel (slower), the hybrid's (G = 1-2)
-# 38.2 -> 38.9-39.6 against 19.4 -> 17.7-18.0 (faster); rows of more heads keep the separate combination.
+# Where hybrid_decode_step's split-K combination runs by default (combine=True): inside the one launch, by the last
+# split of each (sequence, KV head) to finish (a per-row counter; saves the second launch, or the tail kernel's first
+# phase and its barrier), for rows of at most this many query heads (G); rows of more heads take splitk.combine's
+# separate launch. On the H200 (SmolLM2 shape, B = 16, 32K; profile_decode.py) the all-FA teacher's rows (G = 3) made
+# the launch 95.6 -> 100.0 µs per layer against 20.3 -> 17.4 µs saved in the tail kernel (slower), the hybrid's
+# (G = 1-2) 38.2 -> 38.9-39.6 against 19.4 -> 17.7-18.0 (faster).
 LAUNCH_COMBINE_MAX_G = 2
 
 
 def combine_mode(g: int) -> str:
     """Where :func:`hybrid_decode_step` combines by default (``combine=True``) for rows of ``g`` query heads:
-    ``"launch"`` or ``"kernel"`` (:data:`COMBINE`, :data:`LAUNCH_COMBINE_MAX_G`)."""
-    return "launch" if COMBINE == "launch" and g <= LAUNCH_COMBINE_MAX_G else "kernel"
+    ``"launch"`` or ``"kernel"`` (:data:`LAUNCH_COMBINE_MAX_G`)."""
+    return "launch" if g <= LAUNCH_COMBINE_MAX_G else "kernel"
 
 
 def _make(triton, tl) -> dict:
     """The one-launch kernel (its bodies from splitk's and gdn_step's kernels, built first)."""
-    gdc_wait, gdc_launch = splitk.gdc_ops()
     globals().update(_attend=splitk._build()["attend"], _combine_row=splitk._build()["combine_row"],
                      _gdn_head=gdn_step._build()["head"], tl=tl)
 
@@ -71,10 +68,8 @@ def _make(triton, tl) -> dict:
                     NS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_KVI: tl.constexpr, PREC: tl.constexpr,
                     ROPE: tl.constexpr, QKN: tl.constexpr, NOPE: tl.constexpr,
                     N: tl.constexpr, BV: tl.constexpr, GROPE: tl.constexpr, GQKN: tl.constexpr, NORM: tl.constexpr,
-                    NGP: tl.constexpr, NCB: tl.constexpr, PDL: tl.constexpr, COMB: tl.constexpr,
+                    NGP: tl.constexpr, NCB: tl.constexpr, COMB: tl.constexpr,
                     SC: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, SYNC: tl.constexpr):
-        if PDL:  # the raw q/k/v of both kinds of heads come from the projection before
-            gdc_wait()
         pid = tl.program_id(0)
         if NGP > 0:
             if pid < NGP:  # a GDN program: one (sequence, head, value block)
@@ -98,8 +93,6 @@ def _make(triton, tl) -> dict:
                     for g in tl.static_range(G):
                         _combine_row(bh * G + g, ACC, ML, O, GATE, GAMMA, sob, soh, sgb, sgh, out_eps, HK, G, D, NS,
                                      SC, HAS_GATE, HAS_NORM)
-        if PDL:
-            gdc_launch()
 
     return {"step": _one_launch}
 
@@ -163,7 +156,7 @@ def hybrid_decode_step(
             of the cache (as the lean layer's does): a group that no query head reads is not written.
         out, gate, gamma, eps: the combination's output buffer and output fusion, as :func:`decode_attention`'s.
         gdn: keyword arguments of :func:`gdn_decode_step` (``q, k, v, a, b, S, A_neg, dt_bias, scale`` and the
-            optional ones except ``pdl`` and ``block_v``; its ``S`` is updated in place); None: no GDN heads.
+            optional ones except ``block_v``; its ``S`` is updated in place); None: no GDN heads.
         n_splits: split count; default :func:`splitk.n_splits_for` with the GDN programs reserved.
         combine: where the split-K combination (with the output fusion) runs: ``"launch"`` — in this launch, by
             the last split of each (sequence, KV head) to finish; ``"kernel"`` — a second launch; True — the
@@ -198,7 +191,7 @@ def hybrid_decode_step(
     gmeta: dict = dict(N=1, BV=16, GROPE=False, GQKN=False, NORM=False)
     y = None
     if gdn is not None:
-        extra = {"pdl", "block_v"} & set(gdn)
+        extra = {"block_v"} & set(gdn)
         if extra:
             raise ValueError(f"gdn takes gdn_decode_step's arguments except {sorted(extra)}")
         grid, gargs, gm, y = gdn_step.setup(**gdn)
@@ -229,13 +222,12 @@ def hybrid_decode_step(
             o.stride(0), o.stride(1), gate.stride(0) if gate is not None else 0,
             gate.stride(1) if gate is not None else 0, float(eps),
             splitk.counters(("splits", str(q.device), rows, sp.NS), rows, q.device) if mode == "launch" else sp.ml)
-    pdl = splitk.pdl_applies(q, "partial")
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _build()["step"][(NGP + rows * sp.NS,)](
             *splitk.partial_args(sp, q, k_cache, v_cache, scale), *fa_args, *gargs, *comb, **sp.meta, ROPE=rope,
-            QKN=qkn, NOPE=nope, **gmeta, NGP=NGP, NCB=max(NCB, 1), PDL=pdl, COMB=mode == "launch",
+            QKN=qkn, NOPE=nope, **gmeta, NGP=NGP, NCB=max(NCB, 1), COMB=mode == "launch",
             SC=splitk.combine_chunk(sp.NS, sp.d), HAS_GATE=gate is not None, HAS_NORM=gamma is not None,
-            SYNC=q.is_cuda, num_warps=splitk.NUM_WARPS, num_stages=splitk.NUM_STAGES, **splitk.launch_kw(pdl))
+            SYNC=q.is_cuda, num_warps=splitk.NUM_WARPS, num_stages=splitk.NUM_STAGES)
     if mode == "kernel":
         return splitk.combine(sp, gate, gamma, eps), y
     return (o if mode == "launch" else sp), y

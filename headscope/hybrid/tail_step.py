@@ -43,13 +43,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import splitk
-from .mlp_step import llama_rms_norm
 from .shapes import Float
 
 BN = 16  # output columns per work item of a GEMM phase (tl.dot's smallest N)
 NUM_WARPS = 4
 MAX_ROWS = 16  # rows (sequences) of one step: one 16-row tile
 _kernels: dict = {}
+
+
+def llama_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """``w · RMSNorm(x)`` as Llama's and Qwen3's RMSNorm compute it (fp32 statistics, rounded before the weight)."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _make(triton, tl) -> dict:
