@@ -15,7 +15,7 @@ Measures in one run and one process, B = 1, bf16 on CUDA (fp32 on CPU):
   (``headscope.hybrid.graphs.capture``; no host time: the glue's guards and fla's launches are gone),
   its time and the peak allocated while capturing it; the hybrid again with ``--graph-block``-token
   GDN blocks (default 8192: smaller fla intermediates, which cost host time only when eager);
-- ``--flash-qla``: the hybrid's prefill again with FlashQLA's GDN forward (``lean.FLASH_QLA``; head_dim
+- ``--flash-qla``: the hybrid's prefill again with FlashQLA's GDN forward (``InferenceConfig.flash_qla``; head_dim
   128 only, i.e. the Qwen3 shape), eager and graphed, and its output against fla's;
 - parity: the all-FA layer vs the teacher's ``LlamaAttention`` (prefill), and the hybrid decode step
   (eager and graph-replayed) vs the full forward's last position.
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict, replace
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotary
 
 import headscope.hybrid.lean as lean
 import headscope.hybrid.layer as layer_mod
+from headscope.hybrid.inference import DEFAULT, inference_config, use_inference
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions, hybridize
 from headscope.hybrid.attn import flash_attn_available, flash_attn_usable
 from headscope.hybrid import splitk
@@ -52,7 +54,7 @@ from headscope.hybrid.graphs import capture as capture_graph, warm_up
 from headscope.hybrid.gdn import fla_available, gdn_chunked_torch, gated_delta_rule
 from headscope.masks import HeadMask
 
-from bench_timing import applied, parse_overrides, time_ms
+from bench_timing import configured, parse_variant, time_ms, variant_config
 
 SHAPES = {
     # name: (hidden, q heads, kv heads, head_dim, FA heads of the layer at 7:1 with >= 1 per layer)
@@ -135,15 +137,16 @@ def _prefill_graph(call, dev, reps, ref):
     return ms, peak, err
 
 
-def _flash_qla_prefill(call, dev, reps, parity):
-    """The hybrid prefill with FlashQLA's GDN forward (``lean.FLASH_QLA``) instead of fla's: time, peak,
-    graphed time (or why capture failed) and its output against fla's."""
+def _flash_qla_prefill(mod, call, dev, reps, parity):
+    """The hybrid prefill (layer ``mod``) with FlashQLA's GDN forward (``InferenceConfig.flash_qla``) against fla's:
+    time, peak, graphed time (or why capture failed) and its output against fla's."""
     r = {}
     if lean._flash_qla_fwd() is None:
         return {"flash_qla": "not installed"}
-    ref = call()
-    prev, lean.FLASH_QLA = lean.FLASH_QLA, True
-    try:
+    base = inference_config(mod)
+    with configured([mod], replace(base, flash_qla=False)):
+        ref = call()
+    with configured([mod], replace(base, flash_qla=True)):
         r["prefill_ms_flashqla"] = _time(call, dev, reps)
         r["prefill_peak_bytes_flashqla"] = _peak_bytes(call, dev)
         got = call()
@@ -155,8 +158,6 @@ def _flash_qla_prefill(call, dev, reps, parity):
         except Exception as e:  # noqa: BLE001 - e.g. a host sync inside its context-parallel set-up
             r["prefill_graph_flashqla_error"] = f"{type(e).__name__}: {e}"[:500]
             torch.cuda.synchronize()
-    finally:
-        lean.FLASH_QLA = prev
     return r
 
 
@@ -209,26 +210,21 @@ def _decode(mod, x, pe, T, dev, graph_reps, eager_reps):
     return r
 
 
-DECODE_VARIANTS = {  # name: (lean.DECODE_GDN, lean.DECODE_FA, device position, lean.DECODE_ONE_LAUNCH); the default
-    # step uses lean's defaults. The names before the one-launch step (fifth session) keep their meaning: three launches
-    "kernel_sdpa": ("kernel", "sdpa", False, False),  # the decode step before the Triton kernels (glue, fla, SDPA)
-    "fused": ("fused", "sdpa", False, False), "splitk": ("kernel", "splitk", False, False),
-    "fused_splitk": ("fused", "splitk", False, False),
-    "triton": ("triton", "sdpa", False, False), "triton_splitk": ("triton", "splitk", False, False),
-    "devpos_sdpa": ("kernel", "sdpa", True, False), "devpos_triton_splitk": ("triton", "splitk", True, False),
-    "one_launch": ("triton", "splitk", False, True), "devpos_one_launch": ("triton", "splitk", True, True),
-}  # a variant name may add module options: 'one_launch:step.COMBINE=kernel,splitk.MIN_SPLIT=128' (bench_timing)
+DECODE_VARIANTS = {  # name: device position; the decode step is the default one-launch step either way (the
+    # variants it replaced: docs/performance-variants.md)
+    "one_launch": False, "devpos_one_launch": True,
+}  # a variant name may add InferenceConfig fields: 'one_launch:fused_out_max_d=0' (bench_timing.parse_variant)
 
 
 def _decode_variant(mod, x, pe, T, dev, graph_reps, variant, ref, profile=False):
-    """The graphed decode step at length T with the lean path's decode options of ``variant``
-    (DECODE_VARIANTS); device-position variants read the position from device memory (one graph for every
-    length; SDPA then masks the whole buffer). Returns its graph time, its output against ``ref`` (the
-    default eager step) and, with ``profile``, the GPU kernels of one eager step."""
-    base, overrides = parse_overrides(variant)
-    gdn_mode, fa_mode, devpos, one = DECODE_VARIANTS[base]
-    with applied([(lean, "DECODE_GDN", gdn_mode), (lean, "DECODE_FA", fa_mode), (lean, "DECODE_ONE_LAUNCH", one),
-                  *overrides]):
+    """The graphed decode step at length T with the InferenceConfig changes of ``variant`` (DECODE_VARIANTS and
+    optional fields); device-position variants read the position from device memory (one graph for every
+    length). Returns its graph time, its output against ``ref`` (the default eager step), the config and, with
+    ``profile``, the GPU kernels of one eager step."""
+    base, changes = parse_variant(variant)
+    devpos = DECODE_VARIANTS[base]
+    config = variant_config(changes, inference_config(mod))
+    with configured([mod], config):
         x1 = x[:, T:]
         dc, pe1, restore = _prefilled(mod, x, pe, T)
         pos = torch.full((1,), T, dtype=torch.long, device=dev)
@@ -243,7 +239,7 @@ def _decode_variant(mod, x, pe, T, dev, graph_reps, variant, ref, profile=False)
 
         got = step().clone()
         restore()
-        r = {"vs_default_eager": _err(got, ref)}
+        r = {"vs_default_eager": _err(got, ref), "config": asdict(config)}
         r["graph_vs_eager"], r["graph_ms"] = _graphed(step, restore, got, dev, graph_reps)
         if profile:
             r["profile"] = _profile_kernels(step, restore)
@@ -299,9 +295,10 @@ def _decode_dynamic(mod, x, pe, T, dev, reps):
     return ms
 
 
-def layers(shape, dev, dtype, gdn_kernel):
+def layers(shape, dev, dtype, gdn_kernel, config=DEFAULT):
     """({"teacher": LlamaAttention with random weights, "fa": the all-FA layer (fusion off), "hybrid": the shape's
-    hybrid layer}, both migrated from the teacher, on ``dev`` in ``dtype``, eval mode; the config)."""
+    hybrid layer}, both migrated from the teacher and run with the InferenceConfig ``config``, on ``dev`` in
+    ``dtype``, eval mode; the config)."""
     hidden, h, kv, d, fa = SHAPES[shape]
     cfg = _cfg(hidden, h, kv, d)
     torch.manual_seed(0)
@@ -313,14 +310,16 @@ def layers(shape, dev, dtype, gdn_kernel):
             "hybrid": HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel=gdn_kernel))}
     mods["fa"].migrate_from(teacher)
     mods["hybrid"].migrate_from(teacher)
+    for k in ("fa", "hybrid"):
+        use_inference(mods[k], config)
     return {k: m.to(dev, dtype).eval() for k, m in mods.items()}, cfg
 
 
 @torch.no_grad()
 def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30, prefill_reps=None, dynamic_reps=0,
                 before=True, graph_prefill=True, graph_block=8192, flash_qla=False, decode_variants=False,
-                profile=False):
-    mods, cfg = layers(shape, dev, dtype, gdn_kernel)
+                profile=False, config=DEFAULT):
+    mods, cfg = layers(shape, dev, dtype, gdn_kernel, config)
     teacher, hidden, d = mods["teacher"], cfg.hidden_size, SHAPES[shape][3]
     rope = LlamaRotaryEmbedding(cfg).to(dev)
     x = torch.randn(1, T + 1, hidden, device=dev, dtype=dtype)
@@ -332,7 +331,7 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
         kw = {"attention_mask": None} if name == "teacher" else {}
         call = lambda: mod(xp, position_embeddings=pep, **kw)[0]  # noqa: E731
         r = {"prefill_ms": _time(call, dev, reps)}
-        # eager GDN block graphs (lean.EAGER_GDN_GRAPHS): the peak of the first call, which makes them, or of a later
+        # eager GDN block graphs (InferenceConfig.eager_gdn_graphs): the peak of the first call, which makes them, or of a later
         # call plus what they hold between calls (static inputs, their memory pool), whichever is larger
         lean.release_eager_graphs()
         r["prefill_peak_bytes"] = _peak_bytes(call, dev)
@@ -343,28 +342,23 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
             r["eager_graph_held_bytes"] = held
             r["prefill_peak_bytes"] = max(r["prefill_peak_bytes_first_call"], r["prefill_peak_bytes_steady"])
         if name == "hybrid" and before:
-            prev, lean.ENABLE = lean.ENABLE, False  # the layer before the lean path (its default low-memory path)
-            try:
+            # the layer before the lean path (its default low-memory path)
+            with configured([mod], replace(config, fast_path="never")):
                 r["prefill_peak_bytes_before"] = _peak_bytes(call, dev)
                 r["prefill_ms_before"] = _time(call, dev, reps)
                 ref_before = call()
-            finally:
-                lean.ENABLE = prev
         if graph_prefill and dev.type == "cuda" and name != "teacher":
             ref = call()
             r["prefill_graph_ms"], r["prefill_graph_peak_bytes"], e = _prefill_graph(call, dev, reps, ref)
             out.setdefault("parity", {})[f"{name}_prefill_graph_vs_eager"] = e
             if name == "hybrid" and graph_block:  # small GDN blocks: host time no longer matters
-                prev_blk, lean.GDN_BLOCK_TOKENS = lean.GDN_BLOCK_TOKENS, graph_block
-                try:
+                with configured([mod], replace(config, gdn_block_tokens=graph_block)):
                     ms, pk, e = _prefill_graph(call, dev, reps, ref)
-                finally:
-                    lean.GDN_BLOCK_TOKENS = prev_blk
                 r[f"prefill_graph_ms@block{graph_block}"], r[f"prefill_graph_peak_bytes@block{graph_block}"] = ms, pk
                 out["parity"][f"hybrid_prefill_graph_block{graph_block}_vs_eager"] = e
             del ref
         if flash_qla and name == "hybrid" and dev.type == "cuda" and d == 128:
-            r.update(_flash_qla_prefill(call, dev, reps, out.setdefault("parity", {})))
+            r.update(_flash_qla_prefill(mod, call, dev, reps, out.setdefault("parity", {})))
         out[name] = r
     out.setdefault("parity", {})
     out["parity"]["fa_layer_vs_teacher_prefill"] = _err(mods["fa"](xp, position_embeddings=pep)[0],
@@ -384,16 +378,15 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
         dec.pop("graph_vs_eager", None)
         out[name].update({f"decode_{k}" if not k.startswith("cache") else k: v for k, v in dec.items()})
         if decode_variants and dev.type == "cuda":
-            variants = DECODE_VARIANTS if name == "hybrid" else ("splitk", "devpos_sdpa", "devpos_triton_splitk",
-                                                                 "one_launch", "devpos_one_launch")
+            variants = tuple(DECODE_VARIANTS)
             if not isinstance(decode_variants, bool):  # the names given (--variants)
                 variants = decode_variants
             for vn in variants:
                 try:
                     vr = _decode_variant(mod, x, pe, T, dev, graph_reps, vn, step_out,
-                                         profile=profile and (vn in ("triton_splitk", "devpos_triton_splitk", "splitk",
-                                                                            "one_launch") or ":" in vn))
+                                         profile=profile and (vn == "one_launch" or ":" in vn))
                     out[name][f"decode_graph_ms_{vn}"] = vr.pop("graph_ms")
+                    out.setdefault("configs", {})[vn] = vr.pop("config")
                     out["parity"][f"{name}_decode_{vn}_vs_default"] = vr.pop("vs_default_eager")
                     out["parity"][f"{name}_decode_{vn}_graph_vs_eager"] = vr.pop("graph_vs_eager")
                     if "profile" in vr:
@@ -532,18 +525,20 @@ def checks(dev):
 
 @torch.no_grad()
 def block_sweep(shapes, dev, dtype, gdn_kernel, lengths=None, blocks=(8192, 16384, 32768, 65536, 1 << 17),
-                graphed=False, variants=(("defaults", []),)):
-    """The hybrid layer's prefill time (ms) and peak (bytes) per lean.GDN_BLOCK_TOKENS, and the all-FA layer's;
-    ``graphed``: replayed from a CUDA graph, peak while capturing (:func:`_prefill_graph`), else eager;
-    ``variants``: [(name, module overrides)] (bench_timing.parse_overrides), each timed at every block."""
-    res = {}
-    old = lean.GDN_BLOCK_TOKENS
+                graphed=False, variants=(("defaults", {}),), config=DEFAULT):
+    """The hybrid layer's prefill time (ms) and peak (bytes) per InferenceConfig.gdn_block_tokens, and the all-FA
+    layer's; ``graphed``: replayed from a CUDA graph, peak while capturing (:func:`_prefill_graph`), else eager;
+    ``variants``: [(name, InferenceConfig changes)] (bench_timing.parse_variant) on ``config``, each timed at every
+    block."""
+    res = {"configs": {vname: asdict(variant_config(ch, config)) for vname, ch in variants}}
     for shape in shapes:
         hidden, h, kv, d, fa = SHAPES[shape]
         cfg = _cfg(hidden, h, kv, d)
         torch.manual_seed(0)
         mods = {"fa": HeadwiseHybridAttention(cfg, 0, tuple(range(h)), HybridOptions(fusion="none")),
                 "hybrid": HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel=gdn_kernel))}
+        for m in mods.values():
+            use_inference(m, config)
         mods = {k: m.to(dev, dtype).eval() for k, m in mods.items()}
         rope = LlamaRotaryEmbedding(cfg).to(dev)
         for T in lengths or (32768, 131072):
@@ -555,27 +550,24 @@ def block_sweep(shapes, dev, dtype, gdn_kernel, lengths=None, blocks=(8192, 1638
             if graphed and dev.type == "cuda":
                 fa_ms, fa_peak, _ = _prefill_graph(fa_call, dev, reps, fa_call())
                 row = {"fa_ms": fa_ms, "fa_peak": fa_peak}
-                ref = call()  # the eager output, default blocks (lean.GDN_BLOCK_TOKENS is the caller's here)
+                ref = call()  # the eager output, the caller's blocks
             else:
                 row = {"fa_ms": _time(fa_call, dev, reps), "fa_peak": _peak_bytes(fa_call, dev)}
-            for vname, overrides in variants:
+            for vname, changes in variants:
                 sfx = "" if vname == "defaults" else f"[{vname}]"
-                with applied(overrides):
-                    for blk in blocks:
-                        lean.GDN_BLOCK_TOKENS = blk
+                for blk in blocks:
+                    with configured([mods["hybrid"]], variant_config({**changes, "gdn_block_tokens": blk}, config)):
                         if graphed and dev.type == "cuda":
                             ms, pk, e = _prefill_graph(call, dev, reps, ref)
                             row[f"hybrid_err@{blk}{sfx}"] = e
                         else:
                             ms, pk = _time(call, dev, reps), _peak_bytes(call, dev)
-                        row[f"hybrid_ms@{blk}{sfx}"], row[f"hybrid_peak@{blk}{sfx}"] = ms, pk
-                    lean.GDN_BLOCK_TOKENS = old
+                    row[f"hybrid_ms@{blk}{sfx}"], row[f"hybrid_peak@{blk}{sfx}"] = ms, pk
             res[f"{shape}@{T}"] = row
             print(f"block sweep {shape}@{T}: " + " ".join(
                 f"{k}={v / 2**20:.0f}MB" if "peak" in k else f"{k}={v:.3g}" for k, v in row.items()
                 if isinstance(v, (int, float))), flush=True)
             del x, pe
-    lean.GDN_BLOCK_TOKENS = old
     return res
 
 
@@ -622,13 +614,15 @@ def _fmt_row(shape, r):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
-    ap.add_argument("--gdn-block", type=int, default=None, help="lean.GDN_BLOCK_TOKENS (tokens per GDN kernel call)")
+    ap.add_argument("--gdn-block", type=int, default=None,
+                    help="InferenceConfig.gdn_block_tokens (tokens per GDN kernel call)")
     ap.add_argument("--block-sweep", action="store_true", help="time/peak of the hybrid layer per GDN block size")
     ap.add_argument("--sweep-blocks", type=int, nargs="+", default=None, help="--block-sweep's block sizes (tokens)")
     ap.add_argument("--sweep-lengths", type=int, nargs="+", default=None, help="--block-sweep's lengths")
     ap.add_argument("--sweep-graphed", action="store_true", help="--block-sweep replayed from CUDA graphs")
     ap.add_argument("--sweep-variants", nargs="+", default=None,
-                    help="--block-sweep's variants, NAME:module.ATTR=value,... (one named 'defaults' is unsuffixed)")
+                    help="--block-sweep's variants, NAME:field=value,... of InferenceConfig (one named 'defaults' is "
+                         "unsuffixed)")
     ap.add_argument("--no-before", action="store_true", help="skip the layer before the lean path")
     ap.add_argument("--no-layer", action="store_true", help="skip the layer benchmark")
     ap.add_argument("--no-graph-prefill", action="store_true", help="skip the CUDA-graph-replayed prefill")
@@ -637,17 +631,14 @@ def main(argv=None):
     ap.add_argument("--graph-block", type=int, default=8192,
                     help="GDN block (tokens) of the second graphed hybrid prefill (0: skip it)")
     ap.add_argument("--decode-variants", action="store_true",
-                    help="layer part: also time the decode step with the GDN step fused into the glue, split-K FA "
-                         "decode, and device-position decoding (lean.DECODE_GDN / DECODE_FA); model part: also the "
-                         "Triton GDN step + split-K step and graphed generate (with --compile-tail: compiled tails)")
+                    help="layer part: also time the device-position decode step; model part: also graphed generate "
+                         "(with --compile-tail: compiled tails)")
     ap.add_argument("--variants", nargs="+", default=None,
                     help=f"layer part: only these decode variants, for both layers (implies --decode-variants): each "
-                         f"one of {sorted(DECODE_VARIANTS)}, optionally with module options, "
-                         "e.g. one_launch:splitk.MIN_SPLIT=128,step.COMBINE=kernel")
+                         f"one of {sorted(DECODE_VARIANTS)}, optionally with InferenceConfig fields, "
+                         "e.g. one_launch:fused_out_max_d=0")
     ap.add_argument("--profile-at", type=int, nargs="*", default=[],
                     help="lengths at which to record the GPU kernels of one eager decode step (torch.profiler)")
-    ap.add_argument("--splitk-from", type=Path, default=None,
-                    help="a bench_splitk.json: run with its best_overall split-K launch settings")
     ap.add_argument("--model", action="store_true", help="whole SmolLM2-shaped model: hybrid vs teacher")
     ap.add_argument("--mask", default="hydrahead",
                     help="--model: the hybrid's FA heads: hydrahead (the ranked SmolLM2 mask, 30 KV groups kept), "
@@ -674,7 +665,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     for v in a.variants or ():
         try:
-            if parse_overrides(v)[0] not in DECODE_VARIANTS:
+            if parse_variant(v)[0] not in DECODE_VARIANTS:
                 ap.error(f"variant {v!r}: the name before ':' must be one of {sorted(DECODE_VARIANTS)}")
         except ValueError as e:
             ap.error(str(e))
@@ -688,22 +679,13 @@ def main(argv=None):
     fa_kernel = "flash_attn" if (flash_attn_available() and flash_attn_usable(probe)) else "sdpa"
     lengths = [64, 128] if a.smoke else a.lengths
     eager_reps = 3 if a.smoke else a.eager_reps
-    if a.gdn_block:
-        lean.GDN_BLOCK_TOKENS = a.gdn_block
-    if a.smoke:
-        lean.ENABLE = True  # the lean path on CPU too (eager glue)
-    if a.splitk_from:
-        best = json.loads(a.splitk_from.read_text()).get("best_overall")
-        if not best:
-            sys.exit(f"--splitk-from {a.splitk_from}: no best_overall (a bench_splitk.json from a CUDA run whose "
-                     "settings all ran correctly is needed)")
-        splitk.set_launch_defaults(**best)
+    # the layers' InferenceConfig: the defaults, with the lean path on CPU too for --smoke (eager glue)
+    config = variant_config({"gdn_block_tokens": a.gdn_block, **({"fast_path": "always"} if a.smoke else {})})
     results = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
                "dtype": str(dtype), "gdn_kernel": gdn_kernel, "fa_kernel": fa_kernel, "batch": 1,
                "layer_path": "lean (hybrid/lean.py): fused projection, compiled glue, SDPA + one GDN call per block",
-               "gdn_block_tokens": lean.GDN_BLOCK_TOKENS or f"auto: max(8192, {lean.GDN_BLOCK_WORK} // (n_gdn d^2))", "glue_compiled": dev.type == "cuda" and lean.COMPILE,
-               "low_memory_block": layer_mod.BLOCK, "flash_qla_default": lean.FLASH_QLA,
-               "decode_defaults": {"gdn": lean.DECODE_GDN, "fa": lean.DECODE_FA, "one_launch": lean.DECODE_ONE_LAUNCH}, "splitk": splitk.launch_defaults(),
+               "config": asdict(config), "glue_compiled": dev.type == "cuda" and config.compile_glue,
+               "low_memory_block": layer_mod.BLOCK, "splitk": splitk.launch_defaults(),
                "versions": _versions(), "bench": {}}
     print(f"device {results['device']}  torch {torch.__version__}  {dtype}  GDN kernel {gdn_kernel}  "
           f"FA kernel {fa_kernel}", flush=True)
@@ -727,9 +709,10 @@ def main(argv=None):
     if a.block_sweep:
         kw = {"blocks": tuple(a.sweep_blocks)} if a.sweep_blocks else {}
         if a.sweep_variants:
-            kw["variants"] = [parse_overrides(v) for v in a.sweep_variants]
+            kw["variants"] = [parse_variant(v) for v in a.sweep_variants]
         results["block_sweep"] = block_sweep(a.shapes, dev, dtype, gdn_kernel,
-                                             [64, 128] if a.smoke else a.sweep_lengths, graphed=a.sweep_graphed, **kw)
+                                             [64, 128] if a.smoke else a.sweep_lengths, graphed=a.sweep_graphed,
+                                             config=config, **kw)
         dump()
     rows = []
     for shape in ([] if a.no_layer else a.shapes):
@@ -744,7 +727,8 @@ def main(argv=None):
                 r = bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=a.graph_reps, eager_reps=eager_reps,
                                 before=not a.no_before, graph_prefill=not a.no_graph_prefill,
                                 graph_block=a.graph_block, flash_qla=a.flash_qla,
-                                decode_variants=a.variants or a.decode_variants, profile=T in a.profile_at, **({"prefill_reps": 2, "dynamic_reps": 2} if a.smoke else {}))
+                                decode_variants=a.variants or a.decode_variants, profile=T in a.profile_at,
+                                config=config, **({"prefill_reps": 2, "dynamic_reps": 2} if a.smoke else {}))
             except Exception:  # pragma: no cover - OOM or a kernel failure: record, go on
                 import traceback
 

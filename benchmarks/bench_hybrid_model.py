@@ -12,10 +12,9 @@ which computes the teacher's function (checked against transformers' own forward
 - decode: one step of B tokens with T cached, replayed from a CUDA graph: tokens/s = B / step time;
 - ``--compile-tail``: the graphed decode step again with ``StaticDecoder(compile_tail=True)`` (each layer's
   norms + MLP compiled), its time and its logits against the eager-tail step's;
-- ``--decode-variants``: the graphed step again with the GDN step in one Triton kernel (``lean.DECODE_GDN =
-  "triton"``; or fused into the compiled glue, "fused") and split-K FA decode (``lean.DECODE_FA = "splitk"``),
-  alone and with the compiled tail, and the graphed ``generate`` with them; the ratio
-  ``decode_tok_s_best_each`` compares each model's fastest step;
+- the decode options are the models' InferenceConfig (the defaults; recorded as ``config``; the variants they
+  replaced: ``docs/performance-variants.md``); the ratio ``decode_tok_s_best_each`` compares each model's fastest
+  step;
 - ``--generate N``: end-to-end greedy ``generate``, ms per new token of a 2N-token call's decode steps on the
   device's timeline (``StaticDecoder.last_timing``: CUDA events, prefill and capture left out; a host that cannot
   keep up shows), with graphed device-position steps and with eager steps (2 × 9 tokens); the graphed default
@@ -30,13 +29,14 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import headscope.hybrid.lean as lean
 from headscope.hybrid import hybridize
+from headscope.hybrid.inference import inference_config
 from headscope.hybrid.static import StaticDecoder
 from headscope.masks import HeadMask
 
@@ -128,17 +128,10 @@ def _generate_ms_per_token(model, B, T, vocab, n, cuda_graph, compile_tail=False
     return per_token
 
 
-def _variants(compile_tail: bool, decode_variants: bool) -> dict:
-    """Decode-step variants timed beside the default: name -> (compile_tail, lean.DECODE_GDN, lean.DECODE_FA)."""
-    v = {}
-    if compile_tail:
-        v["compiled_tail"] = (True, "kernel", "sdpa")
-    if decode_variants:
-        v["triton_splitk"] = (False, "triton", "splitk")
-        if compile_tail:
-            v["tail_fused_splitk"] = (True, "fused", "splitk")
-            v["tail_triton_splitk"] = (True, "triton", "splitk")
-    return v
+def _variants(compile_tail: bool, decode_variants: bool = False) -> dict:
+    """Decode-step variants timed beside the default: name -> compile_tail (``decode_variants``: kept for the
+    command line; the decode options it chose between are the defaults now)."""
+    return {"compiled_tail": True} if compile_tail else {}
 
 
 def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30, graph_reps=30, graph_prefill=True,
@@ -157,7 +150,7 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
     weights = sum(p.numel() * p.element_size() for p in models["hybrid"].parameters())
     out = {"layers": layers, "mask": mask_name, "kv_groups_kept": sum(len(g) for g in mask.kv_groups()), "n_fa_heads": mask.n_fa, "fa_heads": [list(h) for h in mask.fa_heads],
            "weights_bytes": {k: sum(p.numel() * p.element_size() for p in m.parameters()) for k, m in models.items()},
-           "cells": {}}
+           "config": asdict(inference_config(models["hybrid"])), "cells": {}}
     # parity: the all-FA hybrid = transformers' teacher forward; StaticDecoder prefill = the model's forward
     ids = torch.randint(0, cfg.vocab_size, (2, 256), device=dev, generator=torch.Generator(dev).manual_seed(0))
     teacher = teacher.to(dev)
@@ -211,11 +204,8 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
                 nxt = ids[:, -1:].contiguous()
                 static_logits = dec.capture(nxt)
                 step_ms = _ms(dec.replay, graph_reps)
-                for vn, (tail, gdn_mode, fa_mode) in _variants(compile_tail, decode_variants).items():
-                    # the same graphed step with each layer's norm + MLP tail compiled and/or the lean path's
-                    # decode options (GDN step fused into the glue, split-K FA decode)
-                    prev = lean.DECODE_GDN, lean.DECODE_FA
-                    lean.DECODE_GDN, lean.DECODE_FA = gdn_mode, fa_mode
+                for vn, tail in _variants(compile_tail, decode_variants).items():
+                    # the same graphed step with each layer's norm + MLP tail compiled
                     try:
                         dc2 = StaticDecoder(model, B, T + 1, compile_tail=tail)
                         dc2.prefill(ids)
@@ -229,8 +219,6 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
                         del dc2, got, ref
                     except Exception as e:  # noqa: BLE001 - record and go on
                         gcell[f"decode_{vn}_error"] = f"{type(e).__name__}: {e}"[:500]
-                    finally:
-                        lean.DECODE_GDN, lean.DECODE_FA = prev
                     torch.cuda.empty_cache()
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -254,19 +242,6 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
                             model, B, T, cfg.vocab_size, generate, True, compile_tail=True)
                         print(f"model B={B:2d} T={T:6d} {name}: generate ms/token graphed, compiled tail: "
                               f"{cell[name]['generate_ms_per_token_graph_compiled_tail']:.2f}", flush=True)
-                    if decode_variants:  # graphed, with the decode options (and the compiled tail when asked)
-                        prev = lean.DECODE_GDN, lean.DECODE_FA
-                        lean.DECODE_GDN, lean.DECODE_FA = "triton", "splitk"
-                        try:
-                            cell[name]["generate_ms_per_token_graph_triton_splitk"] = _generate_ms_per_token(
-                                model, B, T, cfg.vocab_size, generate, True, compile_tail=compile_tail)
-                            print(f"model B={B:2d} T={T:6d} {name}: generate ms/token graphed, triton+splitk"
-                                  f"{' + compiled tail' if compile_tail else ''}: "
-                                  f"{cell[name]['generate_ms_per_token_graph_triton_splitk']:.2f}", flush=True)
-                        except Exception as e:  # noqa: BLE001
-                            cell[name]["generate_triton_splitk_error"] = f"{type(e).__name__}: {e}"[:500]
-                        finally:
-                            lean.DECODE_GDN, lean.DECODE_FA = prev
                     cell[name]["generate_ms_per_token_eager"] = _generate_ms_per_token(model, B, T, cfg.vocab_size, 9, False)
                     print(f"model B={B:2d} T={T:6d} {name}: generate ms/token graphed "
                           f"{cell[name]['generate_ms_per_token_graph']:.2f}, eager {cell[name]['generate_ms_per_token_eager']:.2f}",

@@ -133,7 +133,7 @@ def main(argv=None) -> None:
             print(f"  {k:16s} {v:8.2f} us" + (f"  {tb:5.2f} TB/s" if tb else ""), flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "splitk": splitk.launch_defaults(),
-            "step": {"COMBINE": step.COMBINE, "LAUNCH_COMBINE_MAX_G": step.LAUNCH_COMBINE_MAX_G},
+            "step": {"LAUNCH_COMBINE_MAX_G": step.LAUNCH_COMBINE_MAX_G},
             "wall_s": time.perf_counter() - t0}
     (a.out / "bench_one_launch.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wall {meta['wall_s']:.1f} s; wrote {a.out / 'bench_one_launch.json'}")

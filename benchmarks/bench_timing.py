@@ -1,5 +1,5 @@
 """Shared by the benchmarks: mean milliseconds per call of a function (eager or graph-replayed), and a variant's
-module-option overrides (parsed, and applied for a block)."""
+InferenceConfig changes (parsed, and set on models for a block)."""
 
 from __future__ import annotations
 
@@ -47,38 +47,51 @@ def graphed_ms(fn, dev: torch.device, reps: int, warmup: int = 3) -> float:
     return time_ms(graph.replay, dev, reps, warmup=5)
 
 
-def parse_overrides(variant: str) -> tuple[str, list]:
-    """'NAME' or 'NAME:module.ATTR=value,...' -> (NAME, [(module, ATTR, value)]) for headscope.hybrid's modules
-    lean, static, splitk, skinny, tail_step, step and gdn_step; values True/False/integers are converted.
+def parse_variant(variant: str) -> tuple[str, dict]:
+    """'NAME' or 'NAME:field=value,...' -> (NAME, {field: value}) of
+    :class:`headscope.hybrid.inference.InferenceConfig` fields; values True/False/None/integers are converted.
 
     Raises:
-        ValueError: an item that is not module.ATTR=value with a known module and an existing ATTR.
+        ValueError: an item that is not field=value with a field of InferenceConfig, or a value it refuses.
     """
-    from headscope.hybrid import gdn_step, lean, skinny, splitk, static, step, tail_step
+    from dataclasses import fields
 
-    mods = {"lean": lean, "static": static, "splitk": splitk, "skinny": skinny, "tail_step": tail_step, "step": step,
-            "gdn_step": gdn_step}
+    from headscope.hybrid.inference import DEFAULT
+
+    names = {f.name for f in fields(DEFAULT)}
     vname, _, spec = variant.partition(":")
-    overrides = []
+    changes = {}
     for item in filter(None, spec.split(",")):
         key, _, val = item.partition("=")
-        mod, _, attr = key.partition(".")
-        if mod not in mods or not hasattr(mods[mod], attr) or not val:
-            raise ValueError(f"variant {variant!r}: {item!r} is not module.ATTR=value with module in {sorted(mods)} "
-                             "and an existing ATTR (e.g. lean.DECODE_OVERLAP=False)")
-        v = {"True": True, "False": False}.get(val, int(val) if val.lstrip("-").isdigit() else val)
-        overrides.append((mods[mod], attr, v))
-    return vname, overrides
+        if key not in names or not val:
+            raise ValueError(f"variant {variant!r}: {item!r} is not field=value with a field of InferenceConfig "
+                             f"({sorted(names)}; e.g. tail_kernel=False)")
+        changes[key] = {"True": True, "False": False, "None": None}.get(
+            val, int(val) if val.lstrip("-").isdigit() else val)
+    variant_config(changes)  # validated now, before any model loads
+    return vname, changes
+
+
+def variant_config(changes: dict, base=None):
+    """``dataclasses.replace(base or InferenceConfig(), **changes)`` (validated: ValueError names the field)."""
+    from dataclasses import replace
+
+    from headscope.hybrid.inference import DEFAULT
+
+    return replace(base if base is not None else DEFAULT, **changes)
 
 
 @contextlib.contextmanager
-def applied(overrides: list) -> Iterator[None]:
-    """Module options [(module, ATTR, value)] (:func:`parse_overrides`) set for the ``with`` block, restored after."""
-    saved = [(m, a, getattr(m, a)) for m, a, _ in overrides]
+def configured(models, config) -> Iterator[None]:
+    """Each model in ``models`` runs with ``config`` (:func:`headscope.hybrid.inference.use_inference`) for the
+    ``with`` block; its own config is restored after."""
+    from headscope.hybrid.inference import inference_config, use_inference
+
+    saved = [(m, inference_config(m)) for m in models]
     try:
-        for m, a, v in overrides:
-            setattr(m, a, v)
+        for m, _ in saved:
+            use_inference(m, config)
         yield
     finally:
-        for m, a, v in reversed(saved):
-            setattr(m, a, v)
+        for m, old in saved:
+            use_inference(m, old)

@@ -10,7 +10,7 @@ copies, other), their sum and the kernel count per step. ``sum_kernel_us`` below
 between kernels (launch latency inside the graph).
 
     python benchmarks/profile_decode.py --out DIR [--batch 16 --length 32768 --tail-modes default max-autotune-no-cudagraphs]
-        [--variants defaults before:lean.DECODE_OVERLAP=False,lean.DECODE_FA_PREP=glue,static.FUSED_TAIL=False]
+        [--variants defaults compiled_tail:tail_kernel=False]
     python benchmarks/profile_decode.py --out DIR --shape qwen3-1.7b --layers 28 --masks random   # head_dim 128
 
 ``--shape qwen3-1.7b``: a Qwen3-1.7B-shaped model (Qwen3 attention with QK-norm, hidden 2048, 16 query heads,
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 import sys
 import time
 from pathlib import Path
@@ -29,9 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hybrid_model import MASKS, hybrid_mask, smollm2_config  # noqa: E402
-from bench_timing import applied, parse_overrides, time_ms  # noqa: E402
+from bench_timing import parse_variant as _parse_variant, time_ms, variant_config  # noqa: E402
 
-from headscope.hybrid import hybridize, static  # noqa: E402
+from headscope.hybrid import hybridize  # noqa: E402
 from headscope.hybrid.static import StaticDecoder  # noqa: E402
 from headscope.masks import HeadMask  # noqa: E402
 
@@ -105,9 +106,9 @@ def profile_replay(dec: StaticDecoder, n: int = 5) -> dict:
 
 
 def parse_variant(variant: str, ap: argparse.ArgumentParser) -> tuple:
-    """bench_timing.parse_overrides, a bad item a usage error."""
+    """bench_timing.parse_variant, a bad item a usage error."""
     try:
-        return parse_overrides(variant)
+        return _parse_variant(variant)
     except ValueError as e:
         ap.error(str(e))
 
@@ -126,9 +127,8 @@ def main() -> None:
     ap.add_argument("--tail-modes", nargs="+", default=["default"],
                     help="torch.compile modes of the compiled layer tail to compare ('none': eager tail)")
     ap.add_argument("--variants", nargs="+", default=["defaults"],
-                    help="settings to compare, each NAME or NAME:module.ATTR=value,...; 'defaults' = the library's; "
-                         "e.g. before:lean.DECODE_OVERLAP=False,lean.DECODE_FA_PREP=glue,static.FUSED_TAIL=False "
-                         "(modules: lean, static, splitk, skinny, tail_step, step; values: ints, True/False, or strings)")
+                    help="settings to compare, each NAME or NAME:field=value,... of InferenceConfig; 'defaults' = the "
+                         "library's; e.g. compiled_tail:tail_kernel=False (values: ints, True/False/None, or strings)")
     args = ap.parse_args()
     H, KV = (9, 3) if args.shape == "smollm2-135m" else (16, 8)
     for m in args.masks:
@@ -163,28 +163,26 @@ def main() -> None:
     t0 = time.perf_counter()
     cells = [(mode, v) for mode in args.tail_modes for v in args.variants]
     for mode, variant in cells:
-        vname, overrides = parsed[variant]
-        with applied(overrides):
-            tag = mode if vname == "defaults" else f"{mode}+{vname}"
-            for name, model in models.items():
-                static.TAIL_MODE = None if mode in ("default", "none") else mode
-                dec = StaticDecoder(model, B, T + 1, compile_tail=mode != "none")
-                fill(dec, T)
-                dec.capture(ids)
-                ms = time_ms(dec.replay, dev, args.reps)
-                prof = profile_replay(dec)
-                cell = {"step_ms": ms, "per_layer_us": ms * 1e3 / L,
-                        "settings": {f"{m.__name__}.{a}": v for m, a, v in overrides}, **prof}
-                res["cells"][f"{name}/{tag}"] = cell
-                print(f"{name:8s} tail={tag:28s} step {ms:.3f} ms ({ms * 1e3 / L:.1f} us/layer), kernels "
-                      f"{prof['sum_kernel_us']:.0f} us in {prof['kernels_per_step']:.0f} launches | "
-                      + " ".join(f"{k} {v['us_per_step'] / L:.1f}us/{v['calls_per_step'] / L:.1f}" for k, v in
-                                 sorted(prof["by_class"].items())) + f" (per layer) | {time.perf_counter() - t0:.0f} s",
-                      flush=True)
-                del dec
-                torch.cuda.empty_cache()
-                (out_dir / "profile_decode.json").write_text(json.dumps(res, indent=1, default=str))
-    static.TAIL_MODE = None
+        vname, changes = parsed[variant]
+        config = variant_config({"tail_mode": None if mode in ("default", "none") else mode, **changes})
+        tag = mode if vname == "defaults" else f"{mode}+{vname}"
+        for name, model in models.items():
+            dec = StaticDecoder(model, B, T + 1, compile_tail=mode != "none", config=config)
+            fill(dec, T)
+            dec.capture(ids)
+            ms = time_ms(dec.replay, dev, args.reps)
+            prof = profile_replay(dec)
+            cell = {"step_ms": ms, "per_layer_us": ms * 1e3 / L,
+                    "settings": changes, "config": asdict(config), **prof}
+            res["cells"][f"{name}/{tag}"] = cell
+            print(f"{name:8s} tail={tag:28s} step {ms:.3f} ms ({ms * 1e3 / L:.1f} us/layer), kernels "
+                  f"{prof['sum_kernel_us']:.0f} us in {prof['kernels_per_step']:.0f} launches | "
+                  + " ".join(f"{k} {v['us_per_step'] / L:.1f}us/{v['calls_per_step'] / L:.1f}" for k, v in
+                             sorted(prof["by_class"].items())) + f" (per layer) | {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+            del dec
+            torch.cuda.empty_cache()
+            (out_dir / "profile_decode.json").write_text(json.dumps(res, indent=1, default=str))
     for mode, variant in cells:
         tag = mode if variant.partition(":")[0] == "defaults" else f"{mode}+{variant.partition(':')[0]}"
         t = res["cells"][f"teacher/{tag}"]

@@ -17,6 +17,7 @@ layer (the all-FA layer and the hybrid) this prints, in one run:
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 import cProfile
 import io
 import json
@@ -29,7 +30,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from bench_hybrid import SHAPES, layers
-from bench_timing import applied, cuda_device, graphed_ms, parse_overrides, time_ms
+from bench_timing import configured, cuda_device, graphed_ms, parse_variant, time_ms, variant_config
 
 
 def _host_ms(call, reps: int) -> float:
@@ -80,8 +81,12 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-profile", action="store_true")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--variants", nargs="+", default=["defaults"],
-                    help="module options per variant, e.g. blocks:lean.GDN_BLOCK_TOKENS=4096 (bench_timing)")
+                    help="InferenceConfig fields per variant, e.g. blocks:gdn_block_tokens=4096 (bench_timing)")
     a = ap.parse_args(argv)
+    try:
+        parsed = {v: parse_variant(v) for v in a.variants}
+    except ValueError as e:
+        ap.error(str(e))
     dev, dtype = cuda_device("profile_prefill_host.py"), torch.bfloat16
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -95,11 +100,12 @@ def main(argv=None) -> int:
             x = torch.randn(1, T, cfg.hidden_size, device=dev, dtype=dtype)
             pe = rope(x, torch.arange(T, device=dev)[None])
             for variant in a.variants:
-                vname, overrides = parse_overrides(variant)
-                with applied(overrides):
+                vname, changes = parsed[variant]
+                config = variant_config(changes)
+                with configured(mods.values(), config):
                     for name, mod in mods.items():
                         call = lambda: mod(x, position_embeddings=pe)[0]  # noqa: E731
-                        r = {"shape": shape, "T": T, "variant": vname, "layer": name}
+                        r = {"shape": shape, "T": T, "variant": vname, "layer": name, "config": asdict(config)}
                         r["gpu_ms"] = time_ms(call, dev, a.reps, warmup=2)
                         r["host_ms"] = _host_ms(call, a.reps)
                         r["graph_ms"] = graphed_ms(call, dev, a.reps)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -23,25 +24,30 @@ def test_bench_one_launch_smoke_runs_every_cell_and_they_agree():
     assert r.stdout.count("'smoke': 'ok'") == 2 and "fa_only_ns" in r.stdout
 
 
-def test_variant_overrides_are_parsed_and_bad_items_name_the_fix():
+def test_variants_are_parsed_into_configs_and_bad_items_name_the_fix():
     sys.path.insert(0, str(BENCH))
     try:
-        from bench_timing import applied, parse_overrides
+        from bench_timing import configured, parse_variant, variant_config
     finally:
         sys.path.remove(str(BENCH))
-    from headscope.hybrid import lean, splitk, step
+    from headscope.hybrid.inference import DEFAULT, inference_config
 
-    name, ov = parse_overrides("one_launch:splitk.MIN_SPLIT=128,step.COMBINE=kernel,lean.DECODE_ONE_LAUNCH=False")
-    assert name == "one_launch"
-    assert ov == [(splitk, "MIN_SPLIT", 128), (step, "COMBINE", "kernel"), (lean, "DECODE_ONE_LAUNCH", False)]
-    assert parse_overrides("again:") == ("again", [])
-    with pytest.raises(ValueError, match="module.ATTR=value"):
-        parse_overrides("x:splitk.NO_SUCH=1")
-    with pytest.raises(ValueError, match="module.ATTR=value"):
-        parse_overrides("x:torch.cuda=1")
-    before = splitk.MIN_SPLIT
-    with pytest.raises(RuntimeError):  # applied: the options hold inside the block and are restored after, also on error
-        with applied(ov):
-            assert (splitk.MIN_SPLIT, step.COMBINE, lean.DECODE_ONE_LAUNCH) == (128, "kernel", False)
+    name, ch = parse_variant("compiled_tail:tail_kernel=False,gdn_block_tokens=4096,tail_mode=None,fast_path=always")
+    assert name == "compiled_tail"
+    assert ch == {"tail_kernel": False, "gdn_block_tokens": 4096, "tail_mode": None, "fast_path": "always"}
+    cfg = variant_config(ch)
+    assert (cfg.tail_kernel, cfg.gdn_block_tokens, cfg.fast_path) == (False, 4096, "always")
+    assert cfg.flash_qla == DEFAULT.flash_qla  # the rest: the defaults
+    assert parse_variant("again:") == ("again", {})
+    with pytest.raises(ValueError, match="field=value"):
+        parse_variant("x:no_such=1")
+    with pytest.raises(ValueError, match="field=value"):
+        parse_variant("x:lean.DECODE_GDN=kernel")  # the old module switches are gone
+    with pytest.raises(ValueError, match="fast_path must be one of"):
+        parse_variant("x:fast_path=sometimes")
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError):  # configured: the config holds inside the block and is restored after an error
+        with configured([model], cfg):
+            assert inference_config(model) is cfg
             raise RuntimeError
-    assert (splitk.MIN_SPLIT, step.COMBINE, lean.DECODE_ONE_LAUNCH) == (before, "launch", True)
+    assert inference_config(model) is DEFAULT

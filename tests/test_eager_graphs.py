@@ -1,4 +1,4 @@
-"""An eager prefill's GDN heads as fixed-shape, graph-replayed blocks (lean.EAGER_GDN_GRAPHS).
+"""An eager prefill's GDN heads as fixed-shape, graph-replayed blocks (InferenceConfig.eager_gdn_graphs).
 
 On CPU the same padded static-buffer path runs without graphs (ShapeGraphs calls the block function directly),
 so these tests check the padding (rows that leave the state unchanged), the block bookkeeping and the static
@@ -11,21 +11,26 @@ import torch
 import headscope.hybrid.lean as lean
 from headscope.hybrid.graphs import ShapeGraphs
 from headscope.hybrid.gdn import fla_available
+from headscope.hybrid.inference import DEFAULT
 
+from inference_cfg import use
 from test_hybrid_lean import CASES, IDS, _inputs, _layer, _plain, spy_gdn_calls
 
 
+def graphs_on(layer, **changes):
+    """The layer on the lean path with the padded blocks on every device (CPU: without graphs)."""
+    return use(layer, eager_gdn_graphs="always", **changes)
+
+
 @pytest.fixture
-def eager_graphs(monkeypatch):
-    monkeypatch.setattr(lean, "ENABLE", True)
-    monkeypatch.setattr(lean, "EAGER_GDN_GRAPHS", True)
+def eager_graphs():
     lean.release_eager_graphs()
     yield
     lean.release_eager_graphs()
 
 
-def test_eager_graph_block_rule(monkeypatch):
-    assert lean.EAGER_GRAPH_TOKENS == 8192 and lean.EAGER_GRAPH_MIN == 256
+def test_eager_graph_block_rule():
+    assert DEFAULT.eager_graph_tokens == 8192 and DEFAULT.eager_graph_min == 256
     assert lean.eager_graph_block(1, 131072) == 8192 == lean.eager_graph_block(1, 8192)
     assert lean.eager_graph_block(1, 8191) == 8192  # the next power of two
     assert lean.eager_graph_block(1, 3000) == 4096
@@ -40,11 +45,10 @@ def test_eager_graph_block_rule(monkeypatch):
 @pytest.mark.parametrize("fa,qwen,opts", CASES, ids=IDS)
 def test_padded_blocks_equal_the_plain_forward_and_keep_the_state(eager_graphs, monkeypatch, fa, qwen, opts):
     """Blocks of 64 time steps, the last one padded: the output equals the plain forward's, the state after the
-    prefill equals the path without blocks (EAGER_GDN_GRAPHS off), and so does the next decode step; a second,
+    prefill equals the path without blocks (eager_gdn_graphs="never"), and so does the next decode step; a second,
     shorter prefill reuses the static buffers (stale rows from the first call in the padding) and is exact too."""
     layer, _, cfg = _layer(fa, qwen, **opts)
-    monkeypatch.setattr(lean, "EAGER_GRAPH_TOKENS", 128)  # B = 2: 64 time steps per block
-    monkeypatch.setattr(lean, "EAGER_GRAPH_MIN", 64)
+    on = graphs_on(layer, eager_graph_tokens=128, eager_graph_min=64)  # B = 2: 64 time steps per block
     calls = spy_gdn_calls(monkeypatch)
     B = 2
     for T in (150, 100):
@@ -57,13 +61,13 @@ def test_padded_blocks_equal_the_plain_forward_and_keep_the_state(eager_graphs, 
             out, _ = layer(x[:, :T], position_embeddings=pe, cache=dc)
             assert calls == [64] * (-(-T // 64))  # every block padded to 64 time steps
             step = layer(x[:, T:], position_embeddings=pe1, cache=dc)[0]
-            monkeypatch.setattr(lean, "EAGER_GDN_GRAPHS", False)
+            use(layer, eager_gdn_graphs="never")
             calls.clear()
             dc2 = layer.new_decode_cache(B, T + 1)
             out2, _ = layer(x[:, :T], position_embeddings=pe, cache=dc2)
             assert calls == [T]  # one call without the blocks
             step2 = layer(x[:, T:], position_embeddings=pe1, cache=dc2)[0]
-            monkeypatch.setattr(lean, "EAGER_GDN_GRAPHS", True)
+            use(layer, **{k: getattr(on, k) for k in ("eager_gdn_graphs", "eager_graph_tokens", "eager_graph_min")})
         assert (out - ref).abs().max() < 1e-5 * max(1.0, ref.abs().max().item())
         assert (out - out2).abs().max() < 1e-5
         assert (dc.S - dc2.S).abs().max() < 1e-5 * dc2.S.abs().max()
@@ -73,13 +77,13 @@ def test_padded_blocks_equal_the_plain_forward_and_keep_the_state(eager_graphs, 
     assert lean.eager_graph_bytes() == 0
 
 
-def test_layers_sharing_a_block_graph_each_get_their_own_weights(eager_graphs, monkeypatch):
+def test_layers_sharing_a_block_graph_each_get_their_own_weights(eager_graphs):
     """Two layers of one shape take turns on the same block graph (as a model's layers do): each call refreshes the
     static copies of the layer's gate weights, and each output equals that layer's plain forward."""
-    monkeypatch.setattr(lean, "EAGER_GRAPH_TOKENS", 64)
-    monkeypatch.setattr(lean, "EAGER_GRAPH_MIN", 64)
     l1, _, cfg = _layer((1,), seed=0)
     l2, _, _ = _layer((1,), seed=5)
+    for lay in (l1, l2):
+        graphs_on(lay, eager_graph_tokens=64, eager_graph_min=64)
     x, cos, sin = _inputs(cfg, 1, 150)
     with torch.no_grad():
         for lay in (l1, l2, l1, l2):
@@ -92,6 +96,7 @@ def test_layers_sharing_a_block_graph_each_get_their_own_weights(eager_graphs, m
 def test_padded_rows_leave_the_state_unchanged(eager_graphs):
     """One block of 256 for 37 real rows vs the same 37 rows unpadded: output rows and final state agree."""
     layer, _, cfg = _layer((1,))
+    graphs_on(layer)
     x, cos, sin = _inputs(cfg, 1, 37)
     p = lean.plan(layer)
     with torch.no_grad():
@@ -110,12 +115,13 @@ def test_padded_rows_leave_the_state_unchanged(eager_graphs):
 
 def test_blocks_are_not_used_with_autograd_or_without_gdn_heads(eager_graphs, monkeypatch):
     layer, _, cfg = _layer((1,))
+    graphs_on(layer)
     x, cos, sin = _inputs(cfg, 1, 100)
     seen = []
     monkeypatch.setattr(lean, "gdn_block_graphed", lambda *a, **k: seen.append(1))
     layer(x, position_embeddings=(cos, sin))  # grad enabled: the training path
     assert not seen and lean.eager_graph_bytes() == 0
-    monkeypatch.setattr(lean, "EAGER_GDN_GRAPHS", None)  # the default: CUDA only
+    use(layer)  # the default: CUDA only
     with torch.no_grad():
         layer(x, position_embeddings=(cos, sin))
     assert not seen
@@ -153,11 +159,10 @@ def test_shape_graphs_make_once_fill_every_call_and_drop_the_oldest():
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla")
 @pytest.mark.parametrize("qwen", [False, True], ids=["llama", "qwen3"])
-def test_cuda_graph_blocks_equal_the_path_without_them(monkeypatch, qwen):
+def test_cuda_graph_blocks_equal_the_path_without_them(qwen):
     """On CUDA (bf16, fla): the graph-replayed blocks (captured on first use, 3 shapes over the lengths) give the
     output and the state of the path without them, also on a second call of a shape (replay, stale padding), and a
     prefill recorded into the caller's own graph does not use them."""
-    monkeypatch.setattr(lean, "EAGER_GRAPH_TOKENS", 1024)
     lean.release_eager_graphs()
     layer, _, cfg = _layer((1,), qwen, gdn_kernel="fla")
     layer = layer.cuda().to(torch.bfloat16)
@@ -166,10 +171,10 @@ def test_cuda_graph_blocks_equal_the_path_without_them(monkeypatch, qwen):
         for T in (2500, 700, 2500, 300):
             x, cos, sin = (t.bfloat16() for t in _inputs(cfg, B, T, seed=T, device="cuda"))
             with torch.no_grad():
-                monkeypatch.setattr(lean, "EAGER_GDN_GRAPHS", False)
+                use(layer, eager_gdn_graphs="never", eager_graph_tokens=1024)
                 dc2 = layer.new_decode_cache(B, T)
                 ref, _ = layer(x, position_embeddings=(cos, sin), cache=dc2)
-                monkeypatch.setattr(lean, "EAGER_GDN_GRAPHS", None)
+                use(layer, eager_graph_tokens=1024)  # the default: on CUDA
                 dc = layer.new_decode_cache(B, T)
                 out, _ = layer(x, position_embeddings=(cos, sin), cache=dc)
             torch.cuda.synchronize()
@@ -193,12 +198,11 @@ def test_cuda_graph_blocks_equal_the_path_without_them(monkeypatch, qwen):
         lean.release_eager_graphs()
 
 
-def test_blocks_made_under_inference_mode_serve_no_grad_calls_and_back(eager_graphs, monkeypatch):
+def test_blocks_made_under_inference_mode_serve_no_grad_calls_and_back(eager_graphs):
     """The static buffers are ordinary tensors even when made inside torch.inference_mode, so a later call under
     no_grad can copy into them (an inference tensor cannot be written outside inference mode), and the reverse."""
-    monkeypatch.setattr(lean, "EAGER_GRAPH_TOKENS", 64)
-    monkeypatch.setattr(lean, "EAGER_GRAPH_MIN", 64)
     layer, _, cfg = _layer((1,))
+    graphs_on(layer, eager_graph_tokens=64, eager_graph_min=64)
     x, cos, sin = _inputs(cfg, 1, 100)
     with torch.inference_mode():
         a, _ = layer(x, position_embeddings=(cos, sin))

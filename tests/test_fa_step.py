@@ -134,78 +134,47 @@ def test_torch_prep_equals_the_lean_glue():
 
 
 @needs_kernel
-@pytest.mark.parametrize("one", [True, False], ids=["one-launch", "three-launches"])
 @pytest.mark.parametrize("fused_out", [True, False])
 @pytest.mark.parametrize("qwen,opts", [(True, {}), (False, {"fa_pos": "nope", "fa_gate": True}), (True, {"fa_pos": "rope"}),
                                        (False, {"fusion": "none"})])
-def test_lean_decode_steps_with_the_prep_kernel_equal_the_plain_forward(monkeypatch, qwen, opts, fused_out, one):
-    """A hybrid layer (head_dim 16, FA heads over two KV groups) decoding token by token through the lean path
-    with the prep kernel and split-K gives the plain forward's outputs (Qwen3 QK-norm, RoPE and NoPE); with
-    ``DECODE_FUSED_OUT`` the output fusion (gate, per-head RMSNorm, γ_h ≠ 1) runs inside the split-K combination
-    and the GDN step (no output glue), without it in the compiled glue; the prep, split-K partials and GDN step
-    in one launch (``DECODE_ONE_LAUNCH``, step.py) or in three."""
-    _decode_vs_forward(monkeypatch, qwen, opts, fused_out, one=one)
-
-
-@pytest.mark.skipif(DEV != "cuda", reason="the side CUDA stream needs CUDA")
-@pytest.mark.parametrize("overlap,prep_overlap", [(True, False), (False, True), (False, False)])
-def test_lean_decode_steps_on_the_side_stream_equal_the_plain_forward(monkeypatch, overlap, prep_overlap):
-    """The GDN step on the side stream beside the whole FA branch (DECODE_OVERLAP), beside the prep kernel only
-    (DECODE_OVERLAP_PREP), or on the main stream: the plain forward's outputs each time."""
-    monkeypatch.setattr(lean, "DECODE_OVERLAP", overlap)
-    monkeypatch.setattr(lean, "DECODE_OVERLAP_PREP", prep_overlap)
-    sides = []
-    real = lean._side_stream
-    monkeypatch.setattr(lean, "_side_stream", lambda dev: sides.append(1) or real(dev))
-    _decode_vs_forward(monkeypatch, False, {"fa_gate": True}, True, one=False)
-    assert len(sides) == (4 if overlap or prep_overlap else 0)  # one per decode step
+def test_lean_decode_steps_with_the_prep_kernel_equal_the_plain_forward(monkeypatch, qwen, opts, fused_out):
+    """A hybrid layer (head_dim 16, FA heads over two KV groups) decoding token by token through the lean path's
+    one-launch step (FA prep + split-K partials + GDN step, step.py) gives the plain forward's outputs (Qwen3
+    QK-norm, RoPE and NoPE); up to ``fused_out_max_d`` the output fusion (gate, per-head RMSNorm, γ_h ≠ 1) runs
+    inside the split-K combination and the GDN step (no output glue), above it (``fused_out_max_d=0``) in the
+    compiled glue."""
+    _decode_vs_forward(monkeypatch, qwen, opts, fused_out_max_d=64 if fused_out else 0)
 
 
 @needs_kernel
 def test_lean_decode_fused_output_with_a_group_of_two_fa_heads_and_its_head_dim_limit(monkeypatch):
     """FA heads 0 and 1 share a KV group (split-K with G = 2): the fused output equals the plain forward; above
-    ``FUSED_OUT_MAX_D`` the step keeps the output glue."""
-    _decode_vs_forward(monkeypatch, False, {"fa_gate": True}, True, fa=(0, 1))
-    monkeypatch.setattr(lean, "FUSED_OUT_MAX_D", 8)
-    _decode_vs_forward(monkeypatch, True, {}, True, expect_fused=False)
-
-
-@pytest.mark.skipif(DEV != "cuda" or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs a Hopper GPU")
-@pytest.mark.parametrize("side,one", [(False, False), (True, False), (False, True)])
-def test_lean_decode_steps_with_pdl_equal_the_plain_forward(monkeypatch, side, one):
-    """splitk.PDL on (FA prep, split-K partials, the fused combination, and the GDN step on the main stream, or on
-    the side stream beside the prep kernel; or the one-launch step): the plain forward's outputs."""
-    from headscope.hybrid import splitk
-
-    monkeypatch.setattr(splitk, "PDL", True)
-    monkeypatch.setattr(lean, "DECODE_OVERLAP", False)
-    monkeypatch.setattr(lean, "DECODE_OVERLAP_PREP", side)
-    _decode_vs_forward(monkeypatch, True, {"fa_gate": True}, True, one=one)
+    ``fused_out_max_d`` the step keeps the output glue."""
+    _decode_vs_forward(monkeypatch, False, {"fa_gate": True}, fa=(0, 1))
+    _decode_vs_forward(monkeypatch, True, {}, fused_out_max_d=8)
 
 
 @needs_kernel
 def test_lean_decode_fused_output_at_head_dim_128(monkeypatch):
-    """Qwen3's head_dim 128 with the output fusion allowed there (``FUSED_OUT_MAX_D`` = 128): the fused split-K
+    """Qwen3's head_dim 128 with the output fusion allowed there (``fused_out_max_d`` = 128): the fused split-K
     combination and the GDN step with its per-head norm give the plain forward's outputs."""
-    monkeypatch.setattr(lean, "FUSED_OUT_MAX_D", 128)
-    _decode_vs_forward(monkeypatch, True, {}, True, d=128)
+    _decode_vs_forward(monkeypatch, True, {}, d=128, fused_out_max_d=128)
 
 
-def _decode_vs_forward(monkeypatch, qwen, opts, fused_out, fa=(0, 3), expect_fused=None, d=16, one=True):
+def _decode_vs_forward(monkeypatch, qwen, opts, fa=(0, 3), d=16, fused_out_max_d=64):
     from transformers import LlamaConfig, Qwen3Config
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
     from headscope.hybrid import HeadwiseHybridAttention, HybridOptions
 
-    monkeypatch.setattr(lean, "ENABLE", True)
+    from inference_cfg import plain, use
+
     preps = []
     real = lean.fa_decode_prep
     monkeypatch.setattr(lean, "fa_decode_prep", lambda *a, **k: preps.append(1) or real(*a, **k))
-    monkeypatch.setattr(lean, "DECODE_ONE_LAUNCH", one)
     real_one = lean.hybrid_decode_step
     monkeypatch.setattr(lean, "hybrid_decode_step", lambda *a, **k: preps.append(2) or real_one(*a, **k))
-    monkeypatch.setattr(lean, "DECODE_FUSED_OUT", fused_out)
     glues = []
     real_glue = lean._glue
     monkeypatch.setattr(lean, "_glue", lambda name, *a, **k: glues.append(name) or real_glue(name, *a, **k))
@@ -224,19 +193,19 @@ def _decode_vs_forward(monkeypatch, qwen, opts, fused_out, fa=(0, 3), expect_fus
             if "norm" in n or n == "gamma":
                 p.add_(0.2 * torch.randn(p.shape))
     layer = layer.eval().to(DEV)
+    use(layer, fused_out_max_d=fused_out_max_d)
     B, T = 2, 12
     x = torch.randn(B, T, 64, generator=torch.Generator().manual_seed(3)).to(DEV)
     cos, sin = LlamaRotaryEmbedding(cfg).to(DEV)(x, torch.arange(T, device=DEV)[None].expand(B, -1))
     with torch.no_grad():
-        monkeypatch.setattr(lean, "ENABLE", False)
-        ref, _ = layer(x, position_embeddings=(cos, sin))
-        monkeypatch.setattr(lean, "ENABLE", True)
+        with plain(layer):
+            ref, _ = layer(x, position_embeddings=(cos, sin))
         dc = layer.new_decode_cache(B, max_len=T)
         pre, _ = layer(x[:, :8], position_embeddings=(cos[:, :8], sin[:, :8]), cache=dc)
         steps = [layer(x[:, t:t + 1], position_embeddings=(cos[:, t:t + 1], sin[:, t:t + 1]), cache=dc,
                        position_ids=torch.tensor([[t]], device=DEV).expand(B, 1))[0] for t in range(8, T)]
-    assert preps == [2 if one else 1] * (T - 8)  # every step through the one-launch step, or the prep kernel
-    fused = fused_out if expect_fused is None else expect_fused
+    assert preps == [2] * (T - 8)  # every step through the one-launch step
+    fused = d <= fused_out_max_d
     assert glues.count("out") == 1 + (0 if fused else T - 8)  # the prefill's, and the unfused steps'
     assert (torch.cat([pre] + steps, 1) - ref).abs().max() < (1e-5 if DEV == "cpu" else 1e-4)
 
@@ -251,14 +220,3 @@ def test_kernel_takes_one_rotary_row_for_the_batch():
     got = fa_decode_prep(q, k, v, kc, vc, 2, cos=c, sin=s_)
     ref = fa_decode_prep_torch(q, k, v, kc2, vc2, 2, cos=c.expand(3, -1), sin=s_.expand(3, -1))
     assert (got - ref).abs().max() < 1e-5 and (kc - kc2).abs().max() < 1e-5
-
-
-def test_overlap_rule():
-    """DECODE_OVERLAP="auto": the GDN grid (batch x heads x d/32 programs) at most a quarter of the SMs."""
-    assert lean.overlap_rule(1, 8, 64, 132)  # SmolLM2 at batch 1: 16 programs (measured faster with the side stream)
-    assert not lean.overlap_rule(16, 8, 64, 132)  # batch 16: 256 programs (measured slower)
-    assert lean.overlap_rule(2, 8, 64, 132) and not lean.overlap_rule(3, 8, 64, 132)  # 32 <= 33 < 48
-    assert not lean.overlap_rule(1, 14, 128, 132) and lean.overlap_rule(1, 14, 128, 224)  # 56 programs: 4 x 56 = 224
-    # the fused output's norm: a whole head per program (8 programs at batch 1, 128 at batch 16)
-    assert lean.overlap_rule(4, 8, 64, 132, fused_norm=True) and not lean.overlap_rule(5, 8, 64, 132, fused_norm=True)
-    assert lean.overlap_rule(1, 14, 128, 56, fused_norm=True) and not lean.overlap_rule(1, 14, 128, 55, fused_norm=True)

@@ -140,9 +140,9 @@ def test_fla_training_step_under_autocast_matches_torch_kernel():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_flash_qla_prefill_matches_reference_bf16(monkeypatch):
-    """lean.gdn with FLASH_QLA on (head_dim 128, bf16): FlashQLA's forward against the fp32 chunked
-    reference, output and final state; with FLASH_QLA off the same call takes fla's path."""
+def test_flash_qla_prefill_matches_reference_bf16():
+    """lean.gdn with flash_qla on (head_dim 128, bf16): FlashQLA's forward against the fp32 chunked
+    reference, output and final state; with flash_qla off the same call takes fla's path."""
     import headscope.hybrid.lean as lean
 
     if lean._flash_qla_fwd() is None:
@@ -151,10 +151,8 @@ def test_flash_qla_prefill_matches_reference_bf16(monkeypatch):
     bf = torch.bfloat16
     args = (q.to(bf), k.to(bf), v.to(bf), g, beta.to(bf), 1.0 / math.sqrt(128), h0)
     y_ref, s_ref = gdn_chunked_torch(q, k, v, g, beta, scale=args[5], initial_state=h0)
-    monkeypatch.setattr(lean, "FLASH_QLA", True)
-    assert lean.flash_qla_applies(args[0], args[2])
-    y, s = lean.gdn(*args, kernel="fla")
+    assert lean.flash_qla_applies(args[0], args[2], True)
+    y, s = lean.gdn(*args, kernel="fla", flash_qla=True)
     assert (y.float() - y_ref).abs().max() < 5e-2 * y_ref.abs().max()
     assert (s.float() - s_ref).abs().max() < 5e-2 * s_ref.abs().max()
-    monkeypatch.setattr(lean, "FLASH_QLA", False)
-    assert not lean.flash_qla_applies(args[0], args[2])
+    assert not lean.flash_qla_applies(args[0], args[2], False)

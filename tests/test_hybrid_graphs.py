@@ -9,8 +9,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dataclasses import replace
+
 from headscope.hybrid import hybridize
 from headscope.hybrid.graphs import capture
+from headscope.hybrid.inference import DEFAULT
+from inference_cfg import ON, plain, use
 from headscope.hybrid.static import StaticDecoder
 from headscope.masks import HeadMask
 
@@ -77,41 +81,27 @@ def test_graphed_prefill_on_the_second_gpu():
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("decode", [("kernel", "sdpa", False), ("fused", "splitk", False), ("triton", "splitk", False),
-                                    ("triton", "splitk", True)],
-                         ids=["glue+kernel+sdpa", "fused+splitk", "triton+splitk", "one-launch"])
 @pytest.mark.parametrize("opts", [{}, {"fa_pos": "rope", "gdn_rope": False, "fa_gate": False}])
-def test_device_position_decoding_equals_eager_generate(opts, decode, monkeypatch):
-    """Greedy decoding with the position in device memory (the step a CUDA graph replays) gives the
-    tokens of the eager steps, for NoPE and RoPE FA heads, with the default decode step and with the GDN
-    step fused into the glue + split-K FA decode (Triton's interpreter here; skipped without triton);
-    run eagerly here (CPU, lean path)."""
+def test_device_position_decoding_equals_eager_generate(opts, monkeypatch):
+    """Greedy decoding with the position in device memory (the step a CUDA graph replays) gives the tokens of the
+    reference path's eager steps, for NoPE and RoPE FA heads; every step of both layers is one launch (FA prep +
+    split-K + GDN step: Triton's interpreter here, skipped without it), the GDN heads riding along; run eagerly
+    here (CPU, lean path)."""
     import headscope.hybrid.lean as lean
-    from headscope.hybrid import hybridize, splitk
+    from headscope.hybrid import splitk
 
-    monkeypatch.setattr(lean, "ENABLE", True)
-    monkeypatch.setattr(lean, "DECODE_GDN", decode[0])
-    monkeypatch.setattr(lean, "DECODE_FA", decode[1])
-    monkeypatch.setattr(lean, "DECODE_ONE_LAUNCH", decode[2])
+    if not splitk.triton_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU model: the decode kernels run here through Triton's interpreter (needs triton; "
+                    "tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA); on a GPU see "
+                    "test_graphed_generate_equals_eager_generate")
     ones = []  # the one-launch step (FA prep + split-K + GDN step): its length argument, and whether GDN heads rode along
     real_one = lean.hybrid_decode_step
     monkeypatch.setattr(lean, "hybrid_decode_step",
                         lambda *a, **k: ones.append((a[5], k["gdn"] is not None)) or real_one(*a, **k))
-    calls = []
-    if decode[1] == "splitk":
-        if not splitk.triton_available() or os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("CPU model: the split-K kernels run here through Triton's interpreter (needs triton; "
-                        "tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA); on a GPU see "
-                        "test_graphed_generate_equals_eager_generate")
-        real = lean.decode_attention
-        monkeypatch.setattr(lean, "decode_attention", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
-    preps = []
-    real_prep = lean.fa_decode_prep
-    monkeypatch.setattr(lean, "fa_decode_prep", lambda *a, **k: preps.append(a[5]) or real_prep(*a, **k))
-    steps = []
-    if decode[0] == "triton":
-        real_step = lean.gdn_decode_step
-        monkeypatch.setattr(lean, "gdn_decode_step", lambda *a, **k: steps.append(1) or real_step(*a, **k))
+    calls, preps, steps = [], [], []  # the separate kernels: none of them runs
+    monkeypatch.setattr(lean, "decode_attention", lambda *a, **k: calls.append(a[3]))
+    monkeypatch.setattr(lean, "fa_decode_prep", lambda *a, **k: preps.append(a[5]))
+    monkeypatch.setattr(lean, "gdn_decode_step", lambda *a, **k: steps.append(1))
     cfg = LlamaConfig(vocab_size=101, hidden_size=H * D, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=H, num_key_value_heads=KV, head_dim=D, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -120,30 +110,20 @@ def test_device_position_decoding_equals_eager_generate(opts, decode, monkeypatc
         p.data.normal_(std=0.2)
     # layer 0: FA heads 0, 1 (KV group 0) and 3 (group 1): uneven groups (split-K by kv_index)
     model = hybridize(teacher, HeadMask(2, H, KV, ((0, 1, 3), (0, 3))), gdn_kernel="torch", **opts).eval()
+    use(model)
     ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        with monkeypatch.context() as m:  # the reference: eager steps with the default decode path
-            m.setattr(lean, "DECODE_GDN", "kernel")
-            m.setattr(lean, "DECODE_FA", "sdpa")
+        with plain(model):  # the reference: eager steps through the layers' reference forward
             ref = StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False)
         dec = StaticDecoder(model, batch=2, max_len=24)
         got = dec._generate_device(ids, 10, capture=False)
         assert torch.equal(got, ref) and len(set(got[:, 9:].flatten().tolist())) > 2
         assert dec.length == 9 + 10 - 1 and all(c.pos is None and c.n_valid is None for c in dec.caches)
-        if decode[2]:  # every step of both layers in one launch, the GDN heads included; no separate kernel
-            assert len(ones) == 2 * 9 and all(torch.is_tensor(n) and g for n, g in ones)
-            assert len({id(n) for n, _ in ones}) == 1 and not calls and not steps and not preps
-            assert torch.equal(StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False), ref)
-            assert len(ones) == 4 * 9 and ones[-1][0] is None  # host-length steps: the cache view's slots
-        elif decode[1] == "splitk":  # host-length split-K steps too; both kinds of step went through the kernel
-            assert not ones
-            assert all(c is not None for c in calls) and len(calls) == 2 * 9  # 2 layers x 9 device-position steps
-            assert len({id(c) for c in calls}) == 1  # one length tensor shared by the layers (cache.n_valid)
-            assert len(steps) == (2 * 9 if decode[0] == "triton" else 0)  # the GDN step kernel in both layers
-            assert len(preps) == 2 * 9 and all(torch.is_tensor(p) for p in preps)  # one-kernel FA prep, device slot
-            assert torch.equal(StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False), ref)
-            assert calls[-1] is None and len(calls) == 2 * 9 + 2 * 9  # eager generate: 9 steps (10 tokens)
-            assert len(preps) == 4 * 9 and preps[-1] == 9 + 8  # host-length steps: the slot as an int
+        # every step of both layers in one launch, the GDN heads included; no separate kernel
+        assert len(ones) == 2 * 9 and all(torch.is_tensor(n) and g for n, g in ones)
+        assert len({id(n) for n, _ in ones}) == 1 and not calls and not steps and not preps
+        assert torch.equal(StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False), ref)
+        assert len(ones) == 4 * 9 and ones[-1][0] is None  # host-length steps: the cache view's slots
         # capacity: max_len − T + 1 new tokens at most, as the eager path
         short = StaticDecoder(model, batch=2, max_len=12)._generate_device(ids, 10, capture=False)
         assert torch.equal(short, StaticDecoder(model, batch=2, max_len=12).generate(ids, 10, cuda_graph=False))
@@ -167,28 +147,22 @@ def test_graphed_generate_off_cuda_names_the_fix_and_a_failed_capture_resets_the
     assert dec.length == 0 and all(c.pos is None for c in dec.caches)
 
 
-def test_device_position_needs_the_lean_path(monkeypatch):
-    import headscope.hybrid.lean as lean
-
-    monkeypatch.setattr(lean, "ENABLE", False)
-    dec = StaticDecoder(_hybrid(), batch=2, max_len=16)
+def test_device_position_needs_the_lean_path():
+    dec = StaticDecoder(_hybrid(), batch=2, max_len=16, config=replace(DEFAULT, fast_path="never"))
     with pytest.raises(ValueError, match="lean path only"):
         dec._generate_device(torch.zeros(2, 4, dtype=torch.long), 5, capture=False)
 
 
 @gpu
-@pytest.mark.parametrize("decode", [("kernel", "sdpa"), ("fused", "splitk"), ("triton", "splitk")])
-def test_graphed_generate_equals_eager_generate(decode, monkeypatch):
-    """Graphed device-position decoding gives the eager default steps' tokens, also with the GDN step fused
-    (compiled glue or the Triton step kernel) and split-K FA decode (fp32 model: exact products)."""
-    import headscope.hybrid.lean as lean
-
+def test_graphed_generate_equals_eager_generate():
+    """Graphed device-position decoding gives the tokens of the eager steps and of the reference path's steps
+    (fp32 model: exact products)."""
     model = _hybrid("cuda")
     ids = torch.randint(0, 101, (2, 30), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.no_grad():
         ref = StaticDecoder(model, batch=2, max_len=64).generate(ids, 20, cuda_graph=False)
-        monkeypatch.setattr(lean, "DECODE_GDN", decode[0])
-        monkeypatch.setattr(lean, "DECODE_FA", decode[1])
+        with plain(model):
+            assert torch.equal(StaticDecoder(model, batch=2, max_len=64).generate(ids, 20, cuda_graph=False), ref)
         got = StaticDecoder(model, batch=2, max_len=64).generate(ids, 20, cuda_graph=True)
     assert torch.equal(got, ref)
 
@@ -205,43 +179,36 @@ def _eager_tail_reference():
     return model, ids, ref
 
 
-def test_compiled_layer_tail_equals_eager(monkeypatch):
+def test_compiled_layer_tail_equals_eager():
     """compile_tail=True (here with Dynamo's aot_eager backend: the tracing, one graph for every layer)
-    gives the eager decoder's prefill and steps."""
+    gives the eager decoder's prefill and steps; so do the two compiled calls per layer that a hooked MLP gets."""
     import headscope.hybrid.static as static
 
-    monkeypatch.setattr(static, "TAIL_BACKEND", "aot_eager")
     model, ids, ref = _eager_tail_reference()
-    tails = []
-    real = static.decode_mlp
-    monkeypatch.setattr(static, "decode_mlp", lambda *a: tails.append(a[0].shape[0]) or real(*a))
-    monkeypatch.setattr(static, "MLP_KERNEL", True)  # opt-in (static.MLP_KERNEL says why)
+    cfg = replace(DEFAULT, tail_backend="aot_eager")
     with torch.no_grad():
-        dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
-        kernel = static._mlp_applies(2, H * D, 64, torch.device("cpu"))  # the two-launch tail (interpreter here)
-        assert (dec._mlp is not None) == kernel
-        tails.clear()  # (the construction's check called it)
+        dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True, config=cfg)
         got = dec.generate(ids, 5, cuda_graph=False)
         assert dec._post is not static._post  # still compiled: no fallback happened
-        assert dec._embed is not static._embed and dec._head is not static._head  # the step's ends too (COMPILE_ENDS)
+        assert dec._embed is not static._embed and dec._head is not static._head  # the step's ends too
         assert dec._fused is not None  # the fused tail (gate/up in one GEMM, next input norm) ran
-        assert tails == ([2] * 2 * 4 if kernel else [])  # 4 decode steps x 2 layers (prefill: 24 rows, compiled)
         assert torch.equal(got, ref)
-        monkeypatch.setattr(static, "MLP_KERNEL", False)
-        assert torch.equal(StaticDecoder(model, batch=2, max_len=20, compile_tail=True).generate(ids, 5), ref)
         torch.testing.assert_close(dec.prefill(ids), StaticDecoder(model, batch=2, max_len=20).prefill(ids))
-        monkeypatch.setattr(static, "FUSED_TAIL", False)
-        two_calls = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
-        assert two_calls._fused is None and torch.equal(two_calls.generate(ids, 5, cuda_graph=False), ref)
+        handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+        try:
+            with pytest.warns(UserWarning, match="forward hooks"):
+                two_calls = StaticDecoder(model, batch=2, max_len=20, compile_tail=True, config=cfg)
+            assert two_calls._fused is None and torch.equal(two_calls.generate(ids, 5, cuda_graph=False), ref)
+        finally:
+            handle.remove()
 
 
-@pytest.mark.parametrize("defer", [False, True], ids=["combined", "deferred"])
 @pytest.mark.parametrize("fusion", ["default", "none"])
-def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion, defer):
-    """static.TAIL_KERNEL: the lean path's one-launch decode steps hand o_proj's input to tail_step's layer_tail
-    (o_proj, MLP tail, next norm in one launch; Triton's interpreter here) — complete (the split-K combination in the
-    attention's launch, the default) or, with lean.DECODE_DEFER_COMBINE, as partials that the tail's first phase
-    combines; the same tokens and step logits within fp32 rounding as the compiled tail. ``fusion="none"`` with an
+def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion):
+    """InferenceConfig.tail_kernel: the lean path's one-launch decode steps hand o_proj's input to tail_step's
+    layer_tail (o_proj, MLP tail, next norm and next input projection in one launch; Triton's interpreter here),
+    complete (the split-K combination in the attention's launch); the same tokens and step logits within fp32
+    rounding as the compiled tail. ``fusion="none"`` with an
     all-FA mask: the teacher's decode (no output fusion: the plain combination). A GELU MLP is refused (warned)."""
     import torch._dynamo
 
@@ -252,9 +219,7 @@ def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion, defer):
     if not tail_step.applies(2, H * D, H * D, 64, torch.device("cpu")) or not torch.cuda.is_available() and (
             os.environ.get("TRITON_INTERPRET") != "1"):
         pytest.skip("needs triton and CUDA or TRITON_INTERPRET=1")
-    monkeypatch.setattr(static, "TAIL_BACKEND", "aot_eager")
-    monkeypatch.setattr(lean, "ENABLE", True)
-    monkeypatch.setattr(lean, "DECODE_DEFER_COMBINE", defer)
+    icfg = replace(ON, tail_backend="aot_eager")
     torch._dynamo.reset()
     if fusion == "none":
         cfg = LlamaConfig(vocab_size=101, hidden_size=H * D, intermediate_size=64, num_hidden_layers=2,
@@ -269,44 +234,37 @@ def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion, defer):
     monkeypatch.setattr(static, "layer_tail",
                         lambda *a, **k: calls.append((k["attn"] is not None, k["w_in"] is not None)) or real(*a, **k))
     with torch.no_grad():
-        monkeypatch.setattr(static, "TAIL_KERNEL", False)  # the reference: the compiled tail
-        ref_dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
+        # the reference: the compiled tail
+        ref_dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True, config=replace(icfg, tail_kernel=False))
         ref = ref_dec.generate(ids, 5)
-        monkeypatch.setattr(static, "TAIL_KERNEL", True)
-        dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
+        dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True, config=icfg)
         assert dec._tk is not None and calls == [(False, False)] * 2  # the construction's check: one call per layer
         calls.clear()
         assert torch.equal(dec.generate(ids, 5), ref)
         # 4 decode steps x 2 layers (the prefill, 24 rows, takes the compiled tail); the first layer's tail computes
         # the second layer's input projection
-        assert calls == [(defer, True), (defer, False)] * 4
-        monkeypatch.setattr(static, "TAIL_PROJECT_NEXT", False)  # the next input norm only: the same tokens
-        calls.clear()
-        assert torch.equal(StaticDecoder(model, batch=2, max_len=20, compile_tail=True).generate(ids, 5), ref)
-        assert calls[2:] == [(defer, False)] * 8
-        monkeypatch.setattr(static, "TAIL_PROJECT_NEXT", True)
+        assert calls == [(False, True), (False, False)] * 4
         ref_dec.prefill(ids), dec.prefill(ids)
         torch.testing.assert_close(dec.step(ids[:, -1:]), ref_dec.step(ids[:, -1:]), rtol=1e-5, atol=1e-5)
         act = model.model.layers[1].mlp.act_fn
         model.model.layers[1].mlp.act_fn = torch.nn.GELU()
         try:
             with pytest.warns(UserWarning, match="one-launch layer tail"):
-                assert StaticDecoder(model, batch=2, max_len=20, compile_tail=True)._tk is None
+                assert StaticDecoder(model, batch=2, max_len=20, compile_tail=True, config=icfg)._tk is None
         finally:
             model.model.layers[1].mlp.act_fn = act
 
 
-def test_a_tail_compile_failure_warns_once_and_runs_eagerly(monkeypatch):
+def test_a_tail_compile_failure_warns_once_and_runs_eagerly():
     """A backend that fails: one warning, then the eager (still fused) tail, the same tokens."""
     import headscope.hybrid.static as static
 
     def broken(gm, example_inputs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(static, "TAIL_BACKEND", broken)
     model, ids, ref = _eager_tail_reference()
     with torch.no_grad():
-        dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True)
+        dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True, config=replace(DEFAULT, tail_backend=broken))
         with pytest.warns(UserWarning, match="torch.compile of the layer tail failed") as rec:
             got = dec.generate(ids, 5, cuda_graph=False)
     assert len([w for w in rec if "layer tail failed" in str(w.message)]) == 1
@@ -321,11 +279,11 @@ def test_fused_tail_matches_the_mlp_module_or_is_refused(monkeypatch):
 
     import headscope.hybrid.static as static
 
-    monkeypatch.setattr(static, "TAIL_BACKEND", "aot_eager")
+    cfg = replace(DEFAULT, tail_backend="aot_eager")
     torch._dynamo.reset()
     model = _hybrid()
     layers = model.model.layers
-    dec = StaticDecoder(model, batch=2, max_len=8, compile_tail=True)
+    dec = StaticDecoder(model, batch=2, max_len=8, compile_tail=True, config=cfg)
     h, a = torch.randn(2, 3, H * D), torch.randn(2, 3, H * D)
     with torch.no_grad():
         got_h, got_x = static._post_fused(layers[0], layers[1], h, a, *dec._gate_up(0))
@@ -336,40 +294,27 @@ def test_fused_tail_matches_the_mlp_module_or_is_refused(monkeypatch):
         assert b is None and torch.equal(W, torch.cat([layers[1].mlp.gate_proj.weight, layers[1].mlp.up_proj.weight]))
         layers[1].mlp.up_proj.weight.mul_(2)  # a changed weight: the concatenation is rebuilt
         assert torch.equal(dec._gate_up(1)[0][W.shape[0] // 2:], layers[1].mlp.up_proj.weight)
-        monkeypatch.setattr(static, "FUSED_GATE_UP_MAX_BYTES", 0)  # large layers: the two projections, same result
-        assert dec._gate_up(0) == (None, None)
-        got_h2, _ = static._post_fused(layers[0], layers[1], h, a, *dec._gate_up(0))
+        # large layers: the two projections, same result
+        dec0 = StaticDecoder(model, batch=2, max_len=8, config=replace(cfg, fused_gate_up_max_bytes=0))
+        assert dec0._gate_up(0) == (None, None)
+        got_h2, _ = static._post_fused(layers[0], layers[1], h, a, *dec0._gate_up(0))
         torch.testing.assert_close(got_h2, ref_h, rtol=0, atol=1e-5)
     handle = layers[1].mlp.register_forward_hook(lambda *a: None)
     with pytest.warns(UserWarning, match="forward hooks"):
-        assert StaticDecoder(model, batch=2, max_len=8, compile_tail=True)._fused is None
+        assert StaticDecoder(model, batch=2, max_len=8, compile_tail=True, config=cfg)._fused is None
     handle.remove()
-    if static._mlp_applies(2, H * D, 64, torch.device("cpu")):  # another activation: the two-launch tail refused
-        act = layers[1].mlp.act_fn
-        monkeypatch.setattr(static, "FUSED_GATE_UP_MAX_BYTES", 32 << 20)
-        monkeypatch.setattr(static, "MLP_KERNEL", True)
-        assert StaticDecoder(model, batch=2, max_len=8, compile_tail=True)._mlp is not None
-        layers[1].mlp.act_fn = torch.nn.GELU()
-        try:
-            with pytest.warns(UserWarning, match="two-launch MLP tail"):
-                dec2 = StaticDecoder(model, batch=2, max_len=8, compile_tail=True)
-        finally:
-            layers[1].mlp.act_fn = act
-        assert dec2._fused is not None and dec2._mlp is None
     mlp = layers[1].mlp  # the second layer only (an instance's forward): not just the first layer is checked
     monkeypatch.setattr(mlp, "forward", lambda x: mlp.down_proj(mlp.act_fn(mlp.up_proj(x)) * mlp.gate_proj(x)))
     with pytest.warns(UserWarning, match="differs from the MLP module"):
-        assert StaticDecoder(model, batch=2, max_len=8, compile_tail=True)._fused is None
+        assert StaticDecoder(model, batch=2, max_len=8, compile_tail=True, config=cfg)._fused is None
 
 
 
-def test_device_position_step_of_one_layer_without_a_shared_mask(monkeypatch):
+def test_device_position_step_of_one_layer_without_a_shared_mask():
     """A layer's device-position step computes its own slot mask / split-K length when no caller keeps one
     (cache.valid, cache.n_valid None): same output and cache as the step at the Python length."""
-    import headscope.hybrid.lean as lean
-
-    monkeypatch.setattr(lean, "ENABLE", True)
-    layer = _hybrid().model.layers[1].self_attn  # FA heads 0 and 3 + GDN heads
+    layer = _hybrid().model.layers[1].self_attn
+    use(layer)  # FA heads 0 and 3 + GDN heads
     rope = _hybrid().model.rotary_emb
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, 9, H * D, generator=g)
@@ -392,11 +337,10 @@ def test_last_timing_splits_prefill_from_decode_steps(monkeypatch):
     """``StaticDecoder.last_timing``: prefill = mark 1 − mark 0; decode = the last two marks (a graphed call's
     warm-up and capture fall between them and are left out); per token = decode / steps. On CPU the marks are
     wall-clock readings: a fake clock gives hand-computed values."""
-    import headscope.hybrid.lean as lean
     import headscope.hybrid.static as static
 
-    monkeypatch.setattr(lean, "ENABLE", True)  # device-position steps run on the lean path (CPU: opt-in)
-    dec = StaticDecoder(_hybrid(gdn_kernel="torch"), batch=2, max_len=32)
+    # device-position steps run on the lean path (CPU: opt-in)
+    dec = StaticDecoder(_hybrid(gdn_kernel="torch"), batch=2, max_len=32, config=ON)
     assert dec.last_timing is None
     ids = torch.randint(0, 101, (2, 10), generator=torch.Generator().manual_seed(3))
     ticks = iter([10.0, 10.5, 10.75, 11.65])  # s: start, after prefill, before the steps, after them

@@ -4,6 +4,8 @@ On CPU the glue runs eagerly (the same code that torch.compile compiles on CUDA)
 kernels; the GPU tests (skipped without CUDA) run the compiled glue, SDPA and fla.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
@@ -13,6 +15,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 import headscope.hybrid.lean as lean
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions
 from headscope.hybrid.gdn import fla_available, gdn_naive
+from headscope.hybrid.inference import DEFAULT, inference_config
+from inference_cfg import ON, plain, use
 
 HID, H, KV, D = 48, 6, 2, 8
 
@@ -25,7 +29,7 @@ def _cfg(qwen=False):
     return cfg
 
 
-def _layer(fa, qwen=False, seed=0, gdn_kernel="torch", **opts):
+def _layer(fa, qwen=False, seed=0, gdn_kernel="torch", lean_path=True, **opts):
     torch.manual_seed(seed)
     cfg = _cfg(qwen)
     teacher = (Qwen3Attention if qwen else LlamaAttention)(cfg, 0)
@@ -38,6 +42,8 @@ def _layer(fa, qwen=False, seed=0, gdn_kernel="torch", **opts):
         for n, p in layer.named_parameters():
             if any(s in n for s in ("a_proj", "b_proj", "g_proj", "gamma", "dt_bias", "A_log", "norm")):
                 p.add_(0.2 * torch.randn(p.shape, generator=g))
+    if lean_path:
+        use(layer)
     return layer.eval(), teacher.eval(), cfg
 
 
@@ -47,18 +53,9 @@ def _inputs(cfg, B, T, seed=3, device="cpu"):
     return x, cos, sin
 
 
-@pytest.fixture
-def lean_on(monkeypatch):
-    monkeypatch.setattr(lean, "ENABLE", True)
-
-
 def _plain(layer, *a, **kw):
-    old = lean.ENABLE
-    lean.ENABLE = False
-    try:
+    with plain(layer):
         return layer(*a, **kw)[0]
-    finally:
-        lean.ENABLE = old
 
 
 CASES = [((1,), False, {}), ((0, 3), False, dict(fa_pos="nope", fa_gate=True)), ((0, 1, 3), False, {}),
@@ -66,22 +63,20 @@ CASES = [((1,), False, {}), ((0, 3), False, dict(fa_pos="nope", fa_gate=True)), 
 IDS = ["1fa", "nope-gate-two-groups", "uneven-groups", "all-gdn", "no-gdn-rope", "qwen3-qk-norm", "qwen3-gate"]
 
 
-@pytest.mark.parametrize("decode_gdn", ["kernel", "fused", "triton"])
 @pytest.mark.parametrize("fa,qwen,opts", CASES, ids=IDS)
-def test_lean_prefill_and_decode_equal_plain_forward(lean_on, monkeypatch, fa, qwen, opts, decode_gdn):
-    """... and the one-token decode steps with the GDN step fused into the glue (``DECODE_GDN="fused"``) or
-    into one Triton kernel ("triton"; head_dim 8 here, so it falls back to "fused": the kernel's own test is
-    tests/test_gdn_step.py and the 16-dim models of test_hybrid_graphs.py)."""
-    monkeypatch.setattr(lean, "DECODE_GDN", decode_gdn)
+def test_lean_prefill_and_decode_equal_plain_forward(fa, qwen, opts):
+    """... and the one-token decode steps with the GDN step fused into the compiled glue (head_dim 8 here: the
+    Triton step's fallback; the kernel's own test is tests/test_gdn_step.py and the 16-dim models of
+    test_hybrid_graphs.py)."""
     layer, _, cfg = _layer(fa, qwen, **opts)
     B, T = 2, 37
     x, cos, sin = _inputs(cfg, B, T)
     with torch.no_grad():
         ref = _plain(layer, x, position_embeddings=(cos, sin))
         out, _ = layer(x, position_embeddings=(cos, sin))
-        monkeypatch.setattr(lean, "GDN_BLOCK_TOKENS", 2 * 10)  # GDN in 4 time blocks, the state carried over
+        use(layer, gdn_block_tokens=2 * 10)  # GDN in 4 time blocks, the state carried over
         blocked, _ = layer(x, position_embeddings=(cos, sin))
-        monkeypatch.setattr(lean, "GDN_BLOCK_TOKENS", None)
+        use(layer)
         dc = layer.new_decode_cache(B, max_len=T)
         pre, _ = layer(x[:, :30], position_embeddings=(cos[:, :30], sin[:, :30]), cache=dc)
         steps = [layer(x[:, t : t + 1], position_embeddings=(cos[:, t : t + 1], sin[:, t : t + 1]), cache=dc)[0]
@@ -93,7 +88,7 @@ def test_lean_prefill_and_decode_equal_plain_forward(lean_on, monkeypatch, fa, q
         assert (got - want).abs().max() < 1e-5
 
 
-def test_all_fa_lean_layer_equals_teacher(lean_on):
+def test_all_fa_lean_layer_equals_teacher():
     layer, teacher, cfg = _layer(tuple(range(H)), fusion="none")
     x, cos, sin = _inputs(cfg, 2, 17)
     with torch.no_grad():
@@ -102,7 +97,7 @@ def test_all_fa_lean_layer_equals_teacher(lean_on):
     assert (out - ref).abs().max() < 1e-5
 
 
-def test_lean_gdn_heads_equal_naive_recurrence(lean_on):
+def test_lean_gdn_heads_equal_naive_recurrence():
     """A layer with only GDN heads, fusion off, identity o_proj: its output is the token recurrence of
     eq. 7-8 (gdn_naive, fp64) on the L2-normalized, rotated q/k — computed here by hand."""
     from headscope.hybrid.rope import apply_rope
@@ -123,7 +118,7 @@ def test_lean_gdn_heads_equal_naive_recurrence(lean_on):
     assert (out - y.reshape(1, 29, H * D)).abs().max() < 1e-5
 
 
-def test_lean_plan_follows_parameter_changes(lean_on):
+def test_lean_plan_follows_parameter_changes():
     layer, _, cfg = _layer((1,))
     x, cos, sin = _inputs(cfg, 1, 9)
     with torch.no_grad():
@@ -136,7 +131,7 @@ def test_lean_plan_follows_parameter_changes(lean_on):
     assert (out - ref).abs().max() < 1e-5
 
 
-def test_lean_path_is_skipped_with_gradients_masks_or_conv(lean_on):
+def test_lean_path_is_skipped_with_gradients_masks_or_conv():
     layer, _, cfg = _layer((1,))
     x, cos, sin = _inputs(cfg, 1, 9)
     layer(x, position_embeddings=(cos, sin))  # gradients on: plain path
@@ -149,7 +144,7 @@ def test_lean_path_is_skipped_with_gradients_masks_or_conv(lean_on):
         assert "_lean_plan" not in conv.__dict__
 
 
-def test_block_tokens_rule(monkeypatch):
+def test_block_tokens_rule():
     assert lean.block_tokens(8, 64) == 65536  # SmolLM2 layer at 7:1: 8 GDN heads of d 64
     assert lean.block_tokens(14, 128) == 9344  # Qwen3-1.7B shape: 14 GDN heads of d 128
     assert lean.block_tokens(1, 8) == (1 << 31) // 64 // 64 * 64
@@ -158,10 +153,10 @@ def test_block_tokens_rule(monkeypatch):
     assert lean.block_tokens(14, 128, 131072, graphed=True) == 32768
     assert lean.block_tokens(8, 64, 16 * 3000, graphed=True) == 11968  # 12000 rounded down to 64
     assert lean.block_tokens(8, 64, 4096, graphed=True) == 2048
-    monkeypatch.setattr(lean, "GDN_GRAPH_BLOCK_DIVISOR", 0)
-    assert lean.block_tokens(8, 64, 65536, graphed=True) == 65536
-    monkeypatch.setattr(lean, "GDN_BLOCK_TOKENS", 4096)
-    assert lean.block_tokens(8, 64) == 4096 == lean.block_tokens(8, 64, 65536, graphed=True)
+    cfg = replace(DEFAULT, gdn_graph_block_divisor=0)
+    assert lean.block_tokens(8, 64, 65536, graphed=True, cfg=cfg) == 65536
+    cfg = replace(cfg, gdn_block_tokens=4096)
+    assert lean.block_tokens(8, 64, cfg=cfg) == 4096 == lean.block_tokens(8, 64, 65536, graphed=True, cfg=cfg)
 
 
 def spy_gdn_calls(monkeypatch) -> list:
@@ -177,14 +172,14 @@ def spy_gdn_calls(monkeypatch) -> list:
     return calls
 
 
-def test_graph_recorded_blocks_are_a_quarter_of_the_tokens(lean_on, monkeypatch):
+def test_graph_recorded_blocks_are_a_quarter_of_the_tokens(monkeypatch):
     """While a call is recorded for a graph (lean._graph_blocks, patched here: CPU), a prefill's GDN heads run in blocks of
-    tokens / GDN_GRAPH_BLOCK_DIVISOR, the state carried over, and the output equals the plain forward's."""
+    tokens / gdn_graph_block_divisor, the state carried over, and the output equals the plain forward's."""
     layer, _, cfg = _layer((1,))
     B, T = 2, 256
     x, cos, sin = _inputs(cfg, B, T)
     calls = spy_gdn_calls(monkeypatch)
-    monkeypatch.setattr(lean, "GDN_GRAPH_BLOCK_MIN", 64)
+    use(layer, gdn_graph_block_min=64)
     monkeypatch.setattr(lean, "_graph_blocks", lambda x: True)
     with torch.no_grad():
         ref = _plain(layer, x, position_embeddings=(cos, sin))
@@ -199,9 +194,9 @@ def test_graph_recorded_blocks_are_a_quarter_of_the_tokens(lean_on, monkeypatch)
 
 
 def test_lean_path_is_cuda_only_by_default():
-    layer, _, cfg = _layer((1,))
+    layer, _, cfg = _layer((1,), lean_path=False)
     x, cos, sin = _inputs(cfg, 1, 9)
-    assert lean.ENABLE is None
+    assert inference_config(layer) is DEFAULT and DEFAULT.fast_path == "cuda"
     with torch.no_grad():
         layer(x, position_embeddings=(cos, sin))
     assert "_lean_plan" not in layer.__dict__
@@ -247,7 +242,7 @@ def test_lean_cuda_bf16_matches_plain_path_and_graph_replay(fa):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla")
 def test_fla_low_memory_stages_equal_flas_one_call_and_free_intermediates():
-    """lean.GDN_LOW_MEMORY: fla's chunk forward stage by stage equals its one call bit for bit (the same kernels),
+    """lean.gdn_consume: fla's chunk forward stage by stage equals its one call (lean.gdn) bit for bit (the same kernels),
     with and without an initial state, and holds less at its peak (bf16, 8 heads of d 64, 8192 tokens)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     B, T, n, d = 1, 8192, 8, 64
@@ -268,28 +263,25 @@ def test_fla_low_memory_stages_equal_flas_one_call_and_free_intermediates():
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            old = lean.GDN_LOW_MEMORY
-            lean.GDN_LOW_MEMORY = low
-            try:
-                outs[low] = lean.gdn_consume(ops, d ** -0.5, init, "fla")
-            finally:
-                lean.GDN_LOW_MEMORY = old
+            if low:
+                outs[low] = lean.gdn_consume(ops, d ** -0.5, init, "fla", flash_qla=False)
+                assert ops == []  # the call took the inputs
+            else:
+                outs[low] = lean.gdn(*ops, d ** -0.5, init, "fla", flash_qla=False)
+                del ops
             torch.cuda.synchronize()
             peaks[low] = torch.cuda.max_memory_allocated() - base
-            assert ops == []  # the call took the inputs
         assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
         assert peaks[True] < 0.8 * peaks[False], peaks
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("eager_graphs", [False, True], ids=["blocks", "graph-blocks"])
-def test_static_decoder_equals_full_forward_and_generate(lean_on, monkeypatch, family, eager_graphs):
+@pytest.mark.parametrize("eager_graphs", ["never", "always"], ids=["blocks", "graph-blocks"])
+def test_static_decoder_equals_full_forward_and_generate(family, eager_graphs):
     """Whole model through StaticDecoder (per-layer HybridDecodeCache, lean path): prefill + steps equal
     the full forward's logits; an all-FA mask with fusion off equals the teacher; generate = greedy. With
-    ``graph-blocks`` the prefills run the GDN heads as padded fixed-shape blocks (lean.EAGER_GDN_GRAPHS; on CPU
+    ``graph-blocks`` the prefills run the GDN heads as padded fixed-shape blocks (eager_gdn_graphs; on CPU
     without graphs), the two layers sharing the blocks' static buffers."""
-    monkeypatch.setattr(lean, "EAGER_GDN_GRAPHS", eager_graphs)
-    monkeypatch.setattr(lean, "EAGER_GRAPH_MIN", 16)
     lean.release_eager_graphs()
     from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
@@ -304,11 +296,12 @@ def test_static_decoder_equals_full_forward_and_generate(lean_on, monkeypatch, f
     ids = torch.randint(0, 101, (2, 15), generator=torch.Generator().manual_seed(1))
     hyb = hybridize(teacher, HeadMask(2, H, KV, ((1,), (0, 4))), gdn_kernel="torch").eval()
     allfa = hybridize(teacher, HeadMask(2, H, KV, (tuple(range(H)),) * 2), fusion="none").eval()
+    for model in (hyb, allfa):
+        use(model, eager_gdn_graphs=eager_graphs, eager_graph_min=16)
     with torch.no_grad():
         for model, ref_model in ((hyb, hyb), (allfa, teacher)):
-            lean.ENABLE = False
-            full = ref_model(ids).logits
-            lean.ENABLE = True
+            with plain(ref_model):
+                full = ref_model(ids).logits
             dec = StaticDecoder(model, batch=2, max_len=20)
             got = [dec.prefill(ids[:, :11])] + [dec.step(ids[:, t : t + 1]) for t in range(11, 15)]
             assert dec.length == 15

@@ -152,8 +152,8 @@ def test_bad_input_names_the_fix():
     with pytest.raises(ValueError, match="head_dim 16 differs"):
         step.hybrid_decode_step(q, k, v, kc, vc, None, 0.1, gdn=gdn)
     gdn = _to(_gdn_inputs(2, 2, 32, torch.float32, g, {}))
-    with pytest.raises(ValueError, match="except \\['pdl'\\]"):
-        step.hybrid_decode_step(q, k, v, kc, vc, None, 0.1, gdn=dict(gdn, pdl=True))
+    with pytest.raises(ValueError, match="except \\['block_v'\\]"):
+        step.hybrid_decode_step(q, k, v, kc, vc, None, 0.1, gdn=dict(gdn, block_v=16))
     with pytest.raises(ValueError, match="positions"):
         step.hybrid_decode_step(q, k, v, kc, vc, None, 0.1, nope_a=100.0)
     with pytest.raises(ValueError, match="kv_group"):

@@ -127,14 +127,15 @@ def test_applies_and_bad_input_name_the_fix():
         layer_tail(torch.randn(17, 32).to(DEV), torch.randn(17, 32).to(DEV), **w)
 
 
-def test_a_precomputed_input_projection_equals_the_layers_own(monkeypatch):
+def test_a_precomputed_input_projection_equals_the_layers_own():
     """lean.forward's z_in (the module's ``projected=``, what the tail kernel hands the next layer): the same output
     and cache as the layer computing x @ Wᵀ + b itself; a wrong shape, or a call off the lean path, names the fix."""
     import headscope.hybrid.lean as lean
+    from inference_cfg import plain, use
     from test_hybrid_graphs import _hybrid
 
-    monkeypatch.setattr(lean, "ENABLE", True)
     attn = _hybrid().model.layers[0].self_attn
+    use(attn)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 1, attn.q_proj.weight.shape[1], generator=g)
     cos, sin = torch.randn(2, 1, attn.head_dim, generator=g), torch.randn(2, 1, attn.head_dim, generator=g)
@@ -147,21 +148,21 @@ def test_a_precomputed_input_projection_equals_the_layers_own(monkeypatch):
         assert torch.equal(got, ref) and torch.equal(c1.S, c2.S) and torch.equal(c1.k, c2.k) and c2.length == 1
         with pytest.raises(ValueError, match="z_in must be the input projection"):
             attn(x, position_embeddings=(cos, sin), cache=attn.new_decode_cache(2, 8), projected=z[..., :-1])
-        monkeypatch.setattr(lean, "ENABLE", False)
-        with pytest.raises(ValueError, match="projected= needs the lean path"):
+        with plain(attn), pytest.raises(ValueError, match="projected= needs the lean path"):
             attn(x, position_embeddings=(cos, sin), cache=attn.new_decode_cache(2, 8), projected=z)
 
 
-def test_a_deferred_output_finishes_as_the_layers_own(monkeypatch):
+def test_a_deferred_output_finishes_as_the_layers_own():
     """defer_out=True on a decode step of the one-launch path: a lean.DeferredOutput (the split-K partials, o_proj's
     input with the GDN heads' columns written) whose finish() (the combination, then o_proj) is the plain output."""
     import headscope.hybrid.lean as lean
+    from inference_cfg import use
     from test_hybrid_graphs import _hybrid
 
     if not tail_step.applies(2, 64, 64, 64, torch.device(DEV)) or DEV == "cuda":
         pytest.skip("the CPU model through Triton's interpreter")
-    monkeypatch.setattr(lean, "ENABLE", True)
     attn = _hybrid().model.layers[0].self_attn
+    use(attn)
     g = torch.Generator().manual_seed(1)
     x0, x1 = (torch.randn(2, 1, attn.q_proj.weight.shape[1], generator=g) for _ in range(2))
     pe = [(torch.randn(2, 1, attn.head_dim, generator=g), torch.randn(2, 1, attn.head_dim, generator=g))
@@ -206,34 +207,33 @@ def test_kernel_in_bf16_at_the_smollm2_shape_and_in_a_graph():
 
 
 @gpu
-@pytest.mark.parametrize("defer", [False, True], ids=["combined", "deferred"])
-def test_graphed_greedy_decoding_with_the_tail_kernel(monkeypatch, defer):
-    """StaticDecoder with static.TAIL_KERNEL on CUDA (fp32: exact products): the graphed greedy tokens equal the
-    compiled tail's, one step's logits agree within fp32 rounding, and every decode step's layers took the kernel —
-    with the split-K combination in the attention's launch (rows of ≤ 2 heads here) or in the tail's first phase
-    (lean.DECODE_DEFER_COMBINE)."""
-    import headscope.hybrid.lean as lean
+def test_graphed_greedy_decoding_with_the_tail_kernel(monkeypatch):
+    """StaticDecoder with InferenceConfig.tail_kernel on CUDA (fp32: exact products): the graphed greedy tokens equal
+    the compiled tail's, one step's logits agree within fp32 rounding, and every decode step's layers took the kernel,
+    with the split-K combination in the attention's launch (rows of ≤ 2 heads here)."""
+    from dataclasses import replace
+
     import headscope.hybrid.static as static
     from test_hybrid_graphs import _hybrid
 
+    from headscope.hybrid.inference import DEFAULT
     from headscope.hybrid.static import StaticDecoder
 
-    monkeypatch.setattr(lean, "DECODE_DEFER_COMBINE", defer)
     model = _hybrid("cuda")
     ids = torch.randint(0, 101, (2, 24), generator=torch.Generator().manual_seed(3)).cuda()
     calls = []
     real = static.layer_tail
     with torch.no_grad():
-        monkeypatch.setattr(static, "TAIL_KERNEL", False)  # the reference: the compiled tail
-        ref_dec = StaticDecoder(model, batch=2, max_len=40, compile_tail=True)
+        # the reference: the compiled tail
+        ref_dec = StaticDecoder(model, batch=2, max_len=40, compile_tail=True,
+                                config=replace(DEFAULT, tail_kernel=False))
         ref = ref_dec.generate(ids, 8, cuda_graph=True)
-        monkeypatch.setattr(static, "TAIL_KERNEL", True)
         monkeypatch.setattr(static, "layer_tail", lambda *a, **k: calls.append(k["attn"] is not None) or real(*a, **k))
-        dec = StaticDecoder(model, batch=2, max_len=40, compile_tail=True)
+        dec = StaticDecoder(model, batch=2, max_len=40, compile_tail=True, config=DEFAULT)
         assert dec._tk is not None
         calls.clear()
         got = dec.generate(ids, 8, cuda_graph=True)
-        assert calls and all(c == defer for c in calls)  # the captured step's layers (and the warm-ups)
+        assert calls and not any(calls)  # the captured step's layers (and the warm-ups)
         assert torch.equal(got, ref)
         ref_dec.prefill(ids), dec.prefill(ids)
         torch.testing.assert_close(dec.step(ids[:, -1:]), ref_dec.step(ids[:, -1:]), rtol=1e-4, atol=1e-4)

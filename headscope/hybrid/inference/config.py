@@ -66,7 +66,7 @@ class InferenceConfig:
     eager_graph_max: int = 8
     flash_qla: bool = True
     fused_out_max_d: int = 64
-    tail_backend: str = "inductor"
+    tail_backend: Any = "inductor"
     tail_mode: Optional[str] = None
     fused_gate_up_max_bytes: int = 32 << 20
     tail_kernel: bool = True
@@ -86,8 +86,9 @@ class InferenceConfig:
         for name in ("eager_graph_tokens", "eager_graph_min", "eager_graph_max", "gdn_graph_block_min", "gdn_block_work"):
             if getattr(self, name) < 1:
                 raise ValueError(f"InferenceConfig.{name} must be ≥ 1; got {getattr(self, name)}")
-        if not isinstance(self.tail_backend, str) or not self.tail_backend:
-            raise ValueError(f"InferenceConfig.tail_backend must be a torch.compile backend name; got {self.tail_backend!r}")
+        if not (isinstance(self.tail_backend, str) and self.tail_backend) and not callable(self.tail_backend):
+            raise ValueError(f"InferenceConfig.tail_backend must be a torch.compile backend (a name or a callable); "
+                             f"got {self.tail_backend!r}")
         if self.tail_mode is not None and not isinstance(self.tail_mode, str):
             raise ValueError(f"InferenceConfig.tail_mode must be None or a torch.compile mode; got {self.tail_mode!r}")
 
