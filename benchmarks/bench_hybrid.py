@@ -12,7 +12,7 @@ Measures in one run and one process, B = 1, bf16 on CUDA (fp32 on CPU):
   over many replays) and run eagerly; the same step through a transformers ``DynamicCache`` (eager,
   growing cache) for reference; and the cache's bytes at T;
 - graphed prefill (CUDA): the same prefill of both layers recorded once in a CUDA graph and replayed
-  (``headscope.hybrid.graphs.capture``; no host time: the glue's guards and fla's launches are gone),
+  (``headscope.hybrid.inference.graphs.capture``; no host time: the glue's guards and fla's launches are gone),
   its time and the peak allocated while capturing it; the hybrid again with ``--graph-block``-token
   GDN blocks (default 8192: smaller fla intermediates, which cost host time only when eager);
 - ``--flash-qla``: the hybrid's prefill again with FlashQLA's GDN forward (``InferenceConfig.flash_qla``; head_dim
@@ -44,13 +44,13 @@ import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-import headscope.hybrid.lean as lean
+from headscope.hybrid.inference import prefill
 import headscope.hybrid.layer as layer_mod
 from headscope.hybrid.inference import DEFAULT, inference_config, use_inference
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions, hybridize
 from headscope.hybrid.attn import flash_attn_available, flash_attn_usable
-from headscope.hybrid import splitk
-from headscope.hybrid.graphs import capture as capture_graph, warm_up
+from headscope.hybrid.inference.kernels import splitk
+from headscope.hybrid.inference.graphs import capture as capture_graph, warm_up
 from headscope.hybrid.gdn import fla_available, gdn_chunked_torch, gated_delta_rule
 from headscope.masks import HeadMask
 
@@ -118,7 +118,7 @@ def _err(a, ref):
 
 
 def _prefill_graph(call, dev, reps, ref):
-    """The prefill replayed from a CUDA graph (``headscope.hybrid.graphs.capture``): ms per replay,
+    """The prefill replayed from a CUDA graph (``headscope.hybrid.inference.graphs.capture``): ms per replay,
     peak bytes allocated while capturing (the graph's intermediates, its output included; the eager
     warm-ups run before the peak is reset) and the replay's error against the eager output ``ref``."""
     warm_up(call, 2)
@@ -141,7 +141,7 @@ def _flash_qla_prefill(mod, call, dev, reps, parity):
     """The hybrid prefill (layer ``mod``) with FlashQLA's GDN forward (``InferenceConfig.flash_qla``) against fla's:
     time, peak, graphed time (or why capture failed) and its output against fla's."""
     r = {}
-    if lean._flash_qla_fwd() is None:
+    if prefill._flash_qla_fwd() is None:
         return {"flash_qla": "not installed"}
     base = inference_config(mod)
     with configured([mod], replace(base, flash_qla=False)):
@@ -333,9 +333,9 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
         r = {"prefill_ms": _time(call, dev, reps)}
         # eager GDN block graphs (InferenceConfig.eager_gdn_graphs): the peak of the first call, which makes them, or of a later
         # call plus what they hold between calls (static inputs, their memory pool), whichever is larger
-        lean.release_eager_graphs()
+        prefill.release_eager_graphs()
         r["prefill_peak_bytes"] = _peak_bytes(call, dev)
-        held = lean.eager_graph_bytes()
+        held = prefill.eager_graph_bytes()
         if held:
             r["prefill_peak_bytes_first_call"] = r["prefill_peak_bytes"]
             r["prefill_peak_bytes_steady"] = _peak_bytes(call, dev) + held

@@ -1,6 +1,6 @@
 """Whole model: a SmolLM2-135M-shaped hybrid (7:1, >= 1 FA head per layer) vs its teacher, random weights.
 
-Part of ``bench_hybrid.py --model``. Both models run through :class:`headscope.hybrid.static.StaticDecoder`
+Part of ``bench_hybrid.py --model``. Both models run through :class:`headscope.hybrid.inference.decoder.StaticDecoder`
 (preallocated per-layer caches, lean attention path); the teacher is the all-FA hybrid with fusion off,
 which computes the teacher's function (checked against transformers' own forward in the run). Per
 (batch, T):
@@ -37,7 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from headscope.hybrid import hybridize
 from headscope.hybrid.inference import inference_config
-from headscope.hybrid.static import StaticDecoder
+from headscope.hybrid.inference.decoder import StaticDecoder
 from headscope.masks import HeadMask
 
 from bench_timing import time_ms

@@ -2,7 +2,7 @@
 
 The whole-model step (``profile_decode.py``) shows the hybrid's one launch reading its cache at a lower rate than the
 all-FA teacher's (SmolLM2 shape, B = 16, 32K: 37.7 µs for 134 MB against 95.5 µs for 403 MB). This times
-:func:`~headscope.hybrid.step.hybrid_decode_step` on its own, replayed from a CUDA graph, at one layer of the ranked
+:func:`~headscope.hybrid.inference.kernels.one_launch.hybrid_decode_step` on its own, replayed from a CUDA graph, at one layer of the ranked
 7:1 SmolLM2 mask (one FA query head over one KV group, 8 GDN heads, head_dim 64, RoPE, the per-head output norm) and
 takes it apart:
 
@@ -38,7 +38,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_timing import cuda_device, graphed_ms  # noqa: E402
 
-from headscope.hybrid import gdn_step, splitk, step  # noqa: E402
+from headscope.hybrid import step  # noqa: E402
+from headscope.hybrid.inference.kernels import gdn_step, splitk
 
 
 def _inputs(B: int, Hq: int, Hk: int, ng: int, d: int, L: int, dev: torch.device, g: torch.Generator,

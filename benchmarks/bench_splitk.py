@@ -1,4 +1,4 @@
-"""Split-K decode attention (``headscope.hybrid.splitk``): a sweep of its launch settings against SDPA and the
+"""Split-K decode attention (``headscope.hybrid.inference.kernels.splitk``): a sweep of its launch settings against SDPA and the
 bandwidth roof, at the decode shapes of the hybrid benchmarks.
 
 One decode step's FA attention reads the whole K/V cache once, so its floor is ``bytes(K, V) / bandwidth``.
@@ -39,8 +39,8 @@ if "--smoke" in sys.argv and "TRITON_INTERPRET" not in os.environ:
 import torch
 import torch.nn.functional as F
 
-from headscope.hybrid import splitk
-from headscope.hybrid.graphs import capture
+from headscope.hybrid.inference.kernels import splitk
+from headscope.hybrid.inference.graphs import capture
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared timing (also when imported by path)
 from bench_timing import time_ms  # noqa: E402

@@ -39,9 +39,9 @@ def time_ms(fn, dev: torch.device, reps: int, warmup: int = 1) -> float:
 
 
 def graphed_ms(fn, dev: torch.device, reps: int, warmup: int = 3) -> float:
-    """Mean ms of one replay of ``fn`` recorded in a CUDA graph (``headscope.hybrid.graphs.capture`` after ``warmup``
+    """Mean ms of one replay of ``fn`` recorded in a CUDA graph (``headscope.hybrid.inference.graphs.capture`` after ``warmup``
     eager calls), by :func:`time_ms` over ``reps`` replays."""
-    from headscope.hybrid.graphs import capture
+    from headscope.hybrid.inference.graphs import capture
 
     graph, _ = capture(fn, warmup=warmup, device=dev)
     return time_ms(graph.replay, dev, reps, warmup=5)

@@ -1,6 +1,6 @@
 """Where a whole-model decode step's time goes: the GPU kernels of one CUDA-graph-replayed step of the
 SmolLM2-135M-shaped teacher and its 7:1 hybrid (``bench_hybrid_model.py``'s models, random weights), through
-:class:`headscope.hybrid.static.StaticDecoder`.
+:class:`headscope.hybrid.inference.decoder.StaticDecoder`.
 
 The caches are filled with random K/V and GDN states and set to ``T`` tokens (a decode step's time does not
 depend on the cached values), so no prefill runs and no GDN prefill kernel (fla) is needed. Per model and
@@ -33,7 +33,7 @@ from bench_hybrid_model import MASKS, hybrid_mask, smollm2_config  # noqa: E402
 from bench_timing import parse_variant as _parse_variant, time_ms, variant_config  # noqa: E402
 
 from headscope.hybrid import hybridize  # noqa: E402
-from headscope.hybrid.static import StaticDecoder  # noqa: E402
+from headscope.hybrid.inference.decoder import StaticDecoder  # noqa: E402
 from headscope.masks import HeadMask  # noqa: E402
 
 # kernel classes by name (the GDN step and FA prep kernels were named _step / _prep, class "other", in the

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():  # Triton kernels (headscope.hybrid.splitk) run in Triton's CPU interpreter;
+if not torch.cuda.is_available():  # Triton kernels (headscope.hybrid.inference.kernels.splitk) run in Triton's CPU interpreter;
     os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads this when first imported, so set it first
 
 import pytest  # noqa: E402

@@ -8,8 +8,8 @@ buffers' reuse across calls; the GPU test checks the captured graphs against the
 import pytest
 import torch
 
-import headscope.hybrid.lean as lean
-from headscope.hybrid.graphs import ShapeGraphs
+from headscope.hybrid.inference import plan as plan_mod, prefill
+from headscope.hybrid.inference.graphs import ShapeGraphs
 from headscope.hybrid.gdn import fla_available
 from headscope.hybrid.inference import DEFAULT
 
@@ -24,22 +24,22 @@ def graphs_on(layer, **changes):
 
 @pytest.fixture
 def eager_graphs():
-    lean.release_eager_graphs()
+    prefill.release_eager_graphs()
     yield
-    lean.release_eager_graphs()
+    prefill.release_eager_graphs()
 
 
 def test_eager_graph_block_rule():
     assert DEFAULT.eager_graph_tokens == 8192 and DEFAULT.eager_graph_min == 256
-    assert lean.eager_graph_block(1, 131072) == 8192 == lean.eager_graph_block(1, 8192)
-    assert lean.eager_graph_block(1, 8191) == 8192  # the next power of two
-    assert lean.eager_graph_block(1, 3000) == 4096
-    assert lean.eager_graph_block(1, 257) == 512
-    assert lean.eager_graph_block(1, 9) == 256  # at least EAGER_GRAPH_MIN
-    assert lean.eager_graph_block(16, 32768) == 512  # 8192 tokens over 16 sequences
-    assert lean.eager_graph_block(3, 32768) == 2688  # 8192 // 3 = 2730, down to a multiple of 64
-    assert lean.eager_graph_block(3, 1000) == 1024
-    assert lean.eager_graph_block(1000, 5000) == 64  # never below 64 time steps
+    assert prefill.eager_graph_block(1, 131072) == 8192 == prefill.eager_graph_block(1, 8192)
+    assert prefill.eager_graph_block(1, 8191) == 8192  # the next power of two
+    assert prefill.eager_graph_block(1, 3000) == 4096
+    assert prefill.eager_graph_block(1, 257) == 512
+    assert prefill.eager_graph_block(1, 9) == 256  # at least EAGER_GRAPH_MIN
+    assert prefill.eager_graph_block(16, 32768) == 512  # 8192 tokens over 16 sequences
+    assert prefill.eager_graph_block(3, 32768) == 2688  # 8192 // 3 = 2730, down to a multiple of 64
+    assert prefill.eager_graph_block(3, 1000) == 1024
+    assert prefill.eager_graph_block(1000, 5000) == 64  # never below 64 time steps
 
 
 @pytest.mark.parametrize("fa,qwen,opts", CASES, ids=IDS)
@@ -72,9 +72,9 @@ def test_padded_blocks_equal_the_plain_forward_and_keep_the_state(eager_graphs, 
         assert (out - out2).abs().max() < 1e-5
         assert (dc.S - dc2.S).abs().max() < 1e-5 * dc2.S.abs().max()
         assert (step - step2).abs().max() < 1e-5
-    assert len(lean._block_graphs) == 1 and lean.eager_graph_bytes() > 0  # one configuration, its buffers held
-    lean.release_eager_graphs()
-    assert lean.eager_graph_bytes() == 0
+    assert len(prefill._block_graphs) == 1 and prefill.eager_graph_bytes() > 0  # one configuration, its buffers held
+    prefill.release_eager_graphs()
+    assert prefill.eager_graph_bytes() == 0
 
 
 def test_layers_sharing_a_block_graph_each_get_their_own_weights(eager_graphs):
@@ -90,7 +90,7 @@ def test_layers_sharing_a_block_graph_each_get_their_own_weights(eager_graphs):
             out, _ = lay(x, position_embeddings=(cos, sin))
             ref = _plain(lay, x, position_embeddings=(cos, sin))
             assert (out - ref).abs().max() < 1e-5 * ref.abs().max()
-    assert len(lean._block_graphs) == 1
+    assert len(prefill._block_graphs) == 1
 
 
 def test_padded_rows_leave_the_state_unchanged(eager_graphs):
@@ -98,19 +98,19 @@ def test_padded_rows_leave_the_state_unchanged(eager_graphs):
     layer, _, cfg = _layer((1,))
     graphs_on(layer)
     x, cos, sin = _inputs(cfg, 1, 37)
-    p = lean.plan(layer)
+    p = plan_mod.plan(layer)
     with torch.no_grad():
         zg = torch.nn.functional.linear(x, p.W[p.n_fa_rows:], None if p.b is None else p.b[p.n_fa_rows:])
         S0 = torch.randn(1, p.ng, p.d, p.d)
-        y, S = lean.gdn_block_graphed(layer, zg, cos, sin, S0, 256)
+        y, S = prefill.gdn_block_graphed(layer, zg, cos, sin, S0, 256)
         y, S = y[:, :37].clone(), S.clone()
-        ref_y, ref_S = lean._gdn_block(lean._gdn_cfg(layer, p, True), zg, cos, sin, S0, None, p.A_neg, p.dtb, p.qn,
+        ref_y, ref_S = prefill._gdn_block(prefill.gdn_cfg(layer, p, True), zg, cos, sin, S0, None, p.A_neg, p.dtb, p.qn,
                                        p.kn)
     assert y.shape == ref_y.shape == (1, 37, p.ng, p.d)
     assert (y - ref_y).abs().max() < 1e-5 * ref_y.abs().max()
     assert (S - ref_S).abs().max() < 1e-5 * ref_S.abs().max()
     with pytest.raises(ValueError, match="does not fit"):
-        lean.gdn_block_graphed(layer, zg, cos, sin, S0, 32)
+        prefill.gdn_block_graphed(layer, zg, cos, sin, S0, 32)
 
 
 def test_blocks_are_not_used_with_autograd_or_without_gdn_heads(eager_graphs, monkeypatch):
@@ -118,9 +118,9 @@ def test_blocks_are_not_used_with_autograd_or_without_gdn_heads(eager_graphs, mo
     graphs_on(layer)
     x, cos, sin = _inputs(cfg, 1, 100)
     seen = []
-    monkeypatch.setattr(lean, "gdn_block_graphed", lambda *a, **k: seen.append(1))
+    monkeypatch.setattr(prefill, "gdn_block_graphed", lambda *a, **k: seen.append(1))
     layer(x, position_embeddings=(cos, sin))  # grad enabled: the training path
-    assert not seen and lean.eager_graph_bytes() == 0
+    assert not seen and prefill.eager_graph_bytes() == 0
     use(layer)  # the default: CUDA only
     with torch.no_grad():
         layer(x, position_embeddings=(cos, sin))
@@ -163,7 +163,7 @@ def test_cuda_graph_blocks_equal_the_path_without_them(qwen):
     """On CUDA (bf16, fla): the graph-replayed blocks (captured on first use, 3 shapes over the lengths) give the
     output and the state of the path without them, also on a second call of a shape (replay, stale padding), and a
     prefill recorded into the caller's own graph does not use them."""
-    lean.release_eager_graphs()
+    prefill.release_eager_graphs()
     layer, _, cfg = _layer((1,), qwen, gdn_kernel="fla")
     layer = layer.cuda().to(torch.bfloat16)
     B = 1
@@ -181,21 +181,21 @@ def test_cuda_graph_blocks_equal_the_path_without_them(qwen):
             scale = ref.float().abs().max()
             assert (out.float() - ref.float()).abs().max() < 2e-2 * scale, T
             assert (dc.S - dc2.S).abs().max() < 2e-2 * dc2.S.abs().max(), T
-        shapes = [k[3] for k in next(iter(lean._block_graphs.values()))._entries]
+        shapes = [k[3] for k in next(iter(prefill._block_graphs.values()))._entries]
         assert sorted(shapes) == [512, 1024]  # 2500 -> blocks of 1024; 700 -> 1024; 300 -> 512
-        from headscope.hybrid.graphs import capture
+        from headscope.hybrid.inference.graphs import capture
 
-        n = lean.eager_graph_bytes()
-        pooled = sum(g.pool_bytes() for g in lean._block_graphs.values())
+        n = prefill.eager_graph_bytes()
+        pooled = sum(g.pool_bytes() for g in prefill._block_graphs.values())
         assert 0 < pooled < n  # the graphs' pool is found and counted with the static inputs
         with torch.no_grad():
             graph, static = capture(lambda: layer(x, position_embeddings=(cos, sin))[0], warmup=1)
             graph.replay()
         torch.cuda.synchronize()
-        assert lean.eager_graph_bytes() == n  # recorded calls take the graphed-prefill rule, no block graphs
+        assert prefill.eager_graph_bytes() == n  # recorded calls take the graphed-prefill rule, no block graphs
         assert (static.float() - out.float()).abs().max() < 2e-2 * scale
     finally:
-        lean.release_eager_graphs()
+        prefill.release_eager_graphs()
 
 
 def test_blocks_made_under_inference_mode_serve_no_grad_calls_and_back(eager_graphs):

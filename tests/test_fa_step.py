@@ -1,4 +1,4 @@
-"""The FA heads' one-kernel decode prep (headscope.hybrid.fa_step): q/k glue + K/V cache write.
+"""The FA heads' one-kernel decode prep (headscope.hybrid.inference.kernels.fa_prep): q/k glue + K/V cache write.
 
 The Triton kernel runs through Triton's interpreter here (tests/conftest.py sets TRITON_INTERPRET=1 on
 machines without CUDA), compiled on a GPU; skipped without triton. The reference is checked against a
@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
-from headscope.hybrid import fa_step, lean
-from headscope.hybrid.fa_step import fa_decode_prep, fa_decode_prep_torch
+from headscope.hybrid.inference import decode, forward as fwd, plan as plan_mod
+from headscope.hybrid.inference.kernels import fa_prep as fa_step
+from headscope.hybrid.inference.kernels.fa_prep import fa_decode_prep, fa_decode_prep_torch
 
 from conftest import rope_and_qk_norm
 
@@ -125,7 +126,7 @@ def test_torch_prep_equals_the_lean_glue():
     (q, k, v, kc, vc), kw = _inputs(2, 2, 2, 16, 6, torch.float32)
     for rope in (True, False):
         pos = torch.tensor([[3], [3]])
-        qg, kg = lean._glue_fa(q[:, None], k[:, None], kw["cos"][:, None], kw["sin"][:, None], pos, kw["q_norm"],
+        qg, kg = plan_mod._glue_fa(q[:, None], k[:, None], kw["cos"][:, None], kw["sin"][:, None], pos, kw["q_norm"],
                                kw["k_norm"], eps=kw["qk_eps"], rope=rope, nope_a=500.0)
         extra = {"cos": kw["cos"], "sin": kw["sin"]} if rope else {"positions": pos[:, 0], "nope_a": 500.0}
         got = fa_decode_prep_torch(q, k, v, kc, vc, 3, q_norm=kw["q_norm"], k_norm=kw["k_norm"], qk_eps=kw["qk_eps"],
@@ -171,13 +172,13 @@ def _decode_vs_forward(monkeypatch, qwen, opts, fa=(0, 3), d=16, fused_out_max_d
     from inference_cfg import plain, use
 
     preps = []
-    real = lean.fa_decode_prep
-    monkeypatch.setattr(lean, "fa_decode_prep", lambda *a, **k: preps.append(1) or real(*a, **k))
-    real_one = lean.hybrid_decode_step
-    monkeypatch.setattr(lean, "hybrid_decode_step", lambda *a, **k: preps.append(2) or real_one(*a, **k))
+    real = decode.fa_decode_prep
+    monkeypatch.setattr(decode, "fa_decode_prep", lambda *a, **k: preps.append(1) or real(*a, **k))
+    real_one = decode.hybrid_decode_step
+    monkeypatch.setattr(decode, "hybrid_decode_step", lambda *a, **k: preps.append(2) or real_one(*a, **k))
     glues = []
-    real_glue = lean._glue
-    monkeypatch.setattr(lean, "_glue", lambda name, *a, **k: glues.append(name) or real_glue(name, *a, **k))
+    real_glue = fwd.glue
+    monkeypatch.setattr(fwd, "glue", lambda name, *a, **k: glues.append(name) or real_glue(name, *a, **k))
     kw = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=d, intermediate_size=64,
               num_hidden_layers=1, vocab_size=50, rope_theta=10000.0)
     cfg = Qwen3Config(**kw) if qwen else LlamaConfig(**kw)

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions, hybridize
-from headscope.hybrid.fast import prepare_fast, unprepare_fast
+from headscope.hybrid.inference.train_forward import prepare_fast, unprepare_fast
 from headscope.masks import HeadMask
 from headscope.train import TokenRows, TrainConfig, Trainer, distillation_loss, lm_loss, stage_loss, trainable_parameters
 from headscope.train.fast import FastStep, flops_per_token, model_body

@@ -1,4 +1,4 @@
-"""The one-kernel GDN decode step (headscope.hybrid.gdn_step) against the gated delta rule reference.
+"""The one-kernel GDN decode step (headscope.hybrid.inference.kernels.gdn_step) against the gated delta rule reference.
 
 The Triton kernel runs through Triton's interpreter here (tests/conftest.py sets TRITON_INTERPRET=1 on
 machines without CUDA), compiled on a GPU; skipped without triton.
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from headscope.hybrid import gdn_step
+from headscope.hybrid.inference.kernels import gdn_step
 from headscope.hybrid.gdn import gdn_naive
-from headscope.hybrid.gdn_step import gdn_decode_step, gdn_decode_step_torch
+from headscope.hybrid.inference.kernels.gdn_step import gdn_decode_step, gdn_decode_step_torch
 
 from conftest import rope_and_qk_norm
 
@@ -107,7 +107,7 @@ def test_kernel_writes_into_a_given_output():
 @needs_kernel
 @pytest.mark.parametrize("dtype,d", [(torch.float32, 32), (torch.float16, 64), (torch.float16, 128)])
 def test_kernel_folds_the_output_fusion_into_a_strided_output(dtype, d):
-    """gamma=: the step writes γ_h · y / RMS(y) (eq. 13–14, y rounded to the dtype first, as lean._glue_out sees
+    """gamma=: the step writes γ_h · y / RMS(y) (eq. 13–14, y rounded to the dtype first, as plan_mod._glue_out sees
     it) into a strided slice of a layer-wide [B, heads, d] buffer; the columns of the other heads stay untouched
     and the state is the unfused step's."""
     args, kw = _inputs(2, 3, d, dtype)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from headscope.hybrid.fused import stack_projections
+from headscope.hybrid.inference.projections import stack_projections
 
 
 @pytest.mark.parametrize("bias", [(False, False, False), (True, False, True), (True, True, True)])

@@ -141,18 +141,18 @@ def test_fla_training_step_under_autocast_matches_torch_kernel():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flash_qla_prefill_matches_reference_bf16():
-    """lean.gdn with flash_qla on (head_dim 128, bf16): FlashQLA's forward against the fp32 chunked
+    """prefill.gdn with flash_qla on (head_dim 128, bf16): FlashQLA's forward against the fp32 chunked
     reference, output and final state; with flash_qla off the same call takes fla's path."""
-    import headscope.hybrid.lean as lean
+    from headscope.hybrid.inference import prefill
 
-    if lean._flash_qla_fwd() is None:
+    if prefill._flash_qla_fwd() is None:
         pytest.skip("flash-qla not installed")
     q, k, v, g, beta, h0 = (t.cuda() for t in _inputs(B=1, T=1000, H=4, dk=128, dv=128))
     bf = torch.bfloat16
     args = (q.to(bf), k.to(bf), v.to(bf), g, beta.to(bf), 1.0 / math.sqrt(128), h0)
     y_ref, s_ref = gdn_chunked_torch(q, k, v, g, beta, scale=args[5], initial_state=h0)
-    assert lean.flash_qla_applies(args[0], args[2], True)
-    y, s = lean.gdn(*args, kernel="fla", flash_qla=True)
+    assert prefill.flash_qla_applies(args[0], args[2], True)
+    y, s = prefill.gdn(*args, kernel="fla", flash_qla=True)
     assert (y.float() - y_ref).abs().max() < 5e-2 * y_ref.abs().max()
     assert (s.float() - s_ref).abs().max() < 5e-2 * s_ref.abs().max()
-    assert not lean.flash_qla_applies(args[0], args[2], False)
+    assert not prefill.flash_qla_applies(args[0], args[2], False)

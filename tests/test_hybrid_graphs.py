@@ -12,10 +12,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dataclasses import replace
 
 from headscope.hybrid import hybridize
-from headscope.hybrid.graphs import capture
+from headscope.hybrid.inference.graphs import capture
 from headscope.hybrid.inference import DEFAULT
 from inference_cfg import ON, plain, use
-from headscope.hybrid.static import StaticDecoder
+from headscope.hybrid.inference.decoder import StaticDecoder
 from headscope.masks import HeadMask
 
 H, KV, D = 4, 2, 16
@@ -87,21 +87,21 @@ def test_device_position_decoding_equals_eager_generate(opts, monkeypatch):
     reference path's eager steps, for NoPE and RoPE FA heads; every step of both layers is one launch (FA prep +
     split-K + GDN step: Triton's interpreter here, skipped without it), the GDN heads riding along; run eagerly
     here (CPU, lean path)."""
-    import headscope.hybrid.lean as lean
-    from headscope.hybrid import splitk
+    from headscope.hybrid.inference import decode
+    from headscope.hybrid.inference.kernels import splitk
 
     if not splitk.triton_available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU model: the decode kernels run here through Triton's interpreter (needs triton; "
                     "tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA); on a GPU see "
                     "test_graphed_generate_equals_eager_generate")
     ones = []  # the one-launch step (FA prep + split-K + GDN step): its length argument, and whether GDN heads rode along
-    real_one = lean.hybrid_decode_step
-    monkeypatch.setattr(lean, "hybrid_decode_step",
+    real_one = decode.hybrid_decode_step
+    monkeypatch.setattr(decode, "hybrid_decode_step",
                         lambda *a, **k: ones.append((a[5], k["gdn"] is not None)) or real_one(*a, **k))
     calls, preps, steps = [], [], []  # the separate kernels: none of them runs
-    monkeypatch.setattr(lean, "decode_attention", lambda *a, **k: calls.append(a[3]))
-    monkeypatch.setattr(lean, "fa_decode_prep", lambda *a, **k: preps.append(a[5]))
-    monkeypatch.setattr(lean, "gdn_decode_step", lambda *a, **k: steps.append(1))
+    monkeypatch.setattr(decode, "decode_attention", lambda *a, **k: calls.append(a[3]))
+    monkeypatch.setattr(decode, "fa_decode_prep", lambda *a, **k: preps.append(a[5]))
+    monkeypatch.setattr(decode, "gdn_decode_step", lambda *a, **k: steps.append(1))
     cfg = LlamaConfig(vocab_size=101, hidden_size=H * D, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=H, num_key_value_heads=KV, head_dim=D, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -131,7 +131,7 @@ def test_device_position_decoding_equals_eager_generate(opts, monkeypatch):
 
 
 def test_graphed_generate_off_cuda_names_the_fix_and_a_failed_capture_resets_the_caches(monkeypatch):
-    import headscope.hybrid.static as static
+    import headscope.hybrid.inference.decoder as decoder
 
     dec = StaticDecoder(_hybrid(), batch=2, max_len=32)
     ids = torch.randint(0, 101, (2, 10), generator=torch.Generator().manual_seed(3))
@@ -182,15 +182,15 @@ def _eager_tail_reference():
 def test_compiled_layer_tail_equals_eager():
     """compile_tail=True (here with Dynamo's aot_eager backend: the tracing, one graph for every layer)
     gives the eager decoder's prefill and steps; so do the two compiled calls per layer that a hooked MLP gets."""
-    import headscope.hybrid.static as static
+    import headscope.hybrid.inference.decoder as decoder
 
     model, ids, ref = _eager_tail_reference()
     cfg = replace(DEFAULT, tail_backend="aot_eager")
     with torch.no_grad():
         dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True, config=cfg)
         got = dec.generate(ids, 5, cuda_graph=False)
-        assert dec._post is not static._post  # still compiled: no fallback happened
-        assert dec._embed is not static._embed and dec._head is not static._head  # the step's ends too
+        assert dec._post is not decoder._post  # still compiled: no fallback happened
+        assert dec._embed is not decoder._embed and dec._head is not decoder._head  # the step's ends too
         assert dec._fused is not None  # the fused tail (gate/up in one GEMM, next input norm) ran
         assert torch.equal(got, ref)
         torch.testing.assert_close(dec.prefill(ids), StaticDecoder(model, batch=2, max_len=20).prefill(ids))
@@ -212,9 +212,8 @@ def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion):
     all-FA mask: the teacher's decode (no output fusion: the plain combination). A GELU MLP is refused (warned)."""
     import torch._dynamo
 
-    import headscope.hybrid.lean as lean
-    import headscope.hybrid.static as static
-    from headscope.hybrid import tail_step
+    import headscope.hybrid.inference.decoder as decoder
+    from headscope.hybrid.inference.kernels import layer_tail as tail_step
 
     if not tail_step.applies(2, H * D, H * D, 64, torch.device("cpu")) or not torch.cuda.is_available() and (
             os.environ.get("TRITON_INTERPRET") != "1"):
@@ -230,7 +229,7 @@ def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion):
         model = _hybrid()
     ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(4))
     calls = []
-    real = static.layer_tail
+    real = decoder.layer_tail
     monkeypatch.setattr(static, "layer_tail",
                         lambda *a, **k: calls.append((k["attn"] is not None, k["w_in"] is not None)) or real(*a, **k))
     with torch.no_grad():
@@ -257,7 +256,7 @@ def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion):
 
 def test_a_tail_compile_failure_warns_once_and_runs_eagerly():
     """A backend that fails: one warning, then the eager (still fused) tail, the same tokens."""
-    import headscope.hybrid.static as static
+    import headscope.hybrid.inference.decoder as decoder
 
     def broken(gm, example_inputs):
         raise RuntimeError("no compiler here")
@@ -268,8 +267,8 @@ def test_a_tail_compile_failure_warns_once_and_runs_eagerly():
         with pytest.warns(UserWarning, match="torch.compile of the layer tail failed") as rec:
             got = dec.generate(ids, 5, cuda_graph=False)
     assert len([w for w in rec if "layer tail failed" in str(w.message)]) == 1
-    assert dec._pre is static._pre and dec._fused is static._post_fused and torch.equal(got, ref)
-    assert dec._embed is static._embed and dec._head is static._head
+    assert dec._pre is decoder._pre and dec._fused is decoder._post_fused and torch.equal(got, ref)
+    assert dec._embed is decoder._embed and dec._head is decoder._head
 
 
 def test_fused_tail_matches_the_mlp_module_or_is_refused(monkeypatch):
@@ -277,7 +276,7 @@ def test_fused_tail_matches_the_mlp_module_or_is_refused(monkeypatch):
     whose forward is not the gated form is caught by the numerical check and the module is used (warned)."""
     import torch._dynamo
 
-    import headscope.hybrid.static as static
+    import headscope.hybrid.inference.decoder as decoder
 
     cfg = replace(DEFAULT, tail_backend="aot_eager")
     torch._dynamo.reset()
@@ -286,7 +285,7 @@ def test_fused_tail_matches_the_mlp_module_or_is_refused(monkeypatch):
     dec = StaticDecoder(model, batch=2, max_len=8, compile_tail=True, config=cfg)
     h, a = torch.randn(2, 3, H * D), torch.randn(2, 3, H * D)
     with torch.no_grad():
-        got_h, got_x = static._post_fused(layers[0], layers[1], h, a, *dec._gate_up(0))
+        got_h, got_x = decoder._post_fused(layers[0], layers[1], h, a, *dec._gate_up(0))
         ref_h = h + a + layers[0].mlp(layers[0].post_attention_layernorm(h + a))
         torch.testing.assert_close(got_h, ref_h, rtol=0, atol=1e-5)
         torch.testing.assert_close(got_x, layers[1].input_layernorm(ref_h), rtol=0, atol=1e-5)
@@ -297,7 +296,7 @@ def test_fused_tail_matches_the_mlp_module_or_is_refused(monkeypatch):
         # large layers: the two projections, same result
         dec0 = StaticDecoder(model, batch=2, max_len=8, config=replace(cfg, fused_gate_up_max_bytes=0))
         assert dec0._gate_up(0) == (None, None)
-        got_h2, _ = static._post_fused(layers[0], layers[1], h, a, *dec0._gate_up(0))
+        got_h2, _ = decoder._post_fused(layers[0], layers[1], h, a, *dec0._gate_up(0))
         torch.testing.assert_close(got_h2, ref_h, rtol=0, atol=1e-5)
     handle = layers[1].mlp.register_forward_hook(lambda *a: None)
     with pytest.warns(UserWarning, match="forward hooks"):
@@ -337,14 +336,14 @@ def test_last_timing_splits_prefill_from_decode_steps(monkeypatch):
     """``StaticDecoder.last_timing``: prefill = mark 1 − mark 0; decode = the last two marks (a graphed call's
     warm-up and capture fall between them and are left out); per token = decode / steps. On CPU the marks are
     wall-clock readings: a fake clock gives hand-computed values."""
-    import headscope.hybrid.static as static
+    import headscope.hybrid.inference.decoder as decoder
 
     # device-position steps run on the lean path (CPU: opt-in)
     dec = StaticDecoder(_hybrid(gdn_kernel="torch"), batch=2, max_len=32, config=ON)
     assert dec.last_timing is None
     ids = torch.randint(0, 101, (2, 10), generator=torch.Generator().manual_seed(3))
     ticks = iter([10.0, 10.5, 10.75, 11.65])  # s: start, after prefill, before the steps, after them
-    monkeypatch.setattr(static.time, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(decoder.time, "perf_counter", lambda: next(ticks))
     with torch.no_grad():
         dec._generate_device(ids, 10, capture=False)  # 9 device-position steps after the prefill's token
     t = dec.last_timing

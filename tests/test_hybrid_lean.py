@@ -12,7 +12,7 @@ from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-import headscope.hybrid.lean as lean
+from headscope.hybrid.inference import prefill
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions
 from headscope.hybrid.gdn import fla_available, gdn_naive
 from headscope.hybrid.inference import DEFAULT, inference_config
@@ -82,7 +82,7 @@ def test_lean_prefill_and_decode_equal_plain_forward(fa, qwen, opts):
         steps = [layer(x[:, t : t + 1], position_embeddings=(cos[:, t : t + 1], sin[:, t : t + 1]), cache=dc)[0]
                  for t in range(30, 34)]
         chunk, _ = layer(x[:, 34:], position_embeddings=(cos[:, 34:], sin[:, 34:]), cache=dc)  # 3 tokens at once
-    assert "_lean_plan" in layer.__dict__
+    assert "_inference_plan" in layer.__dict__
     assert dc.length == T
     for got, want in ((out, ref), (blocked, ref), (pre, ref[:, :30]), (torch.cat(steps + [chunk], 1), ref[:, 30:])):
         assert (got - want).abs().max() < 1e-5
@@ -118,16 +118,16 @@ def test_lean_gdn_heads_equal_naive_recurrence():
     assert (out - y.reshape(1, 29, H * D)).abs().max() < 1e-5
 
 
-def test_lean_plan_follows_parameter_changes():
+def test_inference_plan_follows_parameter_changes():
     layer, _, cfg = _layer((1,))
     x, cos, sin = _inputs(cfg, 1, 9)
     with torch.no_grad():
         layer(x, position_embeddings=(cos, sin))
-        plan = layer.__dict__["_lean_plan"]
+        plan = layer.__dict__["_inference_plan"]
         layer.gamma.mul_(2.0)  # in place: the version counter changes
         ref = _plain(layer, x, position_embeddings=(cos, sin))
         out, _ = layer(x, position_embeddings=(cos, sin))
-    assert layer.__dict__["_lean_plan"] is not plan
+    assert layer.__dict__["_inference_plan"] is not plan
     assert (out - ref).abs().max() < 1e-5
 
 
@@ -135,59 +135,59 @@ def test_lean_path_is_skipped_with_gradients_masks_or_conv():
     layer, _, cfg = _layer((1,))
     x, cos, sin = _inputs(cfg, 1, 9)
     layer(x, position_embeddings=(cos, sin))  # gradients on: plain path
-    assert "_lean_plan" not in layer.__dict__
+    assert "_inference_plan" not in layer.__dict__
     with torch.no_grad():
         layer(x, position_embeddings=(cos, sin), attention_mask=torch.ones(1, 9))
-        assert "_lean_plan" not in layer.__dict__
+        assert "_inference_plan" not in layer.__dict__
         conv, _, _ = _layer((1,), gdn_conv=4)
         conv(x, position_embeddings=(cos, sin))
-        assert "_lean_plan" not in conv.__dict__
+        assert "_inference_plan" not in conv.__dict__
 
 
 def test_block_tokens_rule():
-    assert lean.block_tokens(8, 64) == 65536  # SmolLM2 layer at 7:1: 8 GDN heads of d 64
-    assert lean.block_tokens(14, 128) == 9344  # Qwen3-1.7B shape: 14 GDN heads of d 128
-    assert lean.block_tokens(1, 8) == (1 << 31) // 64 // 64 * 64
+    assert prefill.block_tokens(8, 64) == 65536  # SmolLM2 layer at 7:1: 8 GDN heads of d 64
+    assert prefill.block_tokens(14, 128) == 9344  # Qwen3-1.7B shape: 14 GDN heads of d 128
+    assert prefill.block_tokens(1, 8) == (1 << 31) // 64 // 64 * 64
     # captured in a CUDA graph: a quarter of the tokens, a multiple of 64, at least GDN_GRAPH_BLOCK_MIN
-    assert lean.block_tokens(8, 64, 65536, graphed=True) == 16384
-    assert lean.block_tokens(14, 128, 131072, graphed=True) == 32768
-    assert lean.block_tokens(8, 64, 16 * 3000, graphed=True) == 11968  # 12000 rounded down to 64
-    assert lean.block_tokens(8, 64, 4096, graphed=True) == 2048
+    assert prefill.block_tokens(8, 64, 65536, graphed=True) == 16384
+    assert prefill.block_tokens(14, 128, 131072, graphed=True) == 32768
+    assert prefill.block_tokens(8, 64, 16 * 3000, graphed=True) == 11968  # 12000 rounded down to 64
+    assert prefill.block_tokens(8, 64, 4096, graphed=True) == 2048
     cfg = replace(DEFAULT, gdn_graph_block_divisor=0)
-    assert lean.block_tokens(8, 64, 65536, graphed=True, cfg=cfg) == 65536
+    assert prefill.block_tokens(8, 64, 65536, graphed=True, cfg=cfg) == 65536
     cfg = replace(cfg, gdn_block_tokens=4096)
-    assert lean.block_tokens(8, 64, cfg=cfg) == 4096 == lean.block_tokens(8, 64, 65536, graphed=True, cfg=cfg)
+    assert prefill.block_tokens(8, 64, cfg=cfg) == 4096 == prefill.block_tokens(8, 64, 65536, graphed=True, cfg=cfg)
 
 
 def spy_gdn_calls(monkeypatch) -> list:
-    """The time length of every GDN kernel call (lean.gdn_consume) made after this, appended to the returned list."""
+    """The time length of every GDN kernel call (prefill.gdn_consume) made after this, appended to the returned list."""
     calls = []
-    real = lean.gdn_consume
+    real = prefill.gdn_consume
 
     def spy(ops, *a, **kw):
         calls.append(ops[0].shape[1])
         return real(ops, *a, **kw)
 
-    monkeypatch.setattr(lean, "gdn_consume", spy)
+    monkeypatch.setattr(prefill, "gdn_consume", spy)
     return calls
 
 
 def test_graph_recorded_blocks_are_a_quarter_of_the_tokens(monkeypatch):
-    """While a call is recorded for a graph (lean._graph_blocks, patched here: CPU), a prefill's GDN heads run in blocks of
+    """While a call is recorded for a graph (prefill.graph_blocks, patched here: CPU), a prefill's GDN heads run in blocks of
     tokens / gdn_graph_block_divisor, the state carried over, and the output equals the plain forward's."""
     layer, _, cfg = _layer((1,))
     B, T = 2, 256
     x, cos, sin = _inputs(cfg, B, T)
     calls = spy_gdn_calls(monkeypatch)
     use(layer, gdn_graph_block_min=64)
-    monkeypatch.setattr(lean, "_graph_blocks", lambda x: True)
+    monkeypatch.setattr(prefill, "graph_blocks", lambda x: True)
     with torch.no_grad():
         ref = _plain(layer, x, position_embeddings=(cos, sin))
         out, _ = layer(x, position_embeddings=(cos, sin))
     assert calls == [64, 64, 64, 64]  # B*T/4 = 128 tokens per call: 64 time steps of both sequences
     assert (out - ref).abs().max() < 1e-5
     calls.clear()
-    monkeypatch.setattr(lean, "_graph_blocks", lambda x: False)
+    monkeypatch.setattr(prefill, "graph_blocks", lambda x: False)
     with torch.no_grad():
         layer(x, position_embeddings=(cos, sin))
     assert calls == [T]  # eager: the speed rule's one call
@@ -199,7 +199,7 @@ def test_lean_path_is_cuda_only_by_default():
     assert inference_config(layer) is DEFAULT and DEFAULT.fast_path == "cuda"
     with torch.no_grad():
         layer(x, position_embeddings=(cos, sin))
-    assert "_lean_plan" not in layer.__dict__
+    assert "_inference_plan" not in layer.__dict__
 
 
 @pytest.mark.gpu
@@ -228,7 +228,7 @@ def test_lean_cuda_bf16_matches_plain_path_and_graph_replay(fa):
             return layer(x1, position_embeddings=pe1, cache=dc)[0]
 
         eager = step().clone()
-        from headscope.hybrid.graphs import capture
+        from headscope.hybrid.inference.graphs import capture
 
         graph, static = capture(step, warmup=3)
         if S0 is not None:
@@ -242,7 +242,7 @@ def test_lean_cuda_bf16_matches_plain_path_and_graph_replay(fa):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla")
 def test_fla_low_memory_stages_equal_flas_one_call_and_free_intermediates():
-    """lean.gdn_consume: fla's chunk forward stage by stage equals its one call (lean.gdn) bit for bit (the same kernels),
+    """prefill.gdn_consume: fla's chunk forward stage by stage equals its one call (prefill.gdn) bit for bit (the same kernels),
     with and without an initial state, and holds less at its peak (bf16, 8 heads of d 64, 8192 tokens)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     B, T, n, d = 1, 8192, 8, 64
@@ -264,10 +264,10 @@ def test_fla_low_memory_stages_equal_flas_one_call_and_free_intermediates():
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             if low:
-                outs[low] = lean.gdn_consume(ops, d ** -0.5, init, "fla", flash_qla=False)
+                outs[low] = prefill.gdn_consume(ops, d ** -0.5, init, "fla", flash_qla=False)
                 assert ops == []  # the call took the inputs
             else:
-                outs[low] = lean.gdn(*ops, d ** -0.5, init, "fla", flash_qla=False)
+                outs[low] = prefill.gdn(*ops, d ** -0.5, init, "fla", flash_qla=False)
                 del ops
             torch.cuda.synchronize()
             peaks[low] = torch.cuda.max_memory_allocated() - base
@@ -282,11 +282,11 @@ def test_static_decoder_equals_full_forward_and_generate(family, eager_graphs):
     the full forward's logits; an all-FA mask with fusion off equals the teacher; generate = greedy. With
     ``graph-blocks`` the prefills run the GDN heads as padded fixed-shape blocks (eager_gdn_graphs; on CPU
     without graphs), the two layers sharing the blocks' static buffers."""
-    lean.release_eager_graphs()
+    prefill.release_eager_graphs()
     from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
     from headscope.hybrid import hybridize
-    from headscope.hybrid.static import StaticDecoder
+    from headscope.hybrid.inference.decoder import StaticDecoder
     from headscope.masks import HeadMask
 
     kw = dict(vocab_size=101, hidden_size=HID, intermediate_size=64, num_hidden_layers=2, num_attention_heads=H,
@@ -314,7 +314,7 @@ def test_static_decoder_equals_full_forward_and_generate(family, eager_graphs):
 
 
 def test_graphs_for_graph_marks_the_calls_it_wraps():
-    from headscope.hybrid import graphs
+    from headscope.hybrid.inference import graphs
 
     assert not graphs.recording()
     with graphs.for_graph():
@@ -325,11 +325,11 @@ def test_graphs_for_graph_marks_the_calls_it_wraps():
     assert not graphs.recording()
     x = torch.zeros(1)
     with graphs.for_graph():
-        assert not lean._graph_blocks(x)  # CPU tensors: no graph
+        assert not prefill.graph_blocks(x)  # CPU tensors: no graph
 
 
 def test_fla_stages_free_each_input_when_no_later_stage_reads_it(monkeypatch):
-    """lean._fla_chunk_low_memory (CPU, fla's stages replaced by recording fakes): the stages run in fla's order with
+    """prefill._fla_chunk_low_memory (CPU, fla's stages replaced by recording fakes): the stages run in fla's order with
     fla's arguments, v, β and A are gone before the state pass, w and u before the output, and the caller's list
     is emptied (the GPU test checks the real kernels' outputs bit for bit and the lower peak)."""
     import gc
@@ -358,9 +358,9 @@ def test_fla_stages_free_each_input_when_no_later_stage_reads_it(monkeypatch):
         seen.append(("fwd_o", [n for n in ("w", "u") if refs[n]() is not None], scale))
         return q + v
 
-    monkeypatch.setattr(lean, "_fla_parts", [(cumsum, intra, fwd_h, fwd_o, 1.4427)])
+    monkeypatch.setattr(prefill, "_fla_parts", [(cumsum, intra, fwd_h, fwd_o, 1.4427)])
     ops = [torch.full((2,), float(i)) for i in range(5)]  # q, k, v, g, beta
-    o, final = lean._fla_chunk_low_memory(ops, 0.125, None, 64)
+    o, final = prefill._fla_chunk_low_memory(ops, 0.125, None, 64)
     assert ops == []
     assert seen == [("cumsum", 64, 1.4427), ("intra", 64), ("fwd_h", [], True), ("fwd_o", [], 0.125)]
     # o = q + (u - w) = q + (v + 1) - (k + 1) = 0 + 2 - 1

@@ -1,4 +1,4 @@
-"""Split-K decode attention (headscope.hybrid.splitk) against a brute-force softmax per head.
+"""Split-K decode attention (headscope.hybrid.inference.kernels.splitk) against a brute-force softmax per head.
 
 The Triton kernels run here through Triton's interpreter (``TRITON_INTERPRET=1``, CPU) when triton is
 installed (the ``gdn`` extra); on a GPU the CUDA test runs them compiled. The interpreter's bf16 ``tl.dot``
@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from headscope.hybrid import splitk
-from headscope.hybrid.splitk import decode_attention, decode_attention_torch, n_splits_for
+from headscope.hybrid.inference.kernels import splitk
+from headscope.hybrid.inference.kernels.splitk import decode_attention, decode_attention_torch, n_splits_for
 
 needs_triton = pytest.mark.skipif(
     not splitk.triton_available() or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -179,7 +179,7 @@ def test_launch_defaults():
 
 
 def _glue_out_ref(o, gate, gamma, eps):
-    """lean._glue_out's arithmetic on the FA heads: o rounded to its dtype, × σ(gate), then γ_h · o / RMS(o)."""
+    """plan_mod._glue_out's arithmetic on the FA heads: o rounded to its dtype, × σ(gate), then γ_h · o / RMS(o)."""
     of = o.float()
     if gate is not None:
         of = of * torch.sigmoid(gate.float())

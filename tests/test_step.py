@@ -1,4 +1,4 @@
-"""The one-launch decode step of a hybrid layer (headscope.hybrid.step): FA prep + split-K partials + GDN step.
+"""The one-launch decode step of a hybrid layer (headscope.hybrid.inference.kernels.one_launch): FA prep + split-K partials + GDN step.
 
 The kernels run through Triton's interpreter here (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA),
 compiled on a GPU; skipped without triton. The references are the PyTorch functions of the three separate
@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headscope.hybrid import step
-from headscope.hybrid.fa_step import fa_decode_prep, fa_decode_prep_torch
-from headscope.hybrid.gdn_step import gdn_decode_step, gdn_decode_step_torch
-from headscope.hybrid.splitk import decode_attention, decode_attention_torch
+from headscope.hybrid.inference.kernels import one_launch as step
+from headscope.hybrid.inference.kernels.fa_prep import fa_decode_prep, fa_decode_prep_torch
+from headscope.hybrid.inference.kernels.gdn_step import gdn_decode_step, gdn_decode_step_torch
+from headscope.hybrid.inference.kernels.splitk import decode_attention, decode_attention_torch
 
 from conftest import rope_and_qk_norm
 
@@ -137,7 +137,7 @@ def test_one_launch_equals_the_three_kernels_and_their_references(Hq, Hk, kvi, l
 
 
 def test_the_split_count_leaves_room_for_the_gdn_programs():
-    from headscope.hybrid.splitk import n_splits_for
+    from headscope.hybrid.inference.kernels.splitk import n_splits_for
     assert n_splits_for(16, 32768, sms=132, blocks_per_sm=4) == 33
     assert n_splits_for(16, 32768, sms=132, blocks_per_sm=4, reserved=96) == 27  # (528 - 96) / 16
     assert n_splits_for(1, 32768, sms=132, blocks_per_sm=4, reserved=6) == 128  # capped at 32768 / 256 slots

@@ -1,4 +1,4 @@
-"""The one-launch layer tail of a decode step (headscope.hybrid.tail_step): split-K combination, o_proj, residual,
+"""The one-launch layer tail of a decode step (headscope.hybrid.inference.kernels.layer_tail): split-K combination, o_proj, residual,
 RMSNorm, gated MLP, residual, next layer's input norm.
 
 The kernel runs through Triton's interpreter here (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA; there
@@ -13,8 +13,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from headscope.hybrid import splitk, step, tail_step
-from headscope.hybrid.tail_step import layer_tail, layer_tail_torch
+from headscope.hybrid.inference.kernels import layer_tail as tail_step, one_launch as step, splitk
+from headscope.hybrid.inference.kernels.layer_tail import layer_tail, layer_tail_torch
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernel = pytest.mark.skipif(not tail_step.applies(2, 64, 64, 64, torch.device(DEV)),
@@ -128,9 +128,9 @@ def test_applies_and_bad_input_name_the_fix():
 
 
 def test_a_precomputed_input_projection_equals_the_layers_own():
-    """lean.forward's z_in (the module's ``projected=``, what the tail kernel hands the next layer): the same output
+    """The inference forward's z_in (the module's ``projected=``, what the tail kernel hands the next layer): the same output
     and cache as the layer computing x @ Wᵀ + b itself; a wrong shape, or a call off the lean path, names the fix."""
-    import headscope.hybrid.lean as lean
+    from headscope.hybrid.inference import decode, plan as plan_mod
     from inference_cfg import plain, use
     from test_hybrid_graphs import _hybrid
 
@@ -139,7 +139,7 @@ def test_a_precomputed_input_projection_equals_the_layers_own():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 1, attn.q_proj.weight.shape[1], generator=g)
     cos, sin = torch.randn(2, 1, attn.head_dim, generator=g), torch.randn(2, 1, attn.head_dim, generator=g)
-    p = lean.plan(attn)
+    p = plan_mod.plan(attn)
     with torch.no_grad():
         z = torch.nn.functional.linear(x, p.W, p.b)
         c1, c2 = attn.new_decode_cache(2, 8), attn.new_decode_cache(2, 8)
@@ -153,9 +153,9 @@ def test_a_precomputed_input_projection_equals_the_layers_own():
 
 
 def test_a_deferred_output_finishes_as_the_layers_own():
-    """defer_out=True on a decode step of the one-launch path: a lean.DeferredOutput (the split-K partials, o_proj's
+    """defer_out=True on a decode step of the one-launch path: a DeferredOutput (the split-K partials, o_proj's
     input with the GDN heads' columns written) whose finish() (the combination, then o_proj) is the plain output."""
-    import headscope.hybrid.lean as lean
+    from headscope.hybrid.inference import decode, plan as plan_mod
     from inference_cfg import use
     from test_hybrid_graphs import _hybrid
 
@@ -173,7 +173,7 @@ def test_a_deferred_output_finishes_as_the_layers_own():
             attn(x0, position_embeddings=pe[0], cache=c)
         ref, _ = attn(x1, position_embeddings=pe[1], cache=c1)
         d, _ = attn(x1, position_embeddings=pe[1], cache=c2, defer_out=True)
-        assert isinstance(d, lean.DeferredOutput) and d.y.shape == (2, attn.q_proj.weight.shape[0])
+        assert isinstance(d, decode.DeferredOutput) and d.y.shape == (2, attn.q_proj.weight.shape[0])
         torch.testing.assert_close(d.finish(), ref, rtol=1e-6, atol=1e-6)
         assert torch.equal(c1.S, c2.S) and torch.equal(c1.k, c2.k) and c2.length == 2
 
@@ -213,16 +213,16 @@ def test_graphed_greedy_decoding_with_the_tail_kernel(monkeypatch):
     with the split-K combination in the attention's launch (rows of ≤ 2 heads here)."""
     from dataclasses import replace
 
-    import headscope.hybrid.static as static
+    import headscope.hybrid.inference.decoder as decoder
     from test_hybrid_graphs import _hybrid
 
     from headscope.hybrid.inference import DEFAULT
-    from headscope.hybrid.static import StaticDecoder
+    from headscope.hybrid.inference.decoder import StaticDecoder
 
     model = _hybrid("cuda")
     ids = torch.randint(0, 101, (2, 24), generator=torch.Generator().manual_seed(3)).cuda()
     calls = []
-    real = static.layer_tail
+    real = decoder.layer_tail
     with torch.no_grad():
         # the reference: the compiled tail
         ref_dec = StaticDecoder(model, batch=2, max_len=40, compile_tail=True,

@@ -14,11 +14,16 @@ from .convert import (
 from .gdn import fla_available, gated_delta_rule, gdn_chunked_torch, gdn_naive, gdn_recurrent_torch
 from .kv import kv_cache_report, kv_cache_report_for
 from .layer import HeadwiseHybridAttention, HybridDecodeCache
+from .inference import dispatch as _dispatch  # noqa: F401  (the layers' fast paths: inference/dispatch.py)
+from .inference import InferenceConfig, inference_config, use_inference
+from .inference.decoder import StaticDecoder
 
 __all__ = [
     "HeadwiseHybridAttention",
     "HybridDecodeCache",
     "HybridOptions",
+    "InferenceConfig",
+    "StaticDecoder",
     "HybridLlamaConfig",
     "HybridLlamaForCausalLM",
     "HybridQwen3Config",
@@ -33,6 +38,8 @@ __all__ = [
     "head_output_rms",
     "hybrid_spec",
     "hybridize",
+    "inference_config",
     "kv_cache_report",
     "kv_cache_report_for",
+    "use_inference",
 ]

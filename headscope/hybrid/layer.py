@@ -24,8 +24,9 @@ the L2 normalization of GDN q/k, the fusion RMSNorm — run in place in blocks o
 the head outputs are written straight into one output buffer, so no full-length fp32 temporaries are
 kept; the numbers are the same as the plain path (set ``LOW_MEMORY = False`` to get that path).
 
-Inference on CUDA (no gradient, no mask, no cache or a HybridDecodeCache) takes the lean path of
-``lean.py`` instead: one fused projection, compiled glue, one SDPA and one GDN kernel call per block.
+Inference on CUDA (no gradient, no mask, no cache or a HybridDecodeCache) takes the fast path of
+``inference/`` instead (``inference/dispatch.py``): one fused projection, compiled glue, one SDPA and one GDN
+kernel call per block.
 """
 
 from __future__ import annotations
@@ -33,17 +34,17 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attn import fa_attention
 from .config import HybridOptions
-from .fast import fast_forward, fast_ready
 from .rope import apply_rope, nope_log_scale  # noqa: F401  (public here since the start)
 from .cache import HybridDecodeCache, valid_tokens as _valid_tokens
 from .gdn import gated_delta_rule
-from .lean import applies as _lean_applies, forward as _lean_forward
 from .shapes import Float
 
 _STATE_ATTR = "_headscope_gdn_state"
@@ -329,12 +330,12 @@ class HeadwiseHybridAttention(nn.Module):
             position_ids: [batch, time] absolute positions (for the NoPE coefficient); default counts
                 from the cache length.
             defer_out: a decode step on the lean path's one-launch step returns a
-                :class:`~headscope.hybrid.lean.DeferredOutput` in place of the output (its o_proj — and, for rows
+                :class:`~headscope.hybrid.inference.decode.DeferredOutput` in place of the output (its o_proj — and, for rows
                 the launch does not combine, the split-K combination — left to
-                :func:`~headscope.hybrid.tail_step.layer_tail`; ``StaticDecoder``'s tail kernel); other paths ignore
+                :func:`~headscope.hybrid.inference.kernels.layer_tail.layer_tail`; ``StaticDecoder``'s tail kernel); other paths ignore
                 it.
             projected: the lean path's input projection of the (normalized) hidden states, already computed
-                ([batch, time, rows of ``lean.plan(self).W``]; the layer tail before computes it); hidden_states then
+                ([batch, time, rows of ``inference.plan.plan(self).W``]; the layer tail before computes it); hidden_states then
                 give only shape, dtype and device.
 
         Returns:
@@ -345,12 +346,11 @@ class HeadwiseHybridAttention(nn.Module):
                 where the lean path does not run or of the wrong shape.
         """
         cache = cache if cache is not None else past_key_values
-        if (cache is None and attention_mask is None and projected is None and position_embeddings is not None
-                and fast_ready(self, hidden_states)):
-            return fast_forward(self, hidden_states, *position_embeddings, position_ids), None  # see fast.py
-        if _lean_applies(self, hidden_states, attention_mask, isinstance(cache, HybridDecodeCache), cache):
-            return _lean_forward(self, hidden_states, position_embeddings, position_ids, cache, defer_out,
-                                 projected), None  # lean.py
+        fast = sys.modules.get("headscope.hybrid.inference.dispatch")  # the fast paths, once headscope is imported
+        out = None if fast is None else fast.fast_forward(self, hidden_states, position_embeddings, attention_mask,
+                                                           cache, position_ids, defer_out, projected)
+        if out is not None:
+            return out, None
         if projected is not None:
             raise ValueError("projected= needs the lean path (no gradient, no attention mask, a decode cache or none, "
                              "weights in the input's dtype): pass the normalized hidden states instead")

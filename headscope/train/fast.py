@@ -6,7 +6,7 @@
   Llama / Qwen3 structure), so that each decoder layer can be compiled on its own ("regional"
   compilation: layers of the same shape share one compiled graph; a hybrid layer is compiled per
   distinct count of FA / GDN heads, and its GDN kernel call is a graph break);
-- **the hybrid layers' fast path** (:mod:`headscope.hybrid.fast`: one input GEMM, no head
+- **the hybrid layers' fast path** (:mod:`headscope.hybrid.inference.train_forward`: one input GEMM, no head
   permutation of activations, all GDN heads in one kernel call);
 - **LM head + loss in row chunks** (:mod:`headscope.train.fused_loss`): the [rows, vocab] logits of
   the student and the teacher are never materialized whole; the chunk's softmax math is compiled;
@@ -106,7 +106,7 @@ def model_body(
 
 
 def _prepare_hybrid(model: nn.Module) -> None:
-    from ..hybrid.fast import prepare_fast
+    from ..hybrid.inference.train_forward import prepare_fast
     from ..hybrid.layer import HeadwiseHybridAttention
 
     for mod in model.modules():
@@ -115,7 +115,7 @@ def _prepare_hybrid(model: nn.Module) -> None:
 
 
 def _unprepare_hybrid(model: nn.Module) -> None:
-    from ..hybrid.fast import unprepare_fast
+    from ..hybrid.inference.train_forward import unprepare_fast
     from ..hybrid.layer import HeadwiseHybridAttention
 
     for mod in model.modules():

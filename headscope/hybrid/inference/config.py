@@ -1,6 +1,6 @@
 """One frozen configuration of the hybrid's fast inference paths, chosen once per model and passed down.
 
-The lean layer path (prefill and decode, ``lean.py``) and the whole-model decoder (``static.py``) read every
+The layer's inference forward (``forward.py``: prefill and decode) and the whole-model decoder (``decoder.py``) read every
 choice from an :class:`InferenceConfig` — none from a module-level switch — so two models in one process can
 differ, and a benchmark records its choices as data (``dataclasses.asdict``). Variants are
 ``dataclasses.replace(cfg, ...)``. The defaults are the measured best (``docs/performance-variants.md`` lists
@@ -47,7 +47,7 @@ class InferenceConfig:
             GEMM up to this many bytes per layer (small, latency-bound GEMMs).
         tail_kernel: StaticDecoder's decode step (≤ 16 rows, compile_tail) runs each layer's split-K combination,
             o_proj, residual, norm, gated MLP, next norm and next input projection in one persistent Triton launch
-            (``tail_step.py``) where it applies; False: the compiled tail (H200, SmolLM2 shape, B = 16, 32K:
+            (``kernels/layer_tail.py``) where it applies; False: the compiled tail (H200, SmolLM2 shape, B = 16, 32K:
             hybrid 1.952 -> 1.792 ms per step with it).
 
     Raises:

@@ -1,7 +1,7 @@
 """A decode step's attention work of one hybrid layer in one kernel launch, the split-K combination included.
 
 Separately, a decode step's attention is three launches before the combination: the FA heads' prep
-(``fa_step.py``: q/k glue, the token's K/V written into the cache), the split-K partials over the cache
+(``fa_prep.py``: q/k glue, the token's K/V written into the cache), the split-K partials over the cache
 (``splitk.py``) and the GDN heads' step (``gdn_step.py``). Each costs a launch and a ramp of a few µs on the H200,
 which at decode sizes is as much as the work (``benchmarks/profile_decode.py``). :func:`hybrid_decode_step` does
 all three in one launch:
@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from . import gdn_step, splitk
-from .fa_step import check_args as _check_prep, glue_args
-from .shapes import Float
+from .fa_prep import check_args as _check_prep, glue_args
+from ...shapes import Float
 
 _kernels: dict = {}
 # Where hybrid_decode_step's split-K combination runs by default (combine=True): inside the one launch, by the last
@@ -98,7 +98,7 @@ def _make(triton, tl) -> dict:
 
 
 def _build() -> dict:
-    """The kernel, built on first use (see :func:`headscope.hybrid.splitk.build_kernels`)."""
+    """The kernel, built on first use (see :func:`headscope.hybrid.inference.kernels.splitk.build_kernels`)."""
     return splitk.build_kernels(_kernels, _make)
 
 
@@ -136,10 +136,10 @@ def hybrid_decode_step(
     combination, and the GDN heads' step in one kernel launch (the combination in a second launch for rows of many
     heads, see ``combine``).
 
-    The FA part equals :func:`~headscope.hybrid.fa_step.fa_decode_prep` (q, k, v → the prepared queries, the
+    The FA part equals :func:`~headscope.hybrid.inference.kernels.fa_prep.fa_decode_prep` (q, k, v → the prepared queries, the
     token's key and value written at slot ``length − 1``) followed by
-    :func:`~headscope.hybrid.splitk.decode_attention` over slots ``[0, length)``; the GDN part equals
-    :func:`~headscope.hybrid.gdn_step.gdn_decode_step` with the arguments in ``gdn``.
+    :func:`~headscope.hybrid.inference.kernels.splitk.decode_attention` over slots ``[0, length)``; the GDN part equals
+    :func:`~headscope.hybrid.inference.kernels.gdn_step.gdn_decode_step` with the arguments in ``gdn``.
 
     Args:
         q: the token's raw FA queries [batch, fa_head, d] (views into the fused projection are fine: unit stride
@@ -153,7 +153,7 @@ def hybrid_decode_step(
         cos, sin, positions, nope_a, q_norm, k_norm, qk_eps: the FA glue, as :func:`fa_decode_prep`'s.
         kv_index: as :func:`decode_attention`'s (query heads spread unevenly over the kept KV groups; then every
             query head's program of the token's split writes the same key and value). It must name every KV group
-            of the cache (as the lean layer's does): a group that no query head reads is not written.
+            of the cache (as the inference forward does): a group that no query head reads is not written.
         out, gate, gamma, eps: the combination's output buffer and output fusion, as :func:`decode_attention`'s.
         gdn: keyword arguments of :func:`gdn_decode_step` (``q, k, v, a, b, S, A_neg, dt_bias, scale`` and the
             optional ones except ``block_v``; its ``S`` is updated in place); None: no GDN heads.
@@ -161,7 +161,7 @@ def hybrid_decode_step(
         combine: where the split-K combination (with the output fusion) runs: ``"launch"`` — in this launch, by
             the last split of each (sequence, KV head) to finish; ``"kernel"`` — a second launch; True — the
             default, :func:`combine_mode` of the rows' query heads; False — left to the caller
-            (``tail_step.layer_tail``'s first phase): the split-K launch's namespace (:func:`splitk.setup`:
+            (``layer_tail.layer_tail``'s first phase): the split-K launch's namespace (:func:`splitk.setup`:
             partials, output buffer) is returned in place of o; ``"defer"`` — in this launch where
             :func:`combine_mode` says ``"launch"``, else left to the caller as with False (the caller tells the two
             by the type returned: a tensor is combined).

@@ -12,7 +12,7 @@ straight from the layer's fused projection (strided views: no copies), reads and
 decode cache in place and writes y. One program per (sequence, head, block of ``BV`` value columns); each
 program normalizes its head's q and k itself (d values: cheaper than a second kernel).
 
-Numerics follow the lean path's glue (``lean._glue_gdn``): q and k are normalized in fp32 and rounded to
+Numerics follow the lean path's glue (``plan._glue_gdn``): q and k are normalized in fp32 and rounded to
 the layer's dtype (as the chunk kernel of the prefill sees them), β is rounded likewise, the state and
 the recurrence are fp32. :func:`gdn_decode_step_torch` is the same function in PyTorch (the reference).
 """
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .rope import apply_rope
-from .shapes import Float
+from ...rope import apply_rope
+from ...shapes import Float
 from .splitk import build_kernels, kernel_applies, require_kernel
 
 _kernels: dict = {}
@@ -87,7 +87,7 @@ def _make(triton, tl) -> dict:
                   sqb, sqh, skb, skh, svb, svh, sab, sbb, scb, ssb, syb, syh,
                   N: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, ROPE: tl.constexpr, QKN: tl.constexpr,
                   NORM: tl.constexpr):
-        """Value columns block ``cb`` of (sequence, head) ``pid`` (int64): the step's body, shared with ``step.py``'s
+        """Value columns block ``cb`` of (sequence, head) ``pid`` (int64): the step's body, shared with ``one_launch.py``'s
         one-launch decode step."""
         b = pid // N
         h = pid % N
@@ -167,7 +167,7 @@ def launch_shape(d: int, fused_norm: bool, block_v: int = 32) -> tuple[int, int]
 
 
 def _build() -> dict:
-    """The kernels, built on first use (see :func:`headscope.hybrid.splitk.build_kernels`)."""
+    """The kernels, built on first use (see :func:`headscope.hybrid.inference.kernels.splitk.build_kernels`)."""
     return build_kernels(_kernels, _make)
 
 
@@ -211,7 +211,7 @@ def gdn_decode_step(
             stream. None: a new tensor.
         gamma, out_eps: fold the hybrid's output fusion into the step (HydraHead eq. 13–14):
             y ← γ_h · y / sqrt(mean(y²) + out_eps) per head, ``gamma`` fp32 [head, d]; y is rounded to v's
-            dtype first, as the unfused path (``lean._glue_out``) sees it. One program then holds a whole head.
+            dtype first, as the unfused path (``plan._glue_out``) sees it. One program then holds a whole head.
 
     Returns:
         y [batch, head, d] in v's dtype (contiguous, or ``out`` when given).
@@ -221,7 +221,7 @@ def gdn_decode_step(
             outside Triton's interpreter (``TRITON_INTERPRET=1``); the message names the reference to use.
         ImportError: triton missing.
 
-    Source: HydraHead eq. 7–8 (gated delta rule, Yang et al. 2024's GDN); the glue as in ``lean.py``; the
+    Source: HydraHead eq. 7–8 (gated delta rule, Yang et al. 2024's GDN); the glue as in ``plan.py``; the
     output fusion (``gamma``) eq. 13–14.
     """
     grid, args, meta, y = setup(q, k, v, a, b, S, A_neg, dt_bias, scale, cos, sin, q_norm, k_norm, qk_eps, block_v,
@@ -236,7 +236,7 @@ def setup(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, S: Tensor, A_ne
           k_norm: Optional[Tensor] = None, qk_eps: float = 0.0, block_v: int = 32, out: Optional[Tensor] = None,
           gamma: Optional[Tensor] = None, out_eps: float = 1e-6) -> tuple[tuple[int, int], tuple, dict, Tensor]:
     """The checks of :func:`gdn_decode_step` (same arguments and errors) and its launch: (grid, the kernel's
-    run-time arguments in ``_gdn_head``'s order, its compile-time settings, y). Shared with ``step.py``."""
+    run-time arguments in ``_gdn_head``'s order, its compile-time settings, y). Shared with ``one_launch.py``."""
     B, N, d = q.shape
     if d < 16 or d & (d - 1) or d % block_v and block_v < d:
         raise ValueError(f"gdn_decode_step needs a head_dim that is a power of two ≥ 16 (got {d}); "

@@ -29,16 +29,16 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
-from .shapes import Float
+from ..shapes import Float
 from torch import Tensor
 
-from .attn import fa_attention, flash_attn_available
-from .fused import stack_projections
-from .gdn import gated_delta_rule
-from .rope import apply_rope, nope_log_scale
+from ..attn import fa_attention, flash_attn_available
+from .projections import stack_projections
+from ..gdn import gated_delta_rule
+from ..rope import apply_rope, nope_log_scale
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .layer import HeadwiseHybridAttention
+    from ..layer import HeadwiseHybridAttention
 
 
 @torch.compiler.disable

@@ -26,7 +26,7 @@ _recording = contextvars.ContextVar("headscope_graph_recording", default=False)
 def recording() -> bool:
     """True inside :func:`warm_up` and :func:`capture` (and :func:`for_graph`): calls that a graph will replay,
     whose host time does not count, so the lean path may pick shapes for memory instead of host time
-    (``lean.block_tokens``). The warm-up and the capture see the same value, so the capture meets no shape the
+    (``prefill.block_tokens``). The warm-up and the capture see the same value, so the capture meets no shape the
     warm-up has not compiled and tuned."""
     return _recording.get()
 

@@ -1,7 +1,7 @@
 """One weight for several projections of the same input: the fused input GEMM of the hybrid layer.
 
-Both the training path (``fast.py``, rebuilt every call so that gradients flow into the parameters)
-and the inference path (``lean.py``, built once per parameter version) stack the layer's projections
+Both the training path (``train_forward.py``, rebuilt every call so that gradients flow into the parameters)
+and the inference path (``plan.py``, built once per parameter version) stack the layer's projections
 with :func:`stack_projections` and split the GEMM's output by the returned column sizes.
 """
 
@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .shapes import Float
+from ..shapes import Float
 
 
 def stack_projections(

@@ -17,7 +17,7 @@ waits until all have; every program of the launch is resident, so none waits on 
 3. ``h2 = h1 + down(act)`` in 16-column tiles × a few pieces of the reduction (fp32 partials, more programs with
    shorter loops; the last piece of a tile to finish, found by a per-tile atomic counter, adds them in order);
 4. the next layer's input ``x = RMSNorm'(h2)``, or straight away its input projection ``x @ W_inᵀ + b_in`` (the
-   next attention layer's first GEMM; ``lean.forward``'s ``z_in``).
+   next attention layer's first GEMM; ``forward.forward``'s ``z_in``).
 
 Every reduction is a software-pipelined loop deep enough that all its chunks' copies into shared memory are in
 flight before the first product: a ``tl.dot``'s operands pass through shared memory behind a barrier that no later
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import splitk
-from .shapes import Float
+from ...shapes import Float
 
 BN = 16  # output columns per work item of a GEMM phase (tl.dot's smallest N)
 NUM_WARPS = 4
@@ -247,7 +247,7 @@ def _make(triton, tl) -> dict:
 
 
 def _build() -> dict:
-    """The kernel, built on first use (see :func:`headscope.hybrid.splitk.build_kernels`)."""
+    """The kernel, built on first use (see :func:`headscope.hybrid.inference.kernels.splitk.build_kernels`)."""
     return splitk.build_kernels(_kernels, _make)
 
 
@@ -315,8 +315,8 @@ def layer_tail(
         w_next, eps_next: the next layer's input RMSNorm (None after the last layer).
         w_in, b_in: the next layer's input projection [n_in, hidden] (n_in a multiple of 16) and bias, applied to the
             normalized rows (needs ``w_next``); None: the normalized rows are returned.
-        attn: ``(sp, gate, gamma, eps)``: the split-K partials of :func:`~headscope.hybrid.splitk.setup` (after the
-            partial kernel ran) and the output fusion of :func:`~headscope.hybrid.splitk.combine`; None: y is
+        attn: ``(sp, gate, gamma, eps)``: the split-K partials of :func:`~headscope.hybrid.inference.kernels.splitk.setup` (after the
+            partial kernel ran) and the output fusion of :func:`~headscope.hybrid.inference.kernels.splitk.combine`; None: y is
             complete.
 
     Returns:

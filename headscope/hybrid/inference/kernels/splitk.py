@@ -27,8 +27,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from .gdn import module_found
-from .shapes import Float
+from ...gdn import module_found
+from ...shapes import Float
 
 def triton_available() -> bool:
     """True when ``triton`` can be imported (searched once per process)."""
@@ -114,7 +114,7 @@ def n_splits_for(batch_groups: int, slots: int, block: int = 64, sms: int = 132,
                  blocks_per_sm: Optional[int] = None, reserved: int = 0) -> int:
     """Splits of the time axis: about ``blocks_per_sm`` thread blocks per SM (default :data:`BLOCKS_PER_SM`) over
     all (sequence, KV group) pairs, less ``reserved`` blocks of the same launch doing other work (the GDN heads of
-    ``step.py``'s one-launch step), each split at least ``min_split`` slots (default :data:`MIN_SPLIT`; a whole
+    ``one_launch.py``'s one-launch step), each split at least ``min_split`` slots (default :data:`MIN_SPLIT`; a whole
     number of ``block``-slot tiles), at most :data:`MAX_SPLITS`."""
     per_sm = BLOCKS_PER_SM if blocks_per_sm is None else blocks_per_sm
     want = max(1, (per_sm * sms - reserved + batch_groups - 1) // batch_groups)
@@ -159,8 +159,8 @@ def counters(key: tuple, n: int, dev: torch.device) -> Tensor:
     """Arrival counters kept across launches (``n`` int64 zeros on ``dev``, made once per key): they only grow, so a
     launch finds its start from them and none needs a reset (a CUDA graph replays the same buffers); int64 never wraps
     (int32 would after ~12 hours of B = 16 decoding). Keys (the device first after the kind): ("grid", device,
-    programs) — ``tail_step``'s grid barrier, +4 · programs per launch; ("tiles", device, tiles, pieces) — its phase
-    3's per-tile counters, +pieces per launch; ("splits", device, rows, splits) — ``step.py``'s in-launch combination,
+    programs) — ``layer_tail``'s grid barrier, +4 · programs per launch; ("tiles", device, tiles, pieces) — its phase
+    3's per-tile counters, +pieces per launch; ("splits", device, rows, splits) — ``one_launch.py``'s in-launch combination,
     +splits per (sequence, KV head) row per launch. Launches that share a counter must not run concurrently (one
     stream)."""
     c = _counters.get(key)
@@ -172,7 +172,7 @@ def counters(key: tuple, n: int, dev: torch.device) -> Tensor:
 def build_kernels(cache: dict, make: Callable[[Any, Any], dict]) -> dict:
     """A module's Triton kernels, ``make(triton, triton.language)`` → {name: kernel}, kept in ``cache``: built on
     first use (importing triton is slow and optional) and again when ``TRITON_INTERPRET`` changed (the tests run
-    them through Triton's CPU interpreter). Shared by ``splitk``, ``gdn_step`` and ``fa_step``."""
+    them through Triton's CPU interpreter). Shared by every kernel module here."""
     mode = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if cache.get("interpret") is mode:
         return cache
@@ -186,7 +186,7 @@ def build_kernels(cache: dict, make: Callable[[Any, Any], dict]) -> dict:
 
 def _make(triton, tl) -> dict:
     """The Triton kernels: the per-split partials and their exact combination (plain or with the output fusion).
-    ``attend`` and ``tile`` are the partial's body and its per-tile update, shared with ``step.py``'s one-launch
+    ``attend`` and ``tile`` are the partial's body and its per-tile update, shared with ``one_launch.py``'s one-launch
     decode step (a Triton function called from another kernel is inlined there)."""
     @triton.jit
     def _glue(x, xr, sign, c, s, w, wr, qk_eps, D: tl.constexpr, QKN: tl.constexpr, ROPE: tl.constexpr):
@@ -239,7 +239,7 @@ def _make(triton, tl) -> dict:
         rd = tl.arange(0, D)
         gmask = rg < G
         qp = Q + b * sqb + (h * G + rg[:, None]) * sqh
-        if PREP:  # the query glue (as fa_step's kernel), rounded to the cache's dtype as that kernel stores it
+        if PREP:  # the query glue (as fa_prep's kernel), rounded to the cache's dtype as that kernel stores it
             H2: tl.constexpr = D // 2
             rr = (rd + H2) % D
             sign = tl.where(rd < H2, -1.0, 1.0)[None, :]
@@ -346,7 +346,7 @@ def _make(triton, tl) -> dict:
                      D: tl.constexpr, NS: tl.constexpr, SC: tl.constexpr, HAS_GATE: tl.constexpr,
                      HAS_NORM: tl.constexpr):
         # one (batch, kv head, group member): a whole head row; the splits in chunks of SC (all at once up to 8192
-        # partial values per program: one pass at decode-sized split counts). Shared with tail_step.py's layer tail.
+        # partial values per program: one pass at decode-sized split counts). Shared with layer_tail.py's layer tail.
         g = pid % G
         bh = pid // G
         b = (bh // HK).to(tl.int64)
@@ -444,7 +444,7 @@ def decode_attention(
             whole head per program): o ← o · σ(gate) (the FA output gate's pre-activation, [batch, q_head, d],
             unit stride in d), then o ← γ_h · o / sqrt(mean(o²) + eps) (HydraHead eq. 13–14; ``gamma`` fp32
             [q_head, d]). The attention output is rounded to q's dtype first, as the unfused path
-            (``lean._glue_out``) sees it; the result equals that path's.
+            (``plan._glue_out``) sees it; the result equals that path's.
 
     Raises:
         ValueError: shapes that disagree, d or block not a power of two ≥ 16, CPU tensors outside Triton's
@@ -468,7 +468,7 @@ def decode_attention(
 def setup(q: Tensor, k: Tensor, v: Tensor, length: Optional[Tensor], kv_index: Optional[Tensor], block: Optional[int],
            n_splits: Optional[int], out: Optional[Tensor], gate: Optional[Tensor], gamma: Optional[Tensor],
            reserved: int = 0) -> Any:
-    """The checks and buffers of a split-K launch (shared with ``step.py``): shapes, the split count (``reserved``:
+    """The checks and buffers of a split-K launch (shared with ``one_launch.py``): shapes, the split count (``reserved``:
     programs of the same launch that are not splits), the partials' buffers, the output; the partial kernel's
     compile-time settings in ``.meta``. Raises the ValueErrors of :func:`decode_attention`."""
     B, Hq, Hk, L, d = _check(q, k, v, length, kv_index)

@@ -2,7 +2,7 @@
 
 :class:`StaticDecoder` runs the decoder layers itself with one :class:`HybridDecodeCache` per layer
 (FA heads' kept KV groups + GDN state, fixed shapes), so every attention layer takes the lean path
-(``lean.py``) and no transformers ``DynamicCache`` is involved::
+(``forward.py``) and no transformers ``DynamicCache`` is involved::
 
     dec = StaticDecoder(model, batch=16, max_len=32768 + 64)
     logits = dec.prefill(ids)            # ids [16, T]: fills the caches, logits of the last position
@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .graphs import capture as _capture
-from .inference.config import InferenceConfig, inference_config, use_inference
-from .lean import DeferredOutput, applies as _lean_applies, plan as _plan
-from .tail_step import MAX_ROWS as _TAIL_ROWS, applies as _tail_applies, layer_tail
+from .config import InferenceConfig, inference_config, use_inference
+from .forward import DeferredOutput, applies as _lean_applies, plan as _plan
+from .kernels.layer_tail import MAX_ROWS as _TAIL_ROWS, applies as _tail_applies, layer_tail
 
 
 class _Clock:
@@ -146,7 +146,7 @@ class StaticDecoder:
             warned) a layer's residual, norm, MLP (gate and up projections in one GEMM up to
             ``config.fused_gate_up_max_bytes``: a concatenated weight copy) and the next layer's input norm are one
             compiled call (on the H200 the gate/up GEMMs were 3.7 µs each at batch 16), or with
-            ``config.tail_kernel`` one Triton launch per layer (``tail_step.py``) that also computes the next
+            ``config.tail_kernel`` one Triton launch per layer (``kernels/layer_tail.py``) that also computes the next
             layer's input projection; a decode step's ends (embedding + rotary, final norm + LM head) are compiled
             too (83 -> 70 launches per step; hybrid 1.814 -> 1.768 ms, SmolLM2 shape, B = 16, 32K).
         config: the fast paths' :class:`~headscope.hybrid.inference.InferenceConfig`, set on the model
@@ -174,7 +174,7 @@ class StaticDecoder:
         self._pre, self._post, self._fused = _pre, _post, None
         self._embed, self._head = _embed, _head
         self._gu: list = [None] * len(self.base.layers)  # per layer: (weight versions, W_gu, b_gu)
-        self._tk: Optional[list] = None  # per layer: the norms' (weight, ε) of tail_step.layer_tail, where it applies
+        self._tk: Optional[list] = None  # per layer: the norms' (weight, ε) of layer_tail.layer_tail, where it applies
         if compile_tail:
             self._pre = _compile(_pre, cfg)
             self._post = _compile(_post, cfg)
@@ -246,7 +246,7 @@ class StaticDecoder:
 
     def _tail_kernel_params(self) -> Optional[list]:
         """Per layer (post-attention norm's weight and ε, next layer's input norm's or None) for
-        :func:`~headscope.hybrid.tail_step.layer_tail`; None where it does not apply here (device, sizes, a norm
+        :func:`~headscope.hybrid.inference.kernels.layer_tail.layer_tail`; None where it does not apply here (device, sizes, a norm
         without an ε attribute, the gate/up weights not concatenated) or differs from the layers' modules on random
         inputs (warned). The check feeds the attention output through an identity o_proj (exact in any dtype)."""
         layers = self.base.layers
@@ -267,14 +267,14 @@ class StaticDecoder:
         i = self._differs_from_modules(
             lambda i, h, a: self._kernel_tail(i, h, a.contiguous(), eye, None, None, params), (rows,), 2)
         if i is not None:
-            warnings.warn(f"StaticDecoder: the one-launch layer tail (tail_step) differs from layer {i}'s modules; "
+            warnings.warn(f"StaticDecoder: the one-launch layer tail (layer_tail) differs from layer {i}'s modules; "
                           "using the compiled tail", stacklevel=3)
             return None
         return params
 
     def _kernel_tail(self, i: int, h: Tensor, y: Tensor, w_o: Tensor, b_o: Optional[Tensor], attn: Optional[tuple],
                      params: list, proj: Optional[Any] = None) -> tuple:
-        """Layer i's tail through :func:`~headscope.hybrid.tail_step.layer_tail` (h [rows, hidden], y o_proj's
+        """Layer i's tail through :func:`~headscope.hybrid.inference.kernels.layer_tail.layer_tail` (h [rows, hidden], y o_proj's
         input [rows, k_o]; ``params`` from :meth:`_tail_kernel_params`) -> (h, next layer's input or None); with
         ``proj`` (the next layer's lean plan) the second is that layer's input projection."""
         (wp, ep), pre = params[i]
@@ -400,7 +400,7 @@ class StaticDecoder:
 
         Raises:
             ValueError: ids' batch is not the decoder's or T exceeds ``max_len``.
-            RuntimeError: no CUDA device (see :func:`headscope.hybrid.graphs.capture`).
+            RuntimeError: no CUDA device (see :func:`headscope.hybrid.inference.graphs.capture`).
         """
         if ids.dim() != 2 or ids.shape[0] != self.batch:
             raise ValueError(f"ids must be [batch={self.batch}, T]; got {tuple(ids.shape)}")

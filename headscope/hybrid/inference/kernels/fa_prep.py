@@ -10,7 +10,7 @@ FA query head) writes the prepared query, one program per (sequence, kept KV gro
 value into the cache. The slot is a Python int or read from device memory (a [1] or [batch] integer tensor:
 one captured CUDA graph serves every position).
 
-Numerics follow the lean path's glue (``lean._glue_fa``): fp32 in registers, results rounded to the layer's
+Numerics follow the lean path's glue (``plan._glue_fa``): fp32 in registers, results rounded to the layer's
 dtype. :func:`fa_decode_prep_torch` is the same function in PyTorch (the reference).
 """
 
@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from .gdn_step import rms_norm
-from .rope import apply_rope
-from .shapes import Float
+from ...rope import apply_rope
+from ...shapes import Float
 from .splitk import build_kernels, kernel_applies, require_kernel
 
 _kernels: dict = {}
@@ -42,7 +42,7 @@ def _slot_tensor(slot: Union[int, Tensor], B: int, dev: torch.device) -> Tensor:
 
 def check_args(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, cos: Optional[Tensor], sin: Optional[Tensor],
                q_norm: Optional[Tensor], k_norm: Optional[Tensor], nope_a: Optional[float]) -> None:
-    """The shape checks of :func:`fa_decode_prep` (shared with ``step.py``). Raises ValueError naming the mismatch."""
+    """The shape checks of :func:`fa_decode_prep` (shared with ``one_launch.py``). Raises ValueError naming the mismatch."""
     B, nf, d = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[2] != d:
         raise ValueError(f"want q [batch, fa_head, d] and k, v [batch, kv_group, d]; got {tuple(q.shape)}, "
@@ -60,7 +60,7 @@ def check_args(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, cos: Opt
 
 def glue_args(q: Tensor, cos: Optional[Tensor], sin: Optional[Tensor], positions: Optional[Tensor],
               nope_a: Optional[float], q_norm: Optional[Tensor], k_norm: Optional[Tensor], dummy: Tensor) -> tuple:
-    """The FA glue's kernel arguments (shared with ``step.py``): (COS, SIN, QN, KN, POS, inv_log_a, a, cos stride,
+    """The FA glue's kernel arguments (shared with ``one_launch.py``): (COS, SIN, QN, KN, POS, inv_log_a, a, cos stride,
     sin stride, positions stride, ROPE, QKN, NOPE); ``dummy`` stands for the pointers a setting leaves unused.
 
     Raises:
@@ -185,7 +185,7 @@ def _make(triton, tl) -> dict:
 
 
 def _build() -> dict:
-    """The kernels, built on first use (see :func:`headscope.hybrid.splitk.build_kernels`)."""
+    """The kernels, built on first use (see :func:`headscope.hybrid.inference.kernels.splitk.build_kernels`)."""
     return build_kernels(_kernels, _make)
 
 
