@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_timing import cuda_device, graphed_ms  # noqa: E402
 
-from headscope.hybrid import splitk  # noqa: E402
+from headscope.hybrid.inference.kernels import splitk  # noqa: E402
 
 # name: (q heads, KV groups, head_dim, the hybrid's FA query heads, the KV groups they read)
 SHAPES = {"smollm2-135m": (9, 3, 64, 1, 1), "qwen3-1.7b": (16, 8, 128, 2, 1)}

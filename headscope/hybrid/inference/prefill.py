@@ -274,7 +274,7 @@ def gdn_block_graphed(layer: "HeadwiseHybridAttention", zg: Float[Tensor, "B t R
 
 
 def graph_blocks(x: Tensor) -> bool:
-    """Whether this call is recorded for a CUDA graph by :mod:`headscope.hybrid.graphs` (its warm-up or capture:
+    """Whether this call is recorded for a CUDA graph by :mod:`headscope.hybrid.inference.graphs` (its warm-up or capture:
     both see the same block sizes, so nothing compiles or autotunes inside the capture). A capture made with
     ``torch.cuda.graph`` directly keeps the eager rule unless wrapped in ``graphs.for_graph()``."""
     return x.is_cuda and _graph_recording()
