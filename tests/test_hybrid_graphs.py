@@ -141,7 +141,7 @@ def test_graphed_generate_off_cuda_names_the_fix_and_a_failed_capture_resets_the
     def failing_capture(*a, **k):
         raise RuntimeError("capture failed")
 
-    monkeypatch.setattr(static, "_capture", failing_capture)
+    monkeypatch.setattr(decoder, "_capture", failing_capture)
     with pytest.raises(RuntimeError, match="capture failed"):
         dec._generate_device(ids, 8, capture=True)
     assert dec.length == 0 and all(c.pos is None for c in dec.caches)
@@ -230,7 +230,7 @@ def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion):
     ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(4))
     calls = []
     real = decoder.layer_tail
-    monkeypatch.setattr(static, "layer_tail",
+    monkeypatch.setattr(decoder, "layer_tail",
                         lambda *a, **k: calls.append((k["attn"] is not None, k["w_in"] is not None)) or real(*a, **k))
     with torch.no_grad():
         # the reference: the compiled tail

@@ -16,7 +16,7 @@ from headscope.hybrid.inference import prefill
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions
 from headscope.hybrid.gdn import fla_available, gdn_naive
 from headscope.hybrid.inference import DEFAULT, inference_config
-from inference_cfg import ON, plain, use
+from inference_cfg import plain, use
 
 HID, H, KV, D = 48, 6, 2, 8
 

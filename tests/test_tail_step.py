@@ -228,7 +228,7 @@ def test_graphed_greedy_decoding_with_the_tail_kernel(monkeypatch):
         ref_dec = StaticDecoder(model, batch=2, max_len=40, compile_tail=True,
                                 config=replace(DEFAULT, tail_kernel=False))
         ref = ref_dec.generate(ids, 8, cuda_graph=True)
-        monkeypatch.setattr(static, "layer_tail", lambda *a, **k: calls.append(k["attn"] is not None) or real(*a, **k))
+        monkeypatch.setattr(decoder, "layer_tail", lambda *a, **k: calls.append(k["attn"] is not None) or real(*a, **k))
         dec = StaticDecoder(model, batch=2, max_len=40, compile_tail=True, config=DEFAULT)
         assert dec._tk is not None
         calls.clear()

@@ -16,7 +16,6 @@ import functools
 from typing import TYPE_CHECKING, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..gdn import gated_delta_rule
