@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_timing import cuda_device, graphed_ms  # noqa: E402
 
+from headscope.hybrid.inference import DEFAULT  # noqa: E402
 from headscope.hybrid.inference.kernels import splitk  # noqa: E402
 
 # name: (q heads, KV groups, head_dim, the hybrid's FA query heads, the KV groups they read)
@@ -114,7 +116,8 @@ def main(argv=None) -> None:
 
     a.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "fla": fla.__version__,
-            "dtype": "bfloat16", "splitk": splitk.launch_defaults(), "wall_s": time.perf_counter() - t0}
+            "dtype": "bfloat16", "splitk": splitk.launch_defaults(), "wall_s": time.perf_counter() - t0,
+            "config": asdict(DEFAULT)}  # the kernels are called directly: the library's defaults, for the record
     (a.out / "bench_decode_raw.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wall {meta['wall_s']:.1f} s; wrote {a.out / 'bench_decode_raw.json'}")
 

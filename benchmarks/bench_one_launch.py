@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 import os
 import sys
 import time
@@ -38,8 +39,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_timing import cuda_device, graphed_ms  # noqa: E402
 
-from headscope.hybrid import step  # noqa: E402
-from headscope.hybrid.inference.kernels import gdn_step, splitk
+from headscope.hybrid.inference import DEFAULT  # noqa: E402
+from headscope.hybrid.inference.kernels import gdn_step, one_launch as step, splitk  # noqa: E402
 
 
 def _inputs(B: int, Hq: int, Hk: int, ng: int, d: int, L: int, dev: torch.device, g: torch.Generator,
@@ -135,6 +136,7 @@ def main(argv=None) -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "splitk": splitk.launch_defaults(),
             "step": {"LAUNCH_COMBINE_MAX_G": step.LAUNCH_COMBINE_MAX_G},
+            "config": asdict(DEFAULT),  # the kernels are called directly: the library's defaults, for the record
             "wall_s": time.perf_counter() - t0}
     (a.out / "bench_one_launch.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wall {meta['wall_s']:.1f} s; wrote {a.out / 'bench_one_launch.json'}")

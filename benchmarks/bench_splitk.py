@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from dataclasses import asdict
 import os
 import sys
 import time
@@ -39,6 +40,7 @@ if "--smoke" in sys.argv and "TRITON_INTERPRET" not in os.environ:
 import torch
 import torch.nn.functional as F
 
+from headscope.hybrid.inference import DEFAULT
 from headscope.hybrid.inference.kernels import splitk
 from headscope.hybrid.inference.graphs import capture
 
@@ -178,7 +180,8 @@ def main() -> None:
 
     head = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)",
             "dtype": str(dtype), "roof_tbs": a.roof_tbs, "tol": tol, "defaults": splitk.launch_defaults(),
-            "versions": {m: md.version(m) for m in ("torch", "triton")}}
+            "versions": {m: md.version(m) for m in ("torch", "triton")},
+            "config": asdict(DEFAULT)}  # the kernel is called directly: the library's defaults, for the record
     a.out.mkdir(parents=True, exist_ok=True)
 
     def write(body: dict, done: bool) -> None:  # after every shape: a stopped sweep keeps what it measured

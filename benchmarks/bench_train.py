@@ -35,6 +35,7 @@ import argparse
 import copy
 import gc
 import json
+from dataclasses import asdict
 import math
 import os
 import sys
@@ -47,7 +48,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from headscope.hybrid import hybridize
+from headscope.hybrid import hybridize, inference_config
 from headscope.masks import HeadMask
 from headscope.train import TokenRows, TrainConfig, Trainer
 from headscope.train.fast import flops_per_token
@@ -231,6 +232,7 @@ def main() -> None:
     report = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "versions": vers, "gdn_kernel": args.gdn_kernel, "steps_timed": args.steps,
+        "inference_config": asdict(inference_config(hybrid0)),  # the fast inference paths' (training: train_forward)
         "model": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
                   "kv_heads": cfg.num_key_value_heads, "vocab": cfg.vocab_size,
                   "dense_params": sum(p.numel() for p in dense0.parameters()),
