@@ -1,8 +1,8 @@
 """One frozen configuration of the hybrid's fast inference paths, chosen once per model and passed down.
 
-The layer's inference forward (``forward.py``: prefill and decode) and the whole-model decoder (``decoder.py``) read every
-choice from an :class:`InferenceConfig` — none from a module-level switch — so two models in one process can
-differ, and a benchmark records its choices as data (``dataclasses.asdict``). Variants are
+The layer's inference forward (``forward.py``: prefill and decode) and the whole-model decoder (``decoder.py``)
+read every choice from an :class:`InferenceConfig` — none from a module-level switch — so two models in one
+process can differ, and a benchmark records its choices as data (``dataclasses.asdict``). Variants are
 ``dataclasses.replace(cfg, ...)``. The defaults are the measured best (``docs/performance-variants.md`` lists
 the variants that lost and were removed).
 
@@ -81,9 +81,11 @@ class InferenceConfig:
                 raise ValueError(f"InferenceConfig.{f.name} must be True or False; got {v!r}")
             if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"InferenceConfig.{f.name} must be an integer ≥ 0; got {v!r}")
-        if self.gdn_block_tokens is not None and (not isinstance(self.gdn_block_tokens, int) or self.gdn_block_tokens < 1):
-            raise ValueError(f"InferenceConfig.gdn_block_tokens must be None or an integer ≥ 1; got {self.gdn_block_tokens!r}")
-        for name in ("eager_graph_tokens", "eager_graph_min", "eager_graph_max", "gdn_graph_block_min", "gdn_block_work"):
+        blk = self.gdn_block_tokens
+        if blk is not None and (not isinstance(blk, int) or isinstance(blk, bool) or blk < 1):
+            raise ValueError(f"InferenceConfig.gdn_block_tokens must be None or an integer ≥ 1; got {blk!r}")
+        for name in ("eager_graph_tokens", "eager_graph_min", "eager_graph_max", "gdn_graph_block_min",
+                     "gdn_block_work"):
             if getattr(self, name) < 1:
                 raise ValueError(f"InferenceConfig.{name} must be ≥ 1; got {getattr(self, name)}")
         if not (isinstance(self.tail_backend, str) and self.tail_backend) and not callable(self.tail_backend):

@@ -79,8 +79,11 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
         raise ValueError(f"HybridDecodeCache holds {cache.max_len} tokens but {past + T} are needed; "
                          "make it with a larger max_len")
     cfg = inference_config(layer)
-    eg = prefill.eager_blocks_apply(x, p, T, cfg)  # the GDN heads as graph-replayed fixed-shape blocks (cfg.eager_gdn_graphs)
-    tb = prefill.eager_graph_block(B, T, cfg) if eg else max(1, prefill.block_tokens(ng, d, B * T, T > 1 and prefill.graph_blocks(x), cfg) // B)
+    eg = prefill.eager_blocks_apply(x, p, T, cfg)  # the GDN heads as graph-replayed fixed-shape blocks
+    if eg:
+        tb = prefill.eager_graph_block(B, T, cfg)
+    else:
+        tb = max(1, prefill.block_tokens(ng, d, B * T, T > 1 and prefill.graph_blocks(x), cfg) // B)
     one_gemm = T <= tb
     if z_in is not None and (not one_gemm or z_in.shape != (B, T, p.W.shape[0])):
         raise ValueError(f"z_in must be the input projection [{B}, {T}, {p.W.shape[0]}] of a step that fits one "
