@@ -25,7 +25,7 @@ captured. ``loss_agreement``: first-step losses of the fast and the old step fro
 the same batch. ``ratios``: hybrid / dense step speed per shape and stage. The JSON is rewritten after
 every variant.
 
-    python benchmarks/bench_train.py --out benchmarks/results/h200_bench_train.json
+    python benchmarks/bench_train.py --out benchmarks/results/h200_train.json
     python benchmarks/bench_train.py --smoke --out /tmp/bench_train_smoke.json   # CPU, tiny: checks the script
 """
 

@@ -141,7 +141,7 @@ class StaticDecoder:
             compiled graph shared by all layers: Dynamo treats the modules' weights as inputs), so a decode
             step launches a few fused kernels per layer instead of ~20 small ones; eager after a compile
             failure (warned). Off by default (a first-use compile of ~30 s): on the H200 it made the whole-model
-            decode step 1.2–1.6× faster (``bench_hybrid.py --compile-tail``; ``benchmarks/HISTORY.md``). With
+            decode step 1.2–1.6× faster (``bench_hybrid.py --compile-tail``; ``docs/benchmark-history.md``). With
             gated MLPs (checked against the modules' forward first; not with forward hooks on the norms or MLPs,
             warned) a layer's residual, norm, MLP (gate and up projections in one GEMM up to
             ``config.fused_gate_up_max_bytes``: a concatenated weight copy) and the next layer's input norm are one
@@ -460,7 +460,7 @@ class StaticDecoder:
 
         ``cuda_graph`` (CUDA only; off by default; on the H200 it gives the eager steps' tokens, each new token
         within 2–4 % of one graph-replayed step's time, 10–60× faster than eager steps at 32K:
-        ``benchmarks/HISTORY.md``, "End-to-end greedy generate"): one decode step is captured in a CUDA graph that reads the
+        ``docs/benchmark-history.md``, "End-to-end greedy generate"): one decode step is captured in a CUDA graph that reads the
         position from device memory (``HybridDecodeCache.pos``; the FA heads attend over the cache buffer
         masked to the written slots) and writes the argmax token back as the next step's input, so the
         host only replays — no Python per layer and token. False: eager steps. The prefill is eager.
