@@ -231,3 +231,26 @@ def test_study_smoke(tmp_path):
 
     rows = TokenRows.load(out / "seed0" / "data" / "long.pt")
     assert rows.ids.shape[1] == 256
+
+
+def _study():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_study", ROOT / "experiments" / "conversion-generalization" / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_study_settings_frozen_and_token_split(tmp_path):
+    run = _study()
+    a = run.parser().parse_args(["--out", str(tmp_path), "--n", "50", "--lengths", "1024", "4096"])
+    s = run.settings(a)
+    assert s["suite"]["n"] == 50 and s["suite"]["lengths"] == [1024, 4096]
+    # a later command that leaves the options at their defaults reads the stored settings
+    assert run.settings(run.parser().parse_args(["--out", str(tmp_path)]))["suite"]["n"] == 50
+    with pytest.raises(SystemExit, match="suite.n"):
+        run.settings(run.parser().parse_args(["--out", str(tmp_path), "--n", "70"]))
+    assert run.parse_tokens("50M") == 50_000_000 and run.parse_tokens("1.5e6") == 1_500_000
+    # 50M tokens at 64 x 512 (stages 1, 2) and 16 x 2048 (stage 3): whole steps of 32,768 tokens, shares 15/55/30 %
+    assert run.stage_tokens(s, 50_000_000) == [229 * 32768, 839 * 32768, 458 * 32768]

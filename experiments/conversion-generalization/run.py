@@ -75,21 +75,32 @@ def sha256_docs(docs: list[list[int]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- settings
+def _settings_of(a: argparse.Namespace) -> dict[str, Any]:
+    return {"model": a.model, "budget": "7:1", "min_per_layer": 1, "hybrid": HYBRID, "gdn_kernel": a.gdn_kernel,
+            "seq_len": a.seq_len, "long_len": a.long_len, "batch": a.batch, "batch_long": a.batch_long,
+            "shares": list(SHARES), "lrs": list(LRS), "retrieval_frac": 0.25, "doc_len": a.doc_len, "docs": a.docs,
+            "heldout_docs": a.heldout_docs, "suite_docs": a.suite_docs, "sample_batch": a.sample_batch,
+            "corpus": a.corpus, "hydra_mask": a.hydra_mask, "ckpt_every": a.ckpt_every,
+            "suite": {"tasks": list(a.tasks), "formats": ["seen", "unseen"], "lengths": list(a.lengths), "n": a.n,
+                      "gen_n": a.gen_n, "gen_max_len": a.gen_max_len, "batch_tokens": a.batch_tokens}}
+
+
 def settings(a: argparse.Namespace) -> dict[str, Any]:
-    """Frozen study settings (OUT/settings.json, written once; later commands must agree)."""
-    s = {"model": a.model, "budget": "7:1", "min_per_layer": 1, "hybrid": HYBRID, "gdn_kernel": a.gdn_kernel,
-         "seq_len": a.seq_len, "long_len": a.long_len, "batch": a.batch, "batch_long": a.batch_long,
-         "shares": list(SHARES), "lrs": list(LRS), "retrieval_frac": 0.25, "doc_len": a.doc_len, "docs": a.docs,
-         "heldout_docs": a.heldout_docs, "suite_docs": a.suite_docs, "sample_batch": a.sample_batch,
-         "corpus": a.corpus, "hydra_mask": a.hydra_mask, "ckpt_every": a.ckpt_every,
-         "suite": {"tasks": list(a.tasks), "formats": ["seen", "unseen"], "lengths": list(a.lengths), "n": a.n,
-                   "gen_n": a.gen_n, "gen_max_len": a.gen_max_len, "batch_tokens": a.batch_tokens}}
+    """Frozen study settings: OUT/settings.json, written by the first command. Later commands read it;
+    an option given there with a value other than the stored one is refused (another --out is the fix)."""
+    s = _settings_of(a)
     f = Path(a.out) / "settings.json"
     if f.exists():
         old = json.loads(f.read_text())
-        diff = {k: (old.get(k), v) for k, v in s.items() if old.get(k) != v}
+        dflt = _settings_of(parser().parse_args([]))
+
+        def flat(d: dict) -> dict:
+            return {**{k: v for k, v in d.items() if k != "suite"}, **{f"suite.{k}": v for k, v in d.get("suite", {}).items()}}
+
+        new, old_f, dflt = flat(s), flat(old), flat(dflt)
+        diff = {k: (old_f.get(k), v) for k, v in new.items() if v != dflt.get(k) and v != old_f.get(k)}
         if diff:
-            raise SystemExit(f"{f} was written with other settings {diff}; use the same options or another --out")
+            raise SystemExit(f"{f} was written with other settings {diff} (stored, given); use another --out for new settings")
         return old
     f.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(f, json.dumps(s, indent=2))
@@ -336,9 +347,12 @@ def piece_data(a: argparse.Namespace, s: dict, deadline: float) -> str:
     mix(long_text, ret, seed=a.seed).save(d / "long.pt")
     pack(held, s["seq_len"], eos).save(d / "heldout.pt")
     # haystack sentences of the suite that also occur in the training text (teacher text can repeat short sentences)
-    suite_f = suite_filler(out, tok) if (out / "suite" / "docs.pt").exists() else None
-    train_text = "\n".join(texts_of(tok, train))
-    shared = sum(1 for x in set(suite_f.sentences) if x in train_text) if suite_f is not None else None
+    shared = None
+    if (out / "suite" / "docs.pt").exists():
+        from headscope.tasks.filler import Filler
+
+        train_sentences = set(Filler.from_texts(texts_of(tok, train), "train").sentences)
+        shared = len(set(suite_filler(out, tok).sentences) & train_sentences)
     info = {"seed": a.seed, "docs": len(docs), "train_docs": len(train), "heldout_docs": len(held), "short_rows": len(short),
             "long_text_rows": len(long_text), "long_retrieval_rows": len(ret), "docs_sha256": sha256_docs(docs),
             "suite_sentences_in_training_text": shared}
