@@ -169,7 +169,7 @@ def evaluate_suite(
     model.eval()
     d = cell_dir(root, name, seed, tokens)
     d.mkdir(parents=True, exist_ok=True)
-    conf = asdict(cfg)
+    conf = json.loads(json.dumps(asdict(cfg)))  # as stored (tuples become lists)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     done, left = 0, 0
     for task, fmt, L in cfg.cells():
