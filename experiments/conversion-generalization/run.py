@@ -142,12 +142,14 @@ def record(out: Path, a: argparse.Namespace, outcome: str, seconds: float, extra
 
 
 # ---------------------------------------------------------------------------------------------- models
-def load_teacher(a: argparse.Namespace) -> tuple[Any, Any]:
+def load_teacher(a: argparse.Namespace, for_sampling: bool = False) -> tuple[Any, Any]:
+    """The teacher and its tokenizer (fp32; bf16 on CUDA when it only samples text, as the 50M study did)."""
     if a.smoke:
         return smoke_teacher(a)
     from headscope.models import load_hf
 
-    teacher, tok, _ = load_hf(a.model, device=a.device)
+    bf16 = for_sampling and str(a.device).startswith("cuda")
+    teacher, tok, _ = load_hf(a.model, device=a.device, dtype=torch.bfloat16 if bf16 else torch.float32)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return teacher, tok
@@ -277,7 +279,7 @@ def suite_filler(out: Path, tok: Any) -> Any:
 def piece_suite(a: argparse.Namespace, s: dict, deadline: float) -> str:
     out = Path(a.out)
     d = out / "suite"
-    teacher, tok = load_teacher(a)
+    teacher, tok = load_teacher(a, for_sampling=True)
     if not (d / "docs.pt").exists():
         if a.smoke or s["corpus"]:
             docs = corpus_docs(a, s, tok)[1]
@@ -324,7 +326,7 @@ def piece_data(a: argparse.Namespace, s: dict, deadline: float) -> str:
     d = out / f"seed{a.seed}" / "data"
     if (d / "done").exists():
         return "data already built"
-    teacher, tok = load_teacher(a)
+    teacher, tok = load_teacher(a, for_sampling=True)
     if a.smoke or s["corpus"]:
         docs = corpus_docs(a, s, tok)[0]
     else:
