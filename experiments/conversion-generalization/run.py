@@ -81,7 +81,7 @@ def _settings_of(a: argparse.Namespace) -> dict[str, Any]:
             "shares": list(SHARES), "lrs": list(LRS), "retrieval_frac": 0.25, "doc_len": a.doc_len, "docs": a.docs,
             "heldout_docs": a.heldout_docs, "suite_docs": a.suite_docs, "sample_batch": a.sample_batch,
             "corpus": a.corpus, "hydra_mask": a.hydra_mask, "ckpt_every": a.ckpt_every,
-            "suite": {"tasks": list(a.tasks), "formats": ["seen", "unseen"], "lengths": list(a.lengths), "n": a.n,
+            "suite": {"tasks": list(a.tasks), "formats": list(a.formats), "lengths": list(a.lengths), "n": a.n,
                       "gen_n": a.gen_n, "gen_max_len": a.gen_max_len, "batch_tokens": a.batch_tokens}}
 
 
@@ -109,7 +109,7 @@ def settings(a: argparse.Namespace) -> dict[str, Any]:
 
 def suite_config(s: dict) -> SuiteConfig:
     q = s["suite"]
-    return SuiteConfig(tasks=tuple(q["tasks"]), lengths=tuple(q["lengths"]), n=q["n"], gen_n=q["gen_n"],
+    return SuiteConfig(tasks=tuple(q["tasks"]), formats=tuple(q["formats"]), lengths=tuple(q["lengths"]), n=q["n"], gen_n=q["gen_n"],
                        gen_max_len=q["gen_max_len"], batch_tokens=q["batch_tokens"])
 
 
@@ -153,6 +153,16 @@ def load_teacher(a: argparse.Namespace, for_sampling: bool = False) -> tuple[Any
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return teacher, tok
+
+
+def _cpu_tokenizer(a: argparse.Namespace) -> Any:
+    """The teacher's tokenizer without touching a GPU (the model is loaded on the CPU and dropped)."""
+    from headscope.models import load_hf
+
+    _, tok, _ = load_hf(a.model, device="cpu")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
 
 
 def smoke_tokenizer(a: argparse.Namespace) -> Any:
@@ -279,8 +289,8 @@ def suite_filler(out: Path, tok: Any) -> Any:
 def piece_suite(a: argparse.Namespace, s: dict, deadline: float) -> str:
     out = Path(a.out)
     d = out / "suite"
-    teacher, tok = load_teacher(a, for_sampling=True)
     if not (d / "docs.pt").exists():
+        teacher, tok = load_teacher(a, for_sampling=True)
         if a.smoke or s["corpus"]:
             docs = corpus_docs(a, s, tok)[1]
         else:
@@ -290,6 +300,14 @@ def piece_suite(a: argparse.Namespace, s: dict, deadline: float) -> str:
         d.mkdir(parents=True, exist_ok=True)
         torch.save(docs, d / "docs.pt")
         record(out, a, "suite documents", 0.0, {"suite_docs_sha256": sha256_docs(docs), "suite_docs": len(docs)})
+        if torch.cuda.is_available() and torch.cuda.is_initialized() and a.workers > 1:
+            # the prompt sets are built by forked CPU workers: fork from a fresh process without a CUDA context
+            del teacher
+            left = max(1.0, deadline - time.time())
+            r = subprocess.run([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--budget-s", str(left)])
+            return "suite documents sampled; prompt sets " + ("built" if r.returncode == 0 else "failed: rerun")
+    else:
+        tok = load_teacher(a)[1] if a.smoke else _cpu_tokenizer(a)
     filler = suite_filler(out, tok)
     cfg = suite_config(s)
     cells = sorted(cfg.cells(), key=lambda c: -c[2])
@@ -456,6 +474,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-long", type=int, default=16)
     p.add_argument("--ckpt-every", type=int, default=300)
     p.add_argument("--tasks", nargs="+", default=["niah_single", "niah_multikey", "niah_multivalue", "variable_tracking"])
+    p.add_argument("--formats", nargs="+", choices=["seen", "unseen"], default=["seen", "unseen"])
     p.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--n", type=int, default=100, help="prompts per cell")
     p.add_argument("--gen-n", type=int, default=20, help="prompts per cell also scored by greedy generation")
@@ -469,7 +488,7 @@ def parser() -> argparse.ArgumentParser:
 
 SMOKE = ["--docs", "16", "--heldout-docs", "2", "--suite-docs", "12", "--seq-len", "64", "--long-len", "256",
          "--batch", "4", "--batch-long", "2", "--lengths", "256", "--n", "2", "--gen-n", "1", "--gen-max-len", "256",
-         "--tokens", "1", "--hydra-mask", "", "--gdn-kernel", "torch", "--device", "cpu", "--workers", "1", "--ckpt-every", "0"]
+         "--tokens", "1", "--hydra-mask", "", "--gdn-kernel", "torch", "--device", "cpu", "--workers", "2", "--ckpt-every", "0"]
 
 
 def main(argv: Optional[list[str]] = None) -> str:
