@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import re
 from pathlib import Path
+from typing import Callable, Sequence
 
 from ..errors import HeadscopeInputError, InputFileNotFoundError
 
@@ -40,6 +41,23 @@ class Filler:
             if not self.sentences:
                 raise HeadscopeInputError(f"filler corpus {path} has no usable sentences (need digit-free sentences)")
             self.source = str(path)
+
+    @classmethod
+    def from_texts(cls, texts: "Sequence[str]", source: str, drop: "Callable[[str], bool] | None" = None) -> "Filler":
+        """Filler from in-memory documents (e.g. decoded teacher-sampled text), split into sentences as
+        for a corpus file; sentences with digits, of 400+ characters or for which ``drop(sentence)`` is
+        True are left out. ``source`` names the documents in each pair's ``meta["filler"]``.
+
+        Raises:
+            HeadscopeInputError (a ValueError): no usable sentence is left.
+        """
+        self = cls.__new__(cls)
+        parts = [s.strip() for t in texts for s in re.split(r"(?<=[.!?])\s+", t) if s.strip()]
+        self.sentences = [s for s in parts if not re.search(r"\d", s) and len(s) < 400 and not (drop and drop(s))]
+        if not self.sentences:
+            raise HeadscopeInputError(f"filler {source!r} has no usable sentences (need digit-free sentences)")
+        self.source = source
+        return self
 
     def take(self, n: int, rng: random.Random) -> list[str]:
         """``n`` consecutive sentences from a random start (cycling)."""

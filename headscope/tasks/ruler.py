@@ -89,19 +89,22 @@ def _generate(
     seq_len: int,
     depth: float | Sequence[float],
     seed: int,
-    corpus: str | None,
-    draw: Callable[[random.Random, float], dict[str, Any]],
+    corpus: str | Filler | None,
+    draw: Callable[..., dict[str, Any]],
+    with_index: bool = False,
 ) -> list[Pair]:
-    """Shared loop: ``draw(rng, depth)`` returns render/values; filler fitted to ``seq_len``."""
+    """Shared loop: ``draw(rng, depth)`` returns render/values; filler fitted to ``seq_len``
+    (``corpus``: a text file, a ready :class:`Filler`, or None for the built-in sentences);
+    ``with_index``: call ``draw(rng, depth, i)`` with the pair's index i."""
     depths = _check_common(n_pairs, depth)
-    filler = Filler(corpus)
+    filler = corpus if isinstance(corpus, Filler) else Filler(corpus)
     rng = random.Random(seed)
     pairs: list[Pair] = []
     for i in range(n_pairs):
         d = depths[i % len(depths)]
         fill_seed = rng.randrange(2**31)
         for _ in range(MAX_REDRAWS):
-            spec = draw(rng, d)
+            spec = draw(rng, d, i) if with_index else draw(rng, d)
             text: Callable[[list[str], str], str] = spec["text"]
             sentences = _fit_filler(
                 tokenizer, lambda s: text(s, spec["value"]), filler, seq_len - spec["answer_tokens"], fill_seed

@@ -1,6 +1,6 @@
 """Three-stage transfer of a teacher into a head-wise FA/GDN hybrid (SPEC.md §9)."""
 
-from .data import Loader, TokenRows, corpus_documents, mix, pack, retrieval_rows, sample_teacher_text, stage_rows
+from .data import Loader, TokenRows, corpus_documents, format_rows, mix, pack, retrieval_rows, sample_teacher_text, stage_rows
 from .fast import FastStep, flops_per_token, model_body
 from .fused_loss import linear_ce_loss, linear_kl_loss
 from .stages import alignment_loss, distillation_loss, lm_loss, stage_loss, trainable_parameters
@@ -22,6 +22,7 @@ __all__ = [
     "cosine_lambda",
     "distillation_loss",
     "flops_per_token",
+    "format_rows",
     "linear_ce_loss",
     "linear_kl_loss",
     "lm_loss",

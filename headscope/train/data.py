@@ -217,6 +217,61 @@ def retrieval_rows(
     return TokenRows(ids, mask)
 
 
+def format_rows(
+    tokenizer: Any,
+    n: int,
+    seq_len: int,
+    texts: Sequence[str],
+    tasks: Sequence[str] = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking"),
+    family: str = "train",
+    seed: int = 0,
+    lengths: Optional[Sequence[int]] = None,
+    pad_id: Optional[int] = None,
+) -> TokenRows:
+    """Stage-3 retrieval rows (prompt ⊕ answer, right-padded) in the wordings of template ``family``
+    (default ``"train"``, disjoint from the evaluation's: :mod:`headscope.tasks.formats`) on a
+    natural-text haystack of ``texts`` (e.g. the decoded training documents; sentences with any
+    family's wording n-gram are dropped, :func:`headscope.tasks.formats.natural_filler`).
+
+    Args:
+        n: rows in all, split evenly over ``tasks`` (the first tasks get the remainder).
+        seq_len: row length; lengths: prompt lengths cycled over (default ``[seq_len]``), each at
+            least 96 tokens; depths uniform in [0, 1]; each task's wordings cycled.
+        seed: RNG seed (rows of task k use seed + k).
+
+    Raises:
+        HeadscopeInputError (a ValueError): n < 1, no task, unknown family/task, a prompt longer than ``seq_len``.
+    """
+    from ..tasks.formats import format_pairs, natural_filler
+
+    if n < 1 or not tasks:
+        raise HeadscopeInputError(f"format_rows needs n >= 1 ({n}) and at least one task ({list(tasks)})")
+    lengths = list(lengths or [seq_len])
+    pad = pad_id if pad_id is not None else (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    filler = natural_filler(texts, family, source=f"{family} documents ({len(texts)})")
+    ids = torch.full((n, seq_len), int(pad), dtype=torch.long)
+    mask = torch.zeros(n, seq_len, dtype=torch.bool)
+    i = 0
+    for k, task in enumerate(tasks):
+        rng = random.Random(seed + k)
+        want = n // len(tasks) + (1 if k < n % len(tasks) else 0)
+        made = 0
+        while made < want:
+            L = lengths[made % len(lengths)]
+            depths = [rng.random() for _ in range(min(8, want - made))]
+            pairs = format_pairs(tokenizer, family, task, filler, n_pairs=len(depths), seq_len=max(96, L - 8),
+                                 depth=depths, seed=rng.randrange(2**31))
+            for p in pairs:
+                row = torch.cat([p.clean, p.answer])
+                if len(row) > seq_len:
+                    raise HeadscopeInputError(f"{task} example of {len(row)} tokens does not fit seq_len={seq_len}; lower lengths")
+                ids[i, : len(row)] = row
+                mask[i, : len(row)] = True
+                i += 1
+                made += 1
+    return TokenRows(ids, mask)
+
+
 def mix(a: TokenRows, b: TokenRows, seed: int = 0) -> TokenRows:
     """Rows of ``a`` and ``b`` shuffled together (seeded)."""
     both = TokenRows.concat([a, b])

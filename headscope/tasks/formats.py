@@ -1,0 +1,358 @@
+"""Retrieval formats kept apart by construction: the template families of training and evaluation.
+
+A *family* is a set of wordings (intro, needle, question; for variable tracking also the hop) per
+retrieval task, with its own key words and variable names:
+
+* ``seen``   — the RULER-style templates of :mod:`headscope.tasks.niah` / :mod:`headscope.tasks.ruler`
+  with the built-in filler sentences (the in-distribution cells of earlier conversions, whose stage 3
+  trained on them). The registry entry mirrors those generators' text (a test checks that every
+  wording n-gram of it occurs in their prompts); the prompts themselves come from the generators.
+* ``unseen`` — three other wordings per task, evaluated on a natural-text haystack (held-out
+  teacher-sampled documents or a user corpus).
+* ``train``  — three more wordings per task, for stage-3 retrieval rows built on the training
+  documents (:func:`headscope.train.data.format_rows`).
+
+No wording n-gram (:func:`wording_ngrams`: lower-cased word 3-grams of a template's fixed text, split
+at the placeholders), key word or variable name of ``train`` occurs in ``seen`` or ``unseen``; and a
+haystack built with :func:`natural_filler` drops every sentence that contains a 4-gram of any family's
+wording, so the filler cannot carry a training phrase into an evaluation prompt or the reverse.
+
+Every pair is built by :func:`headscope.tasks.niah.build_pair` through the shared RULER loop: x and x'
+of equal token length, answer a⁺ the queried value (n-digit number), the evidence span recorded;
+``meta["family"]`` and ``meta["wording"]`` (index into the family's wordings, cycled over the pairs).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from ..errors import HeadscopeInputError
+from .base import Pair
+from .filler import BUILTIN_SENTENCES, Filler
+from .niah import INTRO, NEEDLE, QUESTION, draw_value
+from .ruler import INTRO_MULTI, INTRO_VARS, KEY_WORDS, VAR_NAMES, _check_common, _generate, _insert
+
+FORMAT_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
+
+
+@dataclass(frozen=True)
+class Wording:
+    """One wording of a retrieval task. Placeholders: ``{value}`` (the n-digit number), ``{key}``
+    (a key word: multi-key, multi-value), ``{var}`` / ``{prev}`` (variable names: variable tracking).
+
+    Attributes:
+        intro: text before the haystack.
+        needle: the needle sentence (variable tracking: the chain's root, ``{var}`` = ``{value}``).
+        question: text after the haystack; ends right before the answer (no trailing space).
+        hop: variable tracking only: ``{var}`` takes the value of ``{prev}``.
+    """
+
+    intro: str
+    needle: str
+    question: str
+    hop: str = ""
+
+    def texts(self) -> tuple[str, ...]:
+        return tuple(t for t in (self.intro, self.needle, self.question, self.hop) if t)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A template family: wordings per task, key words (multi-key / multi-value) and variable names."""
+
+    name: str
+    wordings: Mapping[str, tuple[Wording, ...]]
+    keys: tuple[str, ...]
+    var_names: tuple[str, ...]
+
+
+SEEN = Family(
+    "seen",
+    {
+        "niah_single": (Wording(INTRO, NEEDLE, QUESTION),),
+        "niah_multikey": (Wording(INTRO_MULTI, "One of the special magic numbers for {key} is: {value}.",
+                                  "What is the special magic number for {key}? The special magic number for {key} is"),),
+        "niah_multivalue": (Wording(INTRO_MULTI, "One of the special magic numbers for {key} is: {value}.",
+                                    "What are all the special magic numbers for {key}? The special magic numbers for {key} are"),),
+        "variable_tracking": (Wording(INTRO_VARS, "VAR {var} = {value}.",
+                                      "What is the value of the variable {var}? The value of {var} is", hop="VAR {var} = {prev}."),),
+    },
+    KEY_WORDS,
+    VAR_NAMES,
+)
+
+UNSEEN = Family(
+    "unseen",
+    {
+        "niah_single": (
+            Wording("Somewhere in the article below a secret code has been written down. Read carefully and remember it.",
+                    "(Note: the secret code is {value}.)",
+                    "Which secret code was written down in the article? Answer: the secret code is"),
+            Wording("Below is a long passage. Hidden in it is an access key that you will need afterwards.",
+                    "Write this down, the access key is {value}.",
+                    "Question: what was the access key? Answer: the access key is"),
+            Wording("Read the report that follows; one line of it records a PIN.",
+                    "The PIN to remember is {value}.",
+                    "Recall the PIN from the report. The PIN to remember is"),
+        ),
+        "niah_multikey": (
+            Wording("The article below mentions several secret codes, each belonging to a city. Remember them all.",
+                    "(Note: the secret code of {key} is {value}.)",
+                    "Which secret code belongs to {key}? Answer: the secret code of {key} is"),
+            Wording("Below is a long passage in which a few cities are each given an access key.",
+                    "Write this down, {key} has the access key {value}.",
+                    "Question: what access key does {key} have? Answer: {key} has the access key"),
+            Wording("Read the report that follows; several lines of it record a PIN for a city.",
+                    "The PIN assigned to {key} reads {value}.",
+                    "Look back at the report. The PIN assigned to {key} reads"),
+        ),
+        "niah_multivalue": (
+            Wording("The article below lists several secret codes of one city. Remember them all.",
+                    "(Note: one secret code of {key} is {value}.)",
+                    "List every secret code of {key}, in the order given. Answer: the secret codes of {key} are"),
+            Wording("Below is a long passage in which one city is given several access keys.",
+                    "Write this down, {key} also has the access key {value}.",
+                    "Question: which access keys does {key} have? Answer: {key} has the access keys"),
+            Wording("Read the report that follows; a few lines of it record PINs for one city.",
+                    "One PIN assigned to {key} reads {value}.",
+                    "Name all PINs assigned to {key}, first to last. The PINs assigned to {key} read"),
+        ),
+        "variable_tracking": (
+            Wording("The article below fills a few numbered slots, some copied from others. Keep track of them.",
+                    "(Note: slot {var} now holds {value}.)",
+                    "Which number does slot {var} hold at the end? Answer: slot {var} holds",
+                    hop="(Note: slot {var} now holds whatever slot {prev} holds.)"),
+            Wording("Below is a long passage with register assignments scattered through it.",
+                    "Write this down, register {var} is loaded with {value}.",
+                    "Question: what is register {var} loaded with? Answer: register {var} is loaded with",
+                    hop="Write this down, register {var} is loaded with the contents of register {prev}."),
+            Wording("Read the report that follows; it moves numbers between labelled drawers.",
+                    "Drawer {var} receives the number {value}.",
+                    "Which number ends up in drawer {var}? Drawer {var} receives the number",
+                    hop="Drawer {var} receives the number kept in drawer {prev}."),
+        ),
+    },
+    ("Oslo", "Lima", "Cairo", "Dublin", "Madrid", "Vienna", "Prague", "Athens", "Berlin", "Paris",
+     "Rome", "Tokyo", "Delhi", "Quito", "Seoul", "Warsaw", "Lisbon", "Nairobi", "Havana", "Manila"),
+    ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "sigma"),
+)
+
+TRAIN = Family(
+    "train",
+    {
+        "niah_single": (
+            Wording("This document contains one hidden serial number among ordinary text. Keep it in mind.",
+                    "[serial number: {value}]", "Now give the hidden serial number. Serial number:"),
+            Wording("Pay attention to the following passage; a reference ID is tucked inside.",
+                    "Reference ID {value} is mentioned here.", "Recall the reference ID that was mentioned. Reference ID"),
+            Wording("An account number appears once in the notes below.",
+                    "Account number on file: {value}.", "State the account number on file. Account number on file:"),
+        ),
+        "niah_multikey": (
+            Wording("This document contains hidden serial numbers for several animals among ordinary text.",
+                    "[serial number for the {key}: {value}]",
+                    "Now give the serial number for the {key}. Serial number for the {key}:"),
+            Wording("Pay attention to the following passage; reference IDs of some animals are tucked inside.",
+                    "Reference ID of the {key} is given as {value}.",
+                    "Recall the reference ID of the {key}. Reference ID of the {key} is given as"),
+            Wording("Account numbers of several animals appear in the notes below.",
+                    "Account number on file for the {key}: {value}.",
+                    "State the account number on file for the {key}. Account number on file for the {key}:"),
+        ),
+        "niah_multivalue": (
+            Wording("This document contains several hidden serial numbers of one animal among ordinary text.",
+                    "[one serial number for the {key}: {value}]",
+                    "Now give each serial number for the {key}, earliest first. Serial numbers for the {key}:"),
+            Wording("Pay attention to the following passage; several reference IDs of one animal are tucked inside.",
+                    "A reference ID of the {key} is given as {value}.",
+                    "Recall every reference ID of the {key} in order. Reference IDs of the {key} are given as"),
+            Wording("Several account numbers of one animal appear in the notes below.",
+                    "An account number on file for the {key}: {value}.",
+                    "State each account number on file for the {key}, in order. Account numbers on file for the {key}:"),
+        ),
+        "variable_tracking": (
+            Wording("This document contains hidden assignments among ordinary text; follow the chain.",
+                    "[{var} := {value}]", "Now give the final number bound to {var}. {var} :=", hop="[{var} := {prev}]"),
+            Wording("Pay attention to the following passage; tags are bound to numbers or to other tags.",
+                    "The tag {var} is bound to {value}.", "Recall what the tag {var} is bound to. The tag {var} is bound to",
+                    hop="The tag {var} is bound to tag {prev}."),
+            Wording("The notes below move balances between accounts.",
+                    "Account {var} holds a balance of {value}.",
+                    "State the balance held by account {var}. Account {var} holds a balance of",
+                    hop="Account {var} holds the same balance as account {prev}."),
+        ),
+    },
+    ("otter", "badger", "heron", "walrus", "beaver", "ferret", "lizard", "pelican", "panda", "raven",
+     "salmon", "turtle", "weasel", "jaguar", "koala", "lobster", "moose", "parrot", "rabbit", "squirrel"),
+    ("amber", "olive", "teal", "coral", "ivory", "plum", "rust", "navy", "jade", "lilac", "ochre", "mauve"),
+)
+
+#: the template families by name
+FAMILIES: Mapping[str, Family] = {f.name: f for f in (SEEN, UNSEEN, TRAIN)}
+#: the families an evaluation uses; training rows must share nothing with them
+EVAL_FAMILIES = ("seen", "unseen")
+
+_PLACEHOLDER = re.compile(r"\{(?:value|key|var|prev)\}")
+_WORD = re.compile(r"[a-z]+")
+
+
+def words(text: str) -> list[str]:
+    """Lower-cased alphabetic words of ``text`` (digits and punctuation dropped)."""
+    return _WORD.findall(text.lower())
+
+
+def ngrams(seq: Sequence[str], n: int) -> set[tuple[str, ...]]:
+    return {tuple(seq[i : i + n]) for i in range(len(seq) - n + 1)}
+
+
+def wording_ngrams(family: str | Family, n: int = 3, tasks: Iterable[str] = FORMAT_TASKS) -> set[tuple[str, ...]]:
+    """Word n-grams of a family's fixed wording (intro, needle, question, hop of every task), each
+    template split at its placeholders so that no n-gram spans a key or value."""
+    fam = FAMILIES[family] if isinstance(family, str) else family
+    out: set[tuple[str, ...]] = set()
+    for t in tasks:
+        for w in fam.wordings[t]:
+            for text in w.texts():
+                for seg in _PLACEHOLDER.split(text):
+                    out |= ngrams(words(seg), n)
+    return out
+
+
+def filler_ngrams(n: int = 3) -> set[tuple[str, ...]]:
+    """Word n-grams of the built-in filler sentences (the ``seen`` family's haystack)."""
+    return ngrams(words(" ".join(BUILTIN_SENTENCES)), n)
+
+
+def forbidden_ngrams(n: int = 4) -> set[tuple[str, ...]]:
+    """The n-grams no natural haystack may contain: every family's wording and the built-in filler
+    (a training haystack then carries no evaluation phrase, an evaluation haystack no training phrase,
+    and no haystack quotes a needle or question of its own family as a distractor)."""
+    out = filler_ngrams(n)
+    for f in FAMILIES:
+        out |= wording_ngrams(f, n)
+    return out
+
+
+def natural_filler(texts: Sequence[str], family: str, source: str, n: int = 4) -> Filler:
+    """A natural-text haystack for ``family`` (sentences of ``texts``, e.g. decoded teacher documents),
+    without any sentence that contains a :func:`forbidden_ngrams` n-gram or a digit.
+
+    Raises:
+        HeadscopeInputError (a ValueError): unknown family; no usable sentence.
+    """
+    if family not in FAMILIES or family == "seen":
+        raise HeadscopeInputError(f"natural_filler: family {family!r} must be 'unseen' or 'train' (seen uses the built-in filler)")
+    bad = forbidden_ngrams(n)
+    return Filler.from_texts(texts, source, drop=lambda s: bool(ngrams(words(s), n) & bad))
+
+
+def format_pairs(
+    tokenizer: Any,
+    family: str,
+    task: str,
+    filler: Filler,
+    n_pairs: int = 6,
+    seq_len: int = 1024,
+    depth: float | Sequence[float] = 0.5,
+    seed: int = 0,
+    n_digits: int = 4,
+    n_keys: int = 4,
+    n_values: int = 3,
+    n_hops: int = 2,
+) -> list[Pair]:
+    """Pairs of ``task`` in the wordings of ``family`` (cycled over the pairs), on ``filler``.
+
+    * ``niah_single``: one needle at ``depth``; x' swaps its value (a⁺/a⁻ the two values).
+    * ``niah_multikey``: ``n_keys`` key/value needles (the queried one at ``depth``, the others at random
+      depths); x' asks for another key, a⁻ its value; evidence = the queried value's span.
+    * ``niah_multivalue``: one key with ``n_values`` values, the first at ``depth`` (the answer read);
+      x' swaps it.
+    * ``variable_tracking``: a chain of ``n_hops`` hops from the root at ``depth`` plus a distractor
+      chain; the question asks for the chain's last variable; x' swaps the root value.
+
+    Raises:
+        HeadscopeInputError (a ValueError): unknown family or task; n_pairs < 1; depth outside [0, 1];
+            seq_len too short. PairError: no equal-length counterfactual in the redraws.
+    """
+    if family not in FAMILIES:
+        raise HeadscopeInputError(f"unknown template family {family!r}; available: {', '.join(FAMILIES)}")
+    if task not in FORMAT_TASKS:
+        raise HeadscopeInputError(f"unknown format task {task!r}; available: {', '.join(FORMAT_TASKS)}")
+    fam = FAMILIES[family]
+    wordings = fam.wordings[task]
+    _check_common(n_pairs, depth)
+    if task == "niah_multikey" and not 2 <= n_keys <= len(fam.keys):
+        raise HeadscopeInputError(f"n_keys={n_keys} must lie in 2..{len(fam.keys)}")
+    if task == "niah_multivalue" and n_values < 2:
+        raise HeadscopeInputError(f"n_values={n_values} must be >= 2")
+    if task == "variable_tracking" and not 1 <= n_hops <= len(fam.var_names) // 2 - 1:
+        raise HeadscopeInputError(f"n_hops={n_hops} must lie in 1..{len(fam.var_names) // 2 - 1}")
+    def draw(rng: random.Random, d: float, i: int) -> dict[str, Any]:
+        k = i % len(wordings)
+        w = wordings[k]
+        meta = {"family": family, "wording": k}
+        if task == "niah_single":
+            def text(sentences: list[str], value: str) -> str:
+                return _insert(w.intro, sentences, [(d, w.needle.format(value=value))], w.question)
+            v = draw_value(rng, n_digits)
+            return {"text": text, "value": v, "counter_value": draw_value(rng, n_digits, avoid=v),
+                    "answer_tokens": n_digits + 1, "meta": meta}
+        if task == "niah_multikey":
+            keys = rng.sample(fam.keys, n_keys)
+            vals = [draw_value(rng, n_digits)]
+            vals.append(draw_value(rng, n_digits, avoid=vals[0]))
+            while len(vals) < n_keys:
+                v = draw_value(rng, n_digits)
+                if v not in vals:
+                    vals.append(v)
+            depths_ = [d, *(rng.random() for _ in range(n_keys - 1))]
+            needles = [(depths_[j], w.needle.format(key=keys[j], value=vals[j])) for j in range(n_keys)]
+
+            def text(sentences: list[str], key: str) -> str:
+                return _insert(w.intro, sentences, needles, w.question.format(key=key))
+
+            def evidence_prefix(sentences: list[str]) -> str:
+                full = text(sentences, keys[0])
+                marker = w.needle.format(key=keys[0], value="\0").split("\0")[0]
+                return full[: full.index(marker) + len(marker)]
+
+            return {"text": text, "value": keys[0], "counter_value": keys[1], "answer": vals[0], "counter_answer": vals[1],
+                    "answer_tokens": n_digits + 1, "evidence_prefix": evidence_prefix, "evidence_value": vals[0],
+                    "meta": {**meta, "keys": keys, "values": vals, "query_key": keys[0], "counter_key": keys[1]}}
+        if task == "niah_multivalue":
+            key = rng.choice(fam.keys)
+            v = draw_value(rng, n_digits)
+            cv = draw_value(rng, n_digits, avoid=v)
+            rest = [draw_value(rng, n_digits) for _ in range(n_values - 1)]
+            later = sorted(d + (1 - d) * (j + 1) / n_values for j in range(n_values - 1))
+
+            def text(sentences: list[str], first: str) -> str:
+                needles = [(d, w.needle.format(key=key, value=first))]
+                needles += [(t, w.needle.format(key=key, value=r)) for t, r in zip(later, rest)]
+                return _insert(w.intro, sentences, needles, w.question.format(key=key))
+
+            return {"text": text, "value": v, "counter_value": cv, "answer_tokens": n_digits + 1,
+                    "meta": {**meta, "key": key, "other_values": rest}}
+        # variable_tracking
+        names = rng.sample(fam.var_names, 2 * (n_hops + 1))
+        chain, other = names[: n_hops + 1], names[n_hops + 1:]
+        v = draw_value(rng, n_digits)
+        cv = draw_value(rng, n_digits, avoid=v)
+        dv = draw_value(rng, n_digits, avoid=v)
+        spots = [d + (1 - d) * j / (n_hops + 1) for j in range(n_hops + 1)]
+        dspots = sorted(rng.random() for _ in range(n_hops + 1))
+
+        def text(sentences: list[str], root: str) -> str:
+            needles = [(spots[0], w.needle.format(var=chain[0], value=root))]
+            needles += [(spots[j], w.hop.format(var=chain[j], prev=chain[j - 1])) for j in range(1, n_hops + 1)]
+            needles += [(dspots[0], w.needle.format(var=other[0], value=dv))]
+            needles += [(dspots[j], w.hop.format(var=other[j], prev=other[j - 1])) for j in range(1, n_hops + 1)]
+            return _insert(w.intro, sentences, needles, w.question.format(var=chain[-1]))
+
+        return {"text": text, "value": v, "counter_value": cv, "answer_tokens": n_digits + 1,
+                "meta": {**meta, "chain": chain, "distractor_chain": other, "distractor_value": dv}}
+
+    return _generate(task, tokenizer, n_pairs, seq_len, depth, seed, filler, draw, with_index=True)

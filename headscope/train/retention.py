@@ -1,0 +1,282 @@
+"""Retention of retrieval after conversion: a seen / unseen-format suite, scored per (model, cell).
+
+The suite (:class:`SuiteConfig`) crosses tasks × formats × lengths:
+
+* ``formats="seen"``: the RULER-style prompts of :func:`headscope.train.evaluate.eval_pairs` (built-in
+  filler, the templates that earlier conversions trained on) — the in-distribution cells;
+* ``formats="unseen"``: :func:`headscope.tasks.formats.format_pairs` of the ``unseen`` family on a
+  natural-text haystack (held-out teacher documents or a user corpus; no training row shares a
+  wording, key word, variable name or filler sentence with them).
+
+Every cell is scored by teacher-forced greedy exact match of the answer span
+(:func:`headscope.train.evaluate.retrieval_hits`) on all ``n`` prompts, and by free greedy generation
+(:func:`greedy_generation_hits`) on the first ``gen_n`` prompts of the cells up to ``gen_max_len``
+tokens, which confirms the teacher-forced score. Each (model, cell) is written to its own JSON file as
+it finishes (:func:`evaluate_suite`); a rerun skips the stored cells. :func:`retention_table` joins the
+cells with the teacher's into ``retention.csv`` and its interval summaries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from jaxtyping import Bool
+from torch import Tensor
+
+from ..errors import HeadscopeInputError
+from ..runtime import atomic_torch_save, atomic_write_text
+from .evaluate import eval_pairs, retrieval_hits, wilson_interval
+
+RETENTION_COLUMNS = ("model", "seed", "tokens", "task", "formats", "length", "n", "hits", "accuracy", "teacher_accuracy")
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    """The cells of the suite and how they are scored (recorded in every cell file).
+
+    Attributes:
+        tasks: retrieval tasks (:data:`headscope.tasks.formats.FORMAT_TASKS`).
+        formats: ``"seen"`` and/or ``"unseen"``.
+        lengths: prompt lengths in tokens.
+        n: prompts per cell (needle depths evenly spread over [0, 1]).
+        seed: prompt seed of the seen cells (as :func:`eval_pairs`; training rows use other seeds).
+        unseen_seed: prompt seed of the unseen cells.
+        gen_n: prompts per cell also scored by free greedy generation (0 = none).
+        gen_max_len: generation only in cells of at most this many tokens.
+        batch_tokens: tokens per forward of the teacher-forced scoring (batch = batch_tokens // length, >= 1).
+    """
+
+    tasks: tuple[str, ...] = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
+    formats: tuple[str, ...] = ("seen", "unseen")
+    lengths: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
+    n: int = 100
+    seed: int = 1234
+    unseen_seed: int = 4321
+    gen_n: int = 20
+    gen_max_len: int = 4096
+    batch_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        from ..tasks.formats import FORMAT_TASKS
+
+        bad = [t for t in self.tasks if t not in FORMAT_TASKS]
+        if bad or not self.tasks:
+            raise HeadscopeInputError(f"suite tasks {bad or '[]'}: choose from {', '.join(FORMAT_TASKS)}")
+        if not self.formats or any(f not in ("seen", "unseen") for f in self.formats):
+            raise HeadscopeInputError(f"suite formats {self.formats}: use 'seen' and/or 'unseen'")
+        if self.n < 1 or self.gen_n < 0 or not self.lengths or min(self.lengths) < 128:
+            raise HeadscopeInputError(f"suite needs n >= 1 ({self.n}), gen_n >= 0 ({self.gen_n}), lengths >= 128 ({self.lengths})")
+
+    def cells(self) -> list[tuple[str, str, int]]:
+        """(task, formats, length) of every cell, shortest first."""
+        return [(t, f, int(L)) for L in sorted(self.lengths) for f in self.formats for t in self.tasks]
+
+
+def filler_digest(filler: Any) -> str:
+    """SHA-256 (first 16 hex digits) of a filler's sentences: identifies a haystack in cache keys."""
+    return hashlib.sha256("\n".join(filler.sentences).encode()).hexdigest()[:16]
+
+
+def suite_pairs(tokenizer: Any, cfg: SuiteConfig, task: str, formats: str, length: int, filler: Any = None,
+                cache_dir: str | Path | None = None) -> list[Any]:
+    """The ``cfg.n`` prompts of one cell (the same for every model; with ``cache_dir`` built once).
+
+    Raises:
+        HeadscopeInputError (a ValueError): an unseen cell without ``filler``.
+    """
+    if formats == "seen":
+        return eval_pairs(tokenizer, task, length, cfg.n, cfg.seed, cache_dir)
+    if filler is None:
+        raise HeadscopeInputError("unseen cells need a natural-text haystack: pass filler=natural_filler(texts, 'unseen', ...)")
+    from ..tasks.formats import format_pairs
+
+    ident = {"tokenizer": str(getattr(tokenizer, "name_or_path", "")), "vocab": len(tokenizer), "filler": filler_digest(filler)}
+    f = Path(cache_dir) / f"unseen_{task}@{length}_n{cfg.n}_s{cfg.unseen_seed}.pt" if cache_dir is not None else None
+    if f is not None and f.exists():
+        d = torch.load(f, weights_only=False)  # our own file: a pickled list of Pair
+        if d.get("ident") == ident:
+            return d["pairs"]
+    depths = list(np.linspace(0.0, 1.0, cfg.n)) if cfg.n > 1 else [0.5]
+    pairs = format_pairs(tokenizer, "unseen", task, filler, n_pairs=cfg.n, seq_len=length, depth=depths, seed=cfg.unseen_seed)
+    if f is not None:
+        atomic_torch_save(f, {"ident": ident, "pairs": pairs})
+    return pairs
+
+
+@torch.no_grad()
+def greedy_generation_hits(model: Any, tokenizer: Any, pairs: Sequence[Any], extra: int = 2) -> dict[str, Any]:
+    """Free greedy generation after each clean prompt (one full forward per new token, no cache, so
+    any causal LM, hybrid students included, runs it unchanged).
+
+    Generates ``len(answer) + extra`` tokens. ``exact``: the first ``len(answer)`` generated tokens are
+    the answer a⁺ (what teacher forcing scores); ``text``: the first run of digits in the decoded
+    continuation is the answer value (a tokenization-free check).
+
+    Returns:
+        {"exact": [bool per pair], "text": [bool per pair], "outputs": [decoded continuation per pair]}.
+    """
+    dev = next(model.parameters()).device
+    exact, text, outs = [], [], []
+    for p in pairs:
+        ids = p.clean.to(dev)[None]
+        new: list[int] = []
+        for _ in range(p.n_answer + extra):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                logits = model(input_ids=ids, use_cache=False).logits[0, -1]
+            t = int(logits.float().argmax())
+            new.append(t)
+            ids = torch.cat([ids, torch.tensor([[t]], device=dev)], 1)
+        s = tokenizer.decode(new, skip_special_tokens=True)
+        m = re.search(r"\d+", s)
+        exact.append(new[: p.n_answer] == p.answer.tolist())
+        text.append(bool(m) and m.group(0) == str(p.meta.get("value")))
+        outs.append(s)
+    return {"exact": exact, "text": text, "outputs": outs}
+
+
+def cell_dir(root: str | Path, model: str, seed: int, tokens: int) -> Path:
+    """Folder of one model's cell files: ROOT/MODEL__sSEED__tTOKENS/."""
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", model):
+        raise HeadscopeInputError(f"model name {model!r}: use letters, digits, '.', '_' or '-' (it names a folder)")
+    return Path(root) / f"{model}__s{int(seed)}__t{int(tokens)}"
+
+
+def evaluate_suite(
+    model: Any, tokenizer: Any, name: str, seed: int, tokens: int, cfg: SuiteConfig, root: str | Path,
+    filler: Any = None, cache_dir: str | Path | None = None, deadline: Optional[float] = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Score ``model`` on every cell of ``cfg`` into ``root``/``name``__s``seed``__t``tokens``/TASK.FORMATS.LENGTH.json.
+
+    A cell file holds {model, seed, tokens, task, formats, length, n, hits, accuracy, per-prompt
+    ``correct`` (0/1), generation: gen_n, gen_exact_hits, gen_text_hits, gen_agree (prompts where the
+    generation's exact match equals teacher forcing's), mean_len, seconds, config}. Cells already stored
+    with the same config are skipped; ``deadline`` (a ``time.time()`` value) stops before starting a new
+    cell once passed (rerun to continue).
+
+    Returns:
+        {"done": cells stored now or before, "left": cells not reached}.
+    """
+    model.eval()
+    d = cell_dir(root, name, seed, tokens)
+    d.mkdir(parents=True, exist_ok=True)
+    conf = json.loads(json.dumps(asdict(cfg)))  # as stored (tuples become lists)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    done, left = 0, 0
+    for task, fmt, L in cfg.cells():
+        f = d / f"{task}.{fmt}.{L}.json"
+        if f.exists() and json.loads(f.read_text()).get("config") == conf:
+            done += 1
+            continue
+        if deadline is not None and time.time() > deadline:
+            left += 1
+            continue
+        t0 = time.time()
+        pairs = suite_pairs(tokenizer, cfg, task, fmt, L, filler, cache_dir)
+        h = retrieval_hits(model, pairs, pad, batch_size=max(1, cfg.batch_tokens // L))
+        rec: dict[str, Any] = {"model": name, "seed": int(seed), "tokens": int(tokens), "task": task, "formats": fmt,
+                               "length": L, "n": len(h), "hits": int(h.sum()), "accuracy": float(h.float().mean()),
+                               "correct": h.int().tolist(), "mean_len": float(np.mean([p.length for p in pairs]))}
+        k = min(cfg.gen_n, len(pairs)) if L <= cfg.gen_max_len else 0
+        if k:
+            g = greedy_generation_hits(model, tokenizer, pairs[:k])
+            rec.update(gen_n=k, gen_exact_hits=int(sum(g["exact"])), gen_text_hits=int(sum(g["text"])),
+                       gen_agree=int(sum(int(a) == int(b) for a, b in zip(g["exact"], h[:k].tolist()))),
+                       gen_examples=g["outputs"][:3])
+        else:
+            rec.update(gen_n=0, gen_exact_hits=0, gen_text_hits=0, gen_agree=0)
+        rec.update(seconds=round(time.time() - t0, 2), config=conf)
+        atomic_write_text(f, json.dumps(rec))
+        done += 1
+        log(f"{name} s{seed} t{tokens} {task} {fmt} {L}: {rec['hits']}/{rec['n']}"
+            + (f" (generation {rec['gen_exact_hits']}/{k}, agrees on {rec['gen_agree']})" if k else "")
+            + f", {rec['seconds']} s")
+    return {"done": done, "left": left}
+
+
+def load_cells(root: str | Path) -> list[dict[str, Any]]:
+    """Every stored cell record under ``root`` (see :func:`evaluate_suite`)."""
+    return [json.loads(f.read_text()) for f in sorted(Path(root).glob("*__s*__t*/*.json"))]
+
+
+def ratio_interval(student: Sequence[int], teacher: Sequence[int], n_boot: int = 2000, seed: int = 0,
+                   confidence: float = 0.95) -> tuple[float, float, float]:
+    """Retention = student accuracy ÷ teacher accuracy on the same prompts, with a paired percentile
+    bootstrap interval (prompts resampled with replacement, both models' outcomes kept together;
+    Efron & Tibshirani 1993, ch. 13). Resamples in which the teacher has no hit are dropped.
+
+    Returns:
+        (ratio, low, high); NaN where the teacher has no hit.
+
+    Raises:
+        HeadscopeInputError (a ValueError): different prompt counts, or none.
+    """
+    s, t = np.asarray(student, dtype=float), np.asarray(teacher, dtype=float)
+    if s.shape != t.shape or s.size == 0:
+        raise HeadscopeInputError(f"ratio_interval needs paired outcomes of equal, non-zero length ({s.size} vs {t.size})")
+    if t.sum() == 0:
+        return float("nan"), float("nan"), float("nan")
+    idx = np.random.default_rng(seed).integers(0, s.size, size=(n_boot, s.size))
+    ts, ss = t[idx].sum(1), s[idx].sum(1)
+    ok = ts > 0
+    r = ss[ok] / ts[ok]
+    a = (1 - confidence) / 2
+    return float(s.sum() / t.sum()), float(np.quantile(r, a)), float(np.quantile(r, 1 - a))
+
+
+def retention_table(root: str | Path, out: str | Path, teacher: str = "teacher", n_boot: int = 2000) -> dict[str, Any]:
+    """``out``/retention.csv (columns :data:`RETENTION_COLUMNS`, one row per model, seed, tokens, task,
+    formats, length; the teacher's own rows included), ``retention_summary.csv`` (per row: 95 % Wilson
+    intervals of both accuracies, the retention with its paired bootstrap interval, the greedy-generation
+    check) and ``retention_seeds.csv`` (per model, tokens and cell over seeds: mean, standard deviation,
+    min and max of accuracy and retention). The teacher is the stored model named ``teacher`` (its
+    first seed/tokens where several are stored).
+
+    Returns:
+        {"rows": rows in retention.csv, "missing_teacher": cells without a teacher record}.
+    """
+    import pandas as pd
+
+    cells = load_cells(root)
+    tea: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for c in cells:
+        if c["model"] == teacher:
+            tea.setdefault((c["task"], c["formats"], c["length"]), c)
+    rows, summ, missing = [], [], 0
+    for c in cells:
+        t = tea.get((c["task"], c["formats"], c["length"]))
+        missing += t is None
+        ta = t["accuracy"] if t is not None and t["n"] == c["n"] else float("nan")
+        rows.append({k: c[k] for k in RETENTION_COLUMNS if k != "teacher_accuracy"} | {"teacher_accuracy": ta})
+        lo, hi = wilson_interval(c["hits"], c["n"])
+        s = {**rows[-1], "accuracy_lo": lo, "accuracy_hi": hi}
+        if t is not None and t["n"] == c["n"]:
+            s["teacher_lo"], s["teacher_hi"] = wilson_interval(t["hits"], t["n"])
+            s["retention"], s["retention_lo"], s["retention_hi"] = ratio_interval(c["correct"], t["correct"], n_boot)
+        s.update({k: c.get(k, 0) for k in ("gen_n", "gen_exact_hits", "gen_text_hits", "gen_agree")})
+        summ.append(s)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    df = pd.DataFrame(rows, columns=list(RETENTION_COLUMNS)).sort_values(["model", "seed", "tokens", "task", "formats", "length"])
+    df.to_csv(out / "retention.csv", index=False)
+    sm = pd.DataFrame(summ)
+    sm.to_csv(out / "retention_summary.csv", index=False)
+    if len(sm):
+        if "retention" not in sm:
+            sm["retention"] = float("nan")
+        g = sm.groupby(["model", "tokens", "task", "formats", "length"])
+        seeds = g.agg(n_seeds=("seed", "nunique"), accuracy_mean=("accuracy", "mean"), accuracy_sd=("accuracy", "std"),
+                      accuracy_min=("accuracy", "min"), accuracy_max=("accuracy", "max"),
+                      retention_mean=("retention", "mean"), retention_sd=("retention", "std"),
+                      retention_min=("retention", "min"), retention_max=("retention", "max")).reset_index()
+        seeds.to_csv(out / "retention_seeds.csv", index=False)
+    return {"rows": len(df), "missing_teacher": missing}
