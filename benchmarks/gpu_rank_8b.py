@@ -5,6 +5,7 @@ with the one-hook-per-head sweep (the computation of TransformerLens' ``get_act_
     PYTHONPATH=. python benchmarks/gpu_rank_8b.py --piece engine --pair-idx 0,1 --out-dir $OUT
     PYTHONPATH=. python benchmarks/gpu_rank_8b.py --piece engine,sweep --pair-idx 2,3,4,5 --out-dir $OUT
     PYTHONPATH=. python benchmarks/gpu_rank_8b.py --piece screen --out-dir $OUT
+    PYTHONPATH=. python benchmarks/gpu_rank_8b.py --piece engine,sweep --pair-idx 2 --precision float32 --out-dir $OUT
     python benchmarks/gpu_rank_8b.py --merge A.json B.json C.json --out benchmarks/results/h200_rank_8b.json
 
 The model: Llama-3.1-8B's shape (32 layers x 32 query heads, 8 KV heads, d_model 4096, d_head 128, MLP 14336,
@@ -25,8 +26,10 @@ Pieces (``--piece``, comma-separated; each process stops starting new work when 
   a forward pre-hook on that layer's ``o_proj`` writing the corrupted run's hook_z into the head's slice, all
   positions; full logits over all positions (as a TransformerLens forward computes them). Timed on a sample of
   ``--sweep-heads`` heads (one per layer, spread over heads, then more), projected to all heads x pairs.
-  The same heads are compared with the engine's values of the full run (bf16: the brute-force check), and
-  ``--fp32-heads`` of them are recomputed with the model upcast to float32 (the fp32 reference).
+  The same heads are compared with the engine's values of the full run (``max_abs_diff_vs_bf16_sweep``), and
+  ``--fp32-heads`` (16) of them, the planted head included, are recomputed with the model upcast to float32:
+  the brute-force reference (``max_abs_diff_vs_bruteforce``: engine vs float32; ``bf16_sweep_vs_fp32``: the
+  bf16 sweep's own distance from it).
 * ``screen``: ``screen_auto`` (certified screen, top 10) on all pairs: time, verified heads; recall@10 against
   the exact ranking is computed at ``--merge`` time from the engine pieces.
 
@@ -44,6 +47,13 @@ bf16 difference is a huge ΔIE). So one head (layer 0, head 0) is planted (:func
 attends to digit tokens and the digits' unembedding rows read what it writes, giving gaps of logits (recorded per
 pair); the other 1,023 heads and every MLP stay random. ``--no-plant`` runs the purely random model. The check
 reports the patched metric m's difference (logits) next to the IE difference.
+
+``--precision float32`` (:class:`headscope.patching.Precision`): the engine keeps the bf16 model's residual
+stream, norms and RoPE in float32 (matmuls and attention in bf16). A random model amplifies every rounding
+(random heads move m by about 0.5 logits), so bf16 runs of one computation in two rounding orders differ by
+tenths of a logit; the float32 residual brings the engine nearer the float32 forward than the model's own
+bf16 forward. ``--merge`` of pieces run at different precisions records the setting per pair and projects
+the total time (see :func:`merge`).
 """
 
 from __future__ import annotations
@@ -340,7 +350,11 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--budget-s", type=float, default=540.0, help="wall seconds of this process, from its start")
     ap.add_argument("--sweep-heads", type=int, default=32)
-    ap.add_argument("--fp32-heads", type=int, default=4)
+    ap.add_argument("--fp32-heads", type=int, default=16, help="sweep heads recomputed in float32 (the brute-force "
+                    "reference; 4.35 s per head at 8K on an H200)")
+    ap.add_argument("--precision", default="model", choices=["model", "float32"],
+                    help="the engine's residual stream: in the model's dtype (bf16) or in float32 "
+                         "(headscope.patching.Precision; bf16 matmuls and attention either way)")
     ap.add_argument("--no-plant", action="store_true", help="purely random weights (gaps ~1e-3 logits: IE is noise)")
     ap.add_argument("--plant-gamma", type=float, default=8.0, help="unembedding gain of the planted digit-copying head")
     ap.add_argument("--tokenizer", default=None, help="HF tokenizer dir (default .gpu/smol_tokenizer, else the GGUF)")
@@ -374,13 +388,17 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = "smoke" if smoke else f"{'-'.join(sorted(pieces))}_{'-'.join(map(str, pair_idx))}"
+    if args.precision != "model" and not smoke:
+        tag += f"_resid-{args.precision}"
     out_path = out_dir / f"rank8b_{tag}.json"
 
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference in true fp32
-    from headscope.patching import receiver_patching
+    from headscope.patching import Precision, receiver_patching
+
+    precision = Precision(args.precision)
 
     shape = SMOKE if smoke else LLAMA_8B
     tok, tok_src = load_tokenizer(args.tokenizer)
@@ -399,6 +417,7 @@ def main() -> None:
         "config": {"shape": {**{k: getattr(cfg, k, None) for k in LLAMA_8B}, "rope_parameters": getattr(cfg, "rope_parameters", None)}, "dtype": "bfloat16", "init": "normal(0, 0.02), norms 1", "planted_head": planted,
                    "tokenizer": tok_src, "tokenizer_vocab": len(tok), "task": "niah_single", "seq_len": seq_len,
                    "depths": depths, "n_pairs": n_pairs, "readout": "lam 0.9, noising, min_gap 0 (float32 readout)",
+                   "precision": precision.to_dict(),
                    "budget_s": args.budget_s},
         "heads": g.n_layers * g.n_heads, "build_seconds": round(build_s, 2), "pairs_seconds": round(pairs_s, 2),
         "pair_lengths": [p.length for p in pairs], "pair_needle_start": [min(p.first_diff(), p.length - 1) for p in pairs],
@@ -411,7 +430,8 @@ def main() -> None:
     # ---- engine -------------------------------------------------------------------------------
     eng: dict = {}
     if "engine" in pieces:
-        receiver_patching(model, pairs[:1], min_gap=0.0, progress=False, heads=[(0, 0), (g.n_layers - 1, 0)])  # warm-up
+        receiver_patching(model, pairs[:1], min_gap=0.0, progress=False, heads=[(0, 0), (g.n_layers - 1, 0)],
+                          precision=precision)  # warm-up
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         rate = None
@@ -426,7 +446,8 @@ def main() -> None:
             sync()
             t = time.perf_counter()
             r = receiver_patching(model, [pairs[i]], min_gap=0.0, progress=True, store_dir=str(store_root / f"pair{i}"),
-                                  store_config={"bench": "rank8b", "smoke": smoke, "seq_len": seq_len})
+                                  store_config={"bench": "rank8b", "smoke": smoke, "seq_len": seq_len},
+                                  precision=precision)
             sync()
             sec = time.perf_counter() - t
             rate = fl["engine"] / sec
@@ -434,7 +455,7 @@ def main() -> None:
                            "suffix": fl["S"], "sweep_forward_flops": fl["sweep_forward"],
                            "mfu": round(fl["engine"] / sec / PEAK_BF16_DENSE, 4) if cuda else None,
                            "m_clean": float(r.m_clean[0]), "m_corrupt": float(r.m_corrupt[0]),
-                           "patched": r.patched[0].tolist(), "path": r.path}
+                           "patched": r.patched[0].tolist(), "path": r.path, "precision": r.precision.to_dict()}
             if cuda:
                 res["peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
             print(f"pair {i}: {sec:.1f} s, suffix {fl['S']}/{fl['T']}, {fl['engine'] / 1e15:.1f} PFLOP counted, "
@@ -481,12 +502,19 @@ def main() -> None:
                 fh = [k for k in heads if k in vals][:: max(1, len(vals) // nf)][:nf]
                 f_c, f_x, fv, fsec, _ = ref.run(fh, budget_end - 20 if not smoke else None, sync)
                 gap_f = f_c - f_x
+                ie_f = {k: (f_c - fv[k]) / gap_f for k in fv}
                 res["fp32_reference"] = {
-                    "heads": [list(k) for k in fv], "m_clean": f_c, "m_corrupt": f_x, "seconds_per_head": fsec,
+                    "pair": i, "heads": [list(k) for k in fv], "m_clean": f_c, "m_corrupt": f_x,
+                    "gap": gap_f, "seconds_per_head": fsec, "engine_precision": precision.to_dict(),
+                    "ie": {f"{k[0]},{k[1]}": v for k, v in ie_f.items()},
+                    "m_clean_diff_engine": abs(f_c - e["m_clean"]), "m_corrupt_diff_engine": abs(f_x - e["m_corrupt"]),
+                    "m_clean_diff_sweep_bf16": abs(f_c - m_c), "m_corrupt_diff_sweep_bf16": abs(f_x - m_x),
                     "max_abs_diff_m_engine_bf16": max(abs(fv[k] - e["patched"][k[0]][k[1]]) for k in fv),
                     "max_abs_diff_m_sweep_bf16": max(abs(fv[k] - vals[k]) for k in fv),
-                    "max_abs_diff_ie_engine_bf16": max(abs((f_c - fv[k]) / gap_f - ie_e[k]) for k in fv),
-                    "max_abs_diff_ie_sweep_bf16": max(abs((f_c - fv[k]) / gap_f - ie_s[k]) for k in fv),
+                    "max_abs_diff_ie_engine_bf16": max(abs(ie_f[k] - ie_e[k]) for k in fv),
+                    "max_abs_diff_ie_sweep_bf16": max(abs(ie_f[k] - ie_s[k]) for k in fv),
+                    "mean_abs_diff_ie_engine_bf16": sum(abs(ie_f[k] - ie_e[k]) for k in fv) / len(fv),
+                    "mean_abs_diff_ie_sweep_bf16": sum(abs(ie_f[k] - ie_s[k]) for k in fv) / len(fv),
                 }
                 print("fp32", res["fp32_reference"], flush=True)
             except torch.OutOfMemoryError as err:
@@ -542,21 +570,50 @@ def main() -> None:
 
 
 # ---- merge --------------------------------------------------------------------------------------
+def _precision(piece: dict) -> str:
+    return piece["config"].get("precision", {"residual": "model"})["residual"]
+
+
 def merge(paths: list[str], out: str) -> None:
-    """The acceptance keys from piece JSONs: engine pairs from every piece, sweep/check/screen where present."""
+    """The acceptance keys from piece JSONs: engine pairs from every piece (a later piece's pair replaces an
+    earlier one's), sweep/check/fp32 reference/screen from the last piece that has them.
+
+    Pieces may differ in the engine's precision (``config.precision``): then ``seconds`` sums times measured
+    at different settings, and ``seconds_projected`` scales every pair measured only at the other setting by
+    the time ratio of the pairs measured at both (its basis is recorded); a full rerun at one setting
+    replaces the projection."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     eng: dict = {}
+    by_prec: dict[str, dict[str, float]] = {}  # precision -> pair -> seconds (every piece's measurement)
     for p in parts:
-        eng.update(p.get("engine", {}))
+        pr = _precision(p)
+        for k, e in p.get("engine", {}).items():
+            eng[k] = {**e, "precision_residual": pr}
+            by_prec.setdefault(pr, {})[k] = e["seconds"]
     first = parts[0]
     n_pairs = first["config"]["n_pairs"]
     heads = first["heads"]
     seconds = sum(e["seconds"] for e in eng.values())
     flops = sum(e["counted_flops"] for e in eng.values())
-    sw = next((p["sweep"] for p in parts if "sweep" in p), None)
-    ck = next((p["check"] for p in parts if "check" in p), None)
-    f32 = next((p["fp32_reference"] for p in parts if "fp32_reference" in p), None)
-    sc = next((p["screen"] for p in parts if "screen" in p), None)
+    last = lambda key: next((p[key] for p in reversed(parts) if key in p), None)  # noqa: E731
+    sw, ck, f32, sc = last("sweep"), last("check"), last("fp32_reference"), last("screen")
+    ck_piece = next((p for p in reversed(parts) if "check" in p), None)
+    precs = sorted({e["precision_residual"] for e in eng.values()})
+    projected = None
+    if len(precs) > 1 and ck_piece is not None:
+        target = _precision(ck_piece)  # the setting the accuracy check ran with
+        other = [q for q in by_prec if q != target]
+        both = [k for k in by_prec.get(target, {}) if all(k in by_prec[q] for q in other)]
+        if both:
+            ratio = (sum(by_prec[target][k] for k in both)
+                     / sum(by_prec[q][k] for q in other for k in both))
+            tot = sum(e["seconds"] if e["precision_residual"] == target else e["seconds"] * ratio
+                      for e in eng.values())
+            projected = {"precision_residual": target, "seconds": round(tot, 2), "time_ratio": round(ratio, 4),
+                         "basis_pairs": both,
+                         "note": f"pairs measured only at residual={other} scaled by the {target}/{other} time "
+                                 f"ratio of pairs {both} (measured at both); not a measurement"}
+    f32_ok = f32 is not None and "error" not in f32
     proj = None
     if sw:
         fwd = sw["seconds_per_head_forward_mean"]
@@ -567,11 +624,22 @@ def merge(paths: list[str], out: str) -> None:
         "seconds_per_pair": {k: e["seconds"] for k, e in sorted(eng.items())},
         "sweep_seconds_projected": None if proj is None else round(proj, 1),
         "sweep_ratio": None if proj is None or len(eng) < n_pairs else round(proj / seconds, 2),
+        "precision_by_pair": {k: e["precision_residual"] for k, e in sorted(eng.items())},
+        "seconds_mixed_precision": len(precs) > 1,
+        "seconds_projected": projected,
         "mfu": round(flops / seconds / PEAK_BF16_DENSE, 4) if seconds else None,
         "counted_tflop": round(flops / 1e12, 1),
         "peak_gb": max((p.get("peak_gb", 0) for p in parts), default=None),
-        "max_abs_diff_vs_bruteforce": None if ck is None else ck["max_abs_diff_ie"],
-        "max_abs_diff_vs_bruteforce_m_logits": None if ck is None else ck["max_abs_diff_m_logits"],
+        # brute force = the float32 per-head sweep (model upcast) where it ran, else the bf16 sweep
+        "max_abs_diff_vs_bruteforce": (f32["max_abs_diff_ie_engine_bf16"] if f32_ok
+                                       else None if ck is None else ck["max_abs_diff_ie"]),
+        "max_abs_diff_vs_bruteforce_m_logits": (f32["max_abs_diff_m_engine_bf16"] if f32_ok
+                                                else None if ck is None else ck["max_abs_diff_m_logits"]),
+        "bruteforce_reference": (f"float32 per-head sweep (model upcast), {len(f32['heads'])} heads of pair "
+                                 f"{f32.get('pair', None if ck is None else ck['pair'])}" if f32_ok
+                                 else None if ck is None else f"bf16 per-head sweep, {ck['heads']} heads"),
+        "max_abs_diff_vs_bf16_sweep": None if ck is None else ck["max_abs_diff_ie"],
+        "bf16_sweep_vs_fp32": None if not f32_ok else f32["max_abs_diff_ie_sweep_bf16"],
         "gaps": {k: round(e["m_clean"] - e["m_corrupt"], 4) for k, e in sorted(eng.items())},
         "check": ck, "fp32_reference": f32,
         "sweep": None if sw is None else {k: v for k, v in sw.items() if k != "values"},

@@ -1,12 +1,13 @@
 """Patching: the engine, receivers (eq. 10), senders (path patching, SPEC.md §5) and the resumable store."""
 
-from .engine import Engine, RunCache, UnsupportedArchitecture
+from .engine import Engine, Precision, RunCache, UnsupportedArchitecture
 from .receivers import GapError, PatchResult, receiver_ie, receiver_patching, reference_patched_metric
 from .senders import SenderRounds, iterate_senders, sender_ie, sender_patching
 from .store import ConfigMismatch, Store
 
 __all__ = [
     "Engine",
+    "Precision",
     "RunCache",
     "UnsupportedArchitecture",
     "GapError",

@@ -26,7 +26,8 @@ its weights and keeps its caches there (:class:`~headscope.patching.plan.LayerSt
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +41,8 @@ from .linear import linear
 from .mlp import mlp_blocks, mlp_linears
 from .plan import Entry, LayerCtx, LayerStack, PassResult, Plan, RunCache, stack_layers
 
-__all__ = ["Engine", "EngineMismatch", "Entry", "LayerStack", "Plan", "RunCache", "UnsupportedArchitecture",
-           "head_slice"]
+__all__ = ["Engine", "EngineMismatch", "Entry", "LayerStack", "Plan", "Precision", "RunCache",
+           "UnsupportedArchitecture", "head_slice"]
 
 MLP_BLOCK = 1024  # tokens per block of the gradient-free MLP on a CPU (intermediates stay in cache)
 MLP_BLOCK_CUDA = 16384  # on a GPU: blocks bound the intermediates' memory; bigger GEMMs run nearer peak
@@ -51,6 +52,34 @@ SELF_CHECK_TOL = 1e-4
 
 class EngineMismatch(UnsupportedArchitecture):
     """The fast engine disagrees with the model's own forward (an architecture variant no adapter covers)."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How the engine keeps a bf16/fp16 model's activations (recorded with results and in stores).
+
+    Attributes:
+        residual: ``"model"`` (default): the residual stream in the model's dtype, every add rounded to it,
+            as the model's own forward computes. ``"float32"``: the residual stream, the norms, RoPE and
+            every residual add in float32; the projections, the MLP and attention still run in the model's
+            dtype (float32 accumulation inside the kernels, inputs rounded once to the model's dtype), and
+            the cached residual streams are float32 (2x their memory). Closer to a float32 forward of the
+            same weights than the model's own low-precision forward. For a float32 model both are the same
+            computation.
+
+    Raises:
+        ValueError: another ``residual``.
+    """
+
+    residual: Literal["model", "float32"] = "model"
+
+    def __post_init__(self) -> None:
+        if self.residual not in ("model", "float32"):
+            raise ValueError(f"Precision.residual={self.residual!r}: use 'model' or 'float32'")
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"residual": ...}`` (JSON-able)."""
+        return {"residual": self.residual}
 
 
 def head_slice(head: int, d_head: int) -> slice:
@@ -95,15 +124,19 @@ class Engine:
             (weights copied once; residual stream, norms and unembedding stay in the model's dtype).
             An approximation for screening only: exact patching uses the default (None).
         check: run :meth:`self_check` (default True; fp32 engines only).
+        precision: :class:`Precision` (default: the residual stream in the model's dtype); with
+            ``Precision("float32")`` a bf16/fp16 model's residual stream, norms and RoPE run in float32.
 
     Raises:
+        ValueError: ``matmul_dtype`` together with a float32 residual of a low-precision model.
         UnsupportedArchitecture: no adapter for the model's family (use ``path="generic"``).
         EngineMismatch: the self-check failed (the message names the layer and part).
     """
 
     path = "fast"
 
-    def __init__(self, model: LoadedModel, matmul_dtype: torch.dtype | None = None, check: bool = True):
+    def __init__(self, model: LoadedModel, matmul_dtype: torch.dtype | None = None, check: bool = True,
+                 precision: Precision | None = None):
         self.model = model
         self.g = model.geometry
         self.hf = model.hf_model
@@ -112,6 +145,13 @@ class Engine:
         self.device = model.device
         self.dtype = model.dtype
         self.matmul_dtype = matmul_dtype
+        self.precision = precision or Precision()
+        # resid32: a low-precision model whose residual stream the engine keeps in float32
+        self.resid32 = self.precision.residual == "float32" and self.dtype in LOW_PRECISION
+        self.resid_dtype = torch.float32 if self.resid32 else self.dtype
+        if self.resid32 and matmul_dtype is not None:
+            raise ValueError("matmul_dtype is for float32 models; a bf16/fp16 model with Precision('float32') "
+                             "already runs its matmuls in its own dtype: drop matmul_dtype")
         self._low: dict[int, dict[str, tuple[Tensor, Tensor | None]]] = {}
         self._head32: tuple[Tensor, Tensor | None] | None = None
         if matmul_dtype is not None:
@@ -164,8 +204,20 @@ class Engine:
             return F.rms_norm(h, (h.shape[-1],), mod.weight, mod.variance_epsilon)
         return mod(h)
 
+    def norm_in(self, mod: torch.nn.Module | None, h: Tensor) -> Tensor:
+        """A norm whose output feeds a matmul of a float32-residual engine: a plain RMSNorm in float32 from
+        the float32 residual (rounded once, to the model's dtype), any other module on the residual
+        rounded to the model's dtype (its own arithmetic)."""
+        if mod is None:
+            return h.to(self.dtype)
+        if _plain_rmsnorm(mod, h, any_dtype=True) and h.dtype == torch.float32:
+            return F.rms_norm(h, (h.shape[-1],), mod.weight.float(), mod.variance_epsilon).to(self.dtype)
+        return mod(h.to(self.dtype))
+
     def ln1(self, layer: int, h: Tensor) -> Tensor:
         """The attention input of layer ``layer`` (its pre-attention norm; in ``matmul_dtype`` when set)."""
+        if self.resid32:
+            return self.norm_in(self.layers[layer].ln1, h)
         x = self.norm(self.layers[layer].ln1, h)
         return x if self.matmul_dtype is None else x.to(self.matmul_dtype)
 
@@ -205,6 +257,8 @@ class Engine:
         """RoPE of layer ``layer`` on t [B, S, heads, dh] (cos/sin [S, rot]); t itself for NoPE layers."""
         if cos_sin is None or self.layers[layer].rope is None:
             return t
+        if self.resid32:  # float32 tables and products (the model rounds cos/sin to its dtype), rounded once
+            return rotate(t.float(), cos_sin[0][:, None], cos_sin[1][:, None]).to(t.dtype)
         return rotate(t, cos_sin[0][:, None], cos_sin[1][:, None])
 
     def qkv(self, layer: int, x: Tensor, pos: Positions, q_rows: Tensor | None = None
@@ -247,19 +301,20 @@ class Engine:
         """What the MLP branch of ``layer`` adds to the residual, given the residual ``h`` it reads
         (pre-MLP norm, MLP, post-MLP norm, residual multiplier)."""
         L = self.layers[layer]
-        m = L.mlp(self.norm(L.ln2, h))
+        m = L.mlp(self.norm_in(L.ln2, h) if self.resid32 else self.norm(L.ln2, h))
         m = self.norm(L.post_mlp_norm, m)
         return m * L.residual_multiplier if L.residual_multiplier != 1.0 else m
 
     def post_attn(self, layer: int, h: Tensor, z: Tensor) -> Tensor:
         """Residual after layer ``layer`` given its input ``h`` and its hook_z ``z``."""
         L = self.layers[layer]
+        rd = self.resid_dtype
         if L.parallel:
-            return h + self.attn_write(layer, z) + self.mlp_write(layer, h)
+            return h + self.attn_write(layer, z).to(rd) + self.mlp_write(layer, h).to(rd)
         if not L.plain_block:
-            h = h + self.attn_write(layer, z)
-            return h + self.mlp_write(layer, h)
-        h = self._o(layer, z, residual=h)
+            h = h + self.attn_write(layer, z).to(rd)
+            return h + self.mlp_write(layer, h).to(rd)
+        h = self._o(layer, z, residual=h)  # float32 residual + the model-dtype projection: a float32 add
         if self.matmul_dtype is not None and "gate_up" in self._low[layer]:
             x = self.norm(L.ln2, h).to(self.matmul_dtype)
             w, b = self._low[layer]["gate_up"]
@@ -270,14 +325,17 @@ class Engine:
         # the blocked fp32 MLP (a booted TransformerBridge's wrappers looked through; hooked modules called)
         parts = (mlp_linears(L.mlp) if self.matmul_dtype is None and not (torch.is_grad_enabled() and h.requires_grad)
                  else None)
+        norm = (lambda x: self.norm_in(L.ln2, x)) if self.resid32 else (lambda x: self.norm(L.ln2, x))
         if parts is None:
-            return h + L.mlp(self.norm(L.ln2, h))
-        return mlp_blocks(parts, lambda x: self.norm(L.ln2, x), h, MLP_BLOCK_CUDA if h.is_cuda else MLP_BLOCK)
+            return h + L.mlp(norm(h)).to(self.resid_dtype)
+        return mlp_blocks(parts, norm, h, MLP_BLOCK_CUDA if h.is_cuda else MLP_BLOCK)
 
     def final(self, h: Tensor) -> Tensor:
         """The final norm of the residual stream (before the unembedding)."""
         if self.multi_device:
             h = h.to(self.head_device)
+        if self.resid32:
+            return self.norm_in(self.arch.final_norm, h)
         return self.norm(self.arch.final_norm, h)
 
     def unembed(self, h: Tensor) -> Tensor:
@@ -295,7 +353,7 @@ class Engine:
         if mod is not None and _plain_rmsnorm(mod, h.float(), any_dtype=True):
             x = F.rms_norm(h.float(), (h.shape[-1],), mod.weight.float(), mod.variance_epsilon)
         else:
-            x = self.norm(mod, h).float()
+            x = (self.norm(mod, h.to(self.dtype)) if self.resid32 else self.norm(mod, h)).float()
         w, b = self._head_fp32()
         y = F.linear(x, w, b)
         if self.arch.logit_divisor != 1.0:
@@ -318,7 +376,7 @@ class Engine:
 
     def embed(self, ids: Int[Tensor, "batch pos"], positions: Tensor) -> Tensor:
         """The residual stream entering layer 0 (embedding scales and learned positions included)."""
-        return self.arch.embed(ids, positions).to(self.dtype)
+        return self.arch.embed(ids, positions).to(self.resid_dtype)
 
     # ---- the one pass -----------------------------------------------------------------------
     def forward(self, plan: Plan) -> PassResult:
@@ -380,7 +438,7 @@ class Engine:
                 dev = L.device
                 last = trim and lay == n_layers - 1
                 if plan.resid_at is not None and plan.resid_at[0] == lay:
-                    hr = plan.resid_at[1].to(dev)
+                    hr = plan.resid_at[1].to(dev, self.resid_dtype)
                     h = hr if h is None else torch.cat([h.to(dev), hr])
                     tags += [None] * hr.shape[0]
                 z = None

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from ..arch import UnsupportedArchitecture
 from ..models import LoadedModel
-from .engine import Engine
+from .engine import Engine, Precision
 from .plan import RunCache
 
 Path = Literal["auto", "fast", "generic"]
@@ -441,27 +441,35 @@ class BridgeEngine:
             return float("inf"), f"it fails on this model ({e!r})"
 
 
-def make_engine(model: LoadedModel, path: Path = "auto") -> Engine | BridgeEngine:
+def make_engine(model: LoadedModel, path: Path = "auto", precision: Precision | None = None) -> Engine | BridgeEngine:
     """The engine for ``path``: ``"fast"`` (an architecture adapter, checked against the model's own
     forward when built), ``"generic"`` (the bridge's hooks) or ``"auto"`` (fast where an adapter
-    exists, else generic, with a warning that says so).
+    exists, else generic, with a warning that says so). ``precision``: the fast engine's
+    :class:`~headscope.patching.engine.Precision` (a float32 residual stream needs the fast engine).
 
     Raises:
-        ValueError: an unknown path.
+        ValueError: an unknown path; a float32-residual precision of a low-precision model on the generic path.
         UnsupportedArchitecture: ``path="fast"`` on a model without an adapter.
         EngineMismatch: the adapter's self-check failed (the message names the layer and the fix).
     """
     if path not in PATHS:
         raise ValueError(f"path={path!r}: use one of {PATHS}")
+    f32 = precision is not None and precision.residual == "float32" and model.dtype != torch.float32
     if path == "generic":
+        if f32:
+            raise ValueError("Precision(residual='float32') runs on the fast engine only: use path='fast' or 'auto', "
+                             "or the default Precision()")
         return BridgeEngine(model)
     try:
-        eng = Engine(model)
+        eng = Engine(model, precision=precision)
     except UnsupportedArchitecture as e:
         from .engine import EngineMismatch
 
         if path == "fast" or isinstance(e, EngineMismatch):
             raise
+        if f32:
+            raise ValueError(f"{e}; Precision(residual='float32') needs the fast engine: use the default "
+                             "Precision() for the generic bridge path") from e
         warnings.warn(f"{e}; running the generic bridge path (slower, exact)", stacklevel=3)
         return BridgeEngine(model)
     return eng

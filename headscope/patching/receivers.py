@@ -21,7 +21,7 @@ from ..models import LoadedModel
 from ..readout import (DEFAULT_LAMBDA, DEFAULT_MIN_GAP, Direction, LowPrecisionWarning, Readout,  # noqa: F401
                        answer_logit_scale, logit_diff, low_precision_pairs, read_positions)
 from ..tasks.base import Pair, validate_pair
-from .engine import Engine, RunCache, head_slice
+from .engine import Engine, Precision, RunCache, head_slice
 from .generic import make_engine
 from .schedule import Schedule, heads_by_layer
 from .store import Store
@@ -40,6 +40,8 @@ class PatchResult:
     m_clean, m_corrupt: Float[Tensor, "pair"], m(x) and m(x') (logits).
     readout: the :class:`~headscope.readout.Readout` (λ, direction, min_gap) the numbers were read with.
     skipped: indices of pairs whose gap was below ``min_gap``, with the reason.
+    path: the engine that ran (``"fast"`` / ``"generic"``); precision: the engine's
+    :class:`~headscope.patching.engine.Precision`.
     """
 
     ie: Tensor
@@ -49,6 +51,7 @@ class PatchResult:
     readout: Readout
     skipped: dict[int, str] = field(default_factory=dict)
     path: str = "fast"
+    precision: Precision = Precision()
 
     @property
     def direction(self) -> str:
@@ -83,7 +86,7 @@ def check_pairs(model: LoadedModel, pairs: Sequence[Pair]) -> None:
             )
 
 
-def _auto_batch(model: LoadedModel, suffix: int, total: int, mem_bytes: float) -> int:
+def _auto_batch(model: LoadedModel, suffix: int, total: int, mem_bytes: float, resid_bytes: int | None = None) -> int:
     """Patch rows per forward: as many as ``mem_bytes`` of activations allow, at most 4 layers' heads.
 
     Rows of several layers share one batch (see :meth:`Engine.patched_logits_multi`); bigger batches
@@ -91,7 +94,10 @@ def _auto_batch(model: LoadedModel, suffix: int, total: int, mem_bytes: float) -
     """
     g = model.geometry
     ffn = int(getattr(model.hf_model.config, "intermediate_size", 4 * g.d_model))
-    per_row = suffix * (6 * g.d_model + 3 * ffn + 2 * g.n_heads * total) * (4 if model.dtype == torch.float32 else 2)
+    b = 4 if model.dtype == torch.float32 else 2
+    per_row = suffix * (6 * g.d_model + 3 * ffn + 2 * g.n_heads * total) * b
+    if resid_bytes is not None and resid_bytes > b:  # a float32 residual stream of a low-precision model
+        per_row += suffix * 2 * g.d_model * (resid_bytes - b)
     cap = ROWS_CAP_LAYERS * g.n_heads
     if torch.device(model.device).type == "cpu":
         # on a CPU, batches of about CPU_ROW_TOKENS (row x position) keep the activations cache-sized;
@@ -223,6 +229,7 @@ def receiver_patching(
     states: dict[int, PairState] | None = None,
     path: str = "auto",
     readout: Readout | None = None,
+    precision: Precision | None = None,
 ) -> PatchResult:
     """Exact activation patching of every head's hook_z, all positions, for every pair.
 
@@ -247,6 +254,9 @@ def receiver_patching(
         path: ``"auto"`` (the fast engine where an architecture adapter exists, else the generic bridge
             path), ``"fast"`` or ``"generic"`` (:func:`~headscope.patching.generic.make_engine`); the
             result's ``path`` says which ran.
+        precision: the fast engine's :class:`~headscope.patching.engine.Precision` (default: the
+            model's dtype throughout; ``Precision("float32")``: a bf16/fp16 model's residual stream,
+            norms and RoPE in float32, nearer a float32 forward); recorded in the result and the store.
 
     Returns:
         PatchResult (``.ie`` is Float[Tensor, "pair layer head"]).
@@ -262,12 +272,15 @@ def receiver_patching(
     per_layer = heads_by_layer(g.n_layers, g.n_heads, heads)
     if shard is not None and (store_dir is None or not 0 <= shard[0] < shard[1]):
         raise ValueError(f"shard={shard} needs 0 <= rank < world_size and a store_dir shared by all ranks")
-    engine = make_engine(model, path)  # type: ignore[arg-type]
+    precision = precision or Precision()
+    engine = make_engine(model, path, precision)  # type: ignore[arg-type]
     if mem_bytes is None:
         mem_bytes = 0.5 * torch.cuda.mem_get_info(model.device)[0] if model.device.type == "cuda" else 2e9
     store = None
     if store_dir is not None:
         cfg = {"kind": "receivers", "lam": readout.lam, "direction": readout.direction, **(store_config or {})}
+        if precision != Precision():  # the default adds no key: stores written before keep resuming
+            cfg["precision"] = precision.to_dict()
         store = Store(store_dir, {**cfg, "pairs": [hash_pair(p) for p in pairs]}, name="receivers")
     sched = Schedule(len(pairs), per_layer, store, shard, progress,
                      desc=f"receiver patching, {engine.path} path (heads x pairs)")
@@ -275,7 +288,8 @@ def receiver_patching(
     sched.load_bases(lambda i: state(i).base_metrics())
     for i, rows in sched.pending().items():
         st = state(i)
-        bs = batch_size or _auto_batch(model, st.total - st.start, st.total, mem_bytes)
+        bs = batch_size or _auto_batch(model, st.total - st.start, st.total, mem_bytes,
+                                       torch.finfo(getattr(engine, "resid_dtype", model.dtype)).bits // 8)
         for chunk, vals in patch_rows(engine, st, rows, readout.lam, bs):  # the compute
             for (layer, h), v in zip(chunk, vals.tolist()):
                 sched.record(i, layer, h, v)
@@ -293,6 +307,7 @@ def receiver_patching(
     scales = [b[i].get("logit_scale") for i in range(n)]
     res = finish(patched, m_clean, m_corr, readout, dtype=model.dtype, logit_scale=scales)
     res.path = engine.path
+    res.precision = precision
     return res
 
 
