@@ -627,6 +627,8 @@ def merge(paths: list[str], out: str) -> None:
         "precision_by_pair": {k: e["precision_residual"] for k, e in sorted(eng.items())},
         "seconds_mixed_precision": len(precs) > 1,
         "seconds_projected": projected,
+        "sweep_ratio_projected": (None if proj is None or projected is None or len(eng) < n_pairs
+                                  else round(proj / projected["seconds"], 2)),
         "mfu": round(flops / seconds / PEAK_BF16_DENSE, 4) if seconds else None,
         "counted_tflop": round(flops / 1e12, 1),
         "peak_gb": max((p.get("peak_gb", 0) for p in parts), default=None),
