@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .parts import Arch, LayerParts, Proj, Rope, unwrap, weight_view
+from .rope_state import fresh_rope
 
 
 def _linear(m: nn.Module) -> Proj:
@@ -49,21 +50,34 @@ def _conv1d(m: nn.Module) -> Proj:
 def _rope_fn(rotary: nn.Module, per_kind: bool) -> Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]]:
     """cos/sin [S, rotary_dim] for ``positions`` from the model's own rotary module (its bases,
     scaling type and attention factor included); ``per_kind``: the module takes the layer type
-    (Gemma 3: one base per layer type)."""
+    (Gemma 3: one base per layer type). A dynamic RoPE table is the one a freshly built module computes
+    for these positions, whatever ran before (:func:`~headscope.arch.rope_state.fresh_rope`)."""
     rotary = unwrap(rotary)
 
     def rope(kind: str, positions: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
         dev = next(iter(rotary.buffers())).device
         args = (like.to(dev) if like.device != dev else like, positions[None].to(dev))
-        cos, sin = rotary(*args, kind) if per_kind else rotary(*args)
+        with fresh_rope(rotary):
+            cos, sin = rotary(*args, kind) if per_kind else rotary(*args)
         return cos[0].to(like.device, like.dtype), sin[0].to(like.device, like.dtype)
 
     return rope
 
 
+# families whose model builds a sliding-window mask for every ``layer_types[i] == "sliding_attention"``
+# layer from ``config.sliding_window``, whatever the attention module's ``sliding_window`` attribute says
+# (SmolLM3 leaves that None when ``use_sliding_window`` is False, and still slides through the mask)
+_MASK_BY_LAYER_TYPE = ("smollm3", "qwen2", "qwen3")
+
+
 def _window(cfg: Any, attn: nn.Module, i: int, mtype: str) -> int | None:
-    """The layer's sliding window as the model applies it (module attribute, else config)."""
-    if hasattr(attn, "sliding_window"):
+    """The layer's sliding window as the model applies it: the mask the family builds for the layer's
+    type where it builds it from the config, else the module attribute, else the config. The engine checks
+    it against the masks the model passes to each layer (:meth:`~headscope.patching.engine.Engine.self_check`)."""
+    types = getattr(cfg, "layer_types", None)
+    if mtype in _MASK_BY_LAYER_TYPE and types:
+        w = getattr(cfg, "sliding_window", None) if types[i] == "sliding_attention" else None
+    elif hasattr(attn, "sliding_window"):
         w = attn.sliding_window
     elif mtype == "mistral":  # Mistral passes config.sliding_window to every layer
         w = getattr(cfg, "sliding_window", None)

@@ -16,9 +16,15 @@ The engine computes with the transformers modules themselves (looked up through 
 wrappers) or with views of their weights; a module that carries hooks is called, so hooks run.
 The activation patched is TransformerLens ``hook_z`` (``[batch, pos, n_heads * d_head]``).
 
-Every engine checks itself when it is built (:meth:`Engine.self_check`): one short prompt through the
-engine and through the model's own forward must agree to ``1e-4`` (fp32) at every layer, or the
-engine refuses, naming the layer and the first part that disagrees.
+Every engine checks itself against the model's own forward (:mod:`headscope.patching.check`), in the
+model's dtype and on its device: a short prompt when it is built, then the first prompt of every
+length beyond the longest checked (the first calibration pair's own clean sequence, through
+:meth:`Engine.run`), so that whatever acts only on longer inputs (a sliding window, a length-switched
+RoPE table) is seen at the length the ranking uses. Every layer must agree to
+:func:`~headscope.patching.check.tolerance` (1e-4 in fp32, 8·eps in 16-bit types), or the engine
+refuses, naming the layer and the first part that disagrees. The sliding windows are read from the
+masks the model passes to its layers in that forward. :func:`~headscope.patching.check.check_patches`
+compares a few patched rows with one hooked forward each (what reusing the prefix could get wrong).
 
 A model spread over several devices (``device_map``) runs too: every layer computes on the device of
 its weights and keeps its caches there (:class:`~headscope.patching.plan.LayerStack`).
@@ -36,22 +42,19 @@ from torch import Tensor
 
 from ..arch import Arch, LayerParts, Proj, UnsupportedArchitecture, adapt, rotate, softcap, unwrap
 from ..models import LoadedModel
-from . import attention
+from . import attention, check as _check
+from .check import EngineMismatch, tolerance
 from .linear import linear
 from .mlp import mlp_blocks, mlp_linears
 from .plan import Entry, LayerCtx, LayerStack, PassResult, Plan, RunCache, stack_layers
 
 __all__ = ["Engine", "EngineMismatch", "Entry", "LayerStack", "Plan", "Precision", "RunCache",
-           "UnsupportedArchitecture", "head_slice"]
+           "UnsupportedArchitecture", "head_slice", "tolerance"]
 
 MLP_BLOCK = 1024  # tokens per block of the gradient-free MLP on a CPU (intermediates stay in cache)
 MLP_BLOCK_CUDA = 16384  # on a GPU: blocks bound the intermediates' memory; bigger GEMMs run nearer peak
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-SELF_CHECK_TOL = 1e-4
-
-
-class EngineMismatch(UnsupportedArchitecture):
-    """The fast engine disagrees with the model's own forward (an architecture variant no adapter covers)."""
+SELF_CHECK_TOL = 1e-4  # float32 (see check.tolerance for other dtypes)
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,9 @@ class Engine:
         matmul_dtype: e.g. ``torch.bfloat16``: the projections and attention run in that dtype
             (weights copied once; residual stream, norms and unembedding stay in the model's dtype).
             An approximation for screening only: exact patching uses the default (None).
-        check: run :meth:`self_check` (default True; fp32 engines only).
+        check: check against the model's own forward (default True): :meth:`self_check` on a short prompt
+            now, and again on the first prompt of every longer length (engines with ``matmul_dtype``,
+            an approximation by design, are not checked).
         precision: :class:`Precision` (default: the residual stream in the model's dtype); with
             ``Precision("float32")`` a bf16/fp16 model's residual stream, norms and RoPE run in float32.
 
@@ -160,7 +165,11 @@ class Engine:
         devs = {L.device for L in self.layers} | {torch.device(self.device), self.arch.lm_head.weight.device}
         self.multi_device = len(devs) > 1
         self.head_device = self.arch.lm_head.weight.device
-        if check and matmul_dtype is None:
+        self.check = check and matmul_dtype is None
+        self.checked_len = 0  # prompts up to this length were checked against the model's own forward
+        self.patch_checked_len = 0  # patched rows up to this length were (check.check_patches)
+        self._checking = False
+        if self.check:
             self.self_check()
 
     # ---- construction helpers ---------------------------------------------------------------
@@ -397,6 +406,8 @@ class Engine:
             raise ValueError("a plan needs ids or a base pass")
         if start > 0 and plan.base is None:
             raise ValueError("start > 0 needs a base pass for the prefix")
+        if plan.ids is not None and not self._checking and self.needs_check(T):
+            self.self_check(ids=plan.ids)
         if not read or min(read) < start or max(read) >= T:
             raise ValueError(f"read positions {read[:3]}... must lie in start={start}..{T - 1}")
         layers_in = [e.layer for e in enter]
@@ -514,9 +525,37 @@ class Engine:
         """One full pass of a prompt, caching resid, hook_z, K and V of every layer (logits at ``read``).
         ``z_override(layer, z) -> z`` may replace a layer's hook_z."""
         edit = None if z_override is None else (lambda lay, z, ctx: z_override(lay, z))
-        res = self.forward(Plan(read=read, ids=ids, keep=True, edit=edit))
+        if edit is not None or not self.needs_check(int(ids.numel())):
+            res = self.forward(Plan(read=read, ids=ids, keep=True, edit=edit))
+            assert res.cache is not None
+            return res.cache
+        # the first prompt of a new length: this pass is also the self-check's engine side
+        ref = _check.model_reference(self, ids)
+        self._checking = True
+        try:
+            res = self.forward(Plan(read=read, ids=ids, keep=True))
+        finally:
+            self._checking = False
         assert res.cache is not None
+        _check.compare(self, res.cache, res.out[0], ref, read)
+        self.checked_len = max(self.checked_len, int(ids.numel()))
         return res.cache
+
+    def needs_check(self, n_tokens: int) -> bool:
+        """Whether a prompt of ``n_tokens`` is longer than every prompt checked so far (and checks are on)."""
+        return self.check and n_tokens > self.checked_len
+
+    def check_patches(self, ids: Int[Tensor, "pos"], base: RunCache, src: RunCache, start: int,
+                      read: Sequence[int]) -> float:
+        """A few patched rows against the model's forward with a hook_z patch each
+        (:func:`~headscope.patching.check.check_patches`), once per new prompt length; 0.0 when checked
+        before or checks are off. Raises EngineMismatch naming the layer, head and fix."""
+        T = int(ids.numel())
+        if not self.check or T <= self.patch_checked_len:
+            return 0.0
+        d = _check.check_patches(self, ids, base, src, start, read)
+        self.patch_checked_len = T
+        return d
 
     def run_with_grad_cache(self, ids: Int[Tensor, "pos"], read: Sequence[int], keep_cache: bool = True
                             ) -> tuple[Tensor, list[Tensor], RunCache | None]:
@@ -586,64 +625,36 @@ class Engine:
         self.forward(Plan(read=list(rows_t.tolist()), ids=ids, edit=grab))
         return out
 
-    # ---- the build-time self-check ----------------------------------------------------------
+    # ---- the self-check ---------------------------------------------------------------------
     @torch.no_grad()
-    def self_check(self, n_tokens: int = 12, tol: float = SELF_CHECK_TOL) -> float:
-        """One short prompt through the engine and through the model's own forward; every layer's
-        output and the logits must agree to ``tol`` (relative to the activations' scale).
+    def self_check(self, n_tokens: int = 12, tol: float | None = None, ids: Tensor | None = None) -> float:
+        """A prompt through the engine and through the model's own forward (in the model's dtype, on
+        its device; dynamic RoPE as freshly built); every layer's attention output, layer output and the
+        logits must agree to ``tol`` (default :func:`~headscope.patching.check.tolerance` of the dtype),
+        relative to the activations' scale. The engine's sliding windows are first set from the masks
+        the model passes to its layers (:func:`~headscope.patching.check.model_reference`).
+
+        Args:
+            n_tokens: length of the synthetic prompt (when ``ids`` is None; capped at the context).
+            ids: Int[Tensor, "pos"]: check on this prompt instead (e.g. a calibration pair's clean sequence).
 
         Returns the largest relative difference. Raises:
             EngineMismatch: naming the first layer and part (attention or MLP branch) that disagrees,
                 and the fix (``path="generic"``).
         """
-        if self.dtype != torch.float32:
-            return 0.0
-        T = min(n_tokens, max(2, int(self.g.n_ctx or n_tokens)))
-        vocab = int(self.arch.lm_head.weight.shape[0])
-        ids = (torch.arange(T) * 7919 + 11) % max(vocab - 1, 1) + 1
-        dev = self.layers[0].device
-        got: dict[str, list[Tensor]] = {"attn": [], "out": []}
-        hooks = []
-        from ..arch import attention_out_module, decoder_layers
-
+        if ids is None:
+            T = min(n_tokens, max(2, int(self.g.n_ctx or n_tokens)))
+            vocab = int(self.arch.lm_head.weight.shape[0])
+            ids = (torch.arange(T) * 7919 + 11) % max(vocab - 1, 1) + 1
+        ids = ids.detach().reshape(-1)
+        T = int(ids.numel())
+        ref = _check.model_reference(self, ids)
+        self._checking = True
         try:
-            for i, blk in enumerate(decoder_layers(self.hf)):
-                hooks.append(attention_out_module(self.hf, i).register_forward_hook(
-                    lambda m, a, o: got["attn"].append(o.detach())))
-                hooks.append(blk.register_forward_hook(
-                    lambda m, a, o: got["out"].append((o[0] if isinstance(o, tuple) else o).detach())))
-            ref = self.hf(ids[None].to(dev), use_cache=False).logits[0].float()
+            res = self.forward(Plan(read=list(range(T)), ids=ids, keep=True))
         finally:
-            for hk in hooks:
-                hk.remove()
-        res = self.forward(Plan(read=list(range(T)), ids=ids, keep=True))
-        cache = res.cache
-        assert cache is not None
-        worst = 0.0
-        for lay in range(self.g.n_layers):
-            h_in = cache.resid[lay][None].to(self.layers[lay].device)
-            o_ref = got["attn"][lay] if lay < len(got["attn"]) else None
-            o_eng = self._o(lay, cache.z[lay][None])
-            h_next = (cache.resid[lay + 1][None] if lay + 1 < self.g.n_layers
-                      else self.post_attn(lay, h_in, cache.z[lay][None]))
-            for part, a, b in (("attention output (hook_z -> output projection)", o_eng, o_ref),
-                               ("layer output (norms, MLP, residual)", h_next, got["out"][lay])):
-                if b is None:
-                    continue
-                scale = float(b.abs().max().clamp_min(1e-6))
-                d = float((a.to(b.device).float() - b.float()).abs().max()) / scale
-                worst = max(worst, d)
-                if not d <= tol:
-                    raise EngineMismatch(
-                        f"the fast engine disagrees with {type(self.hf).__name__}'s own forward at layer {lay}, "
-                        f"{part}: relative difference {d:.2e} > {tol:.0e} (family adapter {self.arch.family!r}, "
-                        f"config notes {self.arch.notes}). This variant is not covered by the adapter: pass "
-                        "path='generic' (CLI --path generic) to patch through the TransformerLens bridge's hooks.")
-        d = float((res.out[0].float() - ref.to(res.out.device)).abs().max()) / float(ref.abs().max().clamp_min(1e-6))
-        worst = max(worst, d)
-        if not d <= tol:
-            raise EngineMismatch(
-                f"the fast engine's logits differ from {type(self.hf).__name__}'s own forward by {d:.2e} (relative) "
-                f"after the last layer: the final norm / unembedding (soft-cap, logit scale) is not as the adapter "
-                f"{self.arch.family!r} assumes; pass path='generic' (CLI --path generic).")
+            self._checking = False
+        assert res.cache is not None
+        worst = _check.compare(self, res.cache, res.out[0], ref, range(T), tol)
+        self.checked_len = max(self.checked_len, T)
         return worst

@@ -138,6 +138,7 @@ class PairState:
         # magnitude of the answer logits, for the low-precision check of the gap (readout.min_trusted_gap)
         self.logit_scale = max(answer_logit_scale(r.logits, pair.answer, pair.counter_answer) for r in (clean, corr))
         self.base, self.src = (clean, corr) if self.direction == "noising" else (corr, clean)
+        self.base_ids = clean_seq if self.direction == "noising" else corr_seq  # the prompt of ``base``
         # positions before the first clean/corrupted difference are identical in every run
         self.start = min(pair.first_diff(), self.read[0])
         self.total = clean_seq.numel()
@@ -288,6 +289,8 @@ def receiver_patching(
     sched.load_bases(lambda i: state(i).base_metrics())
     for i, rows in sched.pending().items():
         st = state(i)
+        if isinstance(engine, Engine):  # a few patched rows against hooked forwards, once per new length
+            engine.check_patches(st.base_ids, st.base, st.src, st.start, st.read)
         bs = batch_size or _auto_batch(model, st.total - st.start, st.total, mem_bytes,
                                        torch.finfo(getattr(engine, "resid_dtype", model.dtype)).bits // 8)
         for chunk, vals in patch_rows(engine, st, rows, readout.lam, bs):  # the compute

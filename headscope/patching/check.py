@@ -1,0 +1,273 @@
+"""The fast engine against the model's own forward: what the model applies, read from its forward
+(the attention mask each layer receives), and the engine's outputs compared with it.
+
+* :func:`model_reference`: one forward of the model (dynamic RoPE as freshly built,
+  :func:`~headscope.arch.rope_state.fresh_rope`) capturing every layer's attention output, layer output,
+  logits and the attention mask the model passes to the layer; the engine's sliding windows are set from
+  those masks (:func:`mask_window`), so a window the model applies through its mask alone (SmolLM3 with
+  ``use_sliding_window=False``) is the engine's too.
+* :func:`compare`: every layer's attention output and layer output, and the logits, within
+  :func:`tolerance` (relative to the activations' largest magnitude) or :class:`EngineMismatch`
+  naming the layer, the part and the fix.
+* :func:`check_patches`: a few patched rows through the engine's shortcuts (cached prefix, rows joining
+  at their layer) against one forward of the model with a ``hook_z`` edit (a pre-hook on the attention
+  output projection), which the clean comparison cannot see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from ..arch import UnsupportedArchitecture, attention_out_module, decoder_layers, unwrap
+from ..arch.rope_state import fresh_rope
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import Engine
+    from .plan import RunCache
+
+FIX = "pass path='generic' (CLI --path generic) to patch through the TransformerLens bridge's hooks"
+
+
+class EngineMismatch(UnsupportedArchitecture):
+    """The fast engine disagrees with the model's own forward (an architecture variant no adapter covers)."""
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Largest relative difference (to the activations' largest magnitude) accepted between the engine and
+    the model's forward in ``dtype``: 1e-4 in float32/float64; 8 units of rounding (8·eps) in 16-bit
+    types (bfloat16 3.1e-2, float16 7.8e-3), where the two orders of the same operations round apart."""
+    if dtype in (torch.float32, torch.float64):
+        return 1e-4
+    return 8 * torch.finfo(dtype).eps
+
+
+def mask_window(mask: Any, T: int) -> tuple[bool, int | None]:
+    """The sliding window of a layer's attention mask over a T-token prompt without padding.
+
+    ``mask``: what the model passed to the layer as ``attention_mask``: None (causal; transformers skips
+    the mask where the kernel's causal flag does the same), a boolean mask (True: attend) or an additive
+    float mask (0: attend), ``[batch, 1 or heads, T, T]``.
+
+    Returns ``(readable, window)``: ``(True, None)`` causal at this length, ``(True, w)`` key j visible to
+    query i iff 0 <= i - j < w with w < T, ``(False, None)`` anything else (another pattern, a mask type
+    that cannot be read here).
+    """
+    if mask is None:
+        return True, None
+    if not isinstance(mask, Tensor) or mask.dim() < 2 or tuple(mask.shape[-2:]) != (T, T):
+        return False, None
+    m = mask.reshape(-1, T, T)[0]
+    if m.dtype != torch.bool:
+        m = m > torch.finfo(m.dtype).min / 2
+    m = m.cpu()
+    n = int(m[-1].sum())
+    w = None if n >= T else n
+    qp = torch.arange(T)
+    want = qp[None, :] <= qp[:, None]
+    if w is not None:
+        want &= qp[None, :] > qp[:, None] - w
+    return bool(torch.equal(m, want)), w
+
+
+def _attention_module(hf: torch.nn.Module, layer: int) -> torch.nn.Module | None:
+    blk = decoder_layers(hf)[layer]
+    for name in ("self_attn", "attn", "attention"):
+        a = unwrap(getattr(blk, name, None))
+        if isinstance(a, torch.nn.Module):
+            return a
+    return None
+
+
+_NOT_PASSED = object()
+
+
+@dataclass
+class Reference:
+    """The model's own forward of one prompt: logits [T, vocab] (float32), per layer the attention output
+    (after the output projection) and the layer output [1, T, d_model], the attention mask passed."""
+
+    logits: Tensor
+    attn: list[Tensor] = field(default_factory=list)
+    out: list[Tensor] = field(default_factory=list)
+    masks: dict[int, Any] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def model_reference(eng: "Engine", ids: Int[Tensor, "pos"]) -> Reference:
+    """One forward of ``ids`` through the model itself, in its dtype and on its device, and the engine's
+    sliding windows set from the masks the model passed to each layer.
+
+    Raises:
+        EngineMismatch: a layer's mask is neither causal nor a sliding window (chunked or bidirectional
+            attention), naming the layer and the fix.
+    """
+    hf = eng.hf
+    T = int(ids.numel())
+    ref = Reference(logits=torch.empty(0))
+    hooks = []
+    try:
+        for i, blk in enumerate(decoder_layers(hf)):
+            hooks.append(attention_out_module(hf, i).register_forward_hook(
+                lambda m, a, o: ref.attn.append(o.detach())))
+            hooks.append(blk.register_forward_hook(
+                lambda m, a, o: ref.out.append((o[0] if isinstance(o, tuple) else o).detach())))
+            am = _attention_module(hf, i)
+            if am is not None:
+                hooks.append(am.register_forward_pre_hook(
+                    lambda m, a, kw, i=i: ref.masks.__setitem__(i, kw.get("attention_mask", _NOT_PASSED)),
+                    with_kwargs=True))
+        with fresh_rope(hf):
+            ref.logits = hf(ids[None].to(eng.layers[0].device), use_cache=False).logits[0].float()
+    finally:
+        for hk in hooks:
+            hk.remove()
+    _adopt_windows(eng, ref.masks, T)
+    return ref
+
+
+def _adopt_windows(eng: "Engine", masks: dict[int, Any], T: int) -> None:
+    read = eng.arch.notes.setdefault("windows_from_masks", {})
+    for i, m in masks.items():
+        if m is _NOT_PASSED:
+            continue
+        ok, w = mask_window(m, T)
+        if not ok:
+            if not isinstance(m, Tensor):
+                continue  # a mask object that cannot be read here (flex attention): the comparison decides
+            raise EngineMismatch(
+                f"layer {i} of {type(eng.hf).__name__} gets an attention mask that is neither causal nor a sliding "
+                f"window over a {T}-token prompt (chunked or bidirectional attention?); the fast engine computes "
+                f"causal and sliding-window attention only: {FIX}.")
+        L = eng.layers[i]
+        mine = L.window if L.window is not None and L.window < T else None
+        if w != mine:
+            L.window = w
+            read[i] = w
+        elif w is not None:
+            read[i] = w
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    scale = float(b.abs().max().clamp_min(1e-6))
+    return float((a.to(b.device).float() - b.float()).abs().max()) / scale
+
+
+@torch.no_grad()
+def compare(eng: "Engine", cache: "RunCache", logits: Tensor, ref: Reference, read: Sequence[int],
+            tol: float | None = None) -> float:
+    """The engine's pass (its :class:`RunCache` of every position, ``logits`` [len(read), vocab]) against
+    the model's (:func:`model_reference`). Returns the largest relative difference.
+
+    Raises:
+        EngineMismatch: naming the first layer and part (attention or MLP branch) that disagrees, or
+            the final norm / unembedding, and the fix (``path="generic"``).
+    """
+    tol = tolerance(eng.dtype) if tol is None else tol
+    worst = 0.0
+    for lay in range(eng.g.n_layers):
+        h_in = cache.resid[lay][None].to(eng.layers[lay].device)
+        o_ref = ref.attn[lay] if lay < len(ref.attn) else None
+        o_eng = eng._o(lay, cache.z[lay][None])
+        h_next = (cache.resid[lay + 1][None] if lay + 1 < eng.g.n_layers
+                  else eng.post_attn(lay, h_in, cache.z[lay][None]))
+        for part, a, b in (("attention output (hook_z -> output projection)", o_eng, o_ref),
+                           ("layer output (norms, MLP, residual)", h_next, ref.out[lay] if lay < len(ref.out) else None)):
+            if b is None:
+                continue
+            d = _rel(a, b)
+            worst = max(worst, d)
+            if not d <= tol:
+                L = eng.layers[lay]
+                raise EngineMismatch(
+                    f"the fast engine disagrees with {type(eng.hf).__name__}'s own forward at layer {lay}, "
+                    f"{part}: relative difference {d:.2e} > {tol:.0e} over a {cache.resid.shape[1]}-token prompt in "
+                    f"{str(eng.dtype).replace('torch.', '')} (family adapter {eng.arch.family!r}, window "
+                    f"{L.window}, soft-cap {L.softcap}, config notes {eng.arch.notes}). This variant is not covered "
+                    f"by the adapter: {FIX}.")
+    r = ref.logits[torch.as_tensor(list(read), device=ref.logits.device)]
+    d = _rel(logits, r)
+    worst = max(worst, d)
+    if not d <= tol:
+        raise EngineMismatch(
+            f"the fast engine's logits differ from {type(eng.hf).__name__}'s own forward by {d:.2e} (relative) "
+            f"after the last layer: the final norm / unembedding (soft-cap, logit scale) is not as the adapter "
+            f"{eng.arch.family!r} assumes; {FIX}.")
+    return worst
+
+
+def patch_rows_to_check(eng: "Engine", T: int) -> list[tuple[int, int]]:
+    """The (layer, head) rows :func:`check_patches` runs: head 0 of layer 0, a middle head of the first
+    layer whose window is shorter than the prompt (where the cached prefix meets the window), the last
+    head of the last layer (the read-positions-only layer)."""
+    g = eng.g
+    rows = [(0, 0)]
+    windowed = [i for i, L in enumerate(eng.layers) if L.window is not None and L.window < T]
+    if windowed:
+        rows.append((windowed[0], g.n_heads // 2))
+    rows.append((g.n_layers - 1, g.n_heads - 1))
+    return sorted(set(rows))
+
+
+@torch.no_grad()
+def check_patches(eng: "Engine", ids: Int[Tensor, "pos"], base: "RunCache", src: "RunCache", start: int,
+                  read: Sequence[int], rows: Sequence[tuple[int, int]] | None = None,
+                  tol: float | None = None) -> float:
+    """Patched rows as the ranking runs them (``base``'s cached prefix up to ``start``, rows joining at
+    their layer, read positions only in the last layer) against the model's own forward of ``ids`` (the
+    prompt of ``base``) with the head's hook_z taken from ``src`` at every position (a pre-hook on the
+    attention output projection), all rows in one batch.
+
+    Returns the largest relative difference of the logits at ``read``. Raises:
+        EngineMismatch: naming the layer and head whose patched logits disagree, and the fix.
+    """
+    tol = tolerance(eng.dtype) if tol is None else tol
+    T = int(ids.numel())
+    rows = sorted(rows if rows is not None else patch_rows_to_check(eng, T))
+    dh = eng.g.d_head
+    entries = []
+    for lay in sorted({lay for lay, _ in rows}):
+        heads = [h for l2, h in rows if l2 == lay]
+        z = base.z[lay, start:][None].repeat(len(heads), 1, 1)
+        zs = src.z[lay, start:]
+        for r, h in enumerate(heads):
+            z[r, :, h * dh:(h + 1) * dh] = zs[:, h * dh:(h + 1) * dh].to(z.dtype)
+        entries.append((lay, z))
+    got = eng.patched_logits_multi(base, entries, start, read)
+    hf = eng.hf
+    hooks = []
+
+    def edit(lay: int):
+        def pre(m: torch.nn.Module, args: tuple) -> tuple:
+            z = args[0].clone()
+            zs = src.z[lay].to(z.device, z.dtype)
+            for r, (l2, h) in enumerate(rows):
+                if l2 == lay:
+                    z[r, :, h * dh:(h + 1) * dh] = zs[:, h * dh:(h + 1) * dh]
+            return (z, *args[1:])
+        return pre
+
+    try:
+        for lay in sorted({lay for lay, _ in rows}):
+            hooks.append(attention_out_module(hf, lay).register_forward_pre_hook(edit(lay)))
+        with fresh_rope(hf):
+            x = ids[None].to(eng.layers[0].device).expand(len(rows), -1)
+            want = hf(x, use_cache=False).logits[:, torch.as_tensor(list(read), device=x.device)].float()
+    finally:
+        for hk in hooks:
+            hk.remove()
+    worst = 0.0
+    for r, (lay, h) in enumerate(rows):
+        d = _rel(got[r], want[r])
+        worst = max(worst, d)
+        if not d <= tol:
+            raise EngineMismatch(
+                f"the fast engine's patched run of layer {lay}, head {h} differs from {type(hf).__name__}'s own "
+                f"forward with that hook_z patch by {d:.2e} (relative) over a {T}-token prompt (the cached prefix "
+                f"up to position {start}, rows joining at layer {lay}; family adapter {eng.arch.family!r}, window "
+                f"{eng.layers[lay].window}): {FIX}.")
+    return worst
