@@ -232,8 +232,18 @@ def geometry_of(config: Any) -> Geometry:
         n_kv_heads=n_kv,
         d_head=d_head,
         d_model=d_model,
-        n_ctx=int(getattr(config, "max_position_embeddings", 0) or 0),
+        n_ctx=_context(config),
     )
+
+
+def _context(config: Any) -> int:
+    """The context length: ``max_position_embeddings``, times the scaling factor for dynamic RoPE (whose
+    ``max_position_embeddings`` is the original context that its NTK scaling stretches by ``factor``)."""
+    n = int(getattr(config, "max_position_embeddings", 0) or 0)
+    rp = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rp, dict) and "dynamic" in str(rp.get("rope_type", rp.get("type", ""))):
+        n = int(n * float(rp.get("factor", 1.0) or 1.0))
+    return n
 
 
 def _resolve(spec: str | os.PathLike) -> tuple[str, dict[str, Any], str]:
