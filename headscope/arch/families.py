@@ -70,6 +70,10 @@ def _rope_fn(rotary: nn.Module, per_kind: bool) -> Callable[[str, Tensor, Tensor
 _MASK_BY_LAYER_TYPE = ("smollm3", "qwen2", "qwen3")
 
 
+# families whose attention passes ``attn_logit_softcapping`` to the attention function (soft-capped logits)
+_ATTN_SOFTCAP = ("gemma2",)
+
+
 def _window(cfg: Any, attn: nn.Module, i: int, mtype: str) -> int | None:
     """The layer's sliding window as the model applies it: the mask the family builds for the layer's
     type where it builds it from the config, else the module attribute, else the config. The engine checks
@@ -124,7 +128,8 @@ def llama_like(hf: nn.Module) -> Arch:
             q_norm=unwrap(getattr(a, "q_norm", None)), k_norm=unwrap(getattr(a, "k_norm", None)),
             qk_norm_per_head=mtype != "olmo2",
             window=_window(cfg, a, i, mtype),
-            softcap=getattr(a, "attn_logit_softcapping", None) or None,
+            # Gemma 3's attention keeps config.attn_logit_softcapping as an attribute but never applies it
+            softcap=(getattr(a, "attn_logit_softcapping", None) or None) if mtype in _ATTN_SOFTCAP else None,
             post_attn_norm=post_attn, post_mlp_norm=post_mlp,
             residual_multiplier=float(getattr(cfg, "residual_multiplier", 1.0)) if mtype == "granite" else 1.0,
             device=q.weight.device,
