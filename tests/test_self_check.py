@@ -27,6 +27,15 @@ from headscope.tasks.base import Pair
 V = 384  # vocabulary of the random models (token ids of the SmolLM2 tokenizer below it)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is several times faster than two on a shared host."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ---- the reference: one hook_z patch per forward through the transformers model itself ------------------
 @torch.no_grad()
 def hooked_reference(hf: torch.nn.Module, pair: Pair) -> tuple[torch.Tensor, float, float]:
@@ -370,12 +379,7 @@ def test_every_adapter_family_is_drawn():
 def run_draws(n: int, seed: int, tokenizer) -> dict[str, Any]:
     """n drawn configurations (families in turn): each ranked exactly (|ΔIE| <= 1e-4 max(1, 0.1/|gap|) vs
     :func:`hooked_reference`, prompt longer than every window) or refused by name. Returns the counts."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: one thread is several times faster on a shared host
-    try:
-        return _draws(n, random.Random(seed), tokenizer)
-    finally:
-        torch.set_num_threads(threads)
+    return _draws(n, random.Random(seed), tokenizer)
 
 
 def _draws(n: int, rng: random.Random, tokenizer, families: tuple[str, ...] = DRAWN) -> dict[str, Any]:
