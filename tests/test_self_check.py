@@ -210,7 +210,7 @@ def test_reused_engine_is_checked_again_at_a_longer_length(smol_tokenizer, monke
     assert eng.checked_len == 12  # the build check already covered 9 tokens
     calls = []
     orig = chk.model_reference
-    monkeypatch.setattr(chk, "model_reference", lambda e, ids: calls.append(ids.numel()) or orig(e, ids))
+    monkeypatch.setattr(chk, "model_reference", lambda e, ids, **kw: calls.append(ids.numel()) or orig(e, ids, **kw))
     eng.run(random_pair(30, 0).clean, [29])
     eng.run(random_pair(20, 0).clean, [19])
     eng.run_with_grad(random_pair(33, 0).clean, [32])

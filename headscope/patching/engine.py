@@ -530,7 +530,7 @@ class Engine:
             assert res.cache is not None
             return res.cache
         # the first prompt of a new length: this pass is also the self-check's engine side
-        ref = _check.model_reference(self, ids)
+        ref = _check.model_reference(self, ids, first=min(int(r) for r in read))
         self._checking = True
         try:
             res = self.forward(Plan(read=read, ids=ids, keep=True))
