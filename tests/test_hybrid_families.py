@@ -100,6 +100,7 @@ def test_fa_head_of_sliding_layer_keeps_window_without_mask(name):
     assert (got - causal).abs().max().item() > 1e-2
 
 
+@pytest.mark.slow  # 50 teacher + student steps: ~25 s per family on a shared 2-core CPU
 @pytest.mark.parametrize("name", NAMES)
 def test_mixed_mask_trains_stage1(name):
     from headscope.train.stages import stage_loss, trainable_parameters
