@@ -124,6 +124,27 @@ def test_mixed_mask_trains_stage1(name):
     assert last < 0.8 * first, losses
 
 
+@pytest.mark.slow  # three generate calls per family: 13-17 s on a shared 2-core CPU
+@pytest.mark.parametrize("name", NAMES)
+def test_generate_through_the_family_cache(name):
+    """transformers' generate (its DynamicCache: sliding-window layers for Mistral / Gemma 3, prompt longer
+    than the window): the all-FA hybrid gives the teacher's greedy tokens; the mixed hybrid gives its own
+    cache-free greedy tokens (KV of the kept groups + GDN state carried correctly)."""
+    teacher = _teacher(name)
+    ids = _ids(5)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        want = teacher.generate(ids, **kw)
+        got = hybridize(teacher, _all_fa(teacher), fusion="none").eval().generate(ids, **kw)
+        mixed = hybridize(teacher, _mixed(teacher), gdn_kernel="torch").eval()
+        gen = mixed.generate(ids, **kw)
+        ref = ids
+        for _ in range(6):
+            ref = torch.cat([ref, mixed(ref).logits[:, -1:].argmax(-1)], 1)
+    assert torch.equal(got, want)
+    assert torch.equal(gen, ref)
+
+
 def _saved_code_files(d) -> dict[str, str]:
     return {f: open(os.path.join(d, f)).read() for f in os.listdir(d) if f.endswith(".py")}
 
