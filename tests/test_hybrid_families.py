@@ -240,3 +240,38 @@ def test_fresh_process_without_headscope_reloads_every_family(tmp_path):
         diff = (out[name] - ref[name]).abs().max().item()
         print(f"{name}: reload max |Δ logits| = {diff:.2e}")
         assert diff <= 1e-5, (name, diff)
+
+
+@pytest.mark.parametrize("name,missing", [("gpt2", "learned absolute positions"), ("olmo2", "QK-norm over the whole"),
+                                          ("phi3", "acceptance test"), ("granite", "acceptance test")])
+def test_other_families_refused_naming_what_is_missing(name, missing):
+    from headscope.arch.random_models import FAMILIES
+    from headscope.errors import HeadscopeInputError
+
+    m = FAMILIES[name](V, 0)
+    L, H, KV = _geometry(m)
+    with pytest.raises(HeadscopeInputError) as ei:
+        hybridize(m, HeadMask(L, H, KV, (tuple(range(H)),) * L))
+    assert isinstance(ei.value, TypeError) and missing in str(ei.value) and "Qwen2ForCausalLM" in str(ei.value)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt_neox"])
+def test_calibrated_gamma_is_the_teacher_head_rms(name):
+    """γ_h from calibration_ids = RMS of the teacher head's output (the input of its output projection)."""
+    from headscope.arch import attention_out_module
+
+    teacher = _teacher(name)
+    ids = _ids(7)
+    L, H, _ = _geometry(teacher)
+    seen = {}
+    hooks = [attention_out_module(teacher, i).register_forward_pre_hook(
+        lambda mod, args, i=i: seen.__setitem__(i, args[0].detach())) for i in range(L)]
+    with torch.no_grad():
+        teacher(ids)
+    for h in hooks:
+        h.remove()
+    hybrid = hybridize(teacher, _mixed(teacher), calibration_ids=ids)
+    for i in range(L):
+        z = seen[i].view(*seen[i].shape[:-1], H, -1)
+        want = z.pow(2).mean(dim=(0, 1, 3)).sqrt()
+        assert torch.allclose(_attn(hybrid, i).gamma[:, 0], want, rtol=1e-5), i
