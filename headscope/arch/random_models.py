@@ -66,6 +66,23 @@ FAMILIES = _families(*TINY)
 FAMILIES["gemma3"] = _families(3, 64, 4, 2)["gemma3"]
 FAMILIES["smollm3"] = _families(4, 64, 4, 2)["smollm3"]
 
+
+
+def hybrid_families(shape: tuple[int, int, int, int] = TINY) -> dict[str, Callable[[int, int], torch.nn.Module]]:
+    """Builders ``(vocab, seed) -> model`` of the families :func:`headscope.hybridize` converts, tiny by
+    default: Llama, Qwen2 (q/k/v biases), Qwen3 (QK-norm), Mistral (sliding window 24), Gemma 3 (sliding
+    window 8 between full layers, two RoPE bases, Gemma's QK-norm, scaled embedding, sandwich norms;
+    three layers) and GPT-NeoX (fused q/k/v with biases, partial rotary 0.25, parallel residual)."""
+    L, d, H, KV = shape
+    fam = _families(L, d, H, KV)
+    out = {k: fam[k] for k in ("llama", "qwen3", "mistral_sw", "gpt_neox")}
+    out["gemma3"] = _families(max(L, 3), d, H, KV)["gemma3"]
+    out["qwen2"] = lambda V, s: _build("Qwen2Config", "Qwen2ForCausalLM", V, s, hidden_size=d, intermediate_size=2 * d,
+                                       num_attention_heads=H, num_key_value_heads=KV, num_hidden_layers=L,
+                                       max_position_embeddings=1024)
+    return out
+
+
 # seeds whose random weights give the test pair (niah_single, 64 tokens, depth 0.4, seed 3) a clean-corrupted
 # gap of at least 0.05 logits, so that IE is well conditioned
 SEEDS = {"gpt2": 1, "phi3": 2, "gemma2": 1, "gemma3": 2, "granite": 3, "mistral_sw": 1}

@@ -372,21 +372,18 @@ def check_hybridize_args(model: Any, mask: Any, min_per_layer: Optional[int], op
         InputTypeError: ``model`` is not a supported family (or already a hybrid); ``mask`` of an
             unknown type.
         HeadscopeInputError: a mask of another geometry, a layer below ``min_per_layer``, an unknown
-            or invalid hybrid option, a sliding-window model.
+            or invalid hybrid option.
     """
     from ..hybrid.config import HybridOptions
-    from ..hybrid.convert import _FAMILIES, HybridLlamaForCausalLM, HybridQwen3ForCausalLM
+    from ..hybrid.convert import unsupported_reason
 
-    if not any(type(model) is k for k in _FAMILIES):
-        if isinstance(model, (HybridLlamaForCausalLM, HybridQwen3ForCausalLM)):
-            raise InputTypeError("this model is already a head-wise hybrid; hybridize its teacher instead")
-        raise InputTypeError(
-            f"hybridize supports {[c.__name__ for c in _FAMILIES]}, got {type(model).__name__}; "
-            "load the model with AutoModelForCausalLM"
-        )
+    why = unsupported_reason(model)
+    if why is not None:
+        raise InputTypeError(why)
     m = as_mask(mask)
     cfg = model.config
-    m.check_geometry(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
+    H = cfg.num_attention_heads
+    m.check_geometry(cfg.num_hidden_layers, H, getattr(cfg, "num_key_value_heads", None) or H)
     mpl = int(m.meta.get("min_per_layer", 0) or 0) if min_per_layer is None else min_per_layer
     check_int("min_per_layer", mpl, lo=0)
     check_mask_layers(m, mpl)
@@ -394,6 +391,4 @@ def check_hybridize_args(model: Any, mask: Any, min_per_layer: Optional[int], op
         HybridOptions.from_dict(options)
     except (TypeError, ValueError) as e:
         raise HeadscopeInputError(str(e)) from e
-    if getattr(cfg, "use_sliding_window", False):
-        raise HeadscopeInputError("sliding-window attention layers are not supported; load the model without sliding window")
     return m

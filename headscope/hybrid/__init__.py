@@ -1,7 +1,7 @@
 """Head-wise FA/GDN hybrid attention (HydraHead, SPEC.md §8)."""
 
 from .attn import fa_attention, flash_attn_available
-from .config import HybridOptions
+from .config import HybridOptions, LayerSpec
 from .convert import (
     HybridLlamaConfig,
     HybridLlamaForCausalLM,
@@ -24,6 +24,7 @@ __all__ = [
     "HybridOptions",
     "InferenceConfig",
     "StaticDecoder",
+    "LayerSpec",
     "HybridLlamaConfig",
     "HybridLlamaForCausalLM",
     "HybridQwen3Config",

@@ -99,6 +99,8 @@ def fa_attention(
     causal: bool = True,
     mask: Optional[Tensor] = None,
     kernel: FAKernel = "auto",
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> Float[Tensor, "batch time q_head d"]:
     """softmax(scale · q kᵀ + mask) v per query head, GQA-native (query head i ↔ KV head i // r).
 
@@ -110,6 +112,11 @@ def fa_attention(
         mask: explicit bool (True = attend) or additive mask broadcastable to
             [batch, q_head, time, kv_time]; forces SDPA.
         kernel: ``"auto"``, ``"sdpa"`` or ``"flash_attn"`` (see the module docstring).
+        window: sliding window w: query i (at position S − T + i) sees key j iff 0 ≤ pos_i − j < w
+            (Mistral, Gemma 3 sliding layers; keys are the whole sequence from position 0). Applied
+            only when ``mask`` is None (a model's 4-D mask of a sliding layer already holds it); forces SDPA.
+        softcap: logit soft-capping c: s → c·tanh(s/c) before the mask (Gemma 2); computed
+            explicitly in fp32 (no fused kernel takes it).
 
     Returns:
         attention output, [batch, time, q_head, d], in q's dtype.
@@ -125,6 +132,12 @@ def fa_attention(
     Hk, S = k.shape[1], k.shape[2]
     if Hq % Hk:
         raise ValueError(f"{Hq} query heads are not a multiple of {Hk} KV heads (GQA needs q_head = r · kv_head)")
+    if window is not None and mask is None:
+        i = torch.arange(S - T, S, device=q.device)[:, None]
+        j = torch.arange(S, device=q.device)[None]
+        mask = (j <= i) & (i - j < window)
+    if softcap is not None:
+        return _softcapped_attention(q, k, v, scale, mask, softcap, causal)
     use_flash = mask is None and (
         kernel == "flash_attn" or (kernel == "auto" and flash_attn_usable(q) and flash_attn_available())
     )
@@ -147,3 +160,21 @@ def fa_attention(
         sdpa_aligned(q.transpose(1, 2)), sdpa_aligned(k), sdpa_aligned(v), attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=Hq != Hk
     )
     return o.transpose(1, 2)
+
+
+def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Optional[Tensor], cap: float,
+                          causal: bool) -> Tensor:
+    """softmax(c·tanh(scale · q kᵀ / c) + mask) v in fp32 (eager, as transformers' Gemma 2 computes it);
+    layouts as :func:`fa_attention`."""
+    B, T, Hq, d = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    r = Hq // Hk
+    kf, vf = k.float().repeat_interleave(r, 1), v.float().repeat_interleave(r, 1)
+    s = torch.matmul(q.float().transpose(1, 2), kf.transpose(-1, -2)) * scale  # B, Hq, T, S
+    s = torch.tanh(s / cap) * cap
+    if mask is None and causal and T > 1:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    o = torch.matmul(torch.softmax(s, dim=-1), vf)
+    return o.transpose(1, 2).to(q.dtype)

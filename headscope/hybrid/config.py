@@ -85,3 +85,60 @@ class HybridOptions:
         if "gdn_span" in d:
             d["gdn_span"] = tuple(d["gdn_span"])
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one teacher attention layer applies, as the hybrid layer reproduces it (read by the
+    architecture adapter at conversion, stored per layer in ``config.headscope_hybrid["layers"]``).
+
+    Attributes:
+        q_bias, k_bias, v_bias, o_bias: the projection has a bias (Qwen2: q/k/v; GPT-NeoX: all four).
+        qk_norm: the teacher normalizes q and k per head: ``"rms"`` — x / RMS(x) · w computed as
+            Qwen3 does (the hybrid's own module); ``"teacher"`` — another convention (e.g. Gemma's
+            fp32 · (1 + w)): the hybrid holds a copy of the teacher's norm module; None: no QK-norm.
+        rope: the layer rotates q/k with the ``position_embeddings`` its decoder layer passes (partial
+            rotary: the first ``cos.shape[-1]`` features of a head); False: NoPE layer.
+        scaling: attention logit scale of the FA heads (None: 1/√d_head; Gemma: query_pre_attn_scalar^-½).
+        window: sliding window w of the layer (key j visible to query i iff 0 ≤ i − j < w), None: full.
+            An FA head of a sliding layer keeps the window; GDN heads have no window.
+        softcap: attention logit soft-capping c of the FA heads (c·tanh(s/c)), None: off.
+    """
+
+    q_bias: bool = False
+    k_bias: bool = False
+    v_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None
+    rope: bool = True
+    scaling: float | None = None
+    window: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and int(self.window) < 1:
+            raise ValueError(f"window must be >= 1 token or None, got {self.window}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"softcap must be > 0 or None, got {self.softcap}")
+        if self.qk_norm not in (None, "rms", "teacher"):
+            raise ValueError(f"qk_norm must be None, 'rms' or 'teacher', got {self.qk_norm!r}")
+        if self.scaling is not None and not self.scaling > 0:
+            raise ValueError(f"scaling must be > 0 or None, got {self.scaling}")
+
+    def plain(self, head_dim: int) -> bool:
+        """A Llama/Qwen3 layer (no bias but uniform q/k/v/o bias, RoPE, 1/√d scale, no window, no
+        soft-cap): what the fast inference and training paths compute."""
+        uniform = self.q_bias == self.k_bias == self.v_bias == self.o_bias
+        return (uniform and self.rope and self.qk_norm != "teacher" and self.window is None and self.softcap is None
+                and (self.scaling is None or abs(self.scaling - head_dim ** -0.5) < 1e-12))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LayerSpec":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown layer spec field(s) {sorted(unknown)}; known: {sorted(names)}")
+        return cls(**d)

@@ -1,10 +1,19 @@
-"""Convert a pretrained Llama-family model into a head-wise FA/GDN hybrid (SPEC.md §8).
+"""Convert a pretrained decoder-only model into a head-wise FA/GDN hybrid (SPEC.md §8).
 
-:func:`hybridize` builds a new model of a registered hybrid class (``HybridLlamaForCausalLM`` or
-``HybridQwen3ForCausalLM`` from :mod:`.modeling_hybrid`, subclasses of the transformers classes) whose
-config stores the HeadMask and the :class:`HybridOptions` under ``config.headscope_hybrid``; every
-layer's ``self_attn`` is a :class:`HeadwiseHybridAttention` with Q/K/V/O migrated from the teacher. The
-teacher is not changed.
+:func:`hybridize` reads the teacher through its architecture adapter (:func:`headscope.arch.adapt`:
+per layer the projections with their biases, QK-norm, RoPE or NoPE, the logit scale, the sliding
+window, soft-capping) and records what each layer applies as a
+:class:`~headscope.hybrid.config.LayerSpec`. It then builds the hybrid class of the teacher's family
+(:data:`~headscope.hybrid.modeling_hybrid.FAMILIES`: a subclass of the teacher's transformers class whose
+attention modules are :class:`HeadwiseHybridAttention`), copies every weight outside attention and
+migrates Q/K/V/O from the adapter's parts. The config stores the HeadMask, the
+:class:`HybridOptions` and the layer specs under ``config.headscope_hybrid``. The teacher is not changed.
+
+Families: Llama (SmolLM2), Qwen2 (q/k/v biases), Qwen3 (QK-norm), Mistral (sliding window), Gemma 3
+text (sliding and full layers with their own RoPE bases, Gemma's QK-norm and logit scale; embedding
+scale, sandwich norms and final soft-cap stay the teacher's code) and GPT-NeoX (fused interleaved
+q/k/v, partial rotary, parallel residual). Other families are refused with what is missing
+(:func:`unsupported_reason`).
 
 ``save_pretrained`` writes the modeling code beside the weights (``auto_map`` in config.json), so the
 result loads with ``AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)`` in any process
@@ -19,33 +28,93 @@ from typing import Any, Optional, Union
 
 import torch
 from jaxtyping import Int
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
-from transformers.models.llama import LlamaForCausalLM
-from transformers.models.qwen3 import Qwen3ForCausalLM
 
 from ..masks import HeadMask
-from .config import HybridOptions
+from .config import HybridOptions, LayerSpec
 from .modeling_hybrid import (
     CONFIG_KEY,
+    FAMILIES,
     HybridLlamaConfig,
     HybridLlamaForCausalLM,
     HybridQwen3Config,
     HybridQwen3ForCausalLM,
+    attention_name,
+    decoder_layers,
 )
+from .layer import _HeadRMSNorm
 
-# teacher class -> (hybrid config class, hybrid model class, teacher has q_norm/k_norm)
-_FAMILIES: dict[type, tuple[type, type, bool]] = {
-    LlamaForCausalLM: (HybridLlamaConfig, HybridLlamaForCausalLM, False),
-    Qwen3ForCausalLM: (HybridQwen3Config, HybridQwen3ForCausalLM, True),
-}
+_FAMILIES = FAMILIES  # teacher class -> (hybrid config class, hybrid model class)
+HYBRID_CLASSES = tuple(m for _, m in FAMILIES.values())
 
-for _cfg_cls, _model_cls, _ in _FAMILIES.values():
+for _cfg_cls, _model_cls in FAMILIES.values():
     try:
         AutoConfig.register(_cfg_cls.model_type, _cfg_cls)
         AutoModelForCausalLM.register(_cfg_cls, _model_cls)
     except ValueError:  # already registered (module reloaded)
         pass
+
+# what the hybrid layer lacks for the other families the ranking engine adapts
+_MISSING = {
+    "gpt2": "learned absolute positions and GPT-2's Conv1D c_attn/c_proj attention call (no rotary embedding to give GDN heads)",
+    "olmo2": "QK-norm over the whole projection (before the head split): a GDN head cannot keep its share of it",
+    "smollm3": "an acceptance test for its NoPE layers and sliding layers (the layer spec expresses both; not verified)",
+    "phi3": "an acceptance test for its fused qkv_proj and partial rotary (not verified)",
+    "granite": "an acceptance test for its attention/residual/embedding multipliers (not verified)",
+    "gemma": "an acceptance test (Gemma 1: not verified)",
+    "gemma2": "an acceptance test for its attention soft-capping (the FA path applies it; not verified against the teacher)",
+}
+
+
+def unsupported_reason(model: nn.Module) -> Optional[str]:
+    """None when :func:`hybridize` converts ``model``; else what is missing, naming the family."""
+    if isinstance(model, HYBRID_CLASSES):
+        return "this model is already a head-wise hybrid; hybridize its teacher instead"
+    if type(model) in FAMILIES:
+        return None
+    mtype = str(getattr(getattr(model, "config", None), "model_type", ""))
+    why = _MISSING.get(mtype, "no architecture adapter and hybrid class for this family")
+    return (f"hybridize supports {sorted(c.__name__ for c in FAMILIES)}; {type(model).__name__} "
+            f"(model type {mtype!r}) lacks {why}; load a supported model with AutoModelForCausalLM")
+
+
+def _same_norm(norm: nn.Module, d: int) -> bool:
+    """Whether ``norm`` computes x / RMS(x) · w as :class:`_HeadRMSNorm` does (Qwen3), checked on a
+    random input with the module's own weight (Gemma's fp32 · (1 + w) is not)."""
+    w = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if w is None or eps is None or tuple(w.shape) != (d,):
+        return False
+    ref = _HeadRMSNorm(d, float(eps)).to(device=w.device, dtype=w.dtype)
+    ref.weight.data.copy_(w.detach())
+    x = torch.randn(3, d, generator=torch.Generator().manual_seed(0)).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        return bool(torch.equal(norm(x), ref(x)))
+
+
+def layer_spec(parts: Any, teacher_attn: nn.Module, head_dim: int) -> LayerSpec:
+    """The :class:`LayerSpec` of one teacher layer from its adapter parts (:class:`headscope.arch.LayerParts`).
+
+    Raises:
+        NotImplementedError: something the hybrid layer cannot reproduce (QK-norm over the whole
+            projection, bidirectional attention, one of q_norm/k_norm only).
+    """
+    if (parts.q_norm is None) != (parts.k_norm is None):
+        raise NotImplementedError("QK-norm on q or k only")
+    if parts.q_norm is not None and not parts.qk_norm_per_head:
+        raise NotImplementedError("QK-norm over the whole projection (OLMo 2)")
+    if getattr(teacher_attn, "is_causal", True) is False:
+        raise NotImplementedError("bidirectional attention (use_bidirectional_attention)")
+    qk = None
+    if parts.q_norm is not None:
+        qk = "rms" if _same_norm(parts.q_norm, head_dim) and _same_norm(parts.k_norm, head_dim) else "teacher"
+    return LayerSpec(
+        q_bias=parts.q.bias is not None, k_bias=parts.k.bias is not None, v_bias=parts.v.bias is not None,
+        o_bias=parts.o.bias is not None, qk_norm=qk, rope=parts.rope is not None, scaling=float(parts.scaling),
+        window=int(parts.window) if parts.window else None,
+        softcap=float(parts.softcap) if parts.softcap else None,
+    )
 
 
 def _as_mask(mask: Union[HeadMask, dict, str, Path]) -> HeadMask:
@@ -62,19 +131,23 @@ def _as_mask(mask: Union[HeadMask, dict, str, Path]) -> HeadMask:
 def head_output_rms(
     model: PreTrainedModel, input_ids: Int[Tensor, "batch time"], attention_mask: Optional[Tensor] = None
 ) -> Tensor:
-    """Float[Tensor, "layer head"] — RMS of each teacher head's output O_{l,h} (the input of o_proj)
-    over real tokens and channels of a calibration batch. Used to initialize γ_h (fusion, eq. 13–14)."""
+    """Float[Tensor, "layer head"] — RMS of each teacher head's output O_{l,h} (the input of the
+    attention output projection, hook_z) over real tokens and channels of a calibration batch. Used to
+    initialize γ_h (fusion, eq. 13–14)."""
+    from ..arch import attention_out_module
+
     cfg = model.config
     H = cfg.num_attention_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    rms = torch.zeros(cfg.num_hidden_layers, H)
+    L = cfg.num_hidden_layers
+    rms = torch.zeros(L, H)
     keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     hooks = []
-    for i, layer in enumerate(model.model.layers):
+    for i in range(L):
         def hook(mod, args, i=i):
-            z = args[0].float().view(*args[0].shape[:-1], H, d)[keep.to(args[0].device)]  # n, H, d
+            z = args[0].float()
+            z = z.view(*z.shape[:-1], H, z.shape[-1] // H)[keep.to(z.device)]  # n, H, d
             rms[i] = z.pow(2).mean(dim=(0, 2)).sqrt().cpu()
-        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(hook))
+        hooks.append(attention_out_module(model, i).register_forward_pre_hook(hook))
     try:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     finally:
@@ -92,10 +165,12 @@ def hybridize(
     calibration_mask: Optional[Tensor] = None,
     **options: Any,
 ) -> PreTrainedModel:
-    """Convert a Llama-family causal LM into a head-wise FA/GDN hybrid (SPEC.md §8, section 4.2).
+    """Convert a causal LM into a head-wise FA/GDN hybrid (SPEC.md §8, section 4.2).
 
     Args:
-        model: a transformers ``LlamaForCausalLM`` (incl. SmolLM2) or ``Qwen3ForCausalLM``; not modified.
+        model: a transformers ``LlamaForCausalLM`` (incl. SmolLM2), ``Qwen2ForCausalLM``,
+            ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM`` or
+            ``GPTNeoXForCausalLM``; not modified.
         mask: a :class:`~headscope.masks.HeadMask` (or its dict / JSON path): per layer the FA heads.
         min_per_layer: every layer must keep at least this many FA heads; default: the mask's
             ``meta["min_per_layer"]`` if present, else 0 (an all-GDN layer is allowed).
@@ -108,30 +183,29 @@ def hybridize(
 
     Returns:
         A new hybrid model (same device and dtype as ``model``, eval/train mode copied) whose
-        ``config.headscope_hybrid`` holds the mask and options.
+        ``config.headscope_hybrid`` holds the mask, options and per-layer specs. An FA head keeps its
+        layer's sliding window, logit scale and soft-cap; GDN heads have none of them.
 
     Raises (checked first, :func:`headscope.checks.check_hybridize_args`):
-        InputTypeError (a TypeError and HeadscopeInputError): ``model`` is not a supported family,
-            or ``mask`` is of an unknown type.
+        InputTypeError (a TypeError and HeadscopeInputError): ``model`` is not a supported family
+            (the message names what is missing), or ``mask`` is of an unknown type.
         HeadscopeInputError (a ValueError): the mask is for another geometry, lists a head twice, or
             leaves a layer with fewer than ``min_per_layer`` FA heads; an unknown or invalid option.
         ImportError: ``gdn_kernel="fla"`` without flash-linear-attention installed.
+        NotImplementedError: a layer applies something the hybrid layer cannot reproduce (named).
     """
+    from ..arch import adapt
     from ..checks import check_hybridize_args
 
     mask = check_hybridize_args(model, mask, min_per_layer, options)  # before any weight is copied
-    fam = next((v for k, v in _FAMILIES.items() if type(model) is k), None)
-    if fam is None:
-        if isinstance(model, (HybridLlamaForCausalLM, HybridQwen3ForCausalLM)):
-            raise TypeError("this model is already a head-wise hybrid; hybridize its teacher instead")
-        raise TypeError(
-            f"hybridize supports {[c.__name__ for c in _FAMILIES]}, got {type(model).__name__}; "
-            "load the model with AutoModelForCausalLM"
-        )
-    cfg_cls, model_cls, qk_norm = fam
+    why = unsupported_reason(model)
+    if why is not None:
+        raise TypeError(why)
+    cfg_cls, model_cls = FAMILIES[type(model)]
     mask = _as_mask(mask)
     cfg = model.config
-    H, KV, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
+    H, L = cfg.num_attention_heads, cfg.num_hidden_layers
+    KV = getattr(cfg, "num_key_value_heads", None) or H
     mask.check_geometry(L, H, KV)
     if min_per_layer is None:
         min_per_layer = int(mask.meta.get("min_per_layer", 0) or 0)
@@ -147,30 +221,42 @@ def hybridize(
         from .gdn import _import_fla
 
         _import_fla()
-    if getattr(cfg, "use_sliding_window", False):
-        raise ValueError("sliding-window attention layers are not supported; load the model without sliding window")
+    arch = adapt(model)
+    teacher_layers = list(decoder_layers(model))
+    names = [attention_name(t) for t in teacher_layers]
+    d_head = arch.layers[0].o.weight.shape[1] // H
+    specs = []
+    for i, (parts, t_layer, name) in enumerate(zip(arch.layers, teacher_layers, names)):
+        try:
+            specs.append(layer_spec(parts, getattr(t_layer, name), d_head))
+        except NotImplementedError as e:
+            raise NotImplementedError(f"{type(model).__name__} layer {i}: the hybrid layer cannot reproduce {e}") from e
 
     d = cfg.to_dict()
     for k in ("model_type", "architectures", "transformers_version", "auto_map"):
         d.pop(k, None)
-    d[CONFIG_KEY] = {"mask": mask.to_dict(), "options": opts.to_dict(), "qk_norm": qk_norm}
+    d[CONFIG_KEY] = {"mask": mask.to_dict(), "options": opts.to_dict(),
+                     "qk_norm": any(s.qk_norm is not None for s in specs),
+                     "layers": [s.to_dict() for s in specs], "family": str(cfg.model_type)}
     new_cfg = cfg_cls(**d)
     new_cfg._attn_implementation = "sdpa"
-    ref = model.model.layers[0].self_attn.q_proj.weight
+    ref = next(model.parameters())
     hybrid = model_cls(new_cfg)
     # everything but attention is the teacher's
-    sd = {k: v for k, v in model.state_dict().items() if ".self_attn." not in k}
+    att = tuple(f".{n}." for n in set(names))
+    sd = {k: v for k, v in model.state_dict().items() if not any(a in k for a in att)}
     missing, unexpected = hybrid.load_state_dict(sd, strict=False)
-    bad = [k for k in missing if ".self_attn." not in k]
+    bad = [k for k in missing if not any(a in k for a in att)]
     if bad or unexpected:
         raise RuntimeError(f"weight migration failed: missing {bad[:5]}, unexpected {list(unexpected)[:5]}")
     hybrid.to(device=ref.device, dtype=ref.dtype)
-    for t_layer, h_layer in zip(model.model.layers, hybrid.model.layers):
-        h_layer.self_attn.migrate_from(t_layer.self_attn)
+    for parts, h_layer, name in zip(arch.layers, decoder_layers(hybrid), names):
+        getattr(h_layer, name).migrate(parts.q, parts.k, parts.v, parts.o, parts.q_norm, parts.k_norm)
     if calibration_ids is not None and opts.fusion == "rmsnorm":
         rms = head_output_rms(model, calibration_ids, calibration_mask)
-        for i, layer in enumerate(hybrid.model.layers):
-            layer.self_attn.gamma.data.copy_(rms[i][:, None].expand_as(layer.self_attn.gamma))
+        for i, (layer, name) in enumerate(zip(decoder_layers(hybrid), names)):
+            g = getattr(layer, name).gamma
+            g.data.copy_(rms[i][:, None].expand_as(g))
     if getattr(model, "generation_config", None) is not None:
         hybrid.generation_config = model.generation_config
     hybrid.train(model.training)

@@ -15,6 +15,11 @@ layout (fla's, ``[batch, time, head, dim]``):
   ``fused_recurrent_gated_delta_rule`` (decoding); CUDA only, needs the optional extra ``gdn``.
 
 :func:`gated_delta_rule` dispatches between them.
+
+:func:`gdn_naive` is the one reference of the recurrence (as fla keeps ``naive.py`` beside its
+kernels): every other form — the chunked and recurrent PyTorch paths here, fla's kernels and the
+decode-step kernels of the fast paths with their PyTorch twins — is tested against it, and no other
+module writes the recurrence out as a reference of its own.
 """
 
 from __future__ import annotations

@@ -24,9 +24,15 @@ the L2 normalization of GDN q/k, the fusion RMSNorm — run in place in blocks o
 the head outputs are written straight into one output buffer, so no full-length fp32 temporaries are
 kept; the numbers are the same as the plain path (set ``LOW_MEMORY = False`` to get that path).
 
-Inference on CUDA (no gradient, no mask, no cache or a HybridDecodeCache) takes the fast path of
-``inference/`` instead (``inference/dispatch.py``): one fused projection, compiled glue, one SDPA and one GDN
-kernel call per block.
+This module is the reference forward (what a saved checkpoint ships) and imports no fast path.
+Inside headscope, a layer whose :class:`LayerSpec` is plain (Llama/Qwen3: RoPE, 1/√d scale, no window, no
+soft-cap) hands the calls the fast paths compute (CUDA inference with no mask, the prepared training
+step) to ``inference/dispatch.py``; every other layer and call, and every call in a process without
+headscope (remote code), runs here.
+
+Per-layer variation (biases, QK-norm convention, NoPE layers, partial rotary, the teacher's logit
+scale, sliding windows, soft-capping) comes from the layer's :class:`LayerSpec`, read by the
+architecture adapter at conversion (:func:`headscope.hybrid.hybridize`).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attn import fa_attention
-from .config import HybridOptions
+from .config import HybridOptions, LayerSpec
 from .rope import apply_rope, nope_log_scale  # noqa: F401  (public here since the start)
 from .cache import HybridDecodeCache, valid_tokens as _valid_tokens
 from .gdn import gated_delta_rule
@@ -118,7 +124,11 @@ class HeadwiseHybridAttention(nn.Module):
         layer_idx: index of the layer (for the cache).
         fa_heads: query heads that keep softmax attention; the others are GDN.
         options: :class:`HybridOptions`.
-        qk_norm: the teacher normalizes q and k per head (Qwen3); creates ``q_norm``/``k_norm``.
+        qk_norm: the teacher normalizes q and k per head (Qwen3); creates ``q_norm``/``k_norm``
+            (ignored when ``spec`` is given).
+        spec: what the teacher layer applies (:class:`LayerSpec`); default: the Llama/Qwen3 layer
+            of ``config`` (``attention_bias`` on all four projections, ``qk_norm``).
+        norms: (q_norm, k_norm) modules of the teacher's class, for ``spec.qk_norm == "teacher"``.
 
     Parameters (shapes; ``n_keep`` = KV groups with ≥ 1 FA head, ``n_gdn`` = GDN heads, d = head_dim):
         q_proj [hidden → n_heads·d] (all heads, teacher order), k_proj / v_proj [hidden → n_keep·d]
@@ -129,7 +139,8 @@ class HeadwiseHybridAttention(nn.Module):
         unless calibrated by :func:`headscope.hybrid.hybridize`).
 
     Raises:
-        ValueError: head indices outside the geometry or listed twice.
+        ValueError: head indices outside the geometry or listed twice; ``spec.qk_norm == "teacher"``
+            without ``norms``.
     """
 
     def __init__(
@@ -139,15 +150,21 @@ class HeadwiseHybridAttention(nn.Module):
         fa_heads: Sequence[int],
         options: HybridOptions | None = None,
         qk_norm: bool = False,
+        spec: Optional[LayerSpec] = None,
+        norms: Optional[tuple[nn.Module, nn.Module]] = None,
     ):
         super().__init__()
         self.options = options = options or HybridOptions()
         self.layer_idx = layer_idx
         H = self.n_heads = int(config.num_attention_heads)
-        self.n_kv_heads = int(config.num_key_value_heads)
+        self.n_kv_heads = int(getattr(config, "num_key_value_heads", None) or H)
         d = self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // H)
         hidden = int(config.hidden_size)
-        bias = bool(getattr(config, "attention_bias", False))
+        if spec is None:
+            bias = bool(getattr(config, "attention_bias", False))
+            spec = LayerSpec(q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, qk_norm="rms" if qk_norm else None)
+        self.spec = spec
+        self.plain = spec.plain(d)
         if H % self.n_kv_heads:
             raise ValueError(f"num_attention_heads={H} is not a multiple of num_key_value_heads={self.n_kv_heads}")
         rep = H // self.n_kv_heads
@@ -160,7 +177,8 @@ class HeadwiseHybridAttention(nn.Module):
         self.gdn_heads = tuple(h for h in range(H) if h not in self.fa_heads)
         self.kv_keep = tuple(sorted({h // rep for h in self.fa_heads}))
         n_fa, n_gdn, n_keep = len(self.fa_heads), len(self.gdn_heads), len(self.kv_keep)
-        self.scaling = d**-0.5
+        self.scaling = float(spec.scaling) if spec.scaling is not None else d**-0.5  # FA heads
+        self.gdn_scale = d**-0.5  # GDN read-out scale (q is L2-normalized)
         # head index maps (plain tensors built per device on use: not parameters, not saved)
         order = list(self.fa_heads) + list(self.gdn_heads)
         self._index_lists = {
@@ -174,18 +192,25 @@ class HeadwiseHybridAttention(nn.Module):
         per_group = [sum(1 for h in self.fa_heads if h // rep == g) for g in self.kv_keep]
         self._fa_gqa = bool(per_group) and len(set(per_group)) == 1
 
-        self.q_proj = nn.Linear(hidden, H * d, bias=bias)
-        self.o_proj = nn.Linear(H * d, hidden, bias=bias)
-        self.q_norm = _HeadRMSNorm(d, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = _HeadRMSNorm(d, config.rms_norm_eps) if qk_norm else None
+        self.q_proj = nn.Linear(hidden, H * d, bias=spec.q_bias)
+        self.o_proj = nn.Linear(H * d, hidden, bias=spec.o_bias)
+        if spec.qk_norm == "teacher":
+            if norms is None:
+                raise ValueError(f"layer {layer_idx}: qk_norm='teacher' needs the teacher's (q_norm, k_norm) modules")
+            self.q_norm, self.k_norm = norms
+        elif spec.qk_norm == "rms":
+            eps = float(getattr(config, "rms_norm_eps", 1e-6))
+            self.q_norm, self.k_norm = _HeadRMSNorm(d, eps), _HeadRMSNorm(d, eps)
+        else:
+            self.q_norm = self.k_norm = None
         # FA branch
-        self.k_proj = nn.Linear(hidden, n_keep * d, bias=bias) if n_keep else None
-        self.v_proj = nn.Linear(hidden, n_keep * d, bias=bias) if n_keep else None
+        self.k_proj = nn.Linear(hidden, n_keep * d, bias=spec.k_bias) if n_keep else None
+        self.v_proj = nn.Linear(hidden, n_keep * d, bias=spec.v_bias) if n_keep else None
         self.g_proj = nn.Linear(hidden, n_fa * d, bias=True) if (options.fa_gate and n_fa) else None
         # GDN branch
         if n_gdn:
-            self.gdn_k_proj = nn.Linear(hidden, n_gdn * d, bias=bias)
-            self.gdn_v_proj = nn.Linear(hidden, n_gdn * d, bias=bias)
+            self.gdn_k_proj = nn.Linear(hidden, n_gdn * d, bias=spec.k_bias)
+            self.gdn_v_proj = nn.Linear(hidden, n_gdn * d, bias=spec.v_bias)
             self.a_proj = nn.Linear(hidden, n_gdn, bias=False)
             self.b_proj = nn.Linear(hidden, n_gdn, bias=True)
             self.A_log = nn.Parameter(torch.zeros(n_gdn))
@@ -263,47 +288,65 @@ class HeadwiseHybridAttention(nn.Module):
 
     @torch.no_grad()
     def migrate_from(self, teacher: nn.Module) -> None:
-        """Copy Q/K/V/O (and q_norm/k_norm) from a transformers attention module of the same geometry.
+        """Copy Q/K/V/O (and q_norm/k_norm) from a Llama-style transformers attention module
+        (``q_proj``/``k_proj``/``v_proj``/``o_proj``) of the same geometry; see :meth:`migrate`.
+
+        Raises:
+            ValueError: the teacher has no such projections, or not this layer's shapes.
+        """
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if not hasattr(teacher, name):
+                raise ValueError(f"teacher attention has no {name}; pass its projections to migrate()")
+        self.migrate(teacher.q_proj, teacher.k_proj, teacher.v_proj, teacher.o_proj,
+                     getattr(teacher, "q_norm", None), getattr(teacher, "k_norm", None))
+
+    @torch.no_grad()
+    def migrate(self, q: Any, k: Any, v: Any, o: Any, q_norm: Optional[nn.Module] = None,
+                k_norm: Optional[nn.Module] = None) -> None:
+        """Copy the teacher's projections: each of q, k, v, o has ``weight`` [out, in] and ``bias``
+        [out] or None (an ``nn.Linear`` or an adapter's ``Proj``); q_norm/k_norm: its QK-norm modules.
 
         K/V of kept KV groups go to ``k_proj``/``v_proj``; each GDN head gets a copy of its KV group's
         K/V rows (MHA expansion, h → group h // (n_heads / n_kv_heads)).
 
         Raises:
-            ValueError: the teacher's projections do not have this layer's shapes.
+            ValueError: shapes that are not this layer's, a bias the layer has and the teacher lacks
+                (or the reverse), QK-norm on one side only.
         """
         d, rep = self.head_dim, self.n_heads // self.n_kv_heads
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if not hasattr(teacher, name):
-                raise ValueError(f"teacher attention has no {name}; only Llama-style attention can be migrated")
-        if tuple(teacher.q_proj.weight.shape) != tuple(self.q_proj.weight.shape) or teacher.k_proj.weight.shape[0] != self.n_kv_heads * d:
+        if tuple(q.weight.shape) != tuple(self.q_proj.weight.shape) or k.weight.shape[0] != self.n_kv_heads * d:
             raise ValueError(
-                f"teacher attention shapes q {tuple(teacher.q_proj.weight.shape)}, k {tuple(teacher.k_proj.weight.shape)} "
+                f"teacher attention shapes q {tuple(q.weight.shape)}, k {tuple(k.weight.shape)} "
                 f"do not match the hybrid layer ({self.n_heads} heads, {self.n_kv_heads} KV heads, head_dim {d})"
             )
 
-        def rows(lin: nn.Linear, groups: Sequence[int]) -> tuple[Tensor, Optional[Tensor]]:
-            idx = torch.cat([torch.arange(g * d, (g + 1) * d) for g in groups]).to(lin.weight.device)
-            return lin.weight[idx], (lin.bias[idx] if lin.bias is not None else None)
+        def rows(p: Any, groups: Sequence[int]) -> tuple[Tensor, Optional[Tensor]]:
+            idx = torch.cat([torch.arange(g * d, (g + 1) * d) for g in groups]).to(p.weight.device)
+            return p.weight[idx], (p.bias[idx] if p.bias is not None else None)
 
-        def put(dst: nn.Linear, w: Tensor, b: Optional[Tensor]) -> None:
+        def put(dst: nn.Linear, w: Tensor, b: Optional[Tensor], name: str) -> None:
+            if (dst.bias is None) != (b is None):
+                raise ValueError(f"layer {self.layer_idx}: {name} bias is {'missing' if b is None else 'unexpected'} "
+                                 f"in the teacher (spec {self.spec})")
             dst.weight.copy_(w)
-            if dst.bias is not None and b is not None:
+            if b is not None:
                 dst.bias.copy_(b)
 
-        put(self.q_proj, teacher.q_proj.weight, teacher.q_proj.bias)
-        put(self.o_proj, teacher.o_proj.weight, teacher.o_proj.bias)
+        put(self.q_proj, q.weight, q.bias, "q")
+        put(self.o_proj, o.weight, o.bias, "o")
         if self.kv_keep:
-            put(self.k_proj, *rows(teacher.k_proj, self.kv_keep))
-            put(self.v_proj, *rows(teacher.v_proj, self.kv_keep))
+            put(self.k_proj, *rows(k, self.kv_keep), "k")
+            put(self.v_proj, *rows(v, self.kv_keep), "v")
         if self.gdn_heads:
             groups = [h // rep for h in self.gdn_heads]
-            put(self.gdn_k_proj, *rows(teacher.k_proj, groups))
-            put(self.gdn_v_proj, *rows(teacher.v_proj, groups))
+            put(self.gdn_k_proj, *rows(k, groups), "k")
+            put(self.gdn_v_proj, *rows(v, groups), "v")
+        if (self.q_norm is None) != (q_norm is None):
+            raise ValueError(f"layer {self.layer_idx}: QK-norm in {'the teacher' if q_norm is not None else 'the hybrid'} "
+                             "only; build the layer from the teacher's LayerSpec")
         if self.q_norm is not None:
-            if getattr(teacher, "q_norm", None) is None:
-                raise ValueError("the hybrid layer expects q_norm/k_norm (Qwen3) but the teacher has none")
-            self.q_norm.weight.copy_(teacher.q_norm.weight)
-            self.k_norm.weight.copy_(teacher.k_norm.weight)
+            self.q_norm.load_state_dict(q_norm.state_dict())
+            self.k_norm.load_state_dict(k_norm.state_dict())
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -314,6 +357,7 @@ class HeadwiseHybridAttention(nn.Module):
         cache: Any = None,
         past_key_values: Any = None,
         position_ids: Optional[Tensor] = None,
+        layer_past: Any = None,
         defer_out: bool = False,
         projected: Optional[Tensor] = None,
         **kwargs: Any,
@@ -326,7 +370,8 @@ class HeadwiseHybridAttention(nn.Module):
                 embedding; required when any branch uses RoPE.
             attention_mask: None (causal, no padding), a 4-D mask from transformers (bool or additive)
                 or a 2-D padding mask; padded tokens do not change real tokens' outputs.
-            cache / past_key_values: a transformers ``Cache`` (FA KV of kept groups + GDN state) or None.
+            cache / past_key_values / layer_past (GPT-NeoX's name): a transformers ``Cache`` (FA KV of
+                kept groups + GDN state), a :class:`HybridDecodeCache`, or None.
             position_ids: [batch, time] absolute positions (for the NoPE coefficient); default counts
                 from the cache length.
             defer_out: a decode step on the lean path's one-launch step returns a
@@ -345,8 +390,9 @@ class HeadwiseHybridAttention(nn.Module):
             ValueError: missing position embeddings, ``gdn_kernel='fla'`` on a non-CUDA device, ``projected``
                 where the lean path does not run or of the wrong shape.
         """
-        cache = cache if cache is not None else past_key_values
-        fast = sys.modules.get("headscope.hybrid.inference.dispatch")  # the fast paths, once headscope is imported
+        cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
+        # the fast paths, once headscope is imported; only for the Llama/Qwen3 layer they were written for
+        fast = sys.modules.get("headscope.hybrid.inference.dispatch") if self.plain else None
         out = None if fast is None else fast.fast_forward(self, hidden_states, position_embeddings, attention_mask,
                                                            cache, position_ids, defer_out, projected)
         if out is not None:
@@ -362,7 +408,7 @@ class HeadwiseHybridAttention(nn.Module):
         opts = self.options
         past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
         valid = _valid_tokens(attention_mask, T)
-        need_rope = (opts.fa_pos == "rope" and self.fa_heads) or (opts.gdn_rope and self.gdn_heads)
+        need_rope = self.spec.rope and ((opts.fa_pos == "rope" and self.fa_heads) or (opts.gdn_rope and self.gdn_heads))
         if need_rope and position_embeddings is None:
             raise ValueError(
                 "position_embeddings=(cos, sin) is required (RoPE is on); compute it with "
@@ -416,7 +462,8 @@ class HeadwiseHybridAttention(nn.Module):
         if self.k_norm is not None:
             k = self.k_norm(k)
         if opts.fa_pos == "rope":
-            q, k = _rope_(q, cos, sin), _rope_(k, cos, sin)
+            if self.spec.rope:  # a NoPE layer of the teacher stays without positions
+                q, k = _rope_(q, cos, sin), _rope_(k, cos, sin)
         else:
             pos = position_ids if position_ids is not None else torch.arange(past, past + T, device=x.device)[None]
             q = q * nope_log_scale(pos.expand(B, T), opts.nope_a)[..., None, None].to(q.dtype)
@@ -439,9 +486,12 @@ class HeadwiseHybridAttention(nn.Module):
         elif attention_mask is not None and attention_mask.dim() == 2:
             keep = attention_mask[:, -S:].bool()[:, None, None, :]
             tri = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+            if self.spec.window is not None:
+                tri = tri & ~torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T - self.spec.window)
             mask = keep & tri
             mask = mask | ~mask.any(-1, keepdim=True)
-        o = fa_attention(q, k, v, self.scaling, causal=True, mask=mask, kernel=opts.fa_kernel)  # B, T, n_fa, d
+        o = fa_attention(q, k, v, self.scaling, causal=True, mask=mask, kernel=opts.fa_kernel,
+                         window=self.spec.window, softcap=self.spec.softcap)  # B, T, n_fa, d
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x)).view(B, T, len(self.fa_heads), d)
         return o
@@ -468,7 +518,7 @@ class HeadwiseHybridAttention(nn.Module):
                 self._put_state(cache, conv=full[:, full.shape[1] - (K - 1):].detach())
             qkv = self.gdn_conv(full.transpose(1, 2)).transpose(1, 2)  # B, T, C
             q, k, v = qkv.view(B, T, 3, n, d).unbind(2)
-        if opts.gdn_rope:
+        if opts.gdn_rope and self.spec.rope:
             q, k = _rope_(q, cos, sin), _rope_(k, cos, sin)
         q, k = _l2norm_(q).to(x.dtype), _l2norm_(k).to(x.dtype)
         beta = torch.sigmoid(self.b_proj(x).float())
@@ -478,7 +528,7 @@ class HeadwiseHybridAttention(nn.Module):
             beta, g = beta * vf, g * vf
         h0 = state.get("S") if state is not None else None
         y, S = gated_delta_rule(
-            q, k, v, g, beta.to(x.dtype) if x.dtype != torch.float32 else beta, scale=self.scaling,
+            q, k, v, g, beta.to(x.dtype) if x.dtype != torch.float32 else beta, scale=self.gdn_scale,
             initial_state=h0, kernel=opts.gdn_kernel, chunk_size=opts.chunk_size,
         )
         if cache is not None:

@@ -1,19 +1,29 @@
-"""transformers classes of the head-wise hybrid: config and causal-LM classes for the Llama and Qwen3 families.
+"""transformers classes of the head-wise hybrid: one config and causal-LM class per teacher family.
 
-This module and the modules it imports relatively (``layer``, ``fast``, ``rope``, ``attn``, ``gdn``, ``config``, ``shapes``)
-are the hybrid's *remote code*: ``save_pretrained`` copies them beside the weights and writes
-``auto_map`` into ``config.json`` (the classes are registered for ``AutoConfig`` and
+Each hybrid class subclasses the teacher's own transformers class (``HybridQwen2ForCausalLM`` is a
+``Qwen2ForCausalLM``), so everything outside attention — embedding scale, norms (Gemma's sandwich),
+parallel residual (GPT-NeoX), MLP, final soft-cap, masks, rotary tables per layer type — is the
+teacher's code; only each decoder layer's attention module is replaced by a
+:class:`HeadwiseHybridAttention` built from data in the config. The classes differ only in their
+base classes (:data:`FAMILIES`); none holds per-family logic.
+
+This module and the modules it imports relatively (``layer``, ``rope``, ``attn``, ``gdn``, ``cache``,
+``config``, ``shapes``) are the hybrid's *remote code*: ``save_pretrained`` copies them beside the weights and
+writes ``auto_map`` into ``config.json`` (the classes are registered for ``AutoConfig`` and
 ``AutoModelForCausalLM`` below), so a saved hybrid loads in any process that has torch and
 transformers::
 
     AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)   # headscope not needed
 
 and, after ``import headscope`` (which registers the model types), without ``trust_remote_code``.
-The modules therefore import nothing from headscope outside this folder and nothing beyond torch and
-transformers at top level (jaxtyping, fla and flash-attn are optional).
+The modules therefore import nothing from headscope outside this folder, no fast path and no Triton,
+and nothing beyond torch and transformers at top level (jaxtyping, fla and flash-attn are optional).
 
-The config stores the mask and the :class:`~headscope.hybrid.config.HybridOptions` under
-``config.headscope_hybrid`` = {"mask": HeadMask dict, "options": options dict, "qk_norm": bool}.
+The config stores under ``config.headscope_hybrid``: ``mask`` (HeadMask dict), ``options``
+(:class:`~headscope.hybrid.config.HybridOptions`), ``layers`` (one
+:class:`~headscope.hybrid.config.LayerSpec` dict per layer; absent in older Llama/Qwen3 saves: then
+``qk_norm`` and ``attention_bias`` give it). The decay parameters ``A_log`` and ``dt_bias`` stay in
+fp32 when a model is loaded in bf16/fp16 (``_keep_in_fp32_modules_strict``).
 When a saved model asks for a kernel that is not installed (``gdn_kernel="fla"`` without
 flash-linear-attention, ``fa_kernel="flash_attn"`` without flash-attn) it is loaded with the PyTorch
 path instead (a warning says so; ``config.headscope_hybrid`` keeps the saved choice).
@@ -21,16 +31,30 @@ path instead (a warning says so; ``config.headscope_hybrid`` keeps the saved cho
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from typing import Any
 
-from transformers import PreTrainedModel
-from transformers.models.llama import LlamaConfig, LlamaForCausalLM
-from transformers.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from torch import nn
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from .attn import flash_attn_available
-from .config import HybridOptions
+from .config import HybridOptions, LayerSpec
 from .gdn import fla_available
 from .layer import HeadwiseHybridAttention
 
@@ -56,7 +80,8 @@ def spec_fa_heads(config: Any) -> list[tuple[int, ...]]:
     mask = spec["mask"]
     if str(mask.get("format", "")).split("/")[0] != "headscope.HeadMask":
         raise ValueError(f"config.{CONFIG_KEY}['mask'] is not a HeadMask dict (no 'format': 'headscope.HeadMask/1')")
-    want = (int(config.num_hidden_layers), int(config.num_attention_heads), int(config.num_key_value_heads))
+    H = int(config.num_attention_heads)
+    want = (int(config.num_hidden_layers), H, int(getattr(config, "num_key_value_heads", None) or H))
     got = (int(mask["n_layers"]), int(mask["n_heads"]), int(mask["n_kv_heads"]))
     if got != want:
         raise ValueError(
@@ -87,59 +112,102 @@ def runnable_options(options: HybridOptions) -> HybridOptions:
     return dataclasses.replace(options, **swap)
 
 
+ATTENTION_NAMES = ("self_attn", "attention")  # the decoder layer's attention attribute (GPT-NeoX: attention)
+KEEP_IN_FP32 = ["A_log", "dt_bias"]  # GDN decay parameters: never rounded to bf16 / fp16 on load
+
+
+def decoder_layers(model: nn.Module) -> Any:
+    """The decoder layers of a supported causal LM (``model.layers`` or ``gpt_neox.layers``)."""
+    for inner in ("model", "gpt_neox"):
+        body = getattr(model, inner, None)
+        if body is not None and hasattr(body, "layers"):
+            return body.layers
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def attention_name(layer: nn.Module) -> str:
+    """The attribute of a decoder layer that holds its attention module."""
+    for name in ATTENTION_NAMES:
+        if isinstance(getattr(layer, name, None), nn.Module):
+            return name
+    raise ValueError(f"{type(layer).__name__} has none of the attention attributes {ATTENTION_NAMES}")
+
+
+def layer_specs(config: Any) -> list[LayerSpec]:
+    """One :class:`LayerSpec` per layer from ``config.headscope_hybrid["layers"]``; older saves without
+    it (Llama / Qwen3 only) get ``attention_bias`` on all four projections and ``qk_norm``."""
+    spec = getattr(config, CONFIG_KEY)
+    stored = spec.get("layers")
+    n = int(config.num_hidden_layers)
+    if stored is not None:
+        if len(stored) != n:
+            raise ValueError(f"config.{CONFIG_KEY}['layers'] has {len(stored)} entries for {n} layers")
+        return [LayerSpec.from_dict(d) for d in stored]
+    bias = bool(getattr(config, "attention_bias", False))
+    qk = "rms" if spec.get("qk_norm", False) else None
+    return [LayerSpec(q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, qk_norm=qk)] * n
+
+
 def install_hybrid_attention(model: PreTrainedModel) -> None:
-    """Replace every decoder layer's ``self_attn`` by a :class:`HeadwiseHybridAttention` built from
+    """Replace every decoder layer's attention module by a :class:`HeadwiseHybridAttention` built from
     ``model.config.headscope_hybrid`` (same device and dtype as the module it replaces; the weights are
-    the layer's initial values until loaded or migrated).
+    the layer's initial values until loaded or migrated). A layer whose spec has ``qk_norm="teacher"``
+    keeps copies of the replaced module's own ``q_norm``/``k_norm``.
 
     Raises:
-        ValueError: as :func:`spec_fa_heads`, or an invalid stored option.
+        ValueError: as :func:`spec_fa_heads` and :func:`layer_specs`, or an invalid stored option.
     """
     cfg = model.config
     fa_heads = spec_fa_heads(cfg)
-    spec = getattr(cfg, CONFIG_KEY)
-    opts = runnable_options(HybridOptions.from_dict(spec["options"]))
-    qk_norm = bool(spec.get("qk_norm", False))
-    for i, layer in enumerate(model.model.layers):
-        old = layer.self_attn
-        layer.self_attn = HeadwiseHybridAttention(cfg, i, fa_heads[i], opts, qk_norm=qk_norm).to(
-            device=old.q_proj.weight.device, dtype=old.q_proj.weight.dtype
-        )
+    opts = runnable_options(HybridOptions.from_dict(getattr(cfg, CONFIG_KEY)["options"]))
+    for i, (layer, spec) in enumerate(zip(decoder_layers(model), layer_specs(cfg))):
+        name = attention_name(layer)
+        old = getattr(layer, name)
+        norms = None
+        if spec.qk_norm == "teacher":
+            norms = (copy.deepcopy(old.q_norm), copy.deepcopy(old.k_norm))
+        w = next(old.parameters())
+        setattr(layer, name, HeadwiseHybridAttention(cfg, i, fa_heads[i], opts, spec=spec, norms=norms).to(
+            device=w.device, dtype=w.dtype))
 
 
-class HybridLlamaConfig(LlamaConfig):
-    """LlamaConfig of a head-wise hybrid; ``headscope_hybrid`` = {"mask", "options", "qk_norm"}."""
+def _hybrid_classes(family: str, config_base: type, model_base: type) -> tuple[type, type]:
+    """The (config, causal-LM) classes of the hybrid of ``model_base`` (model type ``headscope_hybrid_<family>``)."""
+    cfg_cls = type(f"Hybrid{family}Config", (config_base,), {
+        "__module__": __name__, "model_type": f"headscope_hybrid_{family.lower()}",
+        "__doc__": f"{config_base.__name__} of a head-wise hybrid; ``headscope_hybrid`` = mask, options, layers.",
+    })
 
-    model_type = "headscope_hybrid_llama"
-
-
-class HybridQwen3Config(Qwen3Config):
-    """Qwen3Config of a head-wise hybrid; ``headscope_hybrid`` = {"mask", "options", "qk_norm"}."""
-
-    model_type = "headscope_hybrid_qwen3"
-
-
-class HybridLlamaForCausalLM(LlamaForCausalLM):
-    """LlamaForCausalLM whose attention layers are :class:`HeadwiseHybridAttention`."""
-
-    config_class = HybridLlamaConfig
-
-    def __init__(self, config: HybridLlamaConfig):
-        super().__init__(config)
+    def __init__(self: Any, config: Any) -> None:
+        model_base.__init__(self, config)
         install_hybrid_attention(self)
 
+    model_cls = type(f"Hybrid{family}ForCausalLM", (model_base,), {
+        "__module__": __name__, "config_class": cfg_cls, "__init__": __init__,
+        "_keep_in_fp32_modules_strict": KEEP_IN_FP32,
+        "__doc__": f"{model_base.__name__} whose attention layers are HeadwiseHybridAttention.",
+    })
+    return cfg_cls, model_cls
 
-class HybridQwen3ForCausalLM(Qwen3ForCausalLM):
-    """Qwen3ForCausalLM whose attention layers are :class:`HeadwiseHybridAttention`."""
 
-    config_class = HybridQwen3Config
+HybridLlamaConfig, HybridLlamaForCausalLM = _hybrid_classes("Llama", LlamaConfig, LlamaForCausalLM)
+HybridQwen2Config, HybridQwen2ForCausalLM = _hybrid_classes("Qwen2", Qwen2Config, Qwen2ForCausalLM)
+HybridQwen3Config, HybridQwen3ForCausalLM = _hybrid_classes("Qwen3", Qwen3Config, Qwen3ForCausalLM)
+HybridMistralConfig, HybridMistralForCausalLM = _hybrid_classes("Mistral", MistralConfig, MistralForCausalLM)
+HybridGemma3Config, HybridGemma3ForCausalLM = _hybrid_classes("Gemma3", Gemma3TextConfig, Gemma3ForCausalLM)
+HybridGPTNeoXConfig, HybridGPTNeoXForCausalLM = _hybrid_classes("GPTNeoX", GPTNeoXConfig, GPTNeoXForCausalLM)
 
-    def __init__(self, config: HybridQwen3Config):
-        super().__init__(config)
-        install_hybrid_attention(self)
-
+# teacher class -> (hybrid config class, hybrid model class)
+FAMILIES: dict[type, tuple[type, type]] = {
+    LlamaForCausalLM: (HybridLlamaConfig, HybridLlamaForCausalLM),
+    Qwen2ForCausalLM: (HybridQwen2Config, HybridQwen2ForCausalLM),
+    Qwen3ForCausalLM: (HybridQwen3Config, HybridQwen3ForCausalLM),
+    MistralForCausalLM: (HybridMistralConfig, HybridMistralForCausalLM),
+    Gemma3ForCausalLM: (HybridGemma3Config, HybridGemma3ForCausalLM),
+    GPTNeoXForCausalLM: (HybridGPTNeoXConfig, HybridGPTNeoXForCausalLM),
+}
 
 # save_pretrained writes auto_map and copies this module (and its relative imports) beside the weights
-for _cfg_cls, _model_cls in ((HybridLlamaConfig, HybridLlamaForCausalLM), (HybridQwen3Config, HybridQwen3ForCausalLM)):
+for _cfg_cls, _model_cls in FAMILIES.values():
     _cfg_cls.register_for_auto_class("AutoConfig")
     _model_cls.register_for_auto_class("AutoModelForCausalLM")

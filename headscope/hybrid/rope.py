@@ -17,7 +17,13 @@ def _rotate_half(x: Tensor) -> Tensor:
 def apply_rope(
     x: Float[Tensor, "batch time head d"], cos: Float[Tensor, "batch time d"], sin: Float[Tensor, "batch time d"]
 ) -> Float[Tensor, "batch time head d"]:
-    """Rotary embedding in the half-split (Llama) convention, on a [batch, time, head, d] tensor."""
+    """Rotary embedding in the half-split (Llama / GPT-NeoX) convention, on a [batch, time, head, d] tensor.
+
+    cos/sin narrower than the head (``r = cos.shape[-1] < d``: partial rotary, GPT-NeoX ``rotary_pct``)
+    rotate the first r features; the rest pass through unchanged."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     return x * cos[:, :, None, :] + _rotate_half(x) * sin[:, :, None, :]
 
 

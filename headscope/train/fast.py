@@ -78,7 +78,12 @@ def _teacher_stats(y_t: Tensor, m: Tensor) -> Tensor:
 
 
 def has_llama_body(model: nn.Module) -> bool:
-    """True when ``model.model`` has the Llama / Qwen3 parts the hand-written body uses."""
+    """True when ``model`` is a Llama / Qwen3 causal LM (or its hybrid) whose ``model.model`` has the parts
+    the hand-written body uses. Other families with the same attribute names (Gemma 3: scaled embedding,
+    sandwich norms, RoPE per layer type; Mistral: sliding window) are refused: the body would not be theirs."""
+    mtype = str(getattr(getattr(model, "config", None), "model_type", ""))
+    if mtype.removeprefix("headscope_hybrid_") not in ("llama", "qwen3"):
+        return False
     inner = getattr(model, "model", None)
     return all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")) and hasattr(model, "lm_head")
 

@@ -92,10 +92,12 @@ def shard_student(student: nn.Module, stage: int) -> None:
     _, world = world_info()
     dev = next(student.parameters()).device
     mesh = init_device_mesh(dev.type, (world,))
-    layers = student.model.layers
+    from ..hybrid.modeling_hybrid import attention_name, decoder_layers
+
+    layers = decoder_layers(student)
     if stage == 1:
         for layer in layers:
-            fully_shard(layer.self_attn, mesh=mesh)
+            fully_shard(getattr(layer, attention_name(layer)), mesh=mesh)
     else:
         for layer in layers:
             fully_shard(layer, mesh=mesh)

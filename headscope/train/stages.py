@@ -27,17 +27,20 @@ STAGES = (1, 2, 3)
 def trainable_parameters(student: nn.Module, stage: int) -> list[tuple[str, nn.Parameter]]:
     """Set ``requires_grad`` for ``stage`` and return the (name, parameter) pairs it trains.
 
-    Stage 1 trains every parameter of every ``model.layers[i].self_attn`` (migrated Q/K/V/O, GDN
-    projections, decay, β, gates, γ) and freezes the rest; stages 2 and 3 train everything.
+    Stage 1 trains every parameter of every decoder layer's attention module (``self_attn``; GPT-NeoX:
+    ``attention``: migrated Q/K/V/O, GDN projections, decay, β, gates, γ) and freezes the rest; stages
+    2 and 3 train everything.
 
     Raises:
         ValueError: a stage other than 1, 2, 3.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    from ..hybrid.modeling_hybrid import ATTENTION_NAMES
+
     out = []
     for name, p in student.named_parameters():
-        on = stage != 1 or ".self_attn." in name
+        on = stage != 1 or any(f".{a}." in name for a in ATTENTION_NAMES)
         p.requires_grad_(on)
         if on:
             out.append((name, p))
@@ -47,16 +50,19 @@ def trainable_parameters(student: nn.Module, stage: int) -> list[tuple[str, nn.P
 def _capture_attention_io(teacher: nn.Module, ids: Tensor, mask: Tensor) -> list[dict[str, Any]]:
     """Run the teacher once and record, per layer, the attention module's input hidden states,
     position embeddings and output."""
-    rec: list[dict[str, Any]] = [dict() for _ in teacher.model.layers]
+    from ..hybrid.modeling_hybrid import attention_name, decoder_layers
+
+    layers = decoder_layers(teacher)
+    rec: list[dict[str, Any]] = [dict() for _ in layers]
     hooks = []
-    for i, layer in enumerate(teacher.model.layers):
+    for i, layer in enumerate(layers):
         def hook(mod, args, kwargs, output, i=i):
             h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             rec[i].update(h=h.detach(), pe=kwargs.get("position_embeddings"), out=output[0].detach())
-        hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+        hooks.append(getattr(layer, attention_name(layer)).register_forward_hook(hook, with_kwargs=True))
     try:
         with torch.no_grad():
-            teacher.model(input_ids=ids, use_cache=False)
+            teacher.base_model(input_ids=ids, use_cache=False)
     finally:
         for h in hooks:
             h.remove()
@@ -92,8 +98,10 @@ def alignment_loss(
         n_tok = m.sum()
         n = n_tok * rec[0]["out"].shape[-1]
     per = []
-    for layer, r in zip(student.model.layers, rec):
-        y_s, _ = layer.self_attn(r["h"], position_embeddings=r["pe"])
+    from ..hybrid.modeling_hybrid import attention_name, decoder_layers
+
+    for layer, r in zip(decoder_layers(student), rec):
+        y_s, _ = getattr(layer, attention_name(layer))(r["h"], position_embeddings=r["pe"])
         y_t = r["out"].float()
         if reduce is None:
             mean = (y_t * m).sum((0, 1)) / n_tok

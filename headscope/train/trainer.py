@@ -251,7 +251,9 @@ class Trainer:
             self.params = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
         self.reducer: Optional[GradReducer] = None
         if self.dp_mode == "replicate":
-            layer_of = {id(p): i for i, layer in enumerate(student.model.layers) for p in layer.parameters()} \
+            from ..hybrid.modeling_hybrid import decoder_layers
+
+            layer_of = {id(p): i for i, layer in enumerate(decoder_layers(student)) for p in layer.parameters()} \
                 if config.stage == 1 else {}
             self.reducer = GradReducer([p for _, p in self.params], [layer_of.get(id(p), 0) for _, p in self.params])
         decay = [p for n, p in self.params if p.dim() >= 2]
