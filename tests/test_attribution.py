@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from headscope.patching import receiver_patching
-from headscope.patching.attribution import attribution_ie, recall_at_k, screen_then_verify
+from headscope.patching.attribution import attribution_ie, recall_at_k
+from headscope.patching.screen import screen_then_verify
 from headscope.patching.engine import Engine
 from headscope.patching.receivers import sequences
 from headscope.readout import logit_diff

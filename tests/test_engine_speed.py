@@ -144,7 +144,8 @@ def test_screen_auto_verifies_exactly(tiny, smol_tokenizer):
     import numpy as np
 
     from headscope.patching import receiver_patching
-    from headscope.patching.attribution import recall_at_k, screen_then_verify
+    from headscope.patching.attribution import recall_at_k
+    from headscope.patching.screen import screen_then_verify
 
     pairs = niah_single(smol_tokenizer, n_pairs=2, seq_len=64, depth=[0.3, 0.7], seed=0)
     res = screen_then_verify(tiny, pairs, verify="auto", top_k=3, min_gap=0.0, progress=False)
@@ -189,7 +190,8 @@ def test_screen_auto_blocks_certify_exact_top_k(tiny, smol_tokenizer, block, ver
     probes, so probe + margin bounds the exact IE; in bfloat16 a probe of this random model is off by up
     to 0.03, more than the 0.01 margin, the limit of the bf16 screen)."""
     from headscope.patching import receiver_patching
-    from headscope.patching.attribution import recall_at_k, screen_auto
+    from headscope.patching.attribution import recall_at_k
+    from headscope.patching.screen import screen_auto
 
     pairs = niah_single(smol_tokenizer, n_pairs=2, seq_len=64, depth=[0.3, 0.7], seed=0)
     res = screen_auto(tiny, pairs, top_k=3, min_gap=0.0, progress=False, block=block, verify_cost=verify_cost,
@@ -205,7 +207,8 @@ def test_atp_slack_only_adds_verification(tiny, smol_tokenizer):
     """A larger AtP slack makes positive-AtP heads of unrefined units more competitive: more heads are
     probed alone or verified, and the top-k stays exact."""
     from headscope.patching import receiver_patching
-    from headscope.patching.attribution import recall_at_k, screen_auto
+    from headscope.patching.attribution import recall_at_k
+    from headscope.patching.screen import screen_auto
 
     pairs = niah_single(smol_tokenizer, n_pairs=2, seq_len=64, depth=[0.3, 0.7], seed=1)
     kw = dict(top_k=2, min_gap=0.0, progress=False, block=2, probe_dtype=torch.float32)

@@ -10,7 +10,7 @@ import torch
 from families import tiny_family
 from headscope import anatomy as an
 from headscope.patching import receiver_patching
-from headscope.patching.attribution import screen_auto, screen_then_verify
+from headscope.patching.screen import screen_auto, screen_then_verify
 from headscope.patching.senders import sender_patching
 from headscope.selectors import select
 from headscope.tasks import niah_single

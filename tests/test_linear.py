@@ -156,7 +156,7 @@ def test_linear_rejects_wrong_weight_shape():
 
 
 def test_screen_auto_rejects_slack_below_one(tiny, smol_tokenizer):
-    from headscope.patching.attribution import screen_auto
+    from headscope.patching.screen import screen_auto
 
     pairs = niah_single(smol_tokenizer, n_pairs=1, seq_len=64, depth=0.5, seed=0)
     with pytest.raises(ValueError, match="atp_slack=0.5 must be >= 1"):

@@ -31,10 +31,7 @@ def test_lazy_names_resolve():
     assert "rank" in dir(headscope)
 
 
-def test_atomic_writes_and_old_import_place(tmp_path):
-    from headscope.patching.store import atomic_write_text as old
-
-    assert old is atomic_write_text
+def test_atomic_writes(tmp_path):
     atomic_write_text(tmp_path / "a" / "x.txt", "hello")
     assert (tmp_path / "a" / "x.txt").read_text() == "hello"
     atomic_torch_save(tmp_path / "t.pt", torch.arange(3))

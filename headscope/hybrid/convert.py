@@ -24,7 +24,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.models.llama import LlamaForCausalLM
 from transformers.models.qwen3 import Qwen3ForCausalLM
 
-from ..masks import HeadMask
+from ..errors import HeadscopeInputError, InputTypeError
+from ..masks import HeadMask, as_mask, check_mask_layers
+from ..validate import check_int
 from .config import HybridOptions
 from .modeling_hybrid import (
     CONFIG_KEY,
@@ -48,14 +50,35 @@ for _cfg_cls, _model_cls, _ in _FAMILIES.values():
         pass
 
 
-def _as_mask(mask: Union[HeadMask, dict, str, Path]) -> HeadMask:
-    if isinstance(mask, HeadMask):
-        return mask
-    if isinstance(mask, dict):
-        return HeadMask.from_dict(mask)
-    if isinstance(mask, (str, Path)):
-        return HeadMask.from_json(mask)
-    raise TypeError(f"mask must be a HeadMask, its dict or a JSON path, not {type(mask).__name__}")
+def check_hybridize_args(model: Any, mask: Any, min_per_layer: Optional[int], options: dict[str, Any]) -> HeadMask:
+    """:func:`hybridize`'s arguments, before any weight is copied -> the HeadMask.
+
+    Raises:
+        InputTypeError: ``model`` is not a supported family (or already a hybrid); ``mask`` of an
+            unknown type.
+        HeadscopeInputError: a mask of another geometry, a layer below ``min_per_layer``, an unknown
+            or invalid hybrid option, a sliding-window model.
+    """
+    if not any(type(model) is k for k in _FAMILIES):
+        if isinstance(model, (HybridLlamaForCausalLM, HybridQwen3ForCausalLM)):
+            raise InputTypeError("this model is already a head-wise hybrid; hybridize its teacher instead")
+        raise InputTypeError(
+            f"hybridize supports {[c.__name__ for c in _FAMILIES]}, got {type(model).__name__}; "
+            "load the model with AutoModelForCausalLM"
+        )
+    m = as_mask(mask)
+    cfg = model.config
+    m.check_geometry(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
+    mpl = int(m.meta.get("min_per_layer", 0) or 0) if min_per_layer is None else min_per_layer
+    check_int("min_per_layer", mpl, lo=0)
+    check_mask_layers(m, mpl)
+    try:
+        HybridOptions.from_dict(options)
+    except (TypeError, ValueError) as e:
+        raise HeadscopeInputError(str(e)) from e
+    if getattr(cfg, "use_sliding_window", False):
+        raise HeadscopeInputError("sliding-window attention layers are not supported; load the model without sliding window")
+    return m
 
 
 @torch.no_grad()
@@ -110,45 +133,21 @@ def hybridize(
         A new hybrid model (same device and dtype as ``model``, eval/train mode copied) whose
         ``config.headscope_hybrid`` holds the mask and options.
 
-    Raises (checked first, :func:`headscope.checks.check_hybridize_args`):
+    Raises (checked first, :func:`check_hybridize_args`):
         InputTypeError (a TypeError and HeadscopeInputError): ``model`` is not a supported family,
             or ``mask`` is of an unknown type.
         HeadscopeInputError (a ValueError): the mask is for another geometry, lists a head twice, or
             leaves a layer with fewer than ``min_per_layer`` FA heads; an unknown or invalid option.
         ImportError: ``gdn_kernel="fla"`` without flash-linear-attention installed.
     """
-    from ..checks import check_hybridize_args
-
     mask = check_hybridize_args(model, mask, min_per_layer, options)  # before any weight is copied
-    fam = next((v for k, v in _FAMILIES.items() if type(model) is k), None)
-    if fam is None:
-        if isinstance(model, (HybridLlamaForCausalLM, HybridQwen3ForCausalLM)):
-            raise TypeError("this model is already a head-wise hybrid; hybridize its teacher instead")
-        raise TypeError(
-            f"hybridize supports {[c.__name__ for c in _FAMILIES]}, got {type(model).__name__}; "
-            "load the model with AutoModelForCausalLM"
-        )
-    cfg_cls, model_cls, qk_norm = fam
-    mask = _as_mask(mask)
+    cfg_cls, model_cls, qk_norm = _FAMILIES[type(model)]
     cfg = model.config
-    H, KV, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
-    mask.check_geometry(L, H, KV)
-    if min_per_layer is None:
-        min_per_layer = int(mask.meta.get("min_per_layer", 0) or 0)
-    short = [(layer, len(hs)) for layer, hs in enumerate(mask.fa_heads) if len(hs) < min_per_layer]
-    if short:
-        raise ValueError(
-            f"layers {[s[0] for s in short]} have fewer than min_per_layer={min_per_layer} FA heads "
-            f"(counts {[s[1] for s in short]}); select the mask with HeadMask.select(..., min_per_layer="
-            f"{min_per_layer}) or pass min_per_layer=0"
-        )
     opts = HybridOptions.from_dict(options)
     if opts.gdn_kernel == "fla":
         from .gdn import _import_fla
 
         _import_fla()
-    if getattr(cfg, "use_sliding_window", False):
-        raise ValueError("sliding-window attention layers are not supported; load the model without sliding window")
 
     d = cfg.to_dict()
     for k in ("model_type", "architectures", "transformers_version", "auto_map"):
