@@ -302,6 +302,7 @@ def test_unexpected_errors_keep_their_traceback(monkeypatch):
     assert res.exit_code == 1 and isinstance(res.exception, KeyError)
 
 
+@pytest.mark.slow
 def test_subprocess_prints_one_line_without_traceback(files):
     """The real console path (rich tracebacks on): `rank --out FILE` was a NotADirectoryError traceback."""
     import subprocess

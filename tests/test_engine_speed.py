@@ -13,6 +13,8 @@ from headscope.patching.receivers import PairState, patch_rows, sequences
 from headscope.readout import logit_diff
 from headscope.tasks import niah_single
 
+from conftest import fast_first
+
 
 @pytest.fixture(scope="module")
 def pair(smol_tokenizer):
@@ -138,6 +140,7 @@ def test_probe_ie_matches_exact_and_brute_force(tiny, pair):
     assert float(got[1]) == pytest.approx((st.m_clean - m) / (st.m_clean - st.m_corrupt), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_screen_auto_verifies_exactly(tiny, smol_tokenizer):
     """verify='auto': verified heads carry the exact IE; when certified, the screen's top-k equals the
     exact top-k; unverified heads are never given an exact number."""
@@ -183,7 +186,7 @@ def test_probe_blocks_ie_matches_full_patched_run(tiny, smol_tokenizer):
         probe_blocks_ie(e, {0: st}, [pair], [(1, 2), (0, 1)], 1.0, "noising")
 
 
-@pytest.mark.parametrize("block,verify_cost,atp_slack", [(1, 3.0, 2.0), (2, 0.25, 2.0), (2, 8.0, 2.0), (2, 3.0, 1.0)])
+@pytest.mark.parametrize("block,verify_cost,atp_slack", fast_first([(1, 3.0, 2.0), (2, 0.25, 2.0), (2, 8.0, 2.0), (2, 3.0, 1.0)]))
 def test_screen_auto_blocks_certify_exact_top_k(tiny, smol_tokenizer, block, verify_cost, atp_slack):
     """Block sizes and the refine-vs-verify cost switch change only the work done: when certified, the
     screen's top-k equals the exact top-k and verified heads carry the exact IE. Probes in float32 (exact
@@ -203,6 +206,7 @@ def test_screen_auto_blocks_certify_exact_top_k(tiny, smol_tokenizer, block, ver
     assert recall_at_k(exact.mean(0).numpy(), res.ie.mean(0).numpy(), 3) == 1.0
 
 
+@pytest.mark.slow
 def test_atp_slack_only_adds_verification(tiny, smol_tokenizer):
     """A larger AtP slack makes positive-AtP heads of unrefined units more competitive: more heads are
     probed alone or verified, and the top-k stays exact."""

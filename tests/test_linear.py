@@ -46,6 +46,7 @@ def test_linear_keeps_autograd():
     assert torch.allclose(w.grad, x.detach().sum(0).expand(5, 6))
 
 
+@pytest.mark.slow
 def test_onednn_switch_gives_same_patched_logits(tiny, smol_tokenizer, monkeypatch):
     """Patched logits with oneDNN, without it (HEADSCOPE_ONEDNN=0) and with the MLP cut into blocks of
     7 tokens agree to float32 rounding."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from headscope.patching.schedule import Item, Schedule, heads_by_layer
@@ -12,6 +13,7 @@ from headscope.patching.store import Store
 from headscope.runtime import atomic_torch_save, atomic_write_text, same_device
 
 
+@pytest.mark.slow
 def test_import_headscope_loads_no_training_distributed_or_hybrid_code():
     code = ("import sys, headscope; bad = [m for m in sys.modules if m.startswith(('torch', 'transformers', "
             "'headscope.train', 'headscope.hybrid', 'headscope.distributed'))]; print(len(bad))")
