@@ -49,6 +49,7 @@ def test_generic_every_family_equals_reference(family, smol_tokenizer, pair):
     assert float((ref - m_c).abs().max()) > 1e-4  # the patches matter
 
 
+@pytest.mark.slow
 def test_generic_rows_in_any_order_and_every_mode(smol_tokenizer, pair):
     """Entries out of layer order come back in entry order; the bridge mode and each shortcut alone
     give the same numbers as all shortcuts together."""
