@@ -22,10 +22,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-def fast_first(cases, keep: int = 1):
+def fast_first(cases, keep: int = 1, one_arg: bool = False):
     """Cases of a ``parametrize`` whose first ``keep`` run in the fast tier (``pytest -m "not slow"``) and
     the rest only in the slow tier (marked ``slow``): a kernel's option matrix keeps one representative
-    case in the inner loop and runs whole in CI. A tuple case holds one value per argument name."""
+    case in the inner loop and runs whole in CI. A tuple case holds one value per argument name, unless
+    ``one_arg`` (the cases are values of a single argument, tuples included)."""
     out = []
     for i, c in enumerate(cases):
         if i < keep:
@@ -33,7 +34,7 @@ def fast_first(cases, keep: int = 1):
         elif isinstance(c, ParameterSet):
             out.append(pytest.param(*c.values, marks=(*c.marks, pytest.mark.slow), id=c.id))
         else:
-            out.append(pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=pytest.mark.slow))
+            out.append(pytest.param(*(c if isinstance(c, tuple) and not one_arg else (c,)), marks=pytest.mark.slow))
     return out
 
 

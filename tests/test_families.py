@@ -40,7 +40,7 @@ def test_fast_engine_equals_one_hook_at_a_time(family, smol_tokenizer, pair):
     assert float((ref - m_c).abs().max()) > 1e-4
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gemma3"])
+@pytest.mark.parametrize("family", fast_first(["gpt2", "gemma3"]))
 def test_generic_path_equals_reference(family, smol_tokenizer, pair):
     lm = tiny_family(family, smol_tokenizer)
     res = receiver_patching(lm, [pair], min_gap=0.0, progress=False, path="generic", batch_size=5)
