@@ -31,7 +31,8 @@ import torch
 
 import headscope
 from headscope.patching import receiver_patching
-from headscope.patching.attribution import recall_at_k, screen_then_verify
+from headscope.patching.attribution import recall_at_k
+from headscope.patching.screen import screen_then_verify
 from headscope.patching.receivers import sequences
 from headscope.readout import logit_diff
 from headscope.tasks import niah_single

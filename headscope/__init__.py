@@ -34,8 +34,8 @@ _LAZY = {
     "kv_cache_report": "hybrid",
 }
 _SUBMODULES = (
-    "anatomy", "api", "arch", "checks", "cli", "config", "distributed", "errors", "hybrid", "knockout", "masks",
-    "models", "patching", "plots", "readout", "runtime", "scores", "selectors", "tasks", "train",
+    "anatomy", "api", "arch", "cli", "config", "distributed", "errors", "hybrid", "knockout", "masks",
+    "models", "patching", "plots", "readout", "runtime", "scores", "selectors", "tasks", "train", "validate",
 )
 
 

@@ -19,6 +19,7 @@ Gini mean 0.622, range 0.399–0.915; ρ ≈ 0.921 after 6 calibration pairs.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .dla import DLA, direct_logit_attribution, layer_cosine  # noqa: F401  (re-exported)
+from .errors import HeadscopeInputError
 from .readout import DEFAULT_LAMBDA
 from .stability import (  # noqa: F401  (re-exported)
     DEFAULT_RHO_TARGET,
@@ -44,6 +46,7 @@ from .stability import (  # noqa: F401  (re-exported)
     stability_samples,
     stability_splits,
 )
+from .validate import check_choice, check_device, check_int, check_out_dir, check_real
 
 DEFAULT_THRESHOLD = 0.1
 PAPER = {
@@ -361,6 +364,82 @@ def anatomy(
         dla = direct_logit_attribution(model, pairs, lam)
         cos = layer_cosine(model, pairs)
     return Anatomy(ranking, threshold, critical, gini_d, curve, rho_target, st, dla, cos, gini_o)
+
+
+# ---- the checks of `headscope anatomy`, before a model loads ---------------------------------------
+FIGURE_FORMATS = ("html", "png", "svg", "pdf")
+
+
+def check_figure_formats(formats: Sequence[str]) -> None:
+    """Known formats; a static one (png, svg, pdf) needs kaleido and a Chrome/Chromium.
+
+    Raises:
+        HeadscopeInputError: an unknown format, or no way to export static images.
+    """
+    formats = list(formats)
+    if not formats:
+        raise HeadscopeInputError("--format: give at least one of html, png")
+    for fmt in formats:
+        check_choice("--format", fmt, FIGURE_FORMATS)
+    if any(fmt != "html" for fmt in formats):
+        fix = "or write html only (--format html)"
+        if importlib.util.find_spec("kaleido") is None:
+            raise HeadscopeInputError(f"static figures (png) need kaleido: pip install kaleido, {fix}")
+        try:
+            from choreographer.browsers.chromium import Chromium
+
+            found = Chromium.find_browser(skip_local=False)
+        except Exception:  # another kaleido: let the export itself decide
+            return
+        if not found:
+            raise HeadscopeInputError(
+                f"static figures (png) need Chrome or Chromium: `apt-get install chromium` or `plotly_get_chrome`, {fix}"
+            )
+
+
+def check_anatomy_args(run_dir: Any, out: Any, threshold: Any, boot: Any, formats: Sequence[str], use_model: bool,
+                       device: Any, seed: Any = 0) -> tuple[Any, Any]:
+    """``headscope anatomy``: the run directory, the output place, the numbers and, with the model, that
+    the run's model and pairs can be re-created. Returns (Ranking, model spec or None).
+
+    Raises:
+        HeadscopeInputError (InputFileNotFoundError): a missing or broken run directory, a bad value,
+            a run whose model or pairs cannot be re-created (then ``--no-model`` is the fix).
+    """
+    from .models import check_model
+    from .scores import Ranking
+
+    r = Ranking.load(run_dir)
+    check_real("--threshold", threshold, 0.0, fix="IE above it marks a head critical")
+    check_int("--boot", boot, lo=1)
+    check_int("--seed", seed)
+    check_figure_formats(formats)
+    check_out_dir(out, "--out")
+    cols = [c for c in r.scores.columns if c in ("ie_recv", "score") or c.startswith("s_")]
+    if not cols:
+        raise HeadscopeInputError(f"{run_dir}/scores.csv has none of the columns ie_recv, score, s_<capability>; "
+                                  "is it a table written by headscope rank?")
+    if not use_model:
+        return r, None
+    p = r.provenance
+    spec = p.get("model_spec") or p.get("model") or "smollm2-135m"
+    try:
+        g = check_model(spec, "the run's model")
+    except HeadscopeInputError as e:
+        raise HeadscopeInputError(f"{e} (the run's model cannot be loaded: pass --no-model to skip DLA and cosine)") from e
+    if g is not None and (g.n_layers, g.n_heads) != (r.n_layers, r.n_heads):
+        raise HeadscopeInputError(
+            f"the run's model spec {spec!r} now names a model of {g.n_layers}x{g.n_heads} heads, the run has "
+            f"{r.n_layers}x{r.n_heads}; pass --no-model"
+        )
+    tasks, settings = p.get("tasks"), p.get("task_settings")
+    if not tasks or settings is None or len(tasks) != 1:
+        raise HeadscopeInputError(
+            "the run's provenance does not say how its single task's pairs were generated (several tasks or "
+            "ready-made pairs); pass --no-model"
+        )
+    check_device(device, "--device")
+    return r, spec
 
 
 def pairs_of_run(ranking: Any, tokenizer: Any) -> list[Any]:

@@ -87,7 +87,7 @@ def rank(
 
     Raises:
         HeadscopeInputError (a ValueError), before the model loads: any bad setting (see
-        :func:`headscope.checks.check_rank_args`), a store of another configuration in ``out_dir``, a
+        :func:`headscope.config.check_rank_args`), a store of another configuration in ``out_dir``, a
         ``device``/``dtype`` that contradicts a loaded model, settings passed beside ``config``;
         ModelSpecError: a model spec that cannot be loaded; InputNotImplementedError: an unsupported
         combination. After the model loads: HeadscopeInputError for a prompt too short for the task's
@@ -101,7 +101,9 @@ def rank(
 def run(model: str | LoadedModel, cfg: RankConfig, pairs: Sequence[Pair] | None = None,
         out_dir: str | Path | None = None, shard: tuple[int, int] | None = None, progress: bool = True) -> Ranking:
     """:func:`rank` with a ready :class:`~headscope.config.RankConfig`: check the call, load, run the strategy, save."""
-    from .checks import check_model, check_rank_args, check_rank_store
+    from .config import check_rank_args
+    from .models import check_model
+    from .patching.store import check_rank_store
 
     geometry = check_model(model)
     check_rank_args(**cfg.check_args(pairs=pairs, out_dir=out_dir, shard=shard, geometry=geometry))
@@ -212,7 +214,7 @@ def rank_exact(lm: LoadedModel, cfg: RankConfig, pairs: Any, out_dir: Any, shard
 
 def rank_screen(lm: LoadedModel, cfg: RankConfig, pairs: Any, out_dir: Any, shard: Any, progress: bool) -> Result:
     """AtP screen, then exact verification (:func:`~headscope.patching.attribution.screen_then_verify`)."""
-    from .patching.attribution import screen_then_verify
+    from .patching.screen import screen_then_verify
 
     ps = _pairs(lm, cfg, cfg.tasks[0], pairs)
     s = cfg.screen

@@ -1,7 +1,7 @@
 """The ``headscope`` command line (typer).
 
 Every command checks all its arguments, paths and preconditions before it loads a model, samples
-data or starts a sweep (:mod:`headscope.checks`). An expected error (:class:`headscope.HeadscopeInputError`
+data or starts a sweep (each check lives beside its config or function). An expected error (:class:`headscope.HeadscopeInputError`
 and its subclasses, such as a model spec that cannot be loaded or a bad pair; a pair set without a
 usable gap; a resume into a store of another configuration; an unsupported option) is printed as one
 line ``error: ...`` on stderr with exit code 2. Any other exception is a bug and keeps its traceback.
@@ -87,8 +87,11 @@ def rank(**values: Any) -> None:
     out: Path = values["out"]
     budget, min_per_layer, top = values["budget"], values["min_per_layer"], values["top"]
     with user_errors():
-        from .checks import check_budget, check_device_map, check_int, check_model, check_rank_args, check_rank_store
-        from .config import RankConfig, config_from_cli
+        from .config import RankConfig, check_rank_args, config_from_cli
+        from .masks import check_budget
+        from .models import check_device_map, check_model
+        from .patching.store import check_rank_store
+        from .validate import check_int
 
         model, devices = values["model"], values["devices"]
         g = check_model(model, "--model")  # the geometry from the config / GGUF metadata, no weights
@@ -165,7 +168,7 @@ def _run_rank(cfg: Any, model: str, budget: str, min_per_layer: int, out: Path, 
     import headscope
 
     from .api import run
-    from .checks import check_budget
+    from .masks import check_budget
     from .distributed import spawn_rank
     from .runtime import init_from_env
 
@@ -310,7 +313,7 @@ def anatomy(
     out = out or run_dir / "anatomy"
     with user_errors():
         from . import anatomy as an
-        from .checks import check_anatomy_args
+        from .anatomy import check_anatomy_args
 
         r, spec = check_anatomy_args(run_dir, out, threshold, boot, fmt, use_model, device, seed)
         model = pairs = None

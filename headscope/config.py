@@ -1,7 +1,7 @@
 """Frozen, typed configurations of a ranking: :class:`RankConfig` with its :class:`~headscope.readout.Readout`,
 :class:`ScreenConfig` and :class:`FusionConfig`.
 
-Each validates itself once, when made (:mod:`headscope.checks`; a bad value raises
+Each validates itself once, when made (:func:`check_rank_args`, :mod:`headscope.validate`; a bad value raises
 :class:`~headscope.errors.HeadscopeInputError` naming the fix), is saved whole in ``ranking.json``'s
 provenance (``provenance["config"]``, :meth:`RankConfig.to_dict`), and declares per field what the
 ``headscope rank`` command needs (flag, type, help: the ``cli`` metadata), from which
@@ -13,10 +13,13 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any, Iterator, Optional, Sequence, Union
 
-from .errors import HeadscopeInputError
-from .readout import Readout
+from .errors import HeadscopeInputError, InputNotImplementedError, InputTypeError
+from .readout import DEFAULT_LAMBDA, DEFAULT_MIN_GAP, DIRECTIONS, Readout
+from .validate import check_choice, check_device, check_dtype, check_file, check_int, check_out_dir, check_real, is_int
 
 Verify = Union[int, float, str]
+MODES = ("exact", "screen")
+SENDER_MODES = ("qkv", "kv", "q")
 
 
 def opt(default: Any, help: str, flag: Optional[str] = None, cli_type: Any = None, **kw: Any) -> Any:
@@ -58,20 +61,18 @@ class ScreenConfig:
     keep_bytes: float = 2e9
 
     def __post_init__(self) -> None:
-        from .checks.core import _is_int, check_choice, check_int, check_real
-
         if not isinstance(self.probe_dtype, str):  # a torch.dtype
             object.__setattr__(self, "probe_dtype", str(self.probe_dtype).replace("torch.", ""))
         check_choice("probe_dtype", self.probe_dtype, ("bfloat16", "float16", "float32", "float64"))
         if self.verify != "auto":
             fix = "use auto, a head count or a fraction in (0, 1]"
-            if _is_int(self.verify):
+            if is_int(self.verify):
                 check_int("verify", self.verify, lo=1, fix=fix)
             elif isinstance(self.verify, float):
                 check_real("verify", self.verify, 0.0, 1.0, lo_open=True, fix=fix)
             else:
                 raise HeadscopeInputError(f"verify {self.verify!r}: {fix}")
-        if _is_int(self.spot_checks):
+        if is_int(self.spot_checks):
             check_int("spot_checks", self.spot_checks, lo=0)
         else:
             check_real("spot_checks", self.spot_checks, 0.0, 1.0, fix="a count of heads or a fraction of the rest")
@@ -121,7 +122,6 @@ class FusionConfig:
     sender_batch_size: int = 16
 
     def __post_init__(self) -> None:
-        from .checks import SENDER_MODES, check_choice, check_int
         from .scores import KAPPA, NORMALIZE
 
         if isinstance(self.weights, dict):
@@ -149,7 +149,7 @@ class FusionConfig:
 
 @dataclass(frozen=True)
 class RankConfig:
-    """Everything that determines a ranking's numbers, validated once (:func:`headscope.checks.check_rank_args`).
+    """Everything that determines a ranking's numbers, validated once (:func:`check_rank_args`).
 
     Attributes:
         tasks: capability names (:data:`headscope.tasks.TASKS`); n_pairs: pairs per capability; seq_len:
@@ -185,15 +185,11 @@ class RankConfig:
     fusion: FusionConfig = field(default_factory=FusionConfig)
 
     def __post_init__(self) -> None:
-        from .checks import check_choice, check_rank_args
-
         tasks = (self.tasks,) if isinstance(self.tasks, str) else tuple(self.tasks)
         object.__setattr__(self, "tasks", tasks)
         if not isinstance(self.depth, (int, float)):
             object.__setattr__(self, "depth", tuple(self.depth))
         if self.dtype is not None:
-            from .checks import check_dtype
-
             check_dtype(self.torch_dtype)
             object.__setattr__(self, "dtype", str(self.torch_dtype).replace("torch.", ""))
         check_choice("path", self.path, ("auto", "fast", "generic"))
@@ -222,7 +218,7 @@ class RankConfig:
                 **(self.task_settings or {})}
 
     def check_args(self, **call: Any) -> dict[str, Any]:
-        """Keyword arguments of :func:`headscope.checks.check_rank_args` for this config (plus ``call``:
+        """Keyword arguments of :func:`check_rank_args` for this config (plus ``call``:
         pairs, out_dir, shard, geometry, cli)."""
         s, f = self.screen, self.fusion
         return dict(
@@ -270,6 +266,163 @@ class RankConfig:
                 raise TypeError(f"RankConfig has no setting {k!r}")
         return cls(readout=parts[""].pop("readout", None) or Readout(**parts["readout"]),
                    screen=ScreenConfig(**parts["screen"]), fusion=FusionConfig(**parts["fusion"]), **parts[""])
+
+
+# ---------------------------------------------------------------------------------------- the checks of a ranking
+_CLI = {"lam": "--lambda", "n_pairs": "--pairs", "tasks": "--task", "weights": "--weight", "out_dir": "--out"}
+
+
+def _namer(cli: bool) -> Any:
+    return (lambda n: _CLI.get(n, "--" + n.replace("_", "-"))) if cli else (lambda n: n)
+
+
+def parse_verify(text: str) -> Any:
+    """``--verify``: 'auto', a head count or a fraction. Raises HeadscopeInputError naming the forms."""
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text) if text.isdigit() else float(text)
+    except ValueError:
+        raise HeadscopeInputError(f"--verify {text!r}: use auto, a head count or a fraction") from None
+
+
+def check_task_settings(task: str, settings: dict[str, Any], name: str = "task_settings") -> None:
+    """Every key is a parameter of the task generator; a ``corpus`` file exists.
+
+    Raises:
+        HeadscopeInputError: an unknown setting (the message lists the accepted ones); a missing corpus.
+    """
+    import inspect
+
+    from .tasks import TASKS
+
+    params = [p for p in inspect.signature(TASKS[task]).parameters if p != "tokenizer"]
+    bad = sorted(k for k in settings if k not in params)
+    if bad:
+        raise HeadscopeInputError(f"{name} {bad} are not settings of task {task!r}; its settings are {params}")
+    if settings.get("corpus"):
+        check_file(settings["corpus"], "filler corpus", "pass a UTF-8 text file or None")
+
+
+def check_rank_args(
+    *, tasks: Any = ("niah_single",), n_pairs: Any = 6, seq_len: Any = 512, seed: Any = 0, depth: Any = 0.5,
+    lam: Any = DEFAULT_LAMBDA, direction: Any = "noising", min_gap: Any = DEFAULT_MIN_GAP, pairs: Any = None, out_dir: Any = None,
+    device: Any = None, dtype: Any = None, batch_size: Any = None, task_settings: Any = None, shard: Any = None,
+    mode: Any = "exact", verify: Any = "auto", spot_checks: Any = 0.05, senders: bool = False, weights: Any = None,
+    kappa: Any = None, normalize: Any = "max", sender_mode: Any = "qkv", top_k: Any = 10, max_rounds: Any = 3,
+    sender_batch_size: Any = 16, device_map: Any = None, geometry: Any = None, cli: bool = False,
+) -> tuple[str, ...]:
+    """Every argument of :func:`headscope.rank` (and ``headscope rank``), before the model loads.
+
+    ``geometry`` (from :func:`headscope.models.check_model`) adds the checks that need the model's shape (the prompt
+    against its context). ``cli`` names the command-line flags in the messages. Returns the tasks.
+
+    Raises:
+        HeadscopeInputError: any bad value, with the fix in the message.
+        InputNotImplementedError: a combination of options that is not supported.
+    """
+    f = _namer(cli)
+    from .scores import KAPPA, NORMALIZE, check_weights
+    from .tasks import TASKS
+    from .tasks.base import Pair
+
+    check_int(f("n_pairs"), n_pairs, fix="need at least one calibration pair per task")
+    if n_pairs < 1:
+        raise HeadscopeInputError(f"{f('n_pairs')}={n_pairs}: need at least one calibration pair per task")
+    tasks = (tasks,) if isinstance(tasks, str) else tuple(tasks)
+    if not tasks:
+        raise HeadscopeInputError(f"no task given; pass {f('tasks')} with one of {', '.join(sorted(TASKS))}")
+    unknown = [t for t in tasks if not isinstance(t, str) or t not in TASKS]
+    if unknown:
+        raise HeadscopeInputError(f"unknown task(s) {unknown}; available: {', '.join(sorted(TASKS))}")
+    if len(set(tasks)) != len(tasks):
+        raise HeadscopeInputError(f"tasks {list(tasks)} name a capability twice; give each once")
+    check_int(f("seq_len"), seq_len, lo=16, fix="the prompt needs room for the task's text")
+    if geometry is not None and geometry.n_ctx and seq_len >= geometry.n_ctx:
+        raise HeadscopeInputError(
+            f"{f('seq_len')}={seq_len} leaves no room for the answer: the model's context is {geometry.n_ctx} "
+            "tokens; use a shorter seq_len"
+        )
+    depths = [depth] if isinstance(depth, (int, float)) and not isinstance(depth, bool) else list(depth or [])
+    if not depths:
+        raise HeadscopeInputError(f"{f('depth')}: give at least one needle depth in [0, 1]")
+    for d in depths:
+        check_real(f("depth"), d, 0.0, 1.0, fix="a needle depth is a fraction of the prompt, 0 = start, 1 = end")
+    check_int(f("seed"), seed)
+    check_real(f("lam"), lam, 0.0, 1.0, lo_open=True, fix="λ weighs answer token j by λ^j; 0.9 is the default")
+    check_choice(f("direction"), direction, DIRECTIONS)
+    check_real(f("min_gap"), min_gap, 0.0, fix="it is a logit difference; 0 keeps every pair")
+    check_choice(f("mode"), mode, MODES, "exact patches every head, screen uses the AtP screen")
+    if batch_size is not None:
+        check_int(f("batch_size"), batch_size, lo=1)
+    fusion = bool(senders) or len(tasks) > 1 or weights is not None or kappa is not None
+    if mode == "screen":
+        if fusion:
+            raise InputNotImplementedError("mode='screen' covers the receivers-only ranking; use mode='exact' with fusion")
+        if shard is not None:
+            raise InputNotImplementedError("mode='screen' runs in one process; shard exact sweeps instead")
+    if verify != "auto":  # checked in every mode: a typo is not silently ignored
+        fix = "use auto, a head count or a fraction in (0, 1]"
+        if is_int(verify):
+            check_int(f("verify"), verify, lo=1, hi=geometry.n_total if geometry else None, fix=fix)
+        elif isinstance(verify, float):
+            check_real(f("verify"), verify, 0.0, 1.0, lo_open=True, fix=fix)
+        else:
+            raise HeadscopeInputError(f"{f('verify')} {verify!r}: {fix}")
+    if is_int(spot_checks):
+        check_int(f("spot_checks"), spot_checks, lo=0)
+    else:
+        check_real(f("spot_checks"), spot_checks, 0.0, 1.0, fix="a count of heads or a fraction of the rest")
+    if device_map is not None and (fusion or mode != "exact" or shard is not None):
+        raise InputNotImplementedError(
+            "device_map covers the exact receiver sweep of one task in one process; drop --device-map, or "
+            "--mode screen / --senders / several tasks / --devices"
+        )
+    if fusion and shard is not None:
+        raise InputNotImplementedError(
+            "sharded sweeps (--devices / torchrun) cover the receiver sweep of one task; run fused rankings in one process"
+        )
+    if shard is not None:
+        if out_dir is None:
+            raise HeadscopeInputError("a sharded sweep needs out_dir: the ranks meet in its store")
+        r, w = shard
+        check_int("shard world size", w, lo=1)
+        check_int("shard rank", r, lo=0, hi=w - 1)
+    # every option is checked, also those this run does not use (a typo is not silently ignored)
+    if kappa is not None:
+        check_choice(f("kappa"), kappa, KAPPA, "focus = retrieval focus, one = κ ≡ 1")
+    check_choice(f("normalize"), normalize, NORMALIZE)
+    check_choice(f("sender_mode"), sender_mode, SENDER_MODES)
+    check_int(f("top_k"), top_k, lo=1)
+    check_int(f("max_rounds"), max_rounds, lo=1)
+    check_int(f("sender_batch_size"), sender_batch_size, lo=1)
+    if fusion:
+        check_weights(weights, tasks)
+        if pairs is not None and len(tasks) != 1:
+            raise HeadscopeInputError(
+                "ready-made pairs label a single task; pass pairs with one task, or let rank generate them"
+            )
+    if pairs is not None:
+        pairs = list(pairs)
+        if not pairs:
+            raise HeadscopeInputError("pairs=[] holds no calibration pair; pass at least one, or pairs=None")
+        bad = [i for i, p in enumerate(pairs) if not isinstance(p, Pair)]
+        if bad:
+            raise InputTypeError(f"pairs {bad[:5]} are not headscope Pair objects; build them with headscope.tasks.Pair")
+    if task_settings:
+        if not isinstance(task_settings, dict):
+            raise InputTypeError(f"task_settings must be a dict, not {type(task_settings).__name__}")
+        for t in tasks:
+            check_task_settings(t, task_settings)
+    check_device(device, f("device"))
+    if dtype is not None:
+        check_dtype(dtype)
+    from .models import check_device_map
+
+    check_device_map(device_map, name=f("device_map"))
+    if out_dir is not None:
+        check_out_dir(out_dir, f("out_dir"))
+    return tasks
 
 
 # ---------------------------------------------------------------------------------------- the CLI view
@@ -325,8 +478,6 @@ def config_from_cli(values: dict[str, Any]) -> dict[str, Any]:
     Raises:
         HeadscopeInputError: a ``--verify`` that is neither auto, a count nor a fraction.
     """
-    from .checks import parse_verify
-
     out: dict[str, Any] = {}
     for cf in cli_fields():
         v = values[cf.name]

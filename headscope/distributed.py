@@ -11,7 +11,7 @@ Two ways to start ranks, one code path inside them (:func:`headscope.runtime.ini
   :func:`headscope.runtime.launch` (``torch.multiprocessing``, the environment torchrun would set);
 * ``torchrun --nproc-per-node N -m headscope.cli rank ...``.
 
-The process-group helpers live in :mod:`headscope.runtime`; the names below stay importable from here.
+The process-group helpers live in :mod:`headscope.runtime`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .runtime import backend_for, init_from_env, launch, local_rank, rank_device  # noqa: F401  (old import place)
+from .runtime import init_from_env, launch, rank_device
 
 
 def _rank_worker(device: str | None, kwargs: dict[str, Any]) -> None:

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from .arch import adapt, attention_out_module, decoder_layers, unwrap
 from .errors import HeadscopeInputError, InputTypeError
-from .models import LoadedModel
+from .models import LoadedModel, value_bias
 from .readout import greedy_exact_match
 from .tasks.base import Pair
 
@@ -74,40 +74,13 @@ def _layer_module(model: LoadedModel, layer: int) -> torch.nn.Module:
     return unwrap(decoder_layers(model.hf_model)[layer])
 
 
-# ---- value biases and the bridge's weight processing -------------------------------------------
-@torch.no_grad()
-def value_bias(bridge: Any, n_heads: int) -> dict[int, Float[Tensor, "hd"]]:
-    """Per layer, the constant part of hook_z (flattened over heads) in a TransformerBridge's
-    current weights.
-
-    Attention weights sum to 1, so head h's hook_z is (a part that depends on the input) + c[h] at
-    every position, with c = b_V + β·W_V: the value bias (under GQA, the head's KV group's) plus the
-    value projection of the attention norm's bias β (LayerNorm; none for RMSNorm). Read from the
-    bridge's ``blocks[l].attn.b_V`` / ``W_V`` (TransformerLens 4.3), which are the weights that run
-    also where weight processing leaves the transformers modules behind (GPT-2's fused c_attn).
-    Units: activations of hook_z; tensors on the CPU, float32.
-
-    Raises:
-        AttributeError: a bridge without per-block ``attn.b_V`` / ``attn.W_V``.
-    """
-    out: dict[int, Tensor] = {}
-    for layer, blk in enumerate(bridge.blocks):
-        b_v = blk.attn.b_V
-        w_v = blk.attn.W_V  # [n_kv or n_heads, d_model, d_head]
-        c = torch.zeros(w_v.shape[0], w_v.shape[-1], dtype=torch.float64) if b_v is None else b_v.detach().double().cpu()
-        beta = getattr(unwrap(getattr(blk, "ln1", None)), "bias", None)
-        if isinstance(beta, Tensor):
-            c = c + torch.einsum("m,nmd->nd", beta.detach().double().cpu(), w_v.detach().double().cpu())
-        out[layer] = c.float().repeat_interleave(n_heads // c.shape[0], 0).flatten()
-    return out
-
-
+# ---- the bridge's weight processing (the value biases are read by headscope.models.value_bias) ------
 def folded_value_bias(model: LoadedModel) -> dict[int, Float[Tensor, "hd"]]:
     """Per layer, the value bias that the TransformerBridge's weight processing moved out of hook_z.
 
     ``bridge.enable_compatibility_mode()`` / ``process_weights(fold_value_biases=True)``
     (TransformerLens 4.3) set b_O ← b_O + Σ_h W_O[:, h]·b_V[h] and b_V ← 0 (after folding the norm's
-    bias into b_V): hook_z then lacks each head's constant share c[h] (:func:`value_bias`), which
+    bias into b_V): hook_z then lacks each head's constant share c[h] (:func:`headscope.models.value_bias`), which
     sits in the output bias instead. Setting hook_z of head h to −d[h], d = c before processing −
     c now, removes the share again: W_O[:, h]·(−d[h]) cancels the folded W_O[:, h]·c[h]. The c
     before processing is recorded by :attr:`LoadedModel.bridge` when it boots
@@ -435,7 +408,6 @@ __all__ = [
     "record_z",
     "normalize_heads",
     "o_proj_module",
-    "value_bias",
     "folded_value_bias",
     "answer_logits",
     "retrieval_correct",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,8 @@ from typing import Any, Sequence, Union
 
 import numpy as np
 
-from .errors import HeadscopeInputError, InputFileNotFoundError
+from .errors import HeadscopeInputError, InputFileNotFoundError, InputTypeError
+from .validate import check_int
 
 Budget = Union[int, float, str]
 
@@ -342,6 +344,60 @@ class HeadMask:
                 f"mask is for {self.n_layers} layers x {self.n_heads} heads ({self.n_kv_heads} KV heads) "
                 f"but the model has {n_layers} x {n_heads} ({n_kv_heads} KV heads); rank this model first"
             )
+
+
+# ---- checks before a model loads ----------------------------------------------------------------
+def check_budget(budget: Budget, geometry: Any = None, min_per_layer: int = 1, name: str = "budget",
+                 allow_raise: bool = False) -> int | None:
+    """The syntax of a budget, and with ``geometry`` its head count and ``min_per_layer`` -> K or None.
+    ``allow_raise``: a budget below ``min_per_layer`` per layer is accepted (the mask step raises it).
+
+    Raises:
+        HeadscopeInputError: a malformed budget, a count outside the model, a ratio leaving no FA
+            head, a fraction outside (0, 1], or a budget too small for ``min_per_layer`` per layer.
+    """
+    mpl_name = "--min-per-layer" if name.startswith("--") else "min_per_layer"
+    check_int(mpl_name, min_per_layer, lo=0)
+    if geometry is None:
+        parse_budget(budget, 10**9)  # syntax only: 'lots', '7:0', a fraction above 1
+        return None
+    k = parse_budget(budget, geometry.n_total)
+    if min_per_layer > geometry.n_heads:
+        raise HeadscopeInputError(
+            f"{mpl_name}={min_per_layer} is more than the {geometry.n_heads} heads of a layer; lower {mpl_name}"
+        )
+    if min_per_layer * geometry.n_layers > k and not allow_raise:
+        raise HeadscopeInputError(
+            f"budget of {k} FA heads cannot give {min_per_layer} head(s) to each of {geometry.n_layers} layers; "
+            f"raise {name} or lower {mpl_name}"
+        )
+    return k
+
+
+def check_mask_layers(mask: HeadMask, min_per_layer: int) -> None:
+    """Every layer of ``mask`` keeps at least ``min_per_layer`` FA heads. Raises HeadscopeInputError."""
+    short = [(layer, len(hs)) for layer, hs in enumerate(mask.fa_heads) if len(hs) < min_per_layer]
+    if short:
+        raise HeadscopeInputError(
+            f"layers {[s[0] for s in short]} have fewer than min_per_layer={min_per_layer} FA heads "
+            f"(counts {[s[1] for s in short]}); select the mask with HeadMask.select(..., min_per_layer="
+            f"{min_per_layer}) or pass min_per_layer=0"
+        )
+
+
+def as_mask(mask: Any) -> HeadMask:
+    """A HeadMask from a HeadMask, its dict or a JSON path.
+
+    Raises:
+        InputTypeError: any other type. HeadscopeInputError / InputFileNotFoundError: a bad dict or file.
+    """
+    if isinstance(mask, HeadMask):
+        return mask
+    if isinstance(mask, dict):
+        return HeadMask.from_dict(mask)
+    if isinstance(mask, (str, os.PathLike)):
+        return HeadMask.from_json(mask)
+    raise InputTypeError(f"mask must be a HeadMask, its dict or a JSON path, not {type(mask).__name__}")
 
 
 def _json_default(o: Any) -> Any:

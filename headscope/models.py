@@ -20,16 +20,23 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
-import warnings
 import shutil
+import struct
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
+from jaxtyping import Float
+from torch import Tensor
 
-from .errors import HeadscopeInputError
+from .arch import unwrap
+from .errors import HeadscopeInputError, InputTypeError
+from .validate import check_choice
 
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -112,8 +119,6 @@ class LoadedModel:
                 device=self.device,
                 dtype=self.dtype,
             )
-            from .knockout import value_bias
-
             try:  # before any weight processing can fold them away (knockout's zero ablation needs them)
                 self.info["value_bias"] = value_bias(self._bridge, self.geometry.n_heads)
             except AttributeError:  # a bridge without per-block b_V / W_V
@@ -274,6 +279,111 @@ def _resolve(spec: str | os.PathLike) -> tuple[str, dict[str, Any], str]:
     )
 
 
+# ---- the geometry of a model spec, read without loading weights (checks before a load) --------------
+def _geometry(cfg: dict[str, Any]) -> Geometry | None:
+    cfg = cfg if "num_attention_heads" in cfg else cfg.get("text_config") or {}
+    try:
+        return geometry_of(SimpleNamespace(**cfg))
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
+def config_geometry(path: Any) -> Geometry | None:
+    """Geometry from a transformers ``config.json`` (None when it cannot be read)."""
+    try:
+        return _geometry(json.loads(Path(path).read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def _gguf_value(f: Any, t: int) -> Any:
+    """One GGUF metadata value; arrays are skipped (None)."""
+    if t in _GGUF_SCALAR:
+        fmt = _GGUF_SCALAR[t]
+        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+    if t == 8:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return f.read(n).decode("utf-8", "replace")
+    if t == 9:
+        et, n = struct.unpack("<IQ", f.read(12))
+        if et in _GGUF_SCALAR:
+            f.seek(n * struct.calcsize(_GGUF_SCALAR[et]), 1)
+        else:
+            for _ in range(n):
+                _gguf_value(f, et)
+        return None
+    raise ValueError(f"unknown GGUF value type {t}")
+
+
+def gguf_geometry(path: Any) -> Geometry | None:
+    """Geometry from a GGUF file's metadata, read without its tensors (None when unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return None
+            (version,) = struct.unpack("<I", f.read(4))
+            if version < 2:
+                return None
+            _, n_kv = struct.unpack("<QQ", f.read(16))
+            meta: dict[str, Any] = {}
+            for _ in range(n_kv):
+                (n,) = struct.unpack("<Q", f.read(8))
+                key = f.read(n).decode("utf-8", "replace")
+                (t,) = struct.unpack("<I", f.read(4))
+                meta[key] = _gguf_value(f, t)
+        arch = meta["general.architecture"]
+        g = {k: meta.get(f"{arch}.{k}") for k in ("block_count", "attention.head_count", "attention.head_count_kv",
+                                                  "embedding_length", "context_length", "attention.key_length")}
+        n_heads = int(g["attention.head_count"])
+        return Geometry(
+            n_layers=int(g["block_count"]), n_heads=n_heads, n_kv_heads=int(g["attention.head_count_kv"] or n_heads),
+            d_head=int(g["attention.key_length"] or int(g["embedding_length"]) // n_heads),
+            d_model=int(g["embedding_length"]), n_ctx=int(g["context_length"] or 0),
+        )
+    except (OSError, ValueError, KeyError, TypeError, struct.error, ZeroDivisionError):
+        return None
+
+
+def _cached_hub_config(repo_id: str) -> str | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # an invalid repo id: not in the cache either
+        return None
+    return hit if isinstance(hit, str) else None
+
+
+def check_model(spec: Any, name: str = "model") -> Geometry | None:
+    """Resolve a model spec without loading it -> its Geometry (None where the config is unreadable).
+
+    Raises:
+        ModelSpecError (a HeadscopeInputError): unknown spec, missing GGUF / directory / config.json,
+            a hub id that is not in the local Hugging Face cache.
+        InputTypeError: ``spec`` is neither a spec string, a path nor a LoadedModel.
+    """
+    if isinstance(spec, LoadedModel):
+        return spec.geometry
+    if not isinstance(spec, (str, os.PathLike)):
+        raise InputTypeError(f"{name} must be a model spec (name, directory, .gguf path, hub id) or a LoadedModel, "
+                             f"not {type(spec).__name__}")
+    path, kw, _ = _resolve(spec)
+    if "gguf_file" in kw:
+        return gguf_geometry(Path(path) / kw["gguf_file"])
+    if kw.get("local_files_only"):
+        cfg = _cached_hub_config(path)
+        if cfg is None:
+            raise ModelSpecError(
+                f"{str(spec)!r} is not in the local Hugging Face cache and headscope never downloads: download it "
+                "yourself (huggingface-cli download ...) or pass a local model directory / .gguf path"
+            )
+        return config_geometry(cfg)
+    return config_geometry(Path(path) / "config.json")
+
+
 def load_hf(
     spec: str | os.PathLike = DEFAULT_MODEL,
     device: str | torch.device | None = None,
@@ -315,6 +425,27 @@ def load_hf(
 
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def check_device_map(device_map: Any, devices: int = 1, name: str = "device_map") -> None:
+    """A known device-map name or a {module: device} dict, accelerate installed, one process.
+
+    Raises:
+        HeadscopeInputError: an unknown name, with ``devices`` > 1, or accelerate missing.
+    """
+    if device_map is None:
+        return
+    if devices > 1:
+        raise HeadscopeInputError(
+            "--device-map spreads one model over the GPUs; --devices shards the sweep: use one of them"
+        )
+    if isinstance(device_map, str):
+        check_choice(name, device_map, DEVICE_MAPS, "or pass a {module name: device} dict")
+    elif not isinstance(device_map, dict):
+        raise HeadscopeInputError(f"{name}={device_map!r}: use one of {DEVICE_MAPS} or a {{module: device}} dict")
+    if importlib.util.find_spec("accelerate") is None:
+        raise HeadscopeInputError(f"{name} needs accelerate: pip install 'headscope[scale]' (or accelerate)")
+
 
 
 def dispatch(hf_model: Any, device_map: str | dict[str, Any], max_memory: dict[Any, Any] | None = None) -> dict[str, Any]:
@@ -442,3 +573,31 @@ def load_model(
     hub_name = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
                 "gemma-3-270m": "google/gemma-3-270m"}.get(name)
     return wrap(hf_model, tok, name=name, spec=str(spec), hub_name=hub_name)
+
+
+# ---- value biases ------------------------------------------------------------------------------
+@torch.no_grad()
+def value_bias(bridge: Any, n_heads: int) -> dict[int, Float[Tensor, "hd"]]:
+    """Per layer, the constant part of hook_z (flattened over heads) in a TransformerBridge's
+    current weights.
+
+    Attention weights sum to 1, so head h's hook_z is (a part that depends on the input) + c[h] at
+    every position, with c = b_V + β·W_V: the value bias (under GQA, the head's KV group's) plus the
+    value projection of the attention norm's bias β (LayerNorm; none for RMSNorm). Read from the
+    bridge's ``blocks[l].attn.b_V`` / ``W_V`` (TransformerLens 4.3), which are the weights that run
+    also where weight processing leaves the transformers modules behind (GPT-2's fused c_attn).
+    Units: activations of hook_z; tensors on the CPU, float32.
+
+    Raises:
+        AttributeError: a bridge without per-block ``attn.b_V`` / ``attn.W_V``.
+    """
+    out: dict[int, Tensor] = {}
+    for layer, blk in enumerate(bridge.blocks):
+        b_v = blk.attn.b_V
+        w_v = blk.attn.W_V  # [n_kv or n_heads, d_model, d_head]
+        c = torch.zeros(w_v.shape[0], w_v.shape[-1], dtype=torch.float64) if b_v is None else b_v.detach().double().cpu()
+        beta = getattr(unwrap(getattr(blk, "ln1", None)), "bias", None)
+        if isinstance(beta, Tensor):
+            c = c + torch.einsum("m,nmd->nd", beta.detach().double().cpu(), w_v.detach().double().cpu())
+        out[layer] = c.float().repeat_interleave(n_heads // c.shape[0], 0).flatten()
+    return out

@@ -178,7 +178,7 @@ class Readout:
     min_gap: float = DEFAULT_MIN_GAP
 
     def __post_init__(self) -> None:
-        from .checks.core import check_choice, check_real
+        from .validate import check_choice, check_real
 
         check_real("lam", self.lam, 0.0, 1.0, lo_open=True, fix="λ weighs answer token j by λ^j; 0.9 is the default")
         check_choice("direction", self.direction, DIRECTIONS)

@@ -179,15 +179,6 @@ NORMALIZE = ("max", "minmax")
 KAPPA = ("focus", "one")
 
 
-def __getattr__(name: str) -> Any:
-    # κ runs the model: it moved to headscope.kappa, beside the patching code; the old import keeps working
-    if name == "retrieval_focus":
-        from .kappa import retrieval_focus
-
-        return retrieval_focus
-    raise AttributeError(f"module 'headscope.scores' has no attribute {name!r}")
-
-
 def capability_score(
     ie_recv: Float[Tensor, "layer head"],
     ie_send: Float[Tensor, "layer head"] | None = None,

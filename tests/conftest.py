@@ -12,6 +12,30 @@ if not torch.cuda.is_available():  # Triton kernels (headscope.hybrid.inference.
     os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads this when first imported, so set it first
 
 import pytest  # noqa: E402
+from _pytest.mark import ParameterSet  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that loads the real default model (the ``smol`` fixture) belongs to the slow tier."""
+    for item in items:
+        if "smol" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
+def fast_first(cases, keep: int = 1, one_arg: bool = False):
+    """Cases of a ``parametrize`` whose first ``keep`` run in the fast tier (``pytest -m "not slow"``) and
+    the rest only in the slow tier (marked ``slow``): a kernel's option matrix keeps one representative
+    case in the inner loop and runs whole in CI. A tuple case holds one value per argument name, unless
+    ``one_arg`` (the cases are values of a single argument, tuples included)."""
+    out = []
+    for i, c in enumerate(cases):
+        if i < keep:
+            out.append(c)
+        elif isinstance(c, ParameterSet):
+            out.append(pytest.param(*c.values, marks=(*c.marks, pytest.mark.slow), id=c.id))
+        else:
+            out.append(pytest.param(*(c if isinstance(c, tuple) and not one_arg else (c,)), marks=pytest.mark.slow))
+    return out
 
 
 def experiment_module(name: str):

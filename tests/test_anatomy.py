@@ -266,6 +266,7 @@ def _fake_ranking(n_pairs=5, seed=0):
     return Ranking(df, geo, {"model": "fake", "tasks": ["niah_single"], "n_pairs": n_pairs, "lambda": 0.9}, ie)
 
 
+@pytest.mark.slow
 def test_anatomy_of_ranking_and_save(tmp_path):
     r = _fake_ranking()
     a = an.anatomy(r, n_boot=20)

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from headscope.patching import receiver_patching
-from headscope.patching.attribution import attribution_ie, recall_at_k, screen_then_verify
+from headscope.patching.attribution import attribution_ie, recall_at_k
+from headscope.patching.screen import screen_then_verify
 from headscope.patching.engine import Engine
 from headscope.patching.receivers import sequences
 from headscope.readout import logit_diff
@@ -68,6 +69,7 @@ def test_missed_upper95_when_every_spot_check_is_a_miss(tiny, pairs, monkeypatch
     from scipy import stats
 
     import headscope.patching.attribution as att
+    import headscope.patching.screen as scr
 
     assert np.isnan(stats.beta.ppf(0.95, 4, 0))  # the expression the bound used for 3 of 3
     exact = receiver_patching(tiny, pairs, min_gap=0.0, progress=False).ie
@@ -77,8 +79,8 @@ def test_missed_upper95_when_every_spot_check_is_a_miss(tiny, pairs, monkeypatch
         _, m_c, m_x = real(*a, **k)
         return -exact.clone(), m_c, m_x
 
-    monkeypatch.setattr(att, "attribution_ie", reversed_screen)
-    res = att.screen_then_verify(tiny, pairs, verify=2, spot_checks=3, min_gap=0.0, progress=False)
+    monkeypatch.setattr(scr, "attribution_ie", reversed_screen)
+    res = scr.screen_then_verify(tiny, pairs, verify=2, spot_checks=3, min_gap=0.0, progress=False)
     # the 2 "verified" heads are the 2 lowest exact heads, so every other head reaches them
     means = exact.double().mean(0)
     assert sorted(res.verified) == sorted(divmod(int(i), 4) for i in means.flatten().argsort()[:2])

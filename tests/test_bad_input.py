@@ -262,7 +262,7 @@ def test_api_bad_input(case, files, no_model):
 # ------------------------------------------------------------------------------ geometry without weights
 def test_geometry_is_read_without_weights(tiny_dir):
     """The checks judge budgets, masks and context lengths from the config / GGUF metadata alone."""
-    from headscope.checks import check_model
+    from headscope.models import check_model
     from headscope.models import Geometry, load_model
 
     t0 = time.perf_counter()
@@ -292,16 +292,17 @@ def test_prompt_too_short_is_one_line_after_the_model_loads(tiny_dir, tmp_path, 
 
 def test_unexpected_errors_keep_their_traceback(monkeypatch):
     """A bug is not an input error: the CLI lets it through (exit 1, the exception kept for the traceback)."""
-    import headscope.checks
+    import headscope.models
 
     def bug(*a, **k):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(headscope.checks, "check_model", bug)
+    monkeypatch.setattr(headscope.models, "check_model", bug)
     res = CliRunner().invoke(app, ["rank"])
     assert res.exit_code == 1 and isinstance(res.exception, KeyError)
 
 
+@pytest.mark.slow
 def test_subprocess_prints_one_line_without_traceback(files):
     """The real console path (rich tracebacks on): `rank --out FILE` was a NotADirectoryError traceback."""
     import subprocess

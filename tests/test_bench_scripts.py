@@ -13,6 +13,7 @@ import torch
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+@pytest.mark.slow
 def test_bench_one_launch_smoke_runs_every_cell_and_they_agree():
     """bench_one_launch.py --smoke: every cell of the kernel's breakdown runs through Triton's interpreter and its FA
     output equals the default's (the script asserts it)."""

@@ -57,6 +57,7 @@ def test_retrieval_hits_equal_greedy_generation(smol_tokenizer):
         assert not retrieval_hits(model, wrong, pad, batch_size=4, pad_multiple=pm).any()
 
 
+@pytest.mark.slow
 def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
     from typer.testing import CliRunner
 
@@ -137,6 +138,7 @@ def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
     assert not list(out.glob("*/eval.partial.json"))[1:]  # finished jobs leave no partial file behind
 
 
+@pytest.mark.slow
 def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, smol_tokenizer):
     """experiments/gpu_conversion.sh with both "devices" on the CPU and tiny settings: plan, two sampling
     shards, the teacher's cells beside them, pack, three queues (main masks, teacher, ablation) and the report; a
@@ -186,6 +188,7 @@ def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, smol_tokenizer):
     assert "abl3_fa_gate done" in (out / "logs" / "queue2.log").read_text()
 
 
+@pytest.mark.slow
 def test_queue_goes_on_after_a_failed_job_and_retries_it(tmp_path, monkeypatch):
     import typer
 

@@ -20,6 +20,7 @@ def test_engine_reports_each_layers_device(tiny):
     assert not e.multi_device
 
 
+@pytest.mark.slow
 def test_per_layer_path_equals_stacked_path(tiny, smol_tokenizer, monkeypatch):
     pairs = niah_single(smol_tokenizer, n_pairs=2, seq_len=64, seed=4)
     want = receiver_patching(tiny, pairs, min_gap=0.0, progress=False)
@@ -43,6 +44,7 @@ def test_per_layer_path_equals_stacked_path(tiny, smol_tokenizer, monkeypatch):
         e.run_with_grad(clean_seq, read)
 
 
+@pytest.mark.slow
 def test_rank_with_device_map_equals_plain_rank(tiny_dir, tmp_path):
     settings = dict(tasks=("niah_single",), n_pairs=2, seq_len=64, seed=2, min_gap=0.0, progress=False, device="cpu")
     plain = headscope.rank(str(tiny_dir), **settings)

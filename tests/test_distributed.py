@@ -1,12 +1,14 @@
 """Two gloo processes produce exactly the single-process table (CPU)."""
 
 import pandas as pd
+import pytest
 import torch
 
 import headscope
 from headscope.distributed import spawn_rank
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_equal_one_process(tiny_dir, tmp_path):
     settings = dict(model=str(tiny_dir), tasks=("niah_single",), n_pairs=3, seq_len=64, seed=2, min_gap=0.0)
     torch.set_num_threads(1)  # the same intra-op threading as each rank, for bitwise-equal float sums
@@ -43,6 +45,7 @@ def test_shards_split_the_items(tiny, smol_tokenizer, tmp_path):
         receiver_patching(tiny, pairs, shard=(0, 2))
 
 
+@pytest.mark.slow
 def test_cli_devices_two_runs_the_config_on_two_ranks(tiny_dir, tmp_path):
     """`headscope rank --devices 2` hands its RankConfig to both ranks (runtime.launch): the saved ranking
     has the CLI's settings, its whole config, and the single-process numbers (to float rounding)."""

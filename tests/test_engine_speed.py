@@ -13,6 +13,8 @@ from headscope.patching.receivers import PairState, patch_rows, sequences
 from headscope.readout import logit_diff
 from headscope.tasks import niah_single
 
+from conftest import fast_first
+
 
 @pytest.fixture(scope="module")
 def pair(smol_tokenizer):
@@ -138,13 +140,15 @@ def test_probe_ie_matches_exact_and_brute_force(tiny, pair):
     assert float(got[1]) == pytest.approx((st.m_clean - m) / (st.m_clean - st.m_corrupt), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_screen_auto_verifies_exactly(tiny, smol_tokenizer):
     """verify='auto': verified heads carry the exact IE; when certified, the screen's top-k equals the
     exact top-k; unverified heads are never given an exact number."""
     import numpy as np
 
     from headscope.patching import receiver_patching
-    from headscope.patching.attribution import recall_at_k, screen_then_verify
+    from headscope.patching.attribution import recall_at_k
+    from headscope.patching.screen import screen_then_verify
 
     pairs = niah_single(smol_tokenizer, n_pairs=2, seq_len=64, depth=[0.3, 0.7], seed=0)
     res = screen_then_verify(tiny, pairs, verify="auto", top_k=3, min_gap=0.0, progress=False)
@@ -182,14 +186,15 @@ def test_probe_blocks_ie_matches_full_patched_run(tiny, smol_tokenizer):
         probe_blocks_ie(e, {0: st}, [pair], [(1, 2), (0, 1)], 1.0, "noising")
 
 
-@pytest.mark.parametrize("block,verify_cost,atp_slack", [(1, 3.0, 2.0), (2, 0.25, 2.0), (2, 8.0, 2.0), (2, 3.0, 1.0)])
+@pytest.mark.parametrize("block,verify_cost,atp_slack", fast_first([(1, 3.0, 2.0), (2, 0.25, 2.0), (2, 8.0, 2.0), (2, 3.0, 1.0)]))
 def test_screen_auto_blocks_certify_exact_top_k(tiny, smol_tokenizer, block, verify_cost, atp_slack):
     """Block sizes and the refine-vs-verify cost switch change only the work done: when certified, the
     screen's top-k equals the exact top-k and verified heads carry the exact IE. Probes in float32 (exact
     probes, so probe + margin bounds the exact IE; in bfloat16 a probe of this random model is off by up
     to 0.03, more than the 0.01 margin, the limit of the bf16 screen)."""
     from headscope.patching import receiver_patching
-    from headscope.patching.attribution import recall_at_k, screen_auto
+    from headscope.patching.attribution import recall_at_k
+    from headscope.patching.screen import screen_auto
 
     pairs = niah_single(smol_tokenizer, n_pairs=2, seq_len=64, depth=[0.3, 0.7], seed=0)
     res = screen_auto(tiny, pairs, top_k=3, min_gap=0.0, progress=False, block=block, verify_cost=verify_cost,
@@ -201,11 +206,13 @@ def test_screen_auto_blocks_certify_exact_top_k(tiny, smol_tokenizer, block, ver
     assert recall_at_k(exact.mean(0).numpy(), res.ie.mean(0).numpy(), 3) == 1.0
 
 
+@pytest.mark.slow
 def test_atp_slack_only_adds_verification(tiny, smol_tokenizer):
     """A larger AtP slack makes positive-AtP heads of unrefined units more competitive: more heads are
     probed alone or verified, and the top-k stays exact."""
     from headscope.patching import receiver_patching
-    from headscope.patching.attribution import recall_at_k, screen_auto
+    from headscope.patching.attribution import recall_at_k
+    from headscope.patching.screen import screen_auto
 
     pairs = niah_single(smol_tokenizer, n_pairs=2, seq_len=64, depth=[0.3, 0.7], seed=1)
     kw = dict(top_k=2, min_gap=0.0, progress=False, block=2, probe_dtype=torch.float32)

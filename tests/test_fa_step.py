@@ -16,7 +16,7 @@ from headscope.hybrid.inference import decode, forward as fwd, plan as plan_mod
 from headscope.hybrid.inference.kernels import fa_prep as fa_step
 from headscope.hybrid.inference.kernels.fa_prep import fa_decode_prep, fa_decode_prep_torch
 
-from conftest import rope_and_qk_norm
+from conftest import fast_first, rope_and_qk_norm
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernel = pytest.mark.skipif(not fa_step.applies(64, torch.device(DEV)),
@@ -135,9 +135,9 @@ def test_torch_prep_equals_the_lean_glue():
 
 
 @needs_kernel
-@pytest.mark.parametrize("fused_out", [True, False])
-@pytest.mark.parametrize("qwen,opts", [(True, {}), (False, {"fa_pos": "nope", "fa_gate": True}), (True, {"fa_pos": "rope"}),
-                                       (False, {"fusion": "none"})])
+@pytest.mark.parametrize("fused_out", fast_first([True, False]))
+@pytest.mark.parametrize("qwen,opts", fast_first([(True, {}), (False, {"fa_pos": "nope", "fa_gate": True}),
+                                                  (True, {"fa_pos": "rope"}), (False, {"fusion": "none"})]))
 def test_lean_decode_steps_with_the_prep_kernel_equal_the_plain_forward(monkeypatch, qwen, opts, fused_out):
     """A hybrid layer (head_dim 16, FA heads over two KV groups) decoding token by token through the lean path's
     one-launch step (FA prep + split-K partials + GDN step, step.py) gives the plain forward's outputs (Qwen3
@@ -148,6 +148,7 @@ def test_lean_decode_steps_with_the_prep_kernel_equal_the_plain_forward(monkeypa
 
 
 @needs_kernel
+@pytest.mark.slow
 def test_lean_decode_fused_output_with_a_group_of_two_fa_heads_and_its_head_dim_limit(monkeypatch):
     """FA heads 0 and 1 share a KV group (split-K with G = 2): the fused output equals the plain forward; above
     ``fused_out_max_d`` the step keeps the output glue."""
@@ -156,6 +157,7 @@ def test_lean_decode_fused_output_with_a_group_of_two_fa_heads_and_its_head_dim_
 
 
 @needs_kernel
+@pytest.mark.slow
 def test_lean_decode_fused_output_at_head_dim_128(monkeypatch):
     """Qwen3's head_dim 128 with the output fusion allowed there (``fused_out_max_d`` = 128): the fused split-K
     combination and the GDN step with its per-head norm give the plain forward's outputs."""

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import fast_first
 from families import tiny_family
 from headscope import anatomy as an
 from headscope.patching import receiver_patching
-from headscope.patching.attribution import screen_auto, screen_then_verify
+from headscope.patching.screen import screen_auto, screen_then_verify
 from headscope.patching.senders import sender_patching
 from headscope.selectors import select
 from headscope.tasks import niah_single
@@ -23,7 +24,7 @@ def pairs(smol_tokenizer):
     return niah_single(smol_tokenizer, n_pairs=2, seq_len=64, depth=[0.3, 0.6], seed=3)
 
 
-@pytest.mark.parametrize("family", FAMS)
+@pytest.mark.parametrize("family", fast_first(FAMS))
 def test_screen_auto_top_equals_exact(family, smol_tokenizer, pairs):
     lm = tiny_family(family, smol_tokenizer)
     exact = receiver_patching(lm, pairs, min_gap=0.0, progress=False)
@@ -39,7 +40,7 @@ def test_screen_auto_top_equals_exact(family, smol_tokenizer, pairs):
         assert torch.allclose(scr16.ie[:, layer, head], exact.ie[:, layer, head], atol=1e-5)
 
 
-@pytest.mark.parametrize("family", FAMS)
+@pytest.mark.parametrize("family", fast_first(FAMS))
 def test_sender_patching_runs_and_no_path_is_zero(family, smol_tokenizer, pairs):
     lm = tiny_family(family, smol_tokenizer)
     g = lm.geometry
@@ -51,7 +52,7 @@ def test_sender_patching_runs_and_no_path_is_zero(family, smol_tokenizer, pairs)
     assert float(ie[:top].abs().max()) > 0  # and below it, something moves
 
 
-@pytest.mark.parametrize("family", FAMS)
+@pytest.mark.parametrize("family", fast_first(FAMS))
 def test_dla_adds_up_and_cosine_runs(family, smol_tokenizer, pairs):
     lm = tiny_family(family, smol_tokenizer)
     d = an.direct_logit_attribution(lm, pairs, lam=0.9)
@@ -63,7 +64,7 @@ def test_dla_adds_up_and_cosine_runs(family, smol_tokenizer, pairs):
     assert c.shape == (lm.geometry.n_layers, lm.geometry.n_layers)
 
 
-@pytest.mark.parametrize("family", FAMS)
+@pytest.mark.parametrize("family", fast_first(FAMS))
 @pytest.mark.parametrize("method", ["retrieval_score", "duo_gates", "flashmorph_gates", "rope_dependence"])
 def test_selectors_run(family, method, smol_tokenizer):
     lm = tiny_family(family, smol_tokenizer)

@@ -15,7 +15,7 @@ from headscope.train.fast import FastStep, flops_per_token, model_body
 from headscope.train.fused_loss import ce_chunk, kl_chunk, linear_ce_loss, linear_kl_loss
 from headscope.train.stages import _capture_attention_io
 
-from conftest import tiny_llama
+from conftest import fast_first, tiny_llama
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -201,9 +201,9 @@ def test_model_body_and_teacher_io_match_the_model(teacher):
         del fs
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+@pytest.mark.parametrize("backend", fast_first([None, "aot_eager"]))
+@pytest.mark.parametrize("stage", fast_first([1, 2, 3]))
+@pytest.mark.parametrize("kind", fast_first(["hybrid", "dense"]))
 def test_fast_step_equals_plain_step(teacher, kind, stage, backend):
     """Loss, logged values and gradients of the fast step equal stage_loss + backward on one batch."""
     torch.manual_seed(0)
@@ -224,6 +224,7 @@ def test_fast_step_equals_plain_step(teacher, kind, stage, backend):
     assert "_fast_rows" not in getattr(st.model.layers[0].self_attn, "__dict__", {})
 
 
+@pytest.mark.slow
 def test_fast_step_compiles_once_per_head_count(teacher):
     """Layers with the same FA / GDN head counts share compiled graphs, whichever heads they are."""
     t6 = tiny_llama(_Vocab(), seed=5, n_layers=6, n_heads=4, n_kv=2, d_model=64)
@@ -267,7 +268,7 @@ def test_flops_per_token_counts_linear_maps(teacher):
 
 
 # ------------------------------------------------------------------------------ the trainer
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", fast_first([1, 2, 3]))
 def test_trainer_fast_and_plain_steps_agree(teacher, stage, tmp_path):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (8, 24), generator=g)
@@ -292,6 +293,7 @@ def test_trainer_fast_and_plain_steps_agree(teacher, stage, tmp_path):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
 
 
+@pytest.mark.slow
 def test_bench_train_smoke(tmp_path):
     """benchmarks/bench_train.py runs end to end on CPU (tiny model) and writes its JSON."""
     import json

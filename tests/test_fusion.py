@@ -10,7 +10,8 @@ import headscope
 from headscope.masks import HeadMask
 from headscope.patching import Engine
 from headscope.patching.receivers import sequences
-from headscope.scores import capability_score, check_weights, fused_table, normalize_score, retrieval_focus
+from headscope.kappa import retrieval_focus
+from headscope.scores import capability_score, check_weights, fused_table, normalize_score
 from headscope.tasks import niah_single
 from test_senders import plain_forward
 
@@ -71,6 +72,7 @@ def test_fused_table_by_hand():
     assert df.sort_values("rank")["head"].tolist() == [1, 0]  # 0.85 > 0.8333
 
 
+@pytest.mark.slow
 def test_rank_fused_on_tiny(tiny, tmp_path):
     r = headscope.rank(tiny, tasks=("niah_single", "niah_multikey"), n_pairs=1, seq_len=128, senders=True,
                        top_k=3, min_gap=0.0, progress=False, out_dir=tmp_path / "run")

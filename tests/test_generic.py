@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from conftest import fast_first
 from families import FAMILIES, tiny_family
 from headscope.patching import receiver_patching, reference_patched_metric
 from headscope.patching.generic import BridgeEngine
@@ -33,7 +34,7 @@ def _all_heads(eng, lm, pair, batch_size=5, direction="noising"):
     return out, st
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", fast_first(["llama"] + sorted(set(FAMILIES) - {"llama"})))
 def test_generic_every_family_equals_reference(family, smol_tokenizer, pair):
     lm = tiny_family(family, smol_tokenizer)
     with warnings.catch_warnings():
@@ -48,6 +49,7 @@ def test_generic_every_family_equals_reference(family, smol_tokenizer, pair):
     assert float((ref - m_c).abs().max()) > 1e-4  # the patches matter
 
 
+@pytest.mark.slow
 def test_generic_rows_in_any_order_and_every_mode(smol_tokenizer, pair):
     """Entries out of layer order come back in entry order; the bridge mode and each shortcut alone
     give the same numbers as all shortcuts together."""

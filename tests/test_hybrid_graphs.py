@@ -18,6 +18,8 @@ from inference_cfg import ON, plain, use
 from headscope.hybrid.inference.decoder import StaticDecoder
 from headscope.masks import HeadMask
 
+from conftest import fast_first
+
 H, KV, D = 4, 2, 16
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -81,7 +83,7 @@ def test_graphed_prefill_on_the_second_gpu():
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("opts", [{}, {"fa_pos": "rope", "gdn_rope": False, "fa_gate": False}])
+@pytest.mark.parametrize("opts", fast_first([{}, {"fa_pos": "rope", "gdn_rope": False, "fa_gate": False}]))
 def test_device_position_decoding_equals_eager_generate(opts, monkeypatch):
     """Greedy decoding with the position in device memory (the step a CUDA graph replays) gives the tokens of the
     reference path's eager steps, for NoPE and RoPE FA heads; every step of both layers is one launch (FA prep +
@@ -179,6 +181,7 @@ def _eager_tail_reference():
     return model, ids, ref
 
 
+@pytest.mark.slow
 def test_compiled_layer_tail_equals_eager():
     """compile_tail=True (here with Dynamo's aot_eager backend: the tracing, one graph for every layer)
     gives the eager decoder's prefill and steps; so do the two compiled calls per layer that a hooked MLP gets."""
@@ -203,7 +206,7 @@ def test_compiled_layer_tail_equals_eager():
             handle.remove()
 
 
-@pytest.mark.parametrize("fusion", ["default", "none"])
+@pytest.mark.parametrize("fusion", fast_first(["default", "none"]))
 def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion):
     """InferenceConfig.tail_kernel: the lean path's one-launch decode steps hand o_proj's input to tail_step's
     layer_tail (o_proj, MLP tail, next norm and next input projection in one launch; Triton's interpreter here),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import fast_first
+
 from headscope.knockout import (
     ablate,
     folded_value_bias,
@@ -259,7 +261,7 @@ def _check_cached_equals_uncached(model, case):
     assert ((lg_c - base_lg).abs().amax(-1) > 1e-4).all()  # the ablation acts at every step
 
 
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", fast_first(range(4)))
 def test_cached_generate_equals_uncached(smol_tokenizer, case):
     # a fresh, un-bridged model: the session's `tiny` may have been wrapped by the TransformerBridge by an
     # earlier test, and transformers' cached generate on a bridged model is known to go wrong (README)
@@ -270,7 +272,7 @@ def test_cached_generate_equals_uncached(smol_tokenizer, case):
     _check_cached_equals_uncached(wrap(tiny_llama(smol_tokenizer), smol_tokenizer, name="tiny-llama"), case)
 
 
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", fast_first(range(4)))
 def test_cached_generate_equals_uncached_neox(smol_tokenizer, case):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
@@ -284,7 +286,7 @@ def test_cached_generate_equals_uncached_neox(smol_tokenizer, case):
     _check_cached_equals_uncached(lm, case)
 
 
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", fast_first(range(4)))
 def test_cached_generate_equals_uncached_gpt2(tiny_gpt2, case):
     # GPT-2 blocks get the cache positionally and position_ids as a keyword; its ablation point is attn.c_proj
     assert type(o_proj_module(tiny_gpt2, 1)).__name__ == "Conv1D"

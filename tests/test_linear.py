@@ -46,6 +46,7 @@ def test_linear_keeps_autograd():
     assert torch.allclose(w.grad, x.detach().sum(0).expand(5, 6))
 
 
+@pytest.mark.slow
 def test_onednn_switch_gives_same_patched_logits(tiny, smol_tokenizer, monkeypatch):
     """Patched logits with oneDNN, without it (HEADSCOPE_ONEDNN=0) and with the MLP cut into blocks of
     7 tokens agree to float32 rounding."""
@@ -156,7 +157,7 @@ def test_linear_rejects_wrong_weight_shape():
 
 
 def test_screen_auto_rejects_slack_below_one(tiny, smol_tokenizer):
-    from headscope.patching.attribution import screen_auto
+    from headscope.patching.screen import screen_auto
 
     pairs = niah_single(smol_tokenizer, n_pairs=1, seq_len=64, depth=0.5, seed=0)
     with pytest.raises(ValueError, match="atp_slack=0.5 must be >= 1"):

@@ -15,13 +15,15 @@ from headscope.patching import (
 from headscope.patching.receivers import finish
 from headscope.tasks import Pair, niah_single
 
+from conftest import fast_first
+
 
 @pytest.fixture(scope="module")
 def pairs(smol_tokenizer):
     return niah_single(smol_tokenizer, n_pairs=2, seq_len=64, depth=[0.3, 0.7], seed=0)
 
 
-@pytest.mark.parametrize("direction", ["noising", "denoising"])
+@pytest.mark.parametrize("direction", fast_first(["noising", "denoising"]))
 def test_matches_one_hook_at_a_time(tiny, pairs, direction):
     res = receiver_patching(tiny, pairs, direction=direction, min_gap=0.0, progress=False)
     for i, p in enumerate(pairs):

@@ -7,6 +7,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 
 import headscope.patching.receivers as receivers
@@ -34,6 +35,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume(tiny_dir, tmp_path):
     model_dir = tiny_dir
     store_dir = tmp_path / "run"

@@ -12,6 +12,8 @@ from headscope.patching.senders import iterate_senders, sender_ie, sender_patchi
 from headscope.readout import logit_diff
 from headscope.tasks import niah_single
 
+from conftest import fast_first
+
 
 def _orig(m):
     return getattr(m, "original_component", m)
@@ -116,7 +118,7 @@ def test_plain_forward_is_the_model(tiny, pairs):
     assert torch.allclose(logits, eng.logits, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["qkv", "kv", "q"])
+@pytest.mark.parametrize("mode", fast_first(["q", "qkv", "kv"]))
 def test_sender_ie_matches_brute_force(tiny, pairs, mode):
     receivers = [(1, 0), (1, 3), (0, 2)]
     use = pairs if mode == "qkv" else pairs[:1]
@@ -134,6 +136,7 @@ def test_sender_ie_matches_brute_force(tiny, pairs, mode):
     assert res.ie[:, 0].abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_freezing_three_layers(tiny3, pairs):
     """Through a middle layer only the direct path counts: the engine matches the frozen brute
     force, which differs from the unfrozen one; a sender with no path changes nothing."""

@@ -16,6 +16,8 @@ import torch
 from headscope.hybrid.inference.kernels import splitk
 from headscope.hybrid.inference.kernels.splitk import decode_attention, decode_attention_torch, n_splits_for
 
+from conftest import fast_first
+
 needs_triton = pytest.mark.skipif(
     not splitk.triton_available() or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
     reason="needs triton (pip install 'headscope[gdn]') and CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it)")
@@ -120,6 +122,7 @@ def test_launch_settings_keep_the_result(block, num_warps, num_stages):
 
 
 @needs_triton
+@pytest.mark.slow
 def test_bench_splitk_smoke_sweep_is_exact_for_every_setting():
     """benchmarks/bench_splitk.py's sweep on CPU (interpreter, fp32): every setting of the smoke grid matches
     the PyTorch reference, and the split counts are the rule's (hand-computed)."""
@@ -143,13 +146,13 @@ def test_bench_splitk_smoke_sweep_is_exact_for_every_setting():
 
 
 @needs_triton
-@pytest.mark.parametrize("B,Hq,Hk,L,d,dtype,length,ns", [
+@pytest.mark.parametrize("B,Hq,Hk,L,d,dtype,length,ns", fast_first([
     (1, 2, 1, 300, 64, torch.float32, None, 3),          # SmolLM2-like: one KV group, 2 query heads
     (1, 2, 1, 300, 64, torch.float32, [5], 3),           # later splits empty
     (3, 9, 3, 200, 64, torch.float16, [200, 1, 77], 4),  # per-sequence lengths, group of 3
     (2, 4, 2, 130, 128, torch.float32, [123], 2),        # head_dim 128, one shared length
     (2, 16, 1, 70, 32, torch.float32, None, None),       # group of 16 query heads, default splits
-])
+]))
 def test_triton_split_k_equals_brute_force(B, Hq, Hk, L, d, dtype, length, ns):
     q, k, v = _case(B, Hq, Hk, L, d, dtype)
     ln = None if length is None else torch.tensor(length)
@@ -189,12 +192,12 @@ def _glue_out_ref(o, gate, gamma, eps):
 
 
 @needs_triton
-@pytest.mark.parametrize("Hq,Hk,kvi,ns,dtype,gate,norm,d", [
+@pytest.mark.parametrize("Hq,Hk,kvi,ns,dtype,gate,norm,d", fast_first([
     (2, 1, None, 3, torch.float32, True, True, 32),        # a group of 2 FA heads, gate and norm
     (3, 2, [0, 0, 1], 5, torch.float32, False, True, 32),  # uneven groups (kv_index), norm only
     (6, 3, None, 19, torch.float16, True, False, 32),      # gate only
     (2, 1, None, 100, torch.float32, True, True, 128),     # 100 splits (most empty) > one chunk of 64 at d = 128
-])
+]))
 def test_combination_folds_the_output_fusion(Hq, Hk, kvi, ns, dtype, gate, norm, d):
     """gate= / gamma=: the split-K combination applies the hybrid's FA output step (σ(gate), then eq. 13–14's
     per-head RMSNorm and γ_h) and writes into a strided slice of a layer-wide buffer; = attention then the glue."""

@@ -15,7 +15,7 @@ from headscope.hybrid.inference.kernels.fa_prep import fa_decode_prep, fa_decode
 from headscope.hybrid.inference.kernels.gdn_step import gdn_decode_step, gdn_decode_step_torch
 from headscope.hybrid.inference.kernels.splitk import decode_attention, decode_attention_torch
 
-from conftest import rope_and_qk_norm
+from conftest import fast_first, rope_and_qk_norm
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernel = pytest.mark.skipif(not step.applies(64, torch.device(DEV)),
@@ -55,7 +55,7 @@ CASES = [  # Hq, Hk, kv_index, length kind, rope, qkn, nope, n_gdn, fused output
 
 
 @needs_kernel
-@pytest.mark.parametrize("Hq,Hk,kvi,lkind,rope,qkn,nope,ng,fused,ns", CASES)
+@pytest.mark.parametrize("Hq,Hk,kvi,lkind,rope,qkn,nope,ng,fused,ns", fast_first(CASES))
 def test_one_launch_equals_the_three_kernels_and_their_references(Hq, Hk, kvi, lkind, rope, qkn, nope, ng, fused, ns):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)

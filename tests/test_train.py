@@ -237,6 +237,7 @@ def test_stage1_trains_only_attention_and_lowers_the_loss(teacher, tmp_path):
     assert all(torch.equal(sd[k], v) for k, v in frozen.items())
 
 
+@pytest.mark.slow
 def test_cli_convert_three_stages_end_to_end(teacher_full_vocab, smol_tokenizer, tmp_path):
     from typer.testing import CliRunner
 

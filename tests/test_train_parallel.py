@@ -58,6 +58,7 @@ def _weights(d):
     return torch.load(d / "stage2" / "student.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [None, "fsdp"])
 def test_two_gloo_ranks_train_like_one_process_and_checkpoints_move(setup, smol_tokenizer, mode):
     root, teacher, mask, stage1 = setup

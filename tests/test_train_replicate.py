@@ -15,7 +15,7 @@ from headscope.hybrid import hybridize
 from headscope.masks import HeadMask
 from headscope.train import TokenRows, TrainConfig, Trainer
 
-from conftest import tiny_llama
+from conftest import fast_first, tiny_llama
 
 STEPS, BATCH, SEQ, LR = 3, 4, 24, 3e-3
 HMASK = HeadMask(2, 4, 2, ((1,), (0, 3)))
@@ -127,7 +127,7 @@ def test_rows_split_unevenly_across_ranks():
     assert uneven[2] and uneven[3], uneven
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", fast_first([1, 2, 3]))
 def test_two_replicated_ranks_match_one_process(runs, stage):
     root, info, ref, _ = runs
     assert info[stage] == {"mode": "replicate", "fast": True}

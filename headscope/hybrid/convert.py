@@ -31,7 +31,9 @@ from jaxtyping import Int
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from ..masks import HeadMask
+from ..errors import HeadscopeInputError, InputTypeError
+from ..masks import HeadMask, as_mask, check_mask_layers
+from ..validate import check_int
 from .config import HybridOptions, LayerSpec
 from .modeling_hybrid import (
     CONFIG_KEY,
@@ -117,14 +119,30 @@ def layer_spec(parts: Any, teacher_attn: nn.Module, head_dim: int) -> LayerSpec:
     )
 
 
-def _as_mask(mask: Union[HeadMask, dict, str, Path]) -> HeadMask:
-    if isinstance(mask, HeadMask):
-        return mask
-    if isinstance(mask, dict):
-        return HeadMask.from_dict(mask)
-    if isinstance(mask, (str, Path)):
-        return HeadMask.from_json(mask)
-    raise TypeError(f"mask must be a HeadMask, its dict or a JSON path, not {type(mask).__name__}")
+def check_hybridize_args(model: Any, mask: Any, min_per_layer: Optional[int], options: dict[str, Any]) -> HeadMask:
+    """:func:`hybridize`'s arguments, before any weight is copied -> the HeadMask.
+
+    Raises:
+        InputTypeError: ``model`` is not a supported family (or already a hybrid); ``mask`` of an
+            unknown type.
+        HeadscopeInputError: a mask of another geometry, a layer below ``min_per_layer``, an unknown
+            or invalid hybrid option.
+    """
+    why = unsupported_reason(model)
+    if why is not None:
+        raise InputTypeError(why)
+    m = as_mask(mask)
+    cfg = model.config
+    H = cfg.num_attention_heads
+    m.check_geometry(cfg.num_hidden_layers, H, getattr(cfg, "num_key_value_heads", None) or H)
+    mpl = int(m.meta.get("min_per_layer", 0) or 0) if min_per_layer is None else min_per_layer
+    check_int("min_per_layer", mpl, lo=0)
+    check_mask_layers(m, mpl)
+    try:
+        HybridOptions.from_dict(options)
+    except (TypeError, ValueError) as e:
+        raise HeadscopeInputError(str(e)) from e
+    return m
 
 
 @torch.no_grad()
@@ -186,7 +204,7 @@ def hybridize(
         ``config.headscope_hybrid`` holds the mask, options and per-layer specs. An FA head keeps its
         layer's sliding window, logit scale and soft-cap; GDN heads have none of them.
 
-    Raises (checked first, :func:`headscope.checks.check_hybridize_args`):
+    Raises (checked first, :func:`check_hybridize_args`):
         InputTypeError (a TypeError and HeadscopeInputError): ``model`` is not a supported family
             (the message names what is missing), or ``mask`` is of an unknown type.
         HeadscopeInputError (a ValueError): the mask is for another geometry, lists a head twice, or
@@ -195,27 +213,12 @@ def hybridize(
         NotImplementedError: a layer applies something the hybrid layer cannot reproduce (named).
     """
     from ..arch import adapt
-    from ..checks import check_hybridize_args
 
     mask = check_hybridize_args(model, mask, min_per_layer, options)  # before any weight is copied
-    why = unsupported_reason(model)
-    if why is not None:
-        raise TypeError(why)
     cfg_cls, model_cls = FAMILIES[type(model)]
-    mask = _as_mask(mask)
     cfg = model.config
     H, L = cfg.num_attention_heads, cfg.num_hidden_layers
     KV = getattr(cfg, "num_key_value_heads", None) or H
-    mask.check_geometry(L, H, KV)
-    if min_per_layer is None:
-        min_per_layer = int(mask.meta.get("min_per_layer", 0) or 0)
-    short = [(layer, len(hs)) for layer, hs in enumerate(mask.fa_heads) if len(hs) < min_per_layer]
-    if short:
-        raise ValueError(
-            f"layers {[s[0] for s in short]} have fewer than min_per_layer={min_per_layer} FA heads "
-            f"(counts {[s[1] for s in short]}); select the mask with HeadMask.select(..., min_per_layer="
-            f"{min_per_layer}) or pass min_per_layer=0"
-        )
     opts = HybridOptions.from_dict(options)
     if opts.gdn_kernel == "fla":
         from .gdn import _import_fla

@@ -1,4 +1,5 @@
-"""Attribution patching (AtP) as a screen, and screen-then-verify.
+"""Attribution patching (AtP) and the exact probes of blocks, layers and heads that a screen verifies with
+(:mod:`headscope.patching.screen` screens and verifies).
 
 AtP (Nanda 2023, "Attribution patching"; Syed et al. 2023) replaces each patched run by a first-order
 Taylor step: for the noising patch of head h,
@@ -23,15 +24,12 @@ IE departs from the sum of the heads' AtP; that layer residual is 0.37 for layer
 
 from __future__ import annotations
 
-import math
-import random
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 from jaxtyping import Float
-from scipy import stats
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -40,7 +38,7 @@ from ..readout import Direction, Readout
 from ..tasks.base import Pair
 from .engine import Engine, head_slice
 from .plan import Entry, LayerCtx, Plan
-from .receivers import PairState, PatchResult, _auto_batch, check_pairs, receiver_patching, sequences
+from .receivers import PairState, PatchResult, _auto_batch, check_pairs, sequences
 
 
 def attribution_ie(
@@ -146,100 +144,6 @@ class ScreenResult:
     stats: Any = None  # screen_auto's ScreenStats (``details`` holds it as a dict)
 
 
-def screen_then_verify(
-    model: LoadedModel,
-    pairs: Sequence[Pair],
-    verify: int | float | str = 0.1,
-    spot_checks: int | float = 0.05,
-    lam: float | None = None,
-    direction: Direction | None = None,
-    min_gap: float | None = None,
-    seed: int = 0,
-    batch_size: int | None = None,
-    store_dir: str | None = None,
-    store_config: dict[str, Any] | None = None,
-    progress: bool = True,
-    top_k: int = 10,
-    readout: Readout | None = None,
-    screen: Any = None,
-) -> ScreenResult:
-    """AtP over all heads, then exact patching of the screen's top heads and of random spot checks.
-
-    Args:
-        verify: heads verified exactly: a count, or a fraction of all heads (default 10 %); or
-            ``"auto"``: the layer-probe screen of :func:`screen_auto`, which verifies until its top
-            ``top_k`` is certified (``spot_checks`` and ``seed`` are not used then).
-        spot_checks: unverified heads measured exactly at random: count or fraction of the rest.
-        seed: RNG of the spot checks.
-        readout: the :class:`~headscope.readout.Readout` (or the older ``lam`` / ``direction`` / ``min_gap``).
-        screen: a :class:`~headscope.config.ScreenConfig` for ``verify="auto"`` (its ``top_k`` is capped
-            at the model's head count); default from ``top_k``.
-        Other arguments as :func:`~headscope.patching.receivers.receiver_patching`.
-
-    Returns:
-        ScreenResult. A spot-checked head counts as a miss when its exact mean IE reaches the
-        smallest exact mean IE among the top-k verified heads (k = number verified // 2), i.e. it
-        would have entered the upper half of the verified set; the miss estimate scales the hit
-        rate to all unverified heads, with a one-sided Clopper–Pearson 95 % upper bound on the
-        rate (beta.ppf(0.95, x + 1, n − x); 1.0 when all n spot checks are misses, x = n, where
-        that expression is NaN).
-    """
-    readout = Readout.resolve(readout, lam, direction, min_gap)
-    if verify == "auto":
-        from dataclasses import replace
-
-        from ..config import ScreenConfig
-
-        g = model.geometry
-        screen = screen or ScreenConfig(top_k=top_k)
-        # a model with fewer heads than top_k: certify them all
-        screen = replace(screen, top_k=min(screen.top_k, g.n_layers * g.n_heads))
-        return screen_auto(model, pairs, readout=readout, batch_size=batch_size, store_dir=store_dir,
-                           store_config=store_config, progress=progress, config=screen)
-    if isinstance(verify, str):
-        raise ValueError(f"verify must be a count, a fraction or 'auto', not {verify!r}")
-    g = model.geometry
-    n_total = g.n_layers * g.n_heads
-    k_ver = verify if isinstance(verify, int) else max(1, round(verify * n_total))
-    if not 1 <= k_ver <= n_total:
-        raise ValueError(f"verify={verify} gives {k_ver} heads; must be within 1..{n_total}")
-    atp, m_c, m_x = attribution_ie(model, pairs, progress=progress, readout=readout)
-    gap_ok = (m_c - m_x).abs() >= readout.min_gap
-    mean_atp = atp[gap_ok].double().mean(0) if bool(gap_ok.any()) else atp.double().mean(0)
-    order = torch.argsort(mean_atp.flatten(), descending=True).tolist()
-    verified = [(i // g.n_heads, i % g.n_heads) for i in order[:k_ver]]
-    rest = [(i // g.n_heads, i % g.n_heads) for i in order[k_ver:]]
-    n_spot = spot_checks if isinstance(spot_checks, int) else round(spot_checks * len(rest))
-    n_spot = max(0, min(len(rest), n_spot))
-    spot = sorted(random.Random(seed).sample(rest, n_spot))
-    exact = receiver_patching(
-        model, pairs, readout=readout, batch_size=batch_size,
-        store_dir=store_dir, store_config=store_config, progress=progress, heads=verified + spot,
-    )
-    ie = atp.clone()
-    for layer, h in verified + spot:
-        ie[:, layer, h] = exact.ie[:, layer, h]
-    used = exact.used
-    ver_means = sorted((float(exact.ie[used, layer, h].mean()) for layer, h in verified), reverse=True)
-    threshold = ver_means[max(0, len(ver_means) // 2 - 1)]
-    hits = sum(1 for layer, h in spot if float(exact.ie[used, layer, h].mean()) >= threshold)
-    n_unver = len(rest) - n_spot
-    rate = hits / n_spot if n_spot else math.nan
-    upper = float(stats.beta.ppf(0.95, hits + 1, n_spot - hits)) if 0 < n_spot and hits < n_spot else 1.0
-    return ScreenResult(
-        ie=ie,
-        atp=atp,
-        exact=exact,
-        verified=verified,
-        spot_checked=spot,
-        threshold=threshold,
-        spot_hits=hits,
-        missed_estimate=rate * n_unver if n_spot else math.nan,
-        missed_upper95=upper * n_unver,
-        details={"n_verified": k_ver, "n_spot": n_spot, "n_unverified": n_unver},
-    )
-
-
 def recall_at_k(a: np.ndarray, b: np.ndarray, k: int = 10) -> float:
     """|top-k(a) ∩ top-k(b)| / k for two score arrays of the same shape (NaN = -inf)."""
     fa = np.nan_to_num(np.asarray(a, float).ravel(), nan=-np.inf)
@@ -329,4 +233,3 @@ def probe_blocks_ie(
     return out
 
 
-from .screen import ScreenStats, screen_auto  # noqa: E402,F401  (the certified screen; old import place)

@@ -1,5 +1,6 @@
 """The certified screen (``verify="auto"``): AtP and layer-block probes, refined best first, then exact
-verification until the top ``top_k`` is certified. Entry point: :func:`screen_auto`.
+verification until the top ``top_k`` is certified. Entry points: :func:`screen_auto`, and
+:func:`screen_then_verify` (a fixed share of heads verified exactly, plus random spot checks; or ``"auto"``).
 
 1. AtP (Nanda 2023) of every head: exact clean and corrupted forwards (kept for step 4) and one
    forward + backward in ``probe_dtype`` for the gradient.
@@ -34,18 +35,23 @@ default ``atp_slack=2`` all 8 seeds give the exact top 10 (12–24 heads verifie
 from __future__ import annotations
 
 import math
+import random
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence, Union
 
 import torch
+from scipy import stats as scipy_stats
 from torch import Tensor
 
+from ..config import ScreenConfig
 from ..errors import HeadscopeInputError
 from ..models import LoadedModel
-from ..readout import Readout
+from ..readout import Direction, Readout
 from ..tasks.base import Pair
+from .attribution import ScreenResult, _attribution, attribution_ie, probe_blocks_ie, probe_ie
+from .receivers import receiver_patching
 
 Head = tuple[int, int]
 
@@ -249,7 +255,6 @@ class _Screen:
 
     def result(self, atp: Tensor, patched: Tensor, res: Any, readout: Readout, secs: dict[str, float]) -> Any:
         """The ScreenResult: exact IE of the verified heads, the mean probe of heads probed alone, AtP elsewhere."""
-        from .attribution import ScreenResult
         from .receivers import finish
 
         assert res is not None
@@ -298,10 +303,7 @@ def screen_auto(
     Raises:
         HeadscopeInputError (a ValueError): top_k outside 1..#heads, atp_slack < 1, other bad settings.
     """
-    from ..config import ScreenConfig
-    from .attribution import _attribution, probe_blocks_ie, probe_ie
     from .engine import Engine
-    from .receivers import receiver_patching
 
     cfg = config or ScreenConfig(top_k=top_k, flag=flag, probe_dtype=probe_dtype, probe_margin=probe_margin,
                                  verify_cost=verify_cost, block=block, atp_slack=atp_slack, keep_bytes=keep_bytes)
@@ -346,3 +348,93 @@ def screen_auto(
     secs["refine_probes"] = t_probe
     secs["verify"] = time.perf_counter() - t0 - sum(secs.values())
     return s.result(atp, patched, res, readout, secs)
+
+
+def screen_then_verify(
+    model: LoadedModel,
+    pairs: Sequence[Pair],
+    verify: int | float | str = 0.1,
+    spot_checks: int | float = 0.05,
+    lam: float | None = None,
+    direction: Direction | None = None,
+    min_gap: float | None = None,
+    seed: int = 0,
+    batch_size: int | None = None,
+    store_dir: str | None = None,
+    store_config: dict[str, Any] | None = None,
+    progress: bool = True,
+    top_k: int = 10,
+    readout: Readout | None = None,
+    screen: Any = None,
+) -> ScreenResult:
+    """AtP over all heads, then exact patching of the screen's top heads and of random spot checks.
+
+    Args:
+        verify: heads verified exactly: a count, or a fraction of all heads (default 10 %); or
+            ``"auto"``: the layer-probe screen of :func:`screen_auto`, which verifies until its top
+            ``top_k`` is certified (``spot_checks`` and ``seed`` are not used then).
+        spot_checks: unverified heads measured exactly at random: count or fraction of the rest.
+        seed: RNG of the spot checks.
+        readout: the :class:`~headscope.readout.Readout` (or the older ``lam`` / ``direction`` / ``min_gap``).
+        screen: a :class:`~headscope.config.ScreenConfig` for ``verify="auto"`` (its ``top_k`` is capped
+            at the model's head count); default from ``top_k``.
+        Other arguments as :func:`~headscope.patching.receivers.receiver_patching`.
+
+    Returns:
+        ScreenResult. A spot-checked head counts as a miss when its exact mean IE reaches the
+        smallest exact mean IE among the top-k verified heads (k = number verified // 2), i.e. it
+        would have entered the upper half of the verified set; the miss estimate scales the hit
+        rate to all unverified heads, with a one-sided Clopper–Pearson 95 % upper bound on the
+        rate (beta.ppf(0.95, x + 1, n − x); 1.0 when all n spot checks are misses, x = n, where
+        that expression is NaN).
+    """
+    readout = Readout.resolve(readout, lam, direction, min_gap)
+    if verify == "auto":
+        g = model.geometry
+        screen = screen or ScreenConfig(top_k=top_k)
+        # a model with fewer heads than top_k: certify them all
+        screen = replace(screen, top_k=min(screen.top_k, g.n_layers * g.n_heads))
+        return screen_auto(model, pairs, readout=readout, batch_size=batch_size, store_dir=store_dir,
+                           store_config=store_config, progress=progress, config=screen)
+    if isinstance(verify, str):
+        raise ValueError(f"verify must be a count, a fraction or 'auto', not {verify!r}")
+    g = model.geometry
+    n_total = g.n_layers * g.n_heads
+    k_ver = verify if isinstance(verify, int) else max(1, round(verify * n_total))
+    if not 1 <= k_ver <= n_total:
+        raise ValueError(f"verify={verify} gives {k_ver} heads; must be within 1..{n_total}")
+    atp, m_c, m_x = attribution_ie(model, pairs, progress=progress, readout=readout)
+    gap_ok = (m_c - m_x).abs() >= readout.min_gap
+    mean_atp = atp[gap_ok].double().mean(0) if bool(gap_ok.any()) else atp.double().mean(0)
+    order = torch.argsort(mean_atp.flatten(), descending=True).tolist()
+    verified = [(i // g.n_heads, i % g.n_heads) for i in order[:k_ver]]
+    rest = [(i // g.n_heads, i % g.n_heads) for i in order[k_ver:]]
+    n_spot = spot_checks if isinstance(spot_checks, int) else round(spot_checks * len(rest))
+    n_spot = max(0, min(len(rest), n_spot))
+    spot = sorted(random.Random(seed).sample(rest, n_spot))
+    exact = receiver_patching(
+        model, pairs, readout=readout, batch_size=batch_size,
+        store_dir=store_dir, store_config=store_config, progress=progress, heads=verified + spot,
+    )
+    ie = atp.clone()
+    for layer, h in verified + spot:
+        ie[:, layer, h] = exact.ie[:, layer, h]
+    used = exact.used
+    ver_means = sorted((float(exact.ie[used, layer, h].mean()) for layer, h in verified), reverse=True)
+    threshold = ver_means[max(0, len(ver_means) // 2 - 1)]
+    hits = sum(1 for layer, h in spot if float(exact.ie[used, layer, h].mean()) >= threshold)
+    n_unver = len(rest) - n_spot
+    rate = hits / n_spot if n_spot else math.nan
+    upper = float(scipy_stats.beta.ppf(0.95, hits + 1, n_spot - hits)) if 0 < n_spot and hits < n_spot else 1.0
+    return ScreenResult(
+        ie=ie,
+        atp=atp,
+        exact=exact,
+        verified=verified,
+        spot_checked=spot,
+        threshold=threshold,
+        spot_hits=hits,
+        missed_estimate=rate * n_unver if n_spot else math.nan,
+        missed_upper95=upper * n_unver,
+        details={"n_verified": k_ver, "n_spot": n_spot, "n_unverified": n_unver},
+    )

@@ -2,20 +2,22 @@
 
 A run directory holds ``config.json`` (everything that determines the numbers) and ``items/``.
 Re-opening a directory with the same config resumes (stored items are returned, not recomputed);
-a different config is refused with a message, never silently mixed.
+a different config is refused with a message, never silently mixed (:func:`check_rank_store` refuses
+it before a model loads).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from ..runtime import atomic_torch_save, atomic_write_bytes, atomic_write_text  # noqa: F401  (old import place)
-from ..runtime import config_diff
+from ..errors import HeadscopeInputError
+from ..runtime import atomic_torch_save, atomic_write_text, config_diff
 
 
 class ConfigMismatch(RuntimeError):
@@ -67,3 +69,32 @@ class Store:
 
     def keys(self) -> list[str]:
         return sorted(p.stem for p in self.dir.glob("*.pt"))
+
+
+def check_rank_store(out_dir: Any, tasks: Sequence[str], fused: bool, spec: Any, settings: dict[str, Any],
+                     lam: float, direction: str) -> None:
+    """A rerun into ``out_dir`` resumes only a store of the same configuration: compare what is known
+    before the model loads (tasks, task settings, λ, direction, model spec) with the stored config.
+
+    Raises:
+        HeadscopeInputError: the stored configuration differs (the message lists the keys).
+    """
+    if out_dir is None or not isinstance(spec, (str, os.PathLike)):
+        return
+    want = json.loads(json.dumps({"settings": settings, "lam": lam, "direction": direction}, default=str))
+    for t in tasks:
+        sub = Path(out_dir) / (t if fused else "") / "receivers" / "config.json"
+        try:
+            old = json.loads(sub.read_text())
+        except (OSError, ValueError):
+            continue
+        diff = config_diff(old, want, keys=[k for k in want if k in old])
+        if old.get("tasks") not in (None, [t] if fused else list(tasks)):
+            diff.append("tasks")
+        if isinstance(old.get("model"), dict) and old["model"].get("model_spec") not in (None, str(spec)):
+            diff.append("model")
+        if diff:
+            raise HeadscopeInputError(
+                f"{sub.parent} holds results of another configuration (differs in: {', '.join(sorted(diff))}); "
+                "use a new output directory or delete this one"
+            )

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import HeadscopeInputError
 from ..models import load_model
 from ..registry import Registry
+from ..validate import check_choice, check_int, check_real, is_int
 
 #: method name -> "module:function" (imported on first use)
 SELECTORS = Registry(__name__, {
@@ -36,6 +38,57 @@ SELECTORS = Registry(__name__, {
 })
 
 _OTHER = {"retrieval_scores": "retrieval_score", "fa_layers": "flashmorph_gates"}
+
+
+def check_select_args(model: Any, method: Any, settings: dict[str, Any]) -> None:
+    """:func:`headscope.selectors.select`: the method, its settings and the model spec.
+
+    Raises:
+        HeadscopeInputError: unknown method, a setting the selector does not take (the message lists
+            the accepted ones), a value outside a ``Literal`` choice or a bad count / depth / length.
+    """
+    import inspect
+    import typing
+
+    from ..config import check_rank_args
+    from ..models import check_model
+
+    if method not in SELECTORS:
+        raise HeadscopeInputError(f"unknown selector {method!r}; available: {', '.join(SELECTORS)}")
+    fn = SELECTORS[method]
+    params = inspect.signature(fn).parameters
+    if method == "causal":
+        import headscope.api as api
+
+        ok = [k for k in inspect.signature(api.rank).parameters if k != "model"]
+        bad = [k for k in settings if k not in ok]
+        if bad:
+            raise HeadscopeInputError(f"selector 'causal' does not take {bad}; its settings are {ok}")
+        keys = set(inspect.signature(check_rank_args).parameters)
+        check_rank_args(**{k: v for k, v in settings.items() if k in keys})
+    elif not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        bad = [k for k in settings if k not in params or k == "model"]
+        if bad:
+            ok = [k for k in params if k != "model"]
+            raise HeadscopeInputError(f"selector {method!r} does not take {bad}; its settings are {ok}")
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:
+        hints = {}
+    for k, v in settings.items():
+        if typing.get_origin(hints.get(k)) is typing.Literal:
+            check_choice(k, v, typing.get_args(hints[k]))
+    for k in ("n_prompts", "steps", "n_bands"):
+        if k in settings:
+            check_int(k, settings[k], lo=1)
+    if "seq_lens" in settings:
+        for L in [settings["seq_lens"]] if is_int(settings["seq_lens"]) else list(settings["seq_lens"]):
+            check_int("seq_lens", L, lo=16)
+    if "depths" in settings:
+        ds = settings["depths"]
+        for d in [ds] if isinstance(ds, (int, float)) else list(ds):
+            check_real("depths", d, 0.0, 1.0, fix="depths are fractions of the prompt")
+    check_model(model)
 
 
 def select(model: Any, method: str, **settings: Any) -> Any:
@@ -56,8 +109,6 @@ def select(model: Any, method: str, **settings: Any) -> Any:
             depth; for ``causal`` every check of :func:`headscope.rank`.
         ModelSpecError: a model spec that cannot be loaded (missing file, uncached hub id).
     """
-    from ..checks import check_select_args
-
     check_select_args(model, method, settings)  # before the model loads
     fn = SELECTORS[method]
     if method == "causal":  # headscope.rank itself: it loads the model with its own device / dtype

@@ -13,8 +13,10 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from ..checks import check_choice, check_device, check_file, check_int, check_mask_layers, check_model, check_out_dir, check_real
 from ..errors import HeadscopeInputError, InputFileExistsError, InputFileNotFoundError
+from ..masks import check_mask_layers
+from ..models import check_model
+from ..validate import check_choice, check_device, check_file, check_int, check_out_dir, check_real
 
 GDN_KERNELS = ("auto", "torch", "fla")
 STAGES = {1: "layer-wise alignment", 2: "global distillation", 3: "long-context fine-tuning"}

@@ -515,15 +515,3 @@ class Trainer:
                 (self.out / "done.json").write_text(json.dumps(summary, indent=2))
             parallel.barrier()
         return summary
-
-
-# ---------------------------------------------------------------------------------------------- pipeline
-
-
-def __getattr__(name: str) -> Any:
-    # the conversion pipeline moved to headscope.train.pipeline; old imports keep working
-    if name in ("DataConfig", "build_rows", "load_student", "convert_stage", "spawn_convert"):
-        from . import pipeline
-
-        return getattr(pipeline, name)
-    raise AttributeError(name)
