@@ -217,8 +217,7 @@ def hybridize(
     mask = check_hybridize_args(model, mask, min_per_layer, options)  # before any weight is copied
     cfg_cls, model_cls = FAMILIES[type(model)]
     cfg = model.config
-    H, L = cfg.num_attention_heads, cfg.num_hidden_layers
-    KV = getattr(cfg, "num_key_value_heads", None) or H
+    H = cfg.num_attention_heads
     opts = HybridOptions.from_dict(options)
     if opts.gdn_kernel == "fla":
         from .gdn import _import_fla
