@@ -29,8 +29,8 @@ def test_per_layer_path_equals_stacked_path(tiny, smol_tokenizer, monkeypatch):
 
     init = Engine.__init__
 
-    def forced(self, model):
-        init(self, model)
+    def forced(self, model, **kw):
+        init(self, model, **kw)
         self.multi_device = True
 
     monkeypatch.setattr(Engine, "__init__", forced)
