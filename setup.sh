@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 if ! python -c "import torch" 2>/dev/null; then
-  # torch==2.13.0 resolves to the CPU wheel kept on local disk on our machines. Elsewhere, add
+  # torch==2.13.0: where a local CPU wheel is configured pip takes it; elsewhere add
   # --index-url https://download.pytorch.org/whl/cpu (CPU) or install the CUDA build you need first.
   pip install -q "torch==2.13.0"
 fi

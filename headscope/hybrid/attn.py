@@ -39,7 +39,7 @@ _found: dict[str, bool] = {}
 
 
 def flash_attn_available() -> bool:
-    """True when the ``flash_attn`` package can be imported (it has no wheel for our machines).
+    """True when the ``flash_attn`` package can be imported (no binary wheel exists for every Python/CUDA pair; it is optional).
 
     The package search runs once per process (a decode step must not pay for it)."""
     if "flash_attn" in sys.modules:
