@@ -40,10 +40,12 @@ class EngineMismatch(UnsupportedArchitecture):
 
 def tolerance(dtype: torch.dtype) -> float:
     """Largest relative difference (to the activations' largest magnitude) accepted between the engine and
-    the model's forward in ``dtype``: 1e-4 in float32/float64; 8 units of rounding (8·eps) in 16-bit
+    the model's forward in ``dtype``: 1e-3 in float32/float64 (a Granite-shaped random model of 8 layers,
+    d 512, differs by 1.01e-4 at 253 tokens from float32 rounding alone, while the misread windows, scales
+    and rotaries this check exists for differ by 1e-2 and more); 8 units of rounding (8·eps) in 16-bit
     types (bfloat16 3.1e-2, float16 7.8e-3), where the two orders of the same operations round apart."""
     if dtype in (torch.float32, torch.float64):
-        return 1e-4
+        return 1e-3
     return 8 * torch.finfo(dtype).eps
 
 
