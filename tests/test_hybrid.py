@@ -235,8 +235,11 @@ def test_cache_bytes_match_accounting():
     T = 13
     with torch.no_grad():
         cache = hybrid(_ids(B=1, T=T), use_cache=True).cache
-    kv = sum(layer.keys.numel() * 4 + layer.values.numel() * 4 for layer in cache.layers)
-    state = sum(layer._headscope_gdn_state["S"].numel() * 4 for layer in cache.layers)
+    assert type(cache).__name__ == "HybridCache" and cache.get_seq_length() == T
+    dcs = cache.decode_caches
+    kv = sum(dc.k[:, :, :T].numel() * 4 + dc.v[:, :, :T].numel() * 4 for dc in dcs if dc.k is not None)
+    state = sum(dc.S.numel() * 4 for dc in dcs if dc.S is not None)
+    assert sum(dc.nbytes() for dc in dcs) == kv + state  # the cache's own accounting (no convolution tail here)
     rep = kv_cache_report_for(hybrid, T, kv_bytes=4, state_bytes=4)
     assert kv == rep["hybrid_bytes_per_token"] * T
     assert state == rep["gdn_state_bytes"]

@@ -12,6 +12,7 @@ from .convert import (
     hybridize,
 )
 from .gdn import fla_available, gated_delta_rule, gdn_chunked_torch, gdn_naive, gdn_recurrent_torch
+from .cache import HybridCache
 from .kv import kv_cache_report, kv_cache_report_for
 from .layer import HeadwiseHybridAttention, HybridDecodeCache
 from .inference import dispatch as _dispatch  # noqa: F401  (the layers' fast paths: inference/dispatch.py)
@@ -20,6 +21,7 @@ from .inference.decoder import StaticDecoder
 
 __all__ = [
     "HeadwiseHybridAttention",
+    "HybridCache",
     "HybridDecodeCache",
     "HybridOptions",
     "InferenceConfig",

@@ -1,11 +1,13 @@
-"""The preallocated decode cache of a hybrid layer and the attention-mask reading shared by its paths."""
+"""The caches of a hybrid model: a layer's preallocated :class:`HybridDecodeCache`, the model's transformers
+``Cache`` (:class:`HybridCache`, one HybridDecodeCache per layer), and the attention-mask reading shared by the paths."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class HybridDecodeCache:
@@ -87,3 +89,155 @@ def valid_tokens(mask: Optional[Tensor], q_len: int) -> Optional[Tensor]:
     if diag.dtype == torch.bool:
         return diag
     return diag > torch.finfo(diag.dtype).min / 2  # additive mask: 0 = keep, very negative = masked
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transformers' Cache interface: what model(ids, use_cache=True) and model.generate(...) use
+
+
+def _round_up(n: int, m: int = 256) -> int:
+    return -(-n // m) * m
+
+
+class HybridCacheLayer(CacheLayerMixin):
+    """One decoder layer's slot of a :class:`HybridCache`: a :class:`HybridDecodeCache` (``dc``), allocated by the
+    layer's attention module on its first call (:meth:`HybridCache.reserve`); None before."""
+
+    is_compileable = False
+    is_sliding = False  # K/V of every position are kept; a sliding layer's window comes from the attention mask
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dc: Optional[HybridDecodeCache] = None
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:  # noqa: D102 - allocated by reserve
+        raise TypeError("a HybridCache layer is allocated by its HeadwiseHybridAttention (HybridCache.reserve)")
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        raise TypeError("a HybridCache layer is written by its HeadwiseHybridAttention, not by cache.update(); "
+                        "hybridize the model (headscope.hybridize) so that every layer is a hybrid layer")
+
+    def get_mask_sizes(self, query_length: Any) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the next call's attention mask: cached + new tokens, from slot 0. Takes the
+        query length or (older transformers) the cache positions of the new tokens."""
+        q = int(query_length.shape[0]) if isinstance(query_length, Tensor) else int(query_length)
+        return self.get_seq_length() + q, 0
+
+    def get_seq_length(self) -> int:
+        return 0 if self.dc is None else self.dc.length
+
+    def get_max_length(self) -> int:
+        return -1 if self.dc is None else self.dc.max_len
+
+    def reset(self) -> None:
+        if self.dc is not None:
+            self.dc.length = 0
+            for t in (self.dc.S, self.dc.conv):
+                if t is not None:
+                    t.zero_()
+
+    def _select(self, fn: Any) -> None:
+        dc = self.dc
+        if dc is None:
+            return
+        dc.k, dc.v, dc.S, dc.conv = (None if t is None else fn(t) for t in (dc.k, dc.v, dc.S, dc.conv))
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        """Beam search: keep the rows ``beam_idx`` (K/V, GDN state and convolution tail alike), in place."""
+        if self.dc is not None:
+            for t in (self.dc.k, self.dc.v, self.dc.S, self.dc.conv):
+                if t is not None:
+                    t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._select(lambda t: t[indices.to(t.device)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Only a no-op crop: the GDN state of the removed tokens cannot be taken back out.
+
+        Raises:
+            ValueError: any crop that would shorten the cache (assisted / speculative decoding).
+        """
+        n = self.get_seq_length()
+        keep = n - tokens_to_remove if tokens_to_remove >= 0 else -tokens_to_remove
+        if keep != n:
+            raise ValueError("a HybridCache cannot be cropped (the GDN state of the removed tokens cannot be undone); "
+                             "assisted / speculative decoding is not supported by hybrid models")
+
+
+class HybridCache(Cache):
+    """transformers ``Cache`` of a head-wise hybrid: per layer the kept KV groups' K/V (preallocated, grown by
+    doubling when ``max_len`` is None) and the GDN state, one :class:`HybridDecodeCache` each.
+
+    ``model(ids)`` and ``model.generate(...)`` of a hybrid model make one in place of transformers' ``DynamicCache``
+    (``static=False``, grows) or ``StaticCache`` (``cache_implementation="static"``: ``static=True``, ``max_len``
+    fixed; inside headscope its decode steps replay a CUDA graph). Pass one as ``cache=`` /
+    ``past_key_values=`` to keep it across calls.
+
+    Args:
+        config: the hybrid model's config (``num_hidden_layers`` layers).
+        max_len: capacity in tokens (prompt + new tokens); None: the first call's length rounded up to 256
+            tokens, doubled when full (``static`` must be False).
+        static: keep the capacity fixed (``max_len`` required): what CUDA-graph replay needs.
+
+    Raises:
+        ValueError: ``static`` without ``max_len``, or max_len < 1.
+    """
+
+    def __init__(self, config: Any, max_len: Optional[int] = None, static: bool = False):
+        if static and max_len is None:
+            raise ValueError("HybridCache(static=True) needs max_len (prompt + new tokens)")
+        if max_len is not None and max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        n = int(config.get_text_config(decoder=True).num_hidden_layers if hasattr(config, "get_text_config")
+                else config.num_hidden_layers)
+        super().__init__(layers=[HybridCacheLayer() for _ in range(n)])
+        self.max_len, self.static = max_len, static
+
+    @property
+    def decode_caches(self) -> list[Optional[HybridDecodeCache]]:
+        """Each layer's :class:`HybridDecodeCache` (None where the layer has not run yet)."""
+        return [layer.dc for layer in self.layers]
+
+    def reserve(self, attn: Any, batch: int, new_tokens: int) -> HybridDecodeCache:
+        """Layer ``attn.layer_idx``'s :class:`HybridDecodeCache` with room for ``new_tokens`` more tokens of
+        ``batch`` sequences: allocated by ``attn.new_decode_cache`` on first use, grown (K/V copied, capacity at
+        least doubled) when full and not static.
+
+        Raises:
+            ValueError: the batch changed mid-sequence, or a static cache is full.
+        """
+        slot = self.layers[attn.layer_idx]
+        dc = slot.dc
+        past = 0 if dc is None else dc.length
+        need = past + new_tokens
+        if dc is not None and past and _batch_of(dc) != batch:
+            raise ValueError(f"the HybridCache holds {_batch_of(dc)} sequences but the input has {batch}; "
+                             "start a new cache for a new batch")
+        if dc is None or _batch_of(dc) != batch:
+            cap = self.max_len if self.max_len is not None else _round_up(need)
+            if need > cap:
+                raise ValueError(f"the HybridCache holds {cap} tokens but {need} are needed; make it with a larger "
+                                 "max_len (generate: max_cache_len / max_new_tokens)")
+            slot.dc = attn.new_decode_cache(batch, cap)
+        elif need > dc.max_len:
+            if self.static or self.max_len is not None:
+                raise ValueError(f"the HybridCache holds {dc.max_len} tokens but {need} are needed; make it with a "
+                                 "larger max_len (generate: max_cache_len / max_new_tokens)")
+            new = attn.new_decode_cache(batch, _round_up(max(2 * dc.max_len, need)))
+            for a, b in ((new.k, dc.k), (new.v, dc.v)):
+                if a is not None:
+                    a[:, :, :past].copy_(b[:, :, :past])
+            for a, b in ((new.S, dc.S), (new.conv, dc.conv)):
+                if a is not None:
+                    a.copy_(b)
+            new.length = past
+            slot.dc = new
+        return slot.dc
+
+
+def _batch_of(dc: HybridDecodeCache) -> int:
+    return next(t.shape[0] for t in (dc.k, dc.S, dc.conv) if t is not None)

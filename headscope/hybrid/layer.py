@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from .attn import fa_attention
 from .config import HybridOptions, LayerSpec
 from .rope import apply_rope, nope_log_scale  # noqa: F401  (public here since the start)
-from .cache import HybridDecodeCache, valid_tokens as _valid_tokens
+from .cache import HybridCache, HybridDecodeCache, valid_tokens as _valid_tokens
 from .gdn import gated_delta_rule
 from .shapes import Float
 
@@ -370,8 +370,9 @@ class HeadwiseHybridAttention(nn.Module):
                 embedding; required when any branch uses RoPE.
             attention_mask: None (causal, no padding), a 4-D mask from transformers (bool or additive)
                 or a 2-D padding mask; padded tokens do not change real tokens' outputs.
-            cache / past_key_values / layer_past (GPT-NeoX's name): a transformers ``Cache`` (FA KV of
-                kept groups + GDN state), a :class:`HybridDecodeCache`, or None.
+            cache / past_key_values / layer_past (GPT-NeoX's name): the model's :class:`HybridCache` (what
+                ``model(ids)`` and ``generate`` pass), another transformers ``Cache`` (FA KV of kept groups + GDN
+                state on its layer objects), a :class:`HybridDecodeCache`, or None.
             position_ids: [batch, time] absolute positions (for the NoPE coefficient); default counts
                 from the cache length.
             defer_out: a decode step on the lean path's one-launch step returns a
@@ -391,6 +392,8 @@ class HeadwiseHybridAttention(nn.Module):
                 where the lean path does not run or of the wrong shape.
         """
         cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
+        if isinstance(cache, HybridCache):  # the model's transformers Cache: this layer's preallocated slot
+            cache = cache.reserve(self, hidden_states.shape[0], hidden_states.shape[1])
         # the fast paths, once headscope is imported; only for the Llama/Qwen3 layer they were written for
         fast = sys.modules.get("headscope.hybrid.inference.dispatch") if self.plain else None
         out = None if fast is None else fast.fast_forward(self, hidden_states, position_embeddings, attention_mask,

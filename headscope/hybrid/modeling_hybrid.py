@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
+import sys
 import warnings
-from typing import Any
+from typing import Any, Optional
 
-from torch import nn
+from torch import Tensor, nn
 from transformers import (
+    DynamicCache,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GPTNeoXConfig,
@@ -51,9 +54,11 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    StaticCache,
 )
 
 from .attn import flash_attn_available
+from .cache import HybridCache
 from .config import HybridOptions, LayerSpec
 from .gdn import fla_available
 from .layer import HeadwiseHybridAttention
@@ -171,8 +176,36 @@ def install_hybrid_attention(model: PreTrainedModel) -> None:
             device=w.device, dtype=w.dtype))
 
 
+def hybrid_cache_for(model: PreTrainedModel, cache: Any, use_cache: bool) -> Any:
+    """The cache a hybrid model's layers get in place of the one transformers made or was given.
+
+    None with ``use_cache`` → a growing :class:`HybridCache`; an empty ``DynamicCache`` → the same; an empty
+    ``StaticCache`` (``generate(cache_implementation="static")``) → ``HybridCache(max_len=its length,
+    static=True)``; anything else (a HybridCache, a filled cache, None without use_cache) is returned as it is.
+    """
+    if cache is None:
+        return HybridCache(model.config) if use_cache else None
+    if type(cache) is DynamicCache and cache.get_seq_length() == 0:
+        return HybridCache(model.config)
+    if type(cache) is StaticCache and int(cache.get_seq_length()) == 0:
+        return HybridCache(model.config, max_len=int(cache.get_max_length()), static=True)
+    return cache
+
+
+def _cache_kwarg(model_base: type) -> str:
+    """The name the teacher's forward gives its cache argument (``cache`` in newer transformers)."""
+    return "cache" if "cache" in inspect.signature(model_base.forward).parameters else "past_key_values"
+
+
 def _hybrid_classes(family: str, config_base: type, model_base: type) -> tuple[type, type]:
-    """The (config, causal-LM) classes of the hybrid of ``model_base`` (model type ``headscope_hybrid_<family>``)."""
+    """The (config, causal-LM) classes of the hybrid of ``model_base`` (model type ``headscope_hybrid_<family>``).
+
+    Beside the attention layers, the class changes two things of the teacher's: its ``forward`` gives the layers a
+    :class:`HybridCache` where transformers would make or pass an empty ``DynamicCache`` / ``StaticCache``
+    (:func:`hybrid_cache_for`), and ``generate`` makes one likewise; inside headscope a forward may be computed by
+    the fast paths' model step (``headscope.hybrid.inference.dispatch.model_forward``: a static cache's decode
+    step as one replayed CUDA graph)."""
+    key = _cache_kwarg(model_base)
     cfg_cls = type(f"Hybrid{family}Config", (config_base,), {
         "__module__": __name__, "model_type": f"headscope_hybrid_{family.lower()}",
         "__doc__": f"{config_base.__name__} of a head-wise hybrid; ``headscope_hybrid`` = mask, options, layers.",
@@ -182,8 +215,34 @@ def _hybrid_classes(family: str, config_base: type, model_base: type) -> tuple[t
         model_base.__init__(self, config)
         install_hybrid_attention(self)
 
+    def forward(self: Any, input_ids: Optional[Tensor] = None, *args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.pop("cache", None)
+        old = kwargs.pop("past_key_values", None)
+        cache = cache if cache is not None else old
+        use_cache = kwargs.get("use_cache")
+        cache = hybrid_cache_for(self, cache, self.config.use_cache if use_cache is None else use_cache)
+        if cache is not None:
+            kwargs[key] = cache
+        fast = sys.modules.get("headscope.hybrid.inference.dispatch")
+        if fast is not None and isinstance(cache, HybridCache) and not args:
+            out = fast.model_forward(self, input_ids, cache, kwargs)
+            if out is not None:
+                return out
+        return model_base.forward(self, input_ids, *args, **kwargs)
+
+    def _prepare_cache_for_generation(self: Any, generation_config: Any, model_kwargs: dict, *args: Any,
+                                      **kwargs: Any) -> Any:
+        out = model_base._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
+        for name in ("cache", "past_key_values"):
+            if model_kwargs.get(name) is not None:
+                model_kwargs[name] = hybrid_cache_for(self, model_kwargs[name], True)
+        return out
+
+    forward.__doc__ = model_base.forward.__doc__
+    forward.__signature__ = inspect.signature(model_base.forward)  # generate reads it (logits_to_keep, ...)
     model_cls = type(f"Hybrid{family}ForCausalLM", (model_base,), {
-        "__module__": __name__, "config_class": cfg_cls, "__init__": __init__,
+        "__module__": __name__, "config_class": cfg_cls, "__init__": __init__, "forward": forward,
+        "_prepare_cache_for_generation": _prepare_cache_for_generation,
         "_keep_in_fp32_modules_strict": KEEP_IN_FP32,
         "__doc__": f"{model_base.__name__} whose attention layers are HeadwiseHybridAttention.",
     })

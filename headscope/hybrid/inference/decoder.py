@@ -151,13 +151,16 @@ class StaticDecoder:
             too (83 -> 70 launches per step; hybrid 1.814 -> 1.768 ms, SmolLM2 shape, B = 16, 32K).
         config: the fast paths' :class:`~headscope.hybrid.inference.InferenceConfig`, set on the model
             (:func:`~headscope.hybrid.inference.use_inference`); None: the model's own (default unless set).
+        caches: one :class:`HybridDecodeCache` per layer of capacity ``max_len`` to decode into (a
+            :class:`~headscope.hybrid.HybridCache`'s ``decode_caches``, filled by the model's own prefill);
+            None: new ones.
 
     Raises:
         ValueError: a layer's attention is not a hybrid layer.
     """
 
     def __init__(self, model: Any, batch: int, max_len: int, compile_tail: bool = False,
-                 config: Optional[InferenceConfig] = None):
+                 config: Optional[InferenceConfig] = None, caches: Optional[list] = None):
         self.model = model
         self.base = model.model
         for i, layer in enumerate(self.base.layers):
@@ -165,7 +168,13 @@ class StaticDecoder:
                 raise ValueError(f"layer {i} is not a hybrid attention layer; hybridize the model first")
         self.config = use_inference(model, config) if config is not None else inference_config(model)
         cfg = self.config
-        self.caches = [layer.self_attn.new_decode_cache(batch, max_len) for layer in self.base.layers]
+        if caches is not None and (len(caches) != len(self.base.layers) or any(
+                c is None or c.max_len != max_len for c in caches)):
+            raise ValueError(f"caches must be one HybridDecodeCache of max_len {max_len} per layer "
+                             f"({len(self.base.layers)})")
+        self.caches = caches if caches is not None else [
+            layer.self_attn.new_decode_cache(batch, max_len) for layer in self.base.layers]
+        self._dstep: Optional[tuple] = None  # step_replayed's (graph or None, token, position, logits)
         self.batch, self.max_len = batch, max_len
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._pf_graph: Optional[torch.cuda.CUDAGraph] = None
@@ -422,6 +431,72 @@ class StaticDecoder:
         self._pf_graph.replay()
         self._set_length(ids.shape[1])
         return self._pf_out
+
+    @torch.no_grad()
+    def step_replayed(self, ids: Tensor) -> Tensor:
+        """One decode step at the caches' length, replayed from a CUDA graph: ``ids`` [batch, 1] → logits
+        [batch, 1, vocab] (a static buffer, overwritten by the next step: copy it to keep it). The graph is
+        captured on first use; it reads the position from device memory (``HybridDecodeCache.pos``), so one graph
+        serves every later length; warm-up and capture leave the caches as they were. Off CUDA the same
+        device-position step runs eagerly (tests). ``transformers``' ``generate(cache_implementation="static")``
+        reaches this through :func:`~headscope.hybrid.inference.model_step.model_forward`.
+
+        Raises:
+            ValueError: ids not [batch, 1], or the caches are full.
+        """
+        B = self.batch
+        if ids.dim() != 2 or ids.shape != (B, 1):
+            raise ValueError(f"ids must be [batch={B}, 1]; got {tuple(ids.shape)}")
+        n = self.length
+        if n >= self.max_len:
+            raise ValueError(f"the caches hold {self.max_len} tokens and are full")
+        if self._dstep is None:
+            dev = ids.device
+            tok = ids.clone()
+            pos = torch.full((1,), n, dtype=torch.long, device=dev)
+            slots = torch.arange(self.max_len, device=dev)
+            valid, n_valid = slots <= pos, pos + 1
+            m = self.base
+
+            def step() -> Tensor:
+                torch.le(slots, pos, out=valid)
+                torch.add(pos, 1, out=n_valid)
+                pid = pos.expand(B, 1)
+                h, pe = self._tail(3, m, tok, pid)
+                return self._tail(4, self.model, self._layers(h, pe, pid), False)
+
+            graph, logits = None, None
+            if dev.type == "cuda":
+                for c in self.caches:
+                    c.pos, c.valid, c.n_valid = pos, valid, n_valid
+                saved = [(c.S.clone() if c.S is not None else None, c.conv.clone() if c.conv is not None else None)
+                         for c in self.caches]
+                try:
+                    graph, logits = _capture(step, warmup=2, device=dev)
+                finally:
+                    for c, (S, conv) in zip(self.caches, saved):  # the warm-ups advanced the state: undo
+                        c.pos = c.valid = c.n_valid = None
+                        if S is not None:
+                            c.S.copy_(S)
+                        if conv is not None:
+                            c.conv.copy_(conv)
+                    self._set_length(n)
+            self._dstep = (graph, tok, pos, logits, step)
+        graph, tok, pos, logits, step = self._dstep
+        tok.copy_(ids)
+        pos.fill_(n)
+        if graph is not None:
+            graph.replay()
+        else:
+            for c in self.caches:
+                c.pos, c.valid, c.n_valid = pos, None, None
+            try:
+                logits = step()
+            finally:
+                for c in self.caches:
+                    c.pos = c.valid = c.n_valid = None
+        self._set_length(n + 1)
+        return logits
 
     def replay(self) -> Tensor:
         self._graph.replay()

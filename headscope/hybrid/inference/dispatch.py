@@ -6,7 +6,9 @@ model's :class:`~headscope.hybrid.inference.InferenceConfig` (``use_inference``)
 
 - training (gradients, no cache, no mask; prepared by ``headscope.train``): :mod:`.train_forward`;
 - inference (no gradient, no mask, no cache or a ``HybridDecodeCache``): :mod:`.forward` — prefill
-  (:mod:`.prefill`) and decode steps (:mod:`.decode`).
+  (:mod:`.prefill`) and decode steps (:mod:`.decode`);
+- a whole model's decode step into a static ``HybridCache`` (``generate(cache_implementation="static")``):
+  :func:`.model_step.model_forward`, asked by the hybrid causal LM's forward.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import Tensor
 
 from ..cache import HybridDecodeCache
 from . import forward, train_forward
+from .model_step import model_forward  # noqa: F401  (the model-level seam: modeling_hybrid's forward)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..layer import HeadwiseHybridAttention

@@ -1,0 +1,148 @@
+"""transformers' own ``generate``: a head-wise hybrid against its teacher, same arguments, ms per new token.
+
+The issue-39 table: SmolLM2-135M-shaped models with random weights in bf16 on one GPU, the ranked 7:1 mask
+(``experiments/conversion-smollm2-50m/masks/hydrahead.json``), greedy, batch 1 and 16, 8K and 32K prompts, under
+two settings of transformers' ``generate``:
+
+- ``default``: ``model.generate(ids, max_new_tokens=n, do_sample=False)`` (the teacher: a ``DynamicCache`` and eager
+  steps; the hybrid: its growing ``HybridCache``, the lean prefill and eager lean decode steps);
+- ``static``: the same with ``cache_implementation="static"`` (the teacher: a ``StaticCache`` and transformers'
+  automatic ``torch.compile`` of the decode forward, CUDA graphs through ``mode="reduce-overhead"``; the hybrid: a
+  static ``HybridCache`` whose decode steps replay one captured CUDA graph, ``StaticDecoder.step_replayed``).
+
+ms per new token = (wall time of a call making 2N tokens − a call making N) / N, both after a warm-up call of the
+same shape (compilation, capture and prefill cancel out), the minimum over ``--reps`` repetitions; every call is
+forced to make all its tokens (``min_new_tokens``). The hybrid's tokens are checked against a cache-free greedy
+loop on a short prompt first (``check``). Writes one JSON with each cell, the ratio hybrid / teacher (< 1: the
+hybrid is faster), the InferenceConfig and versions.
+
+    python benchmarks/bench_generate.py --out benchmarks/results/h200_generate_api.json
+    python benchmarks/bench_generate.py --smoke            # CPU, tiny shape, < 1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hybrid_model import hybrid_mask, smollm2_config  # noqa: E402
+
+from headscope.hybrid import hybridize  # noqa: E402
+from headscope.hybrid.inference import inference_config  # noqa: E402
+from headscope.masks import HeadMask  # noqa: E402
+
+SETTINGS = {"default": {}, "static": {"cache_implementation": "static"}}
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+@torch.no_grad()
+def _gen(model, ids, n, setting):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, pad_token_id=0, **SETTINGS[setting])
+
+
+@torch.no_grad()
+def ms_per_token(model, ids, n, setting, reps):
+    """Minimum over ``reps`` of (wall ms of a 2n-token generate − an n-token one) / n, after one warm-up each."""
+    dev = ids.device
+    best = float("inf")
+    walls = {}
+    for k in (n, 2 * n):
+        _gen(model, ids, k, setting)  # warm-up: compile / capture / autotune of this shape
+    for _ in range(reps):
+        for k in (n, 2 * n):
+            _sync(dev)
+            t = time.perf_counter()
+            out = _gen(model, ids, k, setting)
+            _sync(dev)
+            walls[k] = (time.perf_counter() - t) * 1e3
+            assert out.shape[1] == ids.shape[1] + k, out.shape
+        best = min(best, (walls[2 * n] - walls[n]) / n)
+    return best, walls
+
+
+@torch.no_grad()
+def check_tokens(model, ids, n):
+    """The hybrid's generate (both settings) against a cache-free greedy loop: number of differing tokens."""
+    out = ids
+    for _ in range(n):
+        out = torch.cat([out, model(out, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return {s: int((_gen(model, ids, n, s) != out).sum()) for s in SETTINGS}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--new-tokens", type=int, default=32, help="N: calls of N and 2N new tokens")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--mask", default="hydrahead")
+    ap.add_argument("--smoke", action="store_true", help="CPU, 4-layer tiny shape, 64-token prompts")
+    ap.add_argument("--out", default="h200_generate_api.json")
+    args = ap.parse_args()
+    if args.smoke:
+        dev, dtype = torch.device("cpu"), torch.float32
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=128, max_position_embeddings=4096)
+        cfg._attn_implementation = "sdpa"
+        mask = HeadMask(4, 4, 2, ((0,), (1,), (2, 3), (0,)))
+        args.batches, args.lengths, args.new_tokens, args.reps = [1, 2], [64], 4, 1
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("bench_generate.py times CUDA generate: run it on a GPU host, or --smoke on the CPU")
+        dev, dtype = torch.device("cuda"), torch.bfloat16
+        cfg = smollm2_config()
+        mask = hybrid_mask(args.mask)
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(cfg).eval()
+    hybrid = hybridize(teacher, mask).to(dev, dtype).eval()
+    teacher = teacher.to(dev, dtype)
+    g = torch.Generator().manual_seed(1)
+    res = {"what": "transformers generate, ms per new token (2N - N tokens)/N, hybrid vs teacher, same arguments",
+           "shape": "SmolLM2-135M (30 x 9 heads, 3 KV, d 64)" if not args.smoke else "tiny (smoke)",
+           "mask": args.mask if not args.smoke else "tiny", "n_fa_heads": sum(len(h) for h in mask.fa_heads),
+           "dtype": str(dtype), "new_tokens": args.new_tokens, "reps": args.reps, "settings": SETTINGS,
+           "inference_config": asdict(inference_config(hybrid)),
+           "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                        "python": platform.python_version(),
+                        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()},
+           "cells": []}
+    short = torch.randint(1, cfg.vocab_size, (2, 48), generator=g).to(dev)
+    res["check_tokens_differing"] = check_tokens(hybrid, short, 8)
+    print("tokens differing from a cache-free greedy loop:", res["check_tokens_differing"], flush=True)
+    for setting in args.settings:
+        for T in sorted(args.lengths):
+            for B in args.batches:
+                ids = torch.randint(1, cfg.vocab_size, (B, T), generator=g).to(dev)
+                cell = {"setting": setting, "batch": B, "prompt": T}
+                for name, m in (("teacher", teacher), ("hybrid", hybrid)):
+                    ms, walls = ms_per_token(m, ids, args.new_tokens, setting, args.reps)
+                    cell[f"{name}_ms_per_token"] = round(ms, 3)
+                    cell[f"{name}_wall_ms"] = {str(k): round(v, 1) for k, v in walls.items()}
+                cell["hybrid_over_teacher"] = round(cell["hybrid_ms_per_token"] / cell["teacher_ms_per_token"], 3)
+                res["cells"].append(cell)
+                print(json.dumps(cell), flush=True)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                Path(args.out).write_text(json.dumps(res, indent=1))  # saved as it goes
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

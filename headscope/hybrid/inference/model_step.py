@@ -1,0 +1,81 @@
+"""The fast path of a whole hybrid model's forward: a static :class:`~headscope.hybrid.HybridCache`'s decode step.
+
+A hybrid causal LM (``modeling_hybrid``) asks :func:`model_forward` (through ``dispatch.py``) before its own forward
+when headscope is imported. It computes one call: a decode step (one new token per sequence) into a *static*
+HybridCache (``model.generate(..., cache_implementation="static")`` or ``HybridCache(config, max_len, static=True)``)
+after an unpadded prefill, replayed from one CUDA graph of the whole step (``StaticDecoder.step_replayed``: embedding,
+every layer through the lean decode path, final norm and LM head; compiled layer tails) — the graph-captured step's
+speed through transformers' own ``generate``. Every other call (prefill, a growing cache, padding, gradients,
+hooks, outputs other than logits) returns None and runs the model's own forward, whose attention layers take the
+lean path where it applies (``forward.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .config import inference_config
+from .decoder import StaticDecoder
+
+_OUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+# keyword arguments a decode step may carry that the replayed step computes itself (positions from the cache)
+_IGNORED = {"use_cache", "cache", "past_key_values", "position_ids", "cache_position", "logits_to_keep",
+            "return_dict", "attention_mask"}
+
+
+def _decoder_layers_plain(model: Any) -> bool:
+    """Whether the model's layers are what ``StaticDecoder`` computes: Llama-form decoder layers (input norm →
+    attention → residual → post-attention norm → MLP → residual) whose attention is a plain hybrid layer."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or not all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "norm")):
+        return False
+    return all(getattr(getattr(l, "self_attn", None), "plain", False) and hasattr(l, "input_layernorm")
+               and hasattr(l, "post_attention_layernorm") and hasattr(l, "mlp")
+               and not hasattr(l, "pre_feedforward_layernorm") for l in layers)
+
+
+def model_forward(model: Any, input_ids: Optional[Tensor], cache: Any, kwargs: dict) -> Optional[Any]:
+    """The model's output for this call from the replayed decode step, or None where it does not apply.
+
+    Args:
+        model: a hybrid causal LM.
+        input_ids: [batch, time] token ids (or None).
+        cache: the call's :class:`~headscope.hybrid.HybridCache`.
+        kwargs: the call's other keyword arguments (``attention_mask``, ``use_cache``, ...).
+
+    Returns:
+        ``CausalLMOutputWithPast(logits=[batch, 1, vocab], cache)`` (logits copied out of the graph's buffer), or
+        None: the model's own forward computes the call.
+    """
+    n = cache.get_seq_length()
+    if n == 0:  # a prefill: remember whether it was padded (a decode step of a padded batch needs its mask)
+        mask = kwargs.get("attention_mask")
+        cache.headscope_unpadded = mask is None or bool(mask.all())
+        return None
+    if not (cache.static and getattr(cache, "headscope_unpadded", False)):
+        return None
+    if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1 or torch.is_grad_enabled():
+        return None
+    if any(v is not None and v is not False for k, v in kwargs.items() if k not in _IGNORED):
+        return None  # inputs_embeds, labels, output_attentions / hidden_states, ...: the model's own forward
+    cfg = inference_config(model)
+    where = cfg.fast_path
+    if where == "never" or (where == "cuda" and input_ids.device.type != "cuda"):
+        return None
+    caches = cache.decode_caches
+    if any(c is None for c in caches) or not _decoder_layers_plain(model):
+        return None
+    if model.training or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return None
+    dec = getattr(cache, "headscope_decoder", None)
+    if dec is None:
+        dec = StaticDecoder(model, input_ids.shape[0], caches[0].max_len, compile_tail=input_ids.is_cuda,
+                            config=cfg, caches=caches)
+        cache.headscope_decoder = dec
+    logits = dec.step_replayed(input_ids).clone()
+    return CausalLMOutputWithPast(logits=logits, **{_OUT_CACHE_FIELD: cache})

@@ -1,0 +1,148 @@
+"""The hybrid's transformers Cache (HybridCache): model(ids) and generate take it, and the fast paths through it.
+
+Every check compares with a cache-free forward (the brute-force reference: the whole sequence again each step).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+
+from headscope.hybrid import HybridCache, InferenceConfig, hybridize, use_inference
+from headscope.hybrid.inference import decoder as decoder_mod
+from headscope.masks import HeadMask
+
+L, H, KV, D = 3, 4, 2, 8
+MIXED = HeadMask(L, H, KV, ((0,), (1, 2), (3,)))
+KW = dict(pad_token_id=0, eos_token_id=None)
+
+
+def _hybrid(seed=0, **opts):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=L, num_attention_heads=H,
+                      num_key_value_heads=KV, head_dim=D, max_position_embeddings=1024)
+    m = hybridize(LlamaForCausalLM(cfg).eval(), MIXED, **opts).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # non-trivial new parameters (decays, β, γ)
+        for layer in m.model.layers:
+            for p in layer.self_attn.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def _ids(B, T, seed=1):
+    return torch.randint(2, 101, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy_loop(model, ids, n):
+    out = ids
+    with torch.no_grad():
+        for _ in range(n):
+            out = torch.cat([out, model(out, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return out
+
+
+def _lean(model, where):
+    use_inference(model, dataclasses.replace(InferenceConfig(), fast_path=where))
+    return model
+
+
+@pytest.mark.parametrize("where", ["never", "always"])
+def test_incremental_decoding_through_the_cache_equals_full_forward(where):
+    """Prefill 250 tokens, then 12 single-token steps: the cache grows past its first 256-token allocation."""
+    m = _lean(_hybrid(), where)
+    ids = _ids(2, 262)
+    with torch.no_grad():
+        full = m(ids, use_cache=False).logits
+        out = m(ids[:, :250])
+        cache = out.cache
+        assert isinstance(cache, HybridCache) and cache.get_seq_length() == 250
+        assert cache.decode_caches[0].max_len == 256
+        steps = [out.logits[:, -1]]
+        for t in range(250, 262):
+            o = m(ids[:, t:t + 1], cache=cache)
+            assert o.cache is cache
+            steps.append(o.logits[:, -1])
+    assert cache.get_seq_length() == 262 and cache.decode_caches[0].max_len == 512  # doubled once
+    got = torch.stack(steps[:-1], 1)
+    assert (got - full[:, 249:261]).abs().max() < 1e-4
+
+
+def test_empty_transformers_caches_are_replaced_and_filled_ones_kept():
+    m = _hybrid()
+    ids = _ids(1, 9)
+    with torch.no_grad():
+        assert isinstance(m(ids, cache=DynamicCache(config=m.config)).cache, HybridCache)
+        st = m(ids, cache=StaticCache(config=m.config, max_cache_len=40)).cache
+        assert isinstance(st, HybridCache) and st.static and st.max_len == 40
+        assert m(ids, use_cache=False).cache is None
+
+
+@pytest.mark.parametrize("where", ["never", "always"])
+def test_greedy_generate_default_and_static_equal_the_cache_free_loop(where):
+    m = _lean(_hybrid(), where)
+    ids = _ids(2, 20)
+    ref = _greedy_loop(m, ids, 8)
+    for extra in ({}, {"cache_implementation": "static"}):
+        got = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, **KW, **extra)
+        assert torch.equal(got, ref), extra
+
+
+def test_static_generate_takes_the_replayed_step_and_sampling_matches(monkeypatch):
+    """With fast_path="always" on the CPU a static cache's decode steps go through StaticDecoder.step_replayed
+    (run eagerly off CUDA: the same device-position step a GPU replays); sampled tokens (same seed) equal those of
+    the reference path."""
+    m = _hybrid()
+    ids = _ids(3, 16)
+    calls = []
+    orig = decoder_mod.StaticDecoder.step_replayed
+    monkeypatch.setattr(decoder_mod.StaticDecoder, "step_replayed", lambda self, x: calls.append(1) or orig(self, x))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=True, top_k=20, temperature=1.5,
+              cache_implementation="static", **KW)
+    _lean(m, "never")
+    torch.manual_seed(3)
+    want = m.generate(ids, **kw)
+    assert calls == []
+    _lean(m, "always")
+    torch.manual_seed(3)
+    got = m.generate(ids, **kw)
+    assert len(calls) == 5  # 6 new tokens: the prefill makes the first, 5 decode steps
+    assert torch.equal(got, want)
+
+
+def test_padded_static_generate_equals_each_row_alone():
+    m = _lean(_hybrid(), "always")
+    a, b = _ids(1, 6, seed=4), _ids(1, 9, seed=5)
+    batch = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), a], 1), b], 0)
+    am = torch.ones_like(batch)
+    am[0, :3] = 0
+    kw = dict(max_new_tokens=5, do_sample=False, cache_implementation="static", **KW)
+    out = m.generate(batch, attention_mask=am, **kw)
+    assert torch.equal(out[0, 9:], _greedy_loop(m, a, 5)[0, 6:])
+    assert torch.equal(out[1, 9:], _greedy_loop(m, b, 5)[0, 9:])
+
+
+def test_beam_search_reorders_the_gdn_state():
+    """Beam search through the HybridCache (reorder_cache moves K/V, GDN state and convolution tail) equals beam
+    search without a cache."""
+    m = _hybrid(gdn_conv=4)
+    ids = _ids(2, 12)
+    kw = dict(max_new_tokens=6, num_beams=3, do_sample=False, **KW)
+    assert torch.equal(m.generate(ids, **kw), m.generate(ids, use_cache=False, **kw))
+
+
+def test_cache_limits_are_errors_that_name_the_fix():
+    m = _hybrid()
+    ids = _ids(1, 10)
+    cache = HybridCache(m.config, max_len=12, static=True)
+    with torch.no_grad():
+        m(ids, cache=cache)
+        with pytest.raises(ValueError, match="larger max_len"):
+            m(_ids(1, 3), cache=cache)
+        with pytest.raises(ValueError, match="cannot be cropped"):
+            cache.crop(-5)
+        with pytest.raises(ValueError, match="new cache for a new batch"):
+            m(_ids(2, 1), cache=cache)
+    with pytest.raises(ValueError, match="needs max_len"):
+        HybridCache(m.config, static=True)
