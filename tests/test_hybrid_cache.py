@@ -50,23 +50,24 @@ def _lean(model, where):
 
 @pytest.mark.parametrize("where", ["never", "always"])
 def test_incremental_decoding_through_the_cache_equals_full_forward(where):
-    """Prefill 250 tokens, then 12 single-token steps: the cache grows past its first 256-token allocation."""
+    """Prefill 250 tokens, a chunk of 300 (past the first 512-token allocation: the cache grows, K/V and state
+    copied), then 3 single-token steps: every position's logits equal one cache-free forward's."""
     m = _lean(_hybrid(), where)
-    ids = _ids(2, 262)
+    ids = _ids(2, 553)
     with torch.no_grad():
         full = m(ids, use_cache=False).logits
         out = m(ids[:, :250])
         cache = out.cache
         assert isinstance(cache, HybridCache) and cache.get_seq_length() == 250
-        assert cache.decode_caches[0].max_len == 256
-        steps = [out.logits[:, -1]]
-        for t in range(250, 262):
+        assert cache.decode_caches[0].max_len == 512  # 250 + 256 rounded up to 256
+        parts = [out.logits, m(ids[:, 250:550], cache=cache).logits]
+        assert cache.decode_caches[0].max_len == 1024  # doubled
+        for t in range(550, 553):
             o = m(ids[:, t:t + 1], cache=cache)
             assert o.cache is cache
-            steps.append(o.logits[:, -1])
-    assert cache.get_seq_length() == 262 and cache.decode_caches[0].max_len == 512  # doubled once
-    got = torch.stack(steps[:-1], 1)
-    assert (got - full[:, 249:261]).abs().max() < 1e-4
+            parts.append(o.logits)
+    assert cache.get_seq_length() == 553
+    assert (torch.cat(parts, 1) - full).abs().max() < 1e-4
 
 
 def test_empty_transformers_caches_are_replaced_and_filled_ones_kept():

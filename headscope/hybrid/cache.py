@@ -179,15 +179,17 @@ class HybridCache(Cache):
 
     Args:
         config: the hybrid model's config (``num_hidden_layers`` layers).
-        max_len: capacity in tokens (prompt + new tokens); None: the first call's length rounded up to 256
-            tokens, doubled when full (``static`` must be False).
+        max_len: capacity in tokens (prompt + new tokens); None: grown as needed — the first call's length plus
+            256 tokens (at least ``initial_len``), rounded up to 256, doubled when full (``static`` must be False).
         static: keep the capacity fixed (``max_len`` required): what CUDA-graph replay needs.
+        initial_len: without ``max_len``, the first allocation's least capacity (``generate`` passes prompt + new
+            tokens, so a call never grows it).
 
     Raises:
         ValueError: ``static`` without ``max_len``, or max_len < 1.
     """
 
-    def __init__(self, config: Any, max_len: Optional[int] = None, static: bool = False):
+    def __init__(self, config: Any, max_len: Optional[int] = None, static: bool = False, initial_len: int = 0):
         if static and max_len is None:
             raise ValueError("HybridCache(static=True) needs max_len (prompt + new tokens)")
         if max_len is not None and max_len < 1:
@@ -195,7 +197,7 @@ class HybridCache(Cache):
         n = int(config.get_text_config(decoder=True).num_hidden_layers if hasattr(config, "get_text_config")
                 else config.num_hidden_layers)
         super().__init__(layers=[HybridCacheLayer() for _ in range(n)])
-        self.max_len, self.static = max_len, static
+        self.max_len, self.static, self.initial_len = max_len, static, int(initial_len)
 
     @property
     def decode_caches(self) -> list[Optional[HybridDecodeCache]]:
@@ -218,7 +220,7 @@ class HybridCache(Cache):
             raise ValueError(f"the HybridCache holds {_batch_of(dc)} sequences but the input has {batch}; "
                              "start a new cache for a new batch")
         if dc is None or _batch_of(dc) != batch:
-            cap = self.max_len if self.max_len is not None else _round_up(need)
+            cap = self.max_len if self.max_len is not None else _round_up(max(need + 256, self.initial_len))
             if need > cap:
                 raise ValueError(f"the HybridCache holds {cap} tokens but {need} are needed; make it with a larger "
                                  "max_len (generate: max_cache_len / max_new_tokens)")

@@ -176,17 +176,18 @@ def install_hybrid_attention(model: PreTrainedModel) -> None:
             device=w.device, dtype=w.dtype))
 
 
-def hybrid_cache_for(model: PreTrainedModel, cache: Any, use_cache: bool) -> Any:
+def hybrid_cache_for(model: PreTrainedModel, cache: Any, use_cache: bool, initial_len: int = 0) -> Any:
     """The cache a hybrid model's layers get in place of the one transformers made or was given.
 
-    None with ``use_cache`` → a growing :class:`HybridCache`; an empty ``DynamicCache`` → the same; an empty
+    None with ``use_cache`` → a growing :class:`HybridCache` (first allocation ≥ ``initial_len`` tokens); an empty
+    ``DynamicCache`` → the same; an empty
     ``StaticCache`` (``generate(cache_implementation="static")``) → ``HybridCache(max_len=its length,
     static=True)``; anything else (a HybridCache, a filled cache, None without use_cache) is returned as it is.
     """
     if cache is None:
-        return HybridCache(model.config) if use_cache else None
+        return HybridCache(model.config, initial_len=initial_len) if use_cache else None
     if type(cache) is DynamicCache and cache.get_seq_length() == 0:
-        return HybridCache(model.config)
+        return HybridCache(model.config, initial_len=initial_len)
     if type(cache) is StaticCache and int(cache.get_seq_length()) == 0:
         return HybridCache(model.config, max_len=int(cache.get_max_length()), static=True)
     return cache
@@ -233,9 +234,10 @@ def _hybrid_classes(family: str, config_base: type, model_base: type) -> tuple[t
     def _prepare_cache_for_generation(self: Any, generation_config: Any, model_kwargs: dict, *args: Any,
                                       **kwargs: Any) -> Any:
         out = model_base._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
+        n = kwargs.get("max_cache_length", args[-1] if args and isinstance(args[-1], int) else 0)
         for name in ("cache", "past_key_values"):
             if model_kwargs.get(name) is not None:
-                model_kwargs[name] = hybrid_cache_for(self, model_kwargs[name], True)
+                model_kwargs[name] = hybrid_cache_for(self, model_kwargs[name], True, initial_len=n)
         return out
 
     forward.__doc__ = model_base.forward.__doc__
