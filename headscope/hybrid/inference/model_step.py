@@ -67,13 +67,13 @@ def model_forward(model: Any, input_ids: Optional[Tensor], cache: Any, kwargs: d
     where = cfg.fast_path
     if where == "never" or (where == "cuda" and input_ids.device.type != "cuda"):
         return None
-    caches = cache.decode_caches
-    if any(c is None for c in caches) or not _decoder_layers_plain(model):
-        return None
     if model.training or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return None
     dec = getattr(cache, "headscope_decoder", None)
     if dec is None:
+        caches = cache.decode_caches
+        if any(c is None for c in caches) or not _decoder_layers_plain(model):
+            return None
         dec = StaticDecoder(model, input_ids.shape[0], caches[0].max_len, compile_tail=input_ids.is_cuda,
                             config=cfg, caches=caches)
         cache.headscope_decoder = dec
