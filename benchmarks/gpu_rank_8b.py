@@ -7,6 +7,7 @@ with the one-hook-per-head sweep (the computation of TransformerLens' ``get_act_
     PYTHONPATH=. python benchmarks/gpu_rank_8b.py --piece screen --out-dir $OUT
     PYTHONPATH=. python benchmarks/gpu_rank_8b.py --piece engine,sweep --pair-idx 2 --precision float32 --out-dir $OUT
     python benchmarks/gpu_rank_8b.py --merge A.json B.json C.json --out benchmarks/results/h200_rank_8b.json
+    python benchmarks/gpu_rank_8b.py --merge D.json E.json --merge-into benchmarks/results/h200_rank_8b.json
 
 The model: Llama-3.1-8B's shape (32 layers x 32 query heads, 8 KV heads, d_model 4096, d_head 128, MLP 14336,
 vocabulary 128,256, RoPE theta 500,000), random weights (normal, std 0.02; norms 1) in bf16, built on the GPU
@@ -30,8 +31,11 @@ Pieces (``--piece``, comma-separated; each process stops starting new work when 
   ``--fp32-heads`` (16) of them, the planted head included, are recomputed with the model upcast to float32:
   the brute-force reference (``max_abs_diff_vs_bruteforce``: engine vs float32; ``bf16_sweep_vs_fp32``: the
   bf16 sweep's own distance from it).
-* ``screen``: ``screen_auto`` (certified screen, top 10) on all pairs: time, verified heads; recall@10 against
-  the exact ranking is computed at ``--merge`` time from the engine pieces.
+* ``screen``: ``screen_auto`` (certified screen, top 10) on all pairs: time, verified heads, its peak memory;
+  recall@10 against the exact ranking is computed at ``--merge`` time from the engine pieces. A merged result
+  keeps no per-head IE, so a screen run later is merged into it with ``--merge-into`` together with engine
+  pieces of the same configuration rerun for the purpose (``benchmarks/recipes/rank_8b_screen.sh``: two calls,
+  engine pairs 0-3, then pairs 4, 5 and the screen); everything else in the stored result is kept.
 
 FLOPs (``counted_flops``): 2 x multiply-adds of the matmuls the engine runs plus attention's QK^T and PV over
 the visible (causal) keys only: per pair, the clean and corrupted full passes (every layer, every position,
@@ -362,7 +366,15 @@ def main() -> None:
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "."))
     ap.add_argument("--merge", nargs="*", default=None, help="piece JSONs to merge into --out")
     ap.add_argument("--out", default="benchmarks/results/h200_rank_8b.json")
+    ap.add_argument("--merge-into", default=None, metavar="STORED_JSON",
+                    help="with --merge: add the pieces' screen (seconds, verified heads, recall@10 against the exact "
+                         "IE of the pieces' engine pairs) to this already merged result, keeping the rest of it")
     args = ap.parse_args()
+    if args.merge_into is not None:
+        if not args.merge:
+            raise SystemExit("--merge-into needs the piece JSONs: --merge A.json B.json --merge-into STORED_JSON")
+        merge_into(args.merge, args.merge_into)
+        return None
     if args.merge is not None:
         return merge(args.merge, args.out)
 
@@ -387,7 +399,10 @@ def main() -> None:
         store_root = Path(args.store_dir or "/tmp/headscope_rank8b") / f"T{seq_len}_n{n_pairs}"
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tag = "smoke" if smoke else f"{'-'.join(sorted(pieces))}_{'-'.join(map(str, pair_idx))}"
+    tag = f"{'-'.join(sorted(pieces))}_{'-'.join(map(str, pair_idx))}"
+    whole_smoke = smoke and pieces == {"engine", "sweep", "screen"} and pair_idx == list(range(n_pairs))
+    if smoke:  # the whole smoke run keeps its one file name; smoke pieces get their own (to test --merge-into)
+        tag = "smoke" if whole_smoke else f"smoke_{tag}"
     if args.precision != "model" and not smoke:
         tag += f"_resid-{args.precision}"
     out_path = out_dir / f"rank8b_{tag}.json"
@@ -429,6 +444,7 @@ def main() -> None:
 
     # ---- engine -------------------------------------------------------------------------------
     eng: dict = {}
+    peak_before_screen = 0  # bytes: the process's peak before the screen resets the counter
     if "engine" in pieces:
         receiver_patching(model, pairs[:1], min_gap=0.0, progress=False, heads=[(0, 0), (g.n_layers - 1, 0)],
                           precision=precision)  # warm-up
@@ -542,6 +558,10 @@ def main() -> None:
             if not smoke:
                 signal.signal(signal.SIGALRM, alarm)
                 signal.alarm(max(1, int(budget_end - time.perf_counter() - 15)))
+            if cuda:  # the screen's own peak, after the engine pieces of this process
+                peak_before_screen = torch.cuda.max_memory_allocated()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
             try:
                 sync()
@@ -551,8 +571,11 @@ def main() -> None:
                 sec = time.perf_counter() - t
                 mean = s.ie.double().nanmean(0)
                 top = torch.topk(torch.nan_to_num(mean, nan=-1e30).flatten(), 10).indices.tolist()
-                st = s.stats.as_dict() if hasattr(s.stats, "as_dict") else {}
-                res["screen"] = {"seconds": round(sec, 2), "top10": [[t_ // g.n_heads, t_ % g.n_heads] for t_ in top],
+                st = s.stats.as_dict()
+                res["screen"] = {"seconds": round(sec, 2), "pairs": len(pairs), "verified": st["n_verified"],
+                                 "certified": st["certified"],
+                                 "top10": [[t_ // g.n_heads, t_ % g.n_heads] for t_ in top],
+                                 "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2) if cuda else None,
                                  "stats": st, "mean_ie": mean.tolist()}
                 print("screen", sec, st, flush=True)
             except (torch.OutOfMemoryError, TimeoutError) as err:
@@ -560,12 +583,12 @@ def main() -> None:
                 res["screen"] = {"error": str(err)[:300], "seconds_until_stop": round(time.perf_counter() - t, 1)}
         write(out_path, res)
 
-    if cuda:
-        res["peak_gb_process"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)  # incl. sweep, fp32, screen
+    if cuda:  # incl. sweep, fp32, screen
+        res["peak_gb_process"] = round(max(torch.cuda.max_memory_allocated(), peak_before_screen) / 1e9, 2)
     res["wall_seconds"] = round(time.perf_counter() - T_START, 2)
     write(out_path, res)
     print(f"wrote {out_path} ({res['wall_seconds']} s)", flush=True)
-    if smoke:
+    if whole_smoke:
         merge([str(out_path)], str(out_dir / "rank8b_smoke_merged.json"))
 
 
@@ -575,21 +598,66 @@ def _precision(piece: dict) -> str:
 
 
 def merge(paths: list[str], out: str) -> None:
-    """The acceptance keys from piece JSONs: engine pairs from every piece (a later piece's pair replaces an
+    """The acceptance keys from piece JSONs (:func:`merged`) written to ``out``."""
+    out_obj = merged([json.loads(Path(p).read_text()) for p in paths])
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    write(Path(out), out_obj)
+    print(json.dumps({k: v for k, v in out_obj.items() if k not in ("config", "versions", "flops_counting")}, indent=1,
+                     default=str))
+
+
+def exact_ie(eng: dict, n_pairs: int):
+    """Exact receiver IE (noising) per pair from the engine pieces' patched metrics:
+    ``(m_clean - m_patched) / (m_clean - m_corrupt)``, Float[ndarray, "pair layer head"]."""
+    import numpy as np
+
+    pt = np.array([eng[str(i)]["patched"] for i in range(n_pairs)])
+    mc = np.array([eng[str(i)]["m_clean"] for i in range(n_pairs)])[:, None, None]
+    mx = np.array([eng[str(i)]["m_corrupt"] for i in range(n_pairs)])[:, None, None]
+    return (mc - pt) / (mc - mx)
+
+
+def screen_summary(sc: dict, eng: dict, n_pairs: int) -> dict:
+    """The screen piece's figures without its per-head means; with the exact IE of all ``n_pairs`` engine pairs
+    also ``recall_at_10`` (the screen's top 10 by mean IE vs the exact top 10, :func:`recall_at_k`) and
+    ``exact_top10`` ([layer, head] lists)."""
+    import numpy as np
+
+    from headscope.patching.attribution import recall_at_k
+
+    out = {k: v for k, v in sc.items() if k != "mean_ie"}
+    if "mean_ie" not in sc or any(str(i) not in eng for i in range(n_pairs)):
+        return out
+    exact = exact_ie(eng, n_pairs).mean(0)
+    heads = exact.shape[1]
+    top = np.argsort(-exact.ravel(), kind="stable")[:10].tolist()
+    out.update(recall_at_10=recall_at_k(exact, np.array(sc["mean_ie"]), 10),
+               exact_top10=[[t // heads, t % heads] for t in top])
+    return out
+
+
+def engine_pairs(parts: list[dict]) -> tuple[dict, dict]:
+    """(pair -> the engine's figures of the last piece that ran it, with its ``precision_residual``;
+    precision -> pair -> seconds of every piece's measurement)."""
+    eng: dict = {}
+    by_prec: dict[str, dict[str, float]] = {}
+    for p in parts:
+        pr = _precision(p)
+        for k, e in p.get("engine", {}).items():
+            eng[k] = {**e, "precision_residual": pr}
+            by_prec.setdefault(pr, {})[k] = e["seconds"]
+    return eng, by_prec
+
+
+def merged(parts: list[dict]) -> dict:
+    """The acceptance keys from piece dicts: engine pairs from every piece (a later piece's pair replaces an
     earlier one's), sweep/check/fp32 reference/screen from the last piece that has them.
 
     Pieces may differ in the engine's precision (``config.precision``): then ``seconds`` sums times measured
     at different settings, and ``seconds_projected`` scales every pair measured only at the other setting by
     the time ratio of the pairs measured at both (its basis is recorded); a full rerun at one setting
     replaces the projection."""
-    parts = [json.loads(Path(p).read_text()) for p in paths]
-    eng: dict = {}
-    by_prec: dict[str, dict[str, float]] = {}  # precision -> pair -> seconds (every piece's measurement)
-    for p in parts:
-        pr = _precision(p)
-        for k, e in p.get("engine", {}).items():
-            eng[k] = {**e, "precision_residual": pr}
-            by_prec.setdefault(pr, {})[k] = e["seconds"]
+    eng, by_prec = engine_pairs(parts)
     first = parts[0]
     n_pairs = first["config"]["n_pairs"]
     heads = first["heads"]
@@ -653,23 +721,84 @@ def merge(paths: list[str], out: str) -> None:
         "pieces": [{"piece": p["piece"], "pair_idx": p["pair_idx"], "wall_seconds": p.get("wall_seconds"),
                     "build_seconds": p.get("build_seconds")} for p in parts],
     }
-    if sc and "mean_ie" in sc and len(eng) == n_pairs:
-        import numpy as np
+    if sc:
+        out_obj["screen"] = screen_summary(sc, eng, n_pairs)
+    return out_obj
 
-        from headscope.patching.attribution import recall_at_k
 
-        pt = np.array([eng[str(i)]["patched"] for i in range(n_pairs)])
-        mc = np.array([eng[str(i)]["m_clean"] for i in range(n_pairs)])[:, None, None]
-        mx = np.array([eng[str(i)]["m_corrupt"] for i in range(n_pairs)])[:, None, None]
-        exact = ((mc - pt) / (mc - mx)).mean(0)
-        out_obj["screen"] = {"seconds": sc["seconds"], "recall_at_10": recall_at_k(exact, np.array(sc["mean_ie"]), 10),
-                             "stats": sc.get("stats")}
-    elif sc:
-        out_obj["screen"] = {k: v for k, v in sc.items() if k != "mean_ie"}
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    write(Path(out), out_obj)
-    print(json.dumps({k: v for k, v in out_obj.items() if k not in ("config", "versions", "flops_counting")}, indent=1,
-                     default=str))
+#: the configuration entries that must agree between a stored result and the pieces merged into it (the same
+#: model, pairs and readout; the precision, budget and tokenizer path may differ)
+SAME_RUN_KEYS = ("shape", "dtype", "init", "planted_head", "tokenizer_vocab", "task", "seq_len", "depths", "n_pairs",
+                 "readout")
+
+
+def merge_into(paths: list[str], stored: str) -> dict:
+    """Add the screen of the pieces ``paths`` to the already merged result ``stored`` (whose pieces are gone),
+    keeping everything it holds; returns the updated dict (also written to ``stored``).
+
+    The stored result keeps only aggregates of its engine pairs (no per-head IE), so recall@10 is computed
+    against the exact IE of the engine pairs in ``paths`` (a rerun of the same model and pairs: seeded weights,
+    same depths). Written: ``screen`` (seconds, pairs, verified heads, certified, its peak memory, top 10,
+    ``recall_at_10`` and ``exact_top10``, the screen's stats) with ``screen.exact_reference``: which pairs and
+    precision the exact IE came from, their rerun seconds, and how far the rerun is from the stored run (the
+    clean-corrupted gaps per pair; the IE of the stored float32 brute-force heads where that pair was rerun).
+    The pieces are appended to ``pieces`` with ``used_for: "screen"``.
+
+    Raises:
+        SystemExit: no screen piece; a screen piece without its per-head means; engine pairs missing; a piece
+            of another configuration (model shape, planted head, pairs, readout) than ``stored``.
+    """
+    st = json.loads(Path(stored).read_text())
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    for p, path in zip(parts, paths):
+        diff = [k for k in SAME_RUN_KEYS if p["config"].get(k) != st["config"].get(k)]
+        if p.get("pair_lengths") != st.get("pair_lengths"):
+            diff.append("pair_lengths")  # another tokenizer
+        if diff:
+            raise SystemExit(f"{path}: its configuration differs from {stored} in {diff}: its exact IE is of "
+                             "another model or other pairs")
+    eng, n_pairs = engine_pairs(parts)[0], st["config"]["n_pairs"]
+    sc = next((p["screen"] for p in reversed(parts) if "screen" in p), None)
+    if sc is None:
+        raise SystemExit(f"no screen piece among {paths}: run --piece screen (with engine pairs) first")
+    if "error" in sc or "skipped" in sc:
+        st["screen"] = screen_summary(sc, {}, n_pairs)  # the stop is the result: recorded as it is
+    else:
+        missing = [i for i in range(n_pairs) if str(i) not in eng]
+        if "mean_ie" not in sc:
+            raise SystemExit("the screen piece has no per-head means (mean_ie): rerun it with this script")
+        if missing:
+            raise SystemExit(f"recall@10 needs the exact IE of all {n_pairs} pairs: engine pairs {missing} are in "
+                             f"none of {paths} (the stored result keeps no per-head IE); run --piece engine "
+                             f"--pair-idx {','.join(map(str, missing))}")
+        out = screen_summary(sc, eng, n_pairs)
+        ref: dict = {
+            "source": "engine pieces rerun with the stored configuration (not the stored run's own pairs)",
+            "pairs": sorted(eng, key=int), "seconds_per_pair": {k: eng[k]["seconds"] for k in sorted(eng, key=int)},
+            "precision_by_pair": {k: eng[k]["precision_residual"] for k in sorted(eng, key=int)},
+            "gaps": {k: round(eng[k]["m_clean"] - eng[k]["m_corrupt"], 4) for k in sorted(eng, key=int)},
+        }
+        old_gaps = st.get("gaps") or {}
+        both = [k for k in ref["gaps"] if k in old_gaps]
+        if both:
+            ref["max_abs_gap_diff_vs_stored"] = max(abs(ref["gaps"][k] - old_gaps[k]) for k in both)
+        f32 = st.get("fp32_reference") or {}
+        k32 = str(f32.get("pair"))
+        if "ie" in f32 and k32 in eng:
+            ie = exact_ie(eng, n_pairs)[int(k32)]
+            d = [abs(float(ie[tuple(map(int, h.split(",")))]) - v) for h, v in f32["ie"].items()]
+            ref["max_abs_diff_ie_vs_stored_fp32_reference"] = max(d)
+            ref["fp32_reference_pair_precision"] = eng[k32]["precision_residual"]
+        out["exact_reference"] = ref
+        st["screen"] = out
+        print(f"screen: {out['seconds']} s, {out.get('verified')} heads verified, recall@10 {out['recall_at_10']}"
+              f" (exact reference: pairs {ref['pairs']}, gap diff vs stored {ref.get('max_abs_gap_diff_vs_stored')})",
+              flush=True)
+    st.setdefault("pieces", []).extend(
+        {"piece": p["piece"], "pair_idx": p["pair_idx"], "wall_seconds": p.get("wall_seconds"),
+         "build_seconds": p.get("build_seconds"), "used_for": "screen"} for p in parts)
+    write(Path(stored), st)
+    return st
 
 
 if __name__ == "__main__":

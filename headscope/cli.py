@@ -172,7 +172,10 @@ def _run_rank(cfg: Any, model: str, budget: str, min_per_layer: int, out: Path, 
     from .distributed import spawn_rank
     from .runtime import init_from_env
 
-    lm = headscope.load_model(model, device=cfg.device, device_map=cfg.device_map)
+    import torch
+
+    lm = headscope.load_model(model, device=cfg.device, dtype=cfg.torch_dtype or torch.float32,
+                              device_map=cfg.device_map)
     # again where the config could not be read; a budget too small for --min-per-layer is raised after ranking
     check_budget(budget, lm.geometry, min_per_layer, "--budget", allow_raise=True)
     shard = init_from_env(cfg.device)  # under torchrun: RANK / WORLD_SIZE in the environment

@@ -178,7 +178,8 @@ class RankConfig:
                     "TransformerLens bridge's hooks), fast or generic")
     batch_size: Optional[int] = None
     device: Optional[str] = opt(None, "cpu / cuda (default: cuda when available)", cli_type=Optional[str])
-    dtype: Optional[str] = None
+    dtype: Optional[str] = opt(None, "float32 / bfloat16 / float16: the model's weights and compute (default "
+                               "float32; the readout is float32 either way)", cli_type=Optional[str], parse="dtype")
     device_map: Optional[Any] = opt(None, "auto or balanced: spread a model that does not fit one GPU over all "
                                     "GPUs (layers)", cli_type=Optional[str])
     screen: ScreenConfig = field(default_factory=ScreenConfig)
@@ -284,6 +285,20 @@ def parse_verify(text: str) -> Any:
         return int(text) if text.isdigit() else float(text)
     except ValueError:
         raise HeadscopeInputError(f"--verify {text!r}: use auto, a head count or a fraction") from None
+
+
+def parse_dtype(text: str, name: str = "dtype") -> Any:
+    """``--dtype``: the name of a floating-point torch dtype (``bfloat16``, ``torch.float16``) -> that dtype.
+
+    Raises:
+        HeadscopeInputError: any other name (the message names the accepted ones).
+    """
+    import torch
+
+    dt = getattr(torch, str(text).removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        raise HeadscopeInputError(f"{name} {text!r}: use float32, bfloat16 or float16")
+    return dt
 
 
 def check_task_settings(task: str, settings: dict[str, Any], name: str = "task_settings") -> None:
@@ -473,10 +488,12 @@ def cli_fields() -> Iterator[CliField]:
 
 def config_from_cli(values: dict[str, Any]) -> dict[str, Any]:
     """Flat :func:`headscope.rank` keywords from the generated options' values (keyed by
-    :attr:`CliField.name`), parsed (``--verify`` text, one ``--depth`` as a float, no ``--weight`` as None).
+    :attr:`CliField.name`), parsed (``--verify`` text, one ``--depth`` as a float, no ``--weight`` as None,
+    ``--dtype`` as a torch dtype).
 
     Raises:
-        HeadscopeInputError: a ``--verify`` that is neither auto, a count nor a fraction.
+        HeadscopeInputError: a ``--verify`` that is neither auto, a count nor a fraction; a ``--dtype`` that is
+            not a floating-point torch dtype.
     """
     out: dict[str, Any] = {}
     for cf in cli_fields():
@@ -485,6 +502,8 @@ def config_from_cli(values: dict[str, Any]) -> dict[str, Any]:
             v = parse_verify(v)
         elif cf.parse == "count_or_fraction":
             v = int(v) if v >= 1 else v
+        elif cf.parse == "dtype":
+            v = None if v is None else parse_dtype(v, cf.flag)
         elif cf.parse == "depth":
             v = v[0] if len(v) == 1 else tuple(v)
         elif cf.parse == "weights":

@@ -79,3 +79,17 @@ def test_small_budget_is_raised_after_ranking(tiny_dir, tmp_path, monkeypatch):
     res = CliRunner().invoke(app, args[:-1] + [str(out2)])
     assert res.exit_code == 1 and "no mask.json written: boom" in res.output
     assert not (out2 / "mask.json").exists() and len(Ranking.load(out2).scores) == 8
+
+
+def test_rank_dtype_flag_loads_and_records_the_dtype(tiny_dir, tmp_path):
+    out = tmp_path / "bf16"
+    args = ["rank", "--model", str(tiny_dir), "--pairs", "1", "--seq-len", "64", "--budget", "3", "--min-gap", "0",
+            "--device", "cpu", "--out", str(out)]
+    res = CliRunner().invoke(app, args + ["--dtype", "bfloat16"])
+    assert res.exit_code == 0, res.output
+    r = Ranking.load(out)
+    assert r.provenance["dtype"] == "bfloat16" and r.provenance["config"]["dtype"] == "bfloat16"
+    assert len(r.scores) == 8
+    res = CliRunner().invoke(app, args[:-1] + [str(tmp_path / "bad"), "--dtype", "int8"])
+    assert res.exit_code == 2 and "--dtype 'int8': use float32, bfloat16 or float16" in res.output
+    assert not (tmp_path / "bad").exists()  # refused before the model loads

@@ -89,7 +89,7 @@ def test_cli_options_are_generated_from_the_configs():
     assert flags["--min-gap"].default == Readout().min_gap
     assert {"--task", "--pairs", "--seq-len", "--depth", "--seed", "--direction", "--mode", "--path", "--verify",
             "--spot-checks", "--senders", "--weight", "--kappa", "--normalize", "--sender-mode", "--top-k",
-            "--max-rounds", "--device", "--device-map"} <= set(flags)
+            "--max-rounds", "--device", "--dtype", "--device-map"} <= set(flags)
     out = CliRunner().invoke(app, ["rank", "--help"], terminal_width=200).output
     for flag in flags:
         assert flag in out, flag
