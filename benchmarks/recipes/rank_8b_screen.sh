@@ -7,6 +7,8 @@
 #   bash benchmarks/recipes/rank_8b_screen.sh a OUT_DIR    # GPU host: engine pairs 0-3 (~6.7 min)
 #   bash benchmarks/recipes/rank_8b_screen.sh b OUT_DIR    # GPU host: engine pairs 4, 5 + the screen (<= 9 min)
 #   bash benchmarks/recipes/rank_8b_screen.sh merge A_DIR B_DIR [STORED]   # here: into the stored result
+#   bash benchmarks/recipes/rank_8b_screen.sh short OUT_DIR   # GPU host, one call: engine + screen of pairs 4, 5 only
+#   bash benchmarks/recipes/rank_8b_screen.sh merge-short OUT_DIR [STORED]
 # env: PYTHON (default python), TOKENIZER (default .gpu/smol_tokenizer).
 # The tokenizer must be the stored run's (.gpu/smol_tokenizer, or TOKENIZER=DIR): merge refuses pieces whose
 # configuration or pair lengths differ from the stored result's.
@@ -18,6 +20,11 @@ PY=${PYTHON:-python}
 case "$step" in
   a) "$PY" benchmarks/gpu_rank_8b.py --piece engine --pair-idx 0,1,2,3 --tokenizer "$TOK" --out-dir "${2:?OUT_DIR}" ;;
   b) "$PY" benchmarks/gpu_rank_8b.py --piece engine,screen --pair-idx 4,5 --tokenizer "$TOK" --out-dir "${2:?OUT_DIR}" ;;
+  # one call: the screen on the two deepest pairs (~60 s of exact engine) -- recall@10 over those pairs
+  short) "$PY" benchmarks/gpu_rank_8b.py --piece engine,screen --pair-idx 4,5 --screen-own-pairs --tokenizer "$TOK" \
+           --out-dir "${2:?OUT_DIR}" ;;
+  merge-short) "$PY" benchmarks/gpu_rank_8b.py --merge "${2:?B_DIR}"/rank8b_engine-screen_4-5.json \
+           --merge-into "${3:-benchmarks/results/h200_rank_8b.json}" ;;
   merge) "$PY" benchmarks/gpu_rank_8b.py --merge "${2:?A_DIR}"/rank8b_engine_0-1-2-3.json \
            "${3:?B_DIR}"/rank8b_engine-screen_4-5.json --merge-into "${4:-benchmarks/results/h200_rank_8b.json}" ;;
   *) echo "unknown step $step: a, b or merge" >&2; exit 2 ;;
