@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Issue 39 item 6, "nothing silently wrong in the hybrid model", on the GPU host: every GDN kernel path (fla chunk with its backward, fla's chunk forward one-call and staged, FlashQLA, fla's fused recurrent, headscope's Triton decode step and one-launch step, the PyTorch forms) against fp64 in bf16 (T = 200, weak and strong decay, measured errors printed); the decay parameters bitwise fp32 through a bf16 load of the saved remote code; every captured CUDA-graph path (GDN prefill blocks, StaticDecoder.capture, generate(cuda_graph=True), prefill_graphed) leaving the recurrent state of an eager run; greedy tokens of generate / a cache-free loop / StaticDecoder, also in a fresh process without headscope. Skips print their reasons (-rs; a missing fla-core or flash-qla wheel is named). Needs fla-core (wheels-a) for the fla checks, flash-qla for the FlashQLA one.
+# Usage: bash benchmarks/recipes/gpu_checks.sh [OUT_DIR]   (run from the repository root on the GPU host; default $OUT)
+# Stored result: h200_hybrid_gpu_checks.log
+set -euo pipefail
+OUT=${1:-${OUT:-/tmp/bench/gpu_checks}}
+mkdir -p "$OUT"
+python -m pytest -v -s -rs tests/test_hybrid_gpu_checks.py 2>&1 | tee "$OUT/h200_hybrid_gpu_checks.log"
