@@ -445,14 +445,7 @@ def _same_state(got: list, want: list) -> list:
     return out
 
 
-CONV_BUG = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="StaticDecoder.capture restores the GDN state S after its warm-up steps but not the short-convolution "
-    "tail (HybridDecodeCache.conv), which the warm-ups advanced: the replayed step reads a tail 3 tokens ahead "
-    "(fix: save and restore c.conv beside c.S in StaticDecoder.capture)")
-
-
-@pytest.mark.parametrize("gdn_conv", [0, pytest.param(4, marks=CONV_BUG)], ids=["no-conv", "conv4"])
+@pytest.mark.parametrize("gdn_conv", [0, 4], ids=["no-conv", "conv4"])
 @pytest.mark.parametrize("mode", MODES)
 def test_captured_decode_step_leaves_the_state(mode, gdn_conv, monkeypatch):
     """StaticDecoder.capture: after the warm-up and capture the state is the one before them, bit for bit; one replay

@@ -390,7 +390,8 @@ class StaticDecoder:
         """Record one step at the current length in a CUDA graph (warm-up steps on a side stream first,
         which compile the glue); returns the graph's static logits. The caches' length stays."""
         n = self.length
-        saved = [c.S.clone() if c.S is not None else None for c in self.caches]
+        saved = [(c.S.clone() if c.S is not None else None, c.conv.clone() if c.conv is not None else None)
+                 for c in self.caches]
 
         def run() -> Tensor:
             self._set_length(n)
@@ -398,9 +399,11 @@ class StaticDecoder:
 
         self._graph, self._static = _capture(run, warmup, device=self._device())
         self._set_length(n)
-        for c, S in zip(self.caches, saved):
+        for c, (S, conv) in zip(self.caches, saved):  # the warm-ups advanced the state and the convolution tail
             if S is not None:
                 c.S.copy_(S)
+            if conv is not None:
+                c.conv.copy_(conv)
         return self._static
 
     def capture_prefill(self, ids: Tensor, warmup: int = 2) -> None:
