@@ -112,6 +112,46 @@ def test_static_generate_takes_the_replayed_step_and_sampling_matches(monkeypatc
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("graphs,replayed", [("all", 5), ("static", 0), ("never", 0)])
+def test_default_generate_replays_the_step_where_the_config_says(graphs, replayed, monkeypatch):
+    """generate's default (growing) cache: decode steps through StaticDecoder.step_replayed with
+    decode_graphs="all", layer by layer otherwise; greedy tokens equal the cache-free loop either way."""
+    m = _hybrid()
+    use_inference(m, dataclasses.replace(InferenceConfig(), fast_path="always", decode_graphs=graphs))
+    ids = _ids(2, 16)
+    calls = []
+    orig = decoder_mod.StaticDecoder.step_replayed
+    monkeypatch.setattr(decoder_mod.StaticDecoder, "step_replayed", lambda self, x: calls.append(1) or orig(self, x))
+    got = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, **KW)
+    assert len(calls) == replayed
+    assert torch.equal(got, _greedy_loop(m, ids, 6))
+
+
+def test_replayed_step_follows_a_cache_that_grows():
+    """Steps into a growing HybridCache replay the whole-model step; when a layer's cache is reallocated the step
+    is rebuilt over the new buffers (logits still equal the cache-free forward's)."""
+    m = _lean(_hybrid(), "always")
+    ids = _ids(1, 262)
+    with torch.no_grad():
+        full = m(ids, use_cache=False).logits
+        cache = HybridCache(m.config, initial_len=0)
+        outs = [m(ids[:, :254], cache=cache, attention_mask=torch.ones(1, 254, dtype=torch.long)).logits[:, -1]]
+        first = None
+        for t in range(254, 262):  # capacity 512 after the prefill: no growth yet
+            outs.append(m(ids[:, t:t + 1], cache=cache).logits[:, -1])
+            first = first or cache.headscope_decoder
+        assert cache.headscope_decoder is first
+        # force a reallocation: a chunk past the capacity, then one more step
+        more = _ids(1, 300, seed=9)
+        m(more, cache=cache)
+        ids2 = torch.cat([ids, more], 1)
+        step = m(ids2[:, -1:], cache=cache).logits[:, -1]
+        assert cache.headscope_decoder is not first and cache.decode_caches[0].max_len == 1024
+        full2 = m(torch.cat([ids2, ids2[:, -1:]], 1), use_cache=False).logits[:, -1]
+    assert (torch.stack(outs[:-1], 1) - full[:, 253:261]).abs().max() < 1e-4
+    assert (step - full2).abs().max() < 1e-4
+
+
 def test_padded_static_generate_equals_each_row_alone():
     m = _lean(_hybrid(), "always")
     a, b = _ids(1, 6, seed=4), _ids(1, 9, seed=5)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 _WHERE = ("cuda", "always", "never")
+_DECODE_GRAPHS = ("all", "static", "never")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,13 @@ class InferenceConfig:
             o_proj, residual, norm, gated MLP, next norm and next input projection in one persistent Triton launch
             (``kernels/layer_tail.py``) where it applies; False: the compiled tail (H200, SmolLM2 shape, B = 16, 32K:
             hybrid 1.952 -> 1.792 ms per step with it).
+        decode_graphs: which decode steps of ``model(...)`` / ``generate`` (one token per sequence into a
+            ``HybridCache``, on CUDA, unpadded) run as one replayed CUDA graph of the whole model step
+            (``model_step.py``): ``"all"``; ``"static"`` only a static cache's (``cache_implementation="static"``),
+            the others layer by layer; ``"never"``. A static cache's graph has compiled layer tails (a first-use
+            compile), a growing cache's has eager ones (capture only). H200, SmolLM2 shape, ranked 7:1: layer-by-layer
+            steps took 19.9-30.7 ms per token through ``generate`` against the teacher's 19.8-23.3 ms, the static
+            graph 1.5-2.7 ms (``benchmarks/results/h200_generate_api.json``).
 
     Raises:
         ValueError: a field outside its allowed values (named in the message).
@@ -70,11 +78,14 @@ class InferenceConfig:
     tail_mode: Optional[str] = None
     fused_gate_up_max_bytes: int = 32 << 20
     tail_kernel: bool = True
+    decode_graphs: str = "all"
 
     def __post_init__(self) -> None:
         for name in ("fast_path", "eager_gdn_graphs"):
             if getattr(self, name) not in _WHERE:
                 raise ValueError(f"InferenceConfig.{name} must be one of {_WHERE}; got {getattr(self, name)!r}")
+        if self.decode_graphs not in _DECODE_GRAPHS:
+            raise ValueError(f"InferenceConfig.decode_graphs must be one of {_DECODE_GRAPHS}; got {self.decode_graphs!r}")
         for f in fields(self):
             v = getattr(self, f.name)
             if f.type == "bool" and not isinstance(v, bool):

@@ -1,12 +1,13 @@
-"""The fast path of a whole hybrid model's forward: a static :class:`~headscope.hybrid.HybridCache`'s decode step.
+"""The fast path of a whole hybrid model's forward: a decode step into a :class:`~headscope.hybrid.HybridCache`.
 
 A hybrid causal LM (``modeling_hybrid``) asks :func:`model_forward` (through ``dispatch.py``) before its own forward
-when headscope is imported. It computes one call: a decode step (one new token per sequence) into a *static*
-HybridCache (``model.generate(..., cache_implementation="static")`` or ``HybridCache(config, max_len, static=True)``)
-after an unpadded prefill, replayed from one CUDA graph of the whole step (``StaticDecoder.step_replayed``: embedding,
-every layer through the lean decode path, final norm and LM head; compiled layer tails) — the graph-captured step's
-speed through transformers' own ``generate``. Every other call (prefill, a growing cache, padding, gradients,
-hooks, outputs other than logits) returns None and runs the model's own forward, whose attention layers take the
+when headscope is imported. It computes one call: a decode step (one new token per sequence) into a HybridCache after
+an unpadded prefill, replayed from one CUDA graph of the whole step (``StaticDecoder.step_replayed``: embedding,
+every layer through the lean decode path, final norm and LM head) — the graph-captured step's speed through
+transformers' own ``generate``. A static cache (``generate(..., cache_implementation="static")``) gets compiled layer
+tails and the tail kernel (a first-use compile); a growing one (``generate``'s default) eager tails (capture only),
+recaptured if a layer's cache grows; ``InferenceConfig.decode_graphs`` chooses which. Every other call (prefill,
+padding, gradients, hooks, outputs other than logits) returns None and runs the model's own forward, whose attention layers take the
 lean path where it applies (``forward.py``).
 """
 
@@ -57,7 +58,7 @@ def model_forward(model: Any, input_ids: Optional[Tensor], cache: Any, kwargs: d
         mask = kwargs.get("attention_mask")
         cache.headscope_unpadded = mask is None or bool(mask.all())
         return None
-    if not (cache.static and getattr(cache, "headscope_unpadded", False)):
+    if not getattr(cache, "headscope_unpadded", False):
         return None
     if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1 or torch.is_grad_enabled():
         return None
@@ -67,15 +68,19 @@ def model_forward(model: Any, input_ids: Optional[Tensor], cache: Any, kwargs: d
     where = cfg.fast_path
     if where == "never" or (where == "cuda" and input_ids.device.type != "cuda"):
         return None
+    if cfg.decode_graphs == "never" or (cfg.decode_graphs == "static" and not cache.static):
+        return None
     if model.training or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return None
     dec = getattr(cache, "headscope_decoder", None)
-    if dec is None:
-        caches = cache.decode_caches
+    caches = cache.decode_caches
+    if dec is None or any(a is not b for a, b in zip(dec.caches, caches)):  # new, or a layer's cache grew
         if any(c is None for c in caches) or not _decoder_layers_plain(model):
             return None
-        dec = StaticDecoder(model, input_ids.shape[0], caches[0].max_len, compile_tail=input_ids.is_cuda,
-                            config=cfg, caches=caches)
+        if len({c.max_len for c in caches}) != 1:
+            return None
+        dec = StaticDecoder(model, input_ids.shape[0], caches[0].max_len,
+                            compile_tail=input_ids.is_cuda and cache.static, config=cfg, caches=caches)
         cache.headscope_decoder = dec
     logits = dec.step_replayed(input_ids).clone()
     return CausalLMOutputWithPast(logits=logits, **{_OUT_CACHE_FIELD: cache})
