@@ -10,10 +10,11 @@ called on a teacher's hidden states for layer-wise alignment::
     cos_sin = model.model.rotary_emb(h, position_ids)          # h: [batch, time, hidden]
     out, _ = hybrid_attn(h, position_embeddings=cos_sin)        # out: [batch, time, hidden]
 
-Caching: the FA heads' kept KV groups go into the transformers ``Cache`` as usual (``cache.update``);
-the GDN state (and short-convolution tail) is kept on the same cache layer object. For decoding with
-fixed shapes (CUDA graphs) a layer also takes a :class:`HybridDecodeCache` — preallocated K/V buffers
-of its kept KV groups, GDN state and convolution tail, written in place::
+Caching: a hybrid model's forward and ``generate`` pass a :class:`~headscope.hybrid.cache.HybridCache` (a
+transformers ``Cache``); the layer takes its own slot of it, a :class:`HybridDecodeCache` — preallocated K/V
+buffers of its kept KV groups, GDN state and convolution tail, written in place (fixed shapes: CUDA graphs).
+Another transformers ``Cache`` (one that already holds tokens) gets the FA K/V through ``cache.update`` and the GDN
+state on its layer object. A layer can be driven with a HybridDecodeCache directly::
 
     dc = hybrid_attn.new_decode_cache(batch=1, max_len=T + 64)
     hybrid_attn(h, position_embeddings=cos_sin, cache=dc)          # prefill: fills dc, dc.length = T
