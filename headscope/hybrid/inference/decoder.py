@@ -435,6 +435,18 @@ class StaticDecoder:
         self._set_length(ids.shape[1])
         return self._pf_out
 
+    def _position_step(self, tok: Tensor, pos: Tensor, slots: Tensor, valid: Tensor, n_valid: Tensor,
+                       greedy: bool) -> Tensor:
+        """One decode step of the tokens ``tok`` [batch, 1] at the device position ``pos`` ([1] long): the FA mask
+        ``valid`` (= slots ≤ pos) and the split-K length ``n_valid`` (= pos + 1) updated in place first (the caches'
+        ``pos``/``valid``/``n_valid`` must point at these tensors); logits [batch, 1, vocab], or their argmax
+        [batch, 1] with ``greedy``. Capturable: every input is read from device memory."""
+        torch.le(slots, pos, out=valid)
+        torch.add(pos, 1, out=n_valid)
+        pid = pos.expand(tok.shape[0], 1)
+        h, pe = self._tail(3, self.base, tok, pid)
+        return self._tail(4, self.model, self._layers(h, pe, pid), greedy)
+
     @torch.no_grad()
     def step_replayed(self, ids: Tensor) -> Tensor:
         """One decode step at the caches' length, replayed from a CUDA graph: ``ids`` [batch, 1] → logits
@@ -459,14 +471,9 @@ class StaticDecoder:
             pos = torch.full((1,), n, dtype=torch.long, device=dev)
             slots = torch.arange(self.max_len, device=dev)
             valid, n_valid = slots <= pos, pos + 1
-            m = self.base
 
             def step() -> Tensor:
-                torch.le(slots, pos, out=valid)
-                torch.add(pos, 1, out=n_valid)
-                pid = pos.expand(B, 1)
-                h, pe = self._tail(3, m, tok, pid)
-                return self._tail(4, self.model, self._layers(h, pe, pid), False)
+                return self._position_step(tok, pos, slots, valid, n_valid, greedy=False)
 
             graph, logits = None, None
             if dev.type == "cuda":
@@ -592,14 +599,9 @@ class StaticDecoder:
         slots = torch.arange(self.max_len, device=dev)
         valid = slots <= pos  # the FA heads' attention mask (SDPA path), shared by every layer
         n_valid = pos + 1  # the split-K decode's length, likewise; both updated once per step
-        m = self.base
 
         def step() -> None:
-            torch.le(slots, pos, out=valid)
-            torch.add(pos, 1, out=n_valid)
-            pid = pos.expand(B, 1)
-            h, pe = self._tail(3, m, tok, pid)
-            nxt = self._tail(4, self.model, self._layers(h, pe, pid), True)  # [B, 1]
+            nxt = self._position_step(tok, pos, slots, valid, n_valid, greedy=True)  # [B, 1]
             out.index_copy_(1, pos - (T - 1), nxt)
             tok.copy_(nxt)
             pos.add_(1)
