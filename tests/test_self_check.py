@@ -6,6 +6,7 @@ by name, never silently different."""
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from typing import Any
@@ -101,7 +102,7 @@ def assert_ranked_exactly(lm, pair: Pair, hf_ref: torch.nn.Module | None = None)
 
 def build(config_cls: str, model_cls: str, seed: int = 0, **kw: Any) -> torch.nn.Module:
     torch.manual_seed(seed)
-    cfg = getattr(transformers, config_cls)(vocab_size=V, initializer_range=0.1, **kw)
+    cfg = getattr(transformers, config_cls)(**{"vocab_size": V, "initializer_range": 0.1, **kw})
     return getattr(transformers, model_cls)(cfg).eval()
 
 
@@ -256,6 +257,109 @@ def test_bf16_engine_is_checked_and_a_wrong_one_refused(smol_tokenizer):
         wrong.run(ids, [39])  # the first 40-token prompt is checked
 
 
+def deep_bf16_llama(seed: int = 0) -> torch.nn.Module:
+    """12 Llama layers with large random weights (initializer_range 0.25) in bfloat16: each layer amplifies a
+    difference in its input, so two correct forwards that round apart drift apart over depth (64 tokens: 0.2
+    to 0.4 relative at the last layers, beyond 8·eps = 0.0625), while one layer's rounding stays near 0.013."""
+    return build("LlamaConfig", "LlamaForCausalLM", seed, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, num_hidden_layers=12, initializer_range=0.25).to(torch.bfloat16)
+
+
+def test_bf16_drift_over_depth_is_accepted_layer_by_layer(smol_tokenizer):
+    """A healthy bf16 model whose carried residual streams (engine and model) drift apart beyond 8·eps: the old
+    comparison along the engine's own stream refuses it; the model's own bf16 forward is as far from a float64
+    forward of the same weights (the drift is bf16's, not the engine's); the teacher-forced check (every layer
+    from the model's own input to it) accepts it, at build, in self_check and at a longer prompt in run()."""
+    from headscope.patching.plan import Plan
+
+    hf = deep_bf16_llama()
+    ids = random_pair(64, 0).clean
+    T, tol = 64, chk.tolerance(torch.bfloat16)
+    assert tol == 8 * 2.0 ** -7
+    with torch.no_grad():
+        own = hf(ids[None], use_cache=False).logits[0].float()
+        exact = copy.deepcopy(hf).double()(ids[None], use_cache=False).logits[0]
+    assert chk._rel(own, exact) > tol  # the model's own bf16 logits vs float64: 0.105
+    lm = wrap(hf, smol_tokenizer, name="llama-bf16-deep")
+    eng = Engine(lm)  # the build check (12 tokens) passes
+    ref = chk.model_reference(eng, ids)
+    res = eng.forward(Plan(read=list(range(T)), ids=ids, keep=True))
+    accumulated = chk.compare(eng, res.cache, res.out[0], ref, range(T), tol=float("inf"))
+    assert accumulated > 2 * tol, accumulated  # measured 0.20
+    with pytest.raises(EngineMismatch, match=r"in bfloat16 \(family"):  # what a bf16 engine got before
+        chk.compare(eng, res.cache, res.out[0], ref, range(T))
+    forced = chk.compare_teacher_forced(eng, ids, ref, range(T))
+    assert 0.0 < forced <= tol / 2, forced  # measured 0.011: one layer's rounding
+    assert eng.self_check(ids=ids) == forced
+    longer = random_pair(96, 1).clean
+    eng.run(longer, [95])  # the first 96-token prompt is checked (teacher-forced) and passes
+    assert eng.checked_len == 96
+
+
+BF16_MUTATIONS = {  # name -> (mutation of the engine, the part the refusal must name)
+    "scale-layer-6": (lambda eng: setattr(eng.layers[6], "scaling", eng.layers[6].scaling * 1.5),
+                      r"layer 6, attention output .* in bfloat16, teacher-forced"),
+    "no-rope-layer-0": (lambda eng: setattr(eng.layers[0], "rope", None),
+                        r"layer 0, attention output .* in bfloat16, teacher-forced"),
+    "window-layer-3": (lambda eng: setattr(eng.layers[3], "window", 32),
+                       r"layer 3, attention output .* in bfloat16, teacher-forced"),
+    "no-mlp-norm-layer-9": (lambda eng: setattr(eng.layers[9], "ln2", None),
+                            r"layer 9, layer output \(norms, MLP, residual\): .* in bfloat16, teacher-forced"),
+    "embedding-scale": (lambda eng: setattr(eng.arch, "embed", (lambda f: lambda i, p: 2 * f(i, p))(eng.arch.embed)),
+                        r"embedding \(the residual stream entering layer 0\)"),
+    "logit-divisor": (lambda eng: setattr(eng.arch, "logit_divisor", 2.0),
+                      r"logits differ .* after the last layer \(from the model's own last hidden state\)"),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(BF16_MUTATIONS))
+def test_bf16_mutations_refused_at_their_layer(mutation, smol_tokenizer, monkeypatch):
+    """The drifting bf16 model of the test above with one part of the engine wrong (a scale, a rotary, a window
+    the model does not have, a norm, the embedding scale, the logit divisor; 2.5x the tolerance and more): the
+    teacher-forced check refuses, naming the mutated layer and part (not an earlier layer the drift reaches),
+    through self_check and through run() at the first longer prompt."""
+    lm = wrap(deep_bf16_llama(), smol_tokenizer, name="llama-bf16-deep")
+    mutate, where = BF16_MUTATIONS[mutation]
+    eng = Engine(lm)
+    mutate(eng)
+    if mutation.startswith("window"):  # the masks unread: else the check adopts the model's (causal) one
+        monkeypatch.setattr(chk, "_adopt_windows", lambda e, masks, T: None)
+    with pytest.raises(EngineMismatch, match=where):
+        eng.self_check(ids=random_pair(64, 0).clean)
+    with pytest.raises(EngineMismatch, match=where):
+        eng.run(random_pair(80, 1).clean, [79])
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_ranked_on_cpu(tmp_path):
+    """The real SmolLM2-135M in bfloat16 on CPU. Along the engine's own residual stream its 12-token build
+    check differed by 6.38e-2 > 8·eps = 6.25e-2 (layer 9's output), so ``headscope rank --dtype bfloat16``
+    was refused before it started; teacher-forced the largest difference is a fraction of that, on the build
+    prompt and on a 256-token ranking prompt, and the CLI ranks a ~256-token pair on the fast path."""
+    from typer.testing import CliRunner
+
+    from headscope.cli import app
+    from headscope.models import load_model
+    from headscope.patching.plan import Plan
+    from headscope.tasks import make_pairs
+
+    lm = load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
+    eng = Engine(lm, check=False)
+    tol = chk.tolerance(torch.bfloat16)
+    build_ids = (torch.arange(12) * 7919 + 11) % (eng.arch.lm_head.weight.shape[0] - 1) + 1  # Engine.self_check's
+    ref = chk.model_reference(eng, build_ids)
+    res = eng.forward(Plan(read=list(range(12)), ids=build_ids, keep=True))
+    assert chk.compare(eng, res.cache, res.out[0], ref, range(12), tol=float("inf")) > tol  # 0.0638: refused before
+    assert eng.self_check(ids=build_ids) <= tol / 2
+    pair = make_pairs("niah_single", lm.tokenizer, n_pairs=1, seq_len=256, depth=0.5, seed=0)[0]
+    assert eng.self_check(ids=sequences(pair)[0]) <= tol / 2  # measured 0.011 at 253 tokens
+    out = tmp_path / "rank"
+    run = CliRunner().invoke(app, ["rank", "--model", "smollm2-135m", "--dtype", "bfloat16", "--device", "cpu",
+                                   "--pairs", "1", "--seq-len", "256", "--out", str(out)])
+    assert run.exit_code == 0, (run.output, run.exception)
+    assert "fast path" in run.output and (out / "mask.json").exists()
+
+
 # ---- length- and history-dependent RoPE ------------------------------------------------------------------
 def phi3_longrope(seed: int = 0) -> torch.nn.Module:
     """LongRoPE: short factors up to 32 positions, long factors past them (partial rotary, 8 dims)."""
@@ -408,6 +512,23 @@ def test_drawn_configurations_ranked_exactly_or_refused(smol_tokenizer):
     res = run_draws(len(DRAWN), seed=42, tokenizer=smol_tokenizer)
     assert res["exact"] + len(res["refused"]) == len(DRAWN)
     assert res["exact"] >= len(DRAWN) - 2, res["refused"]  # the adapters cover nearly every draw
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_drawn_configurations_pass_the_teacher_forced_check_in_16_bit(dtype, smol_tokenizer):
+    """One drawn configuration of every family cast to bf16/fp16: the teacher-forced check (the embedding, every
+    layer from the model's own input to it, the logits from its last hidden state) accepts each within half the
+    tolerance, with a nonzero difference (16-bit rounding shows). Measured: at most 0.011 in bf16 (olmo2), 0.0015
+    in fp16, never above the comparison along the engine's own stream."""
+    rng = random.Random(7)
+    tol = chk.tolerance(dtype)
+    for k, family in enumerate(DRAWN):
+        cfg_cls, model_cls, kw = draw_config(family, rng)
+        hf = build(cfg_cls, model_cls, seed=rng.randint(0, 10**6), **kw).to(dtype)
+        eng = Engine(wrap(hf, smol_tokenizer, name=f"drawn-{family}"), check=False)
+        ids = random_pair(T_PROMPT, k).clean
+        forced = chk.compare_teacher_forced(eng, ids, chk.model_reference(eng, ids), range(T_PROMPT))
+        assert 0.0 < forced <= tol / 2, (family, kw, forced)
 
 
 @pytest.mark.slow

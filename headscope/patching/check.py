@@ -6,9 +6,18 @@
   logits and the attention mask the model passes to the layer; the engine's sliding windows are set from
   those masks (:func:`mask_window`), so a window the model applies through its mask alone (SmolLM3 with
   ``use_sliding_window=False``) is the engine's too.
-* :func:`compare`: every layer's attention output and layer output, and the logits, within
+* :func:`compare` (float32/float64): the engine's own pass (its residual stream carried through its
+  layers) against the model's: every layer's attention output and layer output, and the logits, within
   :func:`tolerance` (relative to the activations' largest magnitude) or :class:`EngineMismatch`
   naming the layer, the part and the fix.
+* :func:`compare_teacher_forced` (bfloat16/float16): every layer computed by the engine from the model's
+  own input to that layer (captured by :func:`model_reference`), and the logits from the model's own last
+  hidden state, against the model's outputs, to the same tolerance. In 16-bit types two correct
+  implementations of the same layers round apart, and carried through the stack the two residual streams
+  drift apart with depth and length (SmolLM2-135M in bfloat16: 9e-2 relative at layer 12 of an 8K-token
+  prompt, beyond 8·eps, with every layer right); taken one layer at a time the difference is that
+  layer's rounding only, while a wrong scale, window or rotary still shows at its layer.
+  :func:`teacher_forced` says which of the two a dtype gets.
 * :func:`check_patches`: a few patched rows through the engine's shortcuts (cached prefix, rows joining
   at their layer) against one forward of the model with a ``hook_z`` edit (a pre-hook on the attention
   output projection), which the clean comparison cannot see.
@@ -43,10 +52,19 @@ def tolerance(dtype: torch.dtype) -> float:
     the model's forward in ``dtype``: 1e-3 in float32/float64 (a Granite-shaped random model of 8 layers,
     d 512, differs by 1.01e-4 at 253 tokens from float32 rounding alone, while the misread windows, scales
     and rotaries this check exists for differ by 1e-2 and more); 8 units of rounding (8·eps) in 16-bit
-    types (bfloat16 3.1e-2, float16 7.8e-3), where the two orders of the same operations round apart."""
+    types (bfloat16 8·2^-7 = 6.25e-2, float16 8·2^-10 = 7.8e-3), where the two orders of the same
+    operations round apart; there each layer is compared teacher-forced (:func:`teacher_forced`), so the
+    difference is one layer's rounding, not the drift of the whole stack."""
     if dtype in (torch.float32, torch.float64):
         return 1e-3
     return 8 * torch.finfo(dtype).eps
+
+
+def teacher_forced(dtype: torch.dtype) -> bool:
+    """Whether a model in ``dtype`` is checked layer by layer from its own inputs
+    (:func:`compare_teacher_forced`: bfloat16, float16) rather than along the engine's own residual stream
+    (:func:`compare`: float32, float64, where the carried stream stays within the tolerance)."""
+    return dtype not in (torch.float32, torch.float64)
 
 
 def mask_window(mask: Any, T: int) -> tuple[bool, int | None]:
@@ -91,14 +109,23 @@ _NOT_PASSED = object()
 
 @dataclass
 class Reference:
-    """The model's own forward of one prompt: logits [T, vocab] (float32), per layer the attention output
-    (after the output projection) and the layer output [1, T, d_model], the attention mask passed."""
+    """The model's own forward of one prompt: logits [T - first, vocab] (float32), per layer the input
+    (the residual stream the layer receives), the attention output (after the output projection) and the
+    layer output, each [1, T, d_model] in the model's dtype, and the attention mask passed. A layer's input
+    is usually the previous layer's output tensor itself (no copy is kept then)."""
 
     logits: Tensor
     first: int = 0  # logits cover positions first..T-1
+    inp: list[Tensor] = field(default_factory=list)
     attn: list[Tensor] = field(default_factory=list)
     out: list[Tensor] = field(default_factory=list)
     masks: dict[int, Any] = field(default_factory=dict)
+
+
+def _layer_input(args: tuple, kwargs: dict) -> Tensor:
+    """The hidden states a decoder layer is called with (first positional argument, else ``hidden_states``)."""
+    h = args[0] if args else kwargs["hidden_states"]
+    return (h[0] if isinstance(h, tuple) else h).detach()
 
 
 def _logits_from(hf: torch.nn.Module, T: int, first: int) -> dict:
@@ -110,9 +137,10 @@ def _logits_from(hf: torch.nn.Module, T: int, first: int) -> dict:
 
 @torch.no_grad()
 def model_reference(eng: "Engine", ids: Int[Tensor, "pos"], first: int = 0) -> Reference:
-    """One forward of ``ids`` through the model itself, in its dtype and on its device, and the engine's
-    sliding windows set from the masks the model passed to each layer. ``first``: logits are needed at
-    positions first.. only (the model skips the unembedding before them where it can).
+    """One forward of ``ids`` through the model itself, in its dtype and on its device, capturing every
+    layer's input, attention output and output (:class:`Reference`), and the engine's sliding windows set
+    from the masks the model passed to each layer. ``first``: logits are needed at positions first.. only
+    (the model skips the unembedding before them where it can).
 
     Raises:
         EngineMismatch: a layer's mask is neither causal nor a sliding window (chunked or bidirectional
@@ -124,6 +152,8 @@ def model_reference(eng: "Engine", ids: Int[Tensor, "pos"], first: int = 0) -> R
     hooks = []
     try:
         for i, blk in enumerate(decoder_layers(hf)):
+            hooks.append(blk.register_forward_pre_hook(
+                lambda m, a, kw: ref.inp.append(_layer_input(a, kw)), with_kwargs=True))
             hooks.append(attention_out_module(hf, i).register_forward_hook(
                 lambda m, a, o: ref.attn.append(o.detach())))
             hooks.append(blk.register_forward_hook(
@@ -171,11 +201,38 @@ def _rel(a: Tensor, b: Tensor) -> float:
     return float((a.to(b.device).float() - b.float()).abs().max()) / scale
 
 
+ATTN_PART = "attention output (hook_z -> output projection)"
+OUT_PART = "layer output (norms, MLP, residual)"
+
+
+def _layer_mismatch(eng: "Engine", lay: int, part: str, d: float, tol: float, T: int, how: str = "") -> EngineMismatch:
+    L = eng.layers[lay]
+    return EngineMismatch(
+        f"the fast engine disagrees with {type(eng.hf).__name__}'s own forward at layer {lay}, {part}: relative "
+        f"difference {d:.2e} > {tol:.3g} over a {T}-token prompt in {str(eng.dtype).replace('torch.', '')}{how} "
+        f"(family adapter {eng.arch.family!r}, window {L.window}, soft-cap {L.softcap}, config notes "
+        f"{eng.arch.notes}). This variant is not covered by the adapter: {FIX}.")
+
+
+def _logits_mismatch(eng: "Engine", d: float, how: str = "") -> EngineMismatch:
+    return EngineMismatch(
+        f"the fast engine's logits differ from {type(eng.hf).__name__}'s own forward by {d:.2e} (relative) "
+        f"after the last layer{how}: the final norm / unembedding (soft-cap, logit scale) is not as the adapter "
+        f"{eng.arch.family!r} assumes; {FIX}.")
+
+
+def _reference_logits(ref: Reference, read: Sequence[int]) -> Tensor:
+    return ref.logits[torch.as_tensor(list(read), device=ref.logits.device) - ref.first]
+
+
 @torch.no_grad()
 def compare(eng: "Engine", cache: "RunCache", logits: Tensor, ref: Reference, read: Sequence[int],
             tol: float | None = None) -> float:
     """The engine's pass (its :class:`RunCache` of every position, ``logits`` [len(read), vocab]) against
-    the model's (:func:`model_reference`). Returns the largest relative difference.
+    the model's (:func:`model_reference`), along the engine's own residual stream: layer ``l``'s outputs
+    are computed from the engine's residual entering it, so differences carry from layer to layer (the
+    check for float32/float64; 16-bit types use :func:`compare_teacher_forced`). Returns the largest
+    relative difference.
 
     Raises:
         EngineMismatch: naming the first layer and part (attention or MLP branch) that disagrees, or
@@ -183,34 +240,88 @@ def compare(eng: "Engine", cache: "RunCache", logits: Tensor, ref: Reference, re
     """
     tol = tolerance(eng.dtype) if tol is None else tol
     worst = 0.0
+    T = int(cache.resid.shape[1])
     for lay in range(eng.g.n_layers):
         h_in = cache.resid[lay][None].to(eng.layers[lay].device)
         o_ref = ref.attn[lay] if lay < len(ref.attn) else None
         o_eng = eng._o(lay, cache.z[lay][None])
         h_next = (cache.resid[lay + 1][None] if lay + 1 < eng.g.n_layers
                   else eng.post_attn(lay, h_in, cache.z[lay][None]))
-        for part, a, b in (("attention output (hook_z -> output projection)", o_eng, o_ref),
-                           ("layer output (norms, MLP, residual)", h_next, ref.out[lay] if lay < len(ref.out) else None)):
+        for part, a, b in ((ATTN_PART, o_eng, o_ref), (OUT_PART, h_next, ref.out[lay] if lay < len(ref.out) else None)):
             if b is None:
                 continue
             d = _rel(a, b)
             worst = max(worst, d)
             if not d <= tol:
-                L = eng.layers[lay]
-                raise EngineMismatch(
-                    f"the fast engine disagrees with {type(eng.hf).__name__}'s own forward at layer {lay}, "
-                    f"{part}: relative difference {d:.2e} > {tol:.0e} over a {cache.resid.shape[1]}-token prompt in "
-                    f"{str(eng.dtype).replace('torch.', '')} (family adapter {eng.arch.family!r}, window "
-                    f"{L.window}, soft-cap {L.softcap}, config notes {eng.arch.notes}). This variant is not covered "
-                    f"by the adapter: {FIX}.")
-    r = ref.logits[torch.as_tensor(list(read), device=ref.logits.device) - ref.first]
-    d = _rel(logits, r)
+                raise _layer_mismatch(eng, lay, part, d, tol, T)
+    d = _rel(logits, _reference_logits(ref, read))
     worst = max(worst, d)
     if not d <= tol:
+        raise _logits_mismatch(eng, d)
+    return worst
+
+
+@torch.no_grad()
+def compare_teacher_forced(eng: "Engine", ids: Int[Tensor, "pos"], ref: Reference, read: Sequence[int],
+                           tol: float | None = None) -> float:
+    """The engine layer by layer, each layer computed from the model's own input to it, against the model's
+    forward of ``ids`` (:func:`model_reference`): the embedding against the model's input to layer 0, every
+    layer's attention output (hook_z -> output projection) and output from ``ref.inp[l]``, and the logits
+    at ``read`` from the model's own last-layer output through the engine's final norm and unembedding.
+    The check for bfloat16/float16 (:func:`teacher_forced`): a difference is one layer's rounding, not the
+    drift of two residual streams carried through the stack. The engine computes each layer as
+    :meth:`~headscope.patching.engine.Engine.forward` does (pre-attention norm, projections, RoPE tables of
+    positions 0..T-1, attention with the layer's scale, window and soft-cap, output projection, the rest
+    of the block), in its residual dtype.
+
+    Returns the largest relative difference (to each reference activation's largest magnitude).
+
+    Raises:
+        EngineMismatch: naming the first layer and part that disagrees (or the embedding, or the final
+            norm / unembedding) and the fix (``path="generic"``); also when the model's forward did not
+            pass through every decoder layer.
+    """
+    tol = tolerance(eng.dtype) if tol is None else tol
+    n = eng.g.n_layers
+    ids = ids.reshape(-1)
+    T = int(ids.numel())
+    how = ", teacher-forced (the layer computed from the model's own input to it)"
+    if len(ref.inp) != n or len(ref.out) != n:
         raise EngineMismatch(
-            f"the fast engine's logits differ from {type(eng.hf).__name__}'s own forward by {d:.2e} (relative) "
-            f"after the last layer: the final norm / unembedding (soft-cap, logit scale) is not as the adapter "
-            f"{eng.arch.family!r} assumes; {FIX}.")
+            f"{type(eng.hf).__name__}'s forward called {len(ref.inp)} of its {n} decoder layers once each "
+            f"(not the layer stack the fast engine runs): {FIX}.")
+    dev0 = eng.layers[0].device
+    positions = torch.arange(T, device=dev0)
+    rd = eng.resid_dtype
+    d = _rel(eng.embed(ids[None].to(dev0), positions), ref.inp[0])
+    worst = d
+    if not d <= tol:
+        raise EngineMismatch(
+            f"the fast engine's embedding (the residual stream entering layer 0) differs from "
+            f"{type(eng.hf).__name__}'s own by {d:.2e} (relative) over a {T}-token prompt (embedding scale or "
+            f"learned positions not as the adapter {eng.arch.family!r} assumes): {FIX}.")
+    pos = eng.positions(positions, ref.inp[0].to(dev0, rd))
+    for lay in range(n):
+        dev = eng.layers[lay].device
+        h = ref.inp[lay].to(dev, rd)
+        q, k, v = eng.qkv(lay, eng.ln1(lay, h), pos)
+        z = eng.attend(lay, q, k, v, positions.to(dev))
+        del q, k, v
+        if lay < len(ref.attn):
+            d = _rel(eng._o(lay, z), ref.attn[lay])
+            worst = max(worst, d)
+            if not d <= tol:
+                raise _layer_mismatch(eng, lay, ATTN_PART, d, tol, T, how)
+        d = _rel(eng.post_attn(lay, h, z), ref.out[lay])
+        worst = max(worst, d)
+        if not d <= tol:
+            raise _layer_mismatch(eng, lay, OUT_PART, d, tol, T, how)
+    r = torch.as_tensor(list(read), device=ref.out[-1].device)
+    logits = eng.unembed(ref.out[-1][:, r].to(rd))[0]
+    d = _rel(logits, _reference_logits(ref, read))
+    worst = max(worst, d)
+    if not d <= tol:
+        raise _logits_mismatch(eng, d, " (from the model's own last hidden state)")
     return worst
 
 
