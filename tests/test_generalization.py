@@ -207,7 +207,8 @@ def test_evaluate_suite_scores_and_resumes(smol_tokenizer, tmp_path, monkeypatch
 
 @pytest.mark.slow
 def test_study_smoke(tmp_path):
-    """run.py --smoke: every piece (suite, data, train, eval of one arm and the teacher, report) on a tiny model."""
+    """run.py --smoke: every piece (suite, data, train, eval of one arm and the teacher, report, anatomy) on a tiny
+    model."""
     out = tmp_path / "smoke"
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / "conversion-generalization" / "run.py"), "--smoke",
                         "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -231,6 +232,28 @@ def test_study_smoke(tmp_path):
 
     rows = TokenRows.load(out / "seed0" / "data" / "long.pt")
     assert rows.ids.shape[1] == 256
+    # the anatomy piece: both rankings, the comparison, the knockout table; a rerun computes only what is missing
+    d = out / "anatomy" / "unseen_niah_single@256_p2_gap0" / "seed0_hydra-7to1_t1"
+    res = json.loads((d / "anatomy.json").read_text())
+    assert res["done"] and res["teacher"]["path"] == "fast" and res["student"]["path"] == "hybrid"
+    assert res["student"]["kinds"]["fa"]["n_heads"] == 2 and res["student"]["kinds"]["gdn"]["n_heads"] == 14
+    assert set(res["comparison"]) == {"top2", "top10"} and res["comparison"]["top2"]["k"] == 2
+    heads = pd.read_csv(d / "heads.csv")
+    assert len(heads) == 16 and set(heads["kind"]) == {"fa", "gdn"} and heads["ie_student"].notna().all()
+    ko = pd.read_csv(d / "knockout.csv")
+    want = {f"student/{m}/{c}" for m in ("zero", "mean") for c in ("fa", "gdn_random0", "student_top")}
+    want |= {"student/zero/none", "teacher/zero/none"} | {f"teacher/{m}/{c}" for m in ("zero", "mean") for c in ("fa", "gdn")}
+    assert set(ko["model"] + "/" + ko["method"] + "/" + ko["condition"]) == want
+    assert (ko.loc[ko.condition == "fa", "n_heads"] == 2).all() and (ko.n == 2).all()
+    del res["knockout"]["student/mean/fa"]
+    res["done"] = False
+    (d / "anatomy.json").write_text(json.dumps(res))
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "conversion-generalization" / "run.py"), "--smoke",
+                        "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("anatomy knockout")]
+    assert len(lines) == 1 and lines[0].startswith("anatomy knockout student/mean/fa:")
+    assert json.loads((d / "anatomy.json").read_text())["done"]
 
 
 def _study():

@@ -446,7 +446,201 @@ def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
     return f"report: {r['rows']} rows in retention.csv ({r['missing_teacher']} without a teacher cell)"
 
 
+# ---------------------------------------------------------------------------------------------- anatomy (item 4)
+ANATOMY_SEED = 555  # prompt seed of the ranking pairs (the suite's cells use 1234 / 4321: disjoint prompts)
+
+
+def add_anatomy_args(p: argparse.ArgumentParser) -> None:
+    """The options of ``--piece anatomy`` (not study settings: they name the piece's output folder)."""
+    p.add_argument("--anatomy-pairs", type=int, default=6, help="anatomy: ranking pairs (clean / corrupted)")
+    p.add_argument("--anatomy-len", type=int, default=4096, help="anatomy: prompt length of ranking and knockout, tokens")
+    p.add_argument("--anatomy-task", default="niah_single", help="anatomy: the retrieval task ranked and knocked out")
+    p.add_argument("--anatomy-formats", choices=["seen", "unseen"], default="unseen", help="anatomy: prompt family")
+    p.add_argument("--anatomy-n", type=int, default=100, help="anatomy: knockout prompts (of the suite cell, evenly spaced)")
+    p.add_argument("--anatomy-methods", nargs="+", choices=["zero", "mean"], default=["zero", "mean"],
+                   help="anatomy: ablation methods (mean: over the ranking pairs' clean prompts)")
+    p.add_argument("--anatomy-controls", type=int, default=3, help="anatomy: draws of random GDN heads (as many as FA heads)")
+    p.add_argument("--anatomy-min-gap", type=float, default=0.1, help="anatomy: pairs with a smaller |m(x) - m(x')| are skipped")
+    p.add_argument("--anatomy-k", type=int, default=10, help="anatomy: top-k of the teacher / student comparison")
+    p.add_argument("--anatomy-batch", type=int, default=None, help="anatomy: patched rows per forward (default: by memory)")
+
+
+def anatomy_key(a: argparse.Namespace) -> str:
+    gap = "" if a.anatomy_min_gap == 0.1 else f"_gap{a.anatomy_min_gap:g}"
+    return f"{a.anatomy_formats}_{a.anatomy_task}@{a.anatomy_len}_p{a.anatomy_pairs}{gap}"
+
+
+def anatomy_pairs(a: argparse.Namespace, s: dict, tok: Any) -> tuple[list[Any], list[Any]]:
+    """(ranking pairs, knockout prompts): ``--anatomy-pairs`` pairs of seed ANATOMY_SEED (needle depths 0.1..0.9;
+    built once into OUT/anatomy/KEY/pairs.pt), and ``--anatomy-n`` prompts of the suite's cell of that task, family
+    and length, evenly spaced over its needle depths (the cell's prompts: another seed than the ranking pairs)."""
+    import numpy as np
+
+    from headscope.runtime import atomic_torch_save
+    from headscope.tasks import make_pairs
+    from headscope.tasks.formats import format_pairs
+
+    out = Path(a.out)
+    fmt, task, L, n = a.anatomy_formats, a.anatomy_task, a.anatomy_len, a.anatomy_pairs
+    if fmt == "unseen" and not (out / "suite" / "docs.pt").exists():
+        raise SystemExit(f"no {out}/suite/docs.pt (the unseen haystack): run --piece suite first")
+    filler = suite_filler(out, tok) if fmt == "unseen" else None
+    f = out / "anatomy" / anatomy_key(a) / "pairs.pt"
+    if f.exists():
+        rank = torch.load(f, weights_only=False)  # our own file: a pickled list of Pair
+    else:
+        depths = list(np.linspace(0.1, 0.9, n)) if n > 1 else [0.5]
+        rank = (format_pairs(tok, "unseen", task, filler, n_pairs=n, seq_len=L, depth=depths, seed=ANATOMY_SEED)
+                if fmt == "unseen" else make_pairs(task, tok, n_pairs=n, seq_len=L, depth=depths, seed=ANATOMY_SEED))
+        atomic_torch_save(f, rank)
+    cell = suite_pairs(tok, suite_config(s), task, fmt, L, filler=filler, cache_dir=out / "suite" / "pairs")
+    keep = sorted({int(i) for i in np.linspace(0, len(cell) - 1, min(a.anatomy_n, len(cell))).round()})
+    return rank, [cell[i] for i in keep]
+
+
+def _ranking_of(lm: Any, pairs: list[Any], a: argparse.Namespace, d: Path) -> tuple[Any, Optional[str]]:
+    """The Ranking of ``lm`` on ``pairs`` stored in ``d/ranking`` (computed once; ``d/store`` resumes a partial
+    sweep), or (None, why) when no pair has a usable gap."""
+    from headscope.patching import GapError
+    from headscope.readout import Readout
+    from headscope.scores import Ranking
+    from headscope.student_anatomy import rank_heads
+
+    if (d / "ranking" / "ranking.json").exists():
+        return Ranking.load(d / "ranking"), None
+    if (d / "gap_error.txt").exists():
+        return None, (d / "gap_error.txt").read_text()
+    try:
+        r = rank_heads(lm, pairs, Readout(min_gap=a.anatomy_min_gap), store_dir=str(d / "store"),
+                       batch_size=a.anatomy_batch)
+    except GapError as e:
+        d.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(d / "gap_error.txt", str(e))
+        return None, str(e)
+    r.save(d / "ranking")
+    return r, None
+
+
+def _ranking_summary(r: Any) -> dict[str, Any]:
+    from headscope.anatomy import critical_share, layer_gini
+
+    m = r.matrix("score")
+    try:
+        g = layer_gini(m)
+    except ValueError as e:  # every layer without positive IE
+        g = {"error": str(e)}
+    return {"critical": critical_share(m.ravel()), "layer_gini": g, "skipped_pairs": r.provenance.get("skipped", {}),
+            "path": r.provenance.get("path"), "top10": [f"L{int(x.layer)}H{int(x.head)}" for x in r.top(10).itertuples()]}
+
+
+def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
+    """Anatomy after conversion (issue 40, item 4): the teacher's and the student's heads ranked on the same pairs
+    (receiver IE, exact fp32, the student's FA and GDN heads alike at o_proj's input), their comparison, and
+    retrieval accuracy with the student's FA heads knocked out (controls: as many random GDN heads; the student's
+    top heads by IE; the teacher with the same heads, and with all the heads the student turned into GDN, knocked
+    out). OUT/anatomy/KEY/seedS_ARM_tTOKENS/{anatomy.json, heads.csv,
+    knockout.csv}; the teacher's ranking in OUT/anatomy/KEY/teacher/ (shared by the arms). Resumable."""
+    import csv
+
+    from headscope.knockout import mean_reference
+    from headscope.models import wrap
+    from headscope.student_anatomy import (compare_rankings, head_comparison, kind_summary, knockout_accuracy,
+                                           random_gdn_heads)
+    from headscope.patching.hybrid import head_kinds
+
+    out = Path(a.out)
+    base = out / "anatomy" / anatomy_key(a)
+    rd = base / ("teacher" if a.arm == "teacher" else f"seed{a.seed}_{a.arm}_t{parse_tokens(a.tokens)}")
+    res_f = rd / "anatomy.json"
+    res = json.loads(res_f.read_text()) if res_f.exists() else {}
+    if res.get("done"):
+        return f"anatomy already done: {res_f}"
+    rd.mkdir(parents=True, exist_ok=True)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 patching, as headscope rank
+    try:
+        teacher, tok = load_teacher(a)
+        rank_pairs, ko_pairs = anatomy_pairs(a, s, tok)
+        t_lm = wrap(teacher, tok, name="teacher")
+        t_rank, t_err = _ranking_of(t_lm, rank_pairs, a, base / "teacher")
+        res.update({"key": anatomy_key(a), "arm": a.arm, "seed": a.seed, "tokens": parse_tokens(a.tokens),
+                    "ranking_pairs": len(rank_pairs), "ranking_seed": ANATOMY_SEED, "knockout_prompts": len(ko_pairs),
+                    "length": a.anatomy_len, "task": a.anatomy_task, "formats": a.anatomy_formats,
+                    "min_gap": a.anatomy_min_gap, "teacher": _ranking_summary(t_rank) if t_rank else {"error": t_err}})
+        if a.arm == "teacher":
+            res["done"] = True
+            atomic_write_text(res_f, json.dumps(res, indent=1))
+            return f"anatomy: teacher ranked ({base / 'teacher'})"
+        if time.time() > deadline:
+            atomic_write_text(res_f, json.dumps(res, indent=1))
+            return "partial: teacher ranked; rerun for the student"
+        rdir = run_dir(a)
+        if not (rdir / "stage3" / "done.json").exists():
+            raise SystemExit(f"{a.arm} seed {a.seed} is not trained ({rdir}/stage3/done.json missing): run --piece train")
+        mask = masks(a, s, teacher)[a.arm]
+        student = load_student(teacher, mask, init=rdir / "stage3" / "student.pt", gdn_kernel=s["gdn_kernel"], **s["hybrid"])
+        s_lm = wrap(student, tok, name=a.arm)
+        s_rank, s_err = _ranking_of(s_lm, rank_pairs, a, rd)
+        if s_rank is not None:
+            res["student"] = {**_ranking_summary(s_rank), "kinds": kind_summary(s_rank, ks=(5, 10, mask.n_fa))}
+            if t_rank is not None:
+                res["comparison"] = {f"top{k}": compare_rankings(t_rank, s_rank, k) for k in sorted({a.anatomy_k, mask.n_fa})}
+                head_comparison(t_rank, s_rank).to_csv(rd / "heads.csv", index=False)
+        else:
+            res["student"] = {"error": s_err}
+        atomic_write_text(res_f, json.dumps(res, indent=1))
+        # ---- knockout: the student's FA heads, controls, the same heads of the teacher
+        kinds = head_kinds(student)
+        fa = mask.heads()
+        sets: dict[str, list] = {"none": [], "fa": fa}
+        for i in range(a.anatomy_controls):
+            sets[f"gdn_random{i}"] = random_gdn_heads(kinds, min(len(fa), sum(k == "gdn" for ks in kinds for k in ks)), seed=i)
+        if s_rank is not None:
+            sets["student_top"] = [(int(x.layer), int(x.head)) for x in s_rank.top(len(fa)).itertuples()]
+        gdn = [(lay, h) for lay, ks in enumerate(kinds) for h, k in enumerate(ks) if k == "gdn"]
+        # the teacher with the student's FA heads knocked out, and with all its GDN heads (what the FA heads alone keep)
+        conds = [("student", c, h) for c, h in sets.items()] + [("teacher", "none", []), ("teacher", "fa", fa),
+                                                                ("teacher", "gdn", gdn)]
+        ko = res.setdefault("knockout", {})
+        refs: dict[str, Any] = {}
+        left = 0
+        for method in a.anatomy_methods:
+            for model_name, cond, heads in conds:
+                key = f"{model_name}/{method}/{cond}"
+                if key in ko or (method != a.anatomy_methods[0] and cond == "none"):
+                    continue
+                if time.time() > deadline:
+                    left += 1
+                    continue
+                lm = s_lm if model_name == "student" else t_lm
+                ref = None
+                if method == "mean" and heads:
+                    if model_name not in refs:
+                        refs[model_name] = mean_reference(lm, rank_pairs, range(lm.geometry.n_layers))
+                    ref = refs[model_name]
+                t0 = time.time()
+                r = knockout_accuracy(lm, ko_pairs, heads, method, reference=ref)
+                ko[key] = {**r, "seconds": round(time.time() - t0, 1)}
+                print(f"anatomy knockout {key}: accuracy {r['accuracy']:.3f} ({r['n_heads']} heads)", flush=True)
+                atomic_write_text(res_f, json.dumps(res, indent=1))
+        rows = [{"model": k.split("/")[0], "method": k.split("/")[1], "condition": k.split("/")[2], "n_heads": v["n_heads"],
+                 "n": v["n"], "hits": sum(v["correct"]), "accuracy": v["accuracy"]} for k, v in ko.items()]
+        with open(rd / "knockout.csv", "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=["model", "method", "condition", "n_heads", "n", "hits", "accuracy"])
+            w.writeheader()
+            w.writerows(rows)
+        res["done"] = left == 0
+        atomic_write_text(res_f, json.dumps(res, indent=1))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    if left:
+        return f"partial: {left} knockout conditions left at the deadline; rerun"
+    fa_acc = {m: ko.get(f"student/{m}/fa", {}).get("accuracy") for m in a.anatomy_methods}
+    return f"anatomy done: baseline {ko['student/' + a.anatomy_methods[0] + '/none']['accuracy']:.3f}, FA knocked out {fa_acc} ({rd})"
+
+
 PIECES = {"suite": piece_suite, "data": piece_data, "train": piece_train, "eval": piece_eval, "report": piece_report}
+PIECES["anatomy"] = piece_anatomy
 
 
 # ---------------------------------------------------------------------------------------------- command line
@@ -483,12 +677,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="processes building prompt sets")
     p.add_argument("--tokenizer", default=None, help="--smoke: an HF tokenizer folder (default: the SmolLM2 GGUF's)")
     p.add_argument("--smoke", action="store_true", help="every piece on a tiny random model on the CPU (a temporary --out)")
+    add_anatomy_args(p)
     return p
 
 
 SMOKE = ["--docs", "16", "--heldout-docs", "2", "--suite-docs", "12", "--seq-len", "64", "--long-len", "256",
          "--batch", "4", "--batch-long", "2", "--lengths", "256", "--n", "2", "--gen-n", "1", "--gen-max-len", "256",
          "--tokens", "1", "--hydra-mask", "", "--gdn-kernel", "torch", "--device", "cpu", "--workers", "2", "--ckpt-every", "0"]
+
+
+ANATOMY_SMOKE = ["--arm", "hydra-7to1", "--anatomy-len", "256", "--anatomy-pairs", "2", "--anatomy-n", "2",
+                 "--anatomy-min-gap", "0", "--anatomy-controls", "1"]
 
 
 def main(argv: Optional[list[str]] = None) -> str:
@@ -499,7 +698,7 @@ def main(argv: Optional[list[str]] = None) -> str:
         tok_args = ["--tokenizer", a.tokenizer] if a.tokenizer else []
         msgs = []
         for piece, extra in (("suite", []), ("data", []), ("train", ["--arm", "hydra-7to1"]), ("eval", ["--arm", "hydra-7to1"]),
-                             ("eval", ["--arm", "teacher"]), ("report", [])):
+                             ("eval", ["--arm", "teacher"]), ("report", []), ("anatomy", ANATOMY_SMOKE)):
             sub = parser().parse_args([*SMOKE, "--out", out, "--piece", piece, *extra, *tok_args])
             sub.smoke = True
             msgs.append(run_piece(sub))

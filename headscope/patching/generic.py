@@ -47,8 +47,8 @@ from ..models import LoadedModel
 from .engine import Engine, Precision
 from .plan import RunCache
 
-Path = Literal["auto", "fast", "generic"]
-PATHS = ("auto", "fast", "generic")
+Path = Literal["auto", "fast", "generic", "hybrid"]
+PATHS = ("auto", "fast", "generic", "hybrid")
 CHECK_TOL = 1e-4  # relative, fp32 (lower precision: LOW_TOL)
 LOW_TOL = 3e-2
 # z edits of one forward: layer -> (row indices, values [rows, positions, H·dh], first position replaced)
@@ -441,20 +441,35 @@ class BridgeEngine:
             return float("inf"), f"it fails on this model ({e!r})"
 
 
-def make_engine(model: LoadedModel, path: Path = "auto", precision: Precision | None = None) -> Engine | BridgeEngine:
+def make_engine(model: LoadedModel, path: Path = "auto", precision: Precision | None = None) -> Any:
     """The engine for ``path``: ``"fast"`` (an architecture adapter, checked against the model's own
-    forward when built), ``"generic"`` (the bridge's hooks) or ``"auto"`` (fast where an adapter
-    exists, else generic, with a warning that says so). ``precision``: the fast engine's
-    :class:`~headscope.patching.engine.Precision` (a float32 residual stream needs the fast engine).
+    forward when built), ``"generic"`` (the bridge's hooks), ``"hybrid"`` (a head-wise FA/GDN hybrid's heads
+    at its ``o_proj`` input: :class:`~headscope.patching.hybrid.HybridEngine`) or ``"auto"`` (hybrid for a
+    hybrid, else fast where an adapter exists, else generic, with a warning that says so). ``precision``: the
+    fast engine's :class:`~headscope.patching.engine.Precision` (a float32 residual stream needs the fast engine).
 
     Raises:
-        ValueError: an unknown path; a float32-residual precision of a low-precision model on the generic path.
+        ValueError: an unknown path; a float32-residual precision of a low-precision model on the generic or
+            hybrid path; ``"fast"`` / ``"generic"`` on a hybrid, ``"hybrid"`` on another model.
         UnsupportedArchitecture: ``path="fast"`` on a model without an adapter.
         EngineMismatch: the adapter's self-check failed (the message names the layer and the fix).
     """
+    from .hybrid import HybridEngine, is_hybrid
+
     if path not in PATHS:
         raise ValueError(f"path={path!r}: use one of {PATHS}")
     f32 = precision is not None and precision.residual == "float32" and model.dtype != torch.float32
+    hybrid = is_hybrid(model.hf_model)
+    if hybrid and path in ("fast", "generic"):
+        raise ValueError(f"path={path!r} on a head-wise hybrid: use path='auto' or 'hybrid' (its heads are patched "
+                         "at the o_proj input by the hybrid engine)")
+    if path == "hybrid" and not hybrid:
+        raise ValueError("path='hybrid' needs a head-wise hybrid (headscope.hybridize); use 'auto' for this model")
+    if hybrid:
+        if f32:
+            raise ValueError("Precision(residual='float32') runs on the fast engine only; a hybrid runs in its own dtype "
+                             "(load it in float32 for a float32 residual stream)")
+        return HybridEngine(model)
     if path == "generic":
         if f32:
             raise ValueError("Precision(residual='float32') runs on the fast engine only: use path='fast' or 'auto', "

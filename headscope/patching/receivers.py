@@ -40,7 +40,7 @@ class PatchResult:
     m_clean, m_corrupt: Float[Tensor, "pair"], m(x) and m(x') (logits).
     readout: the :class:`~headscope.readout.Readout` (λ, direction, min_gap) the numbers were read with.
     skipped: indices of pairs whose gap was below ``min_gap``, with the reason.
-    path: the engine that ran (``"fast"`` / ``"generic"``); precision: the engine's
+    path: the engine that ran (``"fast"`` / ``"generic"`` / ``"hybrid"``); precision: the engine's
     :class:`~headscope.patching.engine.Precision`.
     """
 
@@ -252,9 +252,9 @@ def receiver_patching(
             table merged from the store (see :mod:`headscope.patching.schedule`).
         states: clean/corrupted passes already computed, by pair index (built with the same readout;
             e.g. kept by :func:`~headscope.patching.attribution.screen_then_verify`).
-        path: ``"auto"`` (the fast engine where an architecture adapter exists, else the generic bridge
-            path), ``"fast"`` or ``"generic"`` (:func:`~headscope.patching.generic.make_engine`); the
-            result's ``path`` says which ran.
+        path: ``"auto"`` (the hybrid engine for a head-wise hybrid, else the fast engine where an architecture
+            adapter exists, else the generic bridge path), ``"fast"``, ``"generic"`` or ``"hybrid"``
+            (:func:`~headscope.patching.generic.make_engine`); the result's ``path`` says which ran.
         precision: the fast engine's :class:`~headscope.patching.engine.Precision` (default: the
             model's dtype throughout; ``Precision("float32")``: a bf16/fp16 model's residual stream,
             norms and RoPE in float32, nearer a float32 forward); recorded in the result and the store.
@@ -289,8 +289,9 @@ def receiver_patching(
     sched.load_bases(lambda i: state(i).base_metrics())
     for i, rows in sched.pending().items():
         st = state(i)
-        if isinstance(engine, Engine):  # a few patched rows against hooked forwards, once per new length
-            engine.check_patches(st.base_ids, st.base, st.src, st.start, st.read)
+        check = getattr(engine, "check_patches", None)
+        if check is not None:  # a few patched rows against hooked forwards, once per new length
+            check(st.base_ids, st.base, st.src, st.start, st.read)
         bs = batch_size or _auto_batch(model, st.total - st.start, st.total, mem_bytes,
                                        torch.finfo(getattr(engine, "resid_dtype", model.dtype)).bits // 8)
         for chunk, vals in patch_rows(engine, st, rows, readout.lam, bs):  # the compute

@@ -9,6 +9,10 @@ model's :class:`~headscope.hybrid.inference.InferenceConfig` (``use_inference``)
   (:mod:`.prefill`) and decode steps (:mod:`.decode`);
 - a whole model's decode step into a static ``HybridCache`` (``generate(cache_implementation="static")``):
   :func:`.model_step.model_forward`, asked by the hybrid causal LM's forward.
+
+A layer whose ``o_proj`` carries a forward hook (knockout's ablation, the patching engine's edits of each head's
+output before the output projection) runs the reference forward: the fast paths apply ``o_proj``'s weights
+directly (input columns permuted, or fused into a kernel), so they would skip the hook.
 """
 
 from __future__ import annotations
@@ -25,11 +29,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..layer import HeadwiseHybridAttention
 
 
+def hooked_out(layer: "HeadwiseHybridAttention") -> bool:
+    """Whether the layer's output projection carries forward (pre-)hooks, which only its module call runs."""
+    o = layer.o_proj
+    return bool(o._forward_pre_hooks or o._forward_hooks)
+
+
 def fast_forward(layer: "HeadwiseHybridAttention", hidden_states: Tensor, position_embeddings: Optional[tuple],
                  attention_mask: Any, cache: Any, position_ids: Optional[Tensor], defer_out: bool = False,
                  projected: Optional[Tensor] = None) -> Any:
     """The layer's output [batch, time, hidden] from a fast path (or a ``DeferredOutput``, see
-    :func:`.forward.forward`), or None where none applies."""
+    :func:`.forward.forward`), or None where none applies (also when ``layer.o_proj`` carries hooks)."""
+    if hooked_out(layer):
+        return None
     if (cache is None and attention_mask is None and projected is None and position_embeddings is not None
             and train_forward.fast_ready(layer, hidden_states)):
         return train_forward.fast_forward(layer, hidden_states, *position_embeddings, position_ids)
