@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,7 +62,11 @@ def test_families_disjoint_by_construction():
     assert train3 & filler_ngrams(3) == set()
     # the unseen family is also apart from the seen one (its cells test formats no training row of any kind had)
     assert wording_ngrams("unseen", 3) & wording_ngrams("seen", 3) == set()
-    assert all(len(FAMILIES[f].wordings[t]) == 3 for f in ("unseen", "train") for t in FORMAT_TASKS)
+    assert all(len(FAMILIES["unseen"].wordings[t]) == 3 and len(FAMILIES["train"].wordings[t]) == 6 for t in FORMAT_TASKS)
+    # the first three train wordings are the original family's (the study's stage-3 rows use them)
+    first = [FAMILIES["train"].wordings["niah_single"][k].needle for k in range(3)]
+    assert first == ["[serial number: {value}]", "Reference ID {value} is mentioned here.", "Account number on file: {value}."]
+    assert FAMILIES["train"].wordings["variable_tracking"][2].hop == "Account {var} holds the same balance as account {prev}."
 
 
 def test_wording_ngrams_by_hand():
@@ -122,6 +127,68 @@ def test_format_rows_share_no_eval_wording(smol_tokenizer):
         question = words(text.rsplit("\n", 1)[1])
         assert not set(question) & eval_keys
         assert int(m.sum()) <= 300 + 8
+
+
+def _wording_grams(n: int = 3) -> dict[int, set]:
+    """Word n-grams of train wording k (over every task) that no other train wording has."""
+    fam = FAMILIES["train"]
+    per = {}
+    for k in range(6):
+        g = set()
+        for t in FORMAT_TASKS:
+            w = fam.wordings[t][k]
+            for text in w.texts():
+                for seg in re.split(r"\{(?:value|key|var|prev)\}", text):
+                    g |= ngrams(words(seg), n)
+        per[k] = g
+    return {k: g - set().union(*(per[j] for j in per if j != k)) for k, g in per.items()}
+
+
+@pytest.mark.parametrize("n_wordings", [1, 2, 3, 4, 5, 6])
+def test_format_rows_wording_diversity_stays_in_train_family(smol_tokenizer, n_wordings):
+    """Under every value of the stage-3 template-diversity lever (and in stage-2-style rows of one
+    length) the rows carry no evaluation wording, filler 4-gram or evaluation key, and use exactly the
+    first ``n_wordings`` train wordings."""
+    eval4 = wording_ngrams("seen", 4) | wording_ngrams("unseen", 4) | filler_ngrams(4)
+    eval_keys = {w for f in ("seen", "unseen") for w in (*FAMILIES[f].keys, *FAMILIES[f].var_names)}  # as written (seen: A, B, ...)
+    own = _wording_grams()
+    assert all(own[k] for k in own)  # every wording is recognizable
+    used = set()
+    for lengths in ([200, 300], [312]):
+        rows = format_rows(smol_tokenizer, 24, 320, TEXTS, family="train", seed=2, lengths=lengths, n_wordings=n_wordings)
+        for r, m in zip(rows.ids, rows.mask):
+            text = smol_tokenizer.decode(r[m])
+            g3 = ngrams(words(text), 3)
+            assert not ngrams(words(text), 4) & eval4
+            assert not set(re.findall(r"[A-Za-z]+", text.rsplit("\n", 1)[1])) & eval_keys  # the question queries train keys
+            hit = {k for k, g in own.items() if g3 & g}
+            assert len(hit) == 1, hit  # one wording per row
+            used |= hit
+    assert used == set(range(n_wordings))  # 6 rows per task cycle through all the wordings drawn from
+
+
+def test_format_rows_three_wordings_are_the_original_rows(smol_tokenizer, monkeypatch):
+    """n_wordings=3 gives the rows the train family of three wordings gave (the study's data is unchanged
+    by the added wordings: the same draws, and the same haystack on these texts)."""
+    from headscope.tasks import formats
+
+    now = format_rows(smol_tokenizer, 12, 320, TEXTS, family="train", seed=4, lengths=[200, 300], n_wordings=3)
+    fam = formats.FAMILIES["train"]
+    old = formats.Family("train", {t: w[:3] for t, w in fam.wordings.items()}, fam.keys, fam.var_names)
+    monkeypatch.setitem(formats.FAMILIES, "train", old)
+    before = format_rows(smol_tokenizer, 12, 320, TEXTS, family="train", seed=4, lengths=[200, 300])
+    assert torch.equal(now.ids, before.ids) and torch.equal(now.mask, before.mask)
+
+
+def test_format_pairs_refuses_wording_counts(smol_tokenizer):
+    from headscope.errors import HeadscopeInputError
+
+    filler = natural_filler(TEXTS, "train", "t")
+    for k in (0, 7):
+        with pytest.raises(HeadscopeInputError, match="n_wordings"):
+            format_pairs(smol_tokenizer, "train", "niah_single", filler, n_pairs=2, seq_len=256, n_wordings=k)
+    pairs = format_pairs(smol_tokenizer, "train", "niah_single", filler, n_pairs=4, seq_len=256, seed=1, n_wordings=2)
+    assert [p.meta["wording"] for p in pairs] == [0, 1, 0, 1]
 
 
 def test_ratio_interval_by_hand():
@@ -206,9 +273,9 @@ def test_evaluate_suite_scores_and_resumes(smol_tokenizer, tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_study_smoke(tmp_path):
-    """run.py --smoke: every piece (suite, data, train, eval of one arm and the teacher, report, anatomy) on a tiny
-    model."""
+def test_study_smoke(tmp_path, smol_tokenizer):
+    """run.py --smoke: every piece (suite, data, train, eval of one arm, the teacher and a lever arm with every
+    lever, report, anatomy) on a tiny model."""
     out = tmp_path / "smoke"
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / "conversion-generalization" / "run.py"), "--smoke",
                         "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -217,8 +284,9 @@ def test_study_smoke(tmp_path):
 
     df = pd.read_csv(out / "retention.csv")
     assert tuple(df.columns) == RETENTION_COLUMNS
-    assert set(df.model) == {"hydra-7to1", "teacher"} and set(df.formats) == {"seen", "unseen"}
-    assert len(df) == 2 * 4 * 2 and (df.n == 2).all()
+    lever = "hydra-5to1+s2_retrieval=0.25+s3_wordings=6+fa_pos=rope"
+    assert set(df.model) == {"hydra-7to1", "teacher", lever} and set(df.formats) == {"seen", "unseen"}
+    assert len(df) == 3 * 4 * 2 and (df.n == 2).all()
     t = df[df.model == "teacher"]
     assert (t.accuracy == t.teacher_accuracy).all()
     m = json.loads((out / "manifest.json").read_text())
@@ -232,6 +300,27 @@ def test_study_smoke(tmp_path):
 
     rows = TokenRows.load(out / "seed0" / "data" / "long.pt")
     assert rows.ids.shape[1] == 256
+    # the lever arm: its own directory, settings and rows; its rows carry no evaluation wording either
+    arm = json.loads((out / "seed0" / f"{lever}_t1" / "arm.json").read_text())
+    assert arm["levers"] == {"s2_retrieval": 0.25, "s3_wordings": 6, "fa_pos": "rope"} and arm["hybrid"]["fa_pos"] == "rope"
+    assert arm["budget"] == "5:1" and sum(map(len, arm["fa_heads"])) == 3  # 16 heads at 5:1
+    assert (out / "seed0" / "hydra-7to1_t1" / "arm.json").exists()
+    tok = smol_tokenizer
+    eval4 = wording_ngrams("seen", 4) | wording_ngrams("unseen", 4) | filler_ngrams(4)
+    s2, s3 = TokenRows.load(out / "seed0" / "data" / "stage2_r0.25.pt"), TokenRows.load(out / "seed0" / "data" / "long_w6.pt")
+    lev = json.loads((out / "seed0" / "data" / "levers.json").read_text())
+    assert len(s2) == lev["stage2_r0.25.pt"]["text_rows"] + lev["stage2_r0.25.pt"]["retrieval_rows"]
+    assert lev["stage2_r0.25.pt"]["retrieval_rows"] == round(lev["stage2_r0.25.pt"]["text_rows"] * 0.25 / 0.75)
+    assert len(s3) == len(rows) and s2.ids.shape[1] == 128
+    n_train = 0
+    for r, m in [*zip(s2.ids, s2.mask), *zip(s3.ids, s3.mask)]:
+        g = ngrams(words(tok.decode(r[m])), 4)
+        assert not g & eval4
+        n_train += bool(ngrams(words(tok.decode(r[m])), 3) & wording_ngrams("train", 3))
+    assert n_train >= 8  # the retrieval rows of both levers are there
+    t = __import__("pandas").read_csv(out / "levers.csv")
+    assert set(t.model) == {"hydra-7to1", lever} and set(t.lever) == {  # the smoke run's 1 token is not the study's 50M
+        "tokens 1", "budget 5:1 + s2_retrieval=0.25 + s3_wordings=6 + fa_pos=rope + tokens 1"}
     # the anatomy piece: both rankings, the comparison, the knockout table; a rerun computes only what is missing
     d = out / "anatomy" / "unseen_niah_single@256_p2_gap0" / "seed0_hydra-7to1_t1"
     res = json.loads((d / "anatomy.json").read_text())
@@ -277,3 +366,144 @@ def test_study_settings_frozen_and_token_split(tmp_path):
     assert run.parse_tokens("50M") == 50_000_000 and run.parse_tokens("1.5e6") == 1_500_000
     # 50M tokens at 64 x 512 (stages 1, 2) and 16 x 2048 (stage 3): whole steps of 32,768 tokens, shares 15/55/30 %
     assert run.stage_tokens(s, 50_000_000) == [229 * 32768, 839 * 32768, 458 * 32768]
+
+
+def test_study_default_hydra_mask_is_committed():
+    """run.py's default --hydra-mask exists (the 50M-token study's 7:1 mask) and its default
+    --hydra-ranking selects exactly that mask at 7:1 (so the 5:1 arms' HydraHead mask comes from it)."""
+    from headscope.masks import HeadMask
+    from headscope.scores import Ranking
+
+    run = _study()
+    a = run.parser().parse_args([])
+    f = ROOT / a.hydra_mask
+    assert f.is_file(), f
+    m = HeadMask.from_json(f)
+    assert (m.n_layers, m.n_heads, m.n_kv_heads) == (30, 9, 3) and sum(map(len, m.fa_heads)) == 34
+    scores = Ranking.load(ROOT / a.hydra_ranking).matrix("score")
+    assert HeadMask.select(scores, "7:1", 3, min_per_layer=1) == m
+
+
+def _smol_geometry_teacher():
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    return SimpleNamespace(config=LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576))
+
+
+def test_study_budget_masks_follow_the_budget(tmp_path):
+    """Every mask arm at 5:1 has the 5:1 head count of SmolLM2-135M (270 heads: 45 = 270/6), built as the
+    7:1 arms are; the 7:1 arms keep the study's masks."""
+    from headscope.masks import HeadMask
+    from headscope.scores import Ranking
+
+    run = _study()
+    a = run.parser().parse_args(["--out", str(tmp_path), "--arm", "hydra-5to1"])
+    s = run.settings(a)
+    ms = run.masks(a, s, _smol_geometry_teacher())
+    n = {k: sum(map(len, m.fa_heads)) for k, m in ms.items()}
+    assert n == {"hydra-7to1": 34, "random-7to1": 34, "layer-7to1": 36, "layer-3to1": 72,
+                 "hydra-5to1": 45, "random-5to1": 45, "layer-5to1": 45}
+    heads = {k: {(l, h) for l, hs in enumerate(m.fa_heads) for h in hs} for k, m in ms.items()}
+    assert heads["hydra-7to1"] < heads["hydra-5to1"] and heads["random-7to1"] < heads["random-5to1"]
+    assert all(len(hs) >= 1 for k in ("hydra-5to1", "random-5to1") for hs in ms[k].fa_heads)
+    assert sum(len(hs) == 9 for hs in ms["layer-5to1"].fa_heads) == 5 and sum(map(bool, ms["layer-5to1"].fa_heads)) == 5
+    scores = Ranking.load(ROOT / "experiments" / "fused-smollm2" / "focus").matrix("score")
+    assert ms["hydra-5to1"] == HeadMask.select(scores, "5:1", 3, min_per_layer=1)
+    assert ms["hydra-7to1"] == HeadMask.from_json(ROOT / s["hydra_mask"])
+    assert (tmp_path / "masks" / "layer-5to1.json").exists()
+    # a ranking that did not make the study's 7:1 mask is refused
+    b = run.parser().parse_args(["--out", str(tmp_path / "other"), "--arm", "random-5to1",
+                                 "--hydra-ranking", "experiments/fused-smollm2/one"])
+    with pytest.raises(SystemExit, match="does not select"):
+        run.masks(b, run.settings(b), _smol_geometry_teacher())
+
+
+def test_study_arm_labels_dirs_and_refusals(tmp_path):
+    run = _study()
+
+    def args(*x):
+        return run.parser().parse_args(["--out", str(tmp_path), *x])
+
+    # the baseline: today's name and directory, also when a lever is given at the study's value
+    for extra in ([], ["--fa-pos", "nope"], ["--s2-retrieval", "0"], ["--s3-wordings", "3"], ["--budget", "7:1"]):
+        a = args(*extra)
+        assert run.arm_label(a) == "hydra-7to1" and run.run_dir(a) == tmp_path / "seed0" / "hydra-7to1_t50000000"
+    assert run.arm_label(args("--fa-pos", "rope")) == "hydra-7to1+fa_pos=rope"
+    a = args("--arm", "layer-3to1", "--fa-pos", "rope", "--s3-wordings", "6", "--s2-retrieval", "0.25", "--tokens", "200M", "--seed", "1")
+    assert run.arm_label(a) == "layer-3to1+s2_retrieval=0.25+s3_wordings=6+fa_pos=rope"
+    assert run.run_dir(a) == tmp_path / "seed1" / "layer-3to1+s2_retrieval=0.25+s3_wordings=6+fa_pos=rope_t200000000"
+    assert run.parse_label(run.arm_label(a)) == ("layer-3to1", {"s2_retrieval": "0.25", "s3_wordings": "6", "fa_pos": "rope"})
+    assert run.arm_label(args("--arm", "hydra-5to1", "--budget", "5:1")) == "hydra-5to1"
+    from headscope.errors import HeadscopeInputError
+    from headscope.train.retention import cell_dir
+
+    assert cell_dir(tmp_path, run.arm_label(a), 1, 2).name == "layer-3to1+s2_retrieval=0.25+s3_wordings=6+fa_pos=rope__s1__t2"
+    for bad_name in ("a__b", "a/b", "a b"):
+        with pytest.raises(HeadscopeInputError):
+            cell_dir(tmp_path, bad_name, 0, 0)
+    s = run.settings(args())
+    spec = run.arm_spec(a, s)
+    assert spec["rows"] == {"stage1": "short.pt", "stage2": "stage2_r0.25.pt", "stage3": "long_w6.pt"}
+    assert spec["hybrid"] == {"fa_pos": "rope", "gdn_rope": True, "fa_gate": True} and spec["budget"] == "3:1"
+    assert spec["stage_tokens"] == [916 * 32768, 3357 * 32768, 1831 * 32768]  # 15 / 55 / 30 % of 200M in whole steps
+    base = run.arm_spec(args(), s)
+    assert base["rows"] == {"stage1": "short.pt", "stage2": "short.pt", "stage3": "long.pt"} and base["hybrid"] == run.HYBRID
+    # refused: another budget than the arm's, levers on the teacher, values outside their range
+    for bad, msg in ((["--budget", "5:1"], "use --arm hydra-5to1"), (["--arm", "layer-3to1", "--budget", "7:1"], "states its budget"),
+                     (["--arm", "teacher", "--fa-pos", "rope"], "no levers"), (["--s3-wordings", "7"], "1..6"),
+                     (["--s3-wordings", "0"], "1..6"), (["--s2-retrieval", "0.95"], "0.9"), (["--s2-retrieval", "0.125"], "0.01")):
+        with pytest.raises(SystemExit, match=msg):
+            run.arm_spec(args(*bad), s)
+    # a run directory keeps its settings: the same spec passes, another (or another mask) is refused
+    rd = tmp_path / "run"
+    run.check_arm(rd, base)
+    run.check_arm(rd, base)
+    with pytest.raises(SystemExit, match="other settings"):
+        run.check_arm(rd, {**base, "hybrid": {**base["hybrid"], "fa_pos": "rope"}})
+    from headscope.masks import HeadMask
+
+    run.check_arm(rd, base, HeadMask(2, 2, 1, ((0,), (1,))))
+    with pytest.raises(SystemExit, match="fa_heads"):
+        run.check_arm(rd, base, HeadMask(2, 2, 1, ((1,), (1,))))
+
+
+def test_study_lever_table_by_hand(tmp_path):
+    import pandas as pd
+
+    run = _study()
+    rows = []
+
+    def add(model, seed, tokens, acc, teacher, task="niah_single", fmt="unseen", lengths=(1024, 2048, 4096)):
+        for L in lengths:
+            rows.append({"model": model, "seed": seed, "tokens": tokens, "task": task, "formats": fmt, "length": L, "n": 100,
+                         "hits": round(acc * 100), "accuracy": acc, "teacher_accuracy": teacher})
+
+    add("teacher", 0, 0, 1.0, 1.0)
+    add("hydra-7to1", 0, 50_000_000, 0.6, 0.8)
+    add("hydra-7to1", 1, 50_000_000, 0.4, 0.8)
+    add("hydra-7to1", 0, 200_000_000, 0.72, 0.8)
+    add("hydra-7to1+fa_pos=rope", 0, 50_000_000, 0.2, 0.0)  # teacher without a hit: no retention
+    add("hydra-5to1", 0, 50_000_000, 0.7, 0.8)
+    add("layer-3to1+s3_wordings=6", 0, 50_000_000, 0.1, 0.8)
+    add("hydra-7to1", 0, 50_000_000, 0.0, 0.8, fmt="seen")  # other cells are not in the table
+    add("hydra-7to1", 0, 50_000_000, 0.0, 0.8, task="niah_multikey")
+    add("hydra-7to1", 0, 50_000_000, 0.0, 0.8, lengths=(8192,))
+    pd.DataFrame(rows, columns=list(RETENTION_COLUMNS)).to_csv(tmp_path / "retention.csv", index=False)
+    assert run.lever_table(tmp_path) == 5
+    t = pd.read_csv(tmp_path / "levers.csv")
+    got = {r.model + "@" + str(r.tokens): r for r in t.itertuples()}
+    b = got["hydra-7to1@50000000"]
+    assert (b.lever, b.seeds, b.command) == ("baseline", 2, "--arm hydra-7to1 --tokens 50M")
+    assert b.retention_1024 == pytest.approx(0.625) and (b.retention_1024_min, b.retention_1024_max) == pytest.approx((0.5, 0.75))
+    assert got["hydra-7to1@200000000"].lever == "tokens 200M" and got["hydra-7to1@200000000"].retention_4096 == pytest.approx(0.9)
+    r = got["hydra-7to1+fa_pos=rope@50000000"]
+    assert r.lever == "fa_pos=rope" and r.command == "--arm hydra-7to1 --tokens 50M --fa-pos rope" and math.isnan(r.retention_2048)
+    assert got["hydra-5to1@50000000"].lever == "budget 5:1" and got["hydra-5to1@50000000"].retention_1024 == pytest.approx(0.875)
+    lw = got["layer-3to1+s3_wordings=6@50000000"]
+    assert lw.lever == "s3_wordings=6" and lw.command == "--arm layer-3to1 --tokens 50M --s3-wordings 6"
+    assert t.model.tolist()[0] == "hydra-7to1" and t.model.tolist()[-1] == "hydra-5to1"  # arms in study order
+    md = (tmp_path / "levers.md").read_text().splitlines()
+    assert md[0] == "| lever | arm command | tokens | unseen single 1K | unseen single 2K | unseen single 4K | seeds |"
+    assert md[2] == "| baseline | `--arm hydra-7to1 --tokens 50M` | 50M | 0.62 (0.50–0.75) | 0.62 (0.50–0.75) | 0.62 (0.50–0.75) | 2 |"

@@ -14,6 +14,19 @@ documents sampled apart from every seed's training text. Every piece is resumabl
     run.py --piece report --out OUT                       # retention.csv, retention_summary.csv, retention_seeds.csv
     run.py --smoke                                         # every piece on a tiny random model, CPU, < 1 min
 
+Levers (issue 40 item 3; each an option of the data / train / eval pieces, recorded in the arm's
+OUT/seedS/RUN/arm.json and in its name RUN = LABEL_tTOKENS, LABEL = the arm plus "+lever=value" for
+every lever off the study's setting, e.g. hydra-7to1+fa_pos=rope; the baseline keeps its old name):
+
+    --tokens 200M            training tokens (the stage shares stay 15 / 55 / 30 %)
+    --s2-retrieval 0.25      share of stage-2 rows that are train-family retrieval rows (study: 0, text only)
+    --s3-wordings 6          train-family wordings per task in the stage-3 retrieval rows (study: 3; 1..6)
+    --fa-pos rope            FA heads with the teacher's RoPE (study: nope, NoPE with the log-scale)
+    --arm hydra-5to1         the 5:1 budget (also layer-5to1, random-5to1; --budget 5:1 checks it)
+
+A lever's rows are built by --piece data with the same option (from the seed's stored documents);
+--piece report also writes levers.csv / levers.md (unseen single-needle retention per arm and lever).
+
 OUT/manifest.json records the commit, every command with its outcome and seconds, the hardware, the
 seeds and the SHA-256 of every document set.
 """
@@ -33,7 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -46,7 +59,15 @@ from headscope.train import TokenRows, TrainConfig, convert_stage, format_rows, 
 from headscope.train.retention import SuiteConfig, evaluate_suite, retention_table, suite_pairs  # noqa: E402
 
 ARMS = {"hydra-7to1": "hydrahead", "layer-3to1": "layerwise3", "layer-7to1": "layerwise", "random-7to1": "random", "teacher": None}
+#: the budget lever's arms: the masks of the 7:1 arms at 5:1 (HydraHead re-selected from its ranking)
+BUDGET_ARMS = {"hydra-5to1": "hydrahead", "layer-5to1": "layerwise", "random-5to1": "random"}
+ARM_BUDGETS = {"hydra-7to1": "7:1", "layer-7to1": "7:1", "random-7to1": "7:1", "layer-3to1": "3:1",
+               "hydra-5to1": "5:1", "layer-5to1": "5:1", "random-5to1": "5:1"}
 HYBRID = {"fa_pos": "nope", "gdn_rope": True, "fa_gate": True}
+#: the study's value of each lever of the arm label, in label order (a lever at this value is no lever)
+LEVERS = {"s2_retrieval": 0.0, "s3_wordings": 3, "fa_pos": HYBRID["fa_pos"]}
+BASE_TOKENS = "50M"
+S2_SEED, S3_SEED = 5, 1  # stage-2 / stage-3 retrieval rows of seed S use format_rows seeds 10·S + these (+ task index)
 SHARES = (0.15, 0.55, 0.30)
 LRS = (1e-3, 2e-4, 1e-4)
 SUITE_SAMPLE_SEED = 999_000_000  # sampler seeds of the haystack documents; training seed S uses 10_000·S + batch
@@ -117,6 +138,107 @@ def stage_tokens(s: dict, tokens: int) -> list[int]:
     """Whole steps per stage (shares 15 / 55 / 30 % of ``tokens``)."""
     step = [s["batch"] * s["seq_len"], s["batch"] * s["seq_len"], s["batch_long"] * s["long_len"]]
     return [int(max(1, round(tokens * sh / st)) * st) for sh, st in zip(s["shares"], step)]
+
+
+# ---------------------------------------------------------------------------------------------- arms and levers
+def train_wordings() -> int:
+    """Wordings per task of the ``train`` template family (the largest --s3-wordings)."""
+    from headscope.tasks.formats import FAMILIES, FORMAT_TASKS
+
+    return min(len(FAMILIES["train"].wordings[t]) for t in FORMAT_TASKS)
+
+
+def lever_values(a: argparse.Namespace) -> dict[str, Any]:
+    """The value of every lever of :data:`LEVERS` for this command (an option not given = the study's),
+    validated.
+
+    Raises:
+        SystemExit: --s2-retrieval outside [0, 0.9] or with more than two decimals; --s3-wordings
+            outside 1..(train wordings per task).
+    """
+    v = {k: (d if getattr(a, k, None) is None else getattr(a, k)) for k, d in LEVERS.items()}
+    f = float(v["s2_retrieval"])
+    if not 0 <= f <= 0.9 or abs(round(f, 2) - f) > 1e-9:
+        raise SystemExit(f"--s2-retrieval {f}: a share of stage-2 rows in [0, 0.9] in steps of 0.01")
+    v["s2_retrieval"] = round(f, 2)
+    if not 1 <= int(v["s3_wordings"]) <= train_wordings():
+        raise SystemExit(f"--s3-wordings {v['s3_wordings']}: the train family has 1..{train_wordings()} wordings per task")
+    return v
+
+
+def arm_levers(a: argparse.Namespace) -> dict[str, Any]:
+    """The levers of this command that differ from the study's settings, in label order (the budget
+    and --tokens are not among them: the arm's name and the tokens carry those).
+
+    Raises:
+        SystemExit: an invalid lever (:func:`lever_values`); a lever or --budget with the teacher;
+            --budget that is not the arm's (the arm's name states its budget).
+    """
+    v = lever_values(a)
+    levers = {k: x for k, x in v.items() if x != LEVERS[k]}
+    if a.arm == "teacher":
+        if levers or a.budget is not None:
+            raise SystemExit(f"the teacher has no levers (given: {levers or {'budget': a.budget}})")
+        return {}
+    if a.budget is not None and a.budget != ARM_BUDGETS[a.arm]:
+        alt = a.arm.replace(ARM_BUDGETS[a.arm].replace(":", "to"), a.budget.replace(":", "to"))
+        hint = f"; use --arm {alt}" if a.arm != "layer-3to1" and alt in ARM_BUDGETS else ""
+        raise SystemExit(f"--budget {a.budget} with --arm {a.arm} ({ARM_BUDGETS[a.arm]}): the arm's name states its budget{hint}")
+    return levers
+
+
+def arm_label(a: argparse.Namespace) -> str:
+    """The arm's model name (retention.csv's ``model``): the arm plus ``+lever=value`` per lever off the
+    study's setting, e.g. ``hydra-7to1`` (the baseline), ``hydra-7to1+fa_pos=rope``, ``hydra-5to1``."""
+    return a.arm + "".join(f"+{k}={v:g}" if isinstance(v, float) else f"+{k}={v}" for k, v in arm_levers(a).items())
+
+
+def parse_label(label: str) -> tuple[str, dict[str, str]]:
+    """(arm, {lever: value as written}) of a model name made by :func:`arm_label`."""
+    arm, *parts = label.split("+")
+    return arm, dict(p.split("=", 1) for p in parts)
+
+
+def stage_rows_files(levers: dict[str, Any]) -> dict[str, str]:
+    """Row files (in OUT/seedS/data/) of each stage: the study's short.pt / long.pt, or a lever's."""
+    s2, s3 = levers.get("s2_retrieval"), levers.get("s3_wordings")
+    return {"stage1": "short.pt", "stage2": f"stage2_r{s2:g}.pt" if s2 else "short.pt",
+            "stage3": f"long_w{s3}.pt" if s3 else "long.pt"}
+
+
+def arm_spec(a: argparse.Namespace, s: dict) -> dict[str, Any]:
+    """Everything that makes the arm's run: written to RUN/arm.json by the first train command and
+    compared by every later train / eval command of the same run (:func:`check_arm`)."""
+    levers = arm_levers(a)
+    v = lever_values(a)
+    tokens = parse_tokens(a.tokens) if a.arm != "teacher" else 0
+    spec = {"label": arm_label(a), "arm": a.arm, "mask": {**ARMS, **BUDGET_ARMS}[a.arm], "budget": ARM_BUDGETS.get(a.arm),
+            "levers": levers, "tokens": tokens, "stage_tokens": stage_tokens(s, tokens) if tokens else None,
+            "hybrid": {**s["hybrid"], "fa_pos": v["fa_pos"]}, "s2_retrieval": v["s2_retrieval"], "s3_wordings": v["s3_wordings"],
+            "retrieval_frac": s["retrieval_frac"], "rows": stage_rows_files(levers), "seed": a.seed}
+    if a.arm == "hydra-5to1":
+        spec["hydra_ranking"] = a.hydra_ranking
+    return json.loads(json.dumps(spec))
+
+
+def check_arm(rd: Path, spec: dict, mask: Optional[HeadMask] = None) -> None:
+    """Write ``rd``/arm.json, or refuse when the run there was made with other settings (a rerun with
+    other lever values, a changed mask or study setting), so that arms never mix in one checkpoint.
+
+    Raises:
+        SystemExit: a stored value differs from this command's.
+    """
+    want = dict(spec)
+    if mask is not None:
+        want["fa_heads"] = [list(h) for h in mask.fa_heads]
+    f = rd / "arm.json"
+    old = json.loads(f.read_text()) if f.exists() else {}
+    diff = {k: (old[k], v) for k, v in want.items() if k in old and old[k] != v}
+    if diff:
+        raise SystemExit(f"{rd} holds a run with other settings {diff} (stored, given); another lever value needs its own run")
+    if any(k not in old for k in want):
+        rd.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(f, json.dumps({**old, **want}, indent=2))
 
 
 # ---------------------------------------------------------------------------------------------- manifest
@@ -207,7 +329,9 @@ def smoke_corpus(n_docs: int, seed: int = 0) -> list[str]:
 
 
 def masks(a: argparse.Namespace, s: dict, teacher: Any) -> dict[str, HeadMask]:
-    """OUT/masks/ARM.json (written once from the HydraHead mask and the model's geometry)."""
+    """OUT/masks/ARM.json (written once from the HydraHead mask and the model's geometry): the arms of
+    :data:`ARMS` at the study's budget (7:1) and layer-3to1; with a 5:1 arm (``a.arm``) also the arms
+    of :data:`BUDGET_ARMS` (:func:`budget_masks`)."""
     import numpy as np
 
     from headscope.models import geometry_of
@@ -215,16 +339,59 @@ def masks(a: argparse.Namespace, s: dict, teacher: Any) -> dict[str, HeadMask]:
     d = Path(a.out) / "masks"
     want = [k for k, v in ARMS.items() if v]
     if all((d / f"{k}.json").exists() for k in want):
-        return {k: HeadMask.from_json(d / f"{k}.json") for k in want}
+        out = {k: HeadMask.from_json(d / f"{k}.json") for k in want}
+    else:
+        g = geometry_of(teacher.config)
+        if s["hydra_mask"]:
+            hydra: Any = HeadMask.from_json(ROOT / s["hydra_mask"] if not Path(s["hydra_mask"]).is_absolute() else s["hydra_mask"])
+        else:  # --smoke: seeded scores stand in for a ranking
+            hydra = np.random.default_rng(1).random((g.n_layers, g.n_heads))
+        built = _conversion_module().build_masks(g.n_layers, g.n_heads, g.n_kv_heads, hydra, s["budget"], s["min_per_layer"], seed=0)
+        out = {}
+        for arm in want:
+            out[arm] = built[ARMS[arm]]
+            out[arm].to_json(d / f"{arm}.json")
+    if a.arm in BUDGET_ARMS:
+        out.update(budget_masks(a, s, teacher, ARM_BUDGETS[a.arm], out["hydra-7to1"]))
+    return out
+
+
+def budget_masks(a: argparse.Namespace, s: dict, teacher: Any, budget: str, hydra_study: HeadMask) -> dict[str, HeadMask]:
+    """OUT/masks/ARM.json of the arms of :data:`BUDGET_ARMS` at ``budget`` (written once), built as the
+    study's arms are (``build_masks``: ≥ ``min_per_layer`` FA heads per layer; random = the same seeded
+    scores, so random-5to1 holds random-7to1's heads; layer-wise = the nearest number of whole layers),
+    HydraHead re-selected from the ranking ``--hydra-ranking`` (``--smoke``: the seeded scores).
+
+    Raises:
+        SystemExit: the ranking does not select the study's HydraHead mask at the study's budget (the
+            arms of both budgets must come from one ranking).
+    """
+    import numpy as np
+
+    from headscope.models import geometry_of
+
+    d = Path(a.out) / "masks"
+    names = [k for k in BUDGET_ARMS if ARM_BUDGETS[k] == budget]
+    if all((d / f"{k}.json").exists() for k in names):
+        return {k: HeadMask.from_json(d / f"{k}.json") for k in names}
     g = geometry_of(teacher.config)
     if s["hydra_mask"]:
-        hydra: Any = HeadMask.from_json(ROOT / s["hydra_mask"] if not Path(s["hydra_mask"]).is_absolute() else s["hydra_mask"])
-    else:  # --smoke: seeded scores stand in for a ranking
-        hydra = np.random.default_rng(1).random((g.n_layers, g.n_heads))
-    built = _conversion_module().build_masks(g.n_layers, g.n_heads, g.n_kv_heads, hydra, s["budget"], s["min_per_layer"], seed=0)
+        from headscope.scores import Ranking
+
+        src = Path(a.hydra_ranking) if Path(a.hydra_ranking).is_absolute() else ROOT / a.hydra_ranking
+        scores = Ranking.load(src).matrix("score")
+        again = HeadMask.select(scores, s["budget"], g.n_kv_heads, min_per_layer=s["min_per_layer"])
+        if again != hydra_study:
+            raise SystemExit(f"--hydra-ranking {a.hydra_ranking} does not select the study's HydraHead mask at {s['budget']} "
+                             f"({s['hydra_mask']}); give the ranking that made it")
+    else:  # --smoke: the seeded scores of masks()
+        scores = np.random.default_rng(1).random((g.n_layers, g.n_heads))
+    built = _conversion_module().build_masks(g.n_layers, g.n_heads, g.n_kv_heads, scores, budget, s["min_per_layer"], seed=0)
     out = {}
-    for arm in want:
-        out[arm] = built[ARMS[arm]]
+    for arm in names:
+        out[arm] = built[BUDGET_ARMS[arm]]
+        if BUDGET_ARMS[arm] == "hydrahead":
+            out[arm].meta["ranking"] = a.hydra_ranking or "seeded scores (--smoke)"
         out[arm].to_json(d / f"{arm}.json")
     return out
 
@@ -339,7 +506,39 @@ def _build_cell(cell: tuple[str, str, int]) -> str:
 
 
 def piece_data(a: argparse.Namespace, s: dict, deadline: float) -> str:
-    """Training documents of seed ``a.seed`` (the same for every arm), held-out rows, stage rows."""
+    """Training documents of seed ``a.seed`` (the same for every arm), held-out rows, the study's stage
+    rows (:func:`study_data`), then the rows of the data levers given (:func:`lever_data`)."""
+    lever_values(a)  # refuse invalid lever values before any work
+    msg = study_data(a, s, deadline)
+    return msg if msg.startswith("partial") else msg + lever_data(a, s)
+
+
+def split_docs(seed: int, s: dict, docs: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """(held-out, training) documents of a seed: a seeded shuffle, the first ``heldout_docs`` (at most a
+    quarter) held out."""
+    rng = random.Random(seed)
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    n_held = min(s["heldout_docs"], len(docs) // 4)
+    return [docs[i] for i in order[:n_held]], [docs[i] for i in order[n_held:]]
+
+
+def stage3_rows(tok: Any, s: dict, seed: int, train: list[list[int]], n_wordings: int,
+                n_ret: Optional[int] = None) -> tuple[TokenRows, TokenRows, TokenRows]:
+    """(long text rows, retrieval rows, both mixed) of stage 3: ``train`` packed at ``long_len`` and
+    ``n_ret`` train-family retrieval rows (default: ``retrieval_frac`` of the rows) from the first
+    ``n_wordings`` wordings per task, at long_len / 4, / 2 and long_len tokens."""
+    long_text = pack(train, s["long_len"], tok.eos_token_id)
+    if n_ret is None:
+        n_ret = max(4, round(len(long_text) * s["retrieval_frac"] / (1 - s["retrieval_frac"])))
+    L = s["long_len"]
+    ret = format_rows(tok, n_ret, L, texts_of(tok, train), tasks=s["suite"]["tasks"], family="train", seed=10 * seed + S3_SEED,
+                      lengths=[max(128, L // 4), max(128, L // 2), L], n_wordings=n_wordings)
+    return long_text, ret, mix(long_text, ret, seed=seed)
+
+
+def study_data(a: argparse.Namespace, s: dict, deadline: float) -> str:
+    """Training documents of seed ``a.seed``, held-out rows and the study's rows of every stage."""
     out = Path(a.out)
     d = out / f"seed{a.seed}" / "data"
     if (d / "done").exists():
@@ -351,20 +550,12 @@ def piece_data(a: argparse.Namespace, s: dict, deadline: float) -> str:
         docs = sample_docs(a, s, teacher, tok, d / "shards", s["docs"], 10_000 * a.seed, deadline)
         if docs is None:
             return "partial: sampling stopped at the deadline; rerun"
-    rng = random.Random(a.seed)
-    order = list(range(len(docs)))
-    rng.shuffle(order)
-    n_held = min(s["heldout_docs"], len(docs) // 4)
-    held, train = [docs[i] for i in order[:n_held]], [docs[i] for i in order[n_held:]]
+    held, train = split_docs(a.seed, s, docs)
     eos = tok.eos_token_id
     short = pack(train, s["seq_len"], eos)
-    long_text = pack(train, s["long_len"], eos)
-    n_ret = max(4, round(len(long_text) * s["retrieval_frac"] / (1 - s["retrieval_frac"])))
-    L = s["long_len"]
-    ret = format_rows(tok, n_ret, L, texts_of(tok, train), tasks=s["suite"]["tasks"], family="train", seed=10 * a.seed + 1,
-                      lengths=[max(128, L // 4), max(128, L // 2), L])
+    long_text, ret, long_rows = stage3_rows(tok, s, a.seed, train, LEVERS["s3_wordings"])
     short.save(d / "short.pt")
-    mix(long_text, ret, seed=a.seed).save(d / "long.pt")
+    long_rows.save(d / "long.pt")
     pack(held, s["seq_len"], eos).save(d / "heldout.pt")
     # haystack sentences of the suite that also occur in the training text (teacher text can repeat short sentences)
     shared = None
@@ -382,28 +573,88 @@ def piece_data(a: argparse.Namespace, s: dict, deadline: float) -> str:
     return f"data built: {json.dumps(info)}"
 
 
+def lever_data(a: argparse.Namespace, s: dict) -> str:
+    """The rows of the data levers of this command, each built once from the seed's stored documents
+    (the study's split, checked against data/info.json's hash) into OUT/seedS/data/:
+
+    * ``--s2-retrieval F``: stage2_rF.pt = short.pt's text rows mixed with round(rows · F / (1 − F))
+      train-family retrieval rows of ``seq_len`` tokens (prompt seq_len − 8, the study's 3 wordings,
+      format_rows seeds 10·S + 5 + task), so that F of the stage-2 rows are retrieval rows;
+    * ``--s3-wordings K``: long_wK.pt = stage 3's rows with the same text rows, count of retrieval rows,
+      seeds and lengths as long.pt, the retrieval rows drawn from the first K train wordings per task.
+
+    data/levers.json records each file's rows and hash. Returns "" when there is nothing to build.
+    """
+    out = Path(a.out)
+    d = out / f"seed{a.seed}" / "data"
+    v = lever_values(a)
+    files = stage_rows_files({k: x for k, x in v.items() if x != LEVERS[k]})
+    todo = [f for f in (files["stage2"], files["stage3"]) if f not in ("short.pt", "long.pt") and not (d / f).exists()]
+    if not todo:
+        return ""
+    tok = load_teacher(a)[1] if a.smoke else _cpu_tokenizer(a)
+    if a.smoke or s["corpus"]:
+        docs = corpus_docs(a, s, tok)[0]
+    else:
+        docs = sample_docs(a, s, None, tok, d / "shards", s["docs"], 10_000 * a.seed, float("inf"))
+    info = json.loads((d / "info.json").read_text())
+    if sha256_docs(docs) != info["docs_sha256"]:
+        raise SystemExit(f"the documents of seed {a.seed} are not those its data/info.json hashed; rebuild the seed's data")
+    train = split_docs(a.seed, s, docs)[1]
+    f_lev = d / "levers.json"
+    lev = json.loads(f_lev.read_text()) if f_lev.exists() else {}
+    for f in todo:
+        if f.startswith("stage2_r"):
+            short = TokenRows.load(d / "short.pt")
+            n = max(len(s["suite"]["tasks"]), round(len(short) * v["s2_retrieval"] / (1 - v["s2_retrieval"])))
+            ret = format_rows(tok, n, s["seq_len"], texts_of(tok, train), tasks=s["suite"]["tasks"], family="train",
+                              seed=10 * a.seed + S2_SEED, lengths=[s["seq_len"]], n_wordings=LEVERS["s3_wordings"])
+            rows = mix(short, ret, seed=a.seed)
+            rec = {"lever": "s2_retrieval", "value": v["s2_retrieval"], "text_rows": len(short), "retrieval_rows": len(ret)}
+        else:
+            _, ret, rows = stage3_rows(tok, s, a.seed, train, v["s3_wordings"], n_ret=info["long_retrieval_rows"])
+            rec = {"lever": "s3_wordings", "value": v["s3_wordings"], "text_rows": info["long_text_rows"], "retrieval_rows": len(ret)}
+        rows.save(d / f)
+        rec["sha256"] = hashlib.sha256((d / f).read_bytes()).hexdigest()
+        lev[f] = rec
+        atomic_write_text(f_lev, json.dumps(lev, indent=2))
+        record(out, a, f"lever rows {f}", 0.0, {f"seed{a.seed}_levers": lev})
+    return "; lever rows built: " + ", ".join(f"{f} ({lev[f]['retrieval_rows']} retrieval + {lev[f]['text_rows']} text rows)" for f in todo)
+
+
 def run_dir(a: argparse.Namespace) -> Path:
-    return Path(a.out) / f"seed{a.seed}" / f"{a.arm}_t{parse_tokens(a.tokens)}"
+    """OUT/seedS/LABEL_tTOKENS (:func:`arm_label`; the baseline arm: ARM_tTOKENS)."""
+    return Path(a.out) / f"seed{a.seed}" / f"{arm_label(a)}_t{parse_tokens(a.tokens)}"
 
 
 def piece_train(a: argparse.Namespace, s: dict, deadline: float) -> str:
-    """The three stages of one arm; stops at ``deadline`` with a checkpoint (rerun to continue)."""
+    """The three stages of one arm (its levers: :func:`arm_spec`); stops at ``deadline`` with a
+    checkpoint (rerun to continue)."""
     from headscope.train.parallel import find_checkpoint
 
     if a.arm == "teacher":
+        arm_levers(a)
         return "the teacher is not trained"
     out, rd = Path(a.out), run_dir(a)
+    spec = arm_spec(a, s)
     data = out / f"seed{a.seed}" / "data"
     if not (data / "done").exists():
         raise SystemExit(f"no {data}/done: run --piece data --seed {a.seed} first")
+    lever_flags = " ".join(f"--{k.replace('_', '-')} {spec[k]}" for k in ("s2_retrieval", "s3_wordings") if k in spec["levers"])
+    for f in sorted(set(spec["rows"].values())):
+        if not (data / f).exists():
+            raise SystemExit(f"no {data / f}: run --piece data --seed {a.seed} {lever_flags} first")
+    check_arm(rd, spec)
     if (rd / "stage3" / "done.json").exists():
         return "trained"
     teacher, tok = load_teacher(a)
     mask = masks(a, s, teacher)[a.arm]
-    short, long_rows = TokenRows.load(data / "short.pt"), TokenRows.load(data / "long.pt")
+    check_arm(rd, spec, mask)
+    short, long_rows = TokenRows.load(data / spec["rows"]["stage1"]), TokenRows.load(data / spec["rows"]["stage3"])
+    mid = short if spec["rows"]["stage2"] == spec["rows"]["stage1"] else TokenRows.load(data / spec["rows"]["stage2"])
     dev = next(teacher.parameters()).device
-    opts = {"gdn_kernel": s["gdn_kernel"], **s["hybrid"]}
-    budgets = stage_tokens(s, parse_tokens(a.tokens))
+    opts = {"gdn_kernel": s["gdn_kernel"], **spec["hybrid"]}
+    budgets = spec["stage_tokens"]
     student = None
     for stage in (1, 2, 3):
         sd = rd / f"stage{stage}"
@@ -416,9 +667,9 @@ def piece_train(a: argparse.Namespace, s: dict, deadline: float) -> str:
         cfg = TrainConfig(stage=stage, tokens=budgets[stage - 1], batch_size=bs, lr=s["lrs"][stage - 1],
                           ckpt_every=s["ckpt_every"], ckpt_on_exit=True, save_student=True, seed=a.seed, progress=False)
         student, summ = convert_stage(teacher, tok, mask, stage, rd, config=cfg, student=student, hybrid_options=opts,
-                                      deadline=deadline, rows=long_rows if stage == 3 else short,
+                                      deadline=deadline, rows={1: short, 2: mid, 3: long_rows}[stage],
                                       resume=find_checkpoint(sd / "checkpoint") is not None)
-        print(a.arm, f"seed {a.seed}", json.dumps(summ), flush=True)
+        print(spec["label"], f"seed {a.seed}", json.dumps(summ), flush=True)
         if not summ["finished"]:
             return f"partial: stage {stage} at step {summ['steps']}/{summ['total_steps']}; rerun the same command"
     return "trained"
@@ -426,24 +677,101 @@ def piece_train(a: argparse.Namespace, s: dict, deadline: float) -> str:
 
 def piece_eval(a: argparse.Namespace, s: dict, deadline: float) -> str:
     out = Path(a.out)
+    spec = arm_spec(a, s)
+    if a.arm != "teacher":
+        rd = run_dir(a)
+        if not (rd / "stage3" / "done.json").exists():
+            raise SystemExit(f"{spec['label']} seed {a.seed} is not trained ({rd}/stage3/done.json missing): run --piece train")
+        check_arm(rd, spec)
     teacher, tok = load_teacher(a)
     if a.arm == "teacher":
         model, tokens = teacher, 0
     else:
-        rd = run_dir(a)
-        if not (rd / "stage3" / "done.json").exists():
-            raise SystemExit(f"{a.arm} seed {a.seed} is not trained ({rd}/stage3/done.json missing): run --piece train")
-        model = load_student(teacher, masks(a, s, teacher)[a.arm], init=rd / "stage3" / "student.pt",
-                             gdn_kernel=s["gdn_kernel"], **s["hybrid"])
+        mask = masks(a, s, teacher)[a.arm]
+        check_arm(rd, spec, mask)
+        model = load_student(teacher, mask, init=rd / "stage3" / "student.pt", gdn_kernel=s["gdn_kernel"], **spec["hybrid"])
         tokens = parse_tokens(a.tokens)
-    res = evaluate_suite(model, tok, a.arm, a.seed if a.arm != "teacher" else 0, tokens, suite_config(s), out / "cells",
+    res = evaluate_suite(model, tok, spec["label"], a.seed if a.arm != "teacher" else 0, tokens, suite_config(s), out / "cells",
                          filler=suite_filler(out, tok), cache_dir=out / "suite" / "pairs", deadline=deadline)
     return f"evaluated: {res['done']} cells stored" + (f", {res['left']} left; rerun" if res["left"] else "")
 
 
 def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
     r = retention_table(Path(a.out) / "cells", Path(a.out))
-    return f"report: {r['rows']} rows in retention.csv ({r['missing_teacher']} without a teacher cell)"
+    n_lev = lever_table(Path(a.out), lever_lengths(s))
+    return f"report: {r['rows']} rows in retention.csv ({r['missing_teacher']} without a teacher cell), {n_lev} rows in levers.csv"
+
+
+LEVER_CELLS = ("niah_single", "unseen", 4096)  # the lever table's cells: task, formats, lengths up to
+
+
+def lever_lengths(s: dict) -> list[int]:
+    """The suite's lengths of the lever table (1K, 2K, 4K in the study; every length up to 4K)."""
+    return [int(L) for L in sorted(s["suite"]["lengths"]) if L <= LEVER_CELLS[2]]
+
+
+def tokens_text(tokens: int) -> str:
+    """50000000 -> '50M' (the --tokens spelling)."""
+    for unit, m in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if tokens >= m and tokens % m == 0:
+            return f"{tokens // m}{unit}"
+    return str(tokens)
+
+
+def lever_of(model: str, tokens: int) -> tuple[str, str]:
+    """(lever, arm command) of a retention.csv row: which levers the arm moved away from the study's
+    arm of its mask, and the options that train it (``--piece train``/``eval``)."""
+    arm, levers = parse_label(model)
+    moved = [f"budget {ARM_BUDGETS[arm]}"] if arm in BUDGET_ARMS else []
+    moved += [f"{k}={v}" for k, v in levers.items()]
+    if tokens != parse_tokens(BASE_TOKENS):
+        moved.append(f"tokens {tokens_text(tokens)}")
+    cmd = f"--arm {arm} --tokens {tokens_text(tokens)}" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in levers.items())
+    return (" + ".join(moved) or "baseline"), cmd
+
+
+def lever_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> int:
+    """OUT/levers.csv and OUT/levers.md: per trained arm (model label and tokens) of retention.csv, the
+    retention on the unseen-format single-needle cells at ``lengths`` (:data:`LEVER_CELLS`): per seed the
+    accuracy ÷ the teacher's on the same prompts, then the mean over seeds and its min and max; with
+    the lever (what the arm changes against the study's arm of its mask), the arm's options and the
+    number of seeds. Returns the number of rows (0 without retention.csv)."""
+    import pandas as pd
+
+    f = out / "retention.csv"
+    if not f.exists():
+        return 0
+    task, fmt, _ = LEVER_CELLS
+    df = pd.read_csv(f)
+    df = df[(df.task == task) & (df.formats == fmt) & df.length.isin(lengths) & (df.model != "teacher")].copy()
+    df["retention"] = df.accuracy / df.teacher_accuracy.where(df.teacher_accuracy > 0)
+    order = {k: i for i, k in enumerate([*ARMS, *BUDGET_ARMS])}
+    rows = []
+    for (model, tokens), g in df.groupby(["model", "tokens"]):
+        lever, cmd = lever_of(model, int(tokens))
+        rec: dict[str, Any] = {"lever": lever, "model": model, "command": cmd, "tokens": int(tokens), "seeds": int(g.seed.nunique())}
+        for L in lengths:
+            r = g[g.length == L].retention
+            rec.update({f"retention_{L}": r.mean(), f"retention_{L}_min": r.min(), f"retention_{L}_max": r.max()})
+        rows.append(rec)
+    rows.sort(key=lambda r: (order.get(parse_label(r["model"])[0], 99), r["lever"] != "baseline", r["tokens"], r["lever"]))
+    cols = ["lever", "model", "command", "tokens", "seeds", *[f"retention_{L}{x}" for L in lengths for x in ("", "_min", "_max")]]
+    table = pd.DataFrame(rows, columns=cols)
+    table.to_csv(out / "levers.csv", index=False)
+
+    def cell(r: dict, L: int) -> str:
+        m, lo, hi = r[f"retention_{L}"], r[f"retention_{L}_min"], r[f"retention_{L}_max"]
+        if pd.isna(m):
+            return "—"
+        return f"{m:.2f}" + (f" ({lo:.2f}–{hi:.2f})" if r["seeds"] > 1 else "")
+
+    lines = ["| lever | arm command | tokens | " + " | ".join(f"unseen single {L // 1024}K" if L % 1024 == 0 else f"unseen single {L}" for L in lengths)
+             + " | seeds |",
+             "|---|---|---|" + "---|" * len(lengths) + "---|"]
+    lines += [f"| {r['lever']} | `{r['command']}` | {tokens_text(r['tokens'])} | " + " | ".join(cell(r, L) for L in lengths)
+              + f" | {r['seeds']} |" for r in rows]
+    atomic_write_text(out / "levers.md", "\n".join(lines) + "\n")
+    return len(rows)
 
 
 # ---------------------------------------------------------------------------------------------- anatomy (item 4)
@@ -651,11 +979,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="the teacher (a .gguf path, HF directory or spec)")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--arm", choices=list(ARMS), default="hydra-7to1")
-    p.add_argument("--tokens", default="50M", help="training tokens of the arm, all stages (50M, 200M, ...)")
+    p.add_argument("--arm", choices=[*ARMS, *BUDGET_ARMS], default="hydra-7to1",
+                   help="the mask (its name states its budget; the 5:1 arms are the budget lever)")
+    p.add_argument("--tokens", default=BASE_TOKENS, help="training tokens of the arm, all stages (50M, 200M, ...): a lever")
+    p.add_argument("--budget", choices=["7:1", "5:1"], default=None,
+                   help="lever: the FA budget; must be the arm's (hydra-5to1, layer-5to1, random-5to1 are the 5:1 arms)")
+    p.add_argument("--s2-retrieval", type=float, default=None,
+                   help="lever: share of stage-2 rows that are train-family retrieval rows, 0..0.9 (study: 0)")
+    p.add_argument("--s3-wordings", type=int, default=None,
+                   help="lever: train-family wordings per task in the stage-3 retrieval rows, 1..6 (study: 3)")
+    p.add_argument("--fa-pos", choices=["rope", "nope"], default=None,
+                   help="lever: FA heads with the teacher's RoPE, or NoPE with the log-scale (study: nope)")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new work after this many seconds")
     p.add_argument("--corpus", default=None, help="a user text file (documents separated by blank lines) instead of teacher samples")
-    p.add_argument("--hydra-mask", default="experiments/conversion-smollm2/masks/hydrahead.json")
+    p.add_argument("--hydra-mask", default="experiments/conversion-smollm2-50m/masks/hydrahead.json",
+                   help="the HydraHead mask of the study's budget (the 50M-token study's)")
+    p.add_argument("--hydra-ranking", default="experiments/fused-smollm2/focus",
+                   help="the ranking that selected --hydra-mask: the HydraHead mask of the 5:1 arms is selected from it")
     p.add_argument("--gdn-kernel", default="auto")
     p.add_argument("--docs", type=int, default=12288, help="training + held-out documents per seed")
     p.add_argument("--heldout-docs", type=int, default=256)
@@ -681,9 +1021,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-SMOKE = ["--docs", "16", "--heldout-docs", "2", "--suite-docs", "12", "--seq-len", "64", "--long-len", "256",
+SMOKE = ["--docs", "16", "--heldout-docs", "2", "--suite-docs", "12", "--seq-len", "128", "--long-len", "256",
          "--batch", "4", "--batch-long", "2", "--lengths", "256", "--n", "2", "--gen-n", "1", "--gen-max-len", "256",
-         "--tokens", "1", "--hydra-mask", "", "--gdn-kernel", "torch", "--device", "cpu", "--workers", "2", "--ckpt-every", "0"]
+         "--tokens", "1", "--hydra-mask", "", "--hydra-ranking", "", "--gdn-kernel", "torch", "--device", "cpu", "--workers", "2",
+         "--ckpt-every", "0"]
+#: the smoke run's lever arm: every lever at once (the budget, both data levers, the FA positions)
+SMOKE_LEVERS = ["--arm", "hydra-5to1", "--budget", "5:1", "--s2-retrieval", "0.25", "--s3-wordings", "6", "--fa-pos", "rope"]
 
 
 ANATOMY_SMOKE = ["--arm", "hydra-7to1", "--anatomy-len", "256", "--anatomy-pairs", "2", "--anatomy-n", "2",
@@ -698,7 +1041,8 @@ def main(argv: Optional[list[str]] = None) -> str:
         tok_args = ["--tokenizer", a.tokenizer] if a.tokenizer else []
         msgs = []
         for piece, extra in (("suite", []), ("data", []), ("train", ["--arm", "hydra-7to1"]), ("eval", ["--arm", "hydra-7to1"]),
-                             ("eval", ["--arm", "teacher"]), ("report", []), ("anatomy", ANATOMY_SMOKE)):
+                             ("eval", ["--arm", "teacher"]), ("data", SMOKE_LEVERS), ("train", SMOKE_LEVERS), ("eval", SMOKE_LEVERS), ("report", []),
+                             ("anatomy", ANATOMY_SMOKE)):
             sub = parser().parse_args([*SMOKE, "--out", out, "--piece", piece, *extra, *tok_args])
             sub.smoke = True
             msgs.append(run_piece(sub))

@@ -9,8 +9,10 @@ retrieval task, with its own key words and variable names:
   wording n-gram of it occurs in their prompts); the prompts themselves come from the generators.
 * ``unseen`` — three other wordings per task, evaluated on a natural-text haystack (held-out
   teacher-sampled documents or a user corpus).
-* ``train``  — three more wordings per task, for stage-3 retrieval rows built on the training
-  documents (:func:`headscope.train.data.format_rows`).
+* ``train``  — six more wordings per task, for stage-3 retrieval rows built on the training
+  documents (:func:`headscope.train.data.format_rows`). Rows drawn from the first ``n_wordings`` of
+  them (:func:`format_pairs`) vary the template diversity of training; the first three are the
+  wordings of the original training family, so ``n_wordings=3`` gives the rows it gave.
 
 No wording n-gram (:func:`wording_ngrams`: lower-cased word 3-grams of a template's fixed text, split
 at the placeholders), key word or variable name of ``train`` occurs in ``seen`` or ``unseen``; and a
@@ -20,6 +22,10 @@ wording, so the filler cannot carry a training phrase into an evaluation prompt 
 Every pair is built by :func:`headscope.tasks.niah.build_pair` through the shared RULER loop: x and x'
 of equal token length, answer a⁺ the queried value (n-digit number), the evidence span recorded;
 ``meta["family"]`` and ``meta["wording"]`` (index into the family's wordings, cycled over the pairs).
+
+Wordings added to ``train`` put a rare word (dossier, voucher, ledger, docket, dispatch, beacon, ...) in
+every 4-word window of their fixed text, so that the haystack filter (which drops sentences holding a
+4-gram of any family's wording) has no common English phrase to match in natural text.
 """
 
 from __future__ import annotations
@@ -150,6 +156,12 @@ TRAIN = Family(
                     "Reference ID {value} is mentioned here.", "Recall the reference ID that was mentioned. Reference ID"),
             Wording("An account number appears once in the notes below.",
                     "Account number on file: {value}.", "State the account number on file. Account number on file:"),
+            Wording("Tucked into this dossier is one voucher code.",
+                    "Voucher code logged: {value}.", "Quote the logged voucher code. Voucher code logged:"),
+            Wording("This ledger excerpt hides a docket number.",
+                    "Docket number {value} stamped.", "Which docket number was stamped? Docket number"),
+            Wording("Skim this dispatch; somewhere sits one tracking code.",
+                    "Tracking code: {value}.", "Report the buried tracking code. Tracking code:"),
         ),
         "niah_multikey": (
             Wording("This document contains hidden serial numbers for several animals among ordinary text.",
@@ -161,6 +173,15 @@ TRAIN = Family(
             Wording("Account numbers of several animals appear in the notes below.",
                     "Account number on file for the {key}: {value}.",
                     "State the account number on file for the {key}. Account number on file for the {key}:"),
+            Wording("Tucked into this dossier are voucher codes, one per animal.",
+                    "Voucher code logged for the {key}: {value}.",
+                    "Quote the voucher code logged for the {key}. Voucher code logged for the {key}:"),
+            Wording("This ledger excerpt stamps docket numbers on several animals.",
+                    "Docket number of the {key} stamped as {value}.",
+                    "Which docket number did the {key} get? Docket number of the {key} stamped as"),
+            Wording("Skim this dispatch; several animals carry tracking codes.",
+                    "Tracking code for the {key} reads {value}.",
+                    "Report which tracking code the {key} carries. Tracking code for the {key} reads"),
         ),
         "niah_multivalue": (
             Wording("This document contains several hidden serial numbers of one animal among ordinary text.",
@@ -172,6 +193,15 @@ TRAIN = Family(
             Wording("Several account numbers of one animal appear in the notes below.",
                     "An account number on file for the {key}: {value}.",
                     "State each account number on file for the {key}, in order. Account numbers on file for the {key}:"),
+            Wording("Tucked into this dossier are several voucher codes for one animal.",
+                    "Another voucher code logged for the {key}: {value}.",
+                    "Quote each voucher code logged for the {key}, oldest first. Voucher codes logged for the {key}:"),
+            Wording("This ledger excerpt stamps several docket numbers on one animal.",
+                    "A docket number of the {key} stamped as {value}.",
+                    "Which docket numbers did the {key} get, in sequence? Docket numbers of the {key} stamped as"),
+            Wording("Skim this dispatch; one animal carries several tracking codes.",
+                    "One tracking code for the {key} reads {value}.",
+                    "Report every tracking code the {key} carries, in turn. Tracking codes for the {key} read"),
         ),
         "variable_tracking": (
             Wording("This document contains hidden assignments among ordinary text; follow the chain.",
@@ -183,6 +213,18 @@ TRAIN = Family(
                     "Account {var} holds a balance of {value}.",
                     "State the balance held by account {var}. Account {var} holds a balance of",
                     hop="Account {var} holds the same balance as account {prev}."),
+            Wording("Tucked into this dossier: ledgers, some credited from other ledgers.",
+                    "Ledger {var} credited with {value}.",
+                    "Quote what ledger {var} ends up credited with. Ledger {var} credited with",
+                    hop="Ledger {var} credited with ledger {prev}."),
+            Wording("This docket excerpt routes parcels between bins; trace them.",
+                    "Bin {var} stocks parcel {value}.",
+                    "Which parcel does bin {var} stock at last? Bin {var} stocks parcel",
+                    hop="Bin {var} stocks whatever bin {prev} stocks."),
+            Wording("Skim this dispatch; beacons relay numbers onward, beacon to beacon.",
+                    "Beacon {var} broadcasts {value}.",
+                    "Report what beacon {var} finally broadcasts. Beacon {var} broadcasts",
+                    hop="Beacon {var} relays beacon {prev}."),
         ),
     },
     ("otter", "badger", "heron", "walrus", "beaver", "ferret", "lizard", "pelican", "panda", "raven",
@@ -262,8 +304,13 @@ def format_pairs(
     n_keys: int = 4,
     n_values: int = 3,
     n_hops: int = 2,
+    n_wordings: int | None = None,
 ) -> list[Pair]:
     """Pairs of ``task`` in the wordings of ``family`` (cycled over the pairs), on ``filler``.
+
+    ``n_wordings``: draw from the family's first ``n_wordings`` wordings of the task only (None = all);
+    pair i uses wording i mod n_wordings, so the pairs of a smaller count are those of the full family
+    restricted to its first wordings (the random draws do not depend on it).
 
     * ``niah_single``: one needle at ``depth``; x' swaps its value (a⁺/a⁻ the two values).
     * ``niah_multikey``: ``n_keys`` key/value needles (the queried one at ``depth``, the others at random
@@ -275,7 +322,8 @@ def format_pairs(
 
     Raises:
         HeadscopeInputError (a ValueError): unknown family or task; n_pairs < 1; depth outside [0, 1];
-            seq_len too short. PairError: no equal-length counterfactual in the redraws.
+            n_wordings outside 1..(the family's wordings of the task); seq_len too short.
+            PairError: no equal-length counterfactual in the redraws.
     """
     if family not in FAMILIES:
         raise HeadscopeInputError(f"unknown template family {family!r}; available: {', '.join(FAMILIES)}")
@@ -283,6 +331,10 @@ def format_pairs(
         raise HeadscopeInputError(f"unknown format task {task!r}; available: {', '.join(FORMAT_TASKS)}")
     fam = FAMILIES[family]
     wordings = fam.wordings[task]
+    if n_wordings is not None:
+        if not 1 <= n_wordings <= len(wordings):
+            raise HeadscopeInputError(f"n_wordings={n_wordings} must lie in 1..{len(wordings)} ({family} wordings of {task})")
+        wordings = wordings[:n_wordings]
     _check_common(n_pairs, depth)
     if task == "niah_multikey" and not 2 <= n_keys <= len(fam.keys):
         raise HeadscopeInputError(f"n_keys={n_keys} must lie in 2..{len(fam.keys)}")

@@ -227,6 +227,7 @@ def format_rows(
     seed: int = 0,
     lengths: Optional[Sequence[int]] = None,
     pad_id: Optional[int] = None,
+    n_wordings: Optional[int] = None,
 ) -> TokenRows:
     """Stage-3 retrieval rows (prompt ⊕ answer, right-padded) in the wordings of template ``family``
     (default ``"train"``, disjoint from the evaluation's: :mod:`headscope.tasks.formats`) on a
@@ -238,9 +239,13 @@ def format_rows(
         seq_len: row length; lengths: prompt lengths cycled over (default ``[seq_len]``), each at
             least 96 tokens; depths uniform in [0, 1]; each task's wordings cycled.
         seed: RNG seed (rows of task k use seed + k).
+        n_wordings: the rows draw from the family's first ``n_wordings`` wordings of each task (None =
+            all; :func:`headscope.tasks.formats.format_pairs`): the template diversity of the rows.
+            The haystack, the depths and the values do not depend on it.
 
     Raises:
-        HeadscopeInputError (a ValueError): n < 1, no task, unknown family/task, a prompt longer than ``seq_len``.
+        HeadscopeInputError (a ValueError): n < 1, no task, unknown family/task, a prompt longer than
+            ``seq_len``, n_wordings outside 1..(the family's wordings of a task).
     """
     from ..tasks.formats import format_pairs, natural_filler
 
@@ -260,7 +265,7 @@ def format_rows(
             L = lengths[made % len(lengths)]
             depths = [rng.random() for _ in range(min(8, want - made))]
             pairs = format_pairs(tokenizer, family, task, filler, n_pairs=len(depths), seq_len=max(96, L - 8),
-                                 depth=depths, seed=rng.randrange(2**31))
+                                 depth=depths, seed=rng.randrange(2**31), n_wordings=n_wordings)
             for p in pairs:
                 row = torch.cat([p.clean, p.answer])
                 if len(row) > seq_len:

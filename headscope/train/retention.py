@@ -144,9 +144,14 @@ def greedy_generation_hits(model: Any, tokenizer: Any, pairs: Sequence[Any], ext
 
 
 def cell_dir(root: str | Path, model: str, seed: int, tokens: int) -> Path:
-    """Folder of one model's cell files: ROOT/MODEL__sSEED__tTOKENS/."""
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", model):
-        raise HeadscopeInputError(f"model name {model!r}: use letters, digits, '.', '_' or '-' (it names a folder)")
+    """Folder of one model's cell files: ROOT/MODEL__sSEED__tTOKENS/. A model name may carry settings as
+    ``+name=value`` parts (e.g. ``hydra-7to1+fa_pos=rope``); it may not contain ``__`` (the separator).
+
+    Raises:
+        HeadscopeInputError (a ValueError): a name with other characters, or with ``__``.
+    """
+    if not re.fullmatch(r"[A-Za-z0-9._+=-]+", model) or "__" in model:
+        raise HeadscopeInputError(f"model name {model!r}: use letters, digits, '.', '_', '-', '+' or '=' and no '__' (it names a folder)")
     return Path(root) / f"{model}__s{int(seed)}__t{int(tokens)}"
 
 
