@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from ..arch import UnsupportedArchitecture
 from ..models import LoadedModel
 from .engine import Engine, Precision
-from .plan import RunCache
+from .plan import RunCache, row_edits
 
 Path = Literal["auto", "fast", "generic", "hybrid"]
 PATHS = ("auto", "fast", "generic", "hybrid")
@@ -298,7 +298,6 @@ class BridgeEngine:
         read = [int(r) for r in read]
         ids = base.ids.to(self.device)
         flat = [(int(layer), z[j]) for layer, z in entries for j in range(z.shape[0])]
-        order = sorted(range(len(flat)), key=lambda i: flat[i][0])  # rows by layer (stable)
         rows: dict[int, list[Tensor]] = {}
         idx: dict[int, list[int]] = {}
         if self.mode == "bridge" or self._bridge_hooked():
@@ -311,25 +310,15 @@ class BridgeEngine:
             self._check_prefix(base, ids, start, read)
             prefix = self.prefix
         lead = 1 if self.join else 0  # with join, row 0 is the unpatched base row
-        for r, i in enumerate(order):
-            layer, z = flat[i]
-            rows.setdefault(layer, []).append(z)
-            idx.setdefault(layer, []).append(lead + r)
-        s0 = 0 if prefix else start  # first replaced position of the computed ones
-        edits = {lay: (torch.as_tensor(idx[lay], device=self.device), torch.stack(v).to(self.device), s0)
-                 for lay, v in rows.items()}
-        join = {lay: len(v) for lay, v in rows.items()} if self.join else None
-        n = 1 if self.join else len(flat)
+        b = row_edits(flat, self.join, 0 if prefix else start, self.device)
+        join, n = b.join, b.n
         seq = ids[None, start:] if prefix else ids[None]
         off = [p - start for p in read] if prefix else read
         cache = None
         if prefix:
             cache = self._cached_rows(ids, start, [1 + sum(v for lay, v in join.items() if lay <= i)
                                                    for i in range(self.g.n_layers)] if join else n)
-        out = self._forward(seq.expand(n, -1), off, edits, cache=cache, join=join)[lead:]
-        back = torch.empty(len(order), dtype=torch.long, device=out.device)
-        back[torch.as_tensor(order, device=out.device)] = torch.arange(len(order), device=out.device)
-        return out[back]
+        return b.unsort(self._forward(seq.expand(n, -1), off, b.edits, cache=cache, join=join)[lead:])
 
     def _bridge_patched(self, ids: Tensor, rows: dict[int, list[Tensor]], idx: dict[int, list[int]], r: int,
                         start: int, read: list[int]) -> Tensor:

@@ -47,7 +47,7 @@ from ..arch import UnsupportedArchitecture
 from ..models import LoadedModel
 from .check import EngineMismatch, tolerance
 from .engine import head_slice
-from .plan import RunCache
+from .plan import RunCache, row_edits
 
 KINDS = ("fa", "gdn")
 # hook_z edits of one forward: layer -> (batch rows, values [rows, positions, H·dh], first computed position replaced)
@@ -236,20 +236,10 @@ class HybridEngine:
         flat = [(int(layer), z[j]) for layer, z in entries for j in range(z.shape[0])]
         if any(z.shape[0] != T - start for _, z in flat):
             raise ValueError(f"z rows must cover positions {start}..{T - 1} ({T - start} rows of hook_z)")
-        order = sorted(range(len(flat)), key=lambda i: flat[i][0])  # rows by layer (stable)
         prefix = self.prefix and start > 0
         lead = 1 if self.join else 0  # with join, row 0 is the unpatched base row
-        vals: dict[int, list[Tensor]] = {}
-        idx: dict[int, list[int]] = {}
-        for r, i in enumerate(order):
-            layer, z = flat[i]
-            vals.setdefault(layer, []).append(z)
-            idx.setdefault(layer, []).append(lead + r)
-        s0 = 0 if prefix else start  # first replaced position of the computed ones
-        edits = {lay: (torch.as_tensor(idx[lay], device=self.device), torch.stack(v).to(self.device), s0)
-                 for lay, v in vals.items()}
-        join = {lay: len(v) for lay, v in vals.items()} if self.join else None
-        n = 1 if self.join else len(flat)
+        b = row_edits(flat, self.join, 0 if prefix else start, self.device)
+        join, n = b.join, b.n
         seq = ids[None, start:] if prefix else ids[None]
         off = [p - start for p in read] if prefix else read
         cache = None
@@ -257,10 +247,7 @@ class HybridEngine:
             rows = ([1 + sum(c for lay, c in join.items() if lay <= i) for i in range(self.g.n_layers)] if join
                     else [n] * self.g.n_layers)
             cache = _copy_cache(self._prefix_cache(ids, start), self.hf.config, rows, T)
-        out = self._forward(seq.expand(n, -1), off, edits, cache=cache, join=join)[lead:]
-        back = torch.empty(len(order), dtype=torch.long, device=out.device)
-        back[torch.as_tensor(order, device=out.device)] = torch.arange(len(order), device=out.device)
-        return out[back]
+        return b.unsort(self._forward(seq.expand(n, -1), off, b.edits, cache=cache, join=join)[lead:])
 
     # ---- checks ---------------------------------------------------------------------------------
     def rows_to_check(self) -> list[tuple[int, int]]:

@@ -160,3 +160,42 @@ class PassResult:
     z: list[Tensor] = field(default_factory=list)
     cache: RunCache | None = None
     tags: list = field(default_factory=list)
+
+
+@dataclass
+class RowEdits:
+    """Patched rows of one batched suffix pass, grouped by the layer they patch (the batched engines' shared
+    bookkeeping: :meth:`GenericEngine.patched_logits_multi`, :meth:`HybridEngine.patched_logits_multi`).
+
+    Attributes:
+        order: row indices of the flat entries sorted by layer (stable); ``unsort`` puts outputs back.
+        edits: layer → (batch row indices [k], hook_z rows [k, suffix, hd] on ``device``, first replaced position).
+        join: with joining rows, layer → rows that join at that layer; else None.
+        n: batch rows the pass computes (1 with joining rows: the rest join on the way).
+    """
+
+    order: list[int]
+    edits: dict[int, tuple[Tensor, Tensor, int]]
+    join: dict[int, int] | None
+    n: int
+
+    def unsort(self, out: Tensor) -> Tensor:
+        """Outputs in the pass's (layer-sorted) row order → the entries' order."""
+        back = torch.empty(len(self.order), dtype=torch.long, device=out.device)
+        back[torch.as_tensor(self.order, device=out.device)] = torch.arange(len(self.order), device=out.device)
+        return out[back]
+
+
+def row_edits(flat: Sequence[tuple[int, Tensor]], join: bool, first: int, device: Any) -> RowEdits:
+    """Group ``flat`` (layer, hook_z rows [suffix, hd]) entries into a batched pass's edits: rows sorted by layer,
+    row 0 the unpatched base row when ``join``; ``first``: first replaced position of the computed ones."""
+    order = sorted(range(len(flat)), key=lambda i: flat[i][0])
+    lead = 1 if join else 0
+    vals: dict[int, list[Tensor]] = {}
+    idx: dict[int, list[int]] = {}
+    for r, i in enumerate(order):
+        layer, z = flat[i]
+        vals.setdefault(layer, []).append(z)
+        idx.setdefault(layer, []).append(lead + r)
+    edits = {lay: (torch.as_tensor(idx[lay], device=device), torch.stack(v).to(device), first) for lay, v in vals.items()}
+    return RowEdits(order, edits, {lay: len(v) for lay, v in vals.items()} if join else None, 1 if join else len(flat))
