@@ -186,6 +186,10 @@ def _since_filter(since: Since) -> tuple[Optional[float], Optional[dict[str, str
     return None, prev, {"manifests_sha256": shas}
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 // 10 else f"{n} bytes"
+
+
 def pack(run_dir: PathLike, out_dir: PathLike, *, include: Optional[Sequence[str]] = None, exclude: Sequence[str] = (),
          since: Since = None, max_part_bytes: int = 15 * 2**20, max_parts: int = 7, compress: bool = True) -> dict[str, Any]:
     """Pack the files of ``run_dir`` into ``out_dir``/state.partNN (each at most ``max_part_bytes`` bytes) and
@@ -279,8 +283,8 @@ def pack(run_dir: PathLike, out_dir: PathLike, *, include: Optional[Sequence[str
         n_parts = max(1, math.ceil(total / max_part_bytes))
         if n_parts > max_parts:
             raise PackTooLargeError(
-                f"the state of {root} is {total / 2**20:.1f} MiB packed ({len(entries)} files, "
-                f"{sum(e['size'] for e in entries) / 2**20:.1f} MiB): {n_parts} parts of at most {max_part_bytes} bytes, "
+                f"the state of {root} is {_size(total)} packed ({len(entries)} files, "
+                f"{_size(sum(e['size'] for e in entries))}): {n_parts} parts of at most {max_part_bytes} bytes, "
                 f"more than max_parts={max_parts}. Pack less at a time: include=[patterns] for one part of the folder "
                 f"(e.g. 'seed0', 'cells'), or since=<the last manifest> for what changed since; or allow more parts",
                 n_parts, total, max_parts, max_part_bytes)
