@@ -68,6 +68,14 @@ class PackTooLargeError(HeadscopeInputError):
         self.parts, self.archive_bytes, self.max_parts, self.max_part_bytes = parts, archive_bytes, max_parts, max_part_bytes
 
 
+class UnpackConflictError(InputFileExistsError):
+    """Files of the run folder differ from the packed ones (``.conflicts``: their relative paths)."""
+
+    def __init__(self, msg: str, conflicts: list[str]) -> None:
+        super().__init__(msg)
+        self.conflicts = conflicts
+
+
 class CorruptPackError(HeadscopeInputError):
     """A part or a packed file does not match the manifest (a copy went wrong), or the archive holds an
     entry that may not be unpacked (a link, an unsafe path, a file the manifest does not list)."""
@@ -225,8 +233,8 @@ def pack(run_dir: PathLike, out_dir: PathLike, *, include: Optional[Sequence[str
     if int(max_part_bytes) < 1 or int(max_parts) < 1:
         raise HeadscopeInputError(f"max_part_bytes={max_part_bytes}, max_parts={max_parts}: both must be at least 1")
     max_part_bytes, max_parts = int(max_part_bytes), int(max_parts)
-    inc = [_check_pattern(p) for p in include] if include else None
-    exc = [_check_pattern(p) for p in exclude]
+    inc = [_check_pattern(p) for p in ([include] if isinstance(include, str) else include)] if include else None
+    exc = [_check_pattern(p) for p in ([exclude] if isinstance(exclude, str) else exclude)]
     after, prev, since_rec = _since_filter(since)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -346,6 +354,10 @@ def _safe_rel(path: Any) -> PurePosixPath:
     return p
 
 
+def _listing(paths: Sequence[str]) -> str:
+    return ", ".join(paths[:5]) + (", …" if len(paths) > 5 else "")
+
+
 def _sha_file(p: Path) -> str:
     h = hashlib.sha256()
     with open(p, "rb") as f:
@@ -400,7 +412,8 @@ def unpack(parts_dir: PathLike, run_dir: PathLike, *, overwrite: bool = False) -
         CorruptPackError: a part or file whose size or SHA-256 differs from the manifest; an absolute path, a
             path with '..', a link or any non-regular entry, or an entry the manifest does not list; a path
             that would go through or replace a link or a folder in ``run_dir``.
-        InputFileExistsError: an existing file with other content and ``overwrite`` False (nothing written).
+        UnpackConflictError (an InputFileExistsError): an existing file with other content and ``overwrite``
+            False (nothing written).
     """
     src, root = Path(parts_dir), Path(run_dir)
     if not (src / MANIFEST_NAME).is_file():
@@ -443,10 +456,9 @@ def unpack(parts_dir: PathLike, run_dir: PathLike, *, overwrite: bool = False) -
             conflicts.append(rel)
             plan[rel] = "update"
     if conflicts:
-        raise InputFileExistsError(
-            f"{len(conflicts)} file(s) in {root} differ from the packed ones ({', '.join(conflicts[:5])}"
-            f"{', …' if len(conflicts) > 5 else ''}): nothing unpacked; pass overwrite=True to replace them, "
-            "or unpack into another folder")
+        raise UnpackConflictError(
+            f"{len(conflicts)} file(s) in {root} differ from the packed ones ({_listing(conflicts)}): nothing unpacked; "
+            "pass overwrite=True to replace them, or unpack into another folder", conflicts)
     # pass 1: every entry is a listed regular file with the manifest's content
     seen = set()
     for mem, f in _members(paths, m.get("archive", "tar.gz")):
@@ -488,4 +500,5 @@ def unpack(parts_dir: PathLike, run_dir: PathLike, *, overwrite: bool = False) -
     return counts
 
 
-__all__ = ["ALWAYS_LEFT_OUT", "CorruptPackError", "MANIFEST_NAME", "PackTooLargeError", "matches", "pack", "unpack"]
+__all__ = ["ALWAYS_LEFT_OUT", "CorruptPackError", "MANIFEST_NAME", "PackTooLargeError", "UnpackConflictError", "matches", "pack",
+           "unpack"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from headscope.errors import HeadscopeInputError, InputFileExistsError, InputFileNotFoundError
-from headscope.statepack import MANIFEST_NAME, CorruptPackError, PackTooLargeError, matches, pack, unpack
+from headscope.statepack import MANIFEST_NAME, CorruptPackError, PackTooLargeError, UnpackConflictError, matches, pack, unpack
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = "anatomy/unseen_niah_single@4096_p6/seed0_hydra-5to1+s2_retrieval=0.25+s3_wordings=6+fa_pos=rope_t50000000/ranking/scores.csv"
@@ -165,6 +165,8 @@ def test_out_dir_inside_the_run_is_not_packed(tmp_path):
 def test_include_exclude_filters(tmp_path):
     keep = _make_run(tmp_path / "run")
     got = [e["path"] for e in pack(tmp_path / "run", tmp_path / "o1", include=["cells", "*.json"])["files"]]
+    assert [e["path"] for e in pack(tmp_path / "run", tmp_path / "o4", include="cells")["files"]] == [
+        "cells/teacher__s0__t0/niah_single.unseen.1024.json"]  # one pattern as a string
     assert got == sorted(k for k in keep if k.startswith("cells/") or k.endswith(".json"))
     m = pack(tmp_path / "run", tmp_path / "o2", exclude=["seed*/data/shards", "suite/*.pt"])
     assert [e["path"] for e in m["files"]] == sorted(k for k in keep if k not in ("seed0/data/shards/docs_0.pt", "suite/docs.pt"))
@@ -307,8 +309,9 @@ def test_overwrite_refused_then_allowed_and_idempotent(tmp_path):
     back = tmp_path / "back"
     (back / "masks").mkdir(parents=True)
     (back / "masks" / "hydra-7to1.json").write_bytes(b"other")
-    with pytest.raises(InputFileExistsError, match=r"1 file\(s\) .* differ .*masks/hydra-7to1.json.*overwrite=True"):
+    with pytest.raises(InputFileExistsError, match=r"1 file\(s\) .* differ .*masks/hydra-7to1.json.*overwrite=True") as e:
         unpack(tmp_path / "out", back)
+    assert isinstance(e.value, UnpackConflictError) and e.value.conflicts == ["masks/hydra-7to1.json"]
     assert _tree(back) == {"masks/hydra-7to1.json": b"other"}  # nothing written
     r = unpack(tmp_path / "out", back, overwrite=True)
     assert (r["written"], r["updated"]) == (len(keep) - 1, 1) and _tree(back) == keep
@@ -377,7 +380,8 @@ def test_study_pack_leaves_out_what_pieces_rebuild(study, tmp_path):
     (tmp_path / "new" / "manifest.json").write_text('{"other": 1}')
     study.run_piece(study.parser().parse_args(["--out", str(out), "--piece", "pack", "--pack-to", str(tmp_path / "s3"),
                                                "--pack-include", "manifest.json"]))
-    with pytest.raises(SystemExit, match="--unpack-overwrite"):
+    with pytest.raises(SystemExit, match=r"1 file\(s\) in .*new differ from those packed in .*s3 \(manifest.json\): nothing "
+                                         "unpacked from it; --unpack-overwrite replaces them"):
         study.run_piece(study.parser().parse_args(["--out", str(tmp_path / "new"), "--piece", "unpack", "--unpack-from",
                                                    str(tmp_path / "s3")]))
     assert study.parse_since(["1700000000"]) == 1.7e9 and study.parse_since(["2023-11-14T22:13:20Z"]) == 1.7e9

@@ -64,7 +64,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from headscope.errors import HeadscopeInputError, InputFileExistsError  # noqa: E402
+from headscope.errors import HeadscopeInputError  # noqa: E402
 from headscope.masks import HeadMask  # noqa: E402
 from headscope.runtime import atomic_write_text  # noqa: E402
 from headscope.train import TokenRows, TrainConfig, convert_stage, format_rows, load_student, mix, pack  # noqa: E402
@@ -571,7 +571,7 @@ def study_data(a: argparse.Namespace, s: dict, deadline: float) -> str:
     pack(held, s["seq_len"], eos).save(d / "heldout.pt")
     # haystack sentences of the suite that also occur in the training text (teacher text can repeat short sentences)
     shared = None
-    if (out / "suite" / "docs.pt").exists():
+    if (out / "suite" / "docs.pt").exists() and not any((out / "suite" / "pairs").glob("*.pt")):
         from headscope.tasks.filler import Filler
 
         train_sentences = set(Filler.from_texts(texts_of(tok, train), "train").sentences)
@@ -1134,14 +1134,17 @@ def piece_unpack(a: argparse.Namespace, s: Optional[dict], deadline: float) -> s
     for d in a.unpack_from:
         try:
             r = statepack.unpack(d, a.out, overwrite=a.unpack_overwrite)
-        except InputFileExistsError as e:
-            raise SystemExit(f"{e} (--unpack-overwrite replaces them)") from None
+        except statepack.UnpackConflictError as e:
+            c = e.conflicts
+            raise SystemExit(f"{len(c)} file(s) in {a.out} differ from those packed in {d} ({', '.join(c[:5])}"
+                             f"{', …' if len(c) > 5 else ''}): nothing unpacked from it; --unpack-overwrite replaces them, "
+                             "or unpack into another --out") from None
         except HeadscopeInputError as e:
             raise SystemExit(str(e)) from None
         msgs.append(f"{d}: {r['files']} files ({r['written']} new, {r['updated']} updated, {r['same']} already there)")
     out = Path(a.out)
     todo = []
-    if (out / "suite" / "docs.pt").exists():
+    if (out / "suite" / "docs.pt").exists() and not any((out / "suite" / "pairs").glob("*.pt")):
         todo.append("--piece suite (prompt sets)")
     seeds = sorted(int(p.parent.parent.name[4:]) for p in out.glob("seed*/data/info.json")
                    if p.parent.parent.name[4:].isdigit() and not (p.parent / "done").exists())
