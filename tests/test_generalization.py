@@ -294,6 +294,14 @@ def test_study_smoke(tmp_path, smol_tokenizer):
     assert len(m["data"]["seed0"]["docs_sha256"]) == 64 and "suite_docs_sha256" in m["data"]
     info = json.loads((out / "seed0" / "data" / "info.json").read_text())
     assert info["long_retrieval_rows"] >= 4
+    # the state between sessions: packed without weights, checkpoints, prompt sets or rows; unpacked into a fresh
+    # folder, where the arm's eval needs no weights (every cell is stored)
+    st = json.loads((tmp_path / "smoke-state" / "state.manifest.json").read_text())
+    restored = tmp_path / "smoke-restored"
+    assert {e["path"] for e in st["files"]} == {p.relative_to(restored).as_posix() for p in restored.rglob("*") if p.is_file()}
+    assert not any(p.name == "student.pt" or p.parent.name in ("pairs", "checkpoint") for p in restored.rglob("*"))
+    assert "seed0/data/info.json" in {e["path"] for e in st["files"]} and not (restored / "seed0" / "data" / "long.pt").exists()
+    assert "eval: evaluated: all 8 cells stored (the student weights, not here, are not needed)" in r.stdout
     # the training rows carry no evaluation wording (4-grams), scanned on the stored rows
     from headscope.train import TokenRows
     from transformers import AutoTokenizer  # noqa: F401  (the tokenizer comes with the smoke settings)

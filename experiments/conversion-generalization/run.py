@@ -14,6 +14,16 @@ documents sampled apart from every seed's training text. Every piece is resumabl
     run.py --piece report --out OUT                       # retention.csv, retention_summary.csv, retention_seeds.csv
     run.py --smoke                                         # every piece on a tiny random model, CPU, < 1 min
 
+State between sessions (the machine is fresh every session): --piece pack writes OUT's state into parts of
+<= 15 MiB (headscope.statepack; no student weights, checkpoints, prompt sets or stage rows), --piece unpack
+restores them; --piece suite and --piece data then rebuild the prompt sets and rows from the stored documents:
+
+    run.py --piece pack   --out OUT --pack-to $OUT/state            # end of a session (--pack-since / --pack-include)
+    run.py --piece unpack --out OUT --unpack-from runs/state/s1     # start of the next (the carried parts)
+
+An arm whose weights did not travel is retrained with --piece train ... --retrain (train and eval refuse
+without the weights and name that command).
+
 Levers (issue 40 item 3; each an option of the data / train / eval pieces, recorded in the arm's
 OUT/seedS/RUN/arm.json and in its name RUN = LABEL_tTOKENS, LABEL = the arm plus "+lever=value" for
 every lever off the study's setting, e.g. hydra-7to1+fa_pos=rope; the baseline keeps its old name):
@@ -41,6 +51,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,10 +64,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from headscope.errors import HeadscopeInputError  # noqa: E402
 from headscope.masks import HeadMask  # noqa: E402
 from headscope.runtime import atomic_write_text  # noqa: E402
 from headscope.train import TokenRows, TrainConfig, convert_stage, format_rows, load_student, mix, pack  # noqa: E402
-from headscope.train.retention import SuiteConfig, evaluate_suite, retention_table, suite_pairs  # noqa: E402
+from headscope.train.retention import SuiteConfig, cell_dir, evaluate_suite, retention_table, suite_pairs  # noqa: E402
 
 ARMS = {"hydra-7to1": "hydrahead", "layer-3to1": "layerwise3", "layer-7to1": "layerwise", "random-7to1": "random", "teacher": None}
 #: the budget lever's arms: the masks of the 7:1 arms at 5:1 (HydraHead re-selected from its ranking)
@@ -559,7 +571,7 @@ def study_data(a: argparse.Namespace, s: dict, deadline: float) -> str:
     pack(held, s["seq_len"], eos).save(d / "heldout.pt")
     # haystack sentences of the suite that also occur in the training text (teacher text can repeat short sentences)
     shared = None
-    if (out / "suite" / "docs.pt").exists():
+    if (out / "suite" / "docs.pt").exists() and not any((out / "suite" / "pairs").glob("*.pt")):
         from headscope.tasks.filler import Filler
 
         train_sentences = set(Filler.from_texts(texts_of(tok, train), "train").sentences)
@@ -627,6 +639,68 @@ def run_dir(a: argparse.Namespace) -> Path:
     return Path(a.out) / f"seed{a.seed}" / f"{arm_label(a)}_t{parse_tokens(a.tokens)}"
 
 
+def arm_options(a: argparse.Namespace) -> str:
+    """The options that name this command's arm run: --arm, --seed, --tokens and each lever off the study's value."""
+    levers = arm_levers(a)
+    flags = "".join(f" --{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f" --{k.replace('_', '-')} {v}"
+                    for k, v in levers.items())
+    return f"--arm {a.arm} --seed {a.seed} --tokens {a.tokens}{flags}"
+
+
+def lost_stages(rd: Path) -> list[int]:
+    """Stages of the run ``rd`` whose training is recorded here but whose weights are not: done.json without
+    student.pt, or a started stage (log.csv) with neither done.json nor a checkpoint. A state pack
+    (--piece pack) carries done.json and the logs but no weights or checkpoints."""
+    from headscope.train.parallel import find_checkpoint
+
+    lost = []
+    for k in (1, 2, 3):
+        sd = rd / f"stage{k}"
+        if (sd / "done.json").exists():
+            if not (sd / "student.pt").exists():
+                lost.append(k)
+        elif (sd / "log.csv").exists() and find_checkpoint(sd / "checkpoint") is None:
+            lost.append(k)
+    return lost
+
+
+def set_aside(rd: Path, first: int) -> Path:
+    """Move rd/stageK for every stage K >= ``first`` into rd/earlier_training_N/ (a new N): the records of a
+    training whose weights are lost, kept for reference; the stages are then trained again."""
+    n = 1
+    while (rd / f"earlier_training_{n}").exists():
+        n += 1
+    dest = rd / f"earlier_training_{n}"
+    dest.mkdir(parents=True)
+    for k in range(first, 4):
+        if (rd / f"stage{k}").exists():
+            (rd / f"stage{k}").rename(dest / f"stage{k}")
+    return dest
+
+
+def cells_left(out: Path, label: str, seed: int, tokens: int, cfg: SuiteConfig) -> tuple[int, int]:
+    """(cells of ``cfg`` not stored yet for this model, cells in all), as :func:`evaluate_suite` decides."""
+    from dataclasses import asdict
+
+    d = cell_dir(out / "cells", label, seed, tokens)
+    conf = json.loads(json.dumps(asdict(cfg)))
+    cells = cfg.cells()
+    left = 0
+    for task, fmt, L in cells:
+        f = d / f"{task}.{fmt}.{L}.json"
+        if not (f.exists() and json.loads(f.read_text()).get("config") == conf):
+            left += 1
+    return left, len(cells)
+
+
+def no_weights(a: argparse.Namespace, rd: Path, what: str) -> str:
+    """The message when the student weights of a trained arm are not here: what to rerun."""
+    return (f"{arm_label(a)} seed {a.seed} was trained ({rd}/stage3/done.json) but its student weights "
+            f"{rd}/stage3/student.pt are not here (a state pack carries done.json, not weights), and {what}. "
+            f"Retrain it: run.py --piece train --out {a.out} {arm_options(a)} --retrain (rerun until 'trained'), "
+            "then rerun this command")
+
+
 def piece_train(a: argparse.Namespace, s: dict, deadline: float) -> str:
     """The three stages of one arm (its levers: :func:`arm_spec`); stops at ``deadline`` with a
     checkpoint (rerun to continue)."""
@@ -645,8 +719,22 @@ def piece_train(a: argparse.Namespace, s: dict, deadline: float) -> str:
         if not (data / f).exists():
             raise SystemExit(f"no {data / f}: run --piece data --seed {a.seed} {lever_flags} first")
     check_arm(rd, spec)
-    if (rd / "stage3" / "done.json").exists():
+    if (rd / "stage3" / "done.json").exists() and (rd / "stage3" / "student.pt").exists():
         return "trained"
+    lost = lost_stages(rd)
+    if lost:
+        cells = cell_dir(out / "cells", spec["label"], a.seed, parse_tokens(a.tokens))
+        note = (f"; the cells already stored in {cells} were scored with the earlier student (delete that folder to score "
+                "every cell with the retrained one)") if cells.exists() else ""
+        if not a.retrain:
+            raise SystemExit(
+                f"{spec['label']} seed {a.seed}: stage(s) {', '.join(map(str, lost))} were trained (done.json or log.csv in "
+                f"{rd}/stageK) but their weights are not here (student.pt, checkpoint/: a state pack carries neither). "
+                f"Retrain: run.py --piece train --out {a.out} {arm_options(a)} --retrain (rerun until 'trained'; the "
+                f"earlier records move to {rd}/earlier_training_N/){note}")
+        moved = set_aside(rd, lost[0])
+        print(f"--retrain: stages {lost[0]}..3 of {spec['label']} seed {a.seed} train again; earlier records in {moved}{note}",
+              flush=True)
     teacher, tok = load_teacher(a)
     mask = masks(a, s, teacher)[a.arm]
     check_arm(rd, spec, mask)
@@ -683,6 +771,11 @@ def piece_eval(a: argparse.Namespace, s: dict, deadline: float) -> str:
         if not (rd / "stage3" / "done.json").exists():
             raise SystemExit(f"{spec['label']} seed {a.seed} is not trained ({rd}/stage3/done.json missing): run --piece train")
         check_arm(rd, spec)
+        if not (rd / "stage3" / "student.pt").exists():
+            left, n = cells_left(out, spec["label"], a.seed, parse_tokens(a.tokens), suite_config(s))
+            if not left:
+                return f"evaluated: all {n} cells stored (the student weights, not here, are not needed)"
+            raise SystemExit(no_weights(a, rd, f"{left} of its {n} cells are not stored yet"))
     teacher, tok = load_teacher(a)
     if a.arm == "teacher":
         model, tokens = teacher, 0
@@ -905,6 +998,8 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
         rdir = run_dir(a)
         if not (rdir / "stage3" / "done.json").exists():
             raise SystemExit(f"{a.arm} seed {a.seed} is not trained ({rdir}/stage3/done.json missing): run --piece train")
+        if not (rdir / "stage3" / "student.pt").exists():
+            raise SystemExit(no_weights(a, rdir, "the anatomy piece ranks and knocks out the student's heads"))
         mask = masks(a, s, teacher)[a.arm]
         student = load_student(teacher, mask, init=rdir / "stage3" / "student.pt", gdn_kernel=s["gdn_kernel"], **s["hybrid"])
         s_lm = wrap(student, tok, name=a.arm)
@@ -967,14 +1062,106 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
     return f"anatomy done: baseline {ko['student/' + a.anatomy_methods[0] + '/none']['accuracy']:.3f}, FA knocked out {fa_acc} ({rd})"
 
 
+# ---------------------------------------------------------------------------------------------- state between sessions
+#: files of OUT that --piece pack leaves out besides weights and checkpoints (statepack.ALWAYS_LEFT_OUT), because
+#: a piece rebuilds them: the prompt sets (--piece suite, from suite/docs.pt) and each seed's stage rows with
+#: their marker (--piece data, from the stored document shards or the corpus: the same rows, packing and
+#: format_rows are seeded)
+REBUILT = ("suite/pairs", "seed*/data/*.pt", "seed*/data/done")
+#: what one carry holds besides the repository (64 MiB per call, the tree ~10 MB)
+CARRY_ROOM = 50 * 2**20
+
+
+def parse_since(values: Optional[Sequence[str]]) -> Any:
+    """--pack-since: one time (seconds since the epoch, or ISO 8601 such as 2025-01-31T12:00:00Z), or earlier
+    manifests (state.manifest.json files or the folders holding them)."""
+    import datetime as dt
+
+    if not values:
+        return None
+    if len(values) == 1:
+        v = values[0]
+        try:
+            return float(v)
+        except ValueError:
+            pass
+        try:
+            t = dt.datetime.fromisoformat(v.replace("Z", "+00:00"))
+            return t.timestamp()
+        except ValueError:
+            pass
+    return list(values)
+
+
+def piece_pack(a: argparse.Namespace, s: Optional[dict], deadline: float) -> str:
+    """OUT's state into --pack-to (:func:`headscope.statepack.pack`): everything but weights, checkpoints and
+    :data:`REBUILT`; --pack-include / --pack-exclude / --pack-since choose less. Not recorded in OUT/manifest.json
+    (the pack's own manifest lists every file)."""
+    from headscope import statepack
+
+    if not a.pack_to:
+        raise SystemExit("--piece pack needs --pack-to DIR (on the GPU machine a folder under $OUT, e.g. $OUT/state)")
+    try:
+        m = statepack.pack(a.out, a.pack_to, include=a.pack_include, exclude=[*REBUILT, *(a.pack_exclude or [])],
+                           since=parse_since(a.pack_since), max_parts=a.pack_max_parts)
+    except statepack.PackTooLargeError as e:
+        raise SystemExit(
+            f"{a.out} packs to {e.archive_bytes / 2**20:.1f} MiB: {e.parts} parts of {e.max_part_bytes / 2**20:g} MiB, more "
+            f"than --pack-max-parts {e.max_parts}. Pack less per command: --pack-since DIR (the folder of the last "
+            "carried manifest: only what changed since), or --pack-include PATTERN ... / --pack-exclude PATTERN ... into "
+            "two --pack-to folders (e.g. --pack-include 'seed*/data/shards', then --pack-exclude 'seed*/data/shards')") from None
+    except HeadscopeInputError as e:
+        raise SystemExit(str(e)) from None
+    left = ", ".join(f"{k} {v['files']} files ({v['bytes'] / 2**20:.1f} MiB)" for k, v in m["left_out"].items())
+    msg = (f"packed {m['n_files']} files ({m['files_bytes'] / 2**20:.1f} MiB) into {len(m['parts'])} part(s) of "
+           f"{m['archive_bytes'] / 2**20:.1f} MiB in {a.pack_to}" + (f"; left out: {left}" if left else ""))
+    if m["links"]:
+        msg += f"; links not packed: {', '.join(m['links'][:5])}"
+    if m["archive_bytes"] > CARRY_ROOM:
+        msg += (f"; note: more than one carry holds beside the repository ({CARRY_ROOM / 2**20:.0f} MiB): carry the manifest "
+                "and some parts in one call, the other parts into the same folder in the next, then unpack")
+    return msg
+
+
+def piece_unpack(a: argparse.Namespace, s: Optional[dict], deadline: float) -> str:
+    """The state packs of --unpack-from (in order: a full pack, then incremental ones) into OUT
+    (:func:`headscope.statepack.unpack`). Not recorded in OUT/manifest.json (that file is part of the state)."""
+    from headscope import statepack
+
+    if not a.unpack_from:
+        raise SystemExit("--piece unpack needs --unpack-from DIR ... (the carried folders holding state.manifest.json and the parts)")
+    msgs = []
+    for d in a.unpack_from:
+        try:
+            r = statepack.unpack(d, a.out, overwrite=a.unpack_overwrite)
+        except statepack.UnpackConflictError as e:
+            c = e.conflicts
+            raise SystemExit(f"{len(c)} file(s) in {a.out} differ from those packed in {d} ({', '.join(c[:5])}"
+                             f"{', …' if len(c) > 5 else ''}): nothing unpacked from it; --unpack-overwrite replaces them, "
+                             "or unpack into another --out") from None
+        except HeadscopeInputError as e:
+            raise SystemExit(str(e)) from None
+        msgs.append(f"{d}: {r['files']} files ({r['written']} new, {r['updated']} updated, {r['same']} already there)")
+    out = Path(a.out)
+    todo = []
+    if (out / "suite" / "docs.pt").exists() and not any((out / "suite" / "pairs").glob("*.pt")):
+        todo.append("--piece suite (prompt sets)")
+    seeds = sorted(int(p.parent.parent.name[4:]) for p in out.glob("seed*/data/info.json")
+                   if p.parent.parent.name[4:].isdigit() and not (p.parent / "done").exists())
+    todo += [f"--piece data --seed {k} (stage rows; with the lever options of the arms to train)" for k in seeds]
+    return "unpacked " + "; ".join(msgs) + (f". Rebuild before training or evaluating: {'; '.join(todo)}" if todo else "")
+
+
 PIECES = {"suite": piece_suite, "data": piece_data, "train": piece_train, "eval": piece_eval, "report": piece_report}
 PIECES["anatomy"] = piece_anatomy
+#: pieces that move OUT's state and read no study settings
+STATE_PIECES = {"pack": piece_pack, "unpack": piece_unpack}
 
 
 # ---------------------------------------------------------------------------------------------- command line
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--piece", choices=list(PIECES))
+    p.add_argument("--piece", choices=[*PIECES, *STATE_PIECES])
     p.add_argument("--out", default="runs/conversion-generalization")
     p.add_argument("--model", default="smollm2-135m", help="the teacher (a .gguf path, HF directory or spec)")
     p.add_argument("--device", default=None)
@@ -1017,8 +1204,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="processes building prompt sets")
     p.add_argument("--tokenizer", default=None, help="--smoke: an HF tokenizer folder (default: the SmolLM2 GGUF's)")
     p.add_argument("--smoke", action="store_true", help="every piece on a tiny random model on the CPU (a temporary --out)")
+    p.add_argument("--retrain", action="store_true",
+                   help="train: train again the stages whose weights are lost (e.g. not carried in a state pack)")
     add_anatomy_args(p)
+    add_state_args(p)
     return p
+
+
+def add_state_args(p: argparse.ArgumentParser) -> None:
+    """The options of ``--piece pack`` / ``--piece unpack``."""
+    p.add_argument("--pack-to", default=None, help="pack: the folder for state.partNN and state.manifest.json (e.g. $OUT/state)")
+    p.add_argument("--pack-include", nargs="+", default=None,
+                   help="pack: only files matching these globs (relative to --out; 'seed0', 'cells/**', '*.json')")
+    p.add_argument("--pack-exclude", nargs="+", default=None, help="pack: also leave out files matching these globs")
+    p.add_argument("--pack-since", nargs="+", default=None,
+                   help="pack: only files changed since earlier manifests (their folders), or modified after a time "
+                        "(epoch seconds or ISO 8601)")
+    p.add_argument("--pack-max-parts", type=int, default=7, help="pack: refuse to write more parts (of 15 MiB) than this")
+    p.add_argument("--unpack-from", nargs="+", default=None,
+                   help="unpack: folders of state packs, applied in order (a full pack, then incremental ones)")
+    p.add_argument("--unpack-overwrite", action="store_true", help="unpack: replace files of --out that differ from the packed ones")
 
 
 SMOKE = ["--docs", "16", "--heldout-docs", "2", "--suite-docs", "12", "--seq-len", "128", "--long-len", "256",
@@ -1046,15 +1251,27 @@ def main(argv: Optional[list[str]] = None) -> str:
             sub = parser().parse_args([*SMOKE, "--out", out, "--piece", piece, *extra, *tok_args])
             sub.smoke = True
             msgs.append(run_piece(sub))
+        # the state between sessions: pack, unpack into a fresh folder, which has every cell but no weights
+        state, restored = f"{out.rstrip('/')}-state", f"{out.rstrip('/')}-restored"
+        shutil.rmtree(restored, ignore_errors=True)
+        for o, piece, extra in ((out, "pack", ["--pack-to", state]), (restored, "unpack", ["--unpack-from", state]),
+                                (restored, "eval", ["--arm", "hydra-7to1"])):
+            sub = parser().parse_args([*SMOKE, "--out", o, "--piece", piece, *extra, *tok_args])
+            sub.smoke = True
+            msgs.append(run_piece(sub))
         print(f"smoke run in {out}", flush=True)
         return "\n".join(msgs)
     if not a.piece:
-        raise SystemExit("give --piece (suite, data, train, eval, report) or --smoke")
+        raise SystemExit("give --piece (suite, data, train, eval, report, anatomy, pack, unpack) or --smoke")
     return run_piece(a)
 
 
 def run_piece(a: argparse.Namespace) -> str:
     t0 = time.time()
+    if a.piece in STATE_PIECES:  # no settings.json written, nothing recorded: OUT may not hold the state yet
+        msg = STATE_PIECES[a.piece](a, None, t0 + a.budget_s)
+        print(f"{a.piece}: {msg} ({time.time() - t0:.0f} s)", flush=True)
+        return msg
     torch.backends.cuda.matmul.allow_tf32 = True
     s = settings(a)
     msg = PIECES[a.piece](a, s, t0 + a.budget_s)

@@ -1,0 +1,438 @@
+"""headscope.statepack (a run folder packed into parts and unpacked) and the conversion-generalization study's
+--piece pack / unpack and its checks for student weights that did not travel (issue 40)."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import io
+import json
+import math
+import os
+import random
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from headscope.errors import HeadscopeInputError, InputFileExistsError, InputFileNotFoundError
+from headscope.statepack import MANIFEST_NAME, CorruptPackError, PackTooLargeError, UnpackConflictError, matches, pack, unpack
+
+ROOT = Path(__file__).resolve().parents[1]
+LONG = "anatomy/unseen_niah_single@4096_p6/seed0_hydra-5to1+s2_retrieval=0.25+s3_wordings=6+fa_pos=rope_t50000000/ranking/scores.csv"
+
+
+def _noise(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def _make_run(root: Path) -> dict[str, bytes]:
+    """A run folder like the study's: returns the files that must travel (path -> bytes); weights,
+    checkpoints and temporary files are written beside them."""
+    keep = {
+        "settings.json": b'{"model": "smol"}',
+        "manifest.json": b'{"commands": []}',
+        "masks/hydra-7to1.json": b'{"fa_heads": [[0]]}',
+        "cells/teacher__s0__t0/niah_single.unseen.1024.json": b'{"hits": 7}',
+        "seed0/data/shards/docs_0.pt": _noise(3000, 1),
+        "seed0/data/info.json": b'{"docs": 16}',
+        "seed0/hydra-7to1_t1/arm.json": b'{"label": "hydra-7to1"}',
+        "seed0/hydra-7to1_t1/stage3/done.json": b'{"finished": true}',
+        "seed0/hydra-7to1_t1/stage3/log.csv": b"step,loss\n1,2.0\n",
+        LONG: b"layer,head,score\n0,0,0.5\n",  # > 100 characters: a PAX name
+        "suite/docs.pt": _noise(2000, 2),
+    }
+    weights = {
+        "seed0/hydra-7to1_t1/stage3/student.pt": _noise(500, 3),
+        "seed0/hydra-7to1_t1/stage3/checkpoint/__0_0.distcp": _noise(500, 4),
+        "seed0/hydra-7to1_t1/stage3/checkpoint/trainer.pt": b"t",
+        "seed0/hydra-7to1_t1/stage2/checkpoint.old/trainer.pt": b"o",
+        "export/model.safetensors": b"s",
+        "export/pytorch_model.bin": b"b",
+        "seed0/data/shards/docs_1.tmp": b"half-written",
+    }
+    for rel, data in {**keep, **weights}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return keep
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _parts(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.glob("state.part*"))}
+
+
+# ---------------------------------------------------------------------------------------------- patterns
+def test_patterns_by_hand():
+    assert matches("seed0/data/short.pt", "seed*/data/*.pt")
+    assert not matches("seed0/data/shards/docs_0.pt", "seed*/data/*.pt")  # * stays within one component
+    assert matches("seed0/data/shards/docs_0.pt", "seed*/data/**/*.pt") and matches("seed0/data/short.pt", "seed*/data/**/*.pt")
+    assert matches("a/b/checkpoint/x.distcp", "checkpoint") and not matches("a/b/checkpoints/x", "checkpoint")
+    assert matches("cells/teacher__s0__t0/a.json", "cells") and matches("cells/teacher__s0__t0/a.json", "cells/")
+    assert matches("x/y.json", "*.json") and not matches("x/y.jsonl", "*.json")
+    assert matches("seed1/data/info.json", "./seed1") and not matches("seed10/data/info.json", "seed1")
+    assert matches("stage3/done.json", "stage[13]/done.json") and not matches("stage2/done.json", "stage[!2]/done.json")
+    for bad in ("", "/abs", "../up", "a/../b"):
+        with pytest.raises(HeadscopeInputError, match="relative to the run folder"):
+            matches("a", bad)
+
+
+# ---------------------------------------------------------------------------------------------- round trip
+def test_round_trip_keeps_bytes_and_leaves_weights_out(tmp_path):
+    keep = _make_run(tmp_path / "run")
+    m = pack(tmp_path / "run", tmp_path / "out")
+    # the manifest: exactly the files that travel, with their size and SHA-256 computed here
+    assert [e["path"] for e in m["files"]] == sorted(keep)
+    for e in m["files"]:
+        assert e["size"] == len(keep[e["path"]]) and e["sha256"] == hashlib.sha256(keep[e["path"]]).hexdigest()
+    assert m["left_out"]["weights_or_checkpoints"] == {"files": 7, "bytes": 500 + 500 + 1 + 1 + 1 + 1 + 12}
+    assert json.loads((tmp_path / "out" / MANIFEST_NAME).read_text()) == m
+    # the parts are one gzip'd tar of those files in sorted order, with fixed owner, mode and time
+    parts = _parts(tmp_path / "out")
+    assert [p["name"] for p in m["parts"]] == list(parts) == ["state.part00"]
+    assert m["parts"][0]["sha256"] == hashlib.sha256(parts["state.part00"]).hexdigest()
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(parts["state.part00"]))) as tar:
+        mem = tar.getmembers()
+        assert [x.name for x in mem] == sorted(keep)
+        assert {(x.mtime, x.uid, x.gid, x.uname, x.gname, x.mode) for x in mem} == {(0, 0, 0, "", "", 0o644)}
+    r = unpack(tmp_path / "out", tmp_path / "back")
+    assert r == {"files": len(keep), "written": len(keep), "updated": 0, "same": 0, "bytes": sum(map(len, keep.values()))}
+    assert _tree(tmp_path / "back") == keep
+
+
+def test_pack_is_deterministic(tmp_path):
+    _make_run(tmp_path / "run")
+    m1 = pack(tmp_path / "run", tmp_path / "a")
+    for i, p in enumerate(sorted((tmp_path / "run").rglob("*.json"))):  # other times and modes: the same bytes
+        os.utime(p, (1e9 + i, 1e9 + i))
+        p.chmod(0o600)
+    m2 = pack(tmp_path / "run", tmp_path / "b")
+    assert m1 == m2 and _parts(tmp_path / "a") == _parts(tmp_path / "b")
+    assert (tmp_path / "a" / MANIFEST_NAME).read_bytes() == (tmp_path / "b" / MANIFEST_NAME).read_bytes()
+    (tmp_path / "run" / "settings.json").write_bytes(b'{"model": "other"}')
+    assert _parts(tmp_path / "c") == {} and pack(tmp_path / "run", tmp_path / "c")["parts"] != m1["parts"]
+
+
+def test_split_into_parts(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    data = {f"seed0/data/shards/docs_{k}.pt": _noise(9000, 10 + k) for k in range(3)}  # incompressible
+    for rel, b in data.items():
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_bytes(b)
+    m = pack(run, tmp_path / "out", max_part_bytes=4096, max_parts=20)
+    parts = _parts(tmp_path / "out")
+    n = math.ceil(m["archive_bytes"] / 4096)
+    assert n >= 7 and len(parts) == len(m["parts"]) == n
+    assert [len(b) for b in parts.values()] == [4096] * (n - 1) + [m["archive_bytes"] - 4096 * (n - 1)]
+    assert [p["name"] for p in m["parts"]] == [f"state.part{k:02d}" for k in range(n)]
+    assert unpack(tmp_path / "out", tmp_path / "back")["written"] == 3 and _tree(tmp_path / "back") == data
+    # a later pack with fewer parts replaces the earlier parts
+    pack(run, tmp_path / "out", include=["docs_0.pt"], max_part_bytes=4096, max_parts=20)
+    assert len(_parts(tmp_path / "out")) == 3
+
+
+def test_max_parts_refused_before_writing(tmp_path):
+    run = tmp_path / "run"
+    (run / "seed0").mkdir(parents=True)
+    (run / "seed0" / "docs.pt").write_bytes(_noise(20_000, 5))
+    with pytest.raises(PackTooLargeError, match=r"is \d+ bytes packed \(1 files, 20000 bytes\): 5 parts of at most 4096 "
+                                                r"bytes, more than max_parts=2.*include=.*since=") as e:
+        pack(run, tmp_path / "out", max_part_bytes=4096, max_parts=2)
+    assert (e.value.parts, e.value.max_parts) == (5, 2) and 4 * 4096 < e.value.archive_bytes <= 5 * 4096
+    assert list((tmp_path / "out").iterdir()) == []  # no part, no manifest, no temporary file
+    for bad in ({"max_parts": 0}, {"max_part_bytes": 0}):
+        with pytest.raises(HeadscopeInputError, match="at least 1"):
+            pack(run, tmp_path / "out", **bad)
+    with pytest.raises(InputFileNotFoundError, match="does not exist"):
+        pack(tmp_path / "nothing", tmp_path / "out")
+    with pytest.raises(HeadscopeInputError, match="is the run folder"):
+        pack(run, run)
+
+
+def test_out_dir_inside_the_run_is_not_packed(tmp_path):
+    keep = _make_run(tmp_path / "run")
+    pack(tmp_path / "run", tmp_path / "run" / "state")
+    m = pack(tmp_path / "run", tmp_path / "run" / "state")  # a second pack does not take in the first's parts
+    assert [e["path"] for e in m["files"]] == sorted(keep)
+
+
+# ---------------------------------------------------------------------------------------------- filters
+def test_include_exclude_filters(tmp_path):
+    keep = _make_run(tmp_path / "run")
+    got = [e["path"] for e in pack(tmp_path / "run", tmp_path / "o1", include=["cells", "*.json"])["files"]]
+    assert [e["path"] for e in pack(tmp_path / "run", tmp_path / "o4", include="cells")["files"]] == [
+        "cells/teacher__s0__t0/niah_single.unseen.1024.json"]  # one pattern as a string
+    assert got == sorted(k for k in keep if k.startswith("cells/") or k.endswith(".json"))
+    m = pack(tmp_path / "run", tmp_path / "o2", exclude=["seed*/data/shards", "suite/*.pt"])
+    assert [e["path"] for e in m["files"]] == sorted(k for k in keep if k not in ("seed0/data/shards/docs_0.pt", "suite/docs.pt"))
+    assert m["left_out"]["excluded"] == {"files": 2, "bytes": 5000}
+    # include cannot bring weights back
+    assert pack(tmp_path / "run", tmp_path / "o3", include=["seed0/hydra-7to1_t1/stage3"])["n_files"] == 2
+
+
+def test_since_a_time(tmp_path):
+    keep = _make_run(tmp_path / "run")
+    for p in (tmp_path / "run").rglob("*"):
+        os.utime(p, (1000, 1000))
+    for rel in ("manifest.json", "cells/teacher__s0__t0/niah_single.unseen.1024.json"):
+        os.utime(tmp_path / "run" / rel, (2000, 2000))
+    m = pack(tmp_path / "run", tmp_path / "out", since=1500.0)
+    assert [e["path"] for e in m["files"]] == ["cells/teacher__s0__t0/niah_single.unseen.1024.json", "manifest.json"]
+    assert m["since"] == {"modified_after": 1500.0} and m["left_out"]["not_modified_since"]["files"] == len(keep) - 2
+
+
+def test_since_a_manifest_and_incremental_unpack(tmp_path):
+    run = tmp_path / "run"
+    keep = _make_run(run)
+    pack(run, tmp_path / "base")
+    (run / "manifest.json").write_bytes(b'{"commands": ["eval"]}')
+    (run / "cells" / "hydra-7to1__s0__t1").mkdir()
+    (run / "cells" / "hydra-7to1__s0__t1" / "a.json").write_bytes(b'{"hits": 1}')
+    for p in run.rglob("*"):  # content decides, not times (unpacked files all look new)
+        os.utime(p, None)
+    m = pack(run, tmp_path / "inc", since=[tmp_path / "base"])
+    assert [(e["path"], e.get("previous_sha256")) for e in m["files"]] == [
+        ("cells/hydra-7to1__s0__t1/a.json", None),
+        ("manifest.json", hashlib.sha256(keep["manifest.json"]).hexdigest())]
+    assert m["left_out"]["unchanged_since"]["files"] == len(keep) - 1
+    # the next session: the base, then the increment, which updates manifest.json without overwrite
+    unpack(tmp_path / "base", tmp_path / "back")
+    r = unpack(tmp_path / "inc", tmp_path / "back")
+    assert (r["written"], r["updated"], r["same"]) == (1, 1, 0)
+    assert _tree(tmp_path / "back") == {**keep, "manifest.json": b'{"commands": ["eval"]}', "cells/hydra-7to1__s0__t1/a.json": b'{"hits": 1}'}
+    # a file that holds neither the packed nor the previous content is a conflict
+    (tmp_path / "back" / "manifest.json").write_bytes(b"{}")
+    with pytest.raises(InputFileExistsError, match="manifest.json"):
+        unpack(tmp_path / "inc", tmp_path / "back")
+    with pytest.raises(InputFileNotFoundError, match="no state manifest"):
+        pack(run, tmp_path / "x", since=[tmp_path / "nowhere"])
+
+
+# ---------------------------------------------------------------------------------------------- unpack refuses
+def test_corrupt_or_missing_part_detected(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "a.pt").write_bytes(_noise(12_000, 7))
+    pack(run, tmp_path / "out", max_part_bytes=4096)
+    p1 = tmp_path / "out" / "state.part01"
+    good = p1.read_bytes()
+    p1.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
+    with pytest.raises(CorruptPackError, match="state.part01 is corrupt"):
+        unpack(tmp_path / "out", tmp_path / "back")
+    assert not (tmp_path / "back" / "a.pt").exists()
+    p1.write_bytes(good[:-1])
+    with pytest.raises(CorruptPackError, match="state.part01 is corrupt"):
+        unpack(tmp_path / "out", tmp_path / "back")
+    p1.unlink()
+    with pytest.raises(InputFileNotFoundError, match="state.part01 is missing"):
+        unpack(tmp_path / "out", tmp_path / "back")
+    p1.write_bytes(good)
+    # a manifest whose file hash is wrong: the parts are fine, the content is not what it lists
+    mf = tmp_path / "out" / MANIFEST_NAME
+    m = json.loads(mf.read_text())
+    m["files"][0]["sha256"] = "0" * 64
+    mf.write_text(json.dumps(m))
+    with pytest.raises(CorruptPackError, match="a.pt does not match the manifest"):
+        unpack(tmp_path / "out", tmp_path / "back")
+    assert not (tmp_path / "back" / "a.pt").exists()
+    with pytest.raises(InputFileNotFoundError, match="no state.manifest.json"):
+        unpack(tmp_path / "run", tmp_path / "back")
+
+
+def _crafted(d: Path, members: list[tuple[tarfile.TarInfo, bytes]], listed: list[tuple[str, bytes]]) -> None:
+    """A pack in ``d`` whose tar holds ``members`` and whose manifest lists ``listed`` (path, content)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for ti, data in members:
+            tar.addfile(ti, io.BytesIO(data) if ti.isreg() else None)
+    part = gzip.compress(buf.getvalue())
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "state.part00").write_bytes(part)
+    (d / MANIFEST_NAME).write_text(json.dumps({
+        "format": "headscope-statepack/1", "archive": "tar.gz",
+        "files": [{"path": p, "size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for p, b in listed],
+        "parts": [{"name": "state.part00", "size": len(part), "sha256": hashlib.sha256(part).hexdigest()}]}))
+
+
+def _reg(name: str, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
+    ti = tarfile.TarInfo(name)
+    ti.size = len(data)
+    return ti, data
+
+
+def test_traversal_absolute_and_links_refused(tmp_path):
+    (tmp_path / "run").mkdir()
+    for name in ("../evil.txt", "/tmp/evil.txt", "a/../../evil.txt", "./a.txt", "a//b.txt"):
+        d = tmp_path / f"pack{abs(hash(name))}"
+        _crafted(d, [_reg(name, b"x")], [(name, b"x")])
+        with pytest.raises(CorruptPackError, match="unsafe path"):
+            unpack(d, tmp_path / "run")
+    assert not (tmp_path / "evil.txt").exists() and not any((tmp_path / "run").iterdir())
+    # a link (listed or not) and an entry the manifest does not list
+    link = tarfile.TarInfo("cells/x.json")
+    link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+    _crafted(tmp_path / "link", [(link, b"")], [("cells/x.json", b"")])
+    with pytest.raises(CorruptPackError, match="not a regular file"):
+        unpack(tmp_path / "link", tmp_path / "run")
+    hard = tarfile.TarInfo("b.json")
+    hard.type, hard.linkname = tarfile.LNKTYPE, "a.json"
+    _crafted(tmp_path / "hard", [_reg("a.json", b"1"), (hard, b"")], [("a.json", b"1"), ("b.json", b"1")])
+    with pytest.raises(CorruptPackError, match="not a regular file"):
+        unpack(tmp_path / "hard", tmp_path / "run")
+    _crafted(tmp_path / "extra", [_reg("a.json", b"1"), _reg("b.json", b"2")], [("a.json", b"1")])
+    with pytest.raises(CorruptPackError, match="not in the manifest"):
+        unpack(tmp_path / "extra", tmp_path / "run")
+    assert not any((tmp_path / "run").iterdir())
+    # a folder of the run that is a link to elsewhere is not written through
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "run" / "cells").symlink_to(tmp_path / "elsewhere")
+    _crafted(tmp_path / "through", [_reg("cells/x.json", b"1")], [("cells/x.json", b"1")])
+    with pytest.raises(CorruptPackError, match="is a link"):
+        unpack(tmp_path / "through", tmp_path / "run")
+    assert not any((tmp_path / "elsewhere").iterdir())
+    # pack side: links are not packed, only listed
+    (tmp_path / "r2").mkdir()
+    (tmp_path / "r2" / "a.json").write_text("1")
+    (tmp_path / "r2" / "l.json").symlink_to(tmp_path / "r2" / "a.json")
+    m = pack(tmp_path / "r2", tmp_path / "o2")
+    assert [e["path"] for e in m["files"]] == ["a.json"] and m["links"] == ["l.json"]
+
+
+def test_overwrite_refused_then_allowed_and_idempotent(tmp_path):
+    keep = _make_run(tmp_path / "run")
+    pack(tmp_path / "run", tmp_path / "out")
+    back = tmp_path / "back"
+    (back / "masks").mkdir(parents=True)
+    (back / "masks" / "hydra-7to1.json").write_bytes(b"other")
+    with pytest.raises(InputFileExistsError, match=r"1 file\(s\) .* differ .*masks/hydra-7to1.json.*overwrite=True") as e:
+        unpack(tmp_path / "out", back)
+    assert isinstance(e.value, UnpackConflictError) and e.value.conflicts == ["masks/hydra-7to1.json"]
+    assert _tree(back) == {"masks/hydra-7to1.json": b"other"}  # nothing written
+    r = unpack(tmp_path / "out", back, overwrite=True)
+    assert (r["written"], r["updated"]) == (len(keep) - 1, 1) and _tree(back) == keep
+    times = {p: p.stat().st_mtime_ns for p in back.rglob("*") if p.is_file()}
+    r = unpack(tmp_path / "out", back)  # again: nothing to do
+    assert (r["written"], r["updated"], r["same"], r["bytes"]) == (0, 0, len(keep), 0)
+    assert {p: p.stat().st_mtime_ns for p in back.rglob("*") if p.is_file()} == times
+
+
+# ---------------------------------------------------------------------------------------------- the study
+def _study():
+    spec = importlib.util.spec_from_file_location("gen_study_pack", ROOT / "experiments" / "conversion-generalization" / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def study():
+    return _study()
+
+
+def _trained_arm(run, out: Path, *extra: str):
+    """OUT with settings, data marker and rows, and an arm whose three stages are done but whose weights are gone."""
+    a = run.parser().parse_args(["--out", str(out), "--tokens", "1", *extra])
+    s = run.settings(a)
+    data = out / "seed0" / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    for f in ("done", *run.stage_rows_files(run.arm_levers(a)).values()):
+        (data / f).write_text("x")
+    rd = run.run_dir(a)
+    run.check_arm(rd, run.arm_spec(a, s))
+    for k in (1, 2, 3):
+        (rd / f"stage{k}").mkdir(parents=True, exist_ok=True)
+        (rd / f"stage{k}" / "done.json").write_text("{}")
+        (rd / f"stage{k}" / "log.csv").write_text("step\n1\n")
+    return a, s, rd
+
+
+def test_study_pack_leaves_out_what_pieces_rebuild(study, tmp_path):
+    out = tmp_path / "OUT"
+    files = {"settings.json": "{}", "suite/docs.pt": "d", "suite/pairs/niah_single@1024_n100_s1234.pt": "p",
+             "seed0/data/shards/docs_0.pt": "s", "seed0/data/info.json": "{}", "seed0/data/levers.json": "{}",
+             "seed0/data/short.pt": "r", "seed0/data/long_w6.pt": "r", "seed0/data/done": "ok",
+             "seed0/hydra-7to1_t1/stage3/done.json": "{}", "seed0/hydra-7to1_t1/stage3/student.pt": "w"}
+    for rel, t in files.items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_text(t)
+    a = study.parser().parse_args(["--out", str(out), "--piece", "pack", "--pack-to", str(tmp_path / "state")])
+    msg = study.run_piece(a)
+    m = json.loads((tmp_path / "state" / MANIFEST_NAME).read_text())
+    assert [e["path"] for e in m["files"]] == ["seed0/data/info.json", "seed0/data/levers.json", "seed0/data/shards/docs_0.pt",
+                                               "seed0/hydra-7to1_t1/stage3/done.json", "settings.json", "suite/docs.pt"]
+    assert "packed 6 files" in msg and "excluded 4 files" in msg and "weights_or_checkpoints 1 files" in msg
+    assert not (out / "manifest.json").exists()  # pack and unpack record nothing in OUT
+    a = study.parser().parse_args(["--out", str(tmp_path / "new"), "--piece", "unpack", "--unpack-from", str(tmp_path / "state")])
+    msg = study.run_piece(a)
+    assert "6 files (6 new" in msg and "--piece suite" in msg and "--piece data --seed 0" in msg
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["seed0", "settings.json", "suite"]
+    # the refusal names the options that pack less
+    (out / "big.pt").write_bytes(_noise(15 * 2**20 + 1, 9))
+    a = study.parser().parse_args(["--out", str(out), "--piece", "pack", "--pack-to", str(tmp_path / "s2"), "--pack-max-parts", "1"])
+    with pytest.raises(SystemExit, match=r"2 parts of 15 MiB, more than --pack-max-parts 1.*--pack-since.*--pack-include"):
+        study.run_piece(a)
+    (out / "manifest.json").write_text("{}")
+    (tmp_path / "new" / "manifest.json").write_text('{"other": 1}')
+    study.run_piece(study.parser().parse_args(["--out", str(out), "--piece", "pack", "--pack-to", str(tmp_path / "s3"),
+                                               "--pack-include", "manifest.json"]))
+    with pytest.raises(SystemExit, match=r"1 file\(s\) in .*new differ from those packed in .*s3 \(manifest.json\): nothing "
+                                         "unpacked from it; --unpack-overwrite replaces them"):
+        study.run_piece(study.parser().parse_args(["--out", str(tmp_path / "new"), "--piece", "unpack", "--unpack-from",
+                                                   str(tmp_path / "s3")]))
+    assert study.parse_since(["1700000000"]) == 1.7e9 and study.parse_since(["2023-11-14T22:13:20Z"]) == 1.7e9
+    assert study.parse_since(["a", "b"]) == ["a", "b"] and study.parse_since(None) is None
+
+
+def test_study_train_refuses_lost_weights_and_names_retrain(study, tmp_path, monkeypatch):
+    a, s, rd = _trained_arm(study, tmp_path, "--fa-pos", "rope")
+    assert study.lost_stages(rd) == [1, 2, 3]
+    with pytest.raises(SystemExit, match=r"stage\(s\) 1, 2, 3 .* weights are not here") as e:
+        study.piece_train(a, s, float("inf"))
+    assert f"run.py --piece train --out {tmp_path} --arm hydra-7to1 --seed 0 --tokens 1 --fa-pos rope --retrain" in str(e.value)
+    # --retrain sets the lost stages aside, then trains (here: the teacher's loading stands for the training)
+    monkeypatch.setattr(study, "load_teacher", lambda *x, **k: (_ for _ in ()).throw(RuntimeError("training starts")))
+    a.retrain = True
+    with pytest.raises(RuntimeError, match="training starts"):
+        study.piece_train(a, s, float("inf"))
+    assert not (rd / "stage1").exists() and (rd / "earlier_training_1" / "stage3" / "done.json").exists()
+    assert study.lost_stages(rd) == [] and (rd / "arm.json").exists()
+    # only the stages from the first lost one: stage 1 has its weights, stage 2 a log without checkpoint
+    (rd / "stage1").mkdir()
+    (rd / "stage1" / "done.json").write_text("{}")
+    (rd / "stage1" / "student.pt").write_text("w")
+    (rd / "stage2").mkdir()
+    (rd / "stage2" / "log.csv").write_text("step\n")
+    assert study.lost_stages(rd) == [2]
+    with pytest.raises(RuntimeError, match="training starts"):
+        study.piece_train(a, s, float("inf"))
+    assert (rd / "stage1" / "student.pt").exists() and (rd / "earlier_training_2" / "stage2" / "log.csv").exists()
+    # weights here: trained, nothing loaded
+    (rd / "stage3").mkdir()
+    (rd / "stage3" / "done.json").write_text("{}")
+    (rd / "stage3" / "student.pt").write_text("w")
+    assert study.piece_train(a, s, float("inf")) == "trained"
+
+
+def test_study_eval_without_weights(study, tmp_path):
+    from dataclasses import asdict
+
+    a, s, rd = _trained_arm(study, tmp_path)
+    cfg = study.suite_config(s)
+    with pytest.raises(SystemExit, match=r"40 of its 40 cells are not stored yet\. Retrain it: run\.py --piece train "
+                                         rf"--out {tmp_path} --arm hydra-7to1 --seed 0 --tokens 1 --retrain"):
+        study.piece_eval(a, s, float("inf"))
+    d = tmp_path / "cells" / "hydra-7to1__s0__t1"
+    d.mkdir(parents=True)
+    conf = json.loads(json.dumps(asdict(cfg)))
+    for task, fmt, L in cfg.cells():
+        (d / f"{task}.{fmt}.{L}.json").write_text(json.dumps({"config": conf}))
+    assert study.piece_eval(a, s, float("inf")) == "evaluated: all 40 cells stored (the student weights, not here, are not needed)"
+    (d / "niah_single.seen.1024.json").write_text(json.dumps({"config": {**conf, "n": 7}}))  # another suite: not stored
+    assert study.cells_left(tmp_path, "hydra-7to1", 0, 1, cfg) == (1, 40)
+    with pytest.raises(SystemExit, match="1 of its 40 cells"):
+        study.piece_eval(a, s, float("inf"))
