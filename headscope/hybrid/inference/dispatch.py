@@ -7,7 +7,7 @@ model's :class:`~headscope.hybrid.inference.InferenceConfig` (``use_inference``)
 - training (gradients, no cache, no mask; prepared by ``headscope.train``): :mod:`.train_forward`;
 - inference (no gradient, no mask, no cache or a ``HybridDecodeCache``): :mod:`.forward` — prefill
   (:mod:`.prefill`) and decode steps (:mod:`.decode`);
-- a whole model's decode step into a static ``HybridCache`` (``generate(cache_implementation="static")``):
+- a whole model's decode step into a ``HybridCache`` (``generate``, ``InferenceConfig.decode_graphs``):
   :func:`.model_step.model_forward`, asked by the hybrid causal LM's forward.
 
 A layer whose ``o_proj`` carries a forward hook (knockout's ablation, the patching engine's edits of each head's
@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from torch import Tensor
 
-from ..cache import HybridDecodeCache
 from . import forward, train_forward
 from .model_step import model_forward  # noqa: F401  (the model-level seam: modeling_hybrid's forward)
 
@@ -45,6 +44,6 @@ def fast_forward(layer: "HeadwiseHybridAttention", hidden_states: Tensor, positi
     if (cache is None and attention_mask is None and projected is None and position_embeddings is not None
             and train_forward.fast_ready(layer, hidden_states)):
         return train_forward.fast_forward(layer, hidden_states, *position_embeddings, position_ids)
-    if forward.applies(layer, hidden_states, attention_mask, isinstance(cache, HybridDecodeCache), cache):
+    if forward.applies(layer, hidden_states, attention_mask):
         return forward.forward(layer, hidden_states, position_embeddings, position_ids, cache, defer_out, projected)
     return None
