@@ -359,7 +359,7 @@ def test_fla_stages_free_each_input_when_no_later_stage_reads_it(monkeypatch):
         seen.append(("fwd_o", [n for n in ("w", "u") if refs[n]() is not None], scale))
         return q + v
 
-    monkeypatch.setattr(prefill, "_fla_parts", [(cumsum, intra, fwd_h, fwd_o, 1.4427)])
+    monkeypatch.setattr(prefill, "_fla_chunk_parts", lambda: (cumsum, intra, fwd_h, fwd_o, 1.4427))
     ops = [torch.full((2,), float(i)) for i in range(5)]  # q, k, v, g, beta
     o, final = prefill._fla_chunk_low_memory(ops, 0.125, None, 64)
     assert ops == []

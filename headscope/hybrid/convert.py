@@ -47,7 +47,6 @@ from .modeling_hybrid import (
 )
 from .layer import _HeadRMSNorm
 
-_FAMILIES = FAMILIES  # teacher class -> (hybrid config class, hybrid model class)
 HYBRID_CLASSES = tuple(m for _, m in FAMILIES.values())
 
 for _cfg_cls, _model_cls in FAMILIES.values():
