@@ -38,10 +38,6 @@ from .config import HybridOptions, LayerSpec
 from .modeling_hybrid import (
     CONFIG_KEY,
     FAMILIES,
-    HybridLlamaConfig,
-    HybridLlamaForCausalLM,
-    HybridQwen3Config,
-    HybridQwen3ForCausalLM,
     attention_name,
     decoder_layers,
 )

@@ -117,18 +117,14 @@ class StaticDecoder:
             ``fusion="none"`` gives the teacher's function).
         batch: sequences decoded together.
         max_len: cache capacity in tokens (prompt + new tokens).
-        compile_tail: ``torch.compile`` each layer's input norm and its residual + norm + MLP tail (one
-            compiled graph shared by all layers: Dynamo treats the modules' weights as inputs), so a decode
-            step launches a few fused kernels per layer instead of ~20 small ones; eager after a compile
-            failure (warned). Off by default (a first-use compile of ~30 s): on the H200 it made the whole-model
-            decode step 1.2–1.6× faster (``bench_hybrid.py --compile-tail``; ``docs/benchmark-history.md``). With
-            gated MLPs (checked against the modules' forward first; not with forward hooks on the norms or MLPs,
-            warned) a layer's residual, norm, MLP (gate and up projections in one GEMM up to
-            ``config.fused_gate_up_max_bytes``: a concatenated weight copy) and the next layer's input norm are one
-            compiled call (on the H200 the gate/up GEMMs were 3.7 µs each at batch 16), or with
-            ``config.tail_kernel`` one Triton launch per layer (``kernels/layer_tail.py``) that also computes the next
-            layer's input projection; a decode step's ends (embedding + rotary, final norm + LM head) are compiled
-            too (83 -> 70 launches per step; hybrid 1.814 -> 1.768 ms, SmolLM2 shape, B = 16, 32K).
+        compile_tail: ``torch.compile`` each layer's input norm and its residual + norm + MLP tail (one compiled
+            graph shared by all layers), and a decode step's ends (embedding + rotary, final norm + LM head); eager
+            after a compile failure (warned). Off by default (a first-use compile of ~30 s; measured gains:
+            ``docs/performance.md``, ``docs/performance-variants.md``). With gated MLPs (checked against the modules' forward first; not with forward
+            hooks on the norms or MLPs, warned) a layer's residual, norm, MLP (gate and up projections in one GEMM up
+            to ``config.fused_gate_up_max_bytes``) and the next layer's input norm are one compiled call, or with
+            ``config.tail_kernel`` one Triton launch per layer (``kernels/layer_tail.py``) that also computes the
+            next layer's input projection.
         config: the fast paths' :class:`~headscope.hybrid.inference.InferenceConfig`, set on the model
             (:func:`~headscope.hybrid.inference.use_inference`); None: the model's own (default unless set).
         caches: one :class:`HybridDecodeCache` per layer of capacity ``max_len`` to decode into (a

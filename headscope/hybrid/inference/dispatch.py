@@ -28,18 +28,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..layer import HeadwiseHybridAttention
 
 
-def hooked_out(layer: "HeadwiseHybridAttention") -> bool:
-    """Whether the layer's output projection carries forward (pre-)hooks, which only its module call runs."""
-    o = layer.o_proj
-    return bool(o._forward_pre_hooks or o._forward_hooks)
-
-
 def fast_forward(layer: "HeadwiseHybridAttention", hidden_states: Tensor, position_embeddings: Optional[tuple],
                  attention_mask: Any, cache: Any, position_ids: Optional[Tensor], defer_out: bool = False,
                  projected: Optional[Tensor] = None) -> Any:
     """The layer's output [batch, time, hidden] from a fast path (or a ``DeferredOutput``, see
     :func:`.forward.forward`), or None where none applies (also when ``layer.o_proj`` carries hooks)."""
-    if hooked_out(layer):
+    if layer.o_proj._forward_pre_hooks or layer.o_proj._forward_hooks:  # only the module call runs them
         return None
     if (cache is None and attention_mask is None and projected is None and position_embeddings is not None
             and train_forward.fast_ready(layer, hidden_states)):
