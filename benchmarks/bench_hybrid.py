@@ -9,8 +9,7 @@ Measures in one run and one process, B = 1, bf16 on CUDA (fp32 on CPU):
   the elementwise stages out of place, as before the change) — same numbers, different memory;
 - decoding: one token step with T tokens cached in a :class:`HybridDecodeCache` (K/V of the FA heads'
   KV groups, GDN state), replayed from a CUDA graph (``torch.cuda.CUDAGraph``, timed with CUDA events
-  over many replays) and run eagerly; the same step through a transformers ``DynamicCache`` (eager,
-  growing cache) for reference; and the cache's bytes at T;
+  over many replays) and run eagerly; and the cache's bytes at T;
 - graphed prefill (CUDA): the same prefill of both layers recorded once in a CUDA graph and replayed
   (``headscope.hybrid.inference.graphs.capture``; no host time: the glue's guards and fla's launches are gone),
   its time and the peak allocated while capturing it; the hybrid again with ``--graph-block``-token
@@ -41,7 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
 from headscope.hybrid.inference import prefill
@@ -285,16 +284,6 @@ def _decode_default_step(mod, x, pe, T):
     return mod(x[:, T:], position_embeddings=pe1, cache=dc)[0]
 
 
-def _decode_dynamic(mod, x, pe, T, dev, reps):
-    """The same step through a transformers DynamicCache (eager; the cache grows by one per step)."""
-    cache = DynamicCache()
-    mod(x[:, :T], position_embeddings=tuple(t[:, :T] for t in pe), cache=cache)
-    x1, pe1 = x[:, T:], tuple(t[:, T:] for t in pe)
-    ms = _time(lambda: mod(x1, position_embeddings=pe1, cache=cache), dev, reps, warmup=1)
-    del cache
-    return ms
-
-
 def layers(shape, dev, dtype, gdn_kernel, config=DEFAULT):
     """({"teacher": LlamaAttention with random weights, "fa": the all-FA layer (fusion off), "hybrid": the shape's
     hybrid layer}, both migrated from the teacher and run with the InferenceConfig ``config``, on ``dev`` in
@@ -316,7 +305,7 @@ def layers(shape, dev, dtype, gdn_kernel, config=DEFAULT):
 
 
 @torch.no_grad()
-def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30, prefill_reps=None, dynamic_reps=0,
+def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30, prefill_reps=None,
                 before=True, graph_prefill=True, graph_block=8192, flash_qla=False, decode_variants=False,
                 profile=False, config=DEFAULT):
     mods, cfg = layers(shape, dev, dtype, gdn_kernel, config)
@@ -401,12 +390,9 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
                         lambda: _decode_default_step(mod, x, pe, T), lambda: None)
                 except Exception as e:  # noqa: BLE001
                     out.setdefault("profile", {})[f"{name}_default"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        if dynamic_reps:
-            out[name]["decode_dynamic_cache_ms"] = _decode_dynamic(mod, x, pe, T, dev, reps=dynamic_reps)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    keys = ("prefill_ms", "prefill_peak_bytes", "decode_graph_ms", "decode_eager_ms", "decode_dynamic_cache_ms",
-            "cache_bytes")
+    keys = ("prefill_ms", "prefill_peak_bytes", "decode_graph_ms", "decode_eager_ms", "cache_bytes")
     out["ratio"] = {k: (out["hybrid"][k] / out["fa"][k] if out["fa"].get(k) else None) for k in keys}
     out["ratio"]["fa_speedup_prefill"] = out["fa"]["prefill_ms"] / out["hybrid"]["prefill_ms"]
     out["ratio"]["teacher_speedup_prefill"] = out["teacher"]["prefill_ms"] / out["hybrid"]["prefill_ms"]
@@ -631,8 +617,7 @@ def main(argv=None):
     ap.add_argument("--graph-block", type=int, default=8192,
                     help="GDN block (tokens) of the second graphed hybrid prefill (0: skip it)")
     ap.add_argument("--decode-variants", action="store_true",
-                    help="layer part: also time the device-position decode step; model part: also graphed generate "
-                         "(with --compile-tail: compiled tails)")
+                    help="layer part: also time the device-position decode step")
     ap.add_argument("--variants", nargs="+", default=None,
                     help=f"layer part: only these decode variants, for both layers (implies --decode-variants): each "
                          f"one of {sorted(DECODE_VARIANTS)}, optionally with InferenceConfig fields, "
@@ -648,8 +633,9 @@ def main(argv=None):
     ap.add_argument("--compile-tail", action="store_true",
                     help="model part: also time the decode step with each layer's norm + MLP compiled")
     ap.add_argument("--generate", type=int, default=0,
-                    help="model part: also time end-to-end greedy generate: ms per new token of a 2N-token call's "
-                         "decode steps (StaticDecoder.last_timing), graphed; eager steps from an 18-token call")
+                    help="model part: also time transformers' greedy generate end to end: ms per new token = (wall of a "
+                         "2N-token call - an N-token one) / N, decode steps graphed (with --compile-tail also a static "
+                         "cache: compiled tails); layer-by-layer eager steps with N = 9")
     ap.add_argument("--generate-only", action="store_true",
                     help="model part: only the end-to-end generate timings (--generate N) of each cell")
     ap.add_argument("--model-cells", default=None,
@@ -728,7 +714,7 @@ def main(argv=None):
                                 before=not a.no_before, graph_prefill=not a.no_graph_prefill,
                                 graph_block=a.graph_block, flash_qla=a.flash_qla,
                                 decode_variants=a.variants or a.decode_variants, profile=T in a.profile_at,
-                                config=config, **({"prefill_reps": 2, "dynamic_reps": 2} if a.smoke else {}))
+                                config=config, **({"prefill_reps": 2} if a.smoke else {}))
             except Exception:  # pragma: no cover - OOM or a kernel failure: record, go on
                 import traceback
 

@@ -15,12 +15,13 @@ which computes the teacher's function (checked against transformers' own forward
 - the decode options are the models' InferenceConfig (the defaults; recorded as ``config``; the variants they
   replaced: ``docs/performance-variants.md``); the ratio ``decode_tok_s_best_each`` compares each model's fastest
   step;
-- ``--generate N``: end-to-end greedy ``generate``, ms per new token of a 2N-token call's decode steps on the
-  device's timeline (``StaticDecoder.last_timing``: CUDA events, prefill and capture left out; a host that cannot
-  keep up shows), with graphed device-position steps and with eager steps (2 × 9 tokens); the graphed default
-  also as a host-wall estimate (``generate_wall_ms_per_token_graph``); with ``--compile-tail`` also graphed through
-  ``StaticDecoder(compile_tail=True)`` (``generate_ms_per_token_graph_compiled_tail``: compiled step ends, the
-  layer-tail kernel; the library's fastest decode);
+- ``--generate N``: end-to-end greedy ``model.generate`` (transformers' own), ms per new token = (wall of a
+  2N-token call − wall of an N-token call) / N after a warm-up call of each: its default (decode steps replayed from
+  a CUDA graph of the whole step, eager layer tails: ``generate_ms_per_token_graph``), layer-by-layer eager steps
+  (``InferenceConfig.decode_graphs="never"``, N = 9: ``generate_ms_per_token_eager``), and with ``--compile-tail``
+  a static cache (``cache_implementation="static"``: compiled tails and the layer-tail kernel, the library's fastest
+  decode: ``generate_ms_per_token_graph_compiled_tail``); ``bench_generate.py`` compares the teacher's transformers
+  model under the same calls;
 - cache bytes per sequence at T; concurrent sequences of 32K tokens that fit in 100 GiB next to the
   weights: floor((100 GiB − weights) / (cache per sequence at 32K + decode activations per sequence)).
 """
@@ -29,14 +30,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from headscope.hybrid import hybridize
-from headscope.hybrid.inference import inference_config
+from headscope.hybrid.inference import inference_config, use_inference
 from headscope.hybrid.inference.decoder import StaticDecoder
 from headscope.masks import HeadMask
 
@@ -102,30 +103,32 @@ def _ms(fn, reps):
     return time_ms(fn, torch.device("cuda"), reps, warmup=1)
 
 
+GENERATE = {"graph": {}, "graph_compiled_tail": {"cache_implementation": "static"}, "eager": {}}
+
+
 @torch.no_grad()
-def _generate_ms_per_token(model, B, T, vocab, n, cuda_graph, compile_tail=False, wall=None):
-    """End-to-end greedy ``StaticDecoder.generate``: ms per new token of its decode steps, read from
-    ``StaticDecoder.last_timing`` (CUDA events around the steps of a ``2n``-token call: the prefill and the
-    graphed path's capture are left out, a host that cannot keep up stretches it). One warm-up call first
-    compiles every kernel the timed call uses (glue, Triton kernels, compiled tail). ``wall`` (a dict): also
-    stores the host-wall estimate ``(wall of 2n tokens − wall of n tokens) / n`` there (noisy where the prefill
-    varies by more than n steps)."""
+def _generate_ms_per_token(model, B, T, vocab, n, setting):
+    """End-to-end greedy ``model.generate`` of B random prompts of T tokens under ``setting`` (a key of
+    :data:`GENERATE`; ``"eager"``: ``InferenceConfig.decode_graphs="never"``): ms per new token = (wall of a 2n-token
+    call − wall of an n-token call) / n, each after a warm-up call of its own shape (compilation, capture and prefill
+    cancel out)."""
     ids = torch.randint(0, vocab, (B, T), device="cuda")
-    dec = StaticDecoder(model, B, T + 2 * n + 1, compile_tail=compile_tail)
-    dec.generate(ids, 4, cuda_graph=cuda_graph)  # warm-up: the same path (4 tokens: the graphed path captures)
+    cfg = inference_config(model)
+    if setting == "eager":
+        use_inference(model, replace(cfg, decode_graphs="never"))
     walls = []
-    for k in (n, 2 * n):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        dec.generate(ids, k, cuda_graph=cuda_graph)
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - t)
-    per_token = dec.last_timing["decode_ms_per_token"]
-    if wall is not None:
-        wall["ms_per_token"] = (walls[1] - walls[0]) / n * 1e3
-        wall["prefill_ms"] = dec.last_timing["prefill_ms"]
-    del dec
-    return per_token
+    try:
+        for k in (n, 2 * n):
+            for _ in range(2):  # warm-up, then the timed call
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, min_new_tokens=k,
+                               do_sample=False, pad_token_id=0, **GENERATE[setting])
+                torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t)
+    finally:
+        use_inference(model, cfg)
+    return (walls[1] - walls[0]) / n * 1e3
 
 
 def _variants(compile_tail: bool, decode_variants: bool = False) -> dict:
@@ -231,18 +234,17 @@ def bench_model(dev, dtype, lengths, batches, dump=None, results=None, layers=30
                               "cache_bytes_per_seq": dec.cache_bytes(T) // B, "decode_act_bytes": step_peak, **gcell}
                 del dec, ids
                 torch.cuda.empty_cache()
-            if generate:  # end-to-end decoding: graphed device-position steps vs eager steps
+            if generate:  # end-to-end decoding through transformers' generate: graphed steps vs eager steps
                 for name, model in models.items():
-                    w = {}
                     cell[name]["generate_ms_per_token_graph"] = _generate_ms_per_token(model, B, T, cfg.vocab_size, generate,
-                                                                                       True, wall=w)
-                    cell[name]["generate_wall_ms_per_token_graph"] = w["ms_per_token"]
-                    if compile_tail:  # graphed through the library's fastest decode path (compiled tail, tail kernel)
+                                                                                       "graph")
+                    if compile_tail:  # a static cache: the library's fastest decode path (compiled tail, tail kernel)
                         cell[name]["generate_ms_per_token_graph_compiled_tail"] = _generate_ms_per_token(
-                            model, B, T, cfg.vocab_size, generate, True, compile_tail=True)
+                            model, B, T, cfg.vocab_size, generate, "graph_compiled_tail")
                         print(f"model B={B:2d} T={T:6d} {name}: generate ms/token graphed, compiled tail: "
                               f"{cell[name]['generate_ms_per_token_graph_compiled_tail']:.2f}", flush=True)
-                    cell[name]["generate_ms_per_token_eager"] = _generate_ms_per_token(model, B, T, cfg.vocab_size, 9, False)
+                    cell[name]["generate_ms_per_token_eager"] = _generate_ms_per_token(model, B, T, cfg.vocab_size, 9,
+                                                                                       "eager")
                     print(f"model B={B:2d} T={T:6d} {name}: generate ms/token graphed "
                           f"{cell[name]['generate_ms_per_token_graph']:.2f}, eager {cell[name]['generate_ms_per_token_eager']:.2f}",
                           flush=True)

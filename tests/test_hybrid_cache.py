@@ -127,6 +127,34 @@ def test_default_generate_replays_the_step_where_the_config_says(graphs, replaye
     assert torch.equal(got, _greedy_loop(m, ids, 6))
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["default", "static"])
+def test_a_short_convolution_decodes_through_the_models_own_forward(static, monkeypatch):
+    """A hybrid with the GDN short convolution (gdn_conv=4: no lean path, so no device-position step) decodes through
+    its own forward, not the replayed step: generate gives the cache-free loop's greedy tokens."""
+    m = _lean(_hybrid(gdn_conv=4, gdn_kernel="torch"), "always")
+    ids = _ids(2, 12)
+    calls = []
+    orig = decoder_mod.StaticDecoder.step_replayed
+    monkeypatch.setattr(decoder_mod.StaticDecoder, "step_replayed", lambda self, x: calls.append(1) or orig(self, x))
+    got = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, **KW,
+                     **({"cache_implementation": "static"} if static else {}))
+    assert calls == [] and torch.equal(got, _greedy_loop(m, ids, 5))
+
+
+def test_generate_under_autocast_decodes_through_the_models_own_forward(monkeypatch):
+    """Under autocast the lean path (and so the device-position step) does not run: generate's decode steps go
+    through the model's own forward (they raised before) and give 4 new tokens."""
+    m = _lean(_hybrid(), "always")
+    ids = _ids(2, 12)
+    calls = []
+    orig = decoder_mod.StaticDecoder.step_replayed
+    monkeypatch.setattr(decoder_mod.StaticDecoder, "step_replayed", lambda self, x: calls.append(1) or orig(self, x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
+                         do_sample=False, **KW)
+    assert calls == [] and got.shape == (2, 16) and torch.equal(got[:, :12], ids)
+
+
 def test_replayed_step_follows_a_cache_that_grows():
     """Steps into a growing HybridCache replay the whole-model step; when a layer's cache is reallocated the step
     is rebuilt over the new buffers (logits still equal the cache-free forward's)."""

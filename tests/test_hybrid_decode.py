@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotary
 
 import headscope.hybrid.attn as attn_mod
 import headscope.hybrid.layer as layer_mod
-from headscope.hybrid import HeadwiseHybridAttention, HybridOptions
+from headscope.hybrid import HeadwiseHybridAttention, HybridCache, HybridOptions
 from headscope.hybrid.gdn import gdn_naive, gdn_recurrent_torch
 
 HID, H, KV, D = 48, 6, 2, 8  # groups of 3 query heads
@@ -69,11 +69,14 @@ def test_decode_cache_steps_equal_full_forward(fa, opts):
         for t in range(T - 3, T):
             o, _ = layer(x[:, t : t + 1], position_embeddings=(cos[:, t : t + 1], sin[:, t : t + 1]), cache=dc)
             steps.append(o)
-        # the same through a transformers DynamicCache
-        cache = DynamicCache()
+        # the same through the model-level HybridCache (growing: the layer's slot allocated on its first call)
+        cache = HybridCache(cfg)
         layer(x[:, :-1], position_embeddings=(cos[:, :-1], sin[:, :-1]), cache=cache)
         dyn, _ = layer(x[:, -1:], position_embeddings=(cos[:, -1:], sin[:, -1:]), cache=cache)
-    assert dc.length == T
+        # any other transformers Cache is refused, naming the fix
+        with pytest.raises(ValueError, match="HybridCache, not a DynamicCache.*new_decode_cache"):
+            layer(x, position_embeddings=(cos, sin), cache=DynamicCache())
+    assert dc.length == T and cache.get_seq_length() == T
     assert (pre - full[:, :-3]).abs().max() < 1e-5
     assert (torch.cat(steps, 1) - full[:, -3:]).abs().max() < 1e-5
     assert (dyn[:, 0] - full[:, -1]).abs().max() < 1e-5

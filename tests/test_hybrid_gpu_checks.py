@@ -20,12 +20,12 @@ The checks, one section each:
    class, whose bf16 load ``tests/test_hybrid_families.py::test_decay_parameters_stay_fp32_in_bf16_load`` checks).
 3. **Captured CUDA-graph paths leave the recurrent state** (``HybridDecodeCache.S`` and ``.conv``) as an eager run of
    the same call leaves it: the eager prefill's graph-replayed GDN blocks (``graphs.ShapeGraphs``),
-   ``StaticDecoder.capture`` / ``replay``, ``generate(cuda_graph=True)``, ``prefill_graphed``. On CUDA with real
-   graphs; everywhere with an emulation of what a capture does to memory (:func:`_emulated_capture`), which checks
-   headscope's own save/restore logic around the warm-up calls without a GPU.
-4. **Greedy tokens agree**: ``model.generate(do_sample=False)``, a cache-free loop (full forward, argmax) and
-   ``StaticDecoder.generate``; in fp32 on CPU, in bf16 on CUDA, and in a fresh process that never imports headscope
-   (``trust_remote_code=True``, marked slow).
+   ``StaticDecoder.capture`` / ``replay``, ``step_replayed`` (generate's decode steps), ``prefill_graphed``. On CUDA
+   with real graphs; everywhere with an emulation of what a capture does to memory (:func:`_emulated_capture`), which
+   checks headscope's own save/restore logic around the warm-up calls without a GPU.
+4. **Greedy tokens agree**: ``model.generate(do_sample=False)`` with its default and with a static cache, and a
+   cache-free loop (full forward, argmax); in fp32 on CPU, in bf16 on CUDA, and in a fresh process that never imports
+   headscope (``trust_remote_code=True``, marked slow).
 
 Tolerances (section 1) are relative RMS errors ‖got − ref‖₂ / ‖ref‖₂ over a regime's heads, in units of
 ``EPS = torch.finfo(torch.bfloat16).eps = 2⁻⁷`` (the spacing of bf16 numbers in [1, 2)). Rounding a tensor to bf16
@@ -474,10 +474,11 @@ def test_captured_decode_step_leaves_the_state(mode, gdn_conv, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_graphed_generate_leaves_the_state(mode, monkeypatch):
-    """StaticDecoder.generate(cuda_graph=True) (device-position steps: the lean path, no short convolution): its
-    warm-up steps are undone, so the tokens and the final state equal those of the same steps run eagerly. Emulated:
-    the lean path on CPU, its decode kernels in Triton's interpreter."""
+def test_replayed_decode_steps_leave_the_state(mode, monkeypatch):
+    """StaticDecoder.step_replayed, the decode step of transformers' generate (device-position steps: the lean path, no
+    short convolution), captured on its first call: its warm-up steps are undone, so the greedy tokens and the final
+    state equal those of the same steps run without a graph. Emulated: the lean path on CPU, its decode kernels in
+    Triton's interpreter."""
     model, dev = _setup(mode, monkeypatch)
     if mode == "emulated":
         if os.environ.get("TRITON_INTERPRET") != "1" or not one_launch.applies(D, torch.device("cpu")):
@@ -487,14 +488,18 @@ def test_graphed_generate_leaves_the_state(mode, monkeypatch):
 
         use_inference(model, replace(DEFAULT, fast_path="always"))
     ids = _ids(12).to(dev)
+    out = {}
     with torch.no_grad():
-        ref_dec = StaticDecoder(model, batch=2, max_len=24)
-        ref = ref_dec._generate_device(ids, 8, capture=False)
-        dec = StaticDecoder(model, batch=2, max_len=24)
-        got = dec.generate(ids, 8, cuda_graph=True) if mode == "cuda" else dec._generate_device(ids, 8, capture=True)
-    assert torch.equal(got, ref), (got, ref)
-    assert dec.length == ref_dec.length == 12 + 8 - 1
-    assert _same_state(_state(dec), _state(ref_dec)) == []
+        for graphed in (False, True):
+            monkeypatch.setattr(decoder_module, "_graphable", lambda d, g=graphed: g)
+            dec = StaticDecoder(model, batch=2, max_len=24)
+            toks = [ids, dec.prefill(ids).argmax(-1, keepdim=True)]
+            for _ in range(7):
+                toks.append(dec.step_replayed(toks[-1]).argmax(-1))
+            assert (dec._dgraph is not None) == graphed and dec.length == 12 + 8 - 1
+            out[graphed] = torch.cat(toks, 1), _state(dec)
+    assert torch.equal(out[True][0], out[False][0]), out
+    assert _same_state(out[True][1], out[False][1]) == []
 
 
 @pytest.mark.parametrize("gdn_conv", [0, 4], ids=["no-conv", "conv4"])
@@ -548,7 +553,7 @@ def test_eager_prefill_block_graphs_leave_the_state(mode, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 4. greedy tokens: transformers' generate, a cache-free loop and StaticDecoder agree
+# 4. greedy tokens: transformers' generate (default and static cache) and a cache-free loop agree
 # ----------------------------------------------------------------------------------------------------------------
 
 N_NEW = 8
@@ -571,10 +576,10 @@ def _greedy_three_ways(model: torch.nn.Module, ids: torch.Tensor) -> dict:
     with torch.no_grad():
         ref, margin = _cache_free(model, ids, N_NEW)
         gen = model.generate(ids, do_sample=False, max_new_tokens=N_NEW)
-        static = StaticDecoder(model, batch=ids.shape[0], max_len=ids.shape[1] + N_NEW).generate(ids, N_NEW)
+        static = model.generate(ids, do_sample=False, max_new_tokens=N_NEW, cache_implementation="static")
     print(f"\ngpu-check greedy ({ids.device}, {next(model.parameters()).dtype}): smallest margin {margin:.3f} σ, "
           f"tokens {ref[:, ids.shape[1]:].tolist()}")
-    return {"cache-free": ref, "generate": gen, "StaticDecoder": static, "margin": margin}
+    return {"cache-free": ref, "generate": gen, "generate static": static, "margin": margin}
 
 
 def _assert_same_tokens(res: dict, T: int) -> None:
@@ -582,7 +587,7 @@ def _assert_same_tokens(res: dict, T: int) -> None:
     assert res["margin"] >= MIN_MARGIN, (f"test design: a greedy decision within {res['margin']:.3f} σ of a tie (< "
                                          f"{MIN_MARGIN}); rounding may flip it: choose another PROMPT_SEED")
     assert ref.shape[1] == T + N_NEW and len(set(ref[:, T:].flatten().tolist())) >= 3  # a continuation that varies
-    for name in ("generate", "StaticDecoder"):
+    for name in ("generate", "generate static"):
         assert torch.equal(res[name], ref), (name, res[name][:, T:].tolist(), ref[:, T:].tolist())
 
 
@@ -636,10 +641,10 @@ CHILD = textwrap.dedent(
 def test_fresh_process_without_headscope_gives_the_same_greedy_tokens(tmp_path, gdn_conv):
     """A saved hybrid loaded in a fresh process whose environment and sys.path hold no headscope
     (``trust_remote_code=True``: the code saved beside the weights): its ``generate`` and its cache-free loop give the
-    greedy tokens of in-process headscope (``generate``, cache-free, StaticDecoder). Section 2 there too: loaded with
-    ``dtype=torch.bfloat16`` the decay parameters A_log and dt_bias are fp32 and bit for bit the saved values (which
-    bf16 could not hold) while the other weights are bf16 (headscope's own registered class: the in-process check in
-    tests/test_hybrid_families.py)."""
+    greedy tokens of in-process headscope (``generate`` with its default and a static cache, cache-free). Section 2
+    there too: loaded with ``dtype=torch.bfloat16`` the decay parameters A_log and dt_bias are fp32 and bit for bit
+    the saved values (which bf16 could not hold) while the other weights are bf16 (headscope's own registered class:
+    the in-process check in tests/test_hybrid_families.py)."""
     model = _hybrid(gdn_conv)
     ids = _ids(16)
     res = _greedy_three_ways(model, ids)

@@ -1,5 +1,6 @@
-"""CUDA-graphed prefill of a whole hybrid model (StaticDecoder.prefill_graphed) against the eager prefill;
-without CUDA, the clear error. The GPU tests skip on machines without CUDA."""
+"""CUDA-graphed prefill of a whole hybrid model (StaticDecoder.prefill_graphed) against the eager prefill; the
+device-position decode step (StaticDecoder.step_replayed, what transformers' generate replays) against eager steps;
+the compiled layer tails; without CUDA, the clear error. The GPU tests skip on machines without CUDA."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ from conftest import fast_first
 
 H, KV, D = 4, 2, 16
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _greedy(dec, ids, n, replayed=False):
+    """Greedy continuation [batch, T + n]: the decoder's prefill, then n − 1 steps — eager at the Python length, or
+    ``replayed``: ``StaticDecoder.step_replayed`` (device-position steps, from one CUDA graph on CUDA)."""
+    out = [ids, dec.prefill(ids).argmax(-1, keepdim=True)]
+    for _ in range(n - 1):
+        out.append((dec.step_replayed if replayed else dec.step)(out[-1]).argmax(-1).view(-1, 1))
+    return torch.cat(out, 1)
 
 
 def _hybrid(device="cpu", **opts):
@@ -84,18 +94,18 @@ def test_graphed_prefill_on_the_second_gpu():
 
 
 @pytest.mark.parametrize("opts", fast_first([{}, {"fa_pos": "rope", "gdn_rope": False, "fa_gate": False}]))
-def test_device_position_decoding_equals_eager_generate(opts, monkeypatch):
-    """Greedy decoding with the position in device memory (the step a CUDA graph replays) gives the tokens of the
-    reference path's eager steps, for NoPE and RoPE FA heads; every step of both layers is one launch (FA prep +
-    split-K + GDN step: Triton's interpreter here, skipped without it), the GDN heads riding along; run eagerly
-    here (CPU, lean path)."""
+def test_device_position_decoding_equals_eager_steps(opts, monkeypatch):
+    """transformers' greedy generate (growing and static cache), whose decode steps take the device-position step
+    that a CUDA graph replays (StaticDecoder.step_replayed), gives the tokens of the reference path's eager steps, for
+    NoPE and RoPE FA heads; every step of both layers is one launch (FA prep + split-K + GDN step: Triton's
+    interpreter here, skipped without it), the GDN heads riding along; run eagerly here (CPU, lean path)."""
     from headscope.hybrid.inference import decode
     from headscope.hybrid.inference.kernels import splitk
 
     if not splitk.triton_available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU model: the decode kernels run here through Triton's interpreter (needs triton; "
                     "tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA); on a GPU see "
-                    "test_graphed_generate_equals_eager_generate")
+                    "test_graphed_generate_equals_eager_steps")
     ones = []  # the one-launch step (FA prep + split-K + GDN step): its length argument, and whether GDN heads rode along
     real_one = decode.hybrid_decode_step
     monkeypatch.setattr(decode, "hybrid_decode_step",
@@ -116,57 +126,65 @@ def test_device_position_decoding_equals_eager_generate(opts, monkeypatch):
     ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         with plain(model):  # the reference: eager steps through the layers' reference forward
-            ref = StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False)
-        dec = StaticDecoder(model, batch=2, max_len=24)
-        got = dec._generate_device(ids, 10, capture=False)
-        assert torch.equal(got, ref) and len(set(got[:, 9:].flatten().tolist())) > 2
-        assert dec.length == 9 + 10 - 1 and all(c.pos is None and c.n_valid is None for c in dec.caches)
-        # every step of both layers in one launch, the GDN heads included; no separate kernel
-        assert len(ones) == 2 * 9 and all(torch.is_tensor(n) and g for n, g in ones)
-        assert len({id(n) for n, _ in ones}) == 1 and not calls and not steps and not preps
-        assert torch.equal(StaticDecoder(model, batch=2, max_len=24).generate(ids, 10, cuda_graph=False), ref)
-        assert len(ones) == 4 * 9 and ones[-1][0] is None  # host-length steps: the cache view's slots
-        # capacity: max_len − T + 1 new tokens at most, as the eager path
-        short = StaticDecoder(model, batch=2, max_len=12)._generate_device(ids, 10, capture=False)
-        assert torch.equal(short, StaticDecoder(model, batch=2, max_len=12).generate(ids, 10, cuda_graph=False))
-        assert short.shape[1] == 13
+            ref = _greedy(StaticDecoder(model, batch=2, max_len=24), ids, 10)
+        assert len(set(ref[:, 9:].flatten().tolist())) > 2
+        for n, kw in enumerate(({}, {"cache_implementation": "static"}), 1):
+            assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False, **kw), ref), kw
+            # every decode step of both layers in one launch at a device position (one shared split-K length per
+            # step), the GDN heads included; no separate kernel (the prefill is not a decode step)
+            assert len(ones) == n * 2 * 9 and all(torch.is_tensor(x) and g for x, g in ones)
+            assert len({id(x) for x, _ in ones[-18:]}) == 1 and not calls and not steps and not preps
+        assert torch.equal(_greedy(StaticDecoder(model, batch=2, max_len=24), ids, 10), ref)
+        assert len(ones) == 6 * 9 and ones[-1][0] is None  # host-length steps: the cache view's slots
 
 
-def test_graphed_generate_off_cuda_names_the_fix_and_a_failed_capture_resets_the_caches(monkeypatch):
+def test_a_failed_step_capture_leaves_the_caches(monkeypatch):
+    """A capture of step_replayed that fails after its warm-up steps (emulated on CPU) raises, and leaves the caches
+    at their length and state with no device position; the next call captures again."""
     import headscope.hybrid.inference.decoder as decoder
 
-    dec = StaticDecoder(_hybrid(), batch=2, max_len=32)
+    dec = StaticDecoder(_hybrid(gdn_kernel="torch"), batch=2, max_len=32, config=ON)  # the lean path on CPU
     ids = torch.randint(0, 101, (2, 10), generator=torch.Generator().manual_seed(3))
-    with pytest.raises(ValueError, match="cuda_graph=False"):
-        dec.generate(ids, 8, cuda_graph=True)
 
-    def failing_capture(*a, **k):
+    def failing_capture(fn, warmup=2, device=None):
+        for _ in range(warmup):  # the warm-up steps advance the GDN state
+            fn()
         raise RuntimeError("capture failed")
 
+    monkeypatch.setattr(decoder, "_graphable", lambda dev: True)
     monkeypatch.setattr(decoder, "_capture", failing_capture)
-    with pytest.raises(RuntimeError, match="capture failed"):
-        dec._generate_device(ids, 8, capture=True)
-    assert dec.length == 0 and all(c.pos is None for c in dec.caches)
+    with torch.no_grad():
+        dec.prefill(ids)
+        before = [c.S.clone() for c in dec.caches]
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="capture failed"):
+                dec.step_replayed(ids[:, -1:])
+    assert dec.length == 10 and dec._dgraph is None and all(c.pos is None and c.valid is None for c in dec.caches)
+    assert all(torch.equal(c.S, S) for c, S in zip(dec.caches, before))
 
 
 def test_device_position_needs_the_lean_path():
     dec = StaticDecoder(_hybrid(), batch=2, max_len=16, config=replace(DEFAULT, fast_path="never"))
-    with pytest.raises(ValueError, match="lean path only"):
-        dec._generate_device(torch.zeros(2, 4, dtype=torch.long), 5, capture=False)
+    with torch.no_grad():
+        dec.prefill(torch.zeros(2, 4, dtype=torch.long))
+        with pytest.raises(ValueError, match="lean path only"):
+            dec.step_replayed(torch.zeros(2, 1, dtype=torch.long))
+    assert dec.length == 4 and all(c.pos is None for c in dec.caches)
 
 
 @gpu
-def test_graphed_generate_equals_eager_generate():
-    """Graphed device-position decoding gives the tokens of the eager steps and of the reference path's steps
-    (fp32 model: exact products)."""
+def test_graphed_generate_equals_eager_steps():
+    """transformers' greedy generate, its decode steps replayed from CUDA graphs (growing cache: eager tails; static
+    cache: compiled tails and the tail kernel), gives the tokens of StaticDecoder's eager steps and of the reference
+    path's steps (fp32 model: exact products)."""
     model = _hybrid("cuda")
     ids = torch.randint(0, 101, (2, 30), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.no_grad():
-        ref = StaticDecoder(model, batch=2, max_len=64).generate(ids, 20, cuda_graph=False)
+        ref = _greedy(StaticDecoder(model, batch=2, max_len=64), ids, 20)
         with plain(model):
-            assert torch.equal(StaticDecoder(model, batch=2, max_len=64).generate(ids, 20, cuda_graph=False), ref)
-        got = StaticDecoder(model, batch=2, max_len=64).generate(ids, 20, cuda_graph=True)
-    assert torch.equal(got, ref)
+            assert torch.equal(_greedy(StaticDecoder(model, batch=2, max_len=64), ids, 20), ref)
+        for kw in ({}, {"cache_implementation": "static"}):
+            assert torch.equal(model.generate(ids, max_new_tokens=20, do_sample=False, **kw), ref), kw
 
 
 def _eager_tail_reference():
@@ -177,7 +195,7 @@ def _eager_tail_reference():
     model = _hybrid()
     ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        ref = StaticDecoder(model, batch=2, max_len=20).generate(ids, 5, cuda_graph=False)
+        ref = _greedy(StaticDecoder(model, batch=2, max_len=20), ids, 5)
     return model, ids, ref
 
 
@@ -191,7 +209,7 @@ def test_compiled_layer_tail_equals_eager():
     cfg = replace(DEFAULT, tail_backend="aot_eager")
     with torch.no_grad():
         dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True, config=cfg)
-        got = dec.generate(ids, 5, cuda_graph=False)
+        got = _greedy(dec, ids, 5)
         assert dec._post is not decoder._post  # still compiled: no fallback happened
         assert dec._embed is not decoder._embed and dec._head is not decoder._head  # the step's ends too
         assert dec._fused is not None  # the fused tail (gate/up in one GEMM, next input norm) ran
@@ -201,7 +219,7 @@ def test_compiled_layer_tail_equals_eager():
         try:
             with pytest.warns(UserWarning, match="forward hooks"):
                 two_calls = StaticDecoder(model, batch=2, max_len=20, compile_tail=True, config=cfg)
-            assert two_calls._fused is None and torch.equal(two_calls.generate(ids, 5, cuda_graph=False), ref)
+            assert two_calls._fused is None and torch.equal(_greedy(two_calls, ids, 5), ref)
         finally:
             handle.remove()
 
@@ -238,11 +256,11 @@ def test_tail_kernel_equals_the_compiled_tail(monkeypatch, fusion):
     with torch.no_grad():
         # the reference: the compiled tail
         ref_dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True, config=replace(icfg, tail_kernel=False))
-        ref = ref_dec.generate(ids, 5)
+        ref = _greedy(ref_dec, ids, 5)
         dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True, config=icfg)
         assert dec._tk is not None and calls == [(False, False)] * 2  # the construction's check: one call per layer
         calls.clear()
-        assert torch.equal(dec.generate(ids, 5), ref)
+        assert torch.equal(_greedy(dec, ids, 5), ref)
         # 4 decode steps x 2 layers (the prefill, 24 rows, takes the compiled tail); the first layer's tail computes
         # the second layer's input projection
         assert calls == [(False, True), (False, False)] * 4
@@ -268,7 +286,7 @@ def test_a_tail_compile_failure_warns_once_and_runs_eagerly():
     with torch.no_grad():
         dec = StaticDecoder(model, batch=2, max_len=20, compile_tail=True, config=replace(DEFAULT, tail_backend=broken))
         with pytest.warns(UserWarning, match="torch.compile of the layer tail failed") as rec:
-            got = dec.generate(ids, 5, cuda_graph=False)
+            got = _greedy(dec, ids, 5)
     assert len([w for w in rec if "layer tail failed" in str(w.message)]) == 1
     assert dec._pre is decoder._pre and dec._fused is decoder._post_fused and torch.equal(got, ref)
     assert dec._embed is decoder._embed and dec._head is decoder._head
@@ -333,35 +351,3 @@ def test_device_position_step_of_one_layer_without_a_shared_mask():
             outs.append((y, dc.k[:, :, :9].clone(), dc.S.clone()))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-
-
-def test_last_timing_splits_prefill_from_decode_steps(monkeypatch):
-    """``StaticDecoder.last_timing``: prefill = mark 1 − mark 0; decode = the last two marks (a graphed call's
-    warm-up and capture fall between them and are left out); per token = decode / steps. On CPU the marks are
-    wall-clock readings: a fake clock gives hand-computed values."""
-    import headscope.hybrid.inference.decoder as decoder
-
-    # device-position steps run on the lean path (CPU: opt-in)
-    dec = StaticDecoder(_hybrid(gdn_kernel="torch"), batch=2, max_len=32, config=ON)
-    assert dec.last_timing is None
-    ids = torch.randint(0, 101, (2, 10), generator=torch.Generator().manual_seed(3))
-    ticks = iter([10.0, 10.5, 10.75, 11.65])  # s: start, after prefill, before the steps, after them
-    monkeypatch.setattr(decoder.time, "perf_counter", lambda: next(ticks))
-    with torch.no_grad():
-        dec._generate_device(ids, 10, capture=False)  # 9 device-position steps after the prefill's token
-    t = dec.last_timing
-    assert t["decode_steps"] == 9
-    assert t["prefill_ms"] == pytest.approx(500.0) and t["decode_ms"] == pytest.approx(900.0)
-    assert t["decode_ms_per_token"] == pytest.approx(100.0)
-    ticks = iter([0.0, 0.25, 1.15])  # eager generate: start, after prefill, after its 9 steps (10 tokens)
-    with torch.no_grad():
-        dec.generate(ids, 10)
-    t = dec.last_timing
-    assert (t["decode_steps"], t["prefill_ms"], t["decode_ms_per_token"]) == (9, pytest.approx(250.0), pytest.approx(100.0))
-    ticks = iter([0.0, 0.5, 0.5])  # one new token: the prompt's argmax, no decode step
-    with torch.no_grad():
-        dec.generate(ids, 1)
-    assert dec.last_timing["decode_steps"] == 0 and dec.last_timing["decode_ms_per_token"] is None
-    with pytest.raises(ValueError):  # a refused call leaves no stale timing behind
-        dec.generate(ids[:1], 4)
-    assert dec.last_timing is None

@@ -279,7 +279,8 @@ def test_fla_low_memory_stages_equal_flas_one_call_and_free_intermediates():
 @pytest.mark.parametrize("eager_graphs", ["never", "always"], ids=["blocks", "graph-blocks"])
 def test_static_decoder_equals_full_forward_and_generate(family, eager_graphs):
     """Whole model through StaticDecoder (per-layer HybridDecodeCache, lean path): prefill + steps equal
-    the full forward's logits; an all-FA mask with fusion off equals the teacher; generate = greedy. With
+    the full forward's logits; an all-FA mask with fusion off equals the teacher; transformers' generate (growing
+    and static cache) = a cache-free greedy loop. With
     ``graph-blocks`` the prefills run the GDN heads as padded fixed-shape blocks (eager_gdn_graphs; on CPU
     without graphs), the two layers sharing the blocks' static buffers."""
     prefill.release_eager_graphs()
@@ -306,11 +307,11 @@ def test_static_decoder_equals_full_forward_and_generate(family, eager_graphs):
             got = [dec.prefill(ids[:, :11])] + [dec.step(ids[:, t : t + 1]) for t in range(11, 15)]
             assert dec.length == 15
             assert (torch.stack(got, 1) - full[:, 10:]).abs().max() < 1e-4
-        out = StaticDecoder(hyb, batch=2, max_len=20).generate(ids[:, :11], max_new_tokens=4)
         ref = ids[:, :11]
         for _ in range(4):
             ref = torch.cat([ref, hyb(ref).logits[:, -1:].argmax(-1)], 1)
-    assert torch.equal(out, ref)
+        for kw in ({}, {"cache_implementation": "static"}):  # decode steps: StaticDecoder.step_replayed
+            assert torch.equal(hyb.generate(ids[:, :11], max_new_tokens=4, do_sample=False, **kw), ref), kw
 
 
 def test_graphs_for_graph_marks_the_calls_it_wraps():
@@ -358,7 +359,7 @@ def test_fla_stages_free_each_input_when_no_later_stage_reads_it(monkeypatch):
         seen.append(("fwd_o", [n for n in ("w", "u") if refs[n]() is not None], scale))
         return q + v
 
-    monkeypatch.setattr(prefill, "_fla_parts", [(cumsum, intra, fwd_h, fwd_o, 1.4427)])
+    monkeypatch.setattr(prefill, "_fla_chunk_parts", lambda: (cumsum, intra, fwd_h, fwd_o, 1.4427))
     ops = [torch.full((2,), float(i)) for i in range(5)]  # q, k, v, g, beta
     o, final = prefill._fla_chunk_low_memory(ops, 0.125, None, 64)
     assert ops == []

@@ -208,13 +208,14 @@ def test_kernel_in_bf16_at_the_smollm2_shape_and_in_a_graph():
 
 @gpu
 def test_graphed_greedy_decoding_with_the_tail_kernel(monkeypatch):
-    """StaticDecoder with InferenceConfig.tail_kernel on CUDA (fp32: exact products): the graphed greedy tokens equal
-    the compiled tail's, one step's logits agree within fp32 rounding, and every decode step's layers took the kernel,
-    with the split-K combination in the attention's launch (rows of ≤ 2 heads here)."""
+    """StaticDecoder with InferenceConfig.tail_kernel on CUDA (fp32: exact products): the greedy tokens of its graphed
+    steps (step_replayed, what transformers' generate replays) equal the compiled tail's, one step's logits agree
+    within fp32 rounding, and every decode step's layers took the kernel, with the split-K combination in the
+    attention's launch (rows of ≤ 2 heads here)."""
     from dataclasses import replace
 
     import headscope.hybrid.inference.decoder as decoder
-    from test_hybrid_graphs import _hybrid
+    from test_hybrid_graphs import _greedy, _hybrid
 
     from headscope.hybrid.inference import DEFAULT
     from headscope.hybrid.inference.decoder import StaticDecoder
@@ -227,12 +228,12 @@ def test_graphed_greedy_decoding_with_the_tail_kernel(monkeypatch):
         # the reference: the compiled tail
         ref_dec = StaticDecoder(model, batch=2, max_len=40, compile_tail=True,
                                 config=replace(DEFAULT, tail_kernel=False))
-        ref = ref_dec.generate(ids, 8, cuda_graph=True)
+        ref = _greedy(ref_dec, ids, 8, replayed=True)
         monkeypatch.setattr(decoder, "layer_tail", lambda *a, **k: calls.append(k["attn"] is not None) or real(*a, **k))
         dec = StaticDecoder(model, batch=2, max_len=40, compile_tail=True, config=DEFAULT)
         assert dec._tk is not None
         calls.clear()
-        got = dec.generate(ids, 8, cuda_graph=True)
+        got = _greedy(dec, ids, 8, replayed=True)
         assert calls and not any(calls)  # the captured step's layers (and the warm-ups)
         assert torch.equal(got, ref)
         ref_dec.prefill(ids), dec.prefill(ids)

@@ -2,15 +2,8 @@
 
 from .attn import fa_attention, flash_attn_available
 from .config import HybridOptions, LayerSpec
-from .convert import (
-    HybridLlamaConfig,
-    HybridLlamaForCausalLM,
-    HybridQwen3Config,
-    HybridQwen3ForCausalLM,
-    head_output_rms,
-    hybrid_spec,
-    hybridize,
-)
+from .convert import head_output_rms, hybrid_spec, hybridize
+from .modeling_hybrid import HybridLlamaConfig, HybridLlamaForCausalLM, HybridQwen3Config, HybridQwen3ForCausalLM
 from .gdn import fla_available, gated_delta_rule, gdn_chunked_torch, gdn_naive, gdn_recurrent_torch
 from .cache import HybridCache
 from .kv import kv_cache_report, kv_cache_report_for

@@ -21,7 +21,6 @@ T = S and an explicit triangle is built otherwise.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 from typing import Literal, Optional
 
@@ -29,13 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .gdn import module_found
 from .shapes import Float
 
 FAKernel = Literal["auto", "sdpa", "flash_attn"]
 FA_KERNELS = ("auto", "sdpa", "flash_attn")
-
-
-_found: dict[str, bool] = {}
 
 
 def flash_attn_available() -> bool:
@@ -44,12 +41,7 @@ def flash_attn_available() -> bool:
     The package search runs once per process (a decode step must not pay for it)."""
     if "flash_attn" in sys.modules:
         return sys.modules["flash_attn"] is not None
-    if "flash_attn" not in _found:
-        try:
-            _found["flash_attn"] = importlib.util.find_spec("flash_attn") is not None
-        except (ImportError, ValueError):
-            _found["flash_attn"] = False
-    return _found["flash_attn"]
+    return module_found("flash_attn")
 
 
 def _flash_attn_func():

@@ -22,7 +22,7 @@ class HybridDecodeCache:
         pos: None, or a [1] long tensor on the cache's device: the position of the next token, read by
             the step from device memory (device-position decoding, lean path only: one token per step,
             K/V written at ``pos``, attention masked to slots ≤ pos), so that one captured graph decodes at
-            every length. The caller advances it and keeps ``length`` (see ``StaticDecoder.generate``).
+            every length. The caller advances it and keeps ``length`` (see ``StaticDecoder.step_replayed``).
         valid: None, or Bool[max_len] = slot ≤ pos, kept by that caller (one mask for every layer);
             without it the step computes it from ``pos``.
         n_valid: None, or a [1] long tensor = pos + 1 (the split-K decode's length), kept by that caller
@@ -39,9 +39,6 @@ class HybridDecodeCache:
         self.pos: Optional[Tensor] = None
         self.valid: Optional[Tensor] = None
         self.n_valid: Optional[Tensor] = None
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
 
     def nbytes(self, length: Optional[int] = None) -> int:
         """Bytes held for ``length`` cached tokens (default: the current length): K/V up to the length

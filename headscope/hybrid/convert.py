@@ -38,16 +38,11 @@ from .config import HybridOptions, LayerSpec
 from .modeling_hybrid import (
     CONFIG_KEY,
     FAMILIES,
-    HybridLlamaConfig,
-    HybridLlamaForCausalLM,
-    HybridQwen3Config,
-    HybridQwen3ForCausalLM,
     attention_name,
     decoder_layers,
 )
 from .layer import _HeadRMSNorm
 
-_FAMILIES = FAMILIES  # teacher class -> (hybrid config class, hybrid model class)
 HYBRID_CLASSES = tuple(m for _, m in FAMILIES.values())
 
 for _cfg_cls, _model_cls in FAMILIES.values():

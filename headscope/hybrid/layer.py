@@ -13,8 +13,8 @@ called on a teacher's hidden states for layer-wise alignment::
 Caching: a hybrid model's forward and ``generate`` pass a :class:`~headscope.hybrid.cache.HybridCache` (a
 transformers ``Cache``); the layer takes its own slot of it, a :class:`HybridDecodeCache` — preallocated K/V
 buffers of its kept KV groups, GDN state and convolution tail, written in place (fixed shapes: CUDA graphs).
-Another transformers ``Cache`` (one that already holds tokens) gets the FA K/V through ``cache.update`` and the GDN
-state on its layer object. A layer can be driven with a HybridDecodeCache directly::
+Any other cache is refused (the GDN state has no place in it). A layer can be driven with a HybridDecodeCache
+directly::
 
     dc = hybrid_attn.new_decode_cache(batch=1, max_len=T + 64)
     hybrid_attn(h, position_embeddings=cos_sin, cache=dc)          # prefill: fills dc, dc.length = T
@@ -54,7 +54,6 @@ from .cache import HybridCache, HybridDecodeCache, valid_tokens as _valid_tokens
 from .gdn import gated_delta_rule
 from .shapes import Float
 
-_STATE_ATTR = "_headscope_gdn_state"
 LOW_MEMORY = True  # in-place, time-blocked elementwise stages when no gradient is needed (same numbers)
 BLOCK = 8192  # tokens per block of those stages
 
@@ -372,8 +371,7 @@ class HeadwiseHybridAttention(nn.Module):
             attention_mask: None (causal, no padding), a 4-D mask from transformers (bool or additive)
                 or a 2-D padding mask; padded tokens do not change real tokens' outputs.
             cache / past_key_values / layer_past (GPT-NeoX's name): the model's :class:`HybridCache` (what
-                ``model(ids)`` and ``generate`` pass), another transformers ``Cache`` (FA KV of kept groups + GDN
-                state on its layer objects), a :class:`HybridDecodeCache`, or None.
+                ``model(ids)`` and ``generate`` pass), a :class:`HybridDecodeCache`, or None.
             position_ids: [batch, time] absolute positions (for the NoPE coefficient); default counts
                 from the cache length.
             defer_out: a decode step on the lean path's one-launch step returns a
@@ -390,11 +388,15 @@ class HeadwiseHybridAttention(nn.Module):
 
         Raises:
             ValueError: missing position embeddings, ``gdn_kernel='fla'`` on a non-CUDA device, ``projected``
-                where the lean path does not run or of the wrong shape.
+                where the lean path does not run or of the wrong shape, a cache of another type.
         """
         cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
         if isinstance(cache, HybridCache):  # the model's transformers Cache: this layer's preallocated slot
             cache = cache.reserve(self, hidden_states.shape[0], hidden_states.shape[1])
+        elif cache is not None and not isinstance(cache, HybridDecodeCache):
+            raise ValueError(f"a hybrid layer keeps its cache in a HybridCache, not a {type(cache).__name__}: call the "
+                             "model's forward / generate (they make one), or pass HybridCache(model.config) or the "
+                             "layer's new_decode_cache(batch, max_len)")
         # the fast paths, once headscope is imported; only for the Llama/Qwen3 layer they were written for
         fast = sys.modules.get("headscope.hybrid.inference.dispatch") if self.plain else None
         out = None if fast is None else fast.fast_forward(self, hidden_states, position_embeddings, attention_mask,
@@ -410,7 +412,7 @@ class HeadwiseHybridAttention(nn.Module):
         B, T, _ = hidden_states.shape
         d, x = self.head_dim, hidden_states
         opts = self.options
-        past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+        past = cache.length if cache is not None else 0
         valid = _valid_tokens(attention_mask, T)
         need_rope = self.spec.rope and ((opts.fa_pos == "rope" and self.fa_heads) or (opts.gdn_rope and self.gdn_heads))
         if need_rope and position_embeddings is None:
@@ -439,23 +441,14 @@ class HeadwiseHybridAttention(nn.Module):
             outs = []
             if self.fa_heads:
                 outs.append(self._fa(x, q.index_select(2, fa_idx), cos, sin, attention_mask, cache, past, position_ids))
-            elif cache is not None:
-                self._track_length(cache, B, T, x)
             if self.gdn_heads:
                 outs.append(self._gdn(x, q.index_select(2, gdn_idx), cos, sin, valid, cache, past))
             y = torch.cat(outs, dim=2).index_select(2, self._idx("unperm", x.device)) if len(outs) > 1 else outs[0]
-        if isinstance(cache, HybridDecodeCache):
+        if cache is not None:
             cache.length = past + T
         if self.gamma is not None:  # eq. 13–14: per-head RMSNorm, then γ_h
             y = _fuse_(y, self.gamma, opts.norm_eps)
         return self.o_proj(y.reshape(B, T, self.n_heads * d)), None
-
-    def _track_length(self, cache: Any, B: int, T: int, x: Tensor) -> None:
-        # a layer without FA heads keeps a 1-channel uint8 tracker so that the cache knows the length
-        if isinstance(cache, HybridDecodeCache):
-            return  # its length is a Python int, set in forward
-        z = torch.zeros(B, 1, T, 1, dtype=torch.uint8, device=x.device)
-        cache.update(z, z, self.layer_idx)
 
     def _fa(self, x, q, cos, sin, attention_mask, cache, past, position_ids):
         B, T = x.shape[:2]
@@ -472,10 +465,8 @@ class HeadwiseHybridAttention(nn.Module):
             pos = position_ids if position_ids is not None else torch.arange(past, past + T, device=x.device)[None]
             q = q * nope_log_scale(pos.expand(B, T), opts.nope_a)[..., None, None].to(q.dtype)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # B, n_keep, T, d
-        if isinstance(cache, HybridDecodeCache):
+        if cache is not None:
             k, v = cache._write(k, v, past)
-        elif cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
         if not self._fa_gqa:  # FA heads spread unevenly over the kept groups: one K/V per FA head
             fkv = self._idx("fa_kv", x.device)
             k, v = k.index_select(1, fkv), v.index_select(1, fkv)
@@ -508,18 +499,16 @@ class HeadwiseHybridAttention(nn.Module):
         v = self.gdn_v_proj(x).view(B, T, n, d)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        state = self._state(cache, past)
+        carried = cache is not None and past > 0  # a fresh sequence starts from a zero state and conv tail
         if self.gdn_conv is not None:
             qkv = torch.cat([q, k, v], dim=2).reshape(B, T, 3 * n * d)
             if valid is not None:
                 qkv = qkv * valid[..., None].to(qkv.dtype)
             K = opts.gdn_conv
-            tail = state.get("conv") if state is not None else None
-            if tail is None:
-                tail = qkv.new_zeros(B, K - 1, qkv.shape[-1])
+            tail = cache.conv if carried else qkv.new_zeros(B, K - 1, qkv.shape[-1])
             full = torch.cat([tail.to(qkv.dtype), qkv], dim=1)  # B, K-1+T, C
-            if cache is not None:
-                self._put_state(cache, conv=full[:, full.shape[1] - (K - 1):].detach())
+            if cache is not None:  # in place: a captured graph keeps the buffers
+                cache.conv.copy_(full[:, full.shape[1] - (K - 1):].detach())
             qkv = self.gdn_conv(full.transpose(1, 2)).transpose(1, 2)  # B, T, C
             q, k, v = qkv.view(B, T, 3, n, d).unbind(2)
         if opts.gdn_rope and self.spec.rope:
@@ -530,43 +519,14 @@ class HeadwiseHybridAttention(nn.Module):
         if valid is not None:  # padded tokens: β = 0, α = 1 -> the state passes through unchanged
             vf = valid.to(beta.dtype)[..., None]
             beta, g = beta * vf, g * vf
-        h0 = state.get("S") if state is not None else None
+        h0 = cache.S if carried else None
         y, S = gated_delta_rule(
             q, k, v, g, beta.to(x.dtype) if x.dtype != torch.float32 else beta, scale=self.gdn_scale,
             initial_state=h0, kernel=opts.gdn_kernel, chunk_size=opts.chunk_size,
         )
         if cache is not None:
-            self._put_state(cache, S=S.detach().float())
+            cache.S.copy_(S.detach().float())
         return y.to(x.dtype)
-
-    # ------------------------------------------------------------------ GDN state in the cache
-    def _cache_layer(self, cache: Any) -> Any:
-        layers = getattr(cache, "layers", None)
-        if layers is None or self.layer_idx >= len(layers):
-            raise ValueError(
-                f"the cache {type(cache).__name__} has no layer {self.layer_idx}; use a transformers DynamicCache"
-            )
-        return layers[self.layer_idx]
-
-    def _state(self, cache: Any, past: int) -> Optional[dict]:
-        if cache is None:
-            return None
-        if isinstance(cache, HybridDecodeCache):  # fresh sequence (past = 0): no initial state / conv tail
-            return {"S": cache.S, "conv": cache.conv} if past else {}
-        layer = self._cache_layer(cache)
-        st = getattr(layer, _STATE_ATTR, None)
-        if st is None or past == 0:
-            st = {}
-            setattr(layer, _STATE_ATTR, st)
-            _patch_reorder(layer)
-        return st
-
-    def _put_state(self, cache: Any, **kv: Tensor) -> None:
-        if isinstance(cache, HybridDecodeCache):  # in place: a captured graph keeps these buffers
-            for key, val in kv.items():
-                getattr(cache, key).copy_(val)
-            return
-        getattr(self._cache_layer(cache), _STATE_ATTR).update(kv)
 
     def extra_repr(self) -> str:
         return (
@@ -574,18 +534,3 @@ class HeadwiseHybridAttention(nn.Module):
             f"kv_keep={list(self.kv_keep)}, fa_pos={self.options.fa_pos}, fusion={self.options.fusion}"
         )
 
-
-def _patch_reorder(layer: Any) -> None:
-    """Make beam search reorder the GDN state along with the KV cache of this cache layer."""
-    if getattr(layer, "_headscope_patched", False):
-        return
-    orig = layer.reorder_cache
-
-    def reorder_cache(beam_idx: torch.LongTensor) -> None:
-        orig(beam_idx)
-        st = getattr(layer, _STATE_ATTR, {})
-        for key, val in list(st.items()):
-            st[key] = val.index_select(0, beam_idx.to(val.device))
-
-    layer.reorder_cache = reorder_cache
-    layer._headscope_patched = True

@@ -1,13 +1,14 @@
-"""Whole-model prefill and decoding of a hybrid (Llama-family) model through preallocated caches.
+"""Whole-model prefill and decode steps of a hybrid (Llama-family) model through preallocated caches.
 
 :class:`StaticDecoder` runs the decoder layers itself with one :class:`HybridDecodeCache` per layer
 (FA heads' kept KV groups + GDN state, fixed shapes), so every attention layer takes the lean path
-(``forward.py``) and no transformers ``DynamicCache`` is involved::
+(``forward.py``). Generation goes through transformers' own ``model.generate(...)``: a hybrid's forward makes a
+:class:`~headscope.hybrid.HybridCache` and its decode steps replay :meth:`StaticDecoder.step_replayed` (``model_step.py``).
+Driven directly (benchmarks, tests)::
 
     dec = StaticDecoder(model, batch=16, max_len=32768 + 64)
     logits = dec.prefill(ids)            # ids [16, T]: fills the caches, logits of the last position
     logits = dec.step(next_ids)          # one token per sequence
-    out = dec.generate(ids, max_new_tokens=32)   # greedy
 
 ``capture()`` records the next step (at the current length) in a CUDA graph; ``replay()`` re-runs it
 (the benchmark's decode step: the FA K/V go into the same slot on every replay). ``prefill_graphed(ids)``
@@ -19,7 +20,6 @@ host time per layer: see ``graphs.py``)::
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Any, Optional
 
@@ -31,30 +31,6 @@ from .graphs import capture as _capture
 from .config import InferenceConfig, inference_config, use_inference
 from .forward import DeferredOutput, applies as _lean_applies, plan as _plan
 from .kernels.layer_tail import MAX_ROWS as _TAIL_ROWS, applies as _tail_applies, layer_tail
-
-
-class _Clock:
-    """Marks on the device's timeline (CUDA events; wall-clock on CPU, where every op is synchronous):
-    ``mark()`` records without a host sync, ``ms(i, j)`` synchronizes and returns the time between two marks."""
-
-    def __init__(self, dev: torch.device):
-        self.cuda = dev.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def ms(self, i: int, j: int) -> float:
-        a, b = self.marks[i], self.marks[j]
-        if self.cuda:
-            b.synchronize()
-            return a.elapsed_time(b)
-        return (b - a) * 1e3
 
 
 def _compile(fn: Any, cfg: InferenceConfig) -> Any:
@@ -72,10 +48,9 @@ def _embed(base: Any, ids: Tensor, pos: Tensor) -> tuple:
     return h, base.rotary_emb(h, pos)
 
 
-def _head(model: Any, h: Tensor, greedy: bool) -> Tensor:
-    """A step's end: logits [batch, T, vocab] = lm_head(norm(h)), or with ``greedy`` their argmax [batch, T]."""
-    logits = model.lm_head(model.model.norm(h))
-    return logits.argmax(-1) if greedy else logits
+def _head(model: Any, h: Tensor) -> Tensor:
+    """A step's end: logits [batch, T, vocab] = lm_head(norm(h))."""
+    return model.lm_head(model.model.norm(h))
 
 
 def _post(layer: Any, h: Tensor, a: Tensor) -> Tensor:
@@ -96,6 +71,11 @@ def _post_fused(layer: Any, nxt: Any, h: Tensor, a: Tensor, W_gu: Optional[Tenso
     dn = layer.mlp.down_proj
     h = h + F.linear(layer.mlp.act_fn(g) * u, dn.weight, dn.bias)
     return h, (nxt.input_layernorm(h) if nxt is not None else None)
+
+
+def _graphable(dev: torch.device) -> bool:
+    """Whether :meth:`StaticDecoder.step_replayed` captures its step in a CUDA graph on ``dev`` (tests emulate it)."""
+    return dev.type == "cuda"
 
 
 def _norm_params(m: Any) -> Optional[tuple]:
@@ -137,18 +117,14 @@ class StaticDecoder:
             ``fusion="none"`` gives the teacher's function).
         batch: sequences decoded together.
         max_len: cache capacity in tokens (prompt + new tokens).
-        compile_tail: ``torch.compile`` each layer's input norm and its residual + norm + MLP tail (one
-            compiled graph shared by all layers: Dynamo treats the modules' weights as inputs), so a decode
-            step launches a few fused kernels per layer instead of ~20 small ones; eager after a compile
-            failure (warned). Off by default (a first-use compile of ~30 s): on the H200 it made the whole-model
-            decode step 1.2–1.6× faster (``bench_hybrid.py --compile-tail``; ``docs/benchmark-history.md``). With
-            gated MLPs (checked against the modules' forward first; not with forward hooks on the norms or MLPs,
-            warned) a layer's residual, norm, MLP (gate and up projections in one GEMM up to
-            ``config.fused_gate_up_max_bytes``: a concatenated weight copy) and the next layer's input norm are one
-            compiled call (on the H200 the gate/up GEMMs were 3.7 µs each at batch 16), or with
-            ``config.tail_kernel`` one Triton launch per layer (``kernels/layer_tail.py``) that also computes the next
-            layer's input projection; a decode step's ends (embedding + rotary, final norm + LM head) are compiled
-            too (83 -> 70 launches per step; hybrid 1.814 -> 1.768 ms, SmolLM2 shape, B = 16, 32K).
+        compile_tail: ``torch.compile`` each layer's input norm and its residual + norm + MLP tail (one compiled
+            graph shared by all layers), and a decode step's ends (embedding + rotary, final norm + LM head); eager
+            after a compile failure (warned). Off by default (a first-use compile of ~30 s; measured gains:
+            ``docs/performance.md``, ``docs/performance-variants.md``). With gated MLPs (checked against the modules' forward first; not with forward
+            hooks on the norms or MLPs, warned) a layer's residual, norm, MLP (gate and up projections in one GEMM up
+            to ``config.fused_gate_up_max_bytes``) and the next layer's input norm are one compiled call, or with
+            ``config.tail_kernel`` one Triton launch per layer (``kernels/layer_tail.py``) that also computes the
+            next layer's input projection.
         config: the fast paths' :class:`~headscope.hybrid.inference.InferenceConfig`, set on the model
             (:func:`~headscope.hybrid.inference.use_inference`); None: the model's own (default unless set).
         caches: one :class:`HybridDecodeCache` per layer of capacity ``max_len`` to decode into (a
@@ -174,12 +150,12 @@ class StaticDecoder:
                              f"({len(self.base.layers)})")
         self.caches = caches if caches is not None else [
             layer.self_attn.new_decode_cache(batch, max_len) for layer in self.base.layers]
-        self._dstep: Optional[tuple] = None  # step_replayed's (graph or None, token, position, logits)
+        self._dstep: Optional[tuple] = None  # step_replayed's inputs (token, position, slots, valid, n_valid)
+        self._dgraph: Optional[tuple] = None  # its (graph, static logits), captured on first use on CUDA
         self.batch, self.max_len = batch, max_len
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._pf_graph: Optional[torch.cuda.CUDAGraph] = None
         self._pf_ids: Optional[Tensor] = None
-        self._clock: Optional[tuple] = None  # the last generate call's marks (last_timing)
         self._pre, self._post, self._fused = _pre, _post, None
         self._embed, self._head = _embed, _head
         self._gu: list = [None] * len(self.base.layers)  # per layer: (weight versions, W_gu, b_gu)
@@ -300,7 +276,7 @@ class StaticDecoder:
         if i + 1 >= len(layers):
             return None
         attn = layers[i + 1].self_attn
-        if not _lean_applies(attn, h, None, True, self.caches[i + 1]):
+        if not _lean_applies(attn, h, None):
             return None
         p = _plan(attn)
         return p if p.W.shape[0] % 16 == 0 else None
@@ -374,7 +350,7 @@ class StaticDecoder:
         step = T == 1  # a decode step: its ends compiled (compile_tail); a prefill's eager
         h, pe = self._tail(3, m, ids, pos) if step else _embed(m, ids, pos)
         h = self._layers(h, pe, pos)[:, -1:]
-        return (self._tail(4, self.model, h, False) if step else _head(self.model, h, False))[:, 0]
+        return (self._tail(4, self.model, h) if step else _head(self.model, h))[:, 0]
 
     def prefill(self, ids: Tensor) -> Tensor:
         """Start fresh sequences: ``ids`` [batch, T] → logits [batch, vocab] of the last position."""
@@ -386,24 +362,29 @@ class StaticDecoder:
         """Append ``ids`` [batch, 1] (or a few tokens) → logits of the last position."""
         return self._body(ids)
 
+    def _state(self) -> list:
+        """Each cache's (GDN state, convolution tail) as clones (None where absent)."""
+        return [tuple(None if t is None else t.clone() for t in (c.S, c.conv)) for c in self.caches]
+
+    def _restore(self, saved: list, n: int) -> None:
+        """The caches back at length ``n`` with the state of :meth:`_state` (warm-up calls advance it)."""
+        self._set_length(n)
+        for c, ts in zip(self.caches, saved):
+            for t, s in zip((c.S, c.conv), ts):
+                if t is not None:
+                    t.copy_(s)
+
     def capture(self, ids: Tensor, warmup: int = 3) -> Tensor:
         """Record one step at the current length in a CUDA graph (warm-up steps on a side stream first,
-        which compile the glue); returns the graph's static logits. The caches' length stays."""
-        n = self.length
-        saved = [(c.S.clone() if c.S is not None else None, c.conv.clone() if c.conv is not None else None)
-                 for c in self.caches]
+        which compile the glue); returns the graph's static logits. The caches' length and state stay."""
+        n, saved = self.length, self._state()
 
         def run() -> Tensor:
             self._set_length(n)
             return self.step(ids)
 
         self._graph, self._static = _capture(run, warmup, device=self._device())
-        self._set_length(n)
-        for c, (S, conv) in zip(self.caches, saved):  # the warm-ups advanced the state and the convolution tail
-            if S is not None:
-                c.S.copy_(S)
-            if conv is not None:
-                c.conv.copy_(conv)
+        self._restore(saved, n)
         return self._static
 
     def capture_prefill(self, ids: Tensor, warmup: int = 2) -> None:
@@ -435,29 +416,30 @@ class StaticDecoder:
         self._set_length(ids.shape[1])
         return self._pf_out
 
-    def _position_step(self, tok: Tensor, pos: Tensor, slots: Tensor, valid: Tensor, n_valid: Tensor,
-                       greedy: bool) -> Tensor:
+    def _position_step(self, tok: Tensor, pos: Tensor, slots: Tensor, valid: Tensor, n_valid: Tensor) -> Tensor:
         """One decode step of the tokens ``tok`` [batch, 1] at the device position ``pos`` ([1] long): the FA mask
         ``valid`` (= slots ≤ pos) and the split-K length ``n_valid`` (= pos + 1) updated in place first (the caches'
-        ``pos``/``valid``/``n_valid`` must point at these tensors); logits [batch, 1, vocab], or their argmax
-        [batch, 1] with ``greedy``. Capturable: every input is read from device memory."""
+        ``pos``/``valid``/``n_valid`` must point at these tensors); logits [batch, 1, vocab]. Capturable: every
+        input is read from device memory."""
         torch.le(slots, pos, out=valid)
         torch.add(pos, 1, out=n_valid)
         pid = pos.expand(tok.shape[0], 1)
         h, pe = self._tail(3, self.base, tok, pid)
-        return self._tail(4, self.model, self._layers(h, pe, pid), greedy)
+        return self._tail(4, self.model, self._layers(h, pe, pid))
 
     @torch.no_grad()
     def step_replayed(self, ids: Tensor) -> Tensor:
         """One decode step at the caches' length, replayed from a CUDA graph: ``ids`` [batch, 1] → logits
         [batch, 1, vocab] (a static buffer, overwritten by the next step: copy it to keep it). The graph is
-        captured on first use; it reads the position from device memory (``HybridDecodeCache.pos``), so one graph
-        serves every later length; warm-up and capture leave the caches as they were. Off CUDA the same
-        device-position step runs eagerly (tests). ``transformers``' ``generate(cache_implementation="static")``
-        reaches this through :func:`~headscope.hybrid.inference.model_step.model_forward`.
+        captured on first use; it reads the position from device memory (``HybridDecodeCache.pos``; the FA heads
+        attend over the cache buffer masked to the written slots), so one graph serves every later length; warm-up
+        and capture leave the caches as they were. Off CUDA the same device-position step runs eagerly (tests).
+        ``transformers``' ``generate`` reaches this through
+        :func:`~headscope.hybrid.inference.model_step.model_forward`.
 
         Raises:
-            ValueError: ids not [batch, 1], or the caches are full.
+            ValueError: ids not [batch, 1], or the caches are full. Any error of the capture (the caches are then
+                as before the call; the next call captures again).
         """
         B = self.batch
         if ids.dim() != 2 or ids.shape != (B, 1):
@@ -465,46 +447,30 @@ class StaticDecoder:
         n = self.length
         if n >= self.max_len:
             raise ValueError(f"the caches hold {self.max_len} tokens and are full")
-        if self._dstep is None:
-            dev = ids.device
-            tok = ids.clone()
-            pos = torch.full((1,), n, dtype=torch.long, device=dev)
-            slots = torch.arange(self.max_len, device=dev)
-            valid, n_valid = slots <= pos, pos + 1
-
-            def step() -> Tensor:
-                return self._position_step(tok, pos, slots, valid, n_valid, greedy=False)
-
-            graph, logits = None, None
-            if dev.type == "cuda":
-                for c in self.caches:
-                    c.pos, c.valid, c.n_valid = pos, valid, n_valid
-                saved = [(c.S.clone() if c.S is not None else None, c.conv.clone() if c.conv is not None else None)
-                         for c in self.caches]
-                try:
-                    graph, logits = _capture(step, warmup=2, device=dev)
-                finally:
-                    for c, (S, conv) in zip(self.caches, saved):  # the warm-ups advanced the state: undo
-                        c.pos = c.valid = c.n_valid = None
-                        if S is not None:
-                            c.S.copy_(S)
-                        if conv is not None:
-                            c.conv.copy_(conv)
-                    self._set_length(n)
-            self._dstep = (graph, tok, pos, logits, step)
-        graph, tok, pos, logits, step = self._dstep
+        if self._dstep is None:  # the step's inputs, read from device memory: token, position, slots, mask, length
+            slots = torch.arange(self.max_len, device=ids.device)
+            pos = torch.full((1,), n, dtype=torch.long, device=ids.device)
+            self._dstep = (ids.clone(), pos, slots, slots <= pos, pos + 1)
+        tok, pos, _, valid, n_valid = self._dstep
         tok.copy_(ids)
         pos.fill_(n)
-        if graph is not None:
-            graph.replay()
-        else:
+        for c in self.caches:
+            c.pos, c.valid, c.n_valid = pos, valid, n_valid
+        try:
+            if self._dgraph is None and _graphable(ids.device):
+                saved = self._state()
+                try:
+                    self._dgraph = _capture(lambda: self._position_step(*self._dstep), warmup=2, device=ids.device)
+                finally:
+                    self._restore(saved, n)
+            if self._dgraph is not None:
+                self._dgraph[0].replay()
+                logits = self._dgraph[1]
+            else:
+                logits = self._position_step(*self._dstep)
+        finally:
             for c in self.caches:
-                c.pos, c.valid, c.n_valid = pos, None, None
-            try:
-                logits = step()
-            finally:
-                for c in self.caches:
-                    c.pos = c.valid = c.n_valid = None
+                c.pos = c.valid = c.n_valid = None
         self._set_length(n + 1)
         return logits
 
@@ -518,124 +484,3 @@ class StaticDecoder:
     def _set_length(self, n: int) -> None:
         for c in self.caches:
             c.length = n
-
-    @property
-    def last_timing(self) -> Optional[dict]:
-        """Times of the last :meth:`generate` call, in ms: on CUDA from events on the device's timeline (no
-        host sync inside the call; reading this property synchronizes), on CPU from wall-clock readings.
-
-        Keys: ``prefill_ms`` (the prompt); ``decode_steps``, the decode-step calls (n − 1 for n new tokens on
-        both paths: the last token is not fed back; fewer where ``max_len`` caps the call); ``decode_ms``, their
-        time (a graphed call's warm-up and capture left out; with fewer than 3 steps a graphed call runs its steps
-        eagerly); ``decode_ms_per_token`` = decode_ms / decode_steps, None when there were no steps.
-
-        None before the first call, after a refused or failed call, and after a graphed call that made no
-        token (nothing to prefill)."""
-        if self._clock is None:
-            return None
-        c, steps = self._clock
-        dec = c.ms(-2, -1)
-        return {"prefill_ms": c.ms(0, 1), "decode_ms": dec, "decode_steps": steps,
-                "decode_ms_per_token": dec / steps if steps else None}
-
-    @torch.no_grad()
-    def generate(self, ids: Tensor, max_new_tokens: int, cuda_graph: bool = False) -> Tensor:
-        """Greedy continuation: ``ids`` [batch, T] → [batch, T + n] token ids, n = min(max_new_tokens,
-        max_len − T + 1).
-
-        ``cuda_graph`` (CUDA only; off by default; on the H200 it gives the eager steps' tokens, each new token
-        within 2–4 % of one graph-replayed step's time, 10–60× faster than eager steps at 32K:
-        ``docs/benchmark-history.md``, "End-to-end greedy generate"): one decode step is captured in a CUDA graph that reads the
-        position from device memory (``HybridDecodeCache.pos``; the FA heads attend over the cache buffer
-        masked to the written slots) and writes the argmax token back as the next step's input, so the
-        host only replays — no Python per layer and token. False: eager steps. The prefill is eager.
-
-        Raises:
-            ValueError: ids' batch is not the decoder's, T > max_len, or ``cuda_graph=True`` off CUDA.
-            Any error of the capture (the caches are then reset: prefill again).
-        """
-        self._clock = None
-        if ids.dim() != 2 or ids.shape[0] != self.batch or ids.shape[1] > self.max_len:
-            raise ValueError(f"ids must be [batch={self.batch}, T ≤ max_len={self.max_len}]; got {tuple(ids.shape)}")
-        if cuda_graph and not ids.is_cuda:
-            raise ValueError("generate(cuda_graph=True) needs the model and ids on a CUDA device; "
-                             "use cuda_graph=False (the default) for eager steps")
-        if cuda_graph:
-            return self._generate_device(ids, max_new_tokens, capture=True)
-        clock = _Clock(ids.device)
-        clock.mark()
-        logits = self.prefill(ids)
-        clock.mark()
-        out = [ids]
-        steps = 0
-        for i in range(max_new_tokens):
-            nxt = logits.argmax(-1, keepdim=True)
-            out.append(nxt)
-            if i == max_new_tokens - 1 or self.length >= self.max_len:
-                break  # the last token is not fed back: its logits would go unused (as on the graphed path)
-            logits = self.step(nxt)
-            steps += 1
-        clock.mark()
-        self._clock = (clock, steps)
-        return torch.cat(out, 1)
-
-    def _generate_device(self, ids: Tensor, max_new_tokens: int, capture: bool) -> Tensor:
-        """Greedy decoding with device positions (see :meth:`generate`); ``capture=False`` runs the same
-        steps eagerly (the CPU tests' path)."""
-        B, T = ids.shape
-        n = min(max_new_tokens, self.max_len - T + 1)
-        if n < 1:
-            self._clock = None
-            return ids.clone()
-        dev = ids.device
-        clock = _Clock(dev)
-        clock.mark()
-        logits = self.prefill(ids)
-        clock.mark()
-        tok = logits.argmax(-1, keepdim=True)  # [B, 1]: the next step's input, rewritten by every step
-        out = torch.empty(B, n, dtype=torch.long, device=dev)
-        out[:, :1] = tok
-        pos = torch.full((1,), T, dtype=torch.long, device=dev)
-        slots = torch.arange(self.max_len, device=dev)
-        valid = slots <= pos  # the FA heads' attention mask (SDPA path), shared by every layer
-        n_valid = pos + 1  # the split-K decode's length, likewise; both updated once per step
-
-        def step() -> None:
-            nxt = self._position_step(tok, pos, slots, valid, n_valid, greedy=True)  # [B, 1]
-            out.index_copy_(1, pos - (T - 1), nxt)
-            tok.copy_(nxt)
-            pos.add_(1)
-
-        for c in self.caches:
-            c.pos, c.valid, c.n_valid = pos, valid, n_valid
-        ok = False
-        try:
-            steps = n - 1
-            if capture and steps >= 3:
-                saved = [c.S.clone() if c.S is not None else None for c in self.caches]
-                tok0 = tok.clone()
-                graph, _ = _capture(step, warmup=2, device=dev)  # the warm-ups advance pos, tok and S: undo
-                pos.fill_(T)
-                tok.copy_(tok0)
-                for c, S in zip(self.caches, saved):
-                    if S is not None:
-                        c.S.copy_(S)
-                clock.mark()
-                for _ in range(steps):
-                    graph.replay()
-                clock.mark()
-                del graph
-            else:
-                clock.mark()
-                for _ in range(steps):
-                    step()
-                clock.mark()
-            self._clock = (clock, steps)
-            ok = True
-        finally:
-            for c in self.caches:
-                c.pos = c.valid = c.n_valid = None
-            # on an error the caches hold an unknown state (warm-up steps advanced the GDN state): length 0
-            # makes the next call a prefill
-            self._set_length(T + n - 1 if ok else 0)
-        return torch.cat([ids, out], 1)

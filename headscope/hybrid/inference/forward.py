@@ -34,12 +34,13 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["DeferredOutput", "applies", "forward", "plan"]
 
 
-def applies(layer: "HeadwiseHybridAttention", x: Tensor, attention_mask: Any, decode_cache: bool, cache: Any) -> bool:
-    """True when the lean path computes this call (see the module docstring)."""
+def applies(layer: "HeadwiseHybridAttention", x: Tensor, attention_mask: Any) -> bool:
+    """True when the lean path computes this call (see the module docstring; the layer admits no cache but a
+    HybridDecodeCache)."""
     where = inference_config(layer).fast_path
     if where == "never" or (where == "cuda" and x.device.type != "cuda"):
         return False
-    if attention_mask is not None or (cache is not None and not decode_cache) or layer.gdn_conv is not None:
+    if attention_mask is not None or layer.gdn_conv is not None:
         return False
     w = layer.q_proj.weight
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
@@ -60,7 +61,7 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
     B, T, _ = x.shape
     d, nf, ng = p.d, p.nf, p.ng
     past = cache.length if cache is not None else 0
-    # device-position decoding (cache.pos, a [1] long tensor on the device; StaticDecoder.generate): the
+    # device-position decoding (cache.pos, a [1] long tensor on the device; StaticDecoder.step_replayed): the
     # step reads its position from device memory, so one captured CUDA graph serves every length
     dpos = getattr(cache, "pos", None) if cache is not None else None
     if dpos is not None and (T != 1 or position_ids is None):

@@ -77,8 +77,7 @@ def capture(fn: Callable[[], Any], warmup: int = 2, device: Any = None) -> tuple
     """
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA graphs need a CUDA device; on this machine run the call eagerly "
-                           "(StaticDecoder: prefill instead of prefill_graphed, step instead of capture/replay, "
-                           "generate(cuda_graph=False))")
+                           "(StaticDecoder: prefill instead of prefill_graphed, step instead of capture/replay)")
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     warm_up(fn, warmup, dev)
     with torch.cuda.device(dev), for_graph():

@@ -7,8 +7,8 @@ every layer through the lean decode path, final norm and LM head) — the graph-
 transformers' own ``generate``. A static cache (``generate(..., cache_implementation="static")``) gets compiled layer
 tails and the tail kernel (a first-use compile); a growing one (``generate``'s default) eager tails (capture only),
 recaptured if a layer's cache grows; ``InferenceConfig.decode_graphs`` chooses which. Every other call (prefill,
-padding, gradients, hooks, outputs other than logits) returns None and runs the model's own forward, whose attention layers take the
-lean path where it applies (``forward.py``).
+padding, gradients, autocast, hooks, outputs other than logits, layers with the short convolution) returns None and
+runs the model's own forward, whose attention layers take the lean path where it applies (``forward.py``).
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ _IGNORED = {"use_cache", "cache", "past_key_values", "position_ids", "cache_posi
 
 def _decoder_layers_plain(model: Any) -> bool:
     """Whether the model's layers are what ``StaticDecoder`` computes: Llama-form decoder layers (input norm →
-    attention → residual → post-attention norm → MLP → residual) whose attention is a plain hybrid layer."""
+    attention → residual → post-attention norm → MLP → residual) whose attention is a plain hybrid layer without the
+    short convolution (the device-position step runs on the lean path only, which has none)."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if layers is None or not all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "norm")):
         return False
-    return all(getattr(getattr(l, "self_attn", None), "plain", False) and hasattr(l, "input_layernorm")
+    return all(getattr(getattr(l, "self_attn", None), "plain", False) and l.self_attn.gdn_conv is None
+               and hasattr(l, "input_layernorm")
                and hasattr(l, "post_attention_layernorm") and hasattr(l, "mlp")
                and not hasattr(l, "pre_feedforward_layernorm") for l in layers)
 
@@ -61,6 +63,8 @@ def model_forward(model: Any, input_ids: Optional[Tensor], cache: Any, kwargs: d
     if not getattr(cache, "headscope_unpadded", False):
         return None
     if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1 or torch.is_grad_enabled():
+        return None
+    if torch.is_autocast_enabled(input_ids.device.type):  # the lean path (and so the replayed step) runs without it
         return None
     if any(v is not None and v is not False for k, v in kwargs.items() if k not in _IGNORED):
         return None  # inputs_embeds, labels, output_attentions / hidden_states, ...: the model's own forward

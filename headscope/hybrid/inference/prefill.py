@@ -27,34 +27,24 @@ from .plan import Plan, glue, plan
 if TYPE_CHECKING:  # pragma: no cover
     from ..layer import HeadwiseHybridAttention
 
-_fla_fwd: list = []
-
-
+@functools.cache
 def _fla_chunk_fwd():
-    """fla's chunk forward below its autograd wrapper (the public call costs ~0.3 ms of Python)."""
-    if not _fla_fwd:
-        try:
-            from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
-
-            _fla_fwd.append(chunk_gated_delta_rule_fwd)
-        except ImportError:  # pragma: no cover - another fla version
-            _fla_fwd.append(None)
-    return _fla_fwd[0]
+    """fla's chunk forward below its autograd wrapper (the public call costs ~0.3 ms of Python), or None."""
+    try:
+        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    except ImportError:  # pragma: no cover - another fla version
+        return None
+    return chunk_gated_delta_rule_fwd
 
 
-_fq_fwd: list = []
-
-
+@functools.cache
 def _flash_qla_fwd():
     """FlashQLA's chunk forward (``flash_qla.chunk_gated_delta_rule_fwd``) or None where not installed."""
-    if not _fq_fwd:
-        try:
-            from flash_qla import chunk_gated_delta_rule_fwd
-
-            _fq_fwd.append(chunk_gated_delta_rule_fwd)
-        except Exception:  # noqa: BLE001 - not installed, or its TileLang/CUDA stack does not import here
-            _fq_fwd.append(None)
-    return _fq_fwd[0]
+    try:
+        from flash_qla import chunk_gated_delta_rule_fwd
+    except Exception:  # noqa: BLE001 - not installed, or its TileLang/CUDA stack does not import here
+        return None
+    return chunk_gated_delta_rule_fwd
 
 
 def flash_qla_applies(q: Tensor, v: Tensor, on: bool = True) -> bool:
@@ -64,24 +54,18 @@ def flash_qla_applies(q: Tensor, v: Tensor, on: bool = True) -> bool:
             and v.shape[-1] == 128 and _flash_qla_fwd() is not None)
 
 
-_fla_parts: list = []
-
-
+@functools.cache
 def _fla_chunk_parts():
     """fla's chunk-forward stages (gate cumsum, intra-chunk WY factors, state pass, output) or None."""
-    if not _fla_parts:
-        try:
-            from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-            from fla.ops.common.chunk_o import chunk_fwd_o
-            from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-            from fla.ops.utils import chunk_local_cumsum
-            from fla.ops.utils.constant import RCP_LN2
-
-            _fla_parts.append((chunk_local_cumsum, chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_h,
-                               chunk_fwd_o, RCP_LN2))
-        except ImportError:  # pragma: no cover - another fla version
-            _fla_parts.append(None)
-    return _fla_parts[0]
+    try:
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_o import chunk_fwd_o
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+    except ImportError:  # pragma: no cover - another fla version
+        return None
+    return chunk_local_cumsum, chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_h, chunk_fwd_o, RCP_LN2
 
 
 def _fla_chunk_low_memory(ops: list, scale: float, h0: Optional[Tensor], chunk_size: int) -> tuple[Tensor, Tensor]:
