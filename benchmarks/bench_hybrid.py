@@ -4,9 +4,8 @@ Measures in one run and one process, B = 1, bf16 on CUDA (fp32 on CPU):
 
 - prefill: forward time of the whole attention module (projections included) over T tokens, and its
   peak extra memory (CUDA: ``torch.cuda.max_memory_allocated`` above what was allocated before; CPU:
-  the allocator events of the torch profiler). The hybrid layer's peak is measured twice: on the
-  low-memory path (the default under ``no_grad``) and on the plain path (``layer.LOW_MEMORY = False``,
-  the elementwise stages out of place, as before the change) — same numbers, different memory;
+  the allocator events of the torch profiler), the hybrid layer's on its low-memory path (the elementwise
+  stages in place, under ``no_grad``);
 - decoding: one token step with T tokens cached in a :class:`HybridDecodeCache` (K/V of the FA heads'
   KV groups, GDN state), replayed from a CUDA graph (``torch.cuda.CUDAGraph``, timed with CUDA events
   over many replays) and run eagerly; and the cache's bytes at T;

@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions, hybridize
+from headscope.hybrid.config import LayerSpec
 from headscope.hybrid.inference.train_forward import prepare_fast, unprepare_fast
 from headscope.masks import HeadMask
 from headscope.train import TokenRows, TrainConfig, Trainer, distillation_loss, lm_loss, stage_loss, trainable_parameters
@@ -70,12 +71,15 @@ _CFG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
         ([0, 1, 2], {}, False, False),  # FA heads spread unevenly over their KV groups
         ([], {}, False, False),
         ([0, 1, 2, 3], {}, False, False),
+        ([2], {}, False, "qkv"),  # Qwen2: q/k/v biases, none on o_proj
     ],
 )
 def test_fast_layer_path_equals_plain_path(fa, opts, qk, bias):
-    _CFG.attention_bias = bias
+    _CFG.attention_bias = bias is True
+    spec = LayerSpec(q_bias=True, k_bias=True, v_bias=True) if bias == "qkv" else None
     torch.manual_seed(0)
-    layer = HeadwiseHybridAttention(_CFG, 0, fa, HybridOptions(**opts), qk_norm=qk).double()
+    layer = HeadwiseHybridAttention(_CFG, 0, fa, HybridOptions(**opts), qk_norm=qk, spec=spec).double()
+    assert layer.plain and (layer.q_proj.bias is not None) == bool(bias) and (layer.o_proj.bias is not None) == (bias is True)
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(0.1 * torch.randn_like(p))

@@ -215,3 +215,28 @@ def test_cache_limits_are_errors_that_name_the_fix():
             m(_ids(2, 1), cache=cache)
     with pytest.raises(ValueError, match="needs max_len"):
         HybridCache(m.config, static=True)
+
+
+@pytest.mark.parametrize("where", ["never", "always"])
+def test_base_model_alone_gets_a_hybrid_cache(where):
+    """The base model called on its own (``model.model(ids)``: transformers would make a DynamicCache, which the
+    layers refuse) gets a HybridCache from the hybrid's pre-hook: its hidden states equal the causal LM's, and decoding
+    through the cache it returns equals a cache-free forward. A user's hook elsewhere still turns the fast model step
+    off; the hybrid's own pre-hook does not."""
+    from headscope.hybrid.inference.model_step import _user_hooks
+
+    m = _lean(_hybrid(), where)
+    ids = _ids(2, 20)
+    with torch.no_grad():
+        full = m(ids, use_cache=False, output_hidden_states=True).hidden_states[-1]
+        out = m.model(ids[:, :16])
+        cache = out.past_key_values if getattr(out, "past_key_values", None) is not None else out.cache
+        assert isinstance(cache, HybridCache) and cache.get_seq_length() == 16
+        steps = [out.last_hidden_state]
+        for t in range(16, 20):
+            steps.append(m.model(ids[:, t : t + 1], past_key_values=cache).last_hidden_state)
+    assert (torch.cat(steps, 1) - full).abs().max().item() < 1e-5
+    assert not _user_hooks(m.model)
+    h = m.model.norm.register_forward_hook(lambda *a: None)
+    assert _user_hooks(m.model.norm)
+    h.remove()

@@ -100,6 +100,39 @@ def test_fa_head_of_sliding_layer_keeps_window_without_mask(name):
     assert (got - causal).abs().max().item() > 1e-2
 
 
+FAST = {"llama", "qwen2", "qwen3", "gpt_neox"}  # plain layers (LayerSpec.plain): the lean path computes them
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lean_path_equals_reference_forward_and_decode(name):
+    """With the lean path forced on (``fast_path="always"``; the decode kernels through Triton's interpreter, which
+    tests/conftest.py turns on), a mixed hybrid's prefill and five decode steps through its HybridCache equal the
+    reference forward's logits (fp32). GPT-NeoX rotates a quarter of each head (partial rotary): its decode steps
+    take the PyTorch glue, as the kernels rotate all d features (they gave errors of ~2 in the logits before)."""
+    from dataclasses import replace
+
+    from headscope.hybrid.inference import InferenceConfig, use_inference
+
+    teacher = _teacher(name)
+    hybrid = hybridize(teacher, _mixed(teacher), gdn_kernel="torch").eval()
+    layers = [_attn(hybrid, i) for i in range(len(decoder_layers(hybrid)))]
+    assert all(a.plain for a in layers) == (name in FAST) and any(a.plain for a in layers) == (name in FAST)
+    ids = _ids()
+    got = {}
+    for where in ("never", "always"):
+        use_inference(hybrid, replace(InferenceConfig(), fast_path=where, decode_graphs="never"))
+        with torch.no_grad():
+            full = hybrid(ids).logits
+            out = hybrid(ids[:, :-5], use_cache=True)
+            cache = out.past_key_values
+            steps = [out.logits[:, -1]]
+            for t in range(T - 5, T - 1):
+                steps.append(hybrid(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        got[where] = torch.stack(steps, 1)
+        assert (got[where] - full[:, T - 6 : T - 1]).abs().max().item() <= 2e-5, where
+    assert (got["always"] - got["never"]).abs().max().item() <= 2e-5
+
+
 @pytest.mark.slow  # 50 teacher + student steps: ~25 s per family on a shared 2-core CPU
 @pytest.mark.parametrize("name", NAMES)
 def test_mixed_mask_trains_stage1(name):

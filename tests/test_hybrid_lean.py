@@ -275,7 +275,7 @@ def test_fla_low_memory_stages_equal_flas_one_call_and_free_intermediates():
         assert peaks[True] < 0.8 * peaks[False], peaks
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
 @pytest.mark.parametrize("eager_graphs", ["never", "always"], ids=["blocks", "graph-blocks"])
 def test_static_decoder_equals_full_forward_and_generate(family, eager_graphs):
     """Whole model through StaticDecoder (per-layer HybridDecodeCache, lean path): prefill + steps equal
@@ -284,7 +284,7 @@ def test_static_decoder_equals_full_forward_and_generate(family, eager_graphs):
     ``graph-blocks`` the prefills run the GDN heads as padded fixed-shape blocks (eager_gdn_graphs; on CPU
     without graphs), the two layers sharing the blocks' static buffers."""
     prefill.release_eager_graphs()
-    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+    from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3ForCausalLM
 
     from headscope.hybrid import hybridize
     from headscope.hybrid.inference.decoder import StaticDecoder
@@ -293,12 +293,20 @@ def test_static_decoder_equals_full_forward_and_generate(family, eager_graphs):
     kw = dict(vocab_size=101, hidden_size=HID, intermediate_size=64, num_hidden_layers=2, num_attention_heads=H,
               num_key_value_heads=KV, head_dim=D, max_position_embeddings=512)
     torch.manual_seed(0)
-    teacher = (LlamaForCausalLM(LlamaConfig(**kw)) if family == "llama" else Qwen3ForCausalLM(Qwen3Config(**kw))).eval()
+    if family == "qwen2":  # q/k/v biases, no o bias (Qwen2 / Qwen2.5); random biases so that they matter
+        teacher = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in kw.items() if k != "head_dim"})).eval()
+        with torch.no_grad():
+            for n, b in teacher.named_parameters():
+                if n.endswith("_proj.bias"):
+                    b.normal_(0, 0.5)
+    else:
+        teacher = (LlamaForCausalLM(LlamaConfig(**kw)) if family == "llama" else Qwen3ForCausalLM(Qwen3Config(**kw))).eval()
     ids = torch.randint(0, 101, (2, 15), generator=torch.Generator().manual_seed(1))
     hyb = hybridize(teacher, HeadMask(2, H, KV, ((1,), (0, 4))), gdn_kernel="torch").eval()
     allfa = hybridize(teacher, HeadMask(2, H, KV, (tuple(range(H)),) * 2), fusion="none").eval()
     for model in (hyb, allfa):
         use(model, eager_gdn_graphs=eager_graphs, eager_graph_min=16)
+        assert all(layer.self_attn.plain for layer in model.model.layers)  # the lean path computes every layer
     with torch.no_grad():
         for model, ref_model in ((hyb, hyb), (allfa, teacher)):
             with plain(ref_model):

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HYBRID = ROOT / "headscope" / "hybrid"
 UPPER = re.compile(r"^_?[A-Z][A-Z0-9_]*$")
 # owned by the reference layer's rewrite (issue 39 item 1): its in-place low-memory stages' switch and block size
-EXEMPT = {("layer.py", "LOW_MEMORY"), ("layer.py", "BLOCK")}
+EXEMPT = {("layer.py", "BLOCK")}
 
 
 def _modules():

@@ -126,10 +126,10 @@ class LayerSpec:
             raise ValueError(f"scaling must be > 0 or None, got {self.scaling}")
 
     def plain(self, head_dim: int) -> bool:
-        """A Llama/Qwen3 layer (no bias but uniform q/k/v/o bias, RoPE, 1/√d scale, no window, no
-        soft-cap): what the fast inference and training paths compute."""
-        uniform = self.q_bias == self.k_bias == self.v_bias == self.o_bias
-        return (uniform and self.rope and self.qk_norm != "teacher" and self.window is None and self.softcap is None
+        """A Llama/Qwen2/Qwen3 layer (any projection biases, RoPE, 1/√d scale, no window, no soft-cap, no
+        teacher-convention QK-norm): what the fast inference and training paths compute (they stack the
+        projections' biases with zero rows where a projection has none, and add o_proj's own)."""
+        return (self.rope and self.qk_norm != "teacher" and self.window is None and self.softcap is None
                 and (self.scaling is None or abs(self.scaling - head_dim ** -0.5) < 1e-12))
 
     def to_dict(self) -> dict[str, Any]:

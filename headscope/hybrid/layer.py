@@ -23,11 +23,11 @@ directly::
 Memory: under ``torch.no_grad`` (or on tensors that need no gradient) the elementwise stages — RoPE,
 the L2 normalization of GDN q/k, the fusion RMSNorm — run in place in blocks of ``BLOCK`` tokens and
 the head outputs are written straight into one output buffer, so no full-length fp32 temporaries are
-kept; the numbers are the same as the plain path (set ``LOW_MEMORY = False`` to get that path).
+kept; the numbers are the same as out of place.
 
 This module is the reference forward (what a saved checkpoint ships) and imports no fast path.
-Inside headscope, a layer whose :class:`LayerSpec` is plain (Llama/Qwen3: RoPE, 1/√d scale, no window, no
-soft-cap) hands the calls the fast paths compute (CUDA inference with no mask, the prepared training
+Inside headscope, a layer whose :class:`LayerSpec` is plain (Llama, Qwen2/3, GPT-NeoX: RoPE, 1/√d scale, no window,
+no soft-cap) hands the calls the fast paths compute (CUDA inference with no mask, the prepared training
 step) to ``inference/dispatch.py``; every other layer and call, and every call in a process without
 headscope (remote code), runs here.
 
@@ -39,9 +39,8 @@ architecture adapter at conversion (:func:`headscope.hybrid.hybridize`).
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
-
 import sys
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -54,13 +53,12 @@ from .cache import HybridCache, HybridDecodeCache, valid_tokens as _valid_tokens
 from .gdn import gated_delta_rule
 from .shapes import Float
 
-LOW_MEMORY = True  # in-place, time-blocked elementwise stages when no gradient is needed (same numbers)
-BLOCK = 8192  # tokens per block of those stages
+BLOCK = 8192  # tokens per block of the in-place elementwise stages (no gradient needed)
 
 
 def _inplace_ok(*ts: Tensor) -> bool:
     """The low-memory path may overwrite these fresh tensors: no autograd graph needs them."""
-    return LOW_MEMORY and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
 
 
 def _blocks(T: int):

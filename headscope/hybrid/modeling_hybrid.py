@@ -194,6 +194,20 @@ def hybrid_cache_for(model: PreTrainedModel, cache: Any, use_cache: bool, initia
     return cache
 
 
+def _base_model_cache_hook(module: Any, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    """Forward pre-hook of a hybrid's base model (``model.model``): the causal LM's cache swap
+    (:func:`hybrid_cache_for`) for a call of the base model alone. A cache passed positionally is left as it is."""
+    key, use = _cache_kwarg(type(module)), kwargs.get("use_cache")
+    cache = kwargs.get(key, kwargs.get("past_key_values"))
+    new = hybrid_cache_for(module, cache, module.config.use_cache if use is None else use)
+    if new is cache or len(args) > 1:
+        return None
+    return args, {**{k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}, key: new}
+
+
+_base_model_cache_hook.headscope_own = True  # not a user's hook: the fast model step may run beside it
+
+
 def _cache_kwarg(model_base: type) -> str:
     """The name the teacher's forward gives its cache argument (``cache`` in newer transformers)."""
     return "cache" if "cache" in inspect.signature(model_base.forward).parameters else "past_key_values"
@@ -216,6 +230,7 @@ def _hybrid_classes(family: str, config_base: type, model_base: type) -> tuple[t
     def __init__(self: Any, config: Any) -> None:
         model_base.__init__(self, config)
         install_hybrid_attention(self)
+        self.base_model.register_forward_pre_hook(_base_model_cache_hook, with_kwargs=True)
 
     def forward(self: Any, input_ids: Optional[Tensor] = None, *args: Any, **kwargs: Any) -> Any:
         cache = kwargs.pop("cache", None)

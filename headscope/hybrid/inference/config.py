@@ -4,7 +4,7 @@ The layer's inference forward (``forward.py``: prefill and decode) and the whole
 read every choice from an :class:`InferenceConfig` — none from a module-level switch — so two models in one
 process can differ, and a benchmark records its choices as data (``dataclasses.asdict``). Variants are
 ``dataclasses.replace(cfg, ...)``. The defaults are the measured best (``docs/performance-variants.md`` lists
-the variants that lost and were removed).
+the variants that lost and were removed, and the measurements behind each default).
 
     from dataclasses import replace
     use_inference(model, replace(InferenceConfig(), fast_path="always"))   # e.g. the lean path on CPU (tests)
@@ -29,34 +29,29 @@ class InferenceConfig:
         compile_glue: ``torch.compile`` the lean path's elementwise glue on CUDA (eager elsewhere).
         gdn_block_tokens: batch × time tokens per GDN kernel call in a prefill; None: the automatic rule
             (``gdn_block_work`` eagerly, ``tokens // gdn_graph_block_divisor`` under a CUDA graph).
-        gdn_block_work: automatic eager blocks: tokens × GDN heads × d² per call (~1.5 ms of H200 work at B = 1).
+        gdn_block_work: automatic eager blocks: tokens × GDN heads × d² per call.
         gdn_graph_block_divisor: a prefill recorded for a CUDA graph takes GDN blocks of a 1/divisor of its tokens
-            (at least ``gdn_graph_block_min``); 0: the eager rule. H200, bf16, one layer, graphed: peak 0.73-0.82x
-            the all-FA layer's (SmolLM2 shape) and 0.67x (Qwen3-1.7B shape) at 16K-128K with 4, 1.06-1.12x with 2.
+            (at least ``gdn_graph_block_min``); 0: the eager rule.
         gdn_graph_block_min: the smallest such block (tokens).
         eager_gdn_graphs: an eager prefill without autograd replays its GDN heads as fixed-shape blocks from CUDA
             graphs: ``"cuda"`` where it applies (CUDA, fla), ``"always"`` also on CPU (the same padded static-buffer
             path without graphs: tests), ``"never"``.
         eager_graph_tokens: batch × time tokens per such block; a shorter prefill takes a power-of-two block of at
             least ``eager_graph_min`` tokens; at most ``eager_graph_max`` block shapes are held.
-        flash_qla: FlashQLA's GDN chunk forward (head_dim 128, bf16/fp16, CUDA, when installed) instead of fla's;
-            faster on the H200 at 8K-128K (Qwen3-1.7B shape).
+        flash_qla: FlashQLA's GDN chunk forward (head_dim 128, bf16/fp16, CUDA, when installed) instead of fla's.
         fused_out_max_d: a decode step folds the output fusion (FA gate, per-head RMSNorm, γ) into its kernels up
-            to this head_dim (at d = 128 it was slower: 6.250 vs 5.983 ms per whole-model step, B = 16, 32K).
+            to this head_dim.
         tail_backend, tail_mode: ``torch.compile`` backend and mode of StaticDecoder's compiled layer tails.
         fused_gate_up_max_bytes: StaticDecoder's fused tail concatenates a layer's gate and up weights into one
             GEMM up to this many bytes per layer (small, latency-bound GEMMs).
         tail_kernel: StaticDecoder's decode step (≤ 16 rows, compile_tail) runs each layer's split-K combination,
             o_proj, residual, norm, gated MLP, next norm and next input projection in one persistent Triton launch
-            (``kernels/layer_tail.py``) where it applies; False: the compiled tail (H200, SmolLM2 shape, B = 16, 32K:
-            hybrid 1.952 -> 1.792 ms per step with it).
+            (``kernels/layer_tail.py``) where it applies; False: the compiled tail.
         decode_graphs: which decode steps of ``model(...)`` / ``generate`` (one token per sequence into a
             ``HybridCache``, on CUDA, unpadded) run as one replayed CUDA graph of the whole model step
             (``model_step.py``): ``"all"``; ``"static"`` only a static cache's (``cache_implementation="static"``),
             the others layer by layer; ``"never"``. A static cache's graph has compiled layer tails (a first-use
-            compile), a growing cache's has eager ones (capture only). H200, SmolLM2 shape, ranked 7:1: layer-by-layer
-            steps took 19.9-30.7 ms per token through ``generate`` against the teacher's 19.8-23.3 ms, the static
-            graph 1.5-2.7 ms (``benchmarks/results/h200_generate_api.json``).
+            compile), a growing cache's has eager ones (capture only).
 
     Raises:
         ValueError: a field outside its allowed values (named in the message).

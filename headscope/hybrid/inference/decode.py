@@ -82,7 +82,8 @@ def gdn_decode(layer: "HeadwiseHybridAttention", p: Plan, qg: Tensor, kg: Tensor
     ``S`` (the cache's) updated in place -> y [B,1,n,d]: the Triton kernel where it applies (into ``out`` [B,n,d]
     when given, the output fusion folded in with ``gamma``), else the same function compiled from PyTorch."""
     ng, d = p.ng, p.d
-    if gdn_step_applies(d, qg.device):
+    partial = p.gdn_rope and cs[0] is not None and cs[0].shape[-1] != d  # partial rotary: the kernel rotates all d
+    if gdn_step_applies(d, qg.device) and not partial:
         return gdn_decode_step(**gdn_step_kw(layer, p, qg, kg, vg, a, b, cs, S, out, gamma))[:, None]
     q3, k3, v3 = (t.unflatten(-1, (ng, d)) for t in (qg, kg, vg))
     return glue("dec_gdn", (q3, k3, v3, a, b, *cs), (S, p.A_neg, p.dtb, p.qn, p.kn),

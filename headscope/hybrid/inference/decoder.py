@@ -119,9 +119,9 @@ class StaticDecoder:
         max_len: cache capacity in tokens (prompt + new tokens).
         compile_tail: ``torch.compile`` each layer's input norm and its residual + norm + MLP tail (one compiled
             graph shared by all layers), and a decode step's ends (embedding + rotary, final norm + LM head); eager
-            after a compile failure (warned). Off by default (a first-use compile of ~30 s; measured gains:
-            ``docs/performance.md``, ``docs/performance-variants.md``). With gated MLPs (checked against the modules' forward first; not with forward
-            hooks on the norms or MLPs, warned) a layer's residual, norm, MLP (gate and up projections in one GEMM up
+            after a compile failure (warned). Off by default (a first-use compile; docs/performance-variants.md).
+            With gated MLPs (checked against the modules' forward first; not with forward hooks on the norms or MLPs,
+            warned) a layer's residual, norm, MLP (gate and up projections in one GEMM up
             to ``config.fused_gate_up_max_bytes``) and the next layer's input norm are one compiled call, or with
             ``config.tail_kernel`` one Triton launch per layer (``kernels/layer_tail.py``) that also computes the
             next layer's input projection.

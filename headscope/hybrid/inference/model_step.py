@@ -42,6 +42,11 @@ def _decoder_layers_plain(model: Any) -> bool:
                and not hasattr(l, "pre_feedforward_layernorm") for l in layers)
 
 
+def _user_hooks(m: Any) -> bool:
+    """Whether module ``m`` has a forward hook other than the hybrid's own (the base model's cache swap)."""
+    return any(not getattr(h, "headscope_own", False) for h in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()])
+
+
 def model_forward(model: Any, input_ids: Optional[Tensor], cache: Any, kwargs: dict) -> Optional[Any]:
     """The model's output for this call from the replayed decode step, or None where it does not apply.
 
@@ -74,7 +79,7 @@ def model_forward(model: Any, input_ids: Optional[Tensor], cache: Any, kwargs: d
         return None
     if cfg.decode_graphs == "never" or (cfg.decode_graphs == "static" and not cache.static):
         return None
-    if model.training or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+    if model.training or any(_user_hooks(m) for m in model.modules()):
         return None
     dec = getattr(cache, "headscope_decoder", None)
     caches = cache.decode_caches

@@ -123,8 +123,8 @@ def block_tokens(n_gdn: int, d: int, tokens: int = 0, graphed: bool = False,
     """Tokens (batch x time) per GDN kernel call in a prefill of ``tokens`` (batch x time) tokens.
 
     ``cfg.gdn_block_tokens`` when set. Else, eager (``graphed`` False): enough that one call's work (tokens x heads x
-    d²) is ``cfg.gdn_block_work`` (at least 8192, a multiple of 64) — each call costs ~1-1.5 ms of host time (glue +
-    fla's launches) on the H200, hidden only behind that much GPU work, so smaller blocks are host-bound. For a call
+    d²) is ``cfg.gdn_block_work`` (at least 8192, a multiple of 64): each call's host time (glue + fla's launches) hides
+    only behind that much GPU work. For a call
     recorded for a CUDA graph (``graphed``: :func:`headscope.hybrid.inference.graphs.recording`; no host time at replay):
     ``tokens // cfg.gdn_graph_block_divisor`` (at least ``cfg.gdn_graph_block_min``, a multiple of 64), which bounds
     fla's intermediates by a fraction of the sequence (the prefill's peak memory) at little cost in speed."""

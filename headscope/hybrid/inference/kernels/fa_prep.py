@@ -3,9 +3,8 @@
 Before the split-K attention of a decode step (``splitk.py``) the FA heads' new token needs its query and
 key normalized (the teacher's QK-RMSNorm, when it has one), rotated (RoPE) or its query scaled (HypeNet's
 NoPE coefficient s_t = log(t + a) / log(a)), and its key and value written into the decode cache at the
-token's slot. Done by the compiled glue and two copies, that is three kernels whose work is a few hundred
-bytes per head; on the H200 the two copies alone took ~3.8 µs per layer of a batch-16 decode step
-(``benchmarks/profile_decode.py``). :func:`fa_decode_prep` does it in one kernel: one program per (sequence,
+token's slot: three launch-bound kernels of a few hundred bytes per head (docs/performance-variants.md), which
+:func:`fa_decode_prep` does in one kernel: one program per (sequence,
 FA query head) writes the prepared query, one program per (sequence, kept KV group) writes the key and the
 value into the cache. The slot is a Python int or read from device memory (a [1] or [batch] integer tensor:
 one captured CUDA graph serves every position).

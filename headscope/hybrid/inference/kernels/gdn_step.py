@@ -251,6 +251,9 @@ def setup(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, S: Tensor, A_ne
             raise ValueError(f"{name} needs unit stride in its last dimension")
     if (cos is None) != (sin is None) or (q_norm is None) != (k_norm is None):
         raise ValueError("give cos and sin together, and q_norm and k_norm together")
+    if cos is not None and (cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] not in (1, B) or cos.shape[1] != d):
+        raise ValueError(f"cos and sin must be [batch={B} or 1, d={d}] (the kernel rotates all d features; partial "
+                         f"rotary: use gdn_decode_step_torch); got {tuple(cos.shape)}, {tuple(sin.shape)}")
     require_kernel("gdn_decode_step", "gdn_decode_step_torch", v)
     bv, _ = launch_shape(d, gamma is not None, block_v)
     if out is not None and (out.shape != (B, N, d) or out.dtype != v.dtype or out.stride(-1) != 1

@@ -2,10 +2,8 @@
 residual, the post-attention RMSNorm, the gated MLP and its residual, the next layer's input RMSNorm and, optionally,
 that layer's input projection.
 
-After the attention kernel, a SmolLM2-sized decode layer launched nine more kernels (the combination, five cuBLAS
-GEMMs of 16 rows counting the next layer's input projection, three compiled norm / SiLU·mul kernels;
-``benchmarks/profile_decode.py``): each is bound by its launch and its first loads (2–4 µs on the H200), not by its
-few hundred KB of weights. :func:`layer_tail` does that chain as the *phases* of one launch of at most one program
+It replaces nine launch-bound kernels of a small decode layer (docs/performance-variants.md).
+:func:`layer_tail` does that chain as the *phases* of one launch of at most one program
 per SM, separated by grid-wide barriers (an atomic counter that only grows: each program adds one per barrier and
 waits until all have; every program of the launch is resident, so none waits on a program that never runs):
 
@@ -21,9 +19,8 @@ waits until all have; every program of the launch is resident, so none waits on 
 
 Every reduction is a software-pipelined loop deep enough that all its chunks' copies into shared memory are in
 flight before the first product: a ``tl.dot``'s operands pass through shared memory behind a barrier that no later
-load moves above, so chunks loaded one after another would wait a memory latency each (the first version of this
-kernel, 17–19 µs per layer on the H200; this one 19–20 µs with the next projection, against 25–26 µs for the
-launches it replaces). The norms' row statistics come from the tiles of the phase before (sums of squares per
+load moves above, so chunks loaded one after another would wait a memory latency each. The norms' row statistics
+come from the tiles of the phase before (sums of squares per
 tile, added by every program of the next phase), not from a second pass over the rows. Rounding follows the
 modules' (each GEMM's output, the residual sums, the norms' ``weight · x.to(dtype)``, SiLU then the product, in the
 activations' dtype); products accumulate in fp32.

@@ -40,9 +40,7 @@ _kernels: dict = {}
 # Where hybrid_decode_step's split-K combination runs by default (combine=True): inside the one launch, by the last
 # split of each (sequence, KV head) to finish (a per-row counter; saves the second launch, or the tail kernel's first
 # phase and its barrier), for rows of at most this many query heads (G); rows of more heads take splitk.combine's
-# separate launch. On the H200 (SmolLM2 shape, B = 16, 32K; profile_decode.py) the all-FA teacher's rows (G = 3) made
-# the launch 95.6 -> 100.0 µs per layer against 20.3 -> 17.4 µs saved in the tail kernel (slower), the hybrid's
-# (G = 1-2) 38.2 -> 38.9-39.6 against 19.4 -> 17.7-18.0 (faster).
+# separate launch (docs/performance-variants.md: why 2).
 LAUNCH_COMBINE_MAX_G = 2
 
 
