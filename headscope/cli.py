@@ -345,7 +345,8 @@ def anatomy(
         typer.echo(
             f"stability rho(n) against {d['stability']['n_ref']} disjoint pairs [noise baseline]: "
             + ", ".join(f"{row['n']}:{row['rho_mean']:.3f} [{row['noise_rho_mean']:.3f}]" for row in curve)
-            + f"; rho >= {a.rho_target} from n = {d['stability']['n_at_target']}"
+            + (f"; rho >= {a.rho_target} from n = {n}" if (n := d["stability"]["n_at_target"]) is not None
+               else f"; rho stays below {a.rho_target} up to n = {curve[-1]['n'] if curve else 0}")
         )
     typer.echo(f"wrote {out / 'anatomy.json'} and {sum(len(v) for k, v in written.items() if k != 'json')} figure file(s)")
 

@@ -46,7 +46,7 @@ class ScreenConfig:
     """
 
     verify: Verify = opt("auto", "screen mode: 'auto' (verify until no unverified head's optimistic score reaches "
-                         "the top 10; a heuristic, see the README), or a head count / fraction verified exactly "
+                         "the top 10; a heuristic, see docs/engine.md), or a head count / fraction verified exactly "
                          "after the AtP screen, with --spot-checks", cli_type=str, parse="verify")
     spot_checks: Union[int, float] = opt(0.05, "screen mode with a count/fraction --verify: random unverified heads "
                                          "patched exactly to estimate what the screen missed", cli_type=float,

@@ -307,6 +307,8 @@ def test_cli_anatomy(tmp_path):
     assert d["critical"]["ie_recv"]["n_critical"] == 2
     assert d["gini_negative"]["negative"] == "clip" and "clipped" in res.output
     assert d["stability"]["n_ref"] == 3 and "noise" in res.output
+    n = d["stability"]["n_at_target"]  # the printout names where rho reaches the target, or says it never does
+    assert (f"from n = {n}" if n is not None else "stays below") in res.output and "n = None" not in res.output
     assert (tmp_path / "run" / "anatomy" / "stability.html").exists()
     bad = CliRunner().invoke(app, ["anatomy", str(tmp_path / "nothing")])
     assert bad.exit_code == 2 and "missing" in bad.output

@@ -308,3 +308,14 @@ def test_calibrated_gamma_is_the_teacher_head_rms(name):
         z = seen[i].view(*seen[i].shape[:-1], H, -1)
         want = z.pow(2).mean(dim=(0, 1, 3)).sqrt()
         assert torch.allclose(_attn(hybrid, i).gamma[:, 0], want, rtol=1e-5), i
+
+
+def test_gguf_quantization_config_is_not_carried_over():
+    """A teacher loaded from a GGUF file (de-quantized: plain weights) has ``quantization_config`` with
+    ``quant_method="gguf"``; the hybrid's weights are plain tensors too, so its config drops it (kept, a bf16 reload
+    warned that the weights stay quantized and loaded through a GGUF quantizer)."""
+    teacher = _teacher("llama")
+    teacher.config.quantization_config = {"quant_method": "gguf", "gguf_file": "x.gguf", "dequantize": False}
+    hybrid = hybridize(teacher, _mixed(teacher))
+    assert getattr(hybrid.config, "quantization_config", None) is None
+    assert "quantization_config" not in hybrid.config.to_dict()

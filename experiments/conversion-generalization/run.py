@@ -1259,7 +1259,12 @@ def main(argv: Optional[list[str]] = None) -> str:
             sub = parser().parse_args([*SMOKE, "--out", o, "--piece", piece, *extra, *tok_args])
             sub.smoke = True
             msgs.append(run_piece(sub))
-        print(f"smoke run in {out}", flush=True)
+        if "--out" in argv:
+            print(f"smoke run in {out}", flush=True)
+        else:  # temporary folders (~0.5 GB): removed; pass --out DIR to keep the run
+            for d in (out, state, restored):
+                shutil.rmtree(d, ignore_errors=True)
+            print("smoke run passed (temporary folders removed; --out DIR keeps them)", flush=True)
         return "\n".join(msgs)
     if not a.piece:
         raise SystemExit("give --piece (suite, data, train, eval, report, anatomy, pack, unpack) or --smoke")

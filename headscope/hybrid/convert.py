@@ -232,6 +232,8 @@ def hybridize(
     d = cfg.to_dict()
     for k in ("model_type", "architectures", "transformers_version", "auto_map"):
         d.pop(k, None)
+    if (d.get("quantization_config") or {}).get("quant_method") == "gguf":  # de-quantized on load: plain weights
+        d.pop("quantization_config")
     d[CONFIG_KEY] = {"mask": mask.to_dict(), "options": opts.to_dict(),
                      "qk_norm": any(s.qk_norm is not None for s in specs),
                      "layers": [s.to_dict() for s in specs], "family": str(cfg.model_type)}

@@ -30,8 +30,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..layer import HeadwiseHybridAttention
 
 _compiled: dict[tuple, Callable] = {}
-
-
 _compile_failed: list[str] = []
 
 
