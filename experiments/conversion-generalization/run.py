@@ -1160,7 +1160,10 @@ STATE_PIECES = {"pack": piece_pack, "unpack": piece_unpack}
 
 # ---------------------------------------------------------------------------------------------- command line
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Fmt(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        """The module docstring as written, and every option's default in its help."""
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Fmt)
     p.add_argument("--piece", choices=[*PIECES, *STATE_PIECES])
     p.add_argument("--out", default="runs/conversion-generalization")
     p.add_argument("--model", default="smollm2-135m", help="the teacher (a .gguf path, HF directory or spec)")
