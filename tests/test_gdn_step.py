@@ -86,6 +86,8 @@ def test_bad_input_names_the_fix():
         gdn_decode_step(q, k, v, a, b, S.double(), A_neg, dtb, 1.0)
     with pytest.raises(ValueError, match="together"):
         gdn_decode_step(q, k, v, a, b, S, A_neg, dtb, 1.0, cos=torch.ones(1, 16))
+    with pytest.raises(ValueError, match="rotate all d features"):  # partial rotary (GPT-NeoX): the PyTorch forms
+        gdn_decode_step(q, k, v, a, b, S, A_neg, dtb, 1.0, cos=torch.ones(1, 4), sin=torch.zeros(1, 4))
 
 
 @needs_kernel

@@ -180,10 +180,9 @@ def hybrid_cache_for(model: PreTrainedModel, cache: Any, use_cache: bool, initia
     """The cache a hybrid model's layers get in place of the one transformers made or was given.
 
     None with ``use_cache`` → a growing :class:`HybridCache` (first allocation ≥ ``initial_len`` tokens); an empty
-    ``DynamicCache`` → the same; an empty
-    ``StaticCache`` (``generate(cache_implementation="static")``) → ``HybridCache(max_len=its length,
-    static=True)``; anything else (a HybridCache, a filled cache, None without use_cache) is returned as it is (the
-    layers refuse a cache that is not a HybridCache).
+    ``DynamicCache`` → the same; an empty ``StaticCache`` (``generate(cache_implementation="static")``) →
+    ``HybridCache(max_len=its length, static=True)``; anything else (a HybridCache, a filled cache, None without
+    use_cache) is returned as it is (the layers refuse a cache that is not a HybridCache).
     """
     if cache is None:
         return HybridCache(model.config, initial_len=initial_len) if use_cache else None

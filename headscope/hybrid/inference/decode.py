@@ -21,7 +21,7 @@ from torch import Tensor
 from ..attn import fa_attention
 from .config import inference_config
 from .kernels.fa_prep import applies as fa_prep_applies, fa_decode_prep
-from .kernels.gdn_step import applies as gdn_step_applies, gdn_decode_step
+from .kernels.gdn_step import applies as gdn_step_applies, full_rotary, gdn_decode_step
 from .kernels.one_launch import hybrid_decode_step
 from .kernels.splitk import combine as _combine_partials, decode_attention, triton_available
 from .plan import Plan, glue
@@ -82,8 +82,7 @@ def gdn_decode(layer: "HeadwiseHybridAttention", p: Plan, qg: Tensor, kg: Tensor
     ``S`` (the cache's) updated in place -> y [B,1,n,d]: the Triton kernel where it applies (into ``out`` [B,n,d]
     when given, the output fusion folded in with ``gamma``), else the same function compiled from PyTorch."""
     ng, d = p.ng, p.d
-    partial = p.gdn_rope and cs[0] is not None and cs[0].shape[-1] != d  # partial rotary: the kernel rotates all d
-    if gdn_step_applies(d, qg.device) and not partial:
+    if gdn_step_applies(d, qg.device) and (not p.gdn_rope or full_rotary(cs[0], d)):
         return gdn_decode_step(**gdn_step_kw(layer, p, qg, kg, vg, a, b, cs, S, out, gamma))[:, None]
     q3, k3, v3 = (t.unflatten(-1, (ng, d)) for t in (qg, kg, vg))
     return glue("dec_gdn", (q3, k3, v3, a, b, *cs), (S, p.A_neg, p.dtb, p.qn, p.kn),

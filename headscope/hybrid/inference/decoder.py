@@ -10,12 +10,8 @@ Driven directly (benchmarks, tests)::
     logits = dec.prefill(ids)            # ids [16, T]: fills the caches, logits of the last position
     logits = dec.step(next_ids)          # one token per sequence
 
-``capture()`` records the next step (at the current length) in a CUDA graph; ``replay()`` re-runs it
-(the benchmark's decode step: the FA K/V go into the same slot on every replay). ``prefill_graphed(ids)``
-records the prefill of ids' shape once and replays it for every later prompt batch of that shape (no
-host time per layer: see ``graphs.py``)::
-
-    logits = dec.prefill_graphed(ids)     # first call: warm-up + capture + replay; later: copy + replay
+For the benchmarks, ``capture()`` / ``replay()`` record and re-run one step at a fixed length, and
+``prefill_graphed(ids)`` replays a recorded prefill for every prompt batch of ids' shape (see each method).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from torch import Tensor
 from . import prefill
 from .config import inference_config
 from .decode import DeferredOutput, fa_attend, fa_fused_out, gdn_decode, one_launch, prep_applies, prep_attend
-from .kernels.gdn_step import applies as gdn_step_applies
+from .kernels.gdn_step import applies as gdn_step_applies, full_rotary
 from .kernels.one_launch import applies as step_applies
 from .plan import glue, plan
 
@@ -98,9 +98,8 @@ def forward(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings: Op
         parts = z_fa.split(p.fa_sizes, dim=-1)
         q, k, v = (t.unflatten(-1, (-1, d)) for t in parts[:3])
         gate = parts[3].unflatten(-1, (nf, d)) if p.gate else None
-    partial = cos is not None and cos.shape[-1] != d  # partial rotary (GPT-NeoX): the kernels rotate all d features
-    prep = bool(nf) and not (partial and p.fa_rope) and prep_applies(layer, q, T, cache)
-    gdn_triton = not ng or (S_dec is not None and not (partial and p.gdn_rope) and gdn_step_applies(d, x.device))
+    prep = bool(nf) and (not p.fa_rope or full_rotary(cos, d)) and prep_applies(layer, q, T, cache)
+    gdn_triton = not ng or (S_dec is not None and (not p.gdn_rope or full_rotary(cos, d)) and gdn_step_applies(d, x.device))
     # ---- the fused output of a decode step: every head writes its fused output here
     y_buf = g_out = None
     if (T == 1 and cache is not None and d <= cfg.fused_out_max_d and (p.gamma is not None or p.gate or (nf and ng))

@@ -37,14 +37,14 @@ def _decoder_layers_plain(model: Any) -> bool:
     if layers is None or not all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "norm")):
         return False
     return all(getattr(getattr(l, "self_attn", None), "plain", False) and l.self_attn.gdn_conv is None
-               and hasattr(l, "input_layernorm")
-               and hasattr(l, "post_attention_layernorm") and hasattr(l, "mlp")
+               and all(hasattr(l, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp"))
                and not hasattr(l, "pre_feedforward_layernorm") for l in layers)
 
 
 def _user_hooks(m: Any) -> bool:
     """Whether module ``m`` has a forward hook other than the hybrid's own (the base model's cache swap)."""
-    return any(not getattr(h, "headscope_own", False) for h in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()])
+    hooks = (m._forward_hooks or m._forward_pre_hooks) and (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
+    return any(not getattr(h, "headscope_own", False) for h in hooks or ())
 
 
 def model_forward(model: Any, input_ids: Optional[Tensor], cache: Any, kwargs: dict) -> Optional[Any]:

@@ -22,7 +22,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from .gdn_step import rms_norm
+from .gdn_step import check_glue_args, rms_norm
 from ...rope import apply_rope
 from ...shapes import Float
 from .splitk import build_kernels, kernel_applies, require_kernel
@@ -49,10 +49,7 @@ def check_args(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, cos: Opt
     if kc.shape != vc.shape or kc.dim() != 4 or kc.shape[:2] != k.shape[:2] or kc.shape[3] != d:
         raise ValueError(f"the caches must be [batch, kv_group, slots, d] matching k {tuple(k.shape)}; got "
                          f"{tuple(kc.shape)}, {tuple(vc.shape)}")
-    if (cos is None) != (sin is None) or (q_norm is None) != (k_norm is None):
-        raise ValueError("give cos and sin together, and q_norm and k_norm together")
-    if cos is not None and (cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] not in (1, B) or cos.shape[1] != d):
-        raise ValueError(f"cos and sin must be [batch={B} or 1, d={d}]; got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    check_glue_args(cos, sin, q_norm, k_norm, B, d)
     if cos is not None and nope_a is not None:
         raise ValueError("RoPE (cos, sin) and the NoPE scale (nope_a) exclude each other")
 

@@ -33,6 +33,21 @@ from .splitk import build_kernels, kernel_applies, require_kernel
 _kernels: dict = {}
 
 
+def full_rotary(cos: Optional[Tensor], d: int) -> bool:
+    """Whether the decode kernels take this rotary row: none, or as wide as the head (partial rotary: PyTorch)."""
+    return cos is None or cos.shape[-1] == d
+
+
+def check_glue_args(cos: Optional[Tensor], sin: Optional[Tensor], q_norm: Optional[Tensor], k_norm: Optional[Tensor],
+                    B: int, d: int) -> None:
+    """The decode kernels' rotary rows [batch or 1, d] and QK-norm weights, given in pairs (ValueError otherwise)."""
+    if (cos is None) != (sin is None) or (q_norm is None) != (k_norm is None):
+        raise ValueError("give cos and sin together, and q_norm and k_norm together")
+    if cos is not None and (cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] not in (1, B) or cos.shape[1] != d):
+        raise ValueError(f"cos and sin must be [batch={B} or 1, d={d}] (the kernels rotate all d features; partial "
+                         f"rotary: the PyTorch forms); got {tuple(cos.shape)}, {tuple(sin.shape)}")
+
+
 def rms_norm(x: Tensor, w: Optional[Tensor], eps: float) -> Tensor:
     """x / RMS(x) over the last dimension (× w when given); the glue of the lean path uses it too."""
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -249,11 +264,7 @@ def setup(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, S: Tensor, A_ne
     for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs unit stride in its last dimension")
-    if (cos is None) != (sin is None) or (q_norm is None) != (k_norm is None):
-        raise ValueError("give cos and sin together, and q_norm and k_norm together")
-    if cos is not None and (cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] not in (1, B) or cos.shape[1] != d):
-        raise ValueError(f"cos and sin must be [batch={B} or 1, d={d}] (the kernel rotates all d features; partial "
-                         f"rotary: use gdn_decode_step_torch); got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    check_glue_args(cos, sin, q_norm, k_norm, B, d)
     require_kernel("gdn_decode_step", "gdn_decode_step_torch", v)
     bv, _ = launch_shape(d, gamma is not None, block_v)
     if out is not None and (out.shape != (B, N, d) or out.dtype != v.dtype or out.stride(-1) != 1
