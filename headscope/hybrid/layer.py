@@ -395,7 +395,7 @@ class HeadwiseHybridAttention(nn.Module):
             raise ValueError(f"a hybrid layer keeps its cache in a HybridCache, not a {type(cache).__name__}: call the "
                              "model's forward / generate (they make one), or pass HybridCache(model.config) or the "
                              "layer's new_decode_cache(batch, max_len)")
-        # the fast paths, once headscope is imported; only for the Llama/Qwen3 layer they were written for
+        # the fast paths, once headscope is imported; only for a plain layer (LayerSpec.plain) they compute
         fast = sys.modules.get("headscope.hybrid.inference.dispatch") if self.plain else None
         out = None if fast is None else fast.fast_forward(self, hidden_states, position_embeddings, attention_mask,
                                                            cache, position_ids, defer_out, projected)

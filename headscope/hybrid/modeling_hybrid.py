@@ -198,8 +198,8 @@ def _base_model_cache_hook(module: Any, args: tuple, kwargs: dict) -> Optional[t
     (:func:`hybrid_cache_for`) for a call of the base model alone. A cache passed positionally is left as it is."""
     key, use = _cache_kwarg(type(module)), kwargs.get("use_cache")
     cache = kwargs.get(key, kwargs.get("past_key_values"))
-    new = hybrid_cache_for(module, cache, module.config.use_cache if use is None else use)
-    if new is cache or len(args) > 1:
+    new = None if len(args) > 1 else hybrid_cache_for(module, cache, module.config.use_cache if use is None else use)
+    if new is cache or new is None:
         return None
     return args, {**{k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}, key: new}
 
