@@ -4,7 +4,7 @@
 #   $OUT). A whole run takes ~6-9 minutes (TileLang compiles each kernel once, ~16 s); to split it over two calls of
 #   <= 10 minutes: ... OUT_DIR -k "fp64" (the kernel paths), then ... OUT_DIR -k "not fp64" (the rest); each part
 #   writes its own log (the -k expression in its name).
-# Stored result: h200_hybrid_gpu_checks.log
+# Stored result: h200_hybrid_gpu_checks_k_fp64.log + h200_hybrid_gpu_checks_k_not_fp64.log (the run in two calls)
 set -euo pipefail
 OUT=${1:-${OUT:-/tmp/bench/gpu_checks}}
 shift || true
