@@ -436,3 +436,36 @@ def test_study_eval_without_weights(study, tmp_path):
     assert study.cells_left(tmp_path, "hydra-7to1", 0, 1, cfg) == (1, 40)
     with pytest.raises(SystemExit, match="1 of its 40 cells"):
         study.piece_eval(a, s, float("inf"))
+
+
+def test_resampled_documents_are_checked_against_the_record(study, tmp_path, monkeypatch):
+    """A state pack carries data/info.json but not the shards: documents sampled again must be the recorded ones."""
+    import headscope.train
+
+    def fake_sampler(teacher, tok, n, length, seed, **kw):  # documents determined by the seed, as on one GPU
+        return [[seed, i, 7] for i in range(n)]
+
+    monkeypatch.setattr(headscope.train, "sample_teacher_text", fake_sampler)
+    a = study.parser().parse_args(["--out", str(tmp_path), "--device", "cpu"])
+    s = {"sample_batch": 2, "doc_len": 3, "corpus": None}
+    docs = study.sample_docs(a, s, None, None, tmp_path / "first", 5, 100, float("inf"))
+    assert docs == [[100, 0, 7], [100, 1, 7], [101, 0, 7], [101, 1, 7], [102, 0, 7]]
+    hashes = study.shard_hashes(docs, 2)
+    assert len(hashes) == 3 and hashes[2] == study.sha256_docs([[102, 0, 7]]) and len(set(hashes)) == 3
+    # the same documents again: accepted
+    assert study.sample_docs(a, s, None, None, tmp_path / "again", 5, 100, float("inf"), expected=hashes) == docs
+    # other documents from shard 1 on: refused at that shard, kept aside, nothing reused on a rerun
+    bad = [hashes[0], study.sha256_docs([[0]]), hashes[2]]
+    with pytest.raises(SystemExit, match=r"shard 1: SHA-256 .* set aside as docs_1\.differs\.pt.*not reproducible"):
+        study.sample_docs(a, s, None, None, tmp_path / "other", 5, 100, float("inf"), expected=bad)
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["docs_0.pt", "docs_1.differs.pt"]
+    # study_data: documents whose hash is not the one info.json recorded are refused before any row is built
+    d = tmp_path / "seed0" / "data"
+    d.mkdir(parents=True)
+    (d / "info.json").write_text(json.dumps({"docs_sha256": "0" * 64}))
+    monkeypatch.setattr(study, "load_teacher", lambda *x, **k: (None, None))
+    monkeypatch.setattr(study, "sample_docs", lambda *x, **k: docs)
+    a = study.parser().parse_args(["--out", str(tmp_path), "--device", "cpu", "--seed", "0"])
+    with pytest.raises(SystemExit, match=r"seed 0's documents .* are not those recorded in its info\.json"):
+        study.study_data(a, study.settings(a), float("inf"))
+    assert sorted(p.name for p in d.iterdir()) == ["info.json"]

@@ -99,6 +99,12 @@ def parse_tokens(s: str) -> int:
     return int(float(s[:-1]) * mult) if mult else int(float(s))
 
 
+def recorded_data(out: Path) -> dict[str, Any]:
+    """``data`` of OUT/manifest.json (what earlier commands recorded: document hashes, rows), {} without one."""
+    f = out / "manifest.json"
+    return json.loads(f.read_text()).get("data", {}) if f.exists() else {}
+
+
 def sha256_docs(docs: list[list[int]]) -> str:
     h = hashlib.sha256()
     for d in docs:
@@ -409,10 +415,21 @@ def budget_masks(a: argparse.Namespace, s: dict, teacher: Any, budget: str, hydr
 
 
 # ---------------------------------------------------------------------------------------------- documents
+def shard_hashes(docs: list[list[int]], batch: int) -> list[str]:
+    """SHA-256 (:func:`sha256_docs`) of each shard of ``batch`` documents, in sampling order."""
+    return [sha256_docs(docs[i : i + batch]) for i in range(0, len(docs), batch)]
+
+
 def sample_docs(a: argparse.Namespace, s: dict, teacher: Any, tok: Any, folder: Path, n: int, base_seed: int,
-                deadline: float) -> Optional[list[list[int]]]:
+                deadline: float, expected: Optional[Sequence[str]] = None) -> Optional[list[list[int]]]:
     """``n`` documents in batches of ``sample_batch`` saved as they finish (folder/docs_K.pt); None when
-    ``deadline`` passed first (rerun to continue)."""
+    ``deadline`` passed first (rerun to continue).
+
+    ``expected``: the shard hashes (:func:`shard_hashes`) an earlier session recorded for these documents
+    (``data/info.json``, carried in a state pack without the shards). A newly sampled shard that differs is
+    set aside as ``docs_K.differs.pt`` and the command refuses: the arms of a seed must train on the same
+    documents, and sampling is only reproducible on the same GPU and software.
+    """
     from headscope.train import sample_teacher_text
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -430,10 +447,18 @@ def sample_docs(a: argparse.Namespace, s: dict, teacher: Any, tok: Any, folder: 
             b = min(s["sample_batch"], n - len(docs))
             new = sample_teacher_text(teacher, tok, b, s["doc_len"], seed=base_seed + k, batch_size=b, progress=False,
                                       cache_implementation="static" if str(a.device).startswith("cuda") else None)
+            if expected is not None and k < len(expected) and sha256_docs(new) != expected[k]:
+                torch.save(new, folder / f"docs_{k}.differs.pt")
+                raise SystemExit(
+                    f"the documents sampled again for {folder} differ from those an earlier session recorded (shard {k}: "
+                    f"SHA-256 {sha256_docs(new)[:12]}… against {expected[k][:12]}…; set aside as docs_{k}.differs.pt): "
+                    "teacher sampling is not reproducible on this machine or software. Carry the earlier documents in "
+                    "(a state pack that includes their shards/ folder, then --piece unpack), or train this seed's arms "
+                    "on new documents: delete the folder's info.json and every run and cell of the seed, or use another --seed")
             torch.save(new, folder / f"docs_{k}.tmp")
             (folder / f"docs_{k}.tmp").replace(f)
             docs += new
-            print(f"sampled {len(docs)}/{n} documents", flush=True)
+            print(f"sampled {len(docs)}/{n} documents" + (" (the recorded ones)" if expected else ""), flush=True)
         k += 1
     return docs[:n]
 
@@ -473,9 +498,15 @@ def piece_suite(a: argparse.Namespace, s: dict, deadline: float) -> str:
         if a.smoke or s["corpus"]:
             docs = corpus_docs(a, s, tok)[1]
         else:
-            docs = sample_docs(a, s, teacher, tok, d / "shards", s["suite_docs"], SUITE_SAMPLE_SEED, deadline)
+            recorded = recorded_data(out).get("suite_docs_sha256")  # an earlier session's haystack (cells were scored on it)
+            one_shard = s["suite_docs"] <= s["sample_batch"]
+            docs = sample_docs(a, s, teacher, tok, d / "shards", s["suite_docs"], SUITE_SAMPLE_SEED, deadline,
+                               expected=[recorded] if recorded and one_shard else None)
             if docs is None:
                 return "partial: sampling stopped at the deadline; rerun"
+            if recorded and sha256_docs(docs) != recorded:
+                raise SystemExit(f"the haystack documents sampled again in {d} are not those recorded in {out}/manifest.json, "
+                                 "on which stored cells were scored: carry suite/docs.pt in (a state pack)")
         d.mkdir(parents=True, exist_ok=True)
         torch.save(docs, d / "docs.pt")
         record(out, a, "suite documents", 0.0, {"suite_docs_sha256": sha256_docs(docs), "suite_docs": len(docs)})
@@ -555,13 +586,20 @@ def study_data(a: argparse.Namespace, s: dict, deadline: float) -> str:
     d = out / f"seed{a.seed}" / "data"
     if (d / "done").exists():
         return "data already built"
+    # an earlier session's record of these documents (a state pack carries info.json, not the rows)
+    earlier = json.loads((d / "info.json").read_text()) if (d / "info.json").exists() else {}
     teacher, tok = load_teacher(a, for_sampling=True)
     if a.smoke or s["corpus"]:
         docs = corpus_docs(a, s, tok)[0]
     else:
-        docs = sample_docs(a, s, teacher, tok, d / "shards", s["docs"], 10_000 * a.seed, deadline)
+        docs = sample_docs(a, s, teacher, tok, d / "shards", s["docs"], 10_000 * a.seed, deadline,
+                           expected=earlier.get("shard_sha256"))
         if docs is None:
             return "partial: sampling stopped at the deadline; rerun"
+    if earlier.get("docs_sha256") not in (None, sha256_docs(docs)):
+        raise SystemExit(f"seed {a.seed}'s documents in {d} (SHA-256 {sha256_docs(docs)[:12]}…) are not those recorded in its "
+                         f"info.json ({earlier['docs_sha256'][:12]}…), on which earlier arms of the seed trained: carry those "
+                         "documents in, or delete info.json and every run and cell of the seed to start it anew")
     held, train = split_docs(a.seed, s, docs)
     eos = tok.eos_token_id
     short = pack(train, s["seq_len"], eos)
@@ -571,18 +609,18 @@ def study_data(a: argparse.Namespace, s: dict, deadline: float) -> str:
     pack(held, s["seq_len"], eos).save(d / "heldout.pt")
     # haystack sentences of the suite that also occur in the training text (teacher text can repeat short sentences)
     shared = None
-    if (out / "suite" / "docs.pt").exists() and not any((out / "suite" / "pairs").glob("*.pt")):
+    if (out / "suite" / "docs.pt").exists():
         from headscope.tasks.filler import Filler
 
         train_sentences = set(Filler.from_texts(texts_of(tok, train), "train").sentences)
         shared = len(set(suite_filler(out, tok).sentences) & train_sentences)
     info = {"seed": a.seed, "docs": len(docs), "train_docs": len(train), "heldout_docs": len(held), "short_rows": len(short),
             "long_text_rows": len(long_text), "long_retrieval_rows": len(ret), "docs_sha256": sha256_docs(docs),
-            "suite_sentences_in_training_text": shared}
+            "shard_sha256": shard_hashes(docs, s["sample_batch"]), "suite_sentences_in_training_text": shared}
     atomic_write_text(d / "info.json", json.dumps(info, indent=2))
     (d / "done").write_text("ok")
     record(out, a, "data", 0.0, {f"seed{a.seed}": info})
-    return f"data built: {json.dumps(info)}"
+    return f"data built: {json.dumps({k: v for k, v in info.items() if k != 'shard_sha256'})}"
 
 
 def lever_data(a: argparse.Namespace, s: dict) -> str:
@@ -1144,7 +1182,7 @@ def piece_unpack(a: argparse.Namespace, s: Optional[dict], deadline: float) -> s
         msgs.append(f"{d}: {r['files']} files ({r['written']} new, {r['updated']} updated, {r['same']} already there)")
     out = Path(a.out)
     todo = []
-    if (out / "suite" / "docs.pt").exists() and not any((out / "suite" / "pairs").glob("*.pt")):
+    if (out / "suite" / "docs.pt").exists():
         todo.append("--piece suite (prompt sets)")
     seeds = sorted(int(p.parent.parent.name[4:]) for p in out.glob("seed*/data/info.json")
                    if p.parent.parent.name[4:].isdigit() and not (p.parent / "done").exists())
