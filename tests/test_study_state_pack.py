@@ -469,3 +469,45 @@ def test_resampled_documents_are_checked_against_the_record(study, tmp_path, mon
     with pytest.raises(SystemExit, match=r"seed 0's documents .* are not those recorded in its info\.json"):
         study.study_data(a, study.settings(a), float("inf"))
     assert sorted(p.name for p in d.iterdir()) == ["info.json"]
+
+
+def test_rows_built_again_are_checked_against_the_record(study, tmp_path, monkeypatch):
+    """Rows rebuilt from recorded documents (a new session) must be the bytes info.json / levers.json recorded."""
+    import torch
+    from types import SimpleNamespace
+
+    from headscope.train import TokenRows
+
+    docs = [[i % 50 + 1] * 40 for i in range(64)]
+    rows = TokenRows(torch.arange(24).view(3, 8), torch.ones(3, 8, dtype=torch.bool))
+    monkeypatch.setattr(study, "load_teacher", lambda *x, **k: (None, SimpleNamespace(eos_token_id=0)))
+    monkeypatch.setattr(study, "_cpu_tokenizer", lambda a: SimpleNamespace(eos_token_id=0))
+    monkeypatch.setattr(study, "sample_docs", lambda *x, **k: docs)
+    monkeypatch.setattr(study, "stage3_rows", lambda *x, **k: (rows, rows, rows))
+    a = study.parser().parse_args(["--out", str(tmp_path), "--device", "cpu", "--seed", "0", "--seq-len", "16"])
+    s = study.settings(a)
+    d = tmp_path / "seed0" / "data"
+    assert study.study_data(a, s, float("inf")).startswith("data built")
+    info = json.loads((d / "info.json").read_text())
+    assert info["rows_sha256"]["long.pt"] == hashlib.sha256((d / "long.pt").read_bytes()).hexdigest()
+    # a new session: the same documents, rows built again and equal -> accepted
+    for f in ("done", "short.pt", "long.pt", "heldout.pt"):
+        (d / f).unlink()
+    assert study.study_data(a, s, float("inf")).startswith("data built")
+    # rows that come out differently -> refused, nothing kept
+    (d / "done").unlink()
+    info["rows_sha256"]["short.pt"] = "0" * 64
+    (d / "info.json").write_text(json.dumps(info))
+    with pytest.raises(SystemExit, match=r"rows built again .* differ .* \(short\.pt\)"):
+        study.study_data(a, s, float("inf"))
+    assert sorted(p.name for p in d.iterdir()) == ["info.json"]
+    # a lever's rows: checked against levers.json
+    info["rows_sha256"]["short.pt"] = hashlib.sha256(b"").hexdigest()
+    a = study.parser().parse_args(["--out", str(tmp_path), "--device", "cpu", "--seed", "0", "--seq-len", "16", "--s3-wordings", "6"])
+    (d / "info.json").write_text(json.dumps({**info, "docs_sha256": study.sha256_docs(docs)}))
+    (d / "levers.json").write_text(json.dumps({"long_w6.pt": {"sha256": "0" * 64}}))
+    with pytest.raises(SystemExit, match=r"long_w6\.pt built again is not the file levers\.json recorded"):
+        study.lever_data(a, s)
+    assert not (d / "long_w6.pt").exists()
+    (d / "levers.json").unlink()
+    assert "long_w6.pt" in study.lever_data(a, s) and (d / "long_w6.pt").exists()

@@ -607,6 +607,13 @@ def study_data(a: argparse.Namespace, s: dict, deadline: float) -> str:
     short.save(d / "short.pt")
     long_rows.save(d / "long.pt")
     pack(held, s["seq_len"], eos).save(d / "heldout.pt")
+    rows_sha = {f: hashlib.sha256((d / f).read_bytes()).hexdigest() for f in ("short.pt", "long.pt", "heldout.pt")}
+    differ = [f for f, h in earlier.get("rows_sha256", {}).items() if rows_sha.get(f) != h]
+    if differ:
+        for f in rows_sha:
+            (d / f).unlink()
+        raise SystemExit(f"seed {a.seed}'s rows built again from its recorded documents differ from those info.json "
+                         f"recorded ({', '.join(differ)}): row building is not reproducible here; nothing kept")
     # haystack sentences of the suite that also occur in the training text (teacher text can repeat short sentences)
     shared = None
     if (out / "suite" / "docs.pt").exists():
@@ -616,11 +623,12 @@ def study_data(a: argparse.Namespace, s: dict, deadline: float) -> str:
         shared = len(set(suite_filler(out, tok).sentences) & train_sentences)
     info = {"seed": a.seed, "docs": len(docs), "train_docs": len(train), "heldout_docs": len(held), "short_rows": len(short),
             "long_text_rows": len(long_text), "long_retrieval_rows": len(ret), "docs_sha256": sha256_docs(docs),
-            "shard_sha256": shard_hashes(docs, s["sample_batch"]), "suite_sentences_in_training_text": shared}
+            "shard_sha256": shard_hashes(docs, s["sample_batch"]), "rows_sha256": rows_sha,
+            "suite_sentences_in_training_text": shared}
     atomic_write_text(d / "info.json", json.dumps(info, indent=2))
     (d / "done").write_text("ok")
     record(out, a, "data", 0.0, {f"seed{a.seed}": info})
-    return f"data built: {json.dumps({k: v for k, v in info.items() if k != 'shard_sha256'})}"
+    return f"data built: {json.dumps({k: v for k, v in info.items() if not k.endswith('sha256') or k == 'docs_sha256'})}"
 
 
 def lever_data(a: argparse.Namespace, s: dict) -> str:
@@ -666,6 +674,10 @@ def lever_data(a: argparse.Namespace, s: dict) -> str:
             rec = {"lever": "s3_wordings", "value": v["s3_wordings"], "text_rows": info["long_text_rows"], "retrieval_rows": len(ret)}
         rows.save(d / f)
         rec["sha256"] = hashlib.sha256((d / f).read_bytes()).hexdigest()
+        if lev.get(f, {}).get("sha256") not in (None, rec["sha256"]):
+            (d / f).unlink()
+            raise SystemExit(f"{d / f} built again is not the file levers.json recorded ({rec['sha256'][:12]}… against "
+                             f"{lev[f]['sha256'][:12]}…): the rows would differ from those earlier arms trained on")
         lev[f] = rec
         atomic_write_text(f_lev, json.dumps(lev, indent=2))
         record(out, a, f"lever rows {f}", 0.0, {f"seed{a.seed}_levers": lev})
