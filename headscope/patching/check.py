@@ -21,6 +21,9 @@
 * :func:`check_patches`: a few patched rows through the engine's shortcuts (cached prefix, rows joining
   at their layer) against one forward of the model with a ``hook_z`` edit (a pre-hook on the attention
   output projection), which the clean comparison cannot see.
+
+``eng`` is always a :class:`~headscope.patching.engine.Engine` (typed ``Any`` here: the engine imports this
+module, and this module does not import it back).
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ from ..arch import UnsupportedArchitecture, attention_out_module, decoder_layers
 from ..arch.rope_state import fresh_rope
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine import Engine
     from .plan import RunCache
 
 FIX = "pass path='generic' (CLI --path generic) to patch through the TransformerLens bridge's hooks"
@@ -136,7 +138,7 @@ def _logits_from(hf: torch.nn.Module, T: int, first: int) -> dict:
 
 
 @torch.no_grad()
-def model_reference(eng: "Engine", ids: Int[Tensor, "pos"], first: int = 0) -> Reference:
+def model_reference(eng: Any, ids: Int[Tensor, "pos"], first: int = 0) -> Reference:
     """One forward of ``ids`` through the model itself, in its dtype and on its device, capturing every
     layer's input, attention output and output (:class:`Reference`), and the engine's sliding windows set
     from the masks the model passed to each layer. ``first``: logits are needed at positions first.. only
@@ -174,7 +176,7 @@ def model_reference(eng: "Engine", ids: Int[Tensor, "pos"], first: int = 0) -> R
     return ref
 
 
-def _adopt_windows(eng: "Engine", masks: dict[int, Any], T: int) -> None:
+def _adopt_windows(eng: Any, masks: dict[int, Any], T: int) -> None:
     read = eng.arch.notes.setdefault("windows_from_masks", {})
     for i, m in masks.items():
         if m is _NOT_PASSED:
@@ -205,7 +207,7 @@ ATTN_PART = "attention output (hook_z -> output projection)"
 OUT_PART = "layer output (norms, MLP, residual)"
 
 
-def _layer_mismatch(eng: "Engine", lay: int, part: str, d: float, tol: float, T: int, how: str = "") -> EngineMismatch:
+def _layer_mismatch(eng: Any, lay: int, part: str, d: float, tol: float, T: int, how: str = "") -> EngineMismatch:
     L = eng.layers[lay]
     return EngineMismatch(
         f"the fast engine disagrees with {type(eng.hf).__name__}'s own forward at layer {lay}, {part}: relative "
@@ -214,7 +216,7 @@ def _layer_mismatch(eng: "Engine", lay: int, part: str, d: float, tol: float, T:
         f"{eng.arch.notes}). This variant is not covered by the adapter: {FIX}.")
 
 
-def _logits_mismatch(eng: "Engine", d: float, how: str = "") -> EngineMismatch:
+def _logits_mismatch(eng: Any, d: float, how: str = "") -> EngineMismatch:
     return EngineMismatch(
         f"the fast engine's logits differ from {type(eng.hf).__name__}'s own forward by {d:.2e} (relative) "
         f"after the last layer{how}: the final norm / unembedding (soft-cap, logit scale) is not as the adapter "
@@ -226,7 +228,7 @@ def _reference_logits(ref: Reference, read: Sequence[int]) -> Tensor:
 
 
 @torch.no_grad()
-def compare(eng: "Engine", cache: "RunCache", logits: Tensor, ref: Reference, read: Sequence[int],
+def compare(eng: Any, cache: "RunCache", logits: Tensor, ref: Reference, read: Sequence[int],
             tol: float | None = None) -> float:
     """The engine's pass (its :class:`RunCache` of every position, ``logits`` [len(read), vocab]) against
     the model's (:func:`model_reference`), along the engine's own residual stream: layer ``l``'s outputs
@@ -262,7 +264,7 @@ def compare(eng: "Engine", cache: "RunCache", logits: Tensor, ref: Reference, re
 
 
 @torch.no_grad()
-def compare_teacher_forced(eng: "Engine", ids: Int[Tensor, "pos"], ref: Reference, read: Sequence[int],
+def compare_teacher_forced(eng: Any, ids: Int[Tensor, "pos"], ref: Reference, read: Sequence[int],
                            tol: float | None = None) -> float:
     """The engine layer by layer, each layer computed from the model's own input to it, against the model's
     forward of ``ids`` (:func:`model_reference`): the embedding against the model's input to layer 0, every
@@ -325,7 +327,7 @@ def compare_teacher_forced(eng: "Engine", ids: Int[Tensor, "pos"], ref: Referenc
     return worst
 
 
-def patch_rows_to_check(eng: "Engine", T: int) -> list[tuple[int, int]]:
+def patch_rows_to_check(eng: Any, T: int) -> list[tuple[int, int]]:
     """The (layer, head) row :func:`check_patches` runs (one, to keep its cost a few percent of a ranking):
     head 0 of the first layer whose window is shorter than the prompt (where the cached prefix meets the
     window), else of layer 0. A row joining there passes every later layer's cached prefix and the last
@@ -335,7 +337,7 @@ def patch_rows_to_check(eng: "Engine", T: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def check_patches(eng: "Engine", ids: Int[Tensor, "pos"], base: "RunCache", src: "RunCache", start: int,
+def check_patches(eng: Any, ids: Int[Tensor, "pos"], base: "RunCache", src: "RunCache", start: int,
                   read: Sequence[int], rows: Sequence[tuple[int, int]] | None = None,
                   tol: float | None = None) -> float:
     """Patched rows as the ranking runs them (``base``'s cached prefix up to ``start``, rows joining at
