@@ -1194,7 +1194,7 @@ def piece_unpack(a: argparse.Namespace, s: Optional[dict], deadline: float) -> s
         msgs.append(f"{d}: {r['files']} files ({r['written']} new, {r['updated']} updated, {r['same']} already there)")
     out = Path(a.out)
     todo = []
-    if (out / "suite" / "docs.pt").exists():
+    if (out / "suite" / "docs.pt").exists() and not any((out / "suite" / "pairs").glob("*.pt")):
         todo.append("--piece suite (prompt sets)")
     seeds = sorted(int(p.parent.parent.name[4:]) for p in out.glob("seed*/data/info.json")
                    if p.parent.parent.name[4:].isdigit() and not (p.parent / "done").exists())
