@@ -499,9 +499,7 @@ def piece_suite(a: argparse.Namespace, s: dict, deadline: float) -> str:
             docs = corpus_docs(a, s, tok)[1]
         else:
             recorded = recorded_data(out).get("suite_docs_sha256")  # an earlier session's haystack (cells were scored on it)
-            one_shard = s["suite_docs"] <= s["sample_batch"]
-            docs = sample_docs(a, s, teacher, tok, d / "shards", s["suite_docs"], SUITE_SAMPLE_SEED, deadline,
-                               expected=[recorded] if recorded and one_shard else None)
+            docs = sample_docs(a, s, teacher, tok, d / "shards", s["suite_docs"], SUITE_SAMPLE_SEED, deadline)
             if docs is None:
                 return "partial: sampling stopped at the deadline; rerun"
             if recorded and sha256_docs(docs) != recorded:
