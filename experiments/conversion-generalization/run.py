@@ -1116,7 +1116,7 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
 #: their marker (--piece data, from the stored document shards or the corpus: the same rows, packing and
 #: format_rows are seeded)
 REBUILT = ("suite/pairs", "seed*/data/*.pt", "seed*/data/done")
-#: what one carry holds besides the repository (64 MiB per call, the tree ~10 MB)
+#: what one carry holds besides the repository (64 MiB per call, the tree ~12 MB)
 CARRY_ROOM = 50 * 2**20
 
 
