@@ -526,24 +526,32 @@ def piece_suite(a: argparse.Namespace, s: dict, deadline: float) -> str:
         _POOL = (tok, cfg, filler, d / "pairs")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         with mp.get_context("fork").Pool(min(a.workers, len(cells))) as pool:
-            for msg in pool.imap_unordered(_build_cell, cells):
-                print(msg, flush=True)
+            for i, msg in enumerate(pool.imap_unordered(_build_cell, cells), 1):
+                print(f"[{i}/{len(cells)}] {msg}", flush=True)
     else:
-        for c in cells:
+        for i, c in enumerate(cells, 1):
             if time.time() > deadline:
                 return "partial: prompt sets stopped at the deadline; rerun"
+            t0 = time.time()
             suite_pairs(tok, cfg, *c, filler=filler, cache_dir=d / "pairs")
+            print(f"[{i}/{len(cells)}] {cell_line(c, time.time() - t0)}", flush=True)
     return f"suite ready: {len(cells)} prompt sets, {len(filler.sentences)} haystack sentences"
 
 
 _POOL: Any = None
 
 
+def cell_line(cell: tuple[str, str, int], seconds: float) -> str:
+    """The progress line of one prompt set built (or loaded from suite/pairs/) by --piece suite."""
+    task, formats, length = cell
+    return f"prompt set {task} {formats} {length}: {seconds:.1f} s"
+
+
 def _build_cell(cell: tuple[str, str, int]) -> str:
     tok, cfg, filler, cache = _POOL
     t0 = time.time()
     suite_pairs(tok, cfg, *cell, filler=filler, cache_dir=cache)
-    return f"{cell}: {time.time() - t0:.1f} s"
+    return cell_line(cell, time.time() - t0)
 
 
 def piece_data(a: argparse.Namespace, s: dict, deadline: float) -> str:
