@@ -18,8 +18,11 @@ State between sessions (the machine is fresh every session): --piece pack writes
 <= 15 MiB (headscope.statepack; no student weights, checkpoints, prompt sets or stage rows), --piece unpack
 restores them; --piece suite and --piece data then rebuild the prompt sets and rows from the stored documents:
 
-    run.py --piece pack   --out OUT --pack-to $OUT/state            # end of a session (--pack-since / --pack-include)
-    run.py --piece unpack --out OUT --unpack-from runs/state/s1     # start of the next (the carried parts)
+    run.py --piece pack   --out OUT --pack-to $RETURN/state         # end of a call (--pack-since / --pack-include)
+    run.py --piece unpack --out OUT --unpack-from runs/state/s1     # start of the next session (the carried parts)
+
+(OUT: the run folder, e.g. runs/gen; RETURN=$OUT on the GPU machine, the device tool's return folder.) The state
+of finished sessions is committed in experiments/conversion-generalization/state/ (its README.md: how to restore it).
 
 An arm whose weights did not travel is retrained with --piece train ... --retrain (train and eval refuse
 without the weights and name that command).
