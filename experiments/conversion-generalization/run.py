@@ -18,8 +18,11 @@ State between sessions (the machine is fresh every session): --piece pack writes
 <= 15 MiB (headscope.statepack; no student weights, checkpoints, prompt sets or stage rows), --piece unpack
 restores them; --piece suite and --piece data then rebuild the prompt sets and rows from the stored documents:
 
-    run.py --piece pack   --out OUT --pack-to $OUT/state            # end of a session (--pack-since / --pack-include)
-    run.py --piece unpack --out OUT --unpack-from runs/state/s1     # start of the next (the carried parts)
+    run.py --piece pack   --out OUT --pack-to $RETURN/state         # end of a call (--pack-since / --pack-include)
+    run.py --piece unpack --out OUT --unpack-from runs/state/s1     # start of the next session (the carried parts)
+
+(OUT: the run folder, e.g. runs/gen; RETURN=$OUT on the GPU machine, the device tool's return folder.) The state
+of finished sessions is committed in experiments/conversion-generalization/state/ (its README.md: how to restore it).
 
 An arm whose weights did not travel is retrained with --piece train ... --retrain (train and eval refuse
 without the weights and name that command).
@@ -526,24 +529,32 @@ def piece_suite(a: argparse.Namespace, s: dict, deadline: float) -> str:
         _POOL = (tok, cfg, filler, d / "pairs")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         with mp.get_context("fork").Pool(min(a.workers, len(cells))) as pool:
-            for msg in pool.imap_unordered(_build_cell, cells):
-                print(msg, flush=True)
+            for i, msg in enumerate(pool.imap_unordered(_build_cell, cells), 1):
+                print(f"[{i}/{len(cells)}] {msg}", flush=True)
     else:
-        for c in cells:
+        for i, c in enumerate(cells, 1):
             if time.time() > deadline:
                 return "partial: prompt sets stopped at the deadline; rerun"
+            t0 = time.time()
             suite_pairs(tok, cfg, *c, filler=filler, cache_dir=d / "pairs")
+            print(f"[{i}/{len(cells)}] {cell_line(c, time.time() - t0)}", flush=True)
     return f"suite ready: {len(cells)} prompt sets, {len(filler.sentences)} haystack sentences"
 
 
 _POOL: Any = None
 
 
+def cell_line(cell: tuple[str, str, int], seconds: float) -> str:
+    """The progress line of one prompt set built (or loaded from suite/pairs/) by --piece suite."""
+    task, formats, length = cell
+    return f"prompt set {task} {formats} {length}: {seconds:.1f} s"
+
+
 def _build_cell(cell: tuple[str, str, int]) -> str:
     tok, cfg, filler, cache = _POOL
     t0 = time.time()
     suite_pairs(tok, cfg, *cell, filler=filler, cache_dir=cache)
-    return f"{cell}: {time.time() - t0:.1f} s"
+    return cell_line(cell, time.time() - t0)
 
 
 def piece_data(a: argparse.Namespace, s: dict, deadline: float) -> str:
@@ -1116,7 +1127,7 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
 #: their marker (--piece data, from the stored document shards or the corpus: the same rows, packing and
 #: format_rows are seeded)
 REBUILT = ("suite/pairs", "seed*/data/*.pt", "seed*/data/done")
-#: what one carry holds besides the repository (64 MiB per call, the tree ~10 MB)
+#: what one carry holds besides the repository (64 MiB per call, the tree ~12 MB)
 CARRY_ROOM = 50 * 2**20
 
 
