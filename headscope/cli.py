@@ -121,7 +121,7 @@ app.command("rank")(rank)
 def _report(r: Any, cfg: Any, budget: str, min_per_layer: int, out: Path, top: int) -> None:
     """Write the mask and the heatmap of a finished ranking and print its summary."""
     mask, mask_error = _mask_step(r, budget, min_per_layer, out)
-    r.heatmap().write_html(str(out / "heatmap.html"), include_plotlyjs=True)  # self-contained: works offline
+    heatmap_error = _heatmap_step(r, out)
     p = r.provenance
     typer.echo(
         f"{p['model']}: {p['n_pairs']} pair(s) of {p['tasks']} at ~{cfg.seq_len} tokens, {p['direction']}, "
@@ -153,12 +153,29 @@ def _report(r: Any, cfg: Any, budget: str, min_per_layer: int, out: Path, top: i
         )
         for note in s.get("notes", []):
             typer.echo(f"note: {note}", err=True)
-    typer.echo(f"wrote {out}/: scores.csv, {'mask.json, ' if mask is not None else ''}heatmap.html, ranking.json "
-               "(provenance), ie.pt and the resumable per-item store")
+    typer.echo(f"wrote {out}/: scores.csv, {'mask.json, ' if mask is not None else ''}"
+               f"{'heatmap.html, ' if heatmap_error is None else ''}ranking.json (provenance), ie.pt and the resumable "
+               "per-item store")
+    if heatmap_error is not None:
+        typer.echo(f"warning: no heatmap.html written: {heatmap_error}. The ranking is saved; draw the heatmap later "
+                   f"with `headscope.Ranking.load('{out}').heatmap()` once plotly is installed (pip install plotly)",
+                   err=True)
     if mask is None:
         typer.echo(f"error: no mask.json written: {mask_error}; the ranking is saved, rerun with another --budget "
                    "to get a mask from it without patching again", err=True)
         raise typer.Exit(1)
+
+
+def _heatmap_step(r: Any, out: Path) -> str | None:
+    """OUT/heatmap.html (self-contained, works offline) -> None, or the reason it could not be drawn: plotly
+    missing (a declared dependency, but absent where wheels were installed with --no-deps, e.g. a GPU image)
+    must not cost the ranking already computed and saved."""
+    try:
+        fig = r.heatmap()
+    except ImportError as e:
+        return f"plotly could not be imported ({e})"
+    fig.write_html(str(out / "heatmap.html"), include_plotlyjs=True)
+    return None
 
 
 def _run_rank(cfg: Any, model: str, budget: str, min_per_layer: int, out: Path, devices: int) -> Optional[Any]:

@@ -93,3 +93,22 @@ def test_rank_dtype_flag_loads_and_records_the_dtype(tiny_dir, tmp_path):
     res = CliRunner().invoke(app, args[:-1] + [str(tmp_path / "bad"), "--dtype", "int8"])
     assert res.exit_code == 2 and "--dtype 'int8': use float32, bfloat16 or float16" in res.output
     assert not (tmp_path / "bad").exists()  # refused before the model loads
+
+
+def test_rank_without_plotly_keeps_the_ranking_and_says_so(tiny_dir, tmp_path, monkeypatch):
+    """A machine without plotly (wheels installed with --no-deps) still gets scores, mask and the summary:
+    the heatmap is skipped with a warning naming the fix, and the exit code is 0."""
+    import sys
+
+    for name in ("headscope.plots", "plotly", "plotly.graph_objects"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import` of these now raises ImportError
+    out = tmp_path / "run"
+    args = ["rank", "--model", str(tiny_dir), "--pairs", "2", "--seq-len", "64", "--budget", "3",
+            "--min-gap", "0", "--out", str(out), "--device", "cpu"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert not (out / "heatmap.html").exists()
+    assert "warning: no heatmap.html written: plotly could not be imported" in res.output
+    assert f"wrote {out}/: scores.csv, mask.json, ranking.json" in res.output
+    r = Ranking.load(out)
+    assert len(r.scores) == 8 and HeadMask.from_json(out / "mask.json").n_fa == 3
