@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The study's pieces on the lent GPU machine (the `device` tool), detached so that they outlive one call's 10 minutes,
+# polled by short calls (the machine goes back 30 s after a call ends, and after 30 minutes held).
+# From the repository root on the GPU machine, after `source benchmarks/device_env.sh` in the calls that carry wheels:
+#   bash experiments/conversion-generalization/device_session.sh docs PACK_DIR
+#       unpack a carried state pack (e.g. seed 0's documents: `git show study-state:seed0-docs/...`, see state/README.md)
+#       into OUT, so --piece data rebuilds the rows from them instead of sampling again (checked against the record)
+#   bash experiments/conversion-generalization/device_session.sh start "ARGS" ["ARGS" ...]
+#       restore the committed state/ into OUT (files already there are kept), copy the code to a private folder, and run
+#       `run.py ARGS` for each string in turn, each up to 3 tries, in a new process session; "wait FILE" instead of
+#       ARGS waits (up to 20 min) for FILE. Status lines: /tmp/hs_session/status; output: /tmp/hs_session/log
+#   bash experiments/conversion-generalization/device_session.sh poll RETURN [WAIT_S [PATTERN]]
+#       wait up to WAIT_S seconds (default 0) until PATTERN (grep -E) is in the status, print the status and the log's
+#       end, pack OUT's state (no document shards, no suite: both are elsewhere) into RETURN/state and copy the status
+#       and the log to RETURN (on the GPU machine RETURN=$OUT, the folder that comes back); commit what comes back
+# Why a private copy of the code: every call sends the working tree again, and a piece that imported from it while it
+# was being copied failed (`No module named 'headscope.validate'`, H200, 2026-12-03).
+# env: OUT_DIR (default /tmp/gen), SESSION_DIR (default /tmp/hs_session), CODE_DIR (default /tmp/hs_code),
+#      RUN (default: python CODE_DIR/experiments/conversion-generalization/run.py --out OUT_DIR --model smollm2-135m
+#      --device cuda), TRIES (default 3)
+set -uo pipefail
+out=${OUT_DIR:-/tmp/gen}
+sd=${SESSION_DIR:-/tmp/hs_session}
+code=${CODE_DIR:-/tmp/hs_code}
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+cmd=${1:?"give a command: docs PACK_DIR | start ARGS... | poll RETURN [WAIT_S [PATTERN]]"}
+shift
+mkdir -p "$sd"
+case $cmd in
+  docs)
+    pack=${1:?docs PACK_DIR}
+    PYTHONPATH="/tmp/site:$repo${PYTHONPATH:+:$PYTHONPATH}" python "$here/run.py" --out "$out" --piece unpack \
+      --unpack-from "$pack"
+    ;;
+  start)
+    [ $# -ge 1 ] || { echo "start needs at least one ARGS string, e.g. \"--piece suite\"" >&2; exit 2; }
+    mkdir -p "$out" && cp -rn "$here/state/." "$out/" && rm -f "$out/README.md"
+    rm -rf "$code" && mkdir -p "$code" && cp -r "$repo/headscope" "$repo/experiments" "$repo/benchmarks" "$code/"
+    printf '%s\n' "$@" > "$sd/pieces"
+    export OUT_DIR=$out SESSION_DIR=$sd CODE_DIR=$code
+    setsid nohup bash "$code/experiments/conversion-generalization/device_session.sh" _chain >> "$sd/log" 2>&1 < /dev/null &
+    echo "started $# piece(s) in OUT=$out; poll with: bash $0 poll RETURN [WAIT_S [PATTERN]]"
+    ;;
+  _chain)
+    cd "$code" || exit 1
+    export PYTHONPATH="/tmp/site:$code" PYTHONUNBUFFERED=1 HEADSCOPE_CACHE=${HEADSCOPE_CACHE:-/tmp/hs_cache}
+    run=${RUN:-python $code/experiments/conversion-generalization/run.py --out $out --model smollm2-135m --device cuda}
+    t0=$(date +%s)
+    st() { echo "$(( $(date +%s) - t0 )) s: $*" >> "$sd/status"; }
+    while IFS= read -r args; do
+      if [[ $args == wait\ * ]]; then
+        f=${args#wait }
+        for _ in $(seq 240); do [ -e "$f" ] && break; sleep 5; done
+        st "$args: $([ -e "$f" ] && echo here || echo 'not here after 20 min')"
+        continue
+      fi
+      for k in $(seq "${TRIES:-3}"); do
+        # shellcheck disable=SC2086
+        $run $args; rc=$?
+        st "$args: rc=$rc (try $k)"
+        [ $rc = 0 ] && break
+        sleep 2
+      done
+    done < "$sd/pieces"
+    st "session done"
+    ;;
+  poll)
+    ret=${1:?poll RETURN [WAIT_S [PATTERN]]}
+    wait_s=${2:-0}
+    pat=${3:-session done}
+    for _ in $(seq $(( wait_s / 5 ))); do grep -qE "$pat" "$sd/status" 2>/dev/null && break; sleep 5; done
+    cat "$sd/status" 2>/dev/null; echo "--- log (end)"; tail -n 15 "$sd/log" 2>/dev/null | tr '\r' '\n' | tail -n 15
+    mkdir -p "$ret"
+    if [ -f "$out/settings.json" ]; then
+      PYTHONPATH="/tmp/site:$repo${PYTHONPATH:+:$PYTHONPATH}" python "$here/run.py" --out "$out" --piece pack \
+        --pack-to "$ret/state" --pack-exclude 'seed*/data/shards/*' 'suite/*' 2>&1 | tail -n 1
+    fi
+    cp "$sd/status" "$sd/log" "$ret/" 2>/dev/null
+    true
+    ;;
+  *)
+    echo "unknown command $cmd: docs PACK_DIR | start ARGS... | poll RETURN [WAIT_S [PATTERN]]" >&2; exit 2
+    ;;
+esac

@@ -1,0 +1,56 @@
+"""experiments/conversion-generalization/device_session.sh on the CPU: the detached chain runs the pieces in order,
+retries a failing one, waits for a file, and poll packs OUT's state without the documents and the suite."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "experiments" / "conversion-generalization" / "device_session.sh"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_device_session_chain_retries_waits_and_packs(tmp_path):
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "fake_run.sh"  # stands in for run.py: records its arguments; "flaky" fails on its first try
+    fake.write_text(f"""#!/usr/bin/env bash
+echo "$*" >> {calls}
+if [ "$2" = flaky ] && [ ! -f {tmp_path}/flaky_once ]; then touch {tmp_path}/flaky_once; exit 1; fi
+exit 0
+""")
+    fake.chmod(0o755)
+    (tmp_path / "go").touch()
+    env = {**os.environ, "OUT_DIR": str(tmp_path / "out"), "SESSION_DIR": str(tmp_path / "sd"),
+           "CODE_DIR": str(tmp_path / "code"), "RUN": str(fake),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    pieces = ["--piece a", "--piece flaky", f"wait {tmp_path / 'go'}", "--piece b"]
+    r = subprocess.run(["bash", str(SCRIPT), "start", *pieces], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "started 4 piece(s)" in r.stdout
+    status_file = tmp_path / "sd" / "status"
+    for _ in range(60):
+        if status_file.exists() and "session done" in status_file.read_text():
+            break
+        time.sleep(0.5)
+    status = [line.split(": ", 1)[1] for line in (tmp_path / "sd" / "status").read_text().splitlines()]
+    assert status == ["--piece a: rc=0 (try 1)", "--piece flaky: rc=1 (try 1)", "--piece flaky: rc=0 (try 2)",
+                      f"wait {tmp_path / 'go'}: here", "--piece b: rc=0 (try 1)", "session done"]
+    assert calls.read_text().splitlines() == ["--piece a", "--piece flaky", "--piece flaky", "--piece b"]
+    # the committed state was restored into OUT and the code copied; poll packs OUT without shards and suite
+    committed = ROOT / "experiments" / "conversion-generalization" / "state"
+    assert json.loads((tmp_path / "out" / "settings.json").read_text()) == json.loads((committed / "settings.json").read_text())
+    assert (tmp_path / "code" / "headscope" / "__init__.py").exists()
+    ret = tmp_path / "ret"
+    r = subprocess.run(["bash", str(SCRIPT), "poll", str(ret), "10"], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "session done" in r.stdout and "pack: packed" in r.stdout
+    manifest = json.loads((ret / "state" / "state.manifest.json").read_text())
+    paths = {f["path"] for f in manifest["files"]}
+    n_cells = sum(1 for _ in committed.glob("cells/*/*.json"))
+    assert sum(p.startswith("cells/") for p in paths) == n_cells > 0
+    assert not any(p.startswith("suite/") or "/shards/" in p for p in paths)
+    assert (ret / "status").read_text().endswith("session done\n")
