@@ -25,12 +25,22 @@ exit 0
     fake.chmod(0o755)
     (tmp_path / "go").touch()
     env = {**os.environ, "OUT_DIR": str(tmp_path / "out"), "SESSION_DIR": str(tmp_path / "sd"),
-           "CODE_DIR": str(tmp_path / "code"), "RUN": str(fake),
+           "CODE_DIR": str(tmp_path / "code"), "RUN": str(fake), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "KERNEL_CACHE": str(tmp_path / "kc.tar.gz"),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    # a carried autotune result is restored into the Triton cache before the pieces run
+    src = tmp_path / "kc_src" / "abc123"
+    src.mkdir(parents=True)
+    (src / "chunk_fwd_kernel.autotune.json").write_text('{"key": [64], "configs_timings": []}')
+    subprocess.run(["tar", "-czf", str(tmp_path / "kc.tar.gz"), "-C", str(tmp_path / "kc_src"), "abc123"], check=True)
     pieces = ["--piece a", "--piece flaky", f"wait {tmp_path / 'go'}", "--piece b"]
     r = subprocess.run(["bash", str(SCRIPT), "start", *pieces], env=env, capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    assert "started 4 piece(s)" in r.stdout
+    assert "started 4 piece(s)" in r.stdout and "autotune results restored: 1 kernel(s)" in r.stdout
+    assert (tmp_path / "triton" / "abc123" / "chunk_fwd_kernel.autotune.json").exists()
+    (tmp_path / "triton" / "def456").mkdir()  # a kernel tuned during the session, with its compiled binary
+    (tmp_path / "triton" / "def456" / "o_kernel.autotune.json").write_text("{}")
+    (tmp_path / "triton" / "def456" / "o_kernel.cubin").write_bytes(b"\0" * 1000)
     status_file = tmp_path / "sd" / "status"
     for _ in range(60):
         if status_file.exists() and "session done" in status_file.read_text():
@@ -54,3 +64,7 @@ exit 0
     assert sum(p.startswith("cells/") for p in paths) == n_cells > 0
     assert not any(p.startswith("suite/") or "/shards/" in p for p in paths)
     assert (ret / "status").read_text().endswith("session done\n")
+    # poll returns the tuning results, not the binaries
+    listed = subprocess.run(["tar", "-tzf", str(ret / "autotune.tar.gz")], capture_output=True, text=True, check=True)
+    assert sorted(listed.stdout.split()) == ["./abc123/chunk_fwd_kernel.autotune.json", "./def456/o_kernel.autotune.json"]
+    assert "autotune results: 2 kernel(s)" in r.stdout

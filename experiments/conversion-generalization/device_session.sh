@@ -15,13 +15,20 @@
 #       and the log to RETURN (on the GPU machine RETURN=$OUT, the folder that comes back); commit what comes back
 # Why a private copy of the code: every call sends the working tree again, and a piece that imported from it while it
 # was being copied failed (`No module named 'headscope.validate'`, H200, 2026-12-03).
+# Kernel autotuning between sessions: on a fresh machine the first training step took 341 s (compiling and
+# benchmarking every autotune config of fla's Triton kernels; 18 s once they were tuned). Triton keeps each tuning
+# result as TRITON_CACHE_DIR/<hash>/<kernel>.autotune.json (fla sets cache_results); `poll` returns those small files
+# as RETURN/autotune.tar.gz, committed as state/kernel_cache/autotune.tar.gz, and `start` restores them, so the next
+# session compiles one config per kernel instead of all (the hash covers Triton, the GPU target and the kernel source).
 # env: OUT_DIR (default /tmp/gen), SESSION_DIR (default /tmp/hs_session), CODE_DIR (default /tmp/hs_code),
+#      TRITON_CACHE_DIR (default /tmp/hs_triton), KERNEL_CACHE (default state/kernel_cache/autotune.tar.gz),
 #      RUN (default: python CODE_DIR/experiments/conversion-generalization/run.py --out OUT_DIR --model smollm2-135m
 #      --device cuda), TRIES (default 3)
 set -uo pipefail
 out=${OUT_DIR:-/tmp/gen}
 sd=${SESSION_DIR:-/tmp/hs_session}
 code=${CODE_DIR:-/tmp/hs_code}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/hs_triton}
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 cmd=${1:?"give a command: docs PACK_DIR | start ARGS... | poll RETURN [WAIT_S [PATTERN]]"}
@@ -37,6 +44,10 @@ case $cmd in
     [ $# -ge 1 ] || { echo "start needs at least one ARGS string, e.g. \"--piece suite\"" >&2; exit 2; }
     mkdir -p "$out" && cp -rn "$here/state/." "$out/" && rm -f "$out/README.md"
     rm -rf "$code" && mkdir -p "$code" && cp -r "$repo/headscope" "$repo/experiments" "$repo/benchmarks" "$code/"
+    kc=${KERNEL_CACHE:-$here/state/kernel_cache/autotune.tar.gz}
+    if [ -f "$kc" ]; then
+      mkdir -p "$TRITON_CACHE_DIR" && tar -xzf "$kc" -C "$TRITON_CACHE_DIR" && echo "autotune results restored: $(tar -tzf "$kc" | grep -c 'autotune.json$') kernel(s)"
+    fi
     printf '%s\n' "$@" > "$sd/pieces"
     export OUT_DIR=$out SESSION_DIR=$sd CODE_DIR=$code
     setsid nohup bash "$code/experiments/conversion-generalization/device_session.sh" _chain >> "$sd/log" 2>&1 < /dev/null &
@@ -75,6 +86,11 @@ case $cmd in
     if [ -f "$out/settings.json" ]; then
       PYTHONPATH="/tmp/site:$repo${PYTHONPATH:+:$PYTHONPATH}" python "$here/run.py" --out "$out" --piece pack \
         --pack-to "$ret/state" --pack-exclude 'seed*/data/shards/*' 'suite/*' 2>&1 | tail -n 1
+    fi
+    if [ -d "$TRITON_CACHE_DIR" ]; then
+      (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | LC_ALL=C sort > "$sd/autotune.list" \
+        && [ -s "$sd/autotune.list" ] && tar -czf "$ret/autotune.tar.gz" -T "$sd/autotune.list" \
+        && echo "autotune results: $(wc -l < "$sd/autotune.list") kernel(s) in $ret/autotune.tar.gz; Triton cache $(du -sh . | cut -f1)")
     fi
     cp "$sd/status" "$sd/log" "$ret/" 2>/dev/null
     true
