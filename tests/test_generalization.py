@@ -515,3 +515,37 @@ def test_study_lever_table_by_hand(tmp_path):
     md = (tmp_path / "levers.md").read_text().splitlines()
     assert md[0] == "| lever | arm command | tokens | unseen single 1K | unseen single 2K | unseen single 4K | seeds |"
     assert md[2] == "| baseline | `--arm hydra-7to1 --tokens 50M` | 50M | 0.62 (0.50–0.75) | 0.62 (0.50–0.75) | 0.62 (0.50–0.75) | 2 |"
+
+
+def test_evaluate_suite_scores_the_chosen_cells_in_order(tmp_path, monkeypatch):
+    """cells= scores exactly those cells in that order (a short session scores the unseen cells first); a cell the
+    suite does not have is refused before anything is scored. Scoring itself is stubbed: the order is under test."""
+    import headscope.train.retention as R
+    from headscope.errors import HeadscopeInputError
+
+    cfg = SuiteConfig(lengths=(1024, 2048, 4096), n=2, gen_n=0)
+    order = []
+
+    class P:
+        length = 10
+
+    monkeypatch.setattr(R, "suite_pairs", lambda tok, c, task, fmt, L, *a, **k: order.append((task, fmt, L)) or [P(), P()])
+    monkeypatch.setattr(R, "retrieval_hits", lambda *a, **k: torch.tensor([True, False]))
+
+    class Tok:
+        pad_token_id = 0
+
+    class Model:
+        def eval(self):
+            return self
+
+    chosen = [(t, "unseen", L) for L in (1024, 2048) for t in cfg.tasks] + [("niah_single", "seen", 1024)]
+    res = R.evaluate_suite(Model(), Tok(), "m", 0, 0, cfg, tmp_path, cells=chosen, log=lambda s: None)
+    assert order == chosen and res == {"done": 9, "left": 0}
+    stored = sorted(f.name for f in (tmp_path / "m__s0__t0").glob("*.json"))
+    assert stored == sorted(f"{t}.{f}.{L}.json" for t, f, L in chosen)
+    assert json.loads((tmp_path / "m__s0__t0" / "niah_single.unseen.2048.json").read_text())["hits"] == 1
+    order.clear()
+    with pytest.raises(HeadscopeInputError, match=r"not cells of the suite"):
+        R.evaluate_suite(Model(), Tok(), "m", 0, 0, cfg, tmp_path, cells=[("niah_single", "unseen", 8192)])
+    assert order == []

@@ -539,3 +539,23 @@ def test_suite_restore_prints_one_line_per_prompt_set(study, tmp_path, monkeypat
     # past the deadline: nothing built, nothing printed
     assert study.piece_suite(a, s, 0.0) == "partial: prompt sets stopped at the deadline; rerun"
     assert capsys.readouterr().out == "" and len(built) == 40
+
+
+def test_eval_cells_selects_formats_in_order_up_to_a_length(study):
+    """--eval-formats unseen seen --eval-max-len 4096: the unseen cells up to 4K (shortest first), then the seen ones;
+    no options: every cell, shortest first; a maximum below the shortest length is refused."""
+    import argparse
+
+    from headscope.train.retention import SuiteConfig
+
+    cfg = SuiteConfig()
+    a = argparse.Namespace(eval_formats=None, eval_max_len=None)
+    assert study.eval_cells(a, cfg) == cfg.cells() and len(cfg.cells()) == 40
+    a = argparse.Namespace(eval_formats=["unseen", "seen"], eval_max_len=4096)
+    got = study.eval_cells(a, cfg)
+    tasks = list(cfg.tasks)
+    assert got == [(t, f, L) for f in ("unseen", "seen") for L in (1024, 2048, 4096) for t in tasks]
+    a = argparse.Namespace(eval_formats=["unseen"], eval_max_len=None)
+    assert [c[2] for c in study.eval_cells(a, cfg)] == [L for L in (1024, 2048, 4096, 8192, 16384) for _ in tasks]
+    with pytest.raises(SystemExit, match="below the suite's shortest length 1024"):
+        study.eval_cells(argparse.Namespace(eval_formats=None, eval_max_len=512), cfg)

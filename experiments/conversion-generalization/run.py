@@ -737,13 +737,30 @@ def set_aside(rd: Path, first: int) -> Path:
     return dest
 
 
-def cells_left(out: Path, label: str, seed: int, tokens: int, cfg: SuiteConfig) -> tuple[int, int]:
-    """(cells of ``cfg`` not stored yet for this model, cells in all), as :func:`evaluate_suite` decides."""
+def eval_cells(a: argparse.Namespace, cfg: SuiteConfig) -> list[tuple[str, str, int]]:
+    """The cells --piece eval scores, in order: those of ``--eval-formats`` (in that order, each shortest first)
+    up to ``--eval-max-len`` tokens; by default every cell of the suite, shortest first.
+
+    Raises:
+        SystemExit: ``--eval-max-len`` below the suite's shortest length (no cell would be scored).
+    """
+    if a.eval_formats is None and a.eval_max_len is None:
+        return cfg.cells()
+    if a.eval_max_len is not None and a.eval_max_len < min(cfg.lengths):
+        raise SystemExit(f"--eval-max-len {a.eval_max_len} is below the suite's shortest length {min(cfg.lengths)}")
+    formats = a.eval_formats or list(cfg.formats)
+    return [c for fmt in formats for c in cfg.cells() if c[1] == fmt and (a.eval_max_len is None or c[2] <= a.eval_max_len)]
+
+
+def cells_left(out: Path, label: str, seed: int, tokens: int, cfg: SuiteConfig,
+               cells: Optional[list[tuple[str, str, int]]] = None) -> tuple[int, int]:
+    """(cells of ``cells`` — default every cell of ``cfg`` — not stored yet for this model, cells in all), as
+    :func:`evaluate_suite` decides."""
     from dataclasses import asdict
 
     d = cell_dir(out / "cells", label, seed, tokens)
     conf = json.loads(json.dumps(asdict(cfg)))
-    cells = cfg.cells()
+    cells = cfg.cells() if cells is None else cells
     left = 0
     for task, fmt, L in cells:
         f = d / f"{task}.{fmt}.{L}.json"
@@ -825,13 +842,15 @@ def piece_train(a: argparse.Namespace, s: dict, deadline: float) -> str:
 def piece_eval(a: argparse.Namespace, s: dict, deadline: float) -> str:
     out = Path(a.out)
     spec = arm_spec(a, s)
+    cfg = suite_config(s)
+    chosen = eval_cells(a, cfg)
     if a.arm != "teacher":
         rd = run_dir(a)
         if not (rd / "stage3" / "done.json").exists():
             raise SystemExit(f"{spec['label']} seed {a.seed} is not trained ({rd}/stage3/done.json missing): run --piece train")
         check_arm(rd, spec)
         if not (rd / "stage3" / "student.pt").exists():
-            left, n = cells_left(out, spec["label"], a.seed, parse_tokens(a.tokens), suite_config(s))
+            left, n = cells_left(out, spec["label"], a.seed, parse_tokens(a.tokens), cfg, chosen)
             if not left:
                 return f"evaluated: all {n} cells stored (the student weights, not here, are not needed)"
             raise SystemExit(no_weights(a, rd, f"{left} of its {n} cells are not stored yet"))
@@ -843,9 +862,11 @@ def piece_eval(a: argparse.Namespace, s: dict, deadline: float) -> str:
         check_arm(rd, spec, mask)
         model = load_student(teacher, mask, init=rd / "stage3" / "student.pt", gdn_kernel=s["gdn_kernel"], **spec["hybrid"])
         tokens = parse_tokens(a.tokens)
-    res = evaluate_suite(model, tok, spec["label"], a.seed if a.arm != "teacher" else 0, tokens, suite_config(s), out / "cells",
-                         filler=suite_filler(out, tok), cache_dir=out / "suite" / "pairs", deadline=deadline)
-    return f"evaluated: {res['done']} cells stored" + (f", {res['left']} left; rerun" if res["left"] else "")
+    res = evaluate_suite(model, tok, spec["label"], a.seed if a.arm != "teacher" else 0, tokens, cfg, out / "cells",
+                         filler=suite_filler(out, tok), cache_dir=out / "suite" / "pairs", deadline=deadline, cells=chosen)
+    rest = cells_left(out, spec["label"], a.seed if a.arm != "teacher" else 0, tokens, cfg)[0] - res["left"]
+    return (f"evaluated: {res['done']} cells stored" + (f", {res['left']} left; rerun" if res["left"] else "")
+            + (f" ({rest} other cells of the suite not chosen by --eval-formats / --eval-max-len)" if rest else ""))
 
 
 def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
@@ -1263,6 +1284,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-n", type=int, default=20, help="prompts per cell also scored by greedy generation")
     p.add_argument("--gen-max-len", type=int, default=4096)
     p.add_argument("--batch-tokens", type=int, default=32768, help="tokens per forward of the teacher-forced scoring")
+    p.add_argument("--eval-formats", nargs="+", choices=["seen", "unseen"], default=None,
+                   help="eval: score only these formats' cells, in this order (e.g. unseen first in a short session)")
+    p.add_argument("--eval-max-len", type=int, default=None, help="eval: score only cells of at most this many tokens")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="processes building prompt sets")
     p.add_argument("--tokenizer", default=None, help="--smoke: an HF tokenizer folder (default: the SmolLM2 GGUF's)")
     p.add_argument("--smoke", action="store_true", help="every piece on a tiny random model on the CPU (a temporary --out)")

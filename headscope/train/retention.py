@@ -158,9 +158,13 @@ def cell_dir(root: str | Path, model: str, seed: int, tokens: int) -> Path:
 def evaluate_suite(
     model: Any, tokenizer: Any, name: str, seed: int, tokens: int, cfg: SuiteConfig, root: str | Path,
     filler: Any = None, cache_dir: str | Path | None = None, deadline: Optional[float] = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = print, cells: Optional[Sequence[tuple[str, str, int]]] = None,
 ) -> dict[str, Any]:
     """Score ``model`` on every cell of ``cfg`` into ``root``/``name``__s``seed``__t``tokens``/TASK.FORMATS.LENGTH.json.
+
+    ``cells``: the (task, formats, length) cells to score, in this order (default :meth:`SuiteConfig.cells`, all,
+    shortest first), so that a short session scores the cells it needs first; each must be a cell of ``cfg``
+    (:class:`~headscope.errors.HeadscopeInputError` otherwise, before any cell is scored).
 
     A cell file holds {model, seed, tokens, task, formats, length, n, hits, accuracy, per-prompt
     ``correct`` (0/1), generation: gen_n, gen_exact_hits, gen_text_hits, gen_agree (prompts where the
@@ -171,13 +175,18 @@ def evaluate_suite(
     Returns:
         {"done": cells stored now or before, "left": cells not reached}.
     """
+    todo = cfg.cells() if cells is None else [(str(t), str(f), int(L)) for t, f, L in cells]
+    unknown = sorted(set(todo) - set(cfg.cells()))
+    if unknown:
+        raise HeadscopeInputError(f"cells {unknown} are not cells of the suite (tasks {list(cfg.tasks)}, formats "
+                                  f"{list(cfg.formats)}, lengths {list(cfg.lengths)})")
     model.eval()
     d = cell_dir(root, name, seed, tokens)
     d.mkdir(parents=True, exist_ok=True)
     conf = json.loads(json.dumps(asdict(cfg)))  # as stored (tuples become lists)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     done, left = 0, 0
-    for task, fmt, L in cfg.cells():
+    for task, fmt, L in todo:
         f = d / f"{task}.{fmt}.{L}.json"
         if f.exists() and json.loads(f.read_text()).get("config") == conf:
             done += 1
