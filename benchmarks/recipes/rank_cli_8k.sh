@@ -60,11 +60,17 @@ print("headscope " + " ".join(args), flush=True)
 t0 = time.perf_counter()
 log = io.StringIO()
 with contextlib.redirect_stdout(Tee(sys.stdout, log)):
+    error = None
     try:
         app(args)  # typer exits through SystemExit
         rc = 0
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception as e:  # still write what was measured (ranking.json is saved before the report)
+        import traceback
+
+        rc, error = 1, traceback.format_exc()
+        print(error, file=sys.stderr, flush=True)
 seconds = time.perf_counter() - t0
 res = {"command": "headscope " + " ".join(args), "exit_code": rc, "model": model, "seq_len": seq_len,
        "pairs_requested": pairs, "depths": depths, "device": device, "dtype": dtype, "mode": mode,
@@ -75,6 +81,8 @@ res = {"command": "headscope " + " ".join(args), "exit_code": rc, "model": model
        "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2) if cuda else None,
        "peak_gpu_reserved_gb": round(torch.cuda.max_memory_reserved() / 1e9, 2) if cuda else None}
 res["printout"] = log.getvalue().splitlines()
+if error:
+    res["error"] = error.splitlines()[-1]
 rj = run_dir / "ranking.json"
 if rj.exists():
     prov = json.loads(rj.read_text())["provenance"]
