@@ -559,3 +559,23 @@ def test_eval_cells_selects_formats_in_order_up_to_a_length(study):
     assert [c[2] for c in study.eval_cells(a, cfg)] == [L for L in (1024, 2048, 4096, 8192, 16384) for _ in tasks]
     with pytest.raises(SystemExit, match="below the suite's shortest length 1024"):
         study.eval_cells(argparse.Namespace(eval_formats=None, eval_max_len=512), cfg)
+
+
+def test_suite_builds_only_the_prompt_sets_eval_will_score(study, tmp_path, monkeypatch, capsys):
+    """--piece suite --eval-formats unseen --eval-max-len 4096 builds the 12 unseen prompt sets up to 4K (longest
+    first) and says that it built 12 of 40."""
+    from types import SimpleNamespace
+
+    built = []
+    monkeypatch.setattr(study, "_cpu_tokenizer", lambda a: "tok")
+    monkeypatch.setattr(study, "suite_filler", lambda out, tok: SimpleNamespace(sentences=["a."]))
+    monkeypatch.setattr(study, "suite_pairs", lambda tok, cfg, *cell, **kw: built.append(cell))
+    (tmp_path / "suite").mkdir()
+    (tmp_path / "suite" / "docs.pt").write_bytes(b"")
+    a = study.parser().parse_args(["--out", str(tmp_path), "--device", "cpu", "--workers", "1",
+                                   "--eval-formats", "unseen", "--eval-max-len", "4096"])
+    s = study.settings(a)
+    msg = study.piece_suite(a, s, float("inf"))
+    assert msg == "suite ready: 12 prompt sets of 40 (--eval-formats / --eval-max-len), 1 haystack sentences"
+    tasks = study.suite_config(s).tasks
+    assert built == [(t, "unseen", L) for L in (4096, 2048, 1024) for t in tasks]

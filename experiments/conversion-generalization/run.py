@@ -521,7 +521,7 @@ def piece_suite(a: argparse.Namespace, s: dict, deadline: float) -> str:
         tok = load_teacher(a)[1] if a.smoke else _cpu_tokenizer(a)
     filler = suite_filler(out, tok)
     cfg = suite_config(s)
-    cells = sorted(cfg.cells(), key=lambda c: -c[2])
+    cells = sorted(eval_cells(a, cfg), key=lambda c: -c[2])  # --eval-formats / --eval-max-len: only what eval will score
     if a.workers > 1 and len(cells) > 1:
         import multiprocessing as mp
 
@@ -538,7 +538,8 @@ def piece_suite(a: argparse.Namespace, s: dict, deadline: float) -> str:
             t0 = time.time()
             suite_pairs(tok, cfg, *c, filler=filler, cache_dir=d / "pairs")
             print(f"[{i}/{len(cells)}] {cell_line(c, time.time() - t0)}", flush=True)
-    return f"suite ready: {len(cells)} prompt sets, {len(filler.sentences)} haystack sentences"
+    of = "" if len(cells) == len(cfg.cells()) else f" of {len(cfg.cells())} (--eval-formats / --eval-max-len)"
+    return f"suite ready: {len(cells)} prompt sets{of}, {len(filler.sentences)} haystack sentences"
 
 
 _POOL: Any = None
@@ -1285,8 +1286,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-max-len", type=int, default=4096)
     p.add_argument("--batch-tokens", type=int, default=32768, help="tokens per forward of the teacher-forced scoring")
     p.add_argument("--eval-formats", nargs="+", choices=["seen", "unseen"], default=None,
-                   help="eval: score only these formats' cells, in this order (e.g. unseen first in a short session)")
-    p.add_argument("--eval-max-len", type=int, default=None, help="eval: score only cells of at most this many tokens")
+                   help="eval: score only these formats' cells, in this order (e.g. unseen first in a short session); "
+                        "suite: build only their prompt sets")
+    p.add_argument("--eval-max-len", type=int, default=None,
+                   help="eval: score only cells of at most this many tokens; suite: build only their prompt sets")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="processes building prompt sets")
     p.add_argument("--tokenizer", default=None, help="--smoke: an HF tokenizer folder (default: the SmolLM2 GGUF's)")
     p.add_argument("--smoke", action="store_true", help="every piece on a tiny random model on the CPU (a temporary --out)")
