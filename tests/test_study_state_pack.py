@@ -579,3 +579,41 @@ def test_suite_builds_only_the_prompt_sets_eval_will_score(study, tmp_path, monk
     assert msg == "suite ready: 12 prompt sets of 40 (--eval-formats / --eval-max-len), 1 haystack sentences"
     tasks = study.suite_config(s).tasks
     assert built == [(t, "unseen", L) for L in (4096, 2048, 1024) for t in tasks]
+
+
+def test_comparison_table_and_goal_lines(study, tmp_path):
+    """comparison.md from a hand-made retention_seeds.csv: the unseen cells up to 4K per arm (mean, min–max over
+    seeds), and the goal per tokens: met only with >= 2 seeds and every seed's single-needle retention >= 0.9; the
+    cells (any length) where hydra-7to1 is below layer-3to1."""
+    import pandas as pd
+
+    rows = []
+
+    def add(model, tokens, task, L, acc, n_seeds=1, lo=None, hi=None, ret=None, ret_min=None):
+        rows.append(dict(model=model, tokens=tokens, task=task, formats="unseen", length=L, n_seeds=n_seeds,
+                         accuracy_mean=acc, accuracy_sd=0.0, accuracy_min=lo if lo is not None else acc,
+                         accuracy_max=hi if hi is not None else acc, retention_mean=ret, retention_sd=0.0,
+                         retention_min=ret_min if ret_min is not None else ret, retention_max=ret))
+
+    for L in (1024, 2048, 4096):
+        add("teacher", 0, "niah_single", L, 1.0, ret=1.0)
+        add("hydra-7to1", 50_000_000, "niah_single", L, 0.95, 2, 0.93, 0.97, ret=0.95, ret_min=0.93)
+        add("layer-3to1", 50_000_000, "niah_single", L, 0.40, ret=0.40)
+        add("hydra-7to1", 200_000_000, "niah_single", L, 0.97, ret=0.97)  # one seed only: not met
+    add("hydra-7to1", 50_000_000, "niah_multikey", 8192, 0.10, 2, 0.05, 0.15, ret=0.3)
+    add("layer-3to1", 50_000_000, "niah_multikey", 8192, 0.20, ret=0.6)
+    add("hydra-7to1+fa_pos=rope", 50_000_000, "niah_single", 1024, 0.5, ret=0.5)  # a lever arm: not in the table
+    pd.DataFrame(rows).to_csv(tmp_path / "retention_seeds.csv", index=False)
+    assert study.comparison_table(tmp_path, [1024, 2048, 4096]) == 4
+    md = (tmp_path / "comparison.md").read_text().splitlines()
+    table = [ln for ln in md if ln.startswith("| ") and not ln.startswith("| arm")]
+    assert table == ["| teacher | – | 1 | 1.00 | 1.00 | 1.00 |",
+                     "| hydra-7to1 | 50M | 2 | 0.95 (0.93–0.97) | 0.95 (0.93–0.97) | 0.95 (0.93–0.97) |",
+                     "| hydra-7to1 | 200M | 1 | 0.97 | 0.97 | 0.97 |",
+                     "| layer-3to1 | 50M | 1 | 0.40 | 0.40 | 0.40 |"]
+    goals = [ln for ln in md if ln.startswith("- ")]
+    assert goals == [
+        "- 50M tokens: single-needle retention 0.95, 0.95, 0.95 (lowest seed 0.93), 2 seed(s): met; below `layer-3to1` on "
+        "multi-key 8K.",
+        "- 200M tokens: single-needle retention 0.97, 0.97, 0.97 (lowest seed 0.97), 1 seed(s): not met; `layer-3to1` not "
+        "measured at these tokens."]

@@ -873,7 +873,81 @@ def piece_eval(a: argparse.Namespace, s: dict, deadline: float) -> str:
 def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
     r = retention_table(Path(a.out) / "cells", Path(a.out))
     n_lev = lever_table(Path(a.out), lever_lengths(s))
-    return f"report: {r['rows']} rows in retention.csv ({r['missing_teacher']} without a teacher cell), {n_lev} rows in levers.csv"
+    n_cmp = comparison_table(Path(a.out), lever_lengths(s))
+    return (f"report: {r['rows']} rows in retention.csv ({r['missing_teacher']} without a teacher cell), {n_lev} rows in "
+            f"levers.csv, {n_cmp} arms in comparison.md")
+
+
+#: the main comparison's arms, in table order (issue 40, item 5), and the goal's thresholds
+COMPARISON_ARMS = ("teacher", "hydra-7to1", "layer-3to1", "layer-7to1", "random-7to1")
+GOAL_RETENTION, GOAL_SEEDS = 0.9, 2
+
+
+def comparison_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> int:
+    """OUT/comparison.md: the main comparison on the unseen formats — one row per arm of :data:`COMPARISON_ARMS` and
+    training tokens (no levers), one column per task and length of ``lengths``, each cell the accuracy's mean over
+    seeds (min–max when several), from OUT/retention_seeds.csv; then the goal per tokens of ``hydra-7to1``: its
+    retention on unseen single-needle cells (mean and the lowest seed) against :data:`GOAL_RETENTION` with at least
+    :data:`GOAL_SEEDS` seeds, and the unseen cells where its mean accuracy is below ``layer-3to1``'s
+    at the same tokens (every unseen length stored, not only ``lengths``). Returns the number of arm rows (0 without
+    retention_seeds.csv)."""
+    import pandas as pd
+
+    f = out / "retention_seeds.csv"
+    if not f.exists():
+        return 0
+    every = pd.read_csv(f)
+    every = every[(every.formats == "unseen") & every.model.isin(COMPARISON_ARMS)]  # every length: the layer-wise check
+    df = every[every.length.isin(list(lengths))]
+    tasks = [t for t in ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking") if t in set(df.task)]
+    cols = [(t, L) for t in tasks for L in lengths]
+    short = {"niah_single": "single", "niah_multikey": "multi-key", "niah_multivalue": "multi-value",
+             "variable_tracking": "variables"}
+    lines = ["Unseen formats, accuracy (mean over seeds; min–max when several), n = 100 prompts per cell and seed.", "",
+             "| arm | tokens | seeds | " + " | ".join(f"{short[t]} {L // 1024}K" for t, L in cols) + " |",
+             "|---|---|---|" + "---|" * len(cols)]
+    rows = 0
+    for arm in COMPARISON_ARMS:
+        for tokens in sorted(set(df[df.model == arm].tokens)):
+            g = df[(df.model == arm) & (df.tokens == tokens)].set_index(["task", "length"])
+            cells = []
+            for t, L in cols:
+                if (t, L) not in g.index:
+                    cells.append("–")
+                    continue
+                r = g.loc[(t, L)]
+                txt = f"{r.accuracy_mean:.2f}"
+                if r.n_seeds > 1:
+                    txt += f" ({r.accuracy_min:.2f}–{r.accuracy_max:.2f})"
+                cells.append(txt)
+            seeds = int(g.n_seeds.max())
+            lines.append(f"| {arm} | {tokens_text(int(tokens)) if tokens else '–'} | {seeds} | " + " | ".join(cells) + " |")
+            rows += 1
+    lines += ["", f"Goal (issue 40): `hydra-7to1` keeps >= {GOAL_RETENTION} x the teacher's accuracy on unseen single-needle "
+              f"cells at {', '.join(f'{L // 1024}K' for L in lengths)} with >= {GOAL_SEEDS} seeds, and is >= `layer-3to1` "
+              "on every unseen cell.", ""]
+    for tokens in sorted(set(df[df.model == "hydra-7to1"].tokens)):
+        h = df[(df.model == "hydra-7to1") & (df.tokens == tokens)].set_index(["task", "length"])
+        single = [h.loc[("niah_single", L)] for L in lengths if ("niah_single", L) in h.index]
+        if len(single) < len(lengths):
+            verdict = f"not yet measured at every length ({len(single)} of {len(lengths)})"
+        else:
+            worst = min(r.retention_min for r in single)
+            seeds = min(int(r.n_seeds) for r in single)
+            met = worst >= GOAL_RETENTION and seeds >= GOAL_SEEDS
+            verdict = (f"retention {', '.join(f'{r.retention_mean:.2f}' for r in single)} (lowest seed {worst:.2f}), "
+                       f"{seeds} seed(s): {'met' if met else 'not met'}")
+        lay = every[(every.model == "layer-3to1") & (every.tokens == tokens)].set_index(["task", "length"])
+        hall = every[(every.model == "hydra-7to1") & (every.tokens == tokens)].set_index(["task", "length"])
+        if len(lay):
+            below = [f"{short[t]} {L // 1024}K" for t, L in sorted(set(hall.index) & set(lay.index), key=lambda c: (c[1], c[0]))
+                     if hall.loc[(t, L)].accuracy_mean < lay.loc[(t, L)].accuracy_mean]
+            vs = "below `layer-3to1` on " + ", ".join(below) if below else "not below `layer-3to1` on any shared cell"
+        else:
+            vs = "`layer-3to1` not measured at these tokens"
+        lines.append(f"- {tokens_text(int(tokens))} tokens: single-needle {verdict}; {vs}.")
+    (out / "comparison.md").write_text("\n".join(lines) + "\n")
+    return rows
 
 
 LEVER_CELLS = ("niah_single", "unseen", 4096)  # the lever table's cells: task, formats, lengths up to
