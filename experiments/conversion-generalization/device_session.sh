@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # The study's pieces on the lent GPU machine (the `device` tool), detached so that they outlive one call's 10 minutes,
-# polled by short calls (the machine goes back 30 s after a call ends, and after 30 minutes held).
+# polled by short calls (the machine goes back 30 s after a call ends, and after 30 minutes held). On a GPU machine of
+# your own, run the pieces in sequence instead (the study's README).
+# On the working machine, before the session (needs the repository's git history):
+#   bash experiments/conversion-generalization/device_session.sh export-docs DIR
+#       write seed 0's document pack from the branch study-state (or origin/study-state in a clone) into DIR
+#       (e.g. runs/state/seed0-docs), checked against the pack's manifest; carry DIR in a call
 # From the repository root on the GPU machine, after `source benchmarks/device_env.sh` in the calls that carry wheels:
 #   bash experiments/conversion-generalization/device_session.sh docs PACK_DIR
-#       unpack a carried state pack (e.g. seed 0's documents: `git show study-state:seed0-docs/...`, see state/README.md)
+#       unpack a carried state pack (e.g. seed 0's documents from export-docs) into OUT
 #       into OUT, so --piece data rebuilds the rows from them instead of sampling again (checked against the record)
 #   bash experiments/conversion-generalization/device_session.sh start "ARGS" ["ARGS" ...]
 #       restore the committed state/ into OUT (files already there are kept), copy the code to a private folder, and run
@@ -31,17 +36,36 @@ code=${CODE_DIR:-/tmp/hs_code}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/hs_triton}
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
-cmd=${1:?"give a command: docs PACK_DIR | start ARGS... | poll RETURN [WAIT_S [PATTERN]]"}
+usage() {
+  echo "usage: bash $0 export-docs DIR | docs PACK_DIR | start \"RUN.PY ARGS\" ... | poll RETURN [WAIT_S [PATTERN]]"
+  echo "  export-docs on the working machine; docs, start and poll on the GPU machine (see the comments at the top)"
+}
+if [ $# -lt 1 ] || [ "$1" = -h ] || [ "$1" = --help ]; then usage; [ $# -ge 1 ]; exit $?; fi
+cmd=$1
 shift
-mkdir -p "$sd"
 case $cmd in
+  export-docs)
+    dest=${1:?export-docs DIR}
+    ref=$(git -C "$repo" rev-parse -q --verify study-state || git -C "$repo" rev-parse -q --verify origin/study-state) \
+      || { echo "no branch study-state here: git fetch origin study-state:study-state" >&2; exit 1; }
+    mkdir -p "$dest"
+    for f in state.manifest.json state.part00; do
+      git -C "$repo" show "$ref:seed0-docs/$f" > "$dest/$f" || { rm -f "$dest/$f"; exit 1; }
+    done
+    want=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['parts'][0]['sha256'])" "$dest/state.manifest.json")
+    have=$(sha256sum "$dest/state.part00" | cut -d' ' -f1)
+    [ "$want" = "$have" ] || { echo "state.part00's SHA-256 $have is not the manifest's $want" >&2; exit 1; }
+    echo "seed 0's documents in $dest (from $ref, checked); carry it, then on the GPU machine: bash $0 docs $dest"
+    ;;
   docs)
     pack=${1:?docs PACK_DIR}
+    mkdir -p "$sd"
     PYTHONPATH="/tmp/site:$repo${PYTHONPATH:+:$PYTHONPATH}" python "$here/run.py" --out "$out" --piece unpack \
       --unpack-from "$pack"
     ;;
   start)
     [ $# -ge 1 ] || { echo "start needs at least one ARGS string, e.g. \"--piece suite\"" >&2; exit 2; }
+    mkdir -p "$sd"
     mkdir -p "$out" && cp -rn "$here/state/." "$out/" && rm -f "$out/README.md"
     rm -rf "$code" && mkdir -p "$code" && cp -r "$repo/headscope" "$repo/experiments" "$repo/benchmarks" "$code/"
     kc=${KERNEL_CACHE:-$here/state/kernel_cache/autotune.tar.gz}
@@ -78,6 +102,7 @@ case $cmd in
     ;;
   poll)
     ret=${1:?poll RETURN [WAIT_S [PATTERN]]}
+    mkdir -p "$sd"
     wait_s=${2:-0}
     pat=${3:-session done}
     for _ in $(seq $(( wait_s / 5 ))); do grep -qE "$pat" "$sd/status" 2>/dev/null && break; sleep 5; done
@@ -96,6 +121,6 @@ case $cmd in
     true
     ;;
   *)
-    echo "unknown command $cmd: docs PACK_DIR | start ARGS... | poll RETURN [WAIT_S [PATTERN]]" >&2; exit 2
+    echo "unknown command $cmd" >&2; usage >&2; exit 2
     ;;
 esac

@@ -874,8 +874,11 @@ def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
     r = retention_table(Path(a.out) / "cells", Path(a.out))
     n_lev = lever_table(Path(a.out), lever_lengths(s))
     n_cmp = comparison_table(Path(a.out), lever_lengths(s))
-    return (f"report: {r['rows']} rows in retention.csv ({r['missing_teacher']} without a teacher cell), {n_lev} rows in "
-            f"levers.csv, {n_cmp} arms in comparison.md")
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}{'' if n == 1 else 's'}"
+
+    return (f"{count(r['rows'], 'row')} in retention.csv ({r['missing_teacher']} without a teacher cell), "
+            f"{count(n_lev, 'row')} in levers.csv, {count(n_cmp, 'arm row')} in comparison.md")
 
 
 #: the main comparison's arms, in table order (issue 40, item 5), and the goal's thresholds

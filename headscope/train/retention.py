@@ -269,8 +269,10 @@ def retention_table(root: str | Path, out: str | Path, teacher: str = "teacher",
     for c in cells:
         t = tea.get((c["task"], c["formats"], c["length"]))
         missing += t is None
-        ta = t["accuracy"] if t is not None and t["n"] == c["n"] else float("nan")
-        rows.append({k: c[k] for k in RETENTION_COLUMNS if k != "teacher_accuracy"} | {"teacher_accuracy": ta})
+        # hits / n in float64 (the cell files' accuracy went through float32: 0.47 was stored as 0.4699999988)
+        ta = t["hits"] / t["n"] if t is not None and t["n"] == c["n"] else float("nan")
+        rows.append({k: c[k] for k in RETENTION_COLUMNS if k not in ("accuracy", "teacher_accuracy")}
+                    | {"accuracy": c["hits"] / c["n"], "teacher_accuracy": ta})
         lo, hi = wilson_interval(c["hits"], c["n"])
         s = {**rows[-1], "accuracy_lo": lo, "accuracy_hi": hi}
         if t is not None and t["n"] == c["n"]:
