@@ -117,6 +117,9 @@ case $cmd in
         && [ -s "$sd/autotune.list" ] && tar -czf "$ret/autotune.tar.gz" -T "$sd/autotune.list" \
         && echo "autotune results: $(wc -l < "$sd/autotune.list") kernel(s) in $ret/autotune.tar.gz; Triton cache $(du -sh . | cut -f1)")
     fi
+    for c in "/tmp/torchinductor_$(id -un)" "$HOME/.tilelang/cache"; do  # candidates to keep next (sizes decide)
+      [ -d "$c" ] && echo "cache $c: $(du -sh "$c" | cut -f1)"
+    done
     cp "$sd/status" "$sd/log" "$ret/" 2>/dev/null
     true
     ;;
