@@ -397,9 +397,14 @@ def test_study_train_refuses_lost_weights_and_names_retrain(study, tmp_path, mon
     # --retrain sets the lost stages aside, then trains (here: the teacher's loading stands for the training)
     monkeypatch.setattr(study, "load_teacher", lambda *x, **k: (_ for _ in ()).throw(RuntimeError("training starts")))
     a.retrain = True
+    cells = tmp_path / "cells" / "hydra-7to1+fa_pos=rope__s0__t1"  # scored with the lost student
+    cells.mkdir(parents=True)
+    (cells / "niah_single.unseen.1024.json").write_text("{}")
     with pytest.raises(RuntimeError, match="training starts"):
         study.piece_train(a, s, float("inf"))
     assert not (rd / "stage1").exists() and (rd / "earlier_training_1" / "stage3" / "done.json").exists()
+    # its cells moved beside the earlier records: every cell of an arm comes from one student
+    assert not cells.exists() and (rd / "earlier_training_1" / "cells" / "niah_single.unseen.1024.json").exists()
     assert study.lost_stages(rd) == [] and (rd / "arm.json").exists()
     # only the stages from the first lost one: stage 1 has its weights, stage 2 a log without checkpoint
     (rd / "stage1").mkdir()

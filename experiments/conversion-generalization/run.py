@@ -801,8 +801,8 @@ def piece_train(a: argparse.Namespace, s: dict, deadline: float) -> str:
     lost = lost_stages(rd)
     if lost:
         cells = cell_dir(out / "cells", spec["label"], a.seed, parse_tokens(a.tokens))
-        note = (f"; the cells already stored in {cells} were scored with the earlier student (delete that folder to score "
-                "every cell with the retrained one)") if cells.exists() else ""
+        note = (f"; the cells already stored in {cells} were scored with the earlier student and move with its records "
+                "(every cell of an arm comes from one student)") if cells.exists() else ""
         if not a.retrain:
             raise SystemExit(
                 f"{spec['label']} seed {a.seed}: stage(s) {', '.join(map(str, lost))} were trained (done.json or log.csv in "
@@ -810,6 +810,9 @@ def piece_train(a: argparse.Namespace, s: dict, deadline: float) -> str:
                 f"Retrain: run.py --piece train --out {a.out} {arm_options(a)} --retrain (rerun until 'trained'; the "
                 f"earlier records move to {rd}/earlier_training_N/){note}")
         moved = set_aside(rd, lost[0])
+        if cells.exists():  # scored with the student being replaced: kept beside its records, out of the report
+            cells.rename(moved / "cells")
+            note = f"; its cells, scored with the earlier student, moved to {moved}/cells"
         print(f"--retrain: stages {lost[0]}..3 of {spec['label']} seed {a.seed} train again; earlier records in {moved}{note}",
               flush=True)
     teacher, tok = load_teacher(a)
