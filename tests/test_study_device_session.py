@@ -23,7 +23,6 @@ if [ "$2" = flaky ] && [ ! -f {tmp_path}/flaky_once ]; then touch {tmp_path}/fla
 exit 0
 """)
     fake.chmod(0o755)
-    (tmp_path / "go").touch()
     env = {**os.environ, "OUT_DIR": str(tmp_path / "out"), "SESSION_DIR": str(tmp_path / "sd"),
            "CODE_DIR": str(tmp_path / "code"), "RUN": str(fake), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
            "KERNEL_CACHE": str(tmp_path / "kc.tar.gz"),
@@ -37,6 +36,10 @@ exit 0
     r = subprocess.run(["bash", str(SCRIPT), "start", *pieces], env=env, capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "started 4 piece(s)" in r.stdout and "autotune results restored: 1 kernel(s)" in r.stdout
+    # a second start while the first runs (it waits for "go") is refused: it would delete the code the pieces import
+    again = subprocess.run(["bash", str(SCRIPT), "start", "--piece c"], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert again.returncode == 1 and "still running" in again.stderr
+    (tmp_path / "go").touch()
     assert (tmp_path / "triton" / "abc123" / "chunk_fwd_kernel.autotune.json").exists()
     (tmp_path / "triton" / "def456").mkdir()  # a kernel tuned during the session, with its compiled binary
     (tmp_path / "triton" / "def456" / "o_kernel.autotune.json").write_text("{}")

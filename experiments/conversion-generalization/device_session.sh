@@ -66,6 +66,11 @@ case $cmd in
   start)
     [ $# -ge 1 ] || { echo "start needs at least one ARGS string, e.g. \"--piece suite\"" >&2; exit 2; }
     mkdir -p "$sd"
+    if [ -f "$sd/chain.pid" ] && kill -0 "$(cat "$sd/chain.pid")" 2>/dev/null; then
+      echo "a session started earlier is still running (pid $(cat "$sd/chain.pid"); its status: $sd/status): poll it, or" \
+        "start again once it has printed 'session done'" >&2
+      exit 1
+    fi
     mkdir -p "$out" && cp -rn "$here/state/." "$out/" && rm -f "$out/README.md"
     rm -rf "$code" && mkdir -p "$code" && cp -r "$repo/headscope" "$repo/experiments" "$repo/benchmarks" "$code/"
     kc=${KERNEL_CACHE:-$here/state/kernel_cache/autotune.tar.gz}
@@ -75,6 +80,7 @@ case $cmd in
     printf '%s\n' "$@" > "$sd/pieces"
     export OUT_DIR=$out SESSION_DIR=$sd CODE_DIR=$code
     setsid nohup bash "$code/experiments/conversion-generalization/device_session.sh" _chain >> "$sd/log" 2>&1 < /dev/null &
+    echo $! > "$sd/chain.pid"
     echo "started $# piece(s) in OUT=$out; poll with: bash $0 poll RETURN [WAIT_S [PATTERN]]"
     ;;
   _chain)
