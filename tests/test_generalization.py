@@ -551,3 +551,40 @@ def test_evaluate_suite_scores_the_chosen_cells_in_order(tmp_path, monkeypatch):
     with pytest.raises(HeadscopeInputError, match=r"not cells of the suite"):
         R.evaluate_suite(Model(), Tok(), "m", 0, 0, cfg, tmp_path, cells=[("niah_single", "unseen", 8192)])
     assert order == []
+
+
+def test_greedy_generation_batches_equal_lengths_like_one_at_a_time(smol_tokenizer):
+    """Prompts of equal length generate together (at most 2 rows per forward here, prompts of several lengths
+    interleaved): the tokens, the checks and their order equal a one-prompt-at-a-time greedy loop written here (the
+    brute force), and the forwards carry the rows the grouping says."""
+    model = tiny_llama(smol_tokenizer, seed=5, n_layers=1, n_heads=2, n_kv=1, d_model=32).double()
+    cfg = SuiteConfig(tasks=("niah_single",), lengths=(128, 256), n=3, gen_n=3)
+    short = suite_pairs(smol_tokenizer, cfg, "niah_single", "seen", 128)
+    long_ = suite_pairs(smol_tokenizer, cfg, "niah_single", "seen", 256)
+    pairs = [long_[0], short[0], long_[1], short[1], long_[2], short[2]]
+    import collections
+
+    counts = collections.Counter(p.clean.shape[-1] for p in pairs)
+    assert len(counts) >= 2 and max(counts.values()) >= 2  # several groups, one of them batched
+    calls = []
+    h = model.register_forward_hook(lambda m, a, k, out: calls.append(k["input_ids"].shape[0]), with_kwargs=True)
+    got = greedy_generation_hits(model, smol_tokenizer, pairs, extra=2, batch_tokens=600)  # <= 2 rows of ~250 + 6
+    h.remove()
+    steps = pairs[0].n_answer + 2
+    groups = {}
+    for p in pairs:
+        groups.setdefault((p.clean.shape[-1], p.n_answer), []).append(p)
+    rows = {L: max(1, 600 // (L + n + 2)) for L, n in groups}
+    assert sorted(calls) == sorted(b for (L, n), g in groups.items() for k in range(0, len(g), rows[L])
+                                   for b in [min(rows[L], len(g) - k)] * steps)
+    assert max(calls) >= 2  # some forwards carried several prompts
+    want = []
+    for p in pairs:
+        ids = p.clean[None]
+        for _ in range(p.n_answer + 2):
+            with torch.no_grad():
+                t = int(model(input_ids=ids, use_cache=False).logits[0, -1].argmax())
+            ids = torch.cat([ids, torch.tensor([[t]])], 1)
+        want.append(ids[0, p.clean.shape[-1]:].tolist())
+    assert got["outputs"] == [smol_tokenizer.decode(w, skip_special_tokens=True) for w in want]
+    assert got["exact"] == [w[: p.n_answer] == p.answer.tolist() for w, p in zip(want, pairs)]

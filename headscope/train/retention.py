@@ -113,7 +113,8 @@ def suite_pairs(tokenizer: Any, cfg: SuiteConfig, task: str, formats: str, lengt
 
 
 @torch.no_grad()
-def greedy_generation_hits(model: Any, tokenizer: Any, pairs: Sequence[Any], extra: int = 2) -> dict[str, Any]:
+def greedy_generation_hits(model: Any, tokenizer: Any, pairs: Sequence[Any], extra: int = 2,
+                           batch_tokens: int = 32768) -> dict[str, Any]:
     """Free greedy generation after each clean prompt (one full forward per new token, no cache, so
     any causal LM, hybrid students included, runs it unchanged).
 
@@ -121,23 +122,36 @@ def greedy_generation_hits(model: Any, tokenizer: Any, pairs: Sequence[Any], ext
     the answer a⁺ (what teacher forcing scores); ``text``: the first run of digits in the decoded
     continuation is the answer value (a tokenization-free check).
 
+    Prompts of equal length and answer length (a suite cell's prompts all are) are generated together,
+    ``batch_tokens // length`` rows per forward: no padding, so each row is the same computation as alone
+    (the teacher-forced scoring batches likewise); 20 prompts of a cell take 6 forwards instead of 120.
+
     Returns:
-        {"exact": [bool per pair], "text": [bool per pair], "outputs": [decoded continuation per pair]}.
+        {"exact": [bool per pair], "text": [bool per pair], "outputs": [decoded continuation per pair]},
+        in the order of ``pairs``.
     """
     dev = next(model.parameters()).device
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, p in enumerate(pairs):
+        groups.setdefault((int(p.clean.shape[-1]), int(p.n_answer)), []).append(i)
+    new: dict[int, list[int]] = {}
+    for (length, n_answer), idx in groups.items():
+        rows = max(1, batch_tokens // (length + n_answer + extra))
+        for k in range(0, len(idx), rows):
+            part = idx[k:k + rows]
+            ids = torch.stack([pairs[i].clean for i in part]).to(dev)
+            for _ in range(n_answer + extra):
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                    logits = model(input_ids=ids, use_cache=False).logits[:, -1]
+                t = logits.float().argmax(-1)
+                ids = torch.cat([ids, t[:, None]], 1)
+            for r, i in enumerate(part):
+                new[i] = ids[r, length:].tolist()
     exact, text, outs = [], [], []
-    for p in pairs:
-        ids = p.clean.to(dev)[None]
-        new: list[int] = []
-        for _ in range(p.n_answer + extra):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-                logits = model(input_ids=ids, use_cache=False).logits[0, -1]
-            t = int(logits.float().argmax())
-            new.append(t)
-            ids = torch.cat([ids, torch.tensor([[t]], device=dev)], 1)
-        s = tokenizer.decode(new, skip_special_tokens=True)
+    for i, p in enumerate(pairs):
+        s = tokenizer.decode(new[i], skip_special_tokens=True)
         m = re.search(r"\d+", s)
-        exact.append(new[: p.n_answer] == p.answer.tolist())
+        exact.append(new[i][: p.n_answer] == p.answer.tolist())
         text.append(bool(m) and m.group(0) == str(p.meta.get("value")))
         outs.append(s)
     return {"exact": exact, "text": text, "outputs": outs}
@@ -202,7 +216,7 @@ def evaluate_suite(
                                "correct": h.int().tolist(), "mean_len": float(np.mean([p.length for p in pairs]))}
         k = min(cfg.gen_n, len(pairs)) if L <= cfg.gen_max_len else 0
         if k:
-            g = greedy_generation_hits(model, tokenizer, pairs[:k])
+            g = greedy_generation_hits(model, tokenizer, pairs[:k], batch_tokens=cfg.batch_tokens)
             rec.update(gen_n=k, gen_exact_hits=int(sum(g["exact"])), gen_text_hits=int(sum(g["text"])),
                        gen_agree=int(sum(int(a) == int(b) for a, b in zip(g["exact"], h[:k].tolist()))),
                        gen_examples=g["outputs"][:3])
