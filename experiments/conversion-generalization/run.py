@@ -877,6 +877,7 @@ def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
     r = retention_table(Path(a.out) / "cells", Path(a.out))
     n_lev = lever_table(Path(a.out), lever_lengths(s))
     n_cmp = comparison_table(Path(a.out), lever_lengths(s))
+
     def count(n: int, what: str) -> str:
         return f"{n} {what}{'' if n == 1 else 's'}"
 
@@ -899,13 +900,15 @@ def comparison_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> 
     retention_seeds.csv)."""
     import pandas as pd
 
+    from headscope.tasks.formats import FORMAT_TASKS
+
     f = out / "retention_seeds.csv"
     if not f.exists():
         return 0
     every = pd.read_csv(f)
     every = every[(every.formats == "unseen") & every.model.isin(COMPARISON_ARMS)]  # every length: the layer-wise check
     df = every[every.length.isin(list(lengths))]
-    tasks = [t for t in ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking") if t in set(df.task)]
+    tasks = [t for t in FORMAT_TASKS if t in set(df.task)]
     cols = [(t, L) for t in tasks for L in lengths]
     short = {"niah_single": "single", "niah_multikey": "multi-key", "niah_multivalue": "multi-value",
              "variable_tracking": "variables"}
@@ -933,8 +936,8 @@ def comparison_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> 
               f"cells at {', '.join(f'{L // 1024}K' for L in lengths)} with >= {GOAL_SEEDS} seeds, and is >= `layer-3to1` "
               "on every unseen cell.", ""]
     for tokens in sorted(set(df[df.model == "hydra-7to1"].tokens)):
-        h = df[(df.model == "hydra-7to1") & (df.tokens == tokens)].set_index(["task", "length"])
-        single = [h.loc[("niah_single", L)] for L in lengths if ("niah_single", L) in h.index]
+        hall = every[(every.model == "hydra-7to1") & (every.tokens == tokens)].set_index(["task", "length"])
+        single = [hall.loc[("niah_single", L)] for L in lengths if ("niah_single", L) in hall.index]
         if len(single) < len(lengths):
             verdict = f"not yet measured at every length ({len(single)} of {len(lengths)})"
         else:
@@ -944,7 +947,6 @@ def comparison_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> 
             verdict = (f"retention {', '.join(f'{r.retention_mean:.2f}' for r in single)} (lowest seed {worst:.2f}), "
                        f"{seeds} seed(s): {'met' if met else 'not met'}")
         lay = every[(every.model == "layer-3to1") & (every.tokens == tokens)].set_index(["task", "length"])
-        hall = every[(every.model == "hydra-7to1") & (every.tokens == tokens)].set_index(["task", "length"])
         if len(lay):
             below = [f"{short[t]} {L // 1024}K" for t, L in sorted(set(hall.index) & set(lay.index), key=lambda c: (c[1], c[0]))
                      if hall.loc[(t, L)].accuracy_mean < lay.loc[(t, L)].accuracy_mean]
