@@ -531,8 +531,8 @@ def test_evaluate_suite_scores_the_chosen_cells_in_order(tmp_path, monkeypatch):
     class P:
         length = 10
 
-    monkeypatch.setattr(R, "suite_pairs", lambda tok, c, task, fmt, L, *a, **k: order.append((task, fmt, L)) or [P(), P()])
-    monkeypatch.setattr(R, "retrieval_hits", lambda *a, **k: torch.tensor([True, False]))
+    monkeypatch.setattr(R, "suite_pairs", lambda tok, c, task, fmt, L, *a, **k: order.append((task, fmt, L)) or [P()] * 3)
+    monkeypatch.setattr(R, "retrieval_hits", lambda *a, **k: torch.tensor([True, False, False]))
 
     class Tok:
         pad_token_id = 0
@@ -546,7 +546,8 @@ def test_evaluate_suite_scores_the_chosen_cells_in_order(tmp_path, monkeypatch):
     assert order == chosen and res == {"done": 9, "left": 0}
     stored = sorted(f.name for f in (tmp_path / "m__s0__t0").glob("*.json"))
     assert stored == sorted(f"{t}.{f}.{L}.json" for t, f, L in chosen)
-    assert json.loads((tmp_path / "m__s0__t0" / "niah_single.unseen.2048.json").read_text())["hits"] == 1
+    rec = json.loads((tmp_path / "m__s0__t0" / "niah_single.unseen.2048.json").read_text())
+    assert rec["hits"] == 1 and rec["n"] == 3 and rec["accuracy"] == 1 / 3  # hits / n, not a float32 mean
     order.clear()
     with pytest.raises(HeadscopeInputError, match=r"not cells of the suite"):
         R.evaluate_suite(Model(), Tok(), "m", 0, 0, cfg, tmp_path, cells=[("niah_single", "unseen", 8192)])

@@ -122,7 +122,7 @@ def greedy_generation_hits(model: Any, tokenizer: Any, pairs: Sequence[Any], ext
     the answer a⁺ (what teacher forcing scores); ``text``: the first run of digits in the decoded
     continuation is the answer value (a tokenization-free check).
 
-    Prompts of equal length and answer length (a suite cell's prompts all are) are generated together,
+    Prompts of equal length and answer length (the 20 checked prompts of each suite cell looked at were) are generated together,
     ``batch_tokens // length`` rows per forward: no padding, so each row is the same computation as alone
     (the teacher-forced scoring batches likewise); 20 prompts of a cell take 6 forwards instead of 120.
 
@@ -212,7 +212,7 @@ def evaluate_suite(
         pairs = suite_pairs(tokenizer, cfg, task, fmt, L, filler, cache_dir)
         h = retrieval_hits(model, pairs, pad, batch_size=max(1, cfg.batch_tokens // L))
         rec: dict[str, Any] = {"model": name, "seed": int(seed), "tokens": int(tokens), "task": task, "formats": fmt,
-                               "length": L, "n": len(h), "hits": int(h.sum()), "accuracy": float(h.float().mean()),
+                               "length": L, "n": len(h), "hits": int(h.sum()), "accuracy": int(h.sum()) / len(h),
                                "correct": h.int().tolist(), "mean_len": float(np.mean([p.length for p in pairs]))}
         k = min(cfg.gen_n, len(pairs)) if L <= cfg.gen_max_len else 0
         if k:
