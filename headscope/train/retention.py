@@ -122,7 +122,7 @@ def greedy_generation_hits(model: Any, tokenizer: Any, pairs: Sequence[Any], ext
     the answer a⁺ (what teacher forcing scores); ``text``: the first run of digits in the decoded
     continuation is the answer value (a tokenization-free check).
 
-    Prompts of equal length and answer length (the 20 checked prompts of each suite cell looked at were) are generated together,
+    Prompts of equal length and answer length are generated together (the 20 of each 1K seen cell were),
     ``batch_tokens // length`` rows per forward: no padding, so each row is the same computation as alone
     (the teacher-forced scoring batches likewise); 20 prompts of a cell take 6 forwards instead of 120.
 
