@@ -71,3 +71,59 @@ exit 0
     listed = subprocess.run(["tar", "-tzf", str(ret / "autotune.tar.gz")], capture_output=True, text=True, check=True)
     assert sorted(listed.stdout.split()) == ["./abc123/chunk_fwd_kernel.autotune.json", "./def456/o_kernel.autotune.json"]
     assert "autotune results: 2 kernel(s)" in r.stdout
+
+
+def _wait_done(status_file: Path, n: int = 1) -> list[str]:
+    for _ in range(120):
+        if status_file.exists() and status_file.read_text().count("session done") >= n:
+            break
+        time.sleep(0.5)
+    return [line.split(": ", 1)[1] for line in status_file.read_text().splitlines()]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_device_session_resumes_partial_stops_at_failure_and_restores_once(tmp_path):
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "fake_run.sh"  # "slow" ends partial twice (its deadline), then finishes; "bad" always fails
+    fake.write_text(f"""#!/usr/bin/env bash
+echo "$*" >> {calls}
+if [ "$2" = slow ]; then
+  n=$(grep -c slow {calls})
+  if [ "$n" -lt 3 ]; then echo "train: partial: stage 3 at step $n/458; rerun the same command (603 s)"; exit 0; fi
+  echo "train: trained (5 s)"; exit 0
+fi
+if [ "$2" = bad ]; then echo "arm is not trained: run --piece train" >&2; exit 1; fi
+echo "$2: done"
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT_DIR": str(out), "SESSION_DIR": str(tmp_path / "sd"), "CODE_DIR": str(tmp_path / "code"),
+           "RUN": str(fake), "TRITON_CACHE_DIR": str(tmp_path / "triton"), "KERNEL_CACHE": str(tmp_path / "none.tar.gz"),
+           "TRIES": "2", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", str(SCRIPT), "start", "--piece slow", "--piece bad", "--piece never"], env=env,
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "committed state restored" in r.stdout
+    status = _wait_done(tmp_path / "sd" / "status")
+    assert status == ["--piece slow: partial (resume 1)", "--piece slow: partial (resume 2)", "--piece slow: rc=0 (try 1)",
+                      "--piece bad: rc=1 (try 1)", "--piece bad: rc=1 (try 2)",
+                      "chain stopped: --piece bad did not finish; later pieces not run", "session done"]
+    assert calls.read_text().splitlines() == ["--piece slow"] * 3 + ["--piece bad"] * 2  # "never" did not run
+    # what a piece moved away (--retrain moves an arm's records) is not brought back by a second start
+    committed_cells = sorted((out / "cells").glob("*/*.json"))
+    assert committed_cells
+    moved = committed_cells[0]
+    moved.unlink()
+    pid = int((tmp_path / "sd" / "chain.pid").read_text())
+    for _ in range(100):  # the chain exits just after writing "session done"
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    r = subprocess.run(["bash", str(SCRIPT), "start", "--piece c"], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "not restored again" in r.stdout and "committed state restored" not in r.stdout
+    status = _wait_done(tmp_path / "sd" / "status", 2)
+    assert status[-2:] == ["--piece c: rc=0 (try 1)", "session done"]
+    assert not moved.exists()

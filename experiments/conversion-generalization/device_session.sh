@@ -11,9 +11,11 @@
 #       unpack a carried state pack (e.g. seed 0's documents from export-docs) into OUT
 #       into OUT, so --piece data rebuilds the rows from them instead of sampling again (checked against the record)
 #   bash experiments/conversion-generalization/device_session.sh start "ARGS" ["ARGS" ...]
-#       restore the committed state/ into OUT (files already there are kept), copy the code to a private folder, and run
-#       `run.py ARGS` for each string in turn, each up to 3 tries, in a new process session; "wait FILE" instead of
-#       ARGS waits (up to 20 min) for FILE. Status lines: /tmp/hs_session/status; output: /tmp/hs_session/log
+#       restore the committed state/ into OUT (the first start on a machine only; files already there are kept), copy
+#       the code to a private folder, and run `run.py ARGS` for each string in turn in a new process session: a failing
+#       piece up to 3 tries, a piece that ends "partial" resumed, the chain stopped at a piece that does not finish;
+#       "wait FILE" instead of ARGS waits (up to 20 min) for FILE. Status lines: /tmp/hs_session/status; output:
+#       /tmp/hs_session/log
 #   bash experiments/conversion-generalization/device_session.sh poll RETURN [WAIT_S [PATTERN]]
 #       wait up to WAIT_S seconds (default 0) until PATTERN (grep -E) is in the status, print the status and the log's
 #       end, pack OUT's state (no document shards, no suite: both are elsewhere) into RETURN/state and copy the status
@@ -28,7 +30,8 @@
 # env: OUT_DIR (default /tmp/gen), SESSION_DIR (default /tmp/hs_session), CODE_DIR (default /tmp/hs_code),
 #      TRITON_CACHE_DIR (default /tmp/hs_triton), KERNEL_CACHE (default state/kernel_cache/autotune.tar.gz),
 #      RUN (default: python CODE_DIR/experiments/conversion-generalization/run.py --out OUT_DIR --model smollm2-135m
-#      --device cuda), TRIES (default 3)
+#      --device cuda --budget-s PIECE_BUDGET_S), PIECE_BUDGET_S (default 1700: a piece's deadline), TRIES (default 3:
+#      tries of a failing piece), RESUMES (default 5: reruns of a piece that ended "partial")
 set -uo pipefail
 out=${OUT_DIR:-/tmp/gen}
 sd=${SESSION_DIR:-/tmp/hs_session}
@@ -71,7 +74,16 @@ case $cmd in
         "start again once it has printed 'session done'" >&2
       exit 1
     fi
-    mkdir -p "$out" && cp -rn "$here/state/." "$out/" && rm -f "$out/README.md"
+    # the committed state goes into OUT once per machine: a later start must not bring back what pieces have moved
+    # since (--retrain moves an arm's records and cells to earlier_training_N; restoring them again made train
+    # refuse and eval skip the new student's cells, H200, 2026-12-03)
+    mkdir -p "$out"
+    if [ -f "$out/.state_restored" ]; then
+      echo "OUT=$out already holds the committed state (restored by an earlier start): not restored again"
+    else
+      cp -rn "$here/state/." "$out/" && rm -f "$out/README.md" && date -u > "$out/.state_restored"
+      echo "committed state restored into OUT=$out"
+    fi
     rm -rf "$code" && mkdir -p "$code" && cp -r "$repo/headscope" "$repo/experiments" "$repo/benchmarks" "$code/"
     kc=${KERNEL_CACHE:-$here/state/kernel_cache/autotune.tar.gz}
     if [ -f "$kc" ]; then
@@ -86,7 +98,8 @@ case $cmd in
   _chain)
     cd "$code" || exit 1
     export PYTHONPATH="/tmp/site:$code" PYTHONUNBUFFERED=1 HEADSCOPE_CACHE=${HEADSCOPE_CACHE:-/tmp/hs_cache}
-    run=${RUN:-python $code/experiments/conversion-generalization/run.py --out $out --model smollm2-135m --device cuda}
+    # a detached piece is not bound by one call's 10 minutes: its deadline is the 30-minute hold (PIECE_BUDGET_S)
+    run=${RUN:-python $code/experiments/conversion-generalization/run.py --out $out --model smollm2-135m --device cuda --budget-s ${PIECE_BUDGET_S:-1700}}
     t0=$(date +%s)
     st() { echo "$(( $(date +%s) - t0 )) s: $*" >> "$sd/status"; }
     while IFS= read -r args; do
@@ -96,13 +109,25 @@ case $cmd in
         st "$args: $([ -e "$f" ] && echo here || echo 'not here after 20 min')"
         continue
       fi
-      for k in $(seq "${TRIES:-3}"); do
+      # a failing piece is tried again (TRIES in all); a piece that ends "PIECE: partial: ..." (its deadline came) is
+      # resumed (RESUMES times at most); the chain stops when a piece still fails or is still partial, since later
+      # pieces need its output (an eval after an unfinished train would only fail)
+      k=0; resumes=0; done_ok=0
+      while [ $k -lt "${TRIES:-3}" ]; do
+        k=$((k + 1))
         # shellcheck disable=SC2086
-        $run $args; rc=$?
+        $run $args 2>&1 | tee "$sd/piece.out"; rc=${PIPESTATUS[0]}
+        if [ $rc = 0 ] && grep -qE '^[a-z]+: partial' "$sd/piece.out"; then
+          st "$args: partial (resume $((resumes + 1)))"
+          resumes=$((resumes + 1)); k=$((k - 1))
+          [ $resumes -le "${RESUMES:-5}" ] && continue
+          break
+        fi
         st "$args: rc=$rc (try $k)"
-        [ $rc = 0 ] && break
+        [ $rc = 0 ] && { done_ok=1; break; }
         sleep 2
       done
+      [ $done_ok = 1 ] || { st "chain stopped: $args did not finish; later pieces not run"; break; }
     done < "$sd/pieces"
     st "session done"
     ;;
