@@ -589,3 +589,50 @@ def test_greedy_generation_batches_equal_lengths_like_one_at_a_time(smol_tokeniz
         want.append(ids[0, p.clean.shape[-1]:].tolist())
     assert got["outputs"] == [smol_tokenizer.decode(w, skip_special_tokens=True) for w in want]
     assert got["exact"] == [w[: p.n_answer] == p.answer.tolist() for w, p in zip(want, pairs)]
+
+
+def test_depth_table_by_hand(tmp_path):
+    import pandas as pd
+
+    from headscope.train.retention import DEPTH_COLUMNS, depth_table
+
+    # 10 prompts at linspace(0, 1, 10): 5 bins of width 0.2 hold prompts {0,1} {2,3} {4,5} {6,7} {8,9} (depth 1.0 in the last)
+    cells = {"teacher__s0__t0": _cell("teacher", 0, 0, [1] * 9 + [0]),
+             "hydra-7to1__s0__t50000000": _cell("hydra-7to1", 0, 50_000_000, [0, 0, 1, 0, 1, 1, 1, 1, 1, 1])}
+    cells["hydra-7to1__s0__t50000000"]["mean_len"] = 1000.0
+    for d, c in cells.items():
+        (tmp_path / "cells" / d).mkdir(parents=True)
+        (tmp_path / "cells" / d / "niah_single.unseen.1024.json").write_text(json.dumps(c))
+    assert depth_table(tmp_path / "cells", tmp_path) == 10
+    df = pd.read_csv(tmp_path / "retention_depth.csv")
+    assert tuple(df.columns) == DEPTH_COLUMNS
+    h = df[df.model == "hydra-7to1"]
+    assert h.hits.tolist() == [0, 1, 2, 2, 2] and h.n.tolist() == [2] * 5
+    assert h.teacher_hits.tolist() == [2, 2, 2, 2, 1] and h.teacher_accuracy.tolist() == [1, 1, 1, 1, 0.5]
+    assert h.depth_lo.tolist() == pytest.approx([0, 0.2, 0.4, 0.6, 0.8])
+    assert h.distance_tokens.tolist() == [900, 700, 500, 300, 100]  # (1 - bin middle) x mean_len
+    assert df[df.model == "teacher"].distance_tokens.tolist()[0] == 922  # no mean_len: the cell's length, 0.9 x 1024
+    with pytest.raises(ValueError, match="bin"):
+        depth_table(tmp_path / "cells", tmp_path, bins=0)
+
+
+def test_prompt_depths_are_the_suites(monkeypatch):
+    """prompt_depths must be the depths the suite's cells are built at (the depth table reads them from there)."""
+    from types import SimpleNamespace
+
+    import headscope.tasks as tasks
+    import headscope.tasks.formats as formats
+    from headscope.train.retention import prompt_depths
+
+    seen = {}
+    monkeypatch.setattr(tasks, "make_pairs", lambda task, tok, n_pairs, seq_len, depth, seed: seen.setdefault("seen", depth))
+    monkeypatch.setattr(formats, "format_pairs", lambda tok, fam, task, filler, n_pairs, seq_len, depth, seed: seen.setdefault("unseen", depth))
+
+    class Tok:
+        name_or_path, __len__ = "tiny", lambda self: 10
+
+    for n in (1, 7, 100):
+        seen.clear()
+        suite_pairs(Tok(), SuiteConfig(n=n), "niah_single", "seen", 256)
+        suite_pairs(Tok(), SuiteConfig(n=n), "niah_single", "unseen", 256, filler=SimpleNamespace(sentences=["A b."]))
+        assert np.allclose(seen["seen"], prompt_depths(n)) and np.allclose(seen["unseen"], prompt_depths(n))

@@ -622,3 +622,24 @@ def test_comparison_table_and_goal_lines(study, tmp_path):
         "multi-key 8K.",
         "- 200M tokens: single-needle retention 0.97, 0.97, 0.97 (lowest seed 0.97), 1 seed(s): not met; `layer-3to1` not "
         "measured at these tokens."]
+
+
+def test_comparison_depth_section(study, tmp_path):
+    """comparison.md's depth section from a hand-made retention_depth.csv: unseen single-needle hits per depth bin,
+    summed over seeds, one row per arm / tokens / length; lever arms, seen cells and other tasks left out."""
+    import pandas as pd
+
+    rows = []
+    for model, seed, tokens, hits in (("teacher", 0, 0, (2, 2)), ("hydra-7to1", 0, 50_000_000, (0, 2)),
+                                      ("hydra-7to1", 1, 50_000_000, (1, 2)), ("hydra-7to1+fa_pos=rope", 0, 50_000_000, (2, 2))):
+        for b, h in enumerate(hits):
+            rows.append(dict(model=model, seed=seed, tokens=tokens, task="niah_single", formats="unseen", length=2048,
+                             depth_lo=b / 2, depth_hi=(b + 1) / 2, distance_tokens=0, n=2, hits=h, accuracy=h / 2,
+                             teacher_hits=2, teacher_accuracy=1.0))
+    rows.append({**rows[-1], "model": "hydra-7to1", "formats": "seen"})
+    rows.append({**rows[-1], "formats": "unseen", "task": "niah_multikey"})
+    pd.DataFrame(rows).to_csv(tmp_path / "retention_depth.csv", index=False)
+    lines = study.depth_lines(tmp_path, [1024, 2048])
+    assert lines[3] == "| arm | tokens | length | depth 0.0–0.5 | depth 0.5–1.0 |"
+    assert lines[5:] == ["| teacher | – | 2K | 2/2 | 2/2 |", "| hydra-7to1 | 50M | 2K | 1/4 | 4/4 |"]
+    assert study.depth_lines(tmp_path, [4096]) == []

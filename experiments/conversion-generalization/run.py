@@ -71,7 +71,7 @@ from headscope.errors import HeadscopeInputError  # noqa: E402
 from headscope.masks import HeadMask  # noqa: E402
 from headscope.runtime import atomic_write_text  # noqa: E402
 from headscope.train import TokenRows, TrainConfig, convert_stage, format_rows, load_student, mix, pack  # noqa: E402
-from headscope.train.retention import SuiteConfig, cell_dir, evaluate_suite, retention_table, suite_pairs  # noqa: E402
+from headscope.train.retention import SuiteConfig, cell_dir, depth_table, evaluate_suite, retention_table, suite_pairs  # noqa: E402
 
 ARMS = {"hydra-7to1": "hydrahead", "layer-3to1": "layerwise3", "layer-7to1": "layerwise", "random-7to1": "random", "teacher": None}
 #: the budget lever's arms: the masks of the 7:1 arms at 5:1 (HydraHead re-selected from its ranking)
@@ -875,6 +875,7 @@ def piece_eval(a: argparse.Namespace, s: dict, deadline: float) -> str:
 
 def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
     r = retention_table(Path(a.out) / "cells", Path(a.out))
+    n_depth = depth_table(Path(a.out) / "cells", Path(a.out))
     n_lev = lever_table(Path(a.out), lever_lengths(s))
     n_cmp = comparison_table(Path(a.out), lever_lengths(s))
 
@@ -882,7 +883,8 @@ def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
         return f"{n} {what}{'' if n == 1 else 's'}"
 
     return (f"{count(r['rows'], 'row')} in retention.csv ({r['missing_teacher']} without a teacher cell), "
-            f"{count(n_lev, 'row')} in levers.csv, {count(n_cmp, 'arm row')} in comparison.md")
+            f"{count(n_depth, 'row')} in retention_depth.csv, {count(n_lev, 'row')} in levers.csv, "
+            f"{count(n_cmp, 'arm row')} in comparison.md")
 
 
 #: the main comparison's arms, in table order (issue 40, item 5), and the goal's thresholds
@@ -954,8 +956,36 @@ def comparison_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> 
         else:
             vs = "`layer-3to1` not measured at these tokens"
         lines.append(f"- {tokens_text(int(tokens))} tokens: single-needle {verdict}; {vs}.")
+    lines += depth_lines(out, lengths)
     (out / "comparison.md").write_text("\n".join(lines) + "\n")
     return rows
+
+
+def depth_lines(out: Path, lengths: Sequence[int]) -> list[str]:
+    """comparison.md's depth section: unseen single-needle accuracy per needle-depth fifth (OUT/retention_depth.csv,
+    :func:`headscope.train.retention.depth_table`), one row per arm, tokens and length of ``lengths`` (summed over
+    seeds), each entry 'hits/n' with the approximate distance from the needle to the question in the header."""
+    import pandas as pd
+
+    f = out / "retention_depth.csv"
+    if not f.exists():
+        return []
+    d = pd.read_csv(f)
+    d = d[(d.task == "niah_single") & (d.formats == "unseen") & d.length.isin(list(lengths)) & d.model.isin(COMPARISON_ARMS)]
+    if not len(d):
+        return []
+    bins = sorted(set(zip(d.depth_lo, d.depth_hi)))
+    lines = ["", "Unseen single-needle hits by needle depth (0 = the haystack's start, farthest from the question; "
+             "distance ≈ (1 − depth) × prompt length), summed over seeds:", "",
+             "| arm | tokens | length | " + " | ".join(f"depth {lo:.1f}–{hi:.1f}" for lo, hi in bins) + " |",
+             "|---|---|---|" + "---|" * len(bins)]
+    for arm in COMPARISON_ARMS:
+        for tokens in sorted(set(d[d.model == arm].tokens)):
+            for L in sorted(set(d[(d.model == arm) & (d.tokens == tokens)].length)):
+                g = d[(d.model == arm) & (d.tokens == tokens) & (d.length == L)].groupby(["depth_lo", "depth_hi"])[["hits", "n"]].sum()
+                cells = [f"{int(g.loc[b].hits)}/{int(g.loc[b].n)}" if b in g.index else "–" for b in bins]
+                lines.append(f"| {arm} | {tokens_text(int(tokens)) if tokens else '–'} | {L // 1024}K | " + " | ".join(cells) + " |")
+    return lines
 
 
 LEVER_CELLS = ("niah_single", "unseen", 4096)  # the lever table's cells: task, formats, lengths up to

@@ -13,7 +13,8 @@ Every cell is scored by teacher-forced greedy exact match of the answer span
 (:func:`greedy_generation_hits`) on the first ``gen_n`` prompts of the cells up to ``gen_max_len``
 tokens, which confirms the teacher-forced score. Each (model, cell) is written to its own JSON file as
 it finishes (:func:`evaluate_suite`); a rerun skips the stored cells. :func:`retention_table` joins the
-cells with the teacher's into ``retention.csv`` and its interval summaries.
+cells with the teacher's into ``retention.csv`` and its interval summaries; :func:`depth_table` splits
+each cell by needle depth (where in the prompt the evidence sits), into ``retention_depth.csv``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
-from jaxtyping import Bool
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ..errors import HeadscopeInputError
@@ -37,6 +38,8 @@ from ..runtime import atomic_torch_save, atomic_write_text
 from .evaluate import eval_pairs, retrieval_hits, wilson_interval
 
 RETENTION_COLUMNS = ("model", "seed", "tokens", "task", "formats", "length", "n", "hits", "accuracy", "teacher_accuracy")
+DEPTH_COLUMNS = ("model", "seed", "tokens", "task", "formats", "length", "depth_lo", "depth_hi", "distance_tokens", "n",
+                 "hits", "accuracy", "teacher_hits", "teacher_accuracy")
 
 
 @dataclass(frozen=True)
@@ -310,3 +313,62 @@ def retention_table(root: str | Path, out: str | Path, teacher: str = "teacher",
                       retention_min=("retention", "min"), retention_max=("retention", "max")).reset_index()
         seeds.to_csv(out / "retention_seeds.csv", index=False)
     return {"rows": len(df), "missing_teacher": missing}
+
+
+def prompt_depths(n: int) -> Float[np.ndarray, "n"]:
+    """The needle depth of each of a cell's ``n`` prompts, in prompt order: ``linspace(0, 1, n)`` (0.5 for one
+    prompt), as :func:`headscope.train.evaluate.eval_pairs` (seen) and :func:`suite_pairs` (unseen) build them.
+    Depth is the evidence's place in the haystack as a fraction of it (0: the start, farthest from the question;
+    the queried needle of multi-key, the first value of multi-value, the chain's root of variable tracking)."""
+    return np.linspace(0.0, 1.0, n) if n > 1 else np.array([0.5])
+
+
+def depth_table(root: str | Path, out: str | Path, bins: int = 5, teacher: str = "teacher") -> int:
+    """``out``/retention_depth.csv (columns :data:`DEPTH_COLUMNS`): every stored cell split into ``bins``
+    equal-width needle-depth bins [k/bins, (k+1)/bins) (the last one closed), each with its hits and accuracy
+    beside the teacher's on the same prompts (the teacher's first seed/tokens, as :func:`retention_table`).
+    ``distance_tokens``: the bin's middle distance from the evidence to the prompt's end, (1 - depth) x the
+    cell's mean prompt length, rounded (an approximation: depth places the evidence in the haystack, not in
+    tokens). Method: the prompts of a cell are built at :func:`prompt_depths`, so prompt i's depth is known
+    from its index.
+
+    Returns:
+        the number of rows written.
+
+    Raises:
+        HeadscopeInputError (a ValueError): ``bins`` < 1.
+    """
+    import pandas as pd
+
+    if bins < 1:
+        raise HeadscopeInputError(f"bins={bins}: give at least 1 depth bin")
+    cells = load_cells(root)
+    tea: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for c in cells:
+        if c["model"] == teacher:
+            tea.setdefault((c["task"], c["formats"], c["length"]), c)
+    rows = []
+    for c in cells:
+        t = tea.get((c["task"], c["formats"], c["length"]))
+        ok = np.asarray(c["correct"], dtype=int)
+        tok = np.asarray(t["correct"], dtype=int) if t is not None and len(t["correct"]) == len(ok) else None
+        k = np.minimum((prompt_depths(len(ok)) * bins).astype(int), bins - 1)
+        for b in range(bins):
+            sel = k == b
+            n = int(sel.sum())
+            if n == 0:
+                continue
+            mid = (b + 0.5) / bins
+            rows.append({"model": c["model"], "seed": c["seed"], "tokens": c["tokens"], "task": c["task"],
+                         "formats": c["formats"], "length": c["length"], "depth_lo": b / bins, "depth_hi": (b + 1) / bins,
+                         "distance_tokens": int(round((1 - mid) * float(c.get("mean_len", c["length"])))), "n": n,
+                         "hits": int(ok[sel].sum()), "accuracy": float(ok[sel].mean()),
+                         "teacher_hits": int(tok[sel].sum()) if tok is not None else None,
+                         "teacher_accuracy": float(tok[sel].mean()) if tok is not None else float("nan")})
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    df = pd.DataFrame(rows, columns=list(DEPTH_COLUMNS))
+    if len(df):
+        df = df.sort_values(["model", "seed", "tokens", "task", "formats", "length", "depth_lo"])
+    df.to_csv(out / "retention_depth.csv", index=False)
+    return len(df)
