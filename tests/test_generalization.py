@@ -636,3 +636,36 @@ def test_prompt_depths_are_the_suites(monkeypatch):
         suite_pairs(Tok(), SuiteConfig(n=n), "niah_single", "seen", 256)
         suite_pairs(Tok(), SuiteConfig(n=n), "niah_single", "unseen", 256, filler=SimpleNamespace(sentences=["A b."]))
         assert np.allclose(seen["seen"], prompt_depths(n)) and np.allclose(seen["unseen"], prompt_depths(n))
+
+
+@pytest.mark.parametrize("kind", ["teacher", "hybrid"])
+def test_cached_greedy_generation_equals_the_cache_free_loop(smol_tokenizer, kind):
+    """use_cache=True (one prefill, then one token per forward through the model's own Cache: transformers' for
+    the teacher, HybridCache for a head-wise hybrid) gives the tokens and checks of the cache-free loop, and its
+    decode forwards carry one token each."""
+    from headscope.hybrid import hybridize
+    from headscope.masks import HeadMask
+
+    model = tiny_llama(smol_tokenizer, seed=7, n_layers=2, n_heads=4, n_kv=2, d_model=32).double()
+    if kind == "hybrid":
+        model = hybridize(model, HeadMask(2, 4, 2, ((0,), (2, 3)))).double().eval()
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():  # non-trivial GDN parameters (decays, beta, gates)
+            for layer in model.model.layers:
+                for p in layer.self_attn.parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    cfg = SuiteConfig(tasks=("niah_single",), lengths=(128, 256), n=3, gen_n=3)
+    pairs = suite_pairs(smol_tokenizer, cfg, "niah_single", "seen", 128) + suite_pairs(smol_tokenizer, cfg, "niah_single", "seen", 256)
+    widths = []
+    h = model.register_forward_hook(lambda m, a, k, out: widths.append(k["input_ids"].shape[1]), with_kwargs=True)
+    cached = greedy_generation_hits(model, smol_tokenizer, pairs, extra=2, batch_tokens=600, use_cache=True)
+    h.remove()
+    free = greedy_generation_hits(model, smol_tokenizer, pairs, extra=2, batch_tokens=600, use_cache=False)
+    assert cached == free
+    assert len(set(cached["outputs"])) > 1  # the prompts' continuations differ: the check compares something
+    groups = {}
+    for p in pairs:
+        groups.setdefault((p.clean.shape[-1], p.n_answer), []).append(p)
+    chunks = [(L, n) for (L, n), g in groups.items() for _ in range(0, len(g), max(1, 600 // (L + n + 2)))]
+    assert sorted(w for w in widths if w > 1) == sorted(L for L, n in chunks)  # one prefill per chunk of rows
+    assert widths.count(1) == sum(n + 2 - 1 for L, n in chunks) > 0  # then one token per forward

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ..errors import HeadscopeInputError
@@ -56,6 +56,9 @@ class SuiteConfig:
         gen_n: prompts per cell also scored by free greedy generation (0 = none).
         gen_max_len: generation only in cells of at most this many tokens.
         batch_tokens: tokens per forward of the teacher-forced scoring (batch = batch_tokens // length, >= 1).
+        gen_cache: the generation check decodes with the model's own transformers ``Cache`` (one prefill, then
+            one token per forward; a hybrid's :class:`headscope.hybrid.HybridCache`); False: one full forward
+            per new token without a cache (the method of the cells scored before 2026-12-04).
     """
 
     tasks: tuple[str, ...] = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
@@ -67,6 +70,7 @@ class SuiteConfig:
     gen_n: int = 20
     gen_max_len: int = 4096
     batch_tokens: int = 8192
+    gen_cache: bool = True
 
     def __post_init__(self) -> None:
         from ..tasks.formats import FORMAT_TASKS
@@ -115,11 +119,37 @@ def suite_pairs(tokenizer: Any, cfg: SuiteConfig, task: str, formats: str, lengt
     return pairs
 
 
+def _greedy_decode(model: Any, ids: Int[Tensor, "b t"], n_new: int, use_cache: bool) -> Int[Tensor, "b t_plus_new"]:
+    """``ids`` followed by ``n_new`` greedy tokens (bf16 autocast on CUDA, argmax of the float32 logits)."""
+    import inspect
+
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.device.type == "cuda")
+    if not use_cache:
+        for _ in range(n_new):
+            with amp:
+                logits = model(input_ids=ids, use_cache=False).logits[:, -1]
+            ids = torch.cat([ids, logits.float().argmax(-1)[:, None]], 1)
+        return ids
+    last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    with amp:
+        out = model(input_ids=ids, use_cache=True, **last)
+    for k in range(n_new):
+        t = out.logits[:, -1].float().argmax(-1)
+        ids = torch.cat([ids, t[:, None]], 1)
+        if k + 1 < n_new:
+            with amp:
+                out = model(input_ids=t[:, None], past_key_values=out.past_key_values, use_cache=True)
+    return ids
+
+
 @torch.no_grad()
 def greedy_generation_hits(model: Any, tokenizer: Any, pairs: Sequence[Any], extra: int = 2,
-                           batch_tokens: int = 32768) -> dict[str, Any]:
-    """Free greedy generation after each clean prompt (one full forward per new token, no cache, so
-    any causal LM, hybrid students included, runs it unchanged).
+                           batch_tokens: int = 32768, use_cache: bool = True) -> dict[str, Any]:
+    """Free greedy generation after each clean prompt. ``use_cache``: the prompt is run once and each new token
+    is decoded from the model's own transformers ``Cache`` (what ``generate`` does; for a hybrid its
+    :class:`headscope.hybrid.HybridCache`, checked against its full forward in ``tests/test_hybrid_cache.py``),
+    so a cell costs one forward per prompt group instead of ``len(answer) + extra``; otherwise one full forward
+    per new token without a cache (any causal LM runs it unchanged). Both are greedy argmax over float32 logits.
 
     Generates ``len(answer) + extra`` tokens. ``exact``: the first ``len(answer)`` generated tokens are
     the answer a⁺ (what teacher forcing scores); ``text``: the first run of digits in the decoded
@@ -142,12 +172,7 @@ def greedy_generation_hits(model: Any, tokenizer: Any, pairs: Sequence[Any], ext
         rows = max(1, batch_tokens // (length + n_answer + extra))
         for k in range(0, len(idx), rows):
             part = idx[k:k + rows]
-            ids = torch.stack([pairs[i].clean for i in part]).to(dev)
-            for _ in range(n_answer + extra):
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-                    logits = model(input_ids=ids, use_cache=False).logits[:, -1]
-                t = logits.float().argmax(-1)
-                ids = torch.cat([ids, t[:, None]], 1)
+            ids = _greedy_decode(model, torch.stack([pairs[i].clean for i in part]).to(dev), n_answer + extra, use_cache)
             for r, i in enumerate(part):
                 new[i] = ids[r, length:].tolist()
     exact, text, outs = [], [], []
@@ -219,7 +244,7 @@ def evaluate_suite(
                                "correct": h.int().tolist(), "mean_len": float(np.mean([p.length for p in pairs]))}
         k = min(cfg.gen_n, len(pairs)) if L <= cfg.gen_max_len else 0
         if k:
-            g = greedy_generation_hits(model, tokenizer, pairs[:k], batch_tokens=cfg.batch_tokens)
+            g = greedy_generation_hits(model, tokenizer, pairs[:k], batch_tokens=cfg.batch_tokens, use_cache=cfg.gen_cache)
             rec.update(gen_n=k, gen_exact_hits=int(sum(g["exact"])), gen_text_hits=int(sum(g["text"])),
                        gen_agree=int(sum(int(a) == int(b) for a, b in zip(g["exact"], h[:k].tolist()))),
                        gen_examples=g["outputs"][:3])
