@@ -127,3 +127,57 @@ echo "$2: done"
     status = _wait_done(tmp_path / "sd" / "status", 2)
     assert status[-2:] == ["--piece c: rc=0 (try 1)", "session done"]
     assert not moved.exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_device_session_returns_and_restores_compile_caches(tmp_path):
+    """`caches` packs the TileLang, Inductor and Triton caches into <= 15 MiB parts, smallest first, leaving out what
+    would pass MAX_MIB; `start` on a fresh machine restores them byte for byte (and refuses changed parts)."""
+    import random
+
+    env = {**os.environ, "SESSION_DIR": str(tmp_path / "sd"), "CODE_DIR": str(tmp_path / "code"), "OUT_DIR": str(tmp_path / "out"),
+           "RUN": "true", "KERNEL_CACHE": str(tmp_path / "none"), "TRITON_CACHE_DIR": str(tmp_path / "m1" / "triton"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "m1" / "inductor"), "TILELANG_CACHE_DIR": str(tmp_path / "m1" / "tilelang"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    rng = random.Random(0)
+    files = {"tilelang/k/kernel.so": rng.randbytes(1000), "inductor/fxgraph/ab/graph": rng.randbytes(20 * 2**20),  # 2 parts
+             "inductor/triton/0/x.cubin": b"cubin", "triton/abc/chunk.autotune.json": b"{}",
+             "triton/big/blob.bin": rng.randbytes(30 * 2**20)}
+    for rel, data in files.items():
+        f = tmp_path / "m1" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(data)
+    ret = tmp_path / "ret"
+    r = subprocess.run(["bash", str(SCRIPT), "caches", str(ret), "40"], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "returned the tilelang cache" in r.stdout and "returned the inductor cache: 20 MiB" in r.stdout
+    assert "left out the triton cache: 30 MiB" in r.stdout  # 20 + 30 would pass 40
+    parts = sorted(f.name for f in (ret / "compile_cache").iterdir())
+    assert parts == ["inductor.tar.gz.part00", "inductor.tar.gz.part01", "manifest.txt", "tilelang.tar.gz.part00"]
+    assert all(f.stat().st_size <= 15 * 2**20 for f in (ret / "compile_cache").iterdir())
+    # the next machine: the caches' directories are empty; start restores what came back
+    cc = tmp_path / "runs_state_compile_cache"
+    subprocess.run(["cp", "-r", str(ret / "compile_cache"), str(cc)], check=True)
+    for d in ("tilelang", "inductor", "triton"):
+        subprocess.run(["rm", "-rf", str(tmp_path / "m1" / d)], check=True)
+    r = subprocess.run(["bash", str(SCRIPT), "start", "--piece a"], env={**env, "COMPILE_CACHE": str(cc)},
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "compile cache restored: tilelang" in r.stdout and "compile cache restored: inductor" in r.stdout
+    for rel in ("tilelang/k/kernel.so", "inductor/fxgraph/ab/graph", "inductor/triton/0/x.cubin"):
+        assert (tmp_path / "m1" / rel).read_bytes() == files[rel]
+    assert not (tmp_path / "m1" / "triton").exists()
+    _wait_done(tmp_path / "sd" / "status")
+    # a changed part is refused, not unpacked
+    (cc / "tilelang.tar.gz.part00").write_bytes(b"changed")
+    subprocess.run(["rm", "-rf", str(tmp_path / "m1" / "tilelang")], check=True)
+    pid = int((tmp_path / "sd" / "chain.pid").read_text())
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    r = subprocess.run(["bash", str(SCRIPT), "start", "--piece a"], env={**env, "COMPILE_CACHE": str(cc)},
+                       capture_output=True, text=True, cwd=ROOT)
+    assert "compile cache tilelang NOT restored" in r.stdout and not (tmp_path / "m1" / "tilelang" / "k").exists()

@@ -20,6 +20,10 @@
 #       wait up to WAIT_S seconds (default 0) until PATTERN (grep -E) is in the status, print the status and the log's
 #       end, pack OUT's state (no document shards, no suite: both are elsewhere) into RETURN/state and copy the status
 #       and the log to RETURN (on the GPU machine RETURN=$OUT, the folder that comes back); commit what comes back
+#   bash experiments/conversion-generalization/device_session.sh caches RETURN [MAX_MIB]
+#       the compile caches (TileLang, Inductor, Triton) as <= 15 MiB gzip parts in RETURN/compile_cache (smallest
+#       first, MAX_MIB compressed in all, default 45); keep them in runs/state/compile_cache, carry that folder in a
+#       call before the next session's `start`, which restores them (checked against their SHA-256)
 # Why a private copy of the code: every call sends the working tree again, and a piece that imported from it while it
 # was being copied failed (`No module named 'headscope.validate'`, H200, 2026-12-03).
 # Kernel autotuning between sessions: on a fresh machine the first training step took 341 s (compiling and
@@ -29,6 +33,8 @@
 # session compiles one config per kernel instead of all (the hash covers Triton, the GPU target and the kernel source).
 # env: OUT_DIR (default /tmp/gen), SESSION_DIR (default /tmp/hs_session), CODE_DIR (default /tmp/hs_code),
 #      TRITON_CACHE_DIR (default /tmp/hs_triton), KERNEL_CACHE (default state/kernel_cache/autotune.tar.gz),
+#      TORCHINDUCTOR_CACHE_DIR (default /tmp/torchinductor_USER), TILELANG_CACHE_DIR (default ~/.tilelang/cache),
+#      COMPILE_CACHE (default runs/state/compile_cache: `caches`'s parts, restored by `start`),
 #      RUN (default: python CODE_DIR/experiments/conversion-generalization/run.py --out OUT_DIR --model smollm2-135m
 #      --device cuda --budget-s PIECE_BUDGET_S), PIECE_BUDGET_S (default 1700: a piece's deadline), TRIES (default 3:
 #      tries of a failing piece), RESUMES (default 5: reruns of a piece that ended "partial")
@@ -37,10 +43,12 @@ out=${OUT_DIR:-/tmp/gen}
 sd=${SESSION_DIR:-/tmp/hs_session}
 code=${CODE_DIR:-/tmp/hs_code}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/hs_triton}
+inductor_dir=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}
+tilelang_dir=${TILELANG_CACHE_DIR:-$HOME/.tilelang/cache}
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 usage() {
-  echo "usage: bash $0 export-docs DIR | docs PACK_DIR | start \"RUN.PY ARGS\" ... | poll RETURN [WAIT_S [PATTERN]]"
+  echo "usage: bash $0 export-docs DIR | docs PACK_DIR | start \"RUN.PY ARGS\" ... | poll RETURN [WAIT_S [PATTERN]] | caches RETURN [MAX_MIB]"
   echo "  export-docs on the working machine; docs, start and poll on the GPU machine (see the comments at the top)"
 }
 if [ $# -lt 1 ] || [ "$1" = -h ] || [ "$1" = --help ]; then usage; [ $# -ge 1 ]; exit $?; fi
@@ -88,6 +96,16 @@ case $cmd in
     kc=${KERNEL_CACHE:-$here/state/kernel_cache/autotune.tar.gz}
     if [ -f "$kc" ]; then
       mkdir -p "$TRITON_CACHE_DIR" && tar -xzf "$kc" -C "$TRITON_CACHE_DIR" && echo "autotune results restored: $(tar -tzf "$kc" | grep -c 'autotune.json$') kernel(s)"
+    fi
+    cc=${COMPILE_CACHE:-$repo/runs/state/compile_cache}  # from `caches` in an earlier session, carried in
+    if [ -f "$cc/manifest.txt" ]; then
+      while read -r name sha dir; do
+        cat "$cc/$name.tar.gz.part"* > "$sd/$name.tar.gz" \
+          && [ "$(sha256sum "$sd/$name.tar.gz" | cut -d' ' -f1)" = "$sha" ] \
+          && mkdir -p "$dir" && tar -C "$dir" -xzf "$sd/$name.tar.gz" \
+          && echo "compile cache restored: $name into $dir" || echo "compile cache $name NOT restored (parts missing or changed)"
+        rm -f "$sd/$name.tar.gz"
+      done < "$cc/manifest.txt"
     fi
     printf '%s\n' "$@" > "$sd/pieces"
     export OUT_DIR=$out SESSION_DIR=$sd CODE_DIR=$code
@@ -148,11 +166,35 @@ case $cmd in
         && [ -s "$sd/autotune.list" ] && tar -czf "$ret/autotune.tar.gz" -T "$sd/autotune.list" \
         && echo "autotune results: $(wc -l < "$sd/autotune.list") kernel(s) in $ret/autotune.tar.gz; Triton cache $(du -sh . | cut -f1)")
     fi
-    for c in "/tmp/torchinductor_$(id -un)" "$HOME/.tilelang/cache"; do  # candidates to keep next (sizes decide)
+    for c in "$inductor_dir" "$tilelang_dir"; do  # what `caches` would return
       [ -d "$c" ] && echo "cache $c: $(du -sh "$c" | cut -f1)"
     done
     cp "$sd/status" "$sd/log" "$ret/" 2>/dev/null
     true
+    ;;
+  caches)
+    # the compile caches (TileLang, Inductor, Triton: what a fresh machine spends its first training step building)
+    # as gzip parts of <= 15 MiB in RETURN/compile_cache, smallest first, up to MAX_MIB compressed in all
+    ret=${1:?caches RETURN [MAX_MIB]}
+    max=$(( ${2:-45} * 1048576 ))
+    mkdir -p "$sd" "$ret/compile_cache"
+    : > "$ret/compile_cache/manifest.txt"
+    used=0
+    for spec in "tilelang=$tilelang_dir" "inductor=$inductor_dir" "triton=$TRITON_CACHE_DIR"; do
+      name=${spec%%=*}; dir=${spec#*=}
+      [ -d "$dir" ] || { echo "no $name cache ($dir)"; continue; }
+      tar -C "$dir" -czf "$sd/$name.tar.gz" . || continue
+      size=$(stat -c %s "$sd/$name.tar.gz")
+      if [ $(( used + size )) -le $max ]; then
+        split -b 15m -d "$sd/$name.tar.gz" "$ret/compile_cache/$name.tar.gz.part"
+        echo "$name $(sha256sum "$sd/$name.tar.gz" | cut -d' ' -f1) $dir" >> "$ret/compile_cache/manifest.txt"
+        used=$(( used + size ))
+        echo "returned the $name cache: $(( size / 1048576 )) MiB compressed ($(du -sh "$dir" | cut -f1) in $dir)"
+      else
+        echo "left out the $name cache: $(( size / 1048576 )) MiB compressed would pass ${2:-45} MiB in all"
+      fi
+      rm -f "$sd/$name.tar.gz"
+    done
     ;;
   *)
     echo "unknown command $cmd" >&2; usage >&2; exit 2
