@@ -3,9 +3,9 @@
 # polled by short calls (the machine goes back 30 s after a call ends, and after 30 minutes held). On a GPU machine of
 # your own, run the pieces in sequence instead (the study's README).
 # On the working machine, before the session (needs the repository's git history):
-#   bash experiments/conversion-generalization/device_session.sh export-docs DIR
-#       write seed 0's document pack from the branch study-state (or origin/study-state in a clone) into DIR
-#       (e.g. runs/state/seed0-docs), checked against the pack's manifest; carry DIR in a call
+#   bash experiments/conversion-generalization/device_session.sh export-docs DIR [SEED]
+#       write seed SEED's (default 0) document pack from the branch study-state (or origin/study-state in a clone),
+#       folder seedSEED-docs/, into DIR (e.g. runs/state/seed0-docs), checked against the pack's manifest; carry DIR
 # From the repository root on the GPU machine, after `source benchmarks/device_env.sh` in the calls that carry wheels:
 #   bash experiments/conversion-generalization/device_session.sh docs PACK_DIR
 #       unpack a carried state pack (e.g. seed 0's documents from export-docs) into OUT
@@ -48,7 +48,7 @@ tilelang_dir=${TILELANG_CACHE_DIR:-$HOME/.tilelang/cache}
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 usage() {
-  echo "usage: bash $0 export-docs DIR | docs PACK_DIR | start \"RUN.PY ARGS\" ... | poll RETURN [WAIT_S [PATTERN]] | caches RETURN [MAX_MIB]"
+  echo "usage: bash $0 export-docs DIR [SEED] | docs PACK_DIR | start \"RUN.PY ARGS\" ... | poll RETURN [WAIT_S [PATTERN]] | caches RETURN [MAX_MIB]"
   echo "  export-docs on the working machine; docs, start and poll on the GPU machine (see the comments at the top)"
 }
 if [ $# -lt 1 ] || [ "$1" = -h ] || [ "$1" = --help ]; then usage; [ $# -ge 1 ]; exit $?; fi
@@ -56,17 +56,22 @@ cmd=$1
 shift
 case $cmd in
   export-docs)
-    dest=${1:?export-docs DIR}
+    dest=${1:?export-docs DIR [SEED]}
+    seed=${2:-0}
     ref=$(git -C "$repo" rev-parse -q --verify study-state || git -C "$repo" rev-parse -q --verify origin/study-state) \
       || { echo "no branch study-state here: git fetch origin study-state:study-state" >&2; exit 1; }
     mkdir -p "$dest"
-    for f in state.manifest.json state.part00; do
-      git -C "$repo" show "$ref:seed0-docs/$f" > "$dest/$f" || { rm -f "$dest/$f"; exit 1; }
-    done
-    want=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['parts'][0]['sha256'])" "$dest/state.manifest.json")
-    have=$(sha256sum "$dest/state.part00" | cut -d' ' -f1)
-    [ "$want" = "$have" ] || { echo "state.part00's SHA-256 $have is not the manifest's $want" >&2; exit 1; }
-    echo "seed 0's documents in $dest (from $ref, checked); carry it, then on the GPU machine: bash $0 docs $dest"
+    git -C "$repo" show "$ref:seed$seed-docs/state.manifest.json" > "$dest/state.manifest.json" \
+      || { rm -f "$dest/state.manifest.json"; echo "no seed$seed-docs/ on $ref: sample the seed's documents on the GPU first" >&2; exit 1; }
+    python3 -c "import json, sys; [print(p['name'], p['sha256']) for p in json.load(open(sys.argv[1]))['parts']]" \
+      "$dest/state.manifest.json" > "$dest/.parts" || exit 1
+    while read -r name want; do
+      git -C "$repo" show "$ref:seed$seed-docs/$name" > "$dest/$name" || { rm -f "$dest/$name"; exit 1; }
+      have=$(sha256sum "$dest/$name" | cut -d' ' -f1)
+      [ "$want" = "$have" ] || { echo "$name's SHA-256 $have is not the manifest's $want" >&2; exit 1; }
+    done < "$dest/.parts"
+    rm -f "$dest/.parts"
+    echo "seed $seed's documents in $dest (from $ref, checked); carry it, then on the GPU machine: bash $0 docs $dest"
     ;;
   docs)
     pack=${1:?docs PACK_DIR}
