@@ -58,7 +58,7 @@ class SuiteConfig:
         batch_tokens: tokens per forward of the teacher-forced scoring (batch = batch_tokens // length, >= 1).
         gen_cache: the generation check decodes with the model's own transformers ``Cache`` (one prefill, then
             one token per forward; a hybrid's :class:`headscope.hybrid.HybridCache`); False: one full forward
-            per new token without a cache (the method of the cells scored before 2026-12-04).
+            per new token without a cache (the method of the conversion study's cells scored in its sessions 1-3).
     """
 
     tasks: tuple[str, ...] = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
@@ -264,6 +264,15 @@ def load_cells(root: str | Path) -> list[dict[str, Any]]:
     return [json.loads(f.read_text()) for f in sorted(Path(root).glob("*__s*__t*/*.json"))]
 
 
+def _teacher_cells(cells: Sequence[dict[str, Any]], teacher: str) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """The teacher's cell per (task, formats, length): the first stored (seed, tokens) where several are."""
+    tea: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for c in cells:
+        if c["model"] == teacher:
+            tea.setdefault((c["task"], c["formats"], c["length"]), c)
+    return tea
+
+
 def ratio_interval(student: Sequence[int], teacher: Sequence[int], n_boot: int = 2000, seed: int = 0,
                    confidence: float = 0.95) -> tuple[float, float, float]:
     """Retention = student accuracy ÷ teacher accuracy on the same prompts, with a paired percentile
@@ -303,10 +312,7 @@ def retention_table(root: str | Path, out: str | Path, teacher: str = "teacher",
     import pandas as pd
 
     cells = load_cells(root)
-    tea: dict[tuple[str, str, int], dict[str, Any]] = {}
-    for c in cells:
-        if c["model"] == teacher:
-            tea.setdefault((c["task"], c["formats"], c["length"]), c)
+    tea = _teacher_cells(cells, teacher)
     rows, summ, missing = [], [], 0
     for c in cells:
         t = tea.get((c["task"], c["formats"], c["length"]))
@@ -368,10 +374,7 @@ def depth_table(root: str | Path, out: str | Path, bins: int = 5, teacher: str =
     if bins < 1:
         raise HeadscopeInputError(f"bins={bins}: give at least 1 depth bin")
     cells = load_cells(root)
-    tea: dict[tuple[str, str, int], dict[str, Any]] = {}
-    for c in cells:
-        if c["model"] == teacher:
-            tea.setdefault((c["task"], c["formats"], c["length"]), c)
+    tea = _teacher_cells(cells, teacher)
     rows = []
     for c in cells:
         t = tea.get((c["task"], c["formats"], c["length"]))
