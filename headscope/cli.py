@@ -20,7 +20,8 @@ import typer
 
 from .errors import HeadscopeInputError
 
-app = typer.Typer(add_completion=False, help="Find retrieval-critical attention heads by causal intervention.")
+app = typer.Typer(add_completion=False, rich_markup_mode="markdown",
+                  help="Find retrieval-critical attention heads by causal intervention.")
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:
