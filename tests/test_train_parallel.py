@@ -162,3 +162,35 @@ def test_sharded_loss_shares_sum_to_the_global_loss(setup):
         if stage == 1:
             assert logged[0]["align_l1"] == pytest.approx(sw["align_l1"], rel=1e-5)
         assert float(sum(shares)) == pytest.approx(float(whole), rel=1e-5), stage
+
+
+def test_single_process_checkpoint_round_trips_without_the_dcp_warning(tmp_path):
+    """Without a process group, save/load_checkpoint (DCP with no_dist) restore the weights, optimizer state and
+    extra exactly, and DCP's "torch.distributed is disabled" UserWarning (which it raises for no_dist) is not shown."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from headscope.train.parallel import load_checkpoint, save_checkpoint
+
+    with warnings.catch_warnings(record=True) as raw:  # the warning exists: DCP raises it for no_dist
+        warnings.simplefilter("always")
+        dcp.save({"a": torch.ones(2)}, checkpoint_id=str(tmp_path / "raw"), no_dist=True)
+    assert any("torch.distributed is disabled" in str(w.message) for w in raw)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 2)
+    o = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.ones(1, 3)).sum().backward()
+    o.step()
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    want_avg = o.state[m.weight]["exp_avg"].clone()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        save_checkpoint(tmp_path / "ck", m, o, {"step": 7})
+        with torch.no_grad():
+            m.weight.zero_()
+        o.state[m.weight]["exp_avg"].zero_()
+        extra = load_checkpoint(tmp_path / "ck", m, o)
+    assert not [w for w in seen if "torch.distributed is disabled" in str(w.message)]
+    assert extra == {"step": 7} and torch.equal(m.weight, want["weight"]) and torch.equal(m.bias, want["bias"])
+    assert torch.equal(o.state[m.weight]["exp_avg"], want_avg)

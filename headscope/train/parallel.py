@@ -145,7 +145,8 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         shutil.rmtree(tmp)
     barrier()
     msd, osd = get_state_dict(model, optimizer)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+    with _single_process_quiet():
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     if rank == 0:
         torch.save(extra, tmp / TRAINER_STATE)
         if path.exists():
@@ -157,6 +158,19 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             shutil.rmtree(old)
     barrier()
     return path
+
+
+def _single_process_quiet() -> Any:
+    """A context that hides DCP's "torch.distributed is disabled ... single process" UserWarning: without a process
+    group, a single process is what we mean (``no_dist``), so the warning only alarms the user."""
+    import contextlib
+    import warnings
+
+    cm = contextlib.ExitStack()
+    if not dist.is_initialized():
+        cm.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
+    return cm
 
 
 def find_checkpoint(path: Path) -> Optional[Path]:
@@ -176,7 +190,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
 
