@@ -669,3 +669,26 @@ def test_cached_greedy_generation_equals_the_cache_free_loop(smol_tokenizer, kin
     chunks = [(L, n) for (L, n), g in groups.items() for _ in range(0, len(g), max(1, 600 // (L + n + 2)))]
     assert sorted(w for w in widths if w > 1) == sorted(L for L, n in chunks)  # one prefill per chunk of rows
     assert widths.count(1) == sum(n + 2 - 1 for L, n in chunks) > 0  # then one token per forward
+
+
+def test_study_selection_arm_mask_and_lever(tmp_path):
+    """ie-7to1: the κ = 1 ranking selected at 7:1 with >= 1 FA head per layer (34 heads of SmolLM2's 270), written
+    once; it holds the teacher's top single-needle head L16H0 that HydraHead's κ_focus left out; its lever label."""
+    from headscope.masks import HeadMask
+    from headscope.scores import Ranking
+
+    run = _study()
+    a = run.parser().parse_args(["--out", str(tmp_path), "--arm", "ie-7to1"])
+    s = run.settings(a)
+    ms = run.masks(a, s, _smol_geometry_teacher())
+    m = ms["ie-7to1"]
+    scores = Ranking.load(ROOT / "experiments" / "fused-smollm2" / "one").matrix("score")
+    assert m == HeadMask.select(scores, "7:1", 3, min_per_layer=1)
+    assert sum(map(len, m.fa_heads)) == 34 and all(len(hs) >= 1 for hs in m.fa_heads)
+    assert 0 in m.fa_heads[16] and 0 not in ms["hydra-7to1"].fa_heads[16]
+    assert (tmp_path / "masks" / "ie-7to1.json").exists() and m.meta["ranking"] == "experiments/fused-smollm2/one"
+    spec = run.arm_spec(a, s)
+    assert (spec["mask"], spec["budget"], spec["ranking"], spec["label"]) == ("ie_kappa1", "7:1", "experiments/fused-smollm2/one", "ie-7to1")
+    assert run.lever_of("ie-7to1", 50_000_000) == ("selection: IE alone (κ = 1)", "--arm ie-7to1 --tokens 50M")
+    with pytest.raises(SystemExit, match="states its budget"):
+        run.arm_spec(run.parser().parse_args(["--out", str(tmp_path), "--arm", "ie-7to1", "--budget", "5:1"]), s)

@@ -36,6 +36,7 @@ every lever off the study's setting, e.g. hydra-7to1+fa_pos=rope; the baseline k
     --s3-wordings 6          train-family wordings per task in the stage-3 retrieval rows (study: 3; 1..6)
     --fa-pos rope            FA heads with the teacher's RoPE (study: nope, NoPE with the log-scale)
     --arm hydra-5to1         the 5:1 budget (also layer-5to1, random-5to1; --budget 5:1 checks it)
+    --arm ie-7to1            the selection: HydraHead's ranking without its focus factor (κ = 1, IE alone)
 
 A lever's rows are built by --piece data with the same option (from the seed's stored documents);
 --piece report also writes levers.csv / levers.md (unseen single-needle retention per arm and lever).
@@ -76,8 +77,12 @@ from headscope.train.retention import SuiteConfig, cell_dir, depth_table, evalua
 ARMS = {"hydra-7to1": "hydrahead", "layer-3to1": "layerwise3", "layer-7to1": "layerwise", "random-7to1": "random", "teacher": None}
 #: the budget lever's arms: the masks of the 7:1 arms at 5:1 (HydraHead re-selected from its ranking)
 BUDGET_ARMS = {"hydra-5to1": "hydrahead", "layer-5to1": "layerwise", "random-5to1": "random"}
+#: the selection lever's arms: HydraHead's fused ranking scored without its focus factor (κ = 1: IE alone, the
+#: ranking `experiments/fused-smollm2/one`), selected at the same budget and min_per_layer. The teacher's top head on
+#: the unseen single-needle pairs at 4K (L16H0, IE 0.54) has κ_focus = 0 and is not in the HydraHead mask.
+SELECTION_ARMS = {"ie-7to1": "experiments/fused-smollm2/one"}
 ARM_BUDGETS = {"hydra-7to1": "7:1", "layer-7to1": "7:1", "random-7to1": "7:1", "layer-3to1": "3:1",
-               "hydra-5to1": "5:1", "layer-5to1": "5:1", "random-5to1": "5:1"}
+               "hydra-5to1": "5:1", "layer-5to1": "5:1", "random-5to1": "5:1", "ie-7to1": "7:1"}
 HYBRID = {"fa_pos": "nope", "gdn_rope": True, "fa_gate": True}
 #: the study's value of each lever of the arm label, in label order (a lever at this value is no lever)
 LEVERS = {"s2_retrieval": 0.0, "s3_wordings": 3, "fa_pos": HYBRID["fa_pos"]}
@@ -233,12 +238,15 @@ def arm_spec(a: argparse.Namespace, s: dict) -> dict[str, Any]:
     levers = arm_levers(a)
     v = lever_values(a)
     tokens = parse_tokens(a.tokens) if a.arm != "teacher" else 0
-    spec = {"label": arm_label(a), "arm": a.arm, "mask": {**ARMS, **BUDGET_ARMS}[a.arm], "budget": ARM_BUDGETS.get(a.arm),
+    kind = {**ARMS, **BUDGET_ARMS, **{k: "ie_kappa1" for k in SELECTION_ARMS}}[a.arm]
+    spec = {"label": arm_label(a), "arm": a.arm, "mask": kind, "budget": ARM_BUDGETS.get(a.arm),
             "levers": levers, "tokens": tokens, "stage_tokens": stage_tokens(s, tokens) if tokens else None,
             "hybrid": {**s["hybrid"], "fa_pos": v["fa_pos"]}, "s2_retrieval": v["s2_retrieval"], "s3_wordings": v["s3_wordings"],
             "retrieval_frac": s["retrieval_frac"], "rows": stage_rows_files(levers), "seed": a.seed}
     if a.arm == "hydra-5to1":
         spec["hydra_ranking"] = a.hydra_ranking
+    if a.arm in SELECTION_ARMS:
+        spec["ranking"] = SELECTION_ARMS[a.arm]
     return json.loads(json.dumps(spec))
 
 
@@ -374,7 +382,34 @@ def masks(a: argparse.Namespace, s: dict, teacher: Any) -> dict[str, HeadMask]:
             out[arm].to_json(d / f"{arm}.json")
     if a.arm in BUDGET_ARMS:
         out.update(budget_masks(a, s, teacher, ARM_BUDGETS[a.arm], out["hydra-7to1"]))
+    if a.arm in SELECTION_ARMS:
+        out[a.arm] = selection_mask(a, s, teacher)
     return out
+
+
+def selection_mask(a: argparse.Namespace, s: dict, teacher: Any) -> HeadMask:
+    """OUT/masks/ARM.json of a :data:`SELECTION_ARMS` arm (written once): its ranking's fused score selected at the
+    arm's budget with the study's ``min_per_layer`` (``HeadMask.select``, as HydraHead's mask was); ``--smoke``:
+    seeded scores (another seed than the study's arms)."""
+    import numpy as np
+
+    from headscope.models import geometry_of
+
+    f = Path(a.out) / "masks" / f"{a.arm}.json"
+    if f.exists():
+        return HeadMask.from_json(f)
+    g = geometry_of(teacher.config)
+    if s["hydra_mask"]:
+        from headscope.scores import Ranking
+
+        scores = Ranking.load(ROOT / SELECTION_ARMS[a.arm]).matrix("score")
+        src = SELECTION_ARMS[a.arm]
+    else:  # --smoke
+        scores, src = np.random.default_rng(2).random((g.n_layers, g.n_heads)), "seeded scores (--smoke)"
+    m = HeadMask.select(scores, ARM_BUDGETS[a.arm], g.n_kv_heads, min_per_layer=s["min_per_layer"])
+    m.meta["ranking"] = src
+    m.to_json(f)
+    return m
 
 
 def budget_masks(a: argparse.Namespace, s: dict, teacher: Any, budget: str, hydra_study: HeadMask) -> dict[str, HeadMask]:
@@ -1009,6 +1044,7 @@ def lever_of(model: str, tokens: int) -> tuple[str, str]:
     arm of its mask, and the options that train it (``--piece train``/``eval``)."""
     arm, levers = parse_label(model)
     moved = [f"budget {ARM_BUDGETS[arm]}"] if arm in BUDGET_ARMS else []
+    moved += ["selection: IE alone (κ = 1)"] if arm in SELECTION_ARMS else []
     moved += [f"{k}={v}" for k, v in levers.items()]
     if tokens != parse_tokens(BASE_TOKENS):
         moved.append(f"tokens {tokens_text(tokens)}")
@@ -1031,7 +1067,7 @@ def lever_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> int:
     df = pd.read_csv(f)
     df = df[(df.task == task) & (df.formats == fmt) & df.length.isin(lengths) & (df.model != "teacher")].copy()
     df["retention"] = df.accuracy / df.teacher_accuracy.where(df.teacher_accuracy > 0)
-    order = {k: i for i, k in enumerate([*ARMS, *BUDGET_ARMS])}
+    order = {k: i for i, k in enumerate([*ARMS, *BUDGET_ARMS, *SELECTION_ARMS])}
     rows = []
     for (model, tokens), g in df.groupby(["model", "tokens"]):
         lever, cmd = lever_of(model, int(tokens))
@@ -1362,7 +1398,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="the teacher (a .gguf path, HF directory or spec)")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--arm", choices=[*ARMS, *BUDGET_ARMS], default="hydra-7to1",
+    p.add_argument("--arm", choices=[*ARMS, *BUDGET_ARMS, *SELECTION_ARMS], default="hydra-7to1",
                    help="the mask (its name states its budget; the 5:1 arms are the budget lever)")
     p.add_argument("--tokens", default=BASE_TOKENS, help="training tokens of the arm, all stages (50M, 200M, ...): a lever")
     p.add_argument("--budget", choices=["7:1", "5:1"], default=None,
