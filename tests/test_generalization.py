@@ -692,3 +692,38 @@ def test_study_selection_arm_mask_and_lever(tmp_path):
     assert run.lever_of("ie-7to1", 50_000_000) == ("selection: IE alone (κ = 1)", "--arm ie-7to1 --tokens 50M")
     with pytest.raises(SystemExit, match="states its budget"):
         run.arm_spec(run.parser().parse_args(["--out", str(tmp_path), "--arm", "ie-7to1", "--budget", "5:1"]), s)
+
+
+def test_study_mask_coverage_against_the_scores_csv(tmp_path):
+    """mask_coverage on the committed teacher ranking (unseen single-needle pairs at 4K) and masks, recomputed here
+    from the ranking's scores.csv with pandas: positive-IE share, top 10 and top N held; ie-7to1 is built from
+    its ranking without a model; comparison.md's coverage section lists every arm."""
+    import json as _json
+    import shutil
+
+    import pandas as pd
+
+    run = _study()
+    state = ROOT / "experiments" / "conversion-generalization" / "state"
+    key = "unseen_niah_single@4096_p6"
+    shutil.copytree(state / "anatomy" / key / "teacher" / "ranking", tmp_path / "anatomy" / key / "teacher" / "ranking")
+    shutil.copytree(state / "masks", tmp_path / "masks")
+    a = run.parser().parse_args(["--out", str(tmp_path)])
+    s = run.settings(a)
+    rows = {r["arm"]: r for r in run.mask_coverage(tmp_path, s, a)}
+    assert set(rows) == {"hydra-7to1", "layer-3to1", "layer-7to1", "random-7to1", "ie-7to1"}
+    sc = pd.read_csv(tmp_path / "anatomy" / key / "teacher" / "ranking" / "scores.csv")
+    sc = sc.sort_values("score", ascending=False)
+    keys = list(zip(sc["layer"], sc["head"]))
+    pos = sc["score"].clip(lower=0)
+    for arm, r in rows.items():
+        m = _json.loads((tmp_path / "masks" / f"{arm}.json").read_text())
+        fa = {(int(l), h) for l, hs in m["fa_heads"].items() for h in hs}
+        share = pos[[k in fa for k in keys]].sum() / pos.sum()
+        assert r["positive_share"] == pytest.approx(share, rel=1e-9)
+        assert r["fa_heads"] == len(fa) and r["top10_held"] == sum(k in fa for k in keys[:10])
+        assert r["topN_held"] == sum(k in fa for k in keys[:len(fa)])
+    assert rows["ie-7to1"]["top10_held"] == 9 and rows["hydra-7to1"]["top10_held"] == 5
+    assert rows["ie-7to1"]["positive_share"] > rows["hydra-7to1"]["positive_share"] > rows["random-7to1"]["positive_share"]
+    lines = run.coverage_lines(tmp_path)
+    assert sum(ln.startswith("| ") and not ln.startswith("| arm") for ln in lines) == 5

@@ -387,29 +387,64 @@ def masks(a: argparse.Namespace, s: dict, teacher: Any) -> dict[str, HeadMask]:
     return out
 
 
-def selection_mask(a: argparse.Namespace, s: dict, teacher: Any) -> HeadMask:
-    """OUT/masks/ARM.json of a :data:`SELECTION_ARMS` arm (written once): its ranking's fused score selected at the
-    arm's budget with the study's ``min_per_layer`` (``HeadMask.select``, as HydraHead's mask was); ``--smoke``:
-    seeded scores (another seed than the study's arms)."""
+def selection_mask(a: argparse.Namespace, s: dict, teacher: Any, arm: Optional[str] = None) -> HeadMask:
+    """OUT/masks/ARM.json of a :data:`SELECTION_ARMS` arm (``arm``, default ``a.arm``; written once): its ranking's
+    fused score selected at the arm's budget with the study's ``min_per_layer`` (``HeadMask.select``, as HydraHead's
+    mask was); ``teacher`` None: the geometry from the ranking file. ``--smoke``: seeded scores (another seed than
+    the study's arms)."""
     import numpy as np
 
     from headscope.models import geometry_of
+    from headscope.scores import Ranking
 
-    f = Path(a.out) / "masks" / f"{a.arm}.json"
+    arm = arm or a.arm
+    f = Path(a.out) / "masks" / f"{arm}.json"
     if f.exists():
         return HeadMask.from_json(f)
-    g = geometry_of(teacher.config)
     if s["hydra_mask"]:
-        from headscope.scores import Ranking
-
-        scores = Ranking.load(ROOT / SELECTION_ARMS[a.arm]).matrix("score")
-        src = SELECTION_ARMS[a.arm]
+        r = Ranking.load(ROOT / SELECTION_ARMS[arm])
+        scores, src, n_kv = r.matrix("score"), SELECTION_ARMS[arm], int(r.geometry["n_kv_heads"])
+        if teacher is not None and geometry_of(teacher.config).n_kv_heads != n_kv:
+            raise SystemExit(f"{src} ranks a model with {n_kv} KV heads per layer, not the teacher's")
     else:  # --smoke
-        scores, src = np.random.default_rng(2).random((g.n_layers, g.n_heads)), "seeded scores (--smoke)"
-    m = HeadMask.select(scores, ARM_BUDGETS[a.arm], g.n_kv_heads, min_per_layer=s["min_per_layer"])
+        g = geometry_of(teacher.config)
+        scores, src, n_kv = np.random.default_rng(2).random((g.n_layers, g.n_heads)), "seeded scores (--smoke)", g.n_kv_heads
+    m = HeadMask.select(scores, ARM_BUDGETS[arm], n_kv, min_per_layer=s["min_per_layer"])
     m.meta["ranking"] = src
+    f.parent.mkdir(parents=True, exist_ok=True)
     m.to_json(f)
     return m
+
+
+def mask_coverage(out: Path, s: dict, a: argparse.Namespace) -> list[dict[str, Any]]:
+    """OUT/mask_coverage.csv: how much of the teacher's causal effect each arm's FA heads hold, per teacher ranking
+    of the anatomy piece (OUT/anatomy/KEY/teacher/ranking: receiver IE on that key's pairs, e.g. unseen
+    single-needle prompts at 4K): the share of the positive scores on the arm's FA heads and how many of the
+    ranking's top 10 / top-N (N = the arm's FA heads) they hold. Arms: the stored OUT/masks/*.json and the
+    :data:`SELECTION_ARMS` (built from their rankings when not stored; no model needed). Returns the rows."""
+    import pandas as pd
+
+    from headscope.scores import Ranking
+
+    if s["hydra_mask"]:
+        for arm in SELECTION_ARMS:
+            selection_mask(a, s, None, arm)
+    arms = {f.stem: HeadMask.from_json(f) for f in sorted((out / "masks").glob("*.json"))}
+    rows = []
+    for rdir in sorted((out / "anatomy").glob("*/teacher/ranking")):
+        m = Ranking.load(rdir).matrix("score")
+        flat = sorted(((float(m[l, h]), (l, h)) for l in range(m.shape[0]) for h in range(m.shape[1])), reverse=True)
+        order = [k for _, k in flat]
+        pos = sum(max(v, 0.0) for v, _ in flat)
+        for arm, mk in arms.items():
+            fa = {(l, h) for l, hs in enumerate(mk.fa_heads) for h in hs}
+            n = len(fa)
+            rows.append({"ranking": rdir.parent.parent.name, "arm": arm, "fa_heads": n,
+                         "positive_share": sum(max(float(m[k]), 0.0) for k in fa) / pos if pos > 0 else float("nan"),
+                         "top10_held": sum(k in fa for k in order[:10]), "topN_held": sum(k in fa for k in order[:n])})
+    pd.DataFrame(rows, columns=["ranking", "arm", "fa_heads", "positive_share", "top10_held", "topN_held"]).to_csv(
+        out / "mask_coverage.csv", index=False)
+    return rows
 
 
 def budget_masks(a: argparse.Namespace, s: dict, teacher: Any, budget: str, hydra_study: HeadMask) -> dict[str, HeadMask]:
@@ -911,6 +946,7 @@ def piece_eval(a: argparse.Namespace, s: dict, deadline: float) -> str:
 def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
     r = retention_table(Path(a.out) / "cells", Path(a.out))
     n_depth = depth_table(Path(a.out) / "cells", Path(a.out))
+    n_cov = len(mask_coverage(Path(a.out), s, a))
     n_lev = lever_table(Path(a.out), lever_lengths(s))
     n_cmp = comparison_table(Path(a.out), lever_lengths(s))
 
@@ -918,7 +954,8 @@ def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
         return f"{n} {what}{'' if n == 1 else 's'}"
 
     return (f"{count(r['rows'], 'row')} in retention.csv ({r['missing_teacher']} without a teacher cell), "
-            f"{count(n_depth, 'row')} in retention_depth.csv, {count(n_lev, 'row')} in levers.csv, "
+            f"{count(n_depth, 'row')} in retention_depth.csv, {count(n_cov, 'row')} in mask_coverage.csv, "
+            f"{count(n_lev, 'row')} in levers.csv, "
             f"{count(n_cmp, 'arm row')} in comparison.md")
 
 
@@ -991,9 +1028,27 @@ def comparison_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> 
         else:
             vs = "`layer-3to1` not measured at these tokens"
         lines.append(f"- {tokens_text(int(tokens))} tokens: single-needle {verdict}; {vs}.")
-    lines += depth_lines(out, lengths)
+    lines += depth_lines(out, lengths) + coverage_lines(out)
     (out / "comparison.md").write_text("\n".join(lines) + "\n")
     return rows
+
+
+def coverage_lines(out: Path) -> list[str]:
+    """comparison.md's coverage section from OUT/mask_coverage.csv (:func:`mask_coverage`): per teacher ranking, each
+    arm's FA heads' share of the positive scores and the ranking's top heads they hold."""
+    import pandas as pd
+
+    f = out / "mask_coverage.csv"
+    if not f.exists():
+        return []
+    d = pd.read_csv(f)
+    lines = []
+    for key, g in d.groupby("ranking", sort=True):
+        lines += ["", f"The teacher's heads on the anatomy pairs `{key}` (receiver IE, exact fp32): how much of it each "
+                  "mask keeps as FA heads.", "",
+                  "| arm | FA heads | share of positive IE | top 10 held | top N held (N = FA heads) |", "|---|---|---|---|---|"]
+        lines += [f"| {r.arm} | {r.fa_heads} | {r.positive_share:.2f} | {r.top10_held} | {r.topN_held} |" for r in g.itertuples()]
+    return lines
 
 
 def depth_lines(out: Path, lengths: Sequence[int]) -> list[str]:
