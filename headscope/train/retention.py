@@ -130,15 +130,18 @@ def _greedy_decode(model: Any, ids: Int[Tensor, "b t"], n_new: int, use_cache: b
                 logits = model(input_ids=ids, use_cache=False).logits[:, -1]
             ids = torch.cat([ids, logits.float().argmax(-1)[:, None]], 1)
         return ids
-    last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    params = inspect.signature(model.forward).parameters
+    last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    key = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.25 names it `cache`
     with amp:
         out = model(input_ids=ids, use_cache=True, **last)
     for k in range(n_new):
         t = out.logits[:, -1].float().argmax(-1)
         ids = torch.cat([ids, t[:, None]], 1)
         if k + 1 < n_new:
+            past = out.get("cache", None) if out.get("cache", None) is not None else out.get("past_key_values")
             with amp:
-                out = model(input_ids=t[:, None], past_key_values=out.past_key_values, use_cache=True)
+                out = model(input_ids=t[:, None], use_cache=True, **{key: past})
     return ids
 
 
