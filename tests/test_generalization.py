@@ -622,7 +622,7 @@ def test_prompt_depths_are_the_suites(monkeypatch):
 
     import headscope.tasks as tasks
     import headscope.tasks.formats as formats
-    from headscope.train.retention import prompt_depths
+    from headscope.train.evaluate import prompt_depths
 
     seen = {}
     monkeypatch.setattr(tasks, "make_pairs", lambda task, tok, n_pairs, seq_len, depth, seed: seen.setdefault("seen", depth))

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from jaxtyping import Bool
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ..errors import HeadscopeInputError
@@ -82,6 +82,15 @@ def retrieval_hits(
     return torch.tensor(hits, dtype=torch.bool)
 
 
+def prompt_depths(n: int) -> Float[np.ndarray, "n"]:
+    """The needle depth of each of a cell's ``n`` prompts, in prompt order: ``linspace(0, 1, n)`` (0.5 for one
+    prompt); :func:`eval_pairs` (seen) and :func:`headscope.train.retention.suite_pairs` (unseen) build their
+    prompts at these depths, so a prompt's depth is known from its index. Depth is the evidence's place in the
+    haystack as a fraction of it (0: the start, farthest from the question; the queried needle of multi-key, the
+    first value of multi-value, the chain's root of variable tracking)."""
+    return np.linspace(0.0, 1.0, n) if n > 1 else np.array([0.5])
+
+
 def eval_pairs(tokenizer: Any, task: str, seq_len: int, n: int, seed: int = 1234,
                cache_dir: str | Path | None = None) -> list[Any]:
     """The ``n`` evaluation prompts of ``task`` at ``seq_len`` tokens: needle depths evenly spread over
@@ -105,7 +114,7 @@ def eval_pairs(tokenizer: Any, task: str, seq_len: int, n: int, seed: int = 1234
         d = torch.load(f, weights_only=False)  # our own file: a pickled list of Pair
         if d.get("ident") == ident:
             return d["pairs"]
-    depths = list(np.linspace(0.0, 1.0, n)) if n > 1 else [0.5]
+    depths = [float(d) for d in prompt_depths(n)]
     pairs = make_pairs(task, tokenizer, n_pairs=n, seq_len=seq_len, depth=depths, seed=seed)
     if f is not None:
         atomic_torch_save(f, {"ident": ident, "pairs": pairs})

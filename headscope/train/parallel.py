@@ -16,10 +16,12 @@ device-count-independent checkpoints (torch.distributed.checkpoint, DCP).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -160,17 +162,14 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     return path
 
 
-def _single_process_quiet() -> Any:
-    """A context that hides DCP's "torch.distributed is disabled ... single process" UserWarning: without a process
-    group, a single process is what we mean (``no_dist``), so the warning only alarms the user."""
-    import contextlib
-    import warnings
-
-    cm = contextlib.ExitStack()
-    if not dist.is_initialized():
-        cm.enter_context(warnings.catch_warnings())
-        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
-    return cm
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Hide DCP's "torch.distributed is disabled ... single process" UserWarning: without a process group, a
+    single process is what we mean (``no_dist``), so the warning only alarms the user."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
+        yield
 
 
 def find_checkpoint(path: Path) -> Optional[Path]:

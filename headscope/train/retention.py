@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..errors import HeadscopeInputError
 from ..runtime import atomic_torch_save, atomic_write_text
-from .evaluate import eval_pairs, retrieval_hits, wilson_interval
+from .evaluate import eval_pairs, prompt_depths, retrieval_hits, wilson_interval
 
 RETENTION_COLUMNS = ("model", "seed", "tokens", "task", "formats", "length", "n", "hits", "accuracy", "teacher_accuracy")
 DEPTH_COLUMNS = ("model", "seed", "tokens", "task", "formats", "length", "depth_lo", "depth_hi", "distance_tokens", "n",
@@ -112,7 +112,7 @@ def suite_pairs(tokenizer: Any, cfg: SuiteConfig, task: str, formats: str, lengt
         d = torch.load(f, weights_only=False)  # our own file: a pickled list of Pair
         if d.get("ident") == ident:
             return d["pairs"]
-    depths = list(np.linspace(0.0, 1.0, cfg.n)) if cfg.n > 1 else [0.5]
+    depths = [float(d) for d in prompt_depths(cfg.n)]
     pairs = format_pairs(tokenizer, "unseen", task, filler, n_pairs=cfg.n, seq_len=length, depth=depths, seed=cfg.unseen_seed)
     if f is not None:
         atomic_torch_save(f, {"ident": ident, "pairs": pairs})
@@ -139,7 +139,8 @@ def _greedy_decode(model: Any, ids: Int[Tensor, "b t"], n_new: int, use_cache: b
         t = out.logits[:, -1].float().argmax(-1)
         ids = torch.cat([ids, t[:, None]], 1)
         if k + 1 < n_new:
-            past = out.get("cache", None) if out.get("cache", None) is not None else out.get("past_key_values")
+            past = out.get("cache")
+            past = out.get("past_key_values") if past is None else past
             with amp:
                 out = model(input_ids=t[:, None], use_cache=True, **{key: past})
     return ids
@@ -349,22 +350,14 @@ def retention_table(root: str | Path, out: str | Path, teacher: str = "teacher",
     return {"rows": len(df), "missing_teacher": missing}
 
 
-def prompt_depths(n: int) -> Float[np.ndarray, "n"]:
-    """The needle depth of each of a cell's ``n`` prompts, in prompt order: ``linspace(0, 1, n)`` (0.5 for one
-    prompt), as :func:`headscope.train.evaluate.eval_pairs` (seen) and :func:`suite_pairs` (unseen) build them.
-    Depth is the evidence's place in the haystack as a fraction of it (0: the start, farthest from the question;
-    the queried needle of multi-key, the first value of multi-value, the chain's root of variable tracking)."""
-    return np.linspace(0.0, 1.0, n) if n > 1 else np.array([0.5])
-
-
 def depth_table(root: str | Path, out: str | Path, bins: int = 5, teacher: str = "teacher") -> int:
     """``out``/retention_depth.csv (columns :data:`DEPTH_COLUMNS`): every stored cell split into ``bins``
     equal-width needle-depth bins [k/bins, (k+1)/bins) (the last one closed), each with its hits and accuracy
     beside the teacher's on the same prompts (the teacher's first seed/tokens, as :func:`retention_table`).
     ``distance_tokens``: the bin's middle distance from the evidence to the prompt's end, (1 - depth) x the
     cell's mean prompt length, rounded (an approximation: depth places the evidence in the haystack, not in
-    tokens). Method: the prompts of a cell are built at :func:`prompt_depths`, so prompt i's depth is known
-    from its index.
+    tokens). Method: the prompts of a cell are built at :func:`headscope.train.evaluate.prompt_depths`, so
+    prompt i's depth is known from its index.
 
     Returns:
         the number of rows written.
