@@ -727,3 +727,54 @@ def test_study_mask_coverage_against_the_scores_csv(tmp_path):
     assert rows["ie-7to1"]["positive_share"] > rows["hydra-7to1"]["positive_share"] > rows["random-7to1"]["positive_share"]
     lines = run.coverage_lines(tmp_path)
     assert sum(ln.startswith("| ") and not ln.startswith("| arm") for ln in lines) == 5
+
+
+def test_study_anatomy_table_by_hand(tmp_path):
+    """anatomy.csv / anatomy_knockout.csv / comparison.md's anatomy section from two students' anatomy.json and
+    knockout.csv (numbers chosen here): the summary columns are the json's values, the random-GDN column is the mean
+    of the draws, the knockout table keeps every row with its arm; a student whose ranking failed has no row."""
+    import pandas as pd
+
+    run = _study()
+    key = "unseen_niah_single@4096_p6"
+
+    def student(arm: str, seed: int, fa_share: float, ko: dict) -> None:
+        d = tmp_path / "anatomy" / key / f"seed{seed}_{arm}_t50000000"
+        d.mkdir(parents=True)
+        res = {"arm": arm, "seed": seed, "tokens": 50_000_000, "done": True,
+               "student": {"top10": ["L16H0", "L3H1", "L9H2", "L1H1"],
+                           "kinds": {"fa": {"n_heads": 34, "positive_mass_share": fa_share, "top10": 7},
+                                     "gdn": {"n_heads": 236, "positive_mass_share": 1 - fa_share, "top10": 3}}},
+               "comparison": {"top10": {"overlap": 0.6, "spearman": 0.41, "teacher_top_kept_fa": 5}},
+               "knockout": {k: {"accuracy": v, "n": 100, "n_heads": 34, "correct": []} for k, v in ko.items()}}
+        (d / "anatomy.json").write_text(json.dumps(res))
+        pd.DataFrame([{"model": k.split("/")[0], "method": k.split("/")[1], "condition": k.split("/")[2], "n_heads": 34,
+                       "n": 100, "hits": round(100 * v), "accuracy": v} for k, v in ko.items()]).to_csv(d / "knockout.csv", index=False)
+
+    student("ie-7to1", 0, 0.8, {"student/zero/none": 0.9, "student/zero/fa": 0.1, "student/mean/fa": 0.2,
+                                "student/mean/gdn_random0": 0.85, "student/mean/gdn_random1": 0.75,
+                                "student/mean/gdn_random2": 0.8, "student/mean/student_top": 0.3,
+                                "teacher/zero/none": 0.98, "teacher/mean/fa": 0.5, "teacher/mean/gdn": 0.4})
+    student("hydra-7to1", 0, 0.5, {"student/zero/none": 0.76})  # knockouts not run yet
+    bad = tmp_path / "anatomy" / key / "seed1_layer-3to1_t50000000"
+    bad.mkdir(parents=True)
+    (bad / "anatomy.json").write_text(json.dumps({"arm": "layer-3to1", "seed": 1, "tokens": 1, "student": {"error": "gap"}}))
+    assert run.anatomy_table(tmp_path) == 2
+    t = pd.read_csv(tmp_path / "anatomy.csv").set_index("model")
+    r = t.loc["ie-7to1"]
+    assert (r.fa_heads, r.fa_in_top10, r.teacher_top10_fa, r.student_top3, r.knockout_n) == (34, 7, 5, "L16H0 L3H1 L9H2", 100)
+    assert (r.fa_positive_share, r.top10_overlap, r.spearman) == (0.8, 0.6, 0.41)
+    assert (r.acc_student, r.acc_student_fa_zero, r.acc_student_fa_mean, r.acc_student_top_mean) == (0.9, 0.1, 0.2, 0.3)
+    assert r.acc_student_gdn_random_mean == pytest.approx(0.8)
+    assert (r.acc_teacher, r.acc_teacher_fa_mean, r.acc_teacher_gdn_mean) == (0.98, 0.5, 0.4)
+    h = t.loc["hydra-7to1"]
+    assert h.acc_student == 0.76 and pd.isna(h.acc_student_fa_mean) and pd.isna(h.acc_student_gdn_random_mean)
+    k = pd.read_csv(tmp_path / "anatomy_knockout.csv")
+    assert len(k) == 11 and list(k.columns[:4]) == ["key", "arm", "seed", "tokens"]
+    assert k[(k.arm == "ie-7to1") & (k.condition == "gdn_random1")].accuracy.item() == 0.75
+    lines = run.anatomy_lines(tmp_path)
+    row = next(ln for ln in lines if ln.startswith("| ie-7to1 |"))
+    assert row == ("| ie-7to1 | 0 | 50M | 0.80 | 7 | 0.60 | 0.41 | L16H0 L3H1 L9H2 | 0.90 | 0.20 / 0.10 | 0.80 | 0.30 | "
+                   "0.98 | 0.50 | 0.40 |")
+    assert any(ln.startswith("| hydra-7to1 | 0 | 50M | 0.50 |") and "| 0.76 | – / – | – |" in ln for ln in lines)
+    assert "100 prompts" in next(ln for ln in lines if ln.startswith("Anatomy after conversion"))

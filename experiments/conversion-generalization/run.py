@@ -948,6 +948,7 @@ def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
     n_depth = depth_table(Path(a.out) / "cells", Path(a.out))
     n_cov = len(mask_coverage(Path(a.out), s, a))
     n_lev = lever_table(Path(a.out), lever_lengths(s))
+    n_ana = anatomy_table(Path(a.out))  # before comparison.md, which has its section
     n_cmp = comparison_table(Path(a.out), lever_lengths(s))
 
     def count(n: int, what: str) -> str:
@@ -955,7 +956,7 @@ def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
 
     return (f"{count(r['rows'], 'row')} in retention.csv ({r['missing_teacher']} without a teacher cell), "
             f"{count(n_depth, 'row')} in retention_depth.csv, {count(n_cov, 'row')} in mask_coverage.csv, "
-            f"{count(n_lev, 'row')} in levers.csv, "
+            f"{count(n_lev, 'row')} in levers.csv, {count(n_ana, 'student')} in anatomy.csv, "
             f"{count(n_cmp, 'arm row')} in comparison.md")
 
 
@@ -1028,9 +1029,92 @@ def comparison_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> 
         else:
             vs = "`layer-3to1` not measured at these tokens"
         lines.append(f"- {tokens_text(int(tokens))} tokens: single-needle {verdict}; {vs}.")
-    lines += depth_lines(out, lengths) + coverage_lines(out)
+    lines += depth_lines(out, lengths) + coverage_lines(out) + anatomy_lines(out)
     (out / "comparison.md").write_text("\n".join(lines) + "\n")
     return rows
+
+
+#: anatomy.csv's knockout columns: (model, method, condition) of the anatomy piece's knockout.csv
+ANATOMY_KNOCKOUTS = {"acc_student": ("student", "zero", "none"), "acc_student_fa_zero": ("student", "zero", "fa"),
+                     "acc_student_fa_mean": ("student", "mean", "fa"),
+                     "acc_student_top_mean": ("student", "mean", "student_top"),
+                     "acc_teacher": ("teacher", "zero", "none"), "acc_teacher_fa_mean": ("teacher", "mean", "fa"),
+                     "acc_teacher_gdn_mean": ("teacher", "mean", "gdn")}
+
+
+def anatomy_table(out: Path) -> int:
+    """OUT/anatomy.csv and OUT/anatomy_knockout.csv from the anatomy piece's results
+    (OUT/anatomy/KEY/seedS_ARM_tTOKENS/{anatomy.json, knockout.csv}; issue 40, item 4), one row per student and key:
+    where its receiver IE sits (``fa_positive_share``: its FA heads' share of its positive IE; ``fa_in_top10``: FA
+    heads among its 10 best), how its ranking agrees with the teacher's on the same pairs (``top10_overlap``,
+    ``spearman``; ``teacher_top10_fa``: the teacher's 10 best heads the student kept as FA), its top 3 heads, and
+    the knockout accuracies of :data:`ANATOMY_KNOCKOUTS` plus ``acc_student_gdn_random_mean`` (the mean over the
+    random GDN draws, mean ablation). The knockout CSVs are concatenated as they are, with the key, arm, seed and
+    tokens. Returns the number of student rows (both files are written only when there is one)."""
+    import pandas as pd
+
+    rows, kos = [], []
+    for f in sorted((out / "anatomy").glob("*/seed*_*_t*/anatomy.json")):
+        res = json.loads(f.read_text())
+        if "student" not in res or "error" in res["student"]:
+            continue
+        kinds = res["student"]["kinds"]
+        cmp10 = res.get("comparison", {}).get("top10", {})
+        row = {"key": f.parent.parent.name, "model": res["arm"], "seed": res["seed"], "tokens": res["tokens"],
+               "done": bool(res.get("done")), "fa_heads": kinds["fa"]["n_heads"],
+               "fa_positive_share": kinds["fa"]["positive_mass_share"], "fa_in_top10": kinds["fa"].get("top10"),
+               "top10_overlap": cmp10.get("overlap"), "spearman": cmp10.get("spearman"),
+               "teacher_top10_fa": cmp10.get("teacher_top_kept_fa"),
+               "student_top3": " ".join(res["student"]["top10"][:3]), "knockout_n": None}
+        ko = res.get("knockout", {})
+        for col, (model, method, cond) in ANATOMY_KNOCKOUTS.items():
+            v = ko.get(f"{model}/{method}/{cond}")
+            row[col] = v["accuracy"] if v else None
+            if v:
+                row["knockout_n"] = v["n"]
+        draws = [v["accuracy"] for k, v in ko.items() if k.startswith("student/mean/gdn_random")]
+        row["acc_student_gdn_random_mean"] = sum(draws) / len(draws) if draws else None
+        rows.append(row)
+        kf = f.parent / "knockout.csv"
+        if kf.exists():
+            kos.append(pd.read_csv(kf).assign(key=row["key"], arm=res["arm"], seed=res["seed"], tokens=res["tokens"]))
+    if rows:
+        pd.DataFrame(rows).to_csv(out / "anatomy.csv", index=False)
+        if kos:
+            k = pd.concat(kos, ignore_index=True)
+            k[["key", "arm", "seed", "tokens"] + [c for c in k.columns if c not in ("key", "arm", "seed", "tokens")]].to_csv(
+                out / "anatomy_knockout.csv", index=False)
+    return len(rows)
+
+
+def anatomy_lines(out: Path) -> list[str]:
+    """comparison.md's section on the anatomy after conversion, from OUT/anatomy.csv (:func:`anatomy_table`)."""
+    import pandas as pd
+
+    f = out / "anatomy.csv"
+    if not f.exists():
+        return []
+    d = pd.read_csv(f)
+
+    def v(x: Any, fmt: str = ".2f") -> str:
+        return "–" if pd.isna(x) else format(x, fmt)
+
+    lines = []
+    for key, g in d.groupby("key", sort=True):
+        n = g.knockout_n.dropna()
+        lines += ["", f"Anatomy after conversion on `{key}` (the student's heads ranked by receiver IE on the teacher's "
+                  f"pairs, exact fp32; accuracy on {int(n.iloc[0]) if len(n) else '–'} prompts of the suite's cell, "
+                  "heads knocked out by mean ablation unless named):", "",
+                  "| student | seed | tokens | FA share of IE | FA in top 10 | top-10 overlap with the teacher | ρ | "
+                  "top 3 | accuracy | FA out (mean / zero) | random GDN out | own top out | teacher | teacher, same heads "
+                  "out | teacher, GDN heads out |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in g.sort_values(["model", "seed", "tokens"]).itertuples():
+            lines.append(f"| {r.model} | {r.seed} | {tokens_text(int(r.tokens))} | {v(r.fa_positive_share)} | "
+                         f"{v(r.fa_in_top10, '.0f')} | {v(r.top10_overlap)} | {v(r.spearman)} | {r.student_top3} | "
+                         f"{v(r.acc_student)} | {v(r.acc_student_fa_mean)} / {v(r.acc_student_fa_zero)} | "
+                         f"{v(r.acc_student_gdn_random_mean)} | {v(r.acc_student_top_mean)} | {v(r.acc_teacher)} | "
+                         f"{v(r.acc_teacher_fa_mean)} | {v(r.acc_teacher_gdn_mean)} |" + ("" if r.done else " (partial)"))
+    return lines
 
 
 def coverage_lines(out: Path) -> list[str]:
