@@ -766,6 +766,7 @@ def test_study_anatomy_table_by_hand(tmp_path):
     assert (r.fa_positive_share, r.top10_overlap, r.spearman) == (0.8, 0.6, 0.41)
     assert (r.acc_student, r.acc_student_fa_zero, r.acc_student_fa_mean, r.acc_student_top_mean) == (0.9, 0.1, 0.2, 0.3)
     assert r.acc_student_gdn_random_mean == pytest.approx(0.8)
+    assert (r.acc_student_gdn_random_min, r.acc_student_gdn_random_max) == (0.75, 0.85)
     assert (r.acc_teacher, r.acc_teacher_fa_mean, r.acc_teacher_gdn_mean) == (0.98, 0.5, 0.4)
     h = t.loc["hydra-7to1"]
     assert h.acc_student == 0.76 and pd.isna(h.acc_student_fa_mean) and pd.isna(h.acc_student_gdn_random_mean)
@@ -774,7 +775,7 @@ def test_study_anatomy_table_by_hand(tmp_path):
     assert k[(k.arm == "ie-7to1") & (k.condition == "gdn_random1")].accuracy.item() == 0.75
     lines = run.anatomy_lines(tmp_path)
     row = next(ln for ln in lines if ln.startswith("| ie-7to1 |"))
-    assert row == ("| ie-7to1 | 0 | 50M | 0.80 | 7 | 0.60 | 0.41 | L16H0 L3H1 L9H2 | 0.90 | 0.20 / 0.10 | 0.80 | 0.30 | "
+    assert row == ("| ie-7to1 | 0 | 50M | 0.80 | 7 | 0.60 | 0.41 | L16H0 L3H1 L9H2 | 0.90 | 0.20 / 0.10 | 0.80 (0.75–0.85) | 0.30 | "
                    "0.98 | 0.50 | 0.40 |")
     assert any(ln.startswith("| hydra-7to1 | 0 | 50M | 0.50 |") and "| 0.76 | – / – | – |" in ln for ln in lines)
     assert "100 prompts" in next(ln for ln in lines if ln.startswith("Anatomy after conversion"))

@@ -181,3 +181,26 @@ def test_device_session_returns_and_restores_compile_caches(tmp_path):
     r = subprocess.run(["bash", str(SCRIPT), "start", "--piece a"], env={**env, "COMPILE_CACHE": str(cc)},
                        capture_output=True, text=True, cwd=ROOT)
     assert "compile cache tilelang NOT restored" in r.stdout and not (tmp_path / "m1" / "tilelang" / "k").exists()
+
+
+def test_device_session_caches_keep_to_the_files_a_call_returns(tmp_path):
+    """The device tool returns at most 8 files a call: after poll's 5 (state part and manifest, autotune, log,
+    status), `caches` adds the manifest and the 1-part TileLang cache (7 files) and leaves out the 2-part Inductor
+    cache (9), saying why, although it is under MAX_MIB."""
+    import random
+
+    rng = random.Random(1)
+    env = {**os.environ, "SESSION_DIR": str(tmp_path / "sd"), "TRITON_CACHE_DIR": str(tmp_path / "none"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "m" / "inductor"), "TILELANG_CACHE_DIR": str(tmp_path / "m" / "tilelang")}
+    for rel, n in (("tilelang/k.so", 1000), ("inductor/g", 20 * 2**20)):
+        (tmp_path / "m" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "m" / rel).write_bytes(rng.randbytes(n))
+    ret = tmp_path / "ret"
+    (ret / "state").mkdir(parents=True)
+    for rel in ("state/state.part00", "state/state.manifest.json", "autotune.tar.gz", "log", "status"):
+        (ret / rel).write_text("x")
+    r = subprocess.run(["bash", str(SCRIPT), "caches", str(ret), "45"], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "returned the tilelang cache" in r.stdout
+    assert "left out the inductor cache: its 2 part(s) would make 9 files" in r.stdout
+    assert sum(1 for f in ret.rglob("*") if f.is_file()) == 7

@@ -356,7 +356,8 @@ def test_study_pack_leaves_out_what_pieces_rebuild(study, tmp_path):
     files = {"settings.json": "{}", "suite/docs.pt": "d", "suite/pairs/niah_single@1024_n100_s1234.pt": "p",
              "seed0/data/shards/docs_0.pt": "s", "seed0/data/info.json": "{}", "seed0/data/levers.json": "{}",
              "seed0/data/short.pt": "r", "seed0/data/long_w6.pt": "r", "seed0/data/done": "ok",
-             "seed0/hydra-7to1_t1/stage3/done.json": "{}", "seed0/hydra-7to1_t1/stage3/student.pt": "w"}
+             "seed0/hydra-7to1_t1/stage3/done.json": "{}", "seed0/hydra-7to1_t1/stage3/student.pt": "w",
+             ".state_restored": "Thu Dec  3 19:01:00 UTC 2026"}  # device_session.sh's marker: one machine's, not state
     for rel, t in files.items():
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_text(t)
@@ -365,7 +366,7 @@ def test_study_pack_leaves_out_what_pieces_rebuild(study, tmp_path):
     m = json.loads((tmp_path / "state" / MANIFEST_NAME).read_text())
     assert [e["path"] for e in m["files"]] == ["seed0/data/info.json", "seed0/data/levers.json", "seed0/data/shards/docs_0.pt",
                                                "seed0/hydra-7to1_t1/stage3/done.json", "settings.json", "suite/docs.pt"]
-    assert "packed 6 files" in msg and "excluded 4 files" in msg and "weights_or_checkpoints 1 files" in msg
+    assert "packed 6 files" in msg and "excluded 5 files" in msg and "weights_or_checkpoints 1 files" in msg
     assert not (out / "manifest.json").exists()  # pack and unpack record nothing in OUT
     a = study.parser().parse_args(["--out", str(tmp_path / "new"), "--piece", "unpack", "--unpack-from", str(tmp_path / "state")])
     msg = study.run_piece(a)
@@ -626,7 +627,8 @@ def test_comparison_table_and_goal_lines(study, tmp_path):
 
 def test_comparison_depth_section(study, tmp_path):
     """comparison.md's depth section from a hand-made retention_depth.csv: unseen single-needle hits per depth bin,
-    summed over seeds, one row per arm / tokens / length; lever arms, seen cells and other tasks left out."""
+    summed over seeds, one row per arm / tokens / length, lever arms after the comparison's; seen cells and other
+    tasks left out."""
     import pandas as pd
 
     rows = []
@@ -641,5 +643,6 @@ def test_comparison_depth_section(study, tmp_path):
     pd.DataFrame(rows).to_csv(tmp_path / "retention_depth.csv", index=False)
     lines = study.depth_lines(tmp_path, [1024, 2048])
     assert lines[3] == "| arm | tokens | length | depth 0.0–0.5 | depth 0.5–1.0 |"
-    assert lines[5:] == ["| teacher | – | 2K | 2/2 | 2/2 |", "| hydra-7to1 | 50M | 2K | 1/4 | 4/4 |"]
+    assert lines[5:] == ["| teacher | – | 2K | 2/2 | 2/2 |", "| hydra-7to1 | 50M | 2K | 1/4 | 4/4 |",
+                         "| hydra-7to1+fa_pos=rope | 50M | 2K | 2/2 | 2/2 |"]
     assert study.depth_lines(tmp_path, [4096]) == []

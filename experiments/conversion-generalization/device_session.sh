@@ -22,8 +22,10 @@
 #       and the log to RETURN (on the GPU machine RETURN=$OUT, the folder that comes back); commit what comes back
 #   bash experiments/conversion-generalization/device_session.sh caches RETURN [MAX_MIB]
 #       the compile caches (TileLang, Inductor, Triton) as <= 15 MiB gzip parts in RETURN/compile_cache (smallest
-#       first, MAX_MIB compressed in all, default 45); keep them in runs/state/compile_cache, carry that folder in a
-#       call before the next session's `start`, which restores them (checked against their SHA-256)
+#       first, MAX_MIB compressed in all, default 45, and no more files in RETURN than RETURN_FILES, default 8: the
+#       device tool returns at most 8 files a call, so run it in a call of its own, not after `poll`, which returns 5);
+#       keep them in runs/state/compile_cache, carry that folder in a call before the next session's `start`, which
+#       restores them (checked against their SHA-256)
 # Why a private copy of the code: every call sends the working tree again, and a piece that imported from it while it
 # was being copied failed (`No module named 'headscope.validate'`, H200, 2026-12-03).
 # Kernel autotuning between sessions: on a fresh machine the first training step took 341 s (compiling and
@@ -182,6 +184,7 @@ case $cmd in
     # as gzip parts of <= 15 MiB in RETURN/compile_cache, smallest first, up to MAX_MIB compressed in all
     ret=${1:?caches RETURN [MAX_MIB]}
     max=$(( ${2:-45} * 1048576 ))
+    nfiles=${RETURN_FILES:-8}  # the device tool returns at most 8 files from OUT per call (all of OUT, not only these)
     mkdir -p "$sd" "$ret/compile_cache"
     : > "$ret/compile_cache/manifest.txt"
     used=0
@@ -190,7 +193,12 @@ case $cmd in
       [ -d "$dir" ] || { echo "no $name cache ($dir)"; continue; }
       tar -C "$dir" -czf "$sd/$name.tar.gz" . || continue
       size=$(stat -c %s "$sd/$name.tar.gz")
-      if [ $(( used + size )) -le $max ]; then
+      parts=$(( (size + 15728639) / 15728640 ))
+      files=$(find "$ret" -type f | wc -l)
+      if [ $(( files + parts )) -gt "$nfiles" ]; then
+        echo "left out the $name cache: its $parts part(s) would make $(( files + parts )) files in $ret, more than the" \
+             "$nfiles a call returns (run caches in a call of its own, without poll)"
+      elif [ $(( used + size )) -le $max ]; then
         split -b 15m -d "$sd/$name.tar.gz" "$ret/compile_cache/$name.tar.gz.part"
         echo "$name $(sha256sum "$sd/$name.tar.gz" | cut -d' ' -f1) $dir" >> "$ret/compile_cache/manifest.txt"
         used=$(( used + size ))

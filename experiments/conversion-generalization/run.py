@@ -1048,8 +1048,8 @@ def anatomy_table(out: Path) -> int:
     where its receiver IE sits (``fa_positive_share``: its FA heads' share of its positive IE; ``fa_in_top10``: FA
     heads among its 10 best), how its ranking agrees with the teacher's on the same pairs (``top10_overlap``,
     ``spearman``; ``teacher_top10_fa``: the teacher's 10 best heads the student kept as FA), its top 3 heads, and
-    the knockout accuracies of :data:`ANATOMY_KNOCKOUTS` plus ``acc_student_gdn_random_mean`` (the mean over the
-    random GDN draws, mean ablation). The knockout CSVs are concatenated as they are, with the key, arm, seed and
+    the knockout accuracies of :data:`ANATOMY_KNOCKOUTS` plus ``acc_student_gdn_random_mean`` / ``_min`` / ``_max``
+    (over the random GDN draws, mean ablation). The knockout CSVs are concatenated as they are, with the key, arm, seed and
     tokens. Returns the number of student rows (both files are written only when there is one)."""
     import pandas as pd
 
@@ -1074,6 +1074,8 @@ def anatomy_table(out: Path) -> int:
                 row["knockout_n"] = v["n"]
         draws = [v["accuracy"] for k, v in ko.items() if k.startswith("student/mean/gdn_random")]
         row["acc_student_gdn_random_mean"] = sum(draws) / len(draws) if draws else None
+        row["acc_student_gdn_random_min"] = min(draws) if draws else None
+        row["acc_student_gdn_random_max"] = max(draws) if draws else None
         rows.append(row)
         kf = f.parent / "knockout.csv"
         if kf.exists():
@@ -1099,6 +1101,10 @@ def anatomy_lines(out: Path) -> list[str]:
     def v(x: Any, fmt: str = ".2f") -> str:
         return "–" if pd.isna(x) else format(x, fmt)
 
+    def spread(r: Any) -> str:  # the random draws' range beside their mean
+        lo, hi = r.acc_student_gdn_random_min, r.acc_student_gdn_random_max
+        return "" if pd.isna(lo) or lo == hi else f" ({lo:.2f}–{hi:.2f})"
+
     lines = []
     for key, g in d.groupby("key", sort=True):
         n = g.knockout_n.dropna()
@@ -1106,13 +1112,13 @@ def anatomy_lines(out: Path) -> list[str]:
                   f"pairs, exact fp32; accuracy on {int(n.iloc[0]) if len(n) else '–'} prompts of the suite's cell, "
                   "heads knocked out by mean ablation unless named):", "",
                   "| student | seed | tokens | FA share of IE | FA in top 10 | top-10 overlap with the teacher | ρ | "
-                  "top 3 | accuracy | FA out (mean / zero) | random GDN out | own top out | teacher | teacher, same heads "
+                  "top 3 | accuracy | FA out (mean / zero) | random GDN out (draws) | own top out | teacher | teacher, same heads "
                   "out | teacher, GDN heads out |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in g.sort_values(["model", "seed", "tokens"]).itertuples():
             lines.append(f"| {r.model} | {r.seed} | {tokens_text(int(r.tokens))} | {v(r.fa_positive_share)} | "
                          f"{v(r.fa_in_top10, '.0f')} | {v(r.top10_overlap)} | {v(r.spearman)} | {r.student_top3} | "
                          f"{v(r.acc_student)} | {v(r.acc_student_fa_mean)} / {v(r.acc_student_fa_zero)} | "
-                         f"{v(r.acc_student_gdn_random_mean)} | {v(r.acc_student_top_mean)} | {v(r.acc_teacher)} | "
+                         f"{v(r.acc_student_gdn_random_mean)}{spread(r)} | {v(r.acc_student_top_mean)} | {v(r.acc_teacher)} | "
                          f"{v(r.acc_teacher_fa_mean)} | {v(r.acc_teacher_gdn_mean)} |" + ("" if r.done else " (partial)"))
     return lines
 
@@ -1137,23 +1143,24 @@ def coverage_lines(out: Path) -> list[str]:
 
 def depth_lines(out: Path, lengths: Sequence[int]) -> list[str]:
     """comparison.md's depth section: unseen single-needle accuracy per needle-depth fifth (OUT/retention_depth.csv,
-    :func:`headscope.train.retention.depth_table`), one row per arm, tokens and length of ``lengths`` (summed over
-    seeds), each entry 'hits/n' with the approximate distance from the needle to the question in the header."""
+    :func:`headscope.train.retention.depth_table`), one row per arm (:data:`COMPARISON_ARMS`, then the lever arms),
+    tokens and length of ``lengths`` (summed over seeds), each entry 'hits/n' with the approximate distance from the needle to the question in the header."""
     import pandas as pd
 
     f = out / "retention_depth.csv"
     if not f.exists():
         return []
     d = pd.read_csv(f)
-    d = d[(d.task == "niah_single") & (d.formats == "unseen") & d.length.isin(list(lengths)) & d.model.isin(COMPARISON_ARMS)]
+    d = d[(d.task == "niah_single") & (d.formats == "unseen") & d.length.isin(list(lengths))]
     if not len(d):
         return []
+    arms = [m for m in COMPARISON_ARMS if m in set(d.model)] + sorted(set(d.model) - set(COMPARISON_ARMS))  # levers last
     bins = sorted(set(zip(d.depth_lo, d.depth_hi)))
     lines = ["", "Unseen single-needle hits by needle depth (0 = the haystack's start, farthest from the question; "
              "distance ≈ (1 − depth) × prompt length), summed over seeds:", "",
              "| arm | tokens | length | " + " | ".join(f"depth {lo:.1f}–{hi:.1f}" for lo, hi in bins) + " |",
              "|---|---|---|" + "---|" * len(bins)]
-    for arm in COMPARISON_ARMS:
+    for arm in arms:
         for tokens in sorted(set(d[d.model == arm].tokens)):
             for L in sorted(set(d[(d.model == arm) & (d.tokens == tokens)].length)):
                 g = d[(d.model == arm) & (d.tokens == tokens) & (d.length == L)].groupby(["depth_lo", "depth_hi"])[["hits", "n"]].sum()
@@ -1436,6 +1443,8 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
 #: their marker (--piece data, from the stored document shards or the corpus: the same rows, packing and
 #: format_rows are seeded)
 REBUILT = ("suite/pairs", "seed*/data/*.pt", "seed*/data/done")
+#: device_session.sh's marker that OUT holds the committed state (a fact about one machine, not state to keep)
+SESSION_MARKERS = (".state_restored",)
 #: what one carry holds besides the repository (64 MiB per call, the tree ~12 MB)
 CARRY_ROOM = 50 * 2**20
 
@@ -1463,14 +1472,14 @@ def parse_since(values: Optional[Sequence[str]]) -> Any:
 
 def piece_pack(a: argparse.Namespace, s: Optional[dict], deadline: float) -> str:
     """OUT's state into --pack-to (:func:`headscope.statepack.pack`): everything but weights, checkpoints and
-    :data:`REBUILT`; --pack-include / --pack-exclude / --pack-since choose less. Not recorded in OUT/manifest.json
+    :data:`REBUILT` and :data:`SESSION_MARKERS`; --pack-include / --pack-exclude / --pack-since choose less. Not recorded in OUT/manifest.json
     (the pack's own manifest lists every file)."""
     from headscope import statepack
 
     if not a.pack_to:
         raise SystemExit("--piece pack needs --pack-to DIR (on the GPU machine a folder under $OUT, e.g. $OUT/state)")
     try:
-        m = statepack.pack(a.out, a.pack_to, include=a.pack_include, exclude=[*REBUILT, *(a.pack_exclude or [])],
+        m = statepack.pack(a.out, a.pack_to, include=a.pack_include, exclude=[*REBUILT, *SESSION_MARKERS, *(a.pack_exclude or [])],
                            since=parse_since(a.pack_since), max_parts=a.pack_max_parts)
     except statepack.PackTooLargeError as e:
         raise SystemExit(
