@@ -265,6 +265,8 @@ def test_evaluate_suite_scores_and_resumes(smol_tokenizer, tmp_path, monkeypatch
                 lg = model(torch.cat([p.clean, p.answer[:-1]])[None]).logits[0]
             brute.append(int(all(int(lg[p.length - 1 + j].argmax()) == int(p.answer[j]) for j in range(p.n_answer))))
         assert rec["correct"] == brute and rec["hits"] == sum(brute)
+        parts = (rec["prompt_seconds"], rec["score_seconds"], rec["gen_seconds"])  # the cell's time, split
+        assert min(parts) >= 0 and abs(sum(parts) - rec["seconds"]) <= 0.03
         g = greedy_generation_hits(model, smol_tokenizer, pairs[:2])
         assert [int(x) for x in g["exact"]] == brute[:2] and rec["gen_agree"] == 2
     import headscope.train.retention as R

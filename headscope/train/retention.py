@@ -214,7 +214,9 @@ def evaluate_suite(
 
     A cell file holds {model, seed, tokens, task, formats, length, n, hits, accuracy, per-prompt
     ``correct`` (0/1), generation: gen_n, gen_exact_hits, gen_text_hits, gen_agree (prompts where the
-    generation's exact match equals teacher forcing's), mean_len, seconds, config}. Cells already stored
+    generation's exact match equals teacher forcing's), mean_len, seconds (the cell's wall time, of which
+    prompt_seconds loading or building its prompts, score_seconds the teacher-forced scoring and gen_seconds the
+    generation check), config}. Cells already stored
     with the same config are skipped; ``deadline`` (a ``time.time()`` value) stops before starting a new
     cell once passed (rerun to continue).
 
@@ -242,7 +244,9 @@ def evaluate_suite(
             continue
         t0 = time.time()
         pairs = suite_pairs(tokenizer, cfg, task, fmt, L, filler, cache_dir)
+        t1 = time.time()
         h = retrieval_hits(model, pairs, pad, batch_size=max(1, cfg.batch_tokens // L))
+        t2 = time.time()
         rec: dict[str, Any] = {"model": name, "seed": int(seed), "tokens": int(tokens), "task": task, "formats": fmt,
                                "length": L, "n": len(h), "hits": int(h.sum()), "accuracy": int(h.sum()) / len(h),
                                "correct": h.int().tolist(), "mean_len": float(np.mean([p.length for p in pairs]))}
@@ -254,7 +258,8 @@ def evaluate_suite(
                        gen_examples=g["outputs"][:3])
         else:
             rec.update(gen_n=0, gen_exact_hits=0, gen_text_hits=0, gen_agree=0)
-        rec.update(seconds=round(time.time() - t0, 2), config=conf)
+        rec.update(seconds=round(time.time() - t0, 2), prompt_seconds=round(t1 - t0, 2), score_seconds=round(t2 - t1, 2),
+                   gen_seconds=round(time.time() - t2, 2), config=conf)
         atomic_write_text(f, json.dumps(rec))
         done += 1
         log(f"{name} s{seed} t{tokens} {task} {fmt} {L}: {rec['hits']}/{rec['n']}"
