@@ -344,6 +344,9 @@ def test_study_smoke(tmp_path, smol_tokenizer):
     ko = pd.read_csv(d / "knockout.csv")
     want = {f"student/{m}/{c}" for m in ("zero", "mean") for c in ("fa", "gdn_random0", "student_top")}
     want |= {"student/zero/none", "teacher/zero/none"} | {f"teacher/{m}/{c}" for m in ("zero", "mean") for c in ("fa", "gdn")}
+    singles = dict.fromkeys(res["student"]["top10"][:3] + res["teacher"]["top10"][:3])  # each alone, mean ablation
+    want |= {f"student/mean/single_{h}" for h in singles}
+    assert 3 <= len(singles) <= 6 and (ko.loc[ko.condition.str.startswith("single_"), "n_heads"] == 1).all()
     assert set(ko["model"] + "/" + ko["method"] + "/" + ko["condition"]) == want
     assert (ko.loc[ko.condition == "fa", "n_heads"] == 2).all() and (ko.n == 2).all()
     del res["knockout"]["student/mean/fa"]
@@ -756,7 +759,8 @@ def test_study_anatomy_table_by_hand(tmp_path):
     student("ie-7to1", 0, 0.8, {"student/zero/none": 0.9, "student/zero/fa": 0.1, "student/mean/fa": 0.2,
                                 "student/mean/gdn_random0": 0.85, "student/mean/gdn_random1": 0.75,
                                 "student/mean/gdn_random2": 0.8, "student/mean/student_top": 0.3,
-                                "teacher/zero/none": 0.98, "teacher/mean/fa": 0.5, "teacher/mean/gdn": 0.4})
+                                "teacher/zero/none": 0.98, "teacher/mean/fa": 0.5, "teacher/mean/gdn": 0.4,
+                                "student/mean/single_L16H0": 0.6, "student/mean/single_L3H1": 0.05})
     student("hydra-7to1", 0, 0.5, {"student/zero/none": 0.76})  # knockouts not run yet
     bad = tmp_path / "anatomy" / key / "seed1_layer-3to1_t50000000"
     bad.mkdir(parents=True)
@@ -773,7 +777,7 @@ def test_study_anatomy_table_by_hand(tmp_path):
     h = t.loc["hydra-7to1"]
     assert h.acc_student == 0.76 and pd.isna(h.acc_student_fa_mean) and pd.isna(h.acc_student_gdn_random_mean)
     k = pd.read_csv(tmp_path / "anatomy_knockout.csv")
-    assert len(k) == 11 and list(k.columns[:4]) == ["key", "arm", "seed", "tokens"]
+    assert len(k) == 13 and list(k.columns[:4]) == ["key", "arm", "seed", "tokens"]
     assert k[(k.arm == "ie-7to1") & (k.condition == "gdn_random1")].accuracy.item() == 0.75
     lines = run.anatomy_lines(tmp_path)
     row = next(ln for ln in lines if ln.startswith("| ie-7to1 |"))
@@ -781,3 +785,5 @@ def test_study_anatomy_table_by_hand(tmp_path):
                    "0.98 | 0.50 | 0.40 |")
     assert any(ln.startswith("| hydra-7to1 | 0 | 50M | 0.50 |") and "| 0.76 | – / – | – |" in ln for ln in lines)
     assert "100 prompts" in next(ln for ln in lines if ln.startswith("Anatomy after conversion"))
+    assert r.student_single_heads_out == "L16H0=0.60 L3H1=0.05" and pd.isna(h.student_single_heads_out)
+    assert lines[-1] == "One head knocked out (mean ablation), accuracy: ie-7to1 seed 0: L16H0=0.60 L3H1=0.05."

@@ -1049,7 +1049,8 @@ def anatomy_table(out: Path) -> int:
     heads among its 10 best), how its ranking agrees with the teacher's on the same pairs (``top10_overlap``,
     ``spearman``; ``teacher_top10_fa``: the teacher's 10 best heads the student kept as FA), its top 3 heads, and
     the knockout accuracies of :data:`ANATOMY_KNOCKOUTS` plus ``acc_student_gdn_random_mean`` / ``_min`` / ``_max``
-    (over the random GDN draws, mean ablation). The knockout CSVs are concatenated as they are, with the key, arm, seed and
+    (over the random GDN draws, mean ablation) and ``student_single_heads_out`` ('L18H6=0.12 L16H1=0.40': one head
+    at a time, mean ablation). The knockout CSVs are concatenated as they are, with the key, arm, seed and
     tokens. Returns the number of student rows (both files are written only when there is one)."""
     import pandas as pd
 
@@ -1074,6 +1075,8 @@ def anatomy_table(out: Path) -> int:
                 row["knockout_n"] = v["n"]
         draws = [v["accuracy"] for k, v in ko.items() if k.startswith("student/mean/gdn_random")]
         row["acc_student_gdn_random_mean"] = sum(draws) / len(draws) if draws else None
+        row["student_single_heads_out"] = " ".join(f"{k.rsplit('_', 1)[1]}={v['accuracy']:.2f}" for k, v in ko.items()
+                                                   if k.startswith("student/mean/single_")) or None
         row["acc_student_gdn_random_min"] = min(draws) if draws else None
         row["acc_student_gdn_random_max"] = max(draws) if draws else None
         rows.append(row)
@@ -1120,6 +1123,10 @@ def anatomy_lines(out: Path) -> list[str]:
                          f"{v(r.acc_student)} | {v(r.acc_student_fa_mean)} / {v(r.acc_student_fa_zero)} | "
                          f"{v(r.acc_student_gdn_random_mean)}{spread(r)} | {v(r.acc_student_top_mean)} | {v(r.acc_teacher)} | "
                          f"{v(r.acc_teacher_fa_mean)} | {v(r.acc_teacher_gdn_mean)} |" + ("" if r.done else " (partial)"))
+        singles = [f"{r.model} seed {r.seed}: {r.student_single_heads_out}" for r in g.itertuples()
+                   if isinstance(r.student_single_heads_out, str)]
+        if singles:
+            lines += ["", "One head knocked out (mean ablation), accuracy: " + "; ".join(singles) + "."]
     return lines
 
 
@@ -1258,6 +1265,8 @@ def add_anatomy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--anatomy-controls", type=int, default=3, help="anatomy: draws of random GDN heads (as many as FA heads)")
     p.add_argument("--anatomy-min-gap", type=float, default=0.1, help="anatomy: pairs with a smaller |m(x) - m(x')| are skipped")
     p.add_argument("--anatomy-k", type=int, default=10, help="anatomy: top-k of the teacher / student comparison")
+    p.add_argument("--anatomy-singles", type=int, default=3,
+                   help="anatomy: knock out each of the student's and the teacher's top heads alone (mean ablation), this many of each")
     p.add_argument("--anatomy-batch", type=int, default=None, help="anatomy: patched rows per forward (default: by memory)")
 
 
@@ -1334,7 +1343,7 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
     (receiver IE, exact fp32, the student's FA and GDN heads alike at o_proj's input), their comparison, and
     retrieval accuracy with the student's FA heads knocked out (controls: as many random GDN heads; the student's
     top heads by IE; the teacher with the same heads, and with all the heads the student turned into GDN, knocked
-    out). OUT/anatomy/KEY/seedS_ARM_tTOKENS/{anatomy.json, heads.csv,
+    out; and, by mean ablation, each of the student's and the teacher's ``--anatomy-singles`` best heads alone). OUT/anatomy/KEY/seedS_ARM_tTOKENS/{anatomy.json, heads.csv,
     knockout.csv}; the teacher's ranking in OUT/anatomy/KEY/teacher/ (shared by the arms). Resumable."""
     import csv
 
@@ -1395,6 +1404,10 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
             sets[f"gdn_random{i}"] = random_gdn_heads(kinds, min(len(fa), sum(k == "gdn" for ks in kinds for k in ks)), seed=i)
         if s_rank is not None:
             sets["student_top"] = [(int(x.layer), int(x.head)) for x in s_rank.top(len(fa)).itertuples()]
+        # one head at a time (mean ablation only): the student's and the teacher's best heads on these pairs
+        singles = [(int(x.layer), int(x.head)) for r in (s_rank, t_rank) if r is not None for x in r.top(a.anatomy_singles).itertuples()]
+        for lay, h in dict.fromkeys(singles):
+            sets[f"single_L{lay}H{h}"] = [(lay, h)]
         gdn = [(lay, h) for lay, ks in enumerate(kinds) for h, k in enumerate(ks) if k == "gdn"]
         # the teacher with the student's FA heads knocked out, and with all its GDN heads (what the FA heads alone keep)
         conds = [("student", c, h) for c, h in sets.items()] + [("teacher", "none", []), ("teacher", "fa", fa),
@@ -1405,7 +1418,7 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
         for method in a.anatomy_methods:
             for model_name, cond, heads in conds:
                 key = f"{model_name}/{method}/{cond}"
-                if key in ko or (method != a.anatomy_methods[0] and cond == "none"):
+                if key in ko or (method != a.anatomy_methods[0] and cond == "none") or (method != "mean" and cond.startswith("single_")):
                     continue
                 if time.time() > deadline:
                     left += 1
