@@ -357,7 +357,7 @@ def test_study_pack_leaves_out_what_pieces_rebuild(study, tmp_path):
              "seed0/data/shards/docs_0.pt": "s", "seed0/data/info.json": "{}", "seed0/data/levers.json": "{}",
              "seed0/data/short.pt": "r", "seed0/data/long_w6.pt": "r", "seed0/data/done": "ok",
              "seed0/hydra-7to1_t1/stage3/done.json": "{}", "seed0/hydra-7to1_t1/stage3/student.pt": "w",
-             ".state_restored": "Thu Dec  3 19:01:00 UTC 2026"}  # device_session.sh's marker: one machine's, not state
+             ".state_restored": "Thu Dec  3 19:01:00 UTC 2026", ".manifest.lock": ""}  # one machine's, not state
     for rel, t in files.items():
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_text(t)
@@ -366,7 +366,7 @@ def test_study_pack_leaves_out_what_pieces_rebuild(study, tmp_path):
     m = json.loads((tmp_path / "state" / MANIFEST_NAME).read_text())
     assert [e["path"] for e in m["files"]] == ["seed0/data/info.json", "seed0/data/levers.json", "seed0/data/shards/docs_0.pt",
                                                "seed0/hydra-7to1_t1/stage3/done.json", "settings.json", "suite/docs.pt"]
-    assert "packed 6 files" in msg and "excluded 5 files" in msg and "weights_or_checkpoints 1 files" in msg
+    assert "packed 6 files" in msg and "excluded 6 files" in msg and "weights_or_checkpoints 1 files" in msg
     assert not (out / "manifest.json").exists()  # pack and unpack record nothing in OUT
     a = study.parser().parse_args(["--out", str(tmp_path / "new"), "--piece", "unpack", "--unpack-from", str(tmp_path / "state")])
     msg = study.run_piece(a)
@@ -646,3 +646,26 @@ def test_comparison_depth_section(study, tmp_path):
     assert lines[5:] == ["| teacher | – | 2K | 2/2 | 2/2 |", "| hydra-7to1 | 50M | 2K | 1/4 | 4/4 |",
                          "| hydra-7to1+fa_pos=rope | 50M | 2K | 2/2 | 2/2 |"]
     assert study.depth_lines(tmp_path, [4096]) == []
+
+
+def test_study_record_from_concurrent_processes_keeps_every_command(study, tmp_path):
+    """Two chains of pieces may share OUT: 2 processes x 25 records each into one manifest.json, all 50 kept (the
+    read-modify-write runs under a file lock; without it records are lost)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_record_many, args=(study, tmp_path, i)) for i in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    assert sorted(c["outcome"] for c in m["commands"]) == sorted(f"p{i} r{k}" for i in range(2) for k in range(25))
+
+
+def _record_many(study, out, i):
+    os.environ["HEADSCOPE_COMMIT"] = "test"  # no git call per record
+    a = study.parser().parse_args(["--out", str(out), "--piece", "eval"])
+    for k in range(25):
+        study.record(out, a, f"p{i} r{k}", 0.0)

@@ -272,6 +272,17 @@ def check_arm(rd: Path, spec: dict, mask: Optional[HeadMask] = None) -> None:
 
 # ---------------------------------------------------------------------------------------------- manifest
 def record(out: Path, a: argparse.Namespace, outcome: str, seconds: float, extra: Optional[dict] = None) -> None:
+    """Append a command and its outcome to OUT/manifest.json (and ``extra`` to its ``data``), under an exclusive
+    lock on OUT/.manifest.lock: two chains of pieces may share OUT (two arms training at once on one GPU)."""
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".manifest.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        _record(out, a, outcome, seconds, extra)
+
+
+def _record(out: Path, a: argparse.Namespace, outcome: str, seconds: float, extra: Optional[dict]) -> None:
     f = out / "manifest.json"
     m = json.loads(f.read_text()) if f.exists() else {"commands": [], "data": {}}
     commit = os.environ.get("HEADSCOPE_COMMIT", "")
@@ -1456,8 +1467,9 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
 #: their marker (--piece data, from the stored document shards or the corpus: the same rows, packing and
 #: format_rows are seeded)
 REBUILT = ("suite/pairs", "seed*/data/*.pt", "seed*/data/done")
-#: device_session.sh's marker that OUT holds the committed state (a fact about one machine, not state to keep)
-SESSION_MARKERS = (".state_restored",)
+#: files about one machine's session, not state to keep: device_session.sh's marker that OUT holds the committed
+#: state, and the manifest's lock (:func:`record`)
+SESSION_MARKERS = (".state_restored", ".manifest.lock")
 #: what one carry holds besides the repository (64 MiB per call, the tree ~12 MB)
 CARRY_ROOM = 50 * 2**20
 
