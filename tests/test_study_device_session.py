@@ -204,3 +204,41 @@ def test_device_session_caches_keep_to_the_files_a_call_returns(tmp_path):
     assert "returned the tilelang cache" in r.stdout
     assert "left out the inductor cache: its 2 part(s) would make 9 files" in r.stdout
     assert sum(1 for f in ret.rglob("*") if f.is_file()) == 7
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_device_session_two_chains_share_out(tmp_path):
+    """Session 5's plan: a second chain beside the first on the same OUT (its own SESSION_DIR and CODE_DIR, caches
+    left to the first) is not refused, finds OUT restored, waits for the first chain's data and then runs its pieces;
+    each chain has its own status."""
+    calls = tmp_path / "calls.txt"
+    out = tmp_path / "out"
+    fake = tmp_path / "fake_run.sh"  # run.py's stand-in: "data" writes OUT/seed0/data/done after a moment
+    fake.write_text(f"""#!/usr/bin/env bash
+echo "$2 $(date +%s%N)" >> {calls}
+if [ "$2" = data ]; then sleep 1; mkdir -p {out}/seed0/data && echo ok > {out}/seed0/data/done; fi
+exit 0
+""")
+    fake.chmod(0o755)
+    kc_src = tmp_path / "kc_src" / "abc"
+    kc_src.mkdir(parents=True)
+    (kc_src / "k.autotune.json").write_text("{}")
+    subprocess.run(["tar", "-czf", str(tmp_path / "kc.tar.gz"), "-C", str(tmp_path / "kc_src"), "abc"], check=True)
+    base = {**os.environ, "OUT_DIR": str(out), "RUN": str(fake), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+            "COMPILE_CACHE": str(tmp_path / "none"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    a = {**base, "SESSION_DIR": str(tmp_path / "sd1"), "CODE_DIR": str(tmp_path / "code1"), "KERNEL_CACHE": str(tmp_path / "kc.tar.gz")}
+    b = {**base, "SESSION_DIR": str(tmp_path / "sd2"), "CODE_DIR": str(tmp_path / "code2"), "KERNEL_CACHE": "/none"}
+    r1 = subprocess.run(["bash", str(SCRIPT), "start", "--piece data", "--piece train"], env=a, capture_output=True,
+                        text=True, cwd=ROOT)
+    r2 = subprocess.run(["bash", str(SCRIPT), "start", f"wait {out}/seed0/data/done", "--piece train2"], env=b,
+                        capture_output=True, text=True, cwd=ROOT)
+    assert r1.returncode == 0 and r2.returncode == 0, r1.stderr + r2.stderr
+    assert "committed state restored" in r1.stdout and "autotune results restored: 1 kernel(s)" in r1.stdout
+    assert "already holds the committed state" in r2.stdout and "autotune" not in r2.stdout
+    _wait_done(tmp_path / "sd1" / "status")
+    _wait_done(tmp_path / "sd2" / "status")
+    s2 = [ln.split(": ", 1)[1] for ln in (tmp_path / "sd2" / "status").read_text().splitlines()]
+    assert s2 == [f"wait {out}/seed0/data/done: here", "--piece train2: rc=0 (try 1)", "session done"]
+    t = {ln.split()[0]: int(ln.split()[1]) for ln in calls.read_text().splitlines()}
+    assert set(t) == {"data", "train", "train2"} and t["train2"] > t["data"]
+    assert (tmp_path / "code1" / "headscope").is_dir() and (tmp_path / "code2" / "headscope").is_dir()
