@@ -787,3 +787,31 @@ def test_study_anatomy_table_by_hand(tmp_path):
     assert "100 prompts" in next(ln for ln in lines if ln.startswith("Anatomy after conversion"))
     assert r.student_single_heads_out == "L16H0=0.60 L3H1=0.05" and pd.isna(h.student_single_heads_out)
     assert lines[-1] == "One head knocked out (mean ablation), accuracy: ie-7to1 seed 0: L16H0=0.60 L3H1=0.05."
+
+
+def test_study_token_curve_by_hand(tmp_path):
+    """token_curve / curve_lines from a hand-made levers.csv: only arms with two or more token budgets get a curve,
+    one row per (tokens, length) with the levers.csv values, the figure written; comparison.md's table by tokens."""
+    import pandas as pd
+
+    run = _study()
+    assert run.token_curve(tmp_path) == 0  # no levers.csv
+    rows = []
+    for model, tokens, seeds, base in (("hydra-7to1", 50_000_000, 2, 0.8), ("hydra-7to1", 200_000_000, 1, 0.9),
+                                       ("hydra-7to1", 12_500_000, 1, 0.6), ("layer-3to1", 50_000_000, 1, 0.1)):
+        r = {"lever": "x", "model": model, "command": "c", "tokens": tokens, "seeds": seeds}
+        for k, L in enumerate((1024, 2048, 4096)):
+            r.update({f"retention_{L}": base - 0.1 * k, f"retention_{L}_min": base - 0.1 * k - 0.05,
+                      f"retention_{L}_max": base - 0.1 * k + 0.05})
+        rows.append(r)
+    pd.DataFrame(rows).to_csv(tmp_path / "levers.csv", index=False)
+    assert run.token_curve(tmp_path, [1024, 2048, 4096]) == 1
+    d = pd.read_csv(tmp_path / "token_curve.csv")
+    assert set(d.model) == {"hydra-7to1"} and len(d) == 9
+    r = d[(d.tokens == 200_000_000) & (d.length == 2048)].iloc[0]
+    assert (r.retention, r.retention_min, r.retention_max, r.seeds) == (pytest.approx(0.8), pytest.approx(0.75), pytest.approx(0.85), 1)
+    assert (tmp_path / "token_curve.html").stat().st_size > 1000
+    lines = run.curve_lines(tmp_path)
+    assert lines[3] == "| arm | length | 12500K | 50M | 200M |"
+    assert lines[5:] == ["| hydra-7to1 | 1K | 0.60 | 0.80 | 0.90 |", "| hydra-7to1 | 2K | 0.50 | 0.70 | 0.80 |",
+                         "| hydra-7to1 | 4K | 0.40 | 0.60 | 0.70 |"]

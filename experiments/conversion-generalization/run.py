@@ -959,7 +959,8 @@ def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
     n_depth = depth_table(Path(a.out) / "cells", Path(a.out))
     n_cov = len(mask_coverage(Path(a.out), s, a))
     n_lev = lever_table(Path(a.out), lever_lengths(s))
-    n_ana = anatomy_table(Path(a.out))  # before comparison.md, which has its section
+    n_curve = token_curve(Path(a.out), lever_lengths(s))
+    n_ana = anatomy_table(Path(a.out))  # before comparison.md, which has their sections
     n_cmp = comparison_table(Path(a.out), lever_lengths(s))
 
     def count(n: int, what: str) -> str:
@@ -967,7 +968,8 @@ def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
 
     return (f"{count(r['rows'], 'row')} in retention.csv ({r['missing_teacher']} without a teacher cell), "
             f"{count(n_depth, 'row')} in retention_depth.csv, {count(n_cov, 'row')} in mask_coverage.csv, "
-            f"{count(n_lev, 'row')} in levers.csv, {count(n_ana, 'student')} in anatomy.csv, "
+            f"{count(n_lev, 'row')} in levers.csv, {count(n_curve, 'arm')} in token_curve.csv, "
+            f"{count(n_ana, 'student')} in anatomy.csv, "
             f"{count(n_cmp, 'arm row')} in comparison.md")
 
 
@@ -1040,7 +1042,7 @@ def comparison_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> 
         else:
             vs = "`layer-3to1` not measured at these tokens"
         lines.append(f"- {tokens_text(int(tokens))} tokens: single-needle {verdict}; {vs}.")
-    lines += depth_lines(out, lengths) + coverage_lines(out) + anatomy_lines(out)
+    lines += depth_lines(out, lengths) + curve_lines(out) + coverage_lines(out) + anatomy_lines(out)
     (out / "comparison.md").write_text("\n".join(lines) + "\n")
     return rows
 
@@ -1258,6 +1260,67 @@ def lever_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> int:
               + f" | {r['seeds']} |" for r in rows]
     atomic_write_text(out / "levers.md", "\n".join(lines) + "\n")
     return len(rows)
+
+
+def token_curve(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> int:
+    """OUT/token_curve.csv and OUT/token_curve.html: retention on the unseen single-needle cells against training
+    tokens (the acceptance's curve for when the goal is out of reach at one budget), from OUT/levers.csv: for every
+    arm label trained at two or more token budgets, one row per (tokens, length) with the mean retention over seeds,
+    its min and max, and the seeds. The figure: one line per arm and length, tokens on a log axis, the goal's
+    retention as a dashed line. Returns the number of arms with a curve (nothing is written without one)."""
+    import pandas as pd
+
+    f = out / "levers.csv"
+    if not f.exists():
+        return 0
+    lev = pd.read_csv(f)
+    rows = []
+    for model, g in lev.groupby("model", sort=True):
+        if g.tokens.nunique() < 2:
+            continue
+        for r in g.sort_values("tokens").itertuples():
+            for L in lengths:
+                rows.append({"model": model, "tokens": int(r.tokens), "seeds": int(r.seeds), "length": int(L),
+                             "retention": getattr(r, f"retention_{L}"), "retention_min": getattr(r, f"retention_{L}_min"),
+                             "retention_max": getattr(r, f"retention_{L}_max")})
+    if not rows:
+        return 0
+    d = pd.DataFrame(rows)
+    d.to_csv(out / "token_curve.csv", index=False)
+    import plotly.graph_objects as go
+
+    from headscope.plots import save_figure
+
+    fig = go.Figure()
+    for (model, L), g in d.groupby(["model", "length"], sort=True):
+        fig.add_trace(go.Scatter(x=g.tokens, y=g.retention, mode="lines+markers", name=f"{model}, {L // 1024}K",
+                                 error_y={"type": "data", "symmetric": False, "array": g.retention_max - g.retention,
+                                          "arrayminus": g.retention - g.retention_min}))
+    fig.add_hline(y=GOAL_RETENTION, line_dash="dash", annotation_text=f"goal {GOAL_RETENTION}")
+    fig.update_layout(title="Unseen single-needle retention against training tokens (mean over seeds, min–max)",
+                      xaxis={"type": "log", "title": "training tokens"}, yaxis={"title": "retention (student ÷ teacher)"},
+                      width=760, height=480)
+    save_figure(fig, out / "token_curve", formats=("html",))
+    return int(d.model.nunique())
+
+
+def curve_lines(out: Path) -> list[str]:
+    """comparison.md's section on retention against tokens, from OUT/token_curve.csv (:func:`token_curve`)."""
+    import pandas as pd
+
+    f = out / "token_curve.csv"
+    if not f.exists():
+        return []
+    d = pd.read_csv(f)
+    toks = sorted(set(d.tokens))
+    lines = ["", "Unseen single-needle retention against training tokens (mean over seeds; `token_curve.csv`, "
+             "`token_curve.html`):", "", "| arm | length | " + " | ".join(tokens_text(int(t)) for t in toks) + " |",
+             "|---|---|" + "---|" * len(toks)]
+    for (model, L), g in d.groupby(["model", "length"], sort=True):
+        by = dict(zip(g.tokens, g.retention))
+        lines.append(f"| {model} | {L // 1024}K | " + " | ".join("–" if t not in by or pd.isna(by[t]) else f"{by[t]:.2f}"
+                                                               for t in toks) + " |")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------- anatomy (item 4)
