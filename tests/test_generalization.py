@@ -302,7 +302,10 @@ def test_study_smoke(tmp_path, smol_tokenizer):
     # folder, where the arm's eval needs no weights (every cell is stored)
     st = json.loads((tmp_path / "smoke-state" / "state.manifest.json").read_text())
     restored = tmp_path / "smoke-restored"
-    assert {e["path"] for e in st["files"]} == {p.relative_to(restored).as_posix() for p in restored.rglob("*") if p.is_file()}
+    markers = set(_study().SESSION_MARKERS)  # the manifest's lock, written by the eval after the unpack: not state
+    assert {e["path"] for e in st["files"]} == {p.relative_to(restored).as_posix() for p in restored.rglob("*")
+                                                if p.is_file() and p.name not in markers}
+    assert (restored / ".manifest.lock").exists() and not markers & {e["path"] for e in st["files"]}
     assert not any(p.name == "student.pt" or p.parent.name in ("pairs", "checkpoint") for p in restored.rglob("*"))
     assert "seed0/data/info.json" in {e["path"] for e in st["files"]} and not (restored / "seed0" / "data" / "long.pt").exists()
     assert "eval: evaluated: all 8 cells stored (the student weights, not here, are not needed)" in r.stdout
