@@ -345,7 +345,7 @@ def test_study_smoke(tmp_path, smol_tokenizer):
     heads = pd.read_csv(d / "heads.csv")
     assert len(heads) == 16 and set(heads["kind"]) == {"fa", "gdn"} and heads["ie_student"].notna().all()
     ko = pd.read_csv(d / "knockout.csv")
-    want = {f"student/{m}/{c}" for m in ("zero", "mean") for c in ("fa", "gdn_random0", "student_top")}
+    want = {f"student/{m}/{c}" for m in ("zero", "mean") for c in ("fa", "gdn_random0", "student_top", "gdn")}
     want |= {"student/zero/none", "teacher/zero/none"} | {f"teacher/{m}/{c}" for m in ("zero", "mean") for c in ("fa", "gdn")}
     singles = dict.fromkeys(res["student"]["top10"][:3] + res["teacher"]["top10"][:3])  # each alone, mean ablation
     want |= {f"student/mean/single_{h}" for h in singles}
@@ -763,7 +763,8 @@ def test_study_anatomy_table_by_hand(tmp_path):
                                 "student/mean/gdn_random0": 0.85, "student/mean/gdn_random1": 0.75,
                                 "student/mean/gdn_random2": 0.8, "student/mean/student_top": 0.3,
                                 "teacher/zero/none": 0.98, "teacher/mean/fa": 0.5, "teacher/mean/gdn": 0.4,
-                                "student/mean/single_L16H0": 0.6, "student/mean/single_L3H1": 0.05})
+                                "student/mean/single_L16H0": 0.6, "student/mean/single_L3H1": 0.05,
+                                "student/mean/gdn": 0.45})
     student("hydra-7to1", 0, 0.5, {"student/zero/none": 0.76})  # knockouts not run yet
     bad = tmp_path / "anatomy" / key / "seed1_layer-3to1_t50000000"
     bad.mkdir(parents=True)
@@ -774,19 +775,20 @@ def test_study_anatomy_table_by_hand(tmp_path):
     assert (r.fa_heads, r.fa_in_top10, r.teacher_top10_fa, r.student_top3, r.knockout_n) == (34, 7, 5, "L16H0 L3H1 L9H2", 100)
     assert (r.fa_positive_share, r.top10_overlap, r.spearman) == (0.8, 0.6, 0.41)
     assert (r.acc_student, r.acc_student_fa_zero, r.acc_student_fa_mean, r.acc_student_top_mean) == (0.9, 0.1, 0.2, 0.3)
+    assert r.acc_student_gdn_mean == 0.45
     assert r.acc_student_gdn_random_mean == pytest.approx(0.8)
     assert (r.acc_student_gdn_random_min, r.acc_student_gdn_random_max) == (0.75, 0.85)
     assert (r.acc_teacher, r.acc_teacher_fa_mean, r.acc_teacher_gdn_mean) == (0.98, 0.5, 0.4)
     h = t.loc["hydra-7to1"]
     assert h.acc_student == 0.76 and pd.isna(h.acc_student_fa_mean) and pd.isna(h.acc_student_gdn_random_mean)
     k = pd.read_csv(tmp_path / "anatomy_knockout.csv")
-    assert len(k) == 13 and list(k.columns[:4]) == ["key", "arm", "seed", "tokens"]
+    assert len(k) == 14 and list(k.columns[:4]) == ["key", "arm", "seed", "tokens"]
     assert k[(k.arm == "ie-7to1") & (k.condition == "gdn_random1")].accuracy.item() == 0.75
     lines = run.anatomy_lines(tmp_path)
     row = next(ln for ln in lines if ln.startswith("| ie-7to1 |"))
-    assert row == ("| ie-7to1 | 0 | 50M | 0.80 | 7 | 0.60 | 0.41 | L16H0 L3H1 L9H2 | 0.90 | 0.20 / 0.10 | 0.80 (0.75–0.85) | 0.30 | "
+    assert row == ("| ie-7to1 | 0 | 50M | 0.80 | 7 | 0.60 | 0.41 | L16H0 L3H1 L9H2 | 0.90 | 0.20 / 0.10 | 0.80 (0.75–0.85) | 0.30 | 0.45 | "
                    "0.98 | 0.50 | 0.40 |")
-    assert any(ln.startswith("| hydra-7to1 | 0 | 50M | 0.50 |") and "| 0.76 | – / – | – |" in ln for ln in lines)
+    assert any(ln.startswith("| hydra-7to1 | 0 | 50M | 0.50 |") and "| 0.76 | – / – | – | – | – |" in ln for ln in lines)
     assert "100 prompts" in next(ln for ln in lines if ln.startswith("Anatomy after conversion"))
     assert r.student_single_heads_out == "L16H0=0.60 L3H1=0.05" and pd.isna(h.student_single_heads_out)
     assert lines[-1] == "One head knocked out (mean ablation), accuracy: ie-7to1 seed 0: L16H0=0.60 L3H1=0.05."

@@ -1051,6 +1051,7 @@ def comparison_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> 
 ANATOMY_KNOCKOUTS = {"acc_student": ("student", "zero", "none"), "acc_student_fa_zero": ("student", "zero", "fa"),
                      "acc_student_fa_mean": ("student", "mean", "fa"),
                      "acc_student_top_mean": ("student", "mean", "student_top"),
+                     "acc_student_gdn_mean": ("student", "mean", "gdn"),
                      "acc_teacher": ("teacher", "zero", "none"), "acc_teacher_fa_mean": ("teacher", "mean", "fa"),
                      "acc_teacher_gdn_mean": ("teacher", "mean", "gdn")}
 
@@ -1128,13 +1129,13 @@ def anatomy_lines(out: Path) -> list[str]:
                   f"pairs, exact fp32; accuracy on {int(n.iloc[0]) if len(n) else '–'} prompts of the suite's cell, "
                   "heads knocked out by mean ablation unless named):", "",
                   "| student | seed | tokens | FA share of IE | FA in top 10 | top-10 overlap with the teacher | ρ | "
-                  "top 3 | accuracy | FA out (mean / zero) | random GDN out (draws) | own top out | teacher | teacher, same heads "
-                  "out | teacher, GDN heads out |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "top 3 | accuracy | FA out (mean / zero) | random GDN out (draws) | own top out | all GDN out | teacher | teacher, same heads "
+                  "out | teacher, GDN heads out |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in g.sort_values(["model", "seed", "tokens"]).itertuples():
             lines.append(f"| {r.model} | {r.seed} | {tokens_text(int(r.tokens))} | {v(r.fa_positive_share)} | "
                          f"{v(r.fa_in_top10, '.0f')} | {v(r.top10_overlap)} | {v(r.spearman)} | {r.student_top3} | "
                          f"{v(r.acc_student)} | {v(r.acc_student_fa_mean)} / {v(r.acc_student_fa_zero)} | "
-                         f"{v(r.acc_student_gdn_random_mean)}{spread(r)} | {v(r.acc_student_top_mean)} | {v(r.acc_teacher)} | "
+                         f"{v(r.acc_student_gdn_random_mean)}{spread(r)} | {v(r.acc_student_top_mean)} | {v(r.acc_student_gdn_mean)} | {v(r.acc_teacher)} | "
                          f"{v(r.acc_teacher_fa_mean)} | {v(r.acc_teacher_gdn_mean)} |" + ("" if r.done else " (partial)"))
         singles = [f"{r.model} seed {r.seed}: {r.student_single_heads_out}" for r in g.itertuples()
                    if isinstance(r.student_single_heads_out, str)]
@@ -1417,7 +1418,8 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
     (receiver IE, exact fp32, the student's FA and GDN heads alike at o_proj's input), their comparison, and
     retrieval accuracy with the student's FA heads knocked out (controls: as many random GDN heads; the student's
     top heads by IE; the teacher with the same heads, and with all the heads the student turned into GDN, knocked
-    out; and, by mean ablation, each of the student's and the teacher's ``--anatomy-singles`` best heads alone). OUT/anatomy/KEY/seedS_ARM_tTOKENS/{anatomy.json, heads.csv,
+    out; every GDN head of the student, what its FA heads alone keep; and, by mean ablation, each of the student's
+    and the teacher's ``--anatomy-singles`` best heads alone). OUT/anatomy/KEY/seedS_ARM_tTOKENS/{anatomy.json, heads.csv,
     knockout.csv}; the teacher's ranking in OUT/anatomy/KEY/teacher/ (shared by the arms). Resumable."""
     import csv
 
@@ -1483,6 +1485,7 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
         for lay, h in dict.fromkeys(singles):
             sets[f"single_L{lay}H{h}"] = [(lay, h)]
         gdn = [(lay, h) for lay, ks in enumerate(kinds) for h, k in enumerate(ks) if k == "gdn"]
+        sets["gdn"] = gdn  # every GDN head: what the student's FA heads alone keep
         # the teacher with the student's FA heads knocked out, and with all its GDN heads (what the FA heads alone keep)
         conds = [("student", c, h) for c, h in sets.items()] + [("teacher", "none", []), ("teacher", "fa", fa),
                                                                 ("teacher", "gdn", gdn)]
