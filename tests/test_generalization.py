@@ -817,6 +817,8 @@ def test_study_token_curve_by_hand(tmp_path):
     assert (r.retention, r.retention_min, r.retention_max, r.seeds) == (pytest.approx(0.8), pytest.approx(0.75), pytest.approx(0.85), 1)
     assert (tmp_path / "token_curve.html").stat().st_size > 1000
     lines = run.curve_lines(tmp_path)
-    assert lines[3] == "| arm | length | 12500K | 50M | 200M |"
+    assert lines[3] == "| arm | length | 12.5M | 50M | 200M |"
+    for t in (1, 999, 12_000, 12_500_000, 50_000_000, 200_000_000, 1_250_000, 3_000_000_000, 123_456):
+        assert run.parse_tokens(run.tokens_text(t)) == t
     assert lines[5:] == ["| hydra-7to1 | 1K | 0.60 | 0.80 | 0.90 |", "| hydra-7to1 | 2K | 0.50 | 0.70 | 0.80 |",
                          "| hydra-7to1 | 4K | 0.40 | 0.60 | 0.70 |"]

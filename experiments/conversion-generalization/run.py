@@ -104,7 +104,7 @@ def parse_tokens(s: str) -> int:
     """'50M' / '200M' / '1.5e6' / '12000' -> tokens."""
     s = str(s).strip()
     mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(s[-1:].upper())
-    return int(float(s[:-1]) * mult) if mult else int(float(s))
+    return int(round(float(s[:-1]) * mult)) if mult else int(float(s))
 
 
 def recorded_data(out: Path) -> dict[str, Any]:
@@ -1199,10 +1199,10 @@ def lever_lengths(s: dict) -> list[int]:
 
 
 def tokens_text(tokens: int) -> str:
-    """50000000 -> '50M' (the --tokens spelling)."""
+    """50000000 -> '50M', 12500000 -> '12.5M' (the --tokens spelling: :func:`parse_tokens` reads it back exactly)."""
     for unit, m in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
-        if tokens >= m and tokens % m == 0:
-            return f"{tokens // m}{unit}"
+        if tokens >= m and tokens % (m // 10) == 0:
+            return f"{tokens / m:g}{unit}"
     return str(tokens)
 
 
