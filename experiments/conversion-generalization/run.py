@@ -1129,14 +1129,15 @@ def anatomy_lines(out: Path) -> list[str]:
                   f"pairs, exact fp32; accuracy on {int(n.iloc[0]) if len(n) else '–'} prompts of the suite's cell, "
                   "heads knocked out by mean ablation unless named):", "",
                   "| student | seed | tokens | FA share of IE | FA in top 10 | top-10 overlap with the teacher | ρ | "
-                  "top 3 | accuracy | FA out (mean / zero) | random GDN out (draws) | own top out | all GDN out | teacher | teacher, same heads "
-                  "out | teacher, GDN heads out |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "top 3 | accuracy | FA out (mean / zero) | random GDN out (draws) | own top out | all GDN out | "
+                  "teacher | teacher, same heads out | teacher, GDN heads out |", "|---" * 16 + "|"]
         for r in g.sort_values(["model", "seed", "tokens"]).itertuples():
             lines.append(f"| {r.model} | {r.seed} | {tokens_text(int(r.tokens))} | {v(r.fa_positive_share)} | "
                          f"{v(r.fa_in_top10, '.0f')} | {v(r.top10_overlap)} | {v(r.spearman)} | {r.student_top3} | "
                          f"{v(r.acc_student)} | {v(r.acc_student_fa_mean)} / {v(r.acc_student_fa_zero)} | "
-                         f"{v(r.acc_student_gdn_random_mean)}{spread(r)} | {v(r.acc_student_top_mean)} | {v(r.acc_student_gdn_mean)} | {v(r.acc_teacher)} | "
-                         f"{v(r.acc_teacher_fa_mean)} | {v(r.acc_teacher_gdn_mean)} |" + ("" if r.done else " (partial)"))
+                         f"{v(r.acc_student_gdn_random_mean)}{spread(r)} | {v(r.acc_student_top_mean)} | "
+                         f"{v(r.acc_student_gdn_mean)} | {v(r.acc_teacher)} | {v(r.acc_teacher_fa_mean)} | "
+                         f"{v(r.acc_teacher_gdn_mean)} |" + ("" if r.done else " (partial)"))
         singles = [f"{r.model} seed {r.seed}: {r.student_single_heads_out}" for r in g.itertuples()
                    if isinstance(r.student_single_heads_out, str)]
         if singles:
@@ -1165,7 +1166,8 @@ def coverage_lines(out: Path) -> list[str]:
 def depth_lines(out: Path, lengths: Sequence[int]) -> list[str]:
     """comparison.md's depth section: unseen single-needle accuracy per needle-depth fifth (OUT/retention_depth.csv,
     :func:`headscope.train.retention.depth_table`), one row per arm (:data:`COMPARISON_ARMS`, then the lever arms),
-    tokens and length of ``lengths`` (summed over seeds), each entry 'hits/n' with the approximate distance from the needle to the question in the header."""
+    tokens and length of ``lengths`` (summed over seeds), each entry 'hits/n' with the approximate distance from the
+    needle to the question in the header."""
     import pandas as pd
 
     f = out / "retention_depth.csv"
