@@ -265,6 +265,9 @@ def test_evaluate_suite_scores_and_resumes(smol_tokenizer, tmp_path, monkeypatch
                 lg = model(torch.cat([p.clean, p.answer[:-1]])[None]).logits[0]
             brute.append(int(all(int(lg[p.length - 1 + j].argmax()) == int(p.answer[j]) for j in range(p.n_answer))))
         assert rec["correct"] == brute and rec["hits"] == sum(brute)
+        assert rec["prompt_len"] == [int(p.clean.numel()) for p in pairs]
+        assert rec["evidence_distance"] == [int(p.clean.numel()) - p.evidence[1] for p in pairs]
+        assert all(0 < d < L for d, L in zip(rec["evidence_distance"], rec["prompt_len"]))
         parts = (rec["prompt_seconds"], rec["score_seconds"], rec["gen_seconds"])  # the cell's time, split
         assert min(parts) >= 0 and abs(sum(parts) - rec["seconds"]) <= 0.03
         g = greedy_generation_hits(model, smol_tokenizer, pairs[:2])
@@ -538,6 +541,7 @@ def test_evaluate_suite_scores_the_chosen_cells_in_order(tmp_path, monkeypatch):
 
     class P:
         length = 10
+        evidence = (4, 6)
 
     monkeypatch.setattr(R, "suite_pairs", lambda tok, c, task, fmt, L, *a, **k: order.append((task, fmt, L)) or [P()] * 3)
     monkeypatch.setattr(R, "retrieval_hits", lambda *a, **k: torch.tensor([True, False, False]))

@@ -214,7 +214,9 @@ def evaluate_suite(
 
     A cell file holds {model, seed, tokens, task, formats, length, n, hits, accuracy, per-prompt
     ``correct`` (0/1), generation: gen_n, gen_exact_hits, gen_text_hits, gen_agree (prompts where the
-    generation's exact match equals teacher forcing's), mean_len, seconds (the cell's wall time, of which
+    generation's exact match equals teacher forcing's), mean_len, per prompt its length (prompt_len) and the tokens
+    from the end of its evidence span to the end of the prompt (evidence_distance: how far back the needle is),
+    seconds (the cell's wall time, of which
     prompt_seconds loading or building its prompts, score_seconds the teacher-forced scoring and gen_seconds the
     generation check), config}. Cells already stored
     with the same config are skipped; ``deadline`` (a ``time.time()`` value) stops before starting a new
@@ -249,7 +251,9 @@ def evaluate_suite(
         t2 = time.time()
         rec: dict[str, Any] = {"model": name, "seed": int(seed), "tokens": int(tokens), "task": task, "formats": fmt,
                                "length": L, "n": len(h), "hits": int(h.sum()), "accuracy": int(h.sum()) / len(h),
-                               "correct": h.int().tolist(), "mean_len": float(np.mean([p.length for p in pairs]))}
+                               "correct": h.int().tolist(), "mean_len": float(np.mean([p.length for p in pairs])),
+                               "prompt_len": [p.length for p in pairs],
+                               "evidence_distance": [p.length - int(p.evidence[1]) for p in pairs]}
         k = min(cfg.gen_n, len(pairs)) if L <= cfg.gen_max_len else 0
         if k:
             g = greedy_generation_hits(model, tokenizer, pairs[:k], batch_tokens=cfg.batch_tokens, use_cache=cfg.gen_cache)
