@@ -262,8 +262,9 @@ def evaluate_suite(
                        gen_examples=g["outputs"][:3])
         else:
             rec.update(gen_n=0, gen_exact_hits=0, gen_text_hits=0, gen_agree=0)
-        rec.update(seconds=round(time.time() - t0, 2), prompt_seconds=round(t1 - t0, 2), score_seconds=round(t2 - t1, 2),
-                   gen_seconds=round(time.time() - t2, 2), config=conf)
+        t3 = time.time()
+        rec.update(seconds=round(t3 - t0, 2), prompt_seconds=round(t1 - t0, 2), score_seconds=round(t2 - t1, 2),
+                   gen_seconds=round(t3 - t2, 2), config=conf)
         atomic_write_text(f, json.dumps(rec))
         done += 1
         log(f"{name} s{seed} t{tokens} {task} {fmt} {L}: {rec['hits']}/{rec['n']}"
