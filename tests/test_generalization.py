@@ -355,6 +355,12 @@ def test_study_smoke(tmp_path, smol_tokenizer):
     assert 3 <= len(singles) <= 6 and (ko.loc[ko.condition.str.startswith("single_"), "n_heads"] == 1).all()
     assert set(ko["model"] + "/" + ko["method"] + "/" + ko["condition"]) == want
     assert (ko.loc[ko.condition == "fa", "n_heads"] == 2).all() and (ko.n == 2).all()
+    # the unablated student and teacher score as their eval cells did on the same prompts (fp32 on the CPU: all)
+    assert res["eval_agreement"]["student"]["agree"] == 2 and res["eval_agreement"]["teacher"]["agree"] == 2
+    # the lever arm's anatomy: its own folder and name, its own mask (5:1) and FA positions (the student the eval built)
+    lev = json.loads((d.parent / f"seed0_{lever}_t1" / "anatomy.json").read_text())
+    assert lev["done"] and lev["arm"] == lever and lev["hybrid"] == arm["hybrid"] and lev["hybrid"]["fa_pos"] == "rope"
+    assert lev["student"]["kinds"]["fa"]["n_heads"] == 3 and lev["eval_agreement"]["student"]["agree"] == 2
     del res["knockout"]["student/mean/fa"]
     res["done"] = False
     (d / "anatomy.json").write_text(json.dumps(res))
@@ -826,3 +832,27 @@ def test_study_token_curve_by_hand(tmp_path):
         assert run.parse_tokens(run.tokens_text(t)) == t
     assert lines[5:] == ["| hydra-7to1 | 1K | 0.60 | 0.80 | 0.90 |", "| hydra-7to1 | 2K | 0.50 | 0.70 | 0.80 |",
                          "| hydra-7to1 | 4K | 0.40 | 0.60 | 0.70 |"]
+
+
+def test_study_anatomy_eval_agreement(tmp_path):
+    """eval_agreement: the anatomy's unablated model against its stored eval cell on the cell's prompts ``index``;
+    None without a cell, the counts by hand, and a refusal below 90 % agreement (session 5's rope arm, built with
+    the study's NoPE FA heads, scored 0.00 where its eval scored 0.56)."""
+    import argparse
+
+    run = _study()
+    a = argparse.Namespace(anatomy_task="niah_single", anatomy_formats="unseen", anatomy_len=4096)
+    label = "hydra-7to1+fa_pos=rope"
+    assert run.eval_agreement(tmp_path, label, 0, 50_000_000, a, [1, 0], [0, 1]) is None
+    d = tmp_path / "cells" / f"{label}__s0__t50000000"
+    d.mkdir(parents=True)
+    cell = [1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1]  # 12 prompts; the anatomy took 10 of them
+    (d / "niah_single.unseen.4096.json").write_text(json.dumps({"correct": cell}))
+    index = [0, 1, 2, 3, 4, 5, 6, 7, 8, 10]
+    same = [cell[i] for i in index]
+    assert run.eval_agreement(tmp_path, label, 0, 50_000_000, a, same, index) == {
+        "n": 10, "agree": 10, "accuracy": 0.7, "eval_accuracy": 0.7}
+    one_off = same[:9] + [1]  # 9 of 10 agree: the threshold itself passes
+    assert run.eval_agreement(tmp_path, label, 0, 50_000_000, a, one_off, index)["agree"] == 9
+    with pytest.raises(SystemExit, match="scores 0.00 on 10 prompts of niah_single.unseen.4096.json, its eval cell 0.70, agreeing on 3"):
+        run.eval_agreement(tmp_path, label, 0, 50_000_000, a, [0] * 10, index)

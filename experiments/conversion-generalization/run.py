@@ -924,6 +924,20 @@ def piece_train(a: argparse.Namespace, s: dict, deadline: float) -> str:
     return "trained"
 
 
+def trained_student(a: argparse.Namespace, s: dict, teacher: Any, spec: dict) -> tuple[HeadMask, Any]:
+    """(mask, student) of the arm's trained run (RUN/stage3/student.pt), built with the arm's own hybrid settings
+    (``spec["hybrid"]``: its levers, e.g. ``fa_pos=rope``) after :func:`check_arm` has compared the run's arm.json;
+    what every piece that loads a trained student (eval, anatomy) builds it with.
+
+    Raises:
+        SystemExit: the run was made with other settings (:func:`check_arm`).
+    """
+    rd = run_dir(a)
+    mask = masks(a, s, teacher)[a.arm]
+    check_arm(rd, spec, mask)
+    return mask, load_student(teacher, mask, init=rd / "stage3" / "student.pt", gdn_kernel=s["gdn_kernel"], **spec["hybrid"])
+
+
 def piece_eval(a: argparse.Namespace, s: dict, deadline: float) -> str:
     out = Path(a.out)
     spec = arm_spec(a, s)
@@ -943,9 +957,7 @@ def piece_eval(a: argparse.Namespace, s: dict, deadline: float) -> str:
     if a.arm == "teacher":
         model, tokens = teacher, 0
     else:
-        mask = masks(a, s, teacher)[a.arm]
-        check_arm(rd, spec, mask)
-        model = load_student(teacher, mask, init=rd / "stage3" / "student.pt", gdn_kernel=s["gdn_kernel"], **spec["hybrid"])
+        model = trained_student(a, s, teacher, spec)[1]
         tokens = parse_tokens(a.tokens)
     res = evaluate_suite(model, tok, spec["label"], a.seed if a.arm != "teacher" else 0, tokens, cfg, out / "cells",
                          filler=suite_filler(out, tok), cache_dir=out / "suite" / "pairs", deadline=deadline, cells=chosen)
@@ -1352,10 +1364,11 @@ def anatomy_key(a: argparse.Namespace) -> str:
     return f"{a.anatomy_formats}_{a.anatomy_task}@{a.anatomy_len}_p{a.anatomy_pairs}{gap}"
 
 
-def anatomy_pairs(a: argparse.Namespace, s: dict, tok: Any) -> tuple[list[Any], list[Any]]:
-    """(ranking pairs, knockout prompts): ``--anatomy-pairs`` pairs of seed ANATOMY_SEED (needle depths 0.1..0.9;
-    built once into OUT/anatomy/KEY/pairs.pt), and ``--anatomy-n`` prompts of the suite's cell of that task, family
-    and length, evenly spaced over its needle depths (the cell's prompts: another seed than the ranking pairs)."""
+def anatomy_pairs(a: argparse.Namespace, s: dict, tok: Any) -> tuple[list[Any], list[Any], list[int]]:
+    """(ranking pairs, knockout prompts, their indices in the cell): ``--anatomy-pairs`` pairs of seed ANATOMY_SEED
+    (needle depths 0.1..0.9; built once into OUT/anatomy/KEY/pairs.pt), and ``--anatomy-n`` prompts of the suite's
+    cell of that task, family and length, evenly spaced over its needle depths (the cell's prompts: another seed
+    than the ranking pairs)."""
     import numpy as np
 
     from headscope.runtime import atomic_torch_save
@@ -1377,7 +1390,7 @@ def anatomy_pairs(a: argparse.Namespace, s: dict, tok: Any) -> tuple[list[Any], 
         atomic_torch_save(f, rank)
     cell = suite_pairs(tok, suite_config(s), task, fmt, L, filler=filler, cache_dir=out / "suite" / "pairs")
     keep = sorted({int(i) for i in np.linspace(0, len(cell) - 1, min(a.anatomy_n, len(cell))).round()})
-    return rank, [cell[i] for i in keep]
+    return rank, [cell[i] for i in keep], keep
 
 
 def _ranking_of(lm: Any, pairs: list[Any], a: argparse.Namespace, d: Path) -> tuple[Any, Optional[str]]:
@@ -1415,6 +1428,34 @@ def _ranking_summary(r: Any) -> dict[str, Any]:
             "path": r.provenance.get("path"), "top10": [f"L{int(x.layer)}H{int(x.head)}" for x in r.top(10).itertuples()]}
 
 
+#: the share of prompts on which the anatomy's unablated model must score as its eval cell did (session 4: 99 of
+#: 100 for the student and for the teacher; fp32 there, bf16 autocast in the eval)
+EVAL_AGREEMENT_MIN = 0.9
+
+
+def eval_agreement(out: Path, model: str, seed: int, tokens: int, a: argparse.Namespace, correct: Sequence[int],
+                   index: Sequence[int]) -> Optional[dict[str, Any]]:
+    """How the anatomy's unablated ``model`` (per-prompt ``correct`` on the cell's prompts ``index``) agrees with its
+    stored eval cell of the same task, family and length: {n, agree, accuracy, eval_accuracy}; None without a stored
+    cell. A check that the piece built the model the eval scored (its mask, its levers' settings, its weights).
+
+    Raises:
+        SystemExit: fewer than :data:`EVAL_AGREEMENT_MIN` of the prompts agree (another model than the eval's).
+    """
+    f = cell_dir(out / "cells", model, seed, tokens) / f"{a.anatomy_task}.{a.anatomy_formats}.{a.anatomy_len}.json"
+    if not f.exists():
+        return None
+    cell = json.loads(f.read_text())["correct"]
+    ev = [int(cell[i]) for i in index]
+    agree = sum(int(x) == y for x, y in zip(correct, ev))
+    rec = {"n": len(ev), "agree": agree, "accuracy": sum(correct) / len(ev), "eval_accuracy": sum(ev) / len(ev)}
+    if agree < EVAL_AGREEMENT_MIN * len(ev):
+        raise SystemExit(f"anatomy: the unablated {model} scores {rec['accuracy']:.2f} on {len(ev)} prompts of {f.name}, "
+                         f"its eval cell {rec['eval_accuracy']:.2f}, agreeing on {agree}: not the model the eval scored "
+                         f"(its mask, lever settings or weights differ); check {f.parent} against the arm's run folder")
+    return rec
+
+
 def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
     """Anatomy after conversion (issue 40, item 4): the teacher's and the student's heads ranked on the same pairs
     (receiver IE, exact fp32, the student's FA and GDN heads alike at o_proj's input), their comparison, and
@@ -1433,7 +1474,8 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
 
     out = Path(a.out)
     base = out / "anatomy" / anatomy_key(a)
-    rd = base / ("teacher" if a.arm == "teacher" else f"seed{a.seed}_{a.arm}_t{parse_tokens(a.tokens)}")
+    spec = arm_spec(a, s)
+    rd = base / ("teacher" if a.arm == "teacher" else f"seed{a.seed}_{spec['label']}_t{parse_tokens(a.tokens)}")
     res_f = rd / "anatomy.json"
     res = json.loads(res_f.read_text()) if res_f.exists() else {}
     if res.get("done"):
@@ -1443,10 +1485,10 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
     torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 patching, as headscope rank
     try:
         teacher, tok = load_teacher(a)
-        rank_pairs, ko_pairs = anatomy_pairs(a, s, tok)
+        rank_pairs, ko_pairs, ko_index = anatomy_pairs(a, s, tok)
         t_lm = wrap(teacher, tok, name="teacher")
         t_rank, t_err = _ranking_of(t_lm, rank_pairs, a, base / "teacher")
-        res.update({"key": anatomy_key(a), "arm": a.arm, "seed": a.seed, "tokens": parse_tokens(a.tokens),
+        res.update({"key": anatomy_key(a), "arm": spec["label"], "seed": a.seed, "tokens": parse_tokens(a.tokens),
                     "ranking_pairs": len(rank_pairs), "ranking_seed": ANATOMY_SEED, "knockout_prompts": len(ko_pairs),
                     "length": a.anatomy_len, "task": a.anatomy_task, "formats": a.anatomy_formats,
                     "min_gap": a.anatomy_min_gap, "teacher": _ranking_summary(t_rank) if t_rank else {"error": t_err}})
@@ -1459,12 +1501,12 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
             return "partial: teacher ranked; rerun for the student"
         rdir = run_dir(a)
         if not (rdir / "stage3" / "done.json").exists():
-            raise SystemExit(f"{a.arm} seed {a.seed} is not trained ({rdir}/stage3/done.json missing): run --piece train")
+            raise SystemExit(f"{spec['label']} seed {a.seed} is not trained ({rdir}/stage3/done.json missing): run --piece train")
         if not (rdir / "stage3" / "student.pt").exists():
             raise SystemExit(no_weights(a, rdir, "the anatomy piece ranks and knocks out the student's heads"))
-        mask = masks(a, s, teacher)[a.arm]
-        student = load_student(teacher, mask, init=rdir / "stage3" / "student.pt", gdn_kernel=s["gdn_kernel"], **s["hybrid"])
-        s_lm = wrap(student, tok, name=a.arm)
+        mask, student = trained_student(a, s, teacher, spec)
+        res["hybrid"] = spec["hybrid"]
+        s_lm = wrap(student, tok, name=spec["label"])
         s_rank, s_err = _ranking_of(s_lm, rank_pairs, a, rd)
         if s_rank is not None:
             res["student"] = {**_ranking_summary(s_rank), "kinds": kind_summary(s_rank, ks=(5, 10, mask.n_fa))}
@@ -1512,6 +1554,10 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
                 r = knockout_accuracy(lm, ko_pairs, heads, method, reference=ref)
                 ko[key] = {**r, "seconds": round(time.time() - t0, 1)}
                 print(f"anatomy knockout {key}: accuracy {r['accuracy']:.3f} ({r['n_heads']} heads)", flush=True)
+                if cond == "none":  # the unablated model against its own eval cell on the same prompts
+                    res.setdefault("eval_agreement", {})[model_name] = eval_agreement(
+                        out, spec["label"] if model_name == "student" else "teacher", a.seed if model_name == "student" else 0,
+                        parse_tokens(a.tokens) if model_name == "student" else 0, a, r["correct"], ko_index)
                 atomic_write_text(res_f, json.dumps(res, indent=1))
         rows = [{"model": k.split("/")[0], "method": k.split("/")[1], "condition": k.split("/")[2], "n_heads": v["n_heads"],
                  "n": v["n"], "hits": sum(v["correct"]), "accuracy": v["accuracy"]} for k, v in ko.items()]
@@ -1725,7 +1771,7 @@ def main(argv: Optional[list[str]] = None) -> str:
         msgs = []
         for piece, extra in (("suite", []), ("data", []), ("train", ["--arm", "hydra-7to1"]), ("eval", ["--arm", "hydra-7to1"]),
                              ("eval", ["--arm", "teacher"]), ("data", SMOKE_LEVERS), ("train", SMOKE_LEVERS), ("eval", SMOKE_LEVERS), ("report", []),
-                             ("anatomy", ANATOMY_SMOKE)):
+                             ("anatomy", ANATOMY_SMOKE), ("anatomy", [*ANATOMY_SMOKE, *SMOKE_LEVERS])):
             sub = parser().parse_args([*SMOKE, "--out", out, "--piece", piece, *extra, *tok_args])
             sub.smoke = True
             msgs.append(run_piece(sub))
