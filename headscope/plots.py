@@ -181,7 +181,7 @@ def save_figure(fig: go.Figure, stem: Any, formats: Any = ("html", "png"), scale
     for f in formats:
         p = stem.with_suffix(f".{f}")
         if f == "html":
-            fig.write_html(str(p), include_plotlyjs="cdn")
+            fig.write_html(str(p), include_plotlyjs="cdn", div_id=f"headscope-{stem.name}")  # the same bytes on a rerun
         elif f in ("png", "svg", "pdf"):
             try:
                 fig.write_image(str(p), scale=scale)

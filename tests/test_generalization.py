@@ -634,6 +634,41 @@ def test_depth_table_by_hand(tmp_path):
         depth_table(tmp_path / "cells", tmp_path, bins=0)
 
 
+def test_distance_table_by_hand(tmp_path):
+    """retention_distance.csv: prompts binned by their stored evidence_distance; a cell stored before the field
+    (the teacher's here) takes the distances of another model's cell of the same prompts; a key without stored
+    distances is left out; different prompt lengths for one key are refused."""
+    import pandas as pd
+
+    from headscope.train.retention import DISTANCE_COLUMNS, distance_table
+
+    dist = [100, 600, 511, 512, 1500, 1023, 1024, 3000]  # bins [0,512) [512,1024) [1024,2048) [2048,4096)
+    plen = [3000 + i for i in range(8)]
+    hydra = _cell("hydra-7to1", 0, 12_500_000, [1, 1, 0, 1, 0, 1, 1, 0], L=4096)
+    hydra.update(evidence_distance=dist, prompt_len=plen)
+    cells = {"teacher__s0__t0": [_cell("teacher", 0, 0, [1, 1, 1, 1, 1, 0, 1, 1], L=4096), _cell("teacher", 0, 0, [1, 0], L=1024)],
+             "hydra-7to1__s0__t12500000": [hydra]}
+    for d, cs in cells.items():
+        (tmp_path / "cells" / d).mkdir(parents=True)
+        for c in cs:
+            (tmp_path / "cells" / d / f"niah_single.unseen.{c['length']}.json").write_text(json.dumps(c))
+    assert distance_table(tmp_path / "cells", tmp_path, edges=(0, 512, 1024, 2048, 4096)) == 8
+    df = pd.read_csv(tmp_path / "retention_distance.csv")
+    assert tuple(df.columns) == DISTANCE_COLUMNS and set(df.length) == {4096}  # the 1K key has no distances
+    h = df[df.model == "hydra-7to1"]
+    assert h.distance_lo.tolist() == [0, 512, 1024, 2048] and h.n.tolist() == [2, 3, 2, 1]
+    assert h.hits.tolist() == [1, 3, 1, 0] and h.teacher_hits.tolist() == [2, 2, 2, 1]
+    tt = df[df.model == "teacher"]
+    assert tt.hits.tolist() == [2, 2, 2, 1] and set(tt.distance_from) == {"hydra-7to1"}
+    other = dict(hydra, model="ie-7to1", prompt_len=plen[::-1])
+    (tmp_path / "cells" / "ie-7to1__s0__t12500000").mkdir()
+    (tmp_path / "cells" / "ie-7to1__s0__t12500000" / "niah_single.unseen.4096.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="different prompt lengths"):
+        distance_table(tmp_path / "cells", tmp_path)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        distance_table(tmp_path / "cells", tmp_path, edges=(0, 512, 512))
+
+
 def test_prompt_depths_are_the_suites(monkeypatch):
     """prompt_depths must be the depths the suite's cells are built at (the depth table reads them from there)."""
     from types import SimpleNamespace

@@ -72,7 +72,8 @@ from headscope.errors import HeadscopeInputError  # noqa: E402
 from headscope.masks import HeadMask  # noqa: E402
 from headscope.runtime import atomic_write_text  # noqa: E402
 from headscope.train import TokenRows, TrainConfig, convert_stage, format_rows, load_student, mix, pack  # noqa: E402
-from headscope.train.retention import SuiteConfig, cell_dir, depth_table, evaluate_suite, retention_table, suite_pairs  # noqa: E402
+from headscope.train.retention import (SuiteConfig, cell_dir, depth_table, distance_table, evaluate_suite,  # noqa: E402
+                                       retention_table, suite_pairs)
 
 ARMS = {"hydra-7to1": "hydrahead", "layer-3to1": "layerwise3", "layer-7to1": "layerwise", "random-7to1": "random", "teacher": None}
 #: the budget lever's arms: the masks of the 7:1 arms at 5:1 (HydraHead re-selected from its ranking)
@@ -969,6 +970,7 @@ def piece_eval(a: argparse.Namespace, s: dict, deadline: float) -> str:
 def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
     r = retention_table(Path(a.out) / "cells", Path(a.out))
     n_depth = depth_table(Path(a.out) / "cells", Path(a.out))
+    n_dist = distance_table(Path(a.out) / "cells", Path(a.out))
     n_cov = len(mask_coverage(Path(a.out), s, a))
     n_lev = lever_table(Path(a.out), lever_lengths(s))
     n_curve = token_curve(Path(a.out), lever_lengths(s))
@@ -979,7 +981,8 @@ def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
         return f"{n} {what}{'' if n == 1 else 's'}"
 
     return (f"{count(r['rows'], 'row')} in retention.csv ({r['missing_teacher']} without a teacher cell), "
-            f"{count(n_depth, 'row')} in retention_depth.csv, {count(n_cov, 'row')} in mask_coverage.csv, "
+            f"{count(n_depth, 'row')} in retention_depth.csv, {count(n_dist, 'row')} in retention_distance.csv, "
+            f"{count(n_cov, 'row')} in mask_coverage.csv, "
             f"{count(n_lev, 'row')} in levers.csv, {count(n_curve, 'arm')} in token_curve.csv, "
             f"{count(n_ana, 'student')} in anatomy.csv, "
             f"{count(n_cmp, 'arm row')} in comparison.md")
@@ -1054,7 +1057,7 @@ def comparison_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> 
         else:
             vs = "`layer-3to1` not measured at these tokens"
         lines.append(f"- {tokens_text(int(tokens))} tokens: single-needle {verdict}; {vs}.")
-    lines += depth_lines(out, lengths) + curve_lines(out) + coverage_lines(out) + anatomy_lines(out)
+    lines += depth_lines(out, lengths) + distance_lines(out, lengths) + curve_lines(out) + coverage_lines(out) + anatomy_lines(out)
     (out / "comparison.md").write_text("\n".join(lines) + "\n")
     return rows
 
@@ -1200,6 +1203,36 @@ def depth_lines(out: Path, lengths: Sequence[int]) -> list[str]:
             for L in sorted(set(d[(d.model == arm) & (d.tokens == tokens)].length)):
                 g = d[(d.model == arm) & (d.tokens == tokens) & (d.length == L)].groupby(["depth_lo", "depth_hi"])[["hits", "n"]].sum()
                 cells = [f"{int(g.loc[b].hits)}/{int(g.loc[b].n)}" if b in g.index else "–" for b in bins]
+                lines.append(f"| {arm} | {tokens_text(int(tokens)) if tokens else '–'} | {L // 1024}K | " + " | ".join(cells) + " |")
+    return lines
+
+
+def distance_lines(out: Path, lengths: Sequence[int]) -> list[str]:
+    """comparison.md's distance section: unseen single-needle hits per exact distance from the needle to the end of
+    the prompt (OUT/retention_distance.csv, :func:`headscope.train.retention.distance_table`), one row per arm
+    (as :func:`depth_lines`), tokens and length of ``lengths``, summed over seeds; the same distance column across
+    lengths tells distance from relative depth."""
+    import pandas as pd
+
+    f = out / "retention_distance.csv"
+    if not f.exists():
+        return []
+    d = pd.read_csv(f)
+    d = d[(d.task == "niah_single") & (d.formats == "unseen") & d.length.isin(list(lengths))]
+    if not len(d):
+        return []
+    arms = [m for m in COMPARISON_ARMS if m in set(d.model)] + sorted(set(d.model) - set(COMPARISON_ARMS))
+    bins = sorted(set(zip(d.distance_lo, d.distance_hi)))
+    src = ", ".join(sorted(set(d.distance_from)))
+    lines = ["", "Unseen single-needle hits by the needle's distance from the end of the prompt (tokens, exact per prompt; "
+             f"distances stored by {src}'s cells, the same prompts for every model), summed over seeds:", "",
+             "| arm | tokens | length | " + " | ".join(f"{lo}–{hi}" for lo, hi in bins) + " |",
+             "|---|---|---|" + "---|" * len(bins)]
+    for arm in arms:
+        for tokens in sorted(set(d[d.model == arm].tokens)):
+            for L in sorted(set(d[(d.model == arm) & (d.tokens == tokens)].length)):
+                g = d[(d.model == arm) & (d.tokens == tokens) & (d.length == L)].groupby(["distance_lo", "distance_hi"])[["hits", "n"]].sum()
+                cells = [f"{int(g.loc[b].hits)}/{int(g.loc[b].n)}" if b in g.index else "" for b in bins]
                 lines.append(f"| {arm} | {tokens_text(int(tokens)) if tokens else '–'} | {L // 1024}K | " + " | ".join(cells) + " |")
     return lines
 

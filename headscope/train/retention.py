@@ -40,6 +40,10 @@ from .evaluate import eval_pairs, prompt_depths, retrieval_hits, wilson_interval
 RETENTION_COLUMNS = ("model", "seed", "tokens", "task", "formats", "length", "n", "hits", "accuracy", "teacher_accuracy")
 DEPTH_COLUMNS = ("model", "seed", "tokens", "task", "formats", "length", "depth_lo", "depth_hi", "distance_tokens", "n",
                  "hits", "accuracy", "teacher_hits", "teacher_accuracy")
+DISTANCE_COLUMNS = ("model", "seed", "tokens", "task", "formats", "length", "distance_lo", "distance_hi", "n", "hits",
+                    "accuracy", "teacher_hits", "teacher_accuracy", "distance_from")
+#: bin edges of :func:`distance_table`, tokens from the end of the evidence to the end of the prompt
+DISTANCE_EDGES = (0, 512, 1024, 1536, 2048, 3072, 4096, 8192, 16384)
 
 
 @dataclass(frozen=True)
@@ -358,6 +362,83 @@ def retention_table(root: str | Path, out: str | Path, teacher: str = "teacher",
                       retention_min=("retention", "min"), retention_max=("retention", "max")).reset_index()
         seeds.to_csv(out / "retention_seeds.csv", index=False)
     return {"rows": len(df), "missing_teacher": missing}
+
+
+def prompt_distances(cells: Sequence[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """Per (task, formats, length): the per-prompt ``evidence_distance`` and ``prompt_len`` of the first cell that
+    stored them (:func:`evaluate_suite` does since 2026-12-03), with that cell's model as ``from``. Every model's
+    cell of a key is scored on the same prompts (the suite's seeded prompt sets), so one cell's distances hold for
+    all, including cells stored before the field existed.
+
+    Raises:
+        HeadscopeInputError (a ValueError): two cells of one key store different prompt lengths (their prompts differ,
+            so distances cannot be shared).
+    """
+    ref: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for c in cells:
+        if "evidence_distance" not in c:
+            continue
+        key = (c["task"], c["formats"], int(c["length"]))
+        have = ref.get(key)
+        if have is None:
+            ref[key] = {"distance": list(c["evidence_distance"]), "prompt_len": list(c["prompt_len"]), "from": c["model"]}
+        elif have["prompt_len"] != list(c["prompt_len"]):
+            raise HeadscopeInputError(f"cells {key} of {have['from']} and {c['model']} store different prompt lengths: "
+                                      "they were scored on different prompts (another suite config?); keep one suite per root")
+    return ref
+
+
+def distance_table(root: str | Path, out: str | Path, edges: Sequence[int] = DISTANCE_EDGES, teacher: str = "teacher") -> int:
+    """``out``/retention_distance.csv (columns :data:`DISTANCE_COLUMNS`): every stored cell's prompts binned by the
+    exact distance from the end of their evidence to the end of the prompt, in tokens ([lo, hi) per pair of ``edges``;
+    distances from :func:`prompt_distances`), with hits and accuracy beside the teacher's on the same prompts.
+    Unlike :func:`depth_table`'s relative depth, this tells distance from prompt length: the same distance bin in
+    cells of different lengths. Cells whose key has no stored distances are left out; bins without prompts too.
+
+    Returns:
+        the number of rows written.
+
+    Raises:
+        HeadscopeInputError (a ValueError): ``edges`` not strictly increasing or fewer than two; a cell whose prompt
+            count differs from the stored distances'; as :func:`prompt_distances`.
+    """
+    import pandas as pd
+
+    e = [int(x) for x in edges]
+    if len(e) < 2 or any(b <= a for a, b in zip(e, e[1:])):
+        raise HeadscopeInputError(f"edges={list(edges)}: give at least two strictly increasing bin edges (tokens)")
+    cells = load_cells(root)
+    ref = prompt_distances(cells)
+    tea = _teacher_cells(cells, teacher)
+    rows = []
+    for c in cells:
+        key = (c["task"], c["formats"], int(c["length"]))
+        if key not in ref:
+            continue
+        ok = np.asarray(c["correct"], dtype=int)
+        dist = np.asarray(ref[key]["distance"])
+        if len(dist) != len(ok):
+            raise HeadscopeInputError(f"{c['model']} {key}: {len(ok)} prompts but {len(dist)} stored distances")
+        t = tea.get(key)
+        tok = np.asarray(t["correct"], dtype=int) if t is not None and len(t["correct"]) == len(ok) else None
+        for lo, hi in zip(e, e[1:]):
+            sel = (dist >= lo) & (dist < hi)
+            n = int(sel.sum())
+            if n == 0:
+                continue
+            rows.append({"model": c["model"], "seed": c["seed"], "tokens": c["tokens"], "task": c["task"],
+                         "formats": c["formats"], "length": c["length"], "distance_lo": lo, "distance_hi": hi, "n": n,
+                         "hits": int(ok[sel].sum()), "accuracy": float(ok[sel].mean()),
+                         "teacher_hits": int(tok[sel].sum()) if tok is not None else None,
+                         "teacher_accuracy": float(tok[sel].mean()) if tok is not None else float("nan"),
+                         "distance_from": ref[key]["from"]})
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    df = pd.DataFrame(rows, columns=list(DISTANCE_COLUMNS))
+    if len(df):
+        df = df.sort_values(["model", "seed", "tokens", "task", "formats", "length", "distance_lo"])
+    df.to_csv(out / "retention_distance.csv", index=False)
+    return len(df)
 
 
 def depth_table(root: str | Path, out: str | Path, bins: int = 5, teacher: str = "teacher") -> int:
