@@ -660,6 +660,10 @@ def test_distance_table_by_hand(tmp_path):
     assert h.hits.tolist() == [1, 3, 1, 0] and h.teacher_hits.tolist() == [2, 2, 2, 1]
     tt = df[df.model == "teacher"]
     assert tt.hits.tolist() == [2, 2, 2, 1] and set(tt.distance_from) == {"hydra-7to1"}
+    lines = _study().distance_lines(tmp_path, [1024, 4096])  # comparison.md's table, arms in the study's order
+    assert lines[3] == "| arm | tokens | length | 0–512 | 512–1024 | 1024–2048 | 2048–4096 |"
+    assert lines[5:] == ["| teacher | – | 4K | 2/2 | 2/3 | 2/2 | 1/1 |", "| hydra-7to1 | 12.5M | 4K | 1/2 | 3/3 | 1/2 | 0/1 |"]
+    assert "distances stored by hydra-7to1's cells" in lines[1]
     other = dict(hydra, model="ie-7to1", prompt_len=plen[::-1])
     (tmp_path / "cells" / "ie-7to1__s0__t12500000").mkdir()
     (tmp_path / "cells" / "ie-7to1__s0__t12500000" / "niah_single.unseen.4096.json").write_text(json.dumps(other))

@@ -1178,14 +1178,14 @@ def coverage_lines(out: Path) -> list[str]:
     return lines
 
 
-def depth_lines(out: Path, lengths: Sequence[int]) -> list[str]:
-    """comparison.md's depth section: unseen single-needle accuracy per needle-depth fifth (OUT/retention_depth.csv,
-    :func:`headscope.train.retention.depth_table`), one row per arm (:data:`COMPARISON_ARMS`, then the lever arms),
-    tokens and length of ``lengths`` (summed over seeds), each entry 'hits/n' with the approximate distance from the
-    needle to the question in the header."""
+def _single_needle_bins(out: Path, csv_name: str, lengths: Sequence[int], lo: str, hi: str, intro: str,
+                        label: Any) -> list[str]:
+    """A comparison.md table of unseen single-needle hits per bin (columns ``lo`` / ``hi`` of OUT/``csv_name``), one
+    row per arm (:data:`COMPARISON_ARMS`, then the lever arms), tokens and length of ``lengths``, each entry
+    'hits/n' summed over seeds; ``intro(frame)`` the sentence above it, ``label(lo, hi)`` a column's header."""
     import pandas as pd
 
-    f = out / "retention_depth.csv"
+    f = out / csv_name
     if not f.exists():
         return []
     d = pd.read_csv(f)
@@ -1193,48 +1193,39 @@ def depth_lines(out: Path, lengths: Sequence[int]) -> list[str]:
     if not len(d):
         return []
     arms = [m for m in COMPARISON_ARMS if m in set(d.model)] + sorted(set(d.model) - set(COMPARISON_ARMS))  # levers last
-    bins = sorted(set(zip(d.depth_lo, d.depth_hi)))
-    lines = ["", "Unseen single-needle hits by needle depth (0 = the haystack's start, farthest from the question; "
-             "distance ≈ (1 − depth) × prompt length), summed over seeds:", "",
-             "| arm | tokens | length | " + " | ".join(f"depth {lo:.1f}–{hi:.1f}" for lo, hi in bins) + " |",
+    bins = sorted(set(zip(d[lo], d[hi])))
+    lines = ["", intro(d), "", "| arm | tokens | length | " + " | ".join(label(a, b) for a, b in bins) + " |",
              "|---|---|---|" + "---|" * len(bins)]
     for arm in arms:
         for tokens in sorted(set(d[d.model == arm].tokens)):
             for L in sorted(set(d[(d.model == arm) & (d.tokens == tokens)].length)):
-                g = d[(d.model == arm) & (d.tokens == tokens) & (d.length == L)].groupby(["depth_lo", "depth_hi"])[["hits", "n"]].sum()
-                cells = [f"{int(g.loc[b].hits)}/{int(g.loc[b].n)}" if b in g.index else "–" for b in bins]
+                g = d[(d.model == arm) & (d.tokens == tokens) & (d.length == L)].groupby([lo, hi])[["hits", "n"]].sum()
+                cells = [f"{int(g.loc[x].hits)}/{int(g.loc[x].n)}" if x in g.index else "–" for x in bins]
                 lines.append(f"| {arm} | {tokens_text(int(tokens)) if tokens else '–'} | {L // 1024}K | " + " | ".join(cells) + " |")
     return lines
+
+
+def depth_lines(out: Path, lengths: Sequence[int]) -> list[str]:
+    """comparison.md's depth section: unseen single-needle accuracy per needle-depth fifth (OUT/retention_depth.csv,
+    :func:`headscope.train.retention.depth_table`; :func:`_single_needle_bins`), the approximate distance from the
+    needle to the question in the header."""
+    return _single_needle_bins(
+        out, "retention_depth.csv", lengths, "depth_lo", "depth_hi",
+        lambda d: "Unseen single-needle hits by needle depth (0 = the haystack's start, farthest from the question; "
+                  "distance ≈ (1 − depth) × prompt length), summed over seeds:",
+        lambda a, b: f"depth {a:.1f}–{b:.1f}")
 
 
 def distance_lines(out: Path, lengths: Sequence[int]) -> list[str]:
     """comparison.md's distance section: unseen single-needle hits per exact distance from the needle to the end of
-    the prompt (OUT/retention_distance.csv, :func:`headscope.train.retention.distance_table`), one row per arm
-    (as :func:`depth_lines`), tokens and length of ``lengths``, summed over seeds; the same distance column across
-    lengths tells distance from relative depth."""
-    import pandas as pd
-
-    f = out / "retention_distance.csv"
-    if not f.exists():
-        return []
-    d = pd.read_csv(f)
-    d = d[(d.task == "niah_single") & (d.formats == "unseen") & d.length.isin(list(lengths))]
-    if not len(d):
-        return []
-    arms = [m for m in COMPARISON_ARMS if m in set(d.model)] + sorted(set(d.model) - set(COMPARISON_ARMS))
-    bins = sorted(set(zip(d.distance_lo, d.distance_hi)))
-    src = ", ".join(sorted(set(d.distance_from)))
-    lines = ["", "Unseen single-needle hits by the needle's distance from the end of the prompt (tokens, exact per prompt; "
-             f"distances stored by {src}'s cells, the same prompts for every model), summed over seeds:", "",
-             "| arm | tokens | length | " + " | ".join(f"{lo}–{hi}" for lo, hi in bins) + " |",
-             "|---|---|---|" + "---|" * len(bins)]
-    for arm in arms:
-        for tokens in sorted(set(d[d.model == arm].tokens)):
-            for L in sorted(set(d[(d.model == arm) & (d.tokens == tokens)].length)):
-                g = d[(d.model == arm) & (d.tokens == tokens) & (d.length == L)].groupby(["distance_lo", "distance_hi"])[["hits", "n"]].sum()
-                cells = [f"{int(g.loc[b].hits)}/{int(g.loc[b].n)}" if b in g.index else "" for b in bins]
-                lines.append(f"| {arm} | {tokens_text(int(tokens)) if tokens else '–'} | {L // 1024}K | " + " | ".join(cells) + " |")
-    return lines
+    the prompt (OUT/retention_distance.csv, :func:`headscope.train.retention.distance_table`;
+    :func:`_single_needle_bins`); the same distance column across lengths tells distance from relative depth."""
+    return _single_needle_bins(
+        out, "retention_distance.csv", lengths, "distance_lo", "distance_hi",
+        lambda d: "Unseen single-needle hits by the needle's distance from the end of the prompt (tokens, exact per "
+                  f"prompt; distances stored by {', '.join(sorted(set(d.distance_from)))}'s cells, the same prompts for "
+                  "every model), summed over seeds:",
+        lambda a, b: f"{a}–{b}")
 
 
 LEVER_CELLS = ("niah_single", "unseen", 4096)  # the lever table's cells: task, formats, lengths up to
