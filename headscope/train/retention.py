@@ -402,8 +402,6 @@ def distance_table(root: str | Path, out: str | Path, edges: Sequence[int] = DIS
         HeadscopeInputError (a ValueError): ``edges`` not strictly increasing or fewer than two; a cell whose prompt
             count differs from the stored distances'; as :func:`prompt_distances`.
     """
-    import pandas as pd
-
     e = [int(x) for x in edges]
     if len(e) < 2 or any(b <= a for a, b in zip(e, e[1:])):
         raise HeadscopeInputError(f"edges={list(edges)}: give at least two strictly increasing bin edges (tokens)")
@@ -426,18 +424,28 @@ def distance_table(root: str | Path, out: str | Path, edges: Sequence[int] = DIS
             n = int(sel.sum())
             if n == 0:
                 continue
-            rows.append({"model": c["model"], "seed": c["seed"], "tokens": c["tokens"], "task": c["task"],
-                         "formats": c["formats"], "length": c["length"], "distance_lo": lo, "distance_hi": hi, "n": n,
-                         "hits": int(ok[sel].sum()), "accuracy": float(ok[sel].mean()),
-                         "teacher_hits": int(tok[sel].sum()) if tok is not None else None,
-                         "teacher_accuracy": float(tok[sel].mean()) if tok is not None else float("nan"),
-                         "distance_from": ref[key]["from"]})
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    df = pd.DataFrame(rows, columns=list(DISTANCE_COLUMNS))
+            rows.append(_bin_row(c, ok, tok, sel, distance_lo=lo, distance_hi=hi, distance_from=ref[key]["from"]))
+    return _write_bins(rows, DISTANCE_COLUMNS, "distance_lo", Path(out) / "retention_distance.csv")
+
+
+def _bin_row(c: dict[str, Any], ok: np.ndarray, tok: Optional[np.ndarray], sel: np.ndarray, **bin_cols: Any) -> dict[str, Any]:
+    """One row of a binned table: cell ``c``'s keys, ``bin_cols``, and hits / accuracy of the prompts ``sel`` for the
+    model (``ok``) and the teacher (``tok``, None without a teacher cell)."""
+    return {"model": c["model"], "seed": c["seed"], "tokens": c["tokens"], "task": c["task"], "formats": c["formats"],
+            "length": c["length"], **bin_cols, "n": int(sel.sum()), "hits": int(ok[sel].sum()),
+            "accuracy": float(ok[sel].mean()), "teacher_hits": int(tok[sel].sum()) if tok is not None else None,
+            "teacher_accuracy": float(tok[sel].mean()) if tok is not None else float("nan")}
+
+
+def _write_bins(rows: list[dict[str, Any]], columns: Sequence[str], bin_col: str, path: Path) -> int:
+    """Write a binned table's ``rows`` to ``path`` (CSV, ``columns``, sorted by cell then ``bin_col``); its row count."""
+    import pandas as pd
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    df = pd.DataFrame(rows, columns=list(columns))
     if len(df):
-        df = df.sort_values(["model", "seed", "tokens", "task", "formats", "length", "distance_lo"])
-    df.to_csv(out / "retention_distance.csv", index=False)
+        df = df.sort_values(["model", "seed", "tokens", "task", "formats", "length", bin_col])
+    df.to_csv(path, index=False)
     return len(df)
 
 
@@ -456,8 +464,6 @@ def depth_table(root: str | Path, out: str | Path, bins: int = 5, teacher: str =
     Raises:
         HeadscopeInputError (a ValueError): ``bins`` < 1.
     """
-    import pandas as pd
-
     if bins < 1:
         raise HeadscopeInputError(f"bins={bins}: give at least 1 depth bin")
     cells = load_cells(root)
@@ -474,16 +480,6 @@ def depth_table(root: str | Path, out: str | Path, bins: int = 5, teacher: str =
             if n == 0:
                 continue
             mid = (b + 0.5) / bins
-            rows.append({"model": c["model"], "seed": c["seed"], "tokens": c["tokens"], "task": c["task"],
-                         "formats": c["formats"], "length": c["length"], "depth_lo": b / bins, "depth_hi": (b + 1) / bins,
-                         "distance_tokens": int(round((1 - mid) * float(c.get("mean_len", c["length"])))), "n": n,
-                         "hits": int(ok[sel].sum()), "accuracy": float(ok[sel].mean()),
-                         "teacher_hits": int(tok[sel].sum()) if tok is not None else None,
-                         "teacher_accuracy": float(tok[sel].mean()) if tok is not None else float("nan")})
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    df = pd.DataFrame(rows, columns=list(DEPTH_COLUMNS))
-    if len(df):
-        df = df.sort_values(["model", "seed", "tokens", "task", "formats", "length", "depth_lo"])
-    df.to_csv(out / "retention_depth.csv", index=False)
-    return len(df)
+            rows.append(_bin_row(c, ok, tok, sel, depth_lo=b / bins, depth_hi=(b + 1) / bins,
+                                 distance_tokens=int(round((1 - mid) * float(c.get("mean_len", c["length"]))))))
+    return _write_bins(rows, DEPTH_COLUMNS, "depth_lo", Path(out) / "retention_depth.csv")
