@@ -61,7 +61,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -1178,8 +1178,8 @@ def coverage_lines(out: Path) -> list[str]:
     return lines
 
 
-def _single_needle_bins(out: Path, csv_name: str, lengths: Sequence[int], lo: str, hi: str, intro: str,
-                        label: Any) -> list[str]:
+def _single_needle_bins(out: Path, csv_name: str, lengths: Sequence[int], lo: str, hi: str,
+                        intro: Callable[[Any], str], label: Callable[[Any, Any], str]) -> list[str]:
     """A comparison.md table of unseen single-needle hits per bin (columns ``lo`` / ``hi`` of OUT/``csv_name``), one
     row per arm (:data:`COMPARISON_ARMS`, then the lever arms), tokens and length of ``lengths``, each entry
     'hits/n' summed over seeds; ``intro(frame)`` the sentence above it, ``label(lo, hi)`` a column's header."""
