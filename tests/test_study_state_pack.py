@@ -565,6 +565,18 @@ def test_eval_cells_selects_formats_in_order_up_to_a_length(study):
     assert [c[2] for c in study.eval_cells(a, cfg)] == [L for L in (1024, 2048, 4096, 8192, 16384) for _ in tasks]
     with pytest.raises(SystemExit, match="below the suite's shortest length 1024"):
         study.eval_cells(argparse.Namespace(eval_formats=None, eval_max_len=512), cfg)
+    # --eval-tasks-first: those tasks' cells first, each group in the order it had
+    a = argparse.Namespace(eval_formats=["unseen"], eval_max_len=4096, eval_tasks_first=["niah_single"])
+    got = study.eval_cells(a, cfg)
+    assert got == ([("niah_single", "unseen", L) for L in (1024, 2048, 4096)]
+                   + [(t, "unseen", L) for L in (1024, 2048, 4096) for t in tasks if t != "niah_single"])
+    a = argparse.Namespace(eval_formats=None, eval_max_len=None, eval_tasks_first=["variable_tracking", "niah_multikey"])
+    got = study.eval_cells(a, cfg)
+    assert sorted(got) == sorted(cfg.cells()) and len(got) == 40
+    assert [c[0] for c in got[:20]] == ["variable_tracking"] * 10 + ["niah_multikey"] * 10
+    assert got[:10] == [c for c in cfg.cells() if c[0] == "variable_tracking"]
+    with pytest.raises(SystemExit, match="--eval-tasks-first niah_double: not a task of the suite"):
+        study.eval_cells(argparse.Namespace(eval_formats=None, eval_max_len=None, eval_tasks_first=["niah_double"]), cfg)
 
 
 def test_suite_builds_only_the_prompt_sets_eval_will_score(study, tmp_path, monkeypatch, capsys):

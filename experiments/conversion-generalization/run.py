@@ -822,17 +822,27 @@ def set_aside(rd: Path, first: int) -> Path:
 
 def eval_cells(a: argparse.Namespace, cfg: SuiteConfig) -> list[tuple[str, str, int]]:
     """The cells --piece eval scores, in order: those of ``--eval-formats`` (in that order, each shortest first)
-    up to ``--eval-max-len`` tokens; by default every cell of the suite, shortest first.
+    up to ``--eval-max-len`` tokens; by default every cell of the suite, shortest first. With
+    ``--eval-tasks-first``, the cells of those tasks come first (in that task order, the rest of the order kept),
+    so that an evaluation cut off by the end of a GPU session has measured them (e.g. the goal's niah_single).
 
     Raises:
-        SystemExit: ``--eval-max-len`` below the suite's shortest length (no cell would be scored).
+        SystemExit: ``--eval-max-len`` below the suite's shortest length (no cell would be scored);
+            ``--eval-tasks-first`` naming a task the suite does not have.
     """
-    if a.eval_formats is None and a.eval_max_len is None:
-        return cfg.cells()
+    first = list(getattr(a, "eval_tasks_first", None) or [])
+    unknown = [t for t in first if t not in cfg.tasks]
+    if unknown:
+        raise SystemExit(f"--eval-tasks-first {' '.join(unknown)}: not a task of the suite ({', '.join(cfg.tasks)})")
     if a.eval_max_len is not None and a.eval_max_len < min(cfg.lengths):
         raise SystemExit(f"--eval-max-len {a.eval_max_len} is below the suite's shortest length {min(cfg.lengths)}")
-    formats = a.eval_formats or list(cfg.formats)
-    return [c for fmt in formats for c in cfg.cells() if c[1] == fmt and (a.eval_max_len is None or c[2] <= a.eval_max_len)]
+    if a.eval_formats is None and a.eval_max_len is None:
+        cells = cfg.cells()
+    else:
+        formats = a.eval_formats or list(cfg.formats)
+        cells = [c for fmt in formats for c in cfg.cells() if c[1] == fmt and (a.eval_max_len is None or c[2] <= a.eval_max_len)]
+    rank = {t: i for i, t in enumerate(first)}
+    return sorted(cells, key=lambda c: rank.get(c[0], len(first)))  # stable: the order within each group is kept
 
 
 def cells_left(out: Path, label: str, seed: int, tokens: int, cfg: SuiteConfig,
@@ -1749,6 +1759,8 @@ def parser() -> argparse.ArgumentParser:
                         "suite: build only their prompt sets")
     p.add_argument("--eval-max-len", type=int, default=None,
                    help="eval: score only cells of at most this many tokens; suite: build only their prompt sets")
+    p.add_argument("--eval-tasks-first", nargs="+", default=None, metavar="TASK",
+                   help="eval: score these tasks' cells first (e.g. niah_single, the goal's task, in a short session)")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="processes building prompt sets")
     p.add_argument("--tokenizer", default=None, help="--smoke: an HF tokenizer folder (default: the SmolLM2 GGUF's)")
     p.add_argument("--smoke", action="store_true", help="every piece on a tiny random model on the CPU (a temporary --out)")
