@@ -18,6 +18,7 @@ from headscope.train import TokenRows, TrainConfig, Trainer
 from conftest import fast_first, tiny_llama
 
 STEPS, BATCH, SEQ, LR = 3, 4, 24, 3e-3
+FLIPS = 2  # elements per tensor whose near-zero gradient may change sign with the reduction order (_check_weights)
 HMASK = HeadMask(2, 4, 2, ((1,), (0, 3)))
 # real tokens per row (right padding): unequal counts, so the two ranks' slices weigh differently
 LENGTHS = [24, 9, 24, 3, 17, 1, 20, 12]
@@ -73,20 +74,25 @@ def _log(d: Path) -> list[dict]:
 
 
 def _check_weights(ref: dict, got: dict, start: dict, what) -> None:
-    """``got`` equals ``ref`` to float rounding: per tensor ‖got − ref‖ ≤ 1e-3 ‖ref − start‖ (a fraction of what
-    training moved it) and every element within 5 % of one AdamW step (lr); and training moved the weights.
-    AdamW divides by the gradient's running RMS, so float rounding of small gradient components — summed in
-    another order on two ranks — reaches the weights amplified, in proportion to the update, not to the weight:
-    measured (2026-12-01, a Xeon with AVX-512) per tensor ≤ 2.3e-4 of the movement and ≤ 1.9e-4 of the weight (a
-    near-zero β bias), every element ≤ 0.019 lr; an earlier machine gave ≤ 4.1e-5 of the weight. A wrong
-    gradient weighting would show at step 1, which the metrics check to 1e-6."""
+    """``got`` equals ``ref`` to float rounding, and training moved the weights. AdamW divides by the gradient's
+    running RMS, so float rounding of gradient components — summed in another order on two ranks — reaches the
+    weights amplified, in proportion to the update, not to the weight; and a component whose true value is near zero
+    can change sign with the summation order, moving its element by up to 2 lr a step. So per tensor: at most
+    ``FLIPS`` elements may differ by more than 0.1 lr (each by at most 2 lr per step), the others by at most 0.1 lr,
+    and without those few ‖got − ref‖ ≤ 1e-3 ‖ref − start‖ (a fraction of what training moved it). Measured: a Xeon
+    with AVX-512 (2026-12-01) per tensor ≤ 2.3e-4 of the movement, every element ≤ 0.019 lr; a CPU without AVX-512
+    (2026-12-04) stage 2 one embedding element 1.51 lr (a sign flip), one q_proj and one down_proj element 0.061 and
+    0.072 lr, the rest ≤ 5.0e-4 of the movement. A wrong gradient weighting moves every element, and shows at step 1,
+    which the metrics check to 1e-6."""
     moved = max(float((ref[k] - start[k]).abs().max()) for k in ref)
     assert moved > 1e-3, what
     for k in ref:
-        d = (ref[k].double() - got[k].double())
+        d = (ref[k].double() - got[k].double()).abs()
         step = float((ref[k].double() - start[k].double()).norm())
-        assert float(d.norm()) <= 1e-3 * max(step, 1e-6), (what, k, float(d.norm()), step)
-        assert float(d.abs().max()) <= 0.05 * LR, (what, k, float(d.abs().max()))
+        flipped = d > 0.1 * LR
+        assert int(flipped.sum()) <= FLIPS, (what, k, int(flipped.sum()), float(d.max()) / LR)
+        assert float(d.max()) <= 2 * STEPS * LR, (what, k, float(d.max()) / LR)
+        assert float(d[~flipped].norm()) <= 1e-3 * max(step, 1e-6), (what, k, float(d[~flipped].norm()), step)
 
 
 @pytest.fixture(scope="module")
