@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Builds, at the repository root, the git-ignored folders a GPU session carries to the device machine (the `device`
-# tool's `carry`: at most 64 MiB per call, the tracked tree of ~12 MB included), so every call fits beside the tree:
+# tool's `carry`: at most 64 MiB per call, counted on disk, the tracked tree of ~20 MB included), so every call fits:
 #   .whlA  fla-core 0.6.0 + tilelang 0.1.15's first half          (~26 MB)  fla's GDN kernels (forward: fla + tilelang)
 #   .whlB  tilelang's second half + apache-tvm-ffi, torch-c-dlpack-ext (~28 MB)  device_env.sh joins the halves
-#          (the whole wheel, 49.6 MB, beside a tracked tree of 15 MB was refused as over a call's 64 MiB)
+#          (the whole wheel, 49.6 MB, beside the tracked tree, then 15 MB, was refused as over a call's 64 MiB)
 #   .whlF  z3-solver 4.15.4.0                                     (~29 MB)  tilelang's solver (fla's backward, FlashQLA)
 #   .whlC  flash-qla 0.1.3 + gguf 0.19.0                          (~0.3 MB) FlashQLA; reading the GGUF model file
 #   .whlD  transformers 5.24.0 (DEVICE_TRANSFORMERS)             (~14 MB)  the newest the device image's hub allows
 #   .whlE  plotly as in .venv                                     (~10 MB)  heatmaps / figures only (imported lazily)
-#   .gpu/m1 .. m3  the SmolLM2 GGUF in three pieces + SHA256SUMS   (~33 MB each) for the real model (two halves beside
-#          the tree, ~20 MB on disk, were refused as over a call's 64 MiB, 2026-12-04)
+#   .gpu/m1 .. m3  the SmolLM2 GGUF in three pieces + SHA256SUMS   (~33 MB each) for the real model (halves of ~49 MB
+#          beside the tree, ~20 MB on disk, were refused as over a call's 64 MiB, 2026-12-04)
 # Usage: bash benchmarks/make_carry.sh        (re-running replaces the folders; it prints each call's size)
 # On the device: `source benchmarks/device_env.sh` at the start of every call installs whatever .whl* folders the
-#   call carried into /tmp/site (the machine keeps /tmp while warm), assembles the GGUF once both halves have come,
+#   call carried into /tmp/site (the machine keeps /tmp while warm), assembles the GGUF once all three pieces have come,
 #   and exports PYTHONPATH. Calls: carry [".whlC", ".gpu/m1"], then [".whlA", ".whlD"], then [".whlB"], [".gpu/m2"],
 #   then [".gpu/m3"], then [".whlF"] (each call also runs work); [".whlE"] with any call that has room, when figures are
 #   drawn. A wheel split in two (tilelang) is joined and installed once both halves have come, its SHA-256 checked.

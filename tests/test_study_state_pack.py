@@ -577,6 +577,11 @@ def test_eval_cells_selects_formats_in_order_up_to_a_length(study):
     assert got[:10] == [c for c in cfg.cells() if c[0] == "variable_tracking"]
     with pytest.raises(SystemExit, match="--eval-tasks-first niah_double: not a task of the suite"):
         study.eval_cells(argparse.Namespace(eval_formats=None, eval_max_len=None, eval_tasks_first=["niah_double"]), cfg)
+    # refused when the command line is parsed, before any piece writes OUT/settings.json
+    with pytest.raises(SystemExit):
+        study.parser().parse_args(["--out", "x", "--piece", "eval", "--eval-tasks-first", "niah_double"])
+    assert study.parser().parse_args(["--out", "x", "--piece", "eval", "--eval-tasks-first", "niah_single"]).eval_tasks_first \
+        == ["niah_single"]
 
 
 def test_suite_builds_only_the_prompt_sets_eval_will_score(study, tmp_path, monkeypatch, capsys):
