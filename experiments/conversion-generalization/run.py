@@ -1044,7 +1044,8 @@ def comparison_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> 
                 if r.n_seeds > 1:
                     txt += f" ({r.accuracy_min:.2f}–{r.accuracy_max:.2f})"
                 cells.append(txt)
-            seeds = int(g.n_seeds.max())
+            lo, hi = int(g.n_seeds.min()), int(g.n_seeds.max())
+            seeds = f"{hi}" if lo == hi else f"{lo}–{hi}"  # cells of one row may have different numbers of seeds
             lines.append(f"| {arm} | {tokens_text(int(tokens)) if tokens else '–'} | {seeds} | " + " | ".join(cells) + " |")
             rows += 1
     lines += ["", f"Goal (issue 40): `hydra-7to1` keeps >= {GOAL_RETENTION} x the teacher's accuracy on unseen single-needle "
