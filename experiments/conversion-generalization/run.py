@@ -1010,7 +1010,8 @@ def comparison_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> 
     training tokens (no levers), one column per task and length of ``lengths``, each cell the accuracy's mean over
     seeds (min–max when several), from OUT/retention_seeds.csv; then the goal per tokens of ``hydra-7to1``: its
     retention on unseen single-needle cells (mean and the lowest seed) against :data:`GOAL_RETENTION` with at least
-    :data:`GOAL_SEEDS` seeds, and the unseen cells where its mean accuracy is below ``layer-3to1``'s
+    :data:`GOAL_SEEDS` seeds — "met" when every seed reaches it, "met on the mean of seeds, not on every seed" when
+    only the means over seeds do —, and the unseen cells where its mean accuracy is below ``layer-3to1``'s
     at the same tokens (every unseen length stored, not only ``lengths``). Returns the number of arm rows (0 without
     retention_seeds.csv)."""
     import pandas as pd
@@ -1059,9 +1060,11 @@ def comparison_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> 
         else:
             worst = min(r.retention_min for r in single)
             seeds = min(int(r.n_seeds) for r in single)
-            met = worst >= GOAL_RETENTION and seeds >= GOAL_SEEDS
+            on_mean = min(r.retention_mean for r in single) >= GOAL_RETENTION and seeds >= GOAL_SEEDS
+            status = ("met" if on_mean and worst >= GOAL_RETENTION
+                      else "met on the mean of seeds, not on every seed" if on_mean else "not met")
             verdict = (f"retention {', '.join(f'{r.retention_mean:.2f}' for r in single)} (lowest seed {worst:.2f}), "
-                       f"{seeds} seed(s): {'met' if met else 'not met'}")
+                       f"{seeds} seed(s): {status}")
         lay = every[(every.model == "layer-3to1") & (every.tokens == tokens)].set_index(["task", "length"])
         if len(lay):
             below = [f"{short[t]} {L // 1024}K" for t, L in sorted(set(hall.index) & set(lay.index), key=lambda c: (c[1], c[0]))
