@@ -242,3 +242,24 @@ exit 0
     t = {ln.split()[0]: int(ln.split()[1]) for ln in calls.read_text().splitlines()}
     assert set(t) == {"data", "train", "train2"} and t["train2"] > t["data"]
     assert (tmp_path / "code1" / "headscope").is_dir() and (tmp_path / "code2" / "headscope").is_dir()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_device_session_wait_that_times_out_stops_the_chain(tmp_path):
+    """A "wait FILE" whose file does not come within CHAIN_WAIT_S stops the chain: the pieces after it need the file."""
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "fake_run.sh"
+    fake.write_text(f"#!/usr/bin/env bash\necho \"$*\" >> {calls}\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "OUT_DIR": str(tmp_path / "out"), "SESSION_DIR": str(tmp_path / "sd"),
+           "CODE_DIR": str(tmp_path / "code"), "RUN": str(fake), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "KERNEL_CACHE": str(tmp_path / "none.tar.gz"), "CHAIN_WAIT_S": "5",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    missing = tmp_path / "seed4" / "data" / "long_w6.pt"
+    r = subprocess.run(["bash", str(SCRIPT), "start", "--piece a", f"wait {missing}", "--piece b"], env=env,
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    status = _wait_done(tmp_path / "sd" / "status")
+    assert status == ["--piece a: rc=0 (try 1)", f"wait {missing}: not here after 5 s",
+                      f"chain stopped: {missing} did not come; later pieces not run", "session done"]
+    assert calls.read_text().splitlines() == ["--piece a"]

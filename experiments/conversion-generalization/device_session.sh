@@ -14,7 +14,8 @@
 #       restore the committed state/ into OUT (the first start on a machine only; files already there are kept), copy
 #       the code to a private folder, and run `run.py ARGS` for each string in turn in a new process session: a failing
 #       piece up to 3 tries, a piece that ends "partial" resumed, the chain stopped at a piece that does not finish;
-#       "wait FILE" instead of ARGS waits (up to 20 min) for FILE. Status lines: /tmp/hs_session/status; output:
+#       "wait FILE" instead of ARGS waits (up to CHAIN_WAIT_S s, default 1200) for FILE and stops the chain if it
+#       does not come. Status lines: /tmp/hs_session/status; output:
 #       /tmp/hs_session/log
 #   bash experiments/conversion-generalization/device_session.sh poll RETURN [WAIT_S [PATTERN]]
 #       wait up to WAIT_S seconds (default 0) until PATTERN (grep -E) is in the status, print the status and the log's
@@ -39,7 +40,8 @@
 #      COMPILE_CACHE (default runs/state/compile_cache: `caches`'s parts, restored by `start`),
 #      RUN (default: python CODE_DIR/experiments/conversion-generalization/run.py --out OUT_DIR --model smollm2-135m
 #      --device cuda --budget-s PIECE_BUDGET_S), PIECE_BUDGET_S (default 1700: a piece's deadline), TRIES (default 3:
-#      tries of a failing piece), RESUMES (default 5: reruns of a piece that ended "partial")
+#      tries of a failing piece), RESUMES (default 5: reruns of a piece that ended "partial"),
+#      CHAIN_WAIT_S (default 1200: how long a "wait FILE" piece waits)
 set -uo pipefail
 out=${OUT_DIR:-/tmp/gen}
 sd=${SESSION_DIR:-/tmp/hs_session}
@@ -129,10 +131,14 @@ case $cmd in
     st() { echo "$(( $(date +%s) - t0 )) s: $*" >> "$sd/status"; }
     while IFS= read -r args; do
       if [[ $args == wait\ * ]]; then
+        # the later pieces need FILE: a wait that times out stops the chain (a piece run without it would only fail,
+        # or train on what is not there)
         f=${args#wait }
-        for _ in $(seq 240); do [ -e "$f" ] && break; sleep 5; done
-        st "$args: $([ -e "$f" ] && echo here || echo 'not here after 20 min')"
-        continue
+        for _ in $(seq $(( ${CHAIN_WAIT_S:-1200} / 5 ))); do [ -e "$f" ] && break; sleep 5; done
+        if [ -e "$f" ]; then st "$args: here"; continue; fi
+        st "$args: not here after ${CHAIN_WAIT_S:-1200} s"
+        st "chain stopped: $f did not come; later pieces not run"
+        break
       fi
       # a failing piece is tried again (TRIES in all); a piece that ends "PIECE: partial: ..." (its deadline came) is
       # resumed (RESUMES times at most); the chain stops when a piece still fails or is still partial, since later
