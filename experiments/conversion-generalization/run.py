@@ -71,6 +71,7 @@ sys.path.insert(0, str(ROOT))
 from headscope.errors import HeadscopeInputError  # noqa: E402
 from headscope.masks import HeadMask  # noqa: E402
 from headscope.runtime import atomic_write_text  # noqa: E402
+from headscope.tasks.formats import FORMAT_TASKS  # noqa: E402  (the suite's tasks; --eval-tasks-first checked against them)
 from headscope.train import TokenRows, TrainConfig, convert_stage, format_rows, load_student, mix, pack  # noqa: E402
 from headscope.train.retention import (SuiteConfig, cell_dir, depth_table, distance_table, evaluate_suite,  # noqa: E402
                                        retention_table, suite_pairs)
@@ -91,8 +92,6 @@ BASE_TOKENS = "50M"
 S2_SEED, S3_SEED = 5, 1  # stage-2 / stage-3 retrieval rows of seed S use format_rows seeds 10·S + these (+ task index)
 SHARES = (0.15, 0.55, 0.30)
 LRS = (1e-3, 2e-4, 1e-4)
-#: the suite's task types (--tasks chooses among them; --eval-tasks-first is checked against them when parsed)
-SUITE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
 SUITE_SAMPLE_SEED = 999_000_000  # sampler seeds of the haystack documents; training seed S uses 10_000·S + batch
 
 
@@ -172,7 +171,7 @@ def stage_tokens(s: dict, tokens: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------- arms and levers
 def train_wordings() -> int:
     """Wordings per task of the ``train`` template family (the largest --s3-wordings)."""
-    from headscope.tasks.formats import FAMILIES, FORMAT_TASKS
+    from headscope.tasks.formats import FAMILIES
 
     return min(len(FAMILIES["train"].wordings[t]) for t in FORMAT_TASKS)
 
@@ -1016,8 +1015,6 @@ def comparison_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> 
     retention_seeds.csv)."""
     import pandas as pd
 
-    from headscope.tasks.formats import FORMAT_TASKS
-
     f = out / "retention_seeds.csv"
     if not f.exists():
         return 0
@@ -1753,7 +1750,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--batch-long", type=int, default=16)
     p.add_argument("--ckpt-every", type=int, default=300)
-    p.add_argument("--tasks", nargs="+", default=list(SUITE_TASKS))
+    p.add_argument("--tasks", nargs="+", default=list(FORMAT_TASKS))
     p.add_argument("--formats", nargs="+", choices=["seen", "unseen"], default=["seen", "unseen"])
     p.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--n", type=int, default=100, help="prompts per cell")
@@ -1765,9 +1762,9 @@ def parser() -> argparse.ArgumentParser:
                         "suite: build only their prompt sets")
     p.add_argument("--eval-max-len", type=int, default=None,
                    help="eval: score only cells of at most this many tokens; suite: build only their prompt sets")
-    p.add_argument("--eval-tasks-first", nargs="+", default=None, metavar="TASK", choices=SUITE_TASKS,
+    p.add_argument("--eval-tasks-first", nargs="+", default=None, metavar="TASK", choices=FORMAT_TASKS,
                    help="eval: score these tasks' cells first (e.g. niah_single, the goal's task, in a short session); "
-                        f"one or more of {', '.join(SUITE_TASKS)}")
+                        f"one or more of {', '.join(FORMAT_TASKS)}")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="processes building prompt sets")
     p.add_argument("--tokenizer", default=None, help="--smoke: an HF tokenizer folder (default: the SmolLM2 GGUF's)")
     p.add_argument("--smoke", action="store_true", help="every piece on a tiny random model on the CPU (a temporary --out)")
