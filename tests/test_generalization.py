@@ -895,3 +895,60 @@ def test_study_anatomy_eval_agreement(tmp_path):
     assert run.eval_agreement(tmp_path, label, 0, 50_000_000, a, one_off, index)["agree"] == 9
     with pytest.raises(SystemExit, match="scores 0.00 on 10 prompts of niah_single.unseen.4096.json, its eval cell 0.70, agreeing on 3"):
         run.eval_agreement(tmp_path, label, 0, 50_000_000, a, [0] * 10, index)
+
+
+def test_paired_exact_test_by_hand():
+    """McNemar's exact test: 3 prompts only ``a`` gets right, none only ``b``: p = 2 · 0.5³ = 0.25; 1 against 1: p = 1."""
+    from headscope.errors import HeadscopeInputError
+    from headscope.train.evaluate import paired_exact_test
+
+    t = paired_exact_test([1, 1, 1, 0, 1], [0, 0, 0, 0, 1])
+    assert (t["n"], t["hits_a"], t["hits_b"], t["only_a"], t["only_b"]) == (5, 4, 1, 3, 0)
+    assert t["p_value"] == pytest.approx(0.25)
+    assert paired_exact_test([1, 0], [0, 1])["p_value"] == pytest.approx(1.0)
+    assert paired_exact_test([1, 1], [1, 1])["p_value"] == 1.0  # never disagree
+    # 10 against 0: 2 · 0.5¹⁰
+    assert paired_exact_test([1] * 10 + [0] * 5, [0] * 15)["p_value"] == pytest.approx(2 / 1024)
+    for a, b in (([1, 0], [1]), ([], []), ([2, 0], [1, 0])):
+        with pytest.raises(HeadscopeInputError):
+            paired_exact_test(a, b)
+
+
+def test_study_lever_pairs_by_hand(tmp_path):
+    """lever_pairs: each lever row beside its reference on the shared seeds only (a seed the reference lacks is left
+    out), hits summed over those seeds, McNemar's p from the pooled discordant prompts; the baseline has no row."""
+    import pandas as pd
+
+    run = _study()
+    assert run.lever_reference("hydra-7to1+s2_retrieval=0.25", 12_500_000) == ("hydra-7to1", 12_500_000)
+    assert run.lever_reference("hydra-5to1", 12_500_000) == ("hydra-7to1", 12_500_000)
+    assert run.lever_reference("ie-7to1", 50_000_000) == ("hydra-7to1", 50_000_000)
+    assert run.lever_reference("layer-3to1", 12_500_000) == ("layer-3to1", 50_000_000)
+    assert run.lever_reference("hydra-7to1", 50_000_000) is None
+
+    def cell(model, seed, tokens, correct, L=1024, task="niah_single"):
+        d = tmp_path / "cells" / f"{model}__s{seed}__t{tokens}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{task}.unseen.{L}.json").write_text(json.dumps(
+            {"model": model, "seed": seed, "tokens": tokens, "task": task, "formats": "unseen", "length": L,
+             "n": len(correct), "hits": sum(correct), "correct": correct}))
+
+    T = 12_500_000
+    cell("hydra-7to1", 4, T, [1, 0, 0, 1])
+    cell("hydra-7to1+s3_wordings=6", 4, T, [1, 1, 1, 0])
+    cell("hydra-7to1", 5, T, [0, 0, 0, 0])
+    cell("hydra-7to1+s3_wordings=6", 5, T, [1, 1, 0, 0])
+    cell("hydra-7to1+s3_wordings=6", 6, T, [0, 0, 0, 0])  # no reference on seed 6: left out
+    cell("hydra-7to1+s3_wordings=6", 4, T, [0, 0, 0, 0], task="niah_multikey")  # not a lever cell
+    levers = pd.DataFrame([{"lever": "baseline", "model": "hydra-7to1", "tokens": 50_000_000},
+                           {"lever": "s3_wordings=6 + tokens 12.5M", "model": "hydra-7to1+s3_wordings=6", "tokens": T}])
+    levers.to_csv(tmp_path / "levers.csv", index=False)
+    (tmp_path / "levers.md").write_text("| lever |\n")
+    assert run.lever_pairs(tmp_path, [1024, 2048]) == 1
+    r = pd.read_csv(tmp_path / "levers_paired.csv").iloc[0]
+    assert (r.reference, r.reference_tokens, r.length, r.seeds, r.n) == ("hydra-7to1", T, 1024, "4 5", 8)
+    # seed 4: lever-only prompts 1, 2; reference-only 3; seed 5: lever-only 0, 1 -> 4 against 1, p = 2 · 6/32
+    assert (r.hits, r.reference_hits, r.only_lever, r.only_reference) == (5, 2, 4, 1)
+    assert r.p_value == pytest.approx(0.375)
+    md = (tmp_path / "levers.md").read_text()
+    assert "| s3_wordings=6 + tokens 12.5M | hydra-7to1+s3_wordings=6 12.5M | hydra-7to1 12.5M | 4, 5 | 5 / 2 of 8 (p = 0.38) | — |" in md

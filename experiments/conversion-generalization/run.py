@@ -39,7 +39,7 @@ every lever off the study's setting, e.g. hydra-7to1+fa_pos=rope; the baseline k
     --arm ie-7to1            the selection: HydraHead's ranking without its focus factor (κ = 1, IE alone)
 
 A lever's rows are built by --piece data with the same option (from the seed's stored documents);
---piece report also writes levers.csv / levers.md (unseen single-needle retention per arm and lever).
+--piece report also writes levers.csv / levers.md (unseen single-needle retention per arm and lever) and levers_paired.csv (each lever beside its reference on the same seeds and prompts, McNemar's exact p).
 
 OUT/manifest.json records the commit, every command with its outcome and seconds, the hardware, the
 seeds and the SHA-256 of every document set.
@@ -73,8 +73,9 @@ from headscope.masks import HeadMask  # noqa: E402
 from headscope.runtime import atomic_write_text  # noqa: E402
 from headscope.tasks.formats import FORMAT_TASKS  # noqa: E402  (the suite's tasks; --eval-tasks-first checked against them)
 from headscope.train import TokenRows, TrainConfig, convert_stage, format_rows, load_student, mix, pack  # noqa: E402
+from headscope.train.evaluate import paired_exact_test  # noqa: E402
 from headscope.train.retention import (SuiteConfig, cell_dir, depth_table, distance_table, evaluate_suite,  # noqa: E402
-                                       retention_table, suite_pairs)
+                                       load_cells, retention_table, suite_pairs)
 
 ARMS = {"hydra-7to1": "hydrahead", "layer-3to1": "layerwise3", "layer-7to1": "layerwise", "random-7to1": "random", "teacher": None}
 #: the budget lever's arms: the masks of the 7:1 arms at 5:1 (HydraHead re-selected from its ranking)
@@ -984,6 +985,7 @@ def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
     n_dist = distance_table(Path(a.out) / "cells", Path(a.out))
     n_cov = len(mask_coverage(Path(a.out), s, a))
     n_lev = lever_table(Path(a.out), lever_lengths(s))
+    n_pairs = lever_pairs(Path(a.out), lever_lengths(s))
     n_curve = token_curve(Path(a.out), lever_lengths(s))
     n_ana = anatomy_table(Path(a.out))  # before comparison.md, which has their sections
     n_cmp = comparison_table(Path(a.out), lever_lengths(s))
@@ -994,7 +996,7 @@ def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
     return (f"{count(r['rows'], 'row')} in retention.csv ({r['missing_teacher']} without a teacher cell), "
             f"{count(n_depth, 'row')} in retention_depth.csv, {count(n_dist, 'row')} in retention_distance.csv, "
             f"{count(n_cov, 'row')} in mask_coverage.csv, "
-            f"{count(n_lev, 'row')} in levers.csv, {count(n_curve, 'arm')} in token_curve.csv, "
+            f"{count(n_lev, 'row')} in levers.csv, {count(n_pairs, 'row')} in levers_paired.csv, {count(n_curve, 'arm')} in token_curve.csv, "
             f"{count(n_ana, 'student')} in anatomy.csv, "
             f"{count(n_cmp, 'arm row')} in comparison.md")
 
@@ -1311,6 +1313,74 @@ def lever_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> int:
     lines += [f"| {r['lever']} | `{r['command']}` | {tokens_text(r['tokens'])} | " + " | ".join(cell(r, L) for L in lengths)
               + f" | {r['seeds']} |" for r in rows]
     atomic_write_text(out / "levers.md", "\n".join(lines) + "\n")
+    return len(rows)
+
+
+def lever_reference(model: str, tokens: int) -> Optional[tuple[str, int]]:
+    """The arm a lever row is measured against (same data, one lever back): an arm with lever options
+    (``+name=value``) against the same arm without them at the same tokens; a budget or selection arm
+    against ``hydra-7to1`` at the same tokens; the study's arm at other tokens against itself at
+    :data:`BASE_TOKENS`; None for the study's arm at BASE_TOKENS (the baseline)."""
+    arm, levers = parse_label(model)
+    if levers:
+        return arm, tokens
+    if arm in BUDGET_ARMS or arm in SELECTION_ARMS:
+        return "hydra-7to1", tokens
+    if tokens != parse_tokens(BASE_TOKENS):
+        return arm, parse_tokens(BASE_TOKENS)
+    return None
+
+
+def lever_pairs(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> int:
+    """OUT/levers_paired.csv and a second table in OUT/levers.md: each lever row of levers.csv beside its
+    reference (:func:`lever_reference`) on the seeds both were trained on (same documents) and the same prompts
+    of the unseen single-needle cells: hits of each summed over the shared seeds, the prompts only one of them gets
+    right, and McNemar's exact two-sided p (:func:`~headscope.train.evaluate.paired_exact_test`) per length.
+    The lever table's means pool other seeds; this table is the like-for-like comparison. Returns the rows
+    written (0 without levers.csv or shared cells)."""
+    import pandas as pd
+
+    f = out / "levers.csv"
+    if not f.exists():
+        return 0
+    task, fmt, _ = LEVER_CELLS
+    correct = {(c["model"], int(c["seed"]), int(c["tokens"]), int(c["length"])): c["correct"]
+               for c in load_cells(out / "cells") if c["task"] == task and c["formats"] == fmt}
+    rows = []
+    for r in pd.read_csv(f).itertuples():
+        ref = lever_reference(r.model, int(r.tokens))
+        if ref is None:
+            continue
+        for L in lengths:
+            seeds = sorted(s for (m, s, t, n) in correct if (m, t, n) == (r.model, int(r.tokens), L)
+                           and (ref[0], s, ref[1], L) in correct)
+            if not seeds:
+                continue
+            a = [x for s in seeds for x in correct[(r.model, s, int(r.tokens), L)]]
+            b = [x for s in seeds for x in correct[(ref[0], s, ref[1], L)]]
+            t = paired_exact_test(a, b)
+            rows.append({"lever": r.lever, "model": r.model, "tokens": int(r.tokens), "reference": ref[0],
+                         "reference_tokens": ref[1], "length": L, "seeds": " ".join(map(str, seeds)), "n": t["n"],
+                         "hits": t["hits_a"], "reference_hits": t["hits_b"], "only_lever": t["only_a"],
+                         "only_reference": t["only_b"], "p_value": t["p_value"]})
+    cols = ["lever", "model", "tokens", "reference", "reference_tokens", "length", "seeds", "n", "hits",
+            "reference_hits", "only_lever", "only_reference", "p_value"]
+    pd.DataFrame(rows, columns=cols).to_csv(out / "levers_paired.csv", index=False)
+    if rows and (out / "levers.md").exists():
+        lines = ["", "Each lever beside its reference on the same seeds (documents) and prompts: hits of the lever's arm / "
+                 "the reference's, summed over the shared seeds, and McNemar's exact p (`levers_paired.csv`):", "",
+                 "| lever | arm | reference | seeds | " + " | ".join(f"single {L // 1024}K" if L % 1024 == 0 else f"single {L}"
+                                                           for L in lengths) + " |",
+                 "|---|---|---|---|" + "---|" * len(lengths)]
+        by = {}
+        for x in rows:
+            by.setdefault((x["lever"], x["model"], x["tokens"], x["reference"], x["reference_tokens"]), {})[x["length"]] = x
+        for (lever, model, tok, ref, ref_tok), cells in by.items():
+            seeds = sorted({s for x in cells.values() for s in x["seeds"].split()}, key=int)
+            lines.append(f"| {lever} | {model} {tokens_text(tok)} | {ref} {tokens_text(ref_tok)} | {', '.join(seeds)} | "
+                         + " | ".join(f"{cells[L]['hits']} / {cells[L]['reference_hits']} of {cells[L]['n']} "
+                                      f"(p = {cells[L]['p_value']:.2g})" if L in cells else "—" for L in lengths) + " |")
+        atomic_write_text(out / "levers.md", (out / "levers.md").read_text() + "\n".join(lines) + "\n")
     return len(rows)
 
 

@@ -43,6 +43,33 @@ def wilson_interval(hits: int, n: int, confidence: float = 0.95) -> tuple[float,
     return float(ci.low), float(ci.high)
 
 
+def paired_exact_test(a: Sequence[int], b: Sequence[int]) -> dict[str, float]:
+    """Two models' 0/1 outcomes on the same prompts compared by McNemar's exact test (McNemar 1947): the
+    two-sided binomial test, p = 1/2, on the prompts where exactly one of them is right (scipy's ``binomtest``).
+
+    Args:
+        a, b: per-prompt outcomes (0 or 1) of the two models, prompt for prompt.
+
+    Returns:
+        {"n": prompts, "hits_a", "hits_b", "only_a": prompts only ``a`` gets right, "only_b", "p_value": 1.0
+        where they never disagree}.
+
+    Raises:
+        HeadscopeInputError (a ValueError): lengths differ or are 0, or an outcome other than 0 / 1.
+    """
+    x, y = np.asarray(a), np.asarray(b)
+    if x.shape != y.shape or x.ndim != 1 or x.size == 0:
+        raise HeadscopeInputError(f"paired_exact_test needs two equal, non-empty lists of outcomes ({x.shape} vs {y.shape})")
+    if not (np.isin(x, (0, 1)).all() and np.isin(y, (0, 1)).all()):
+        raise HeadscopeInputError("paired_exact_test takes outcomes 0 or 1 per prompt")
+    from scipy.stats import binomtest
+
+    only_a, only_b = int(((x == 1) & (y == 0)).sum()), int(((x == 0) & (y == 1)).sum())
+    p = binomtest(only_a, only_a + only_b).pvalue if only_a + only_b else 1.0
+    return {"n": int(x.size), "hits_a": int(x.sum()), "hits_b": int(y.sum()), "only_a": only_a, "only_b": only_b,
+            "p_value": float(p)}
+
+
 @torch.no_grad()
 def retrieval_hits(
     model: Any, pairs: Sequence[Any], pad_id: int, batch_size: int = 8, pad_multiple: int = 256
