@@ -263,3 +263,126 @@ def test_device_session_wait_that_times_out_stops_the_chain(tmp_path):
     assert status == ["--piece a: rc=0 (try 1)", f"wait {missing}: not here after 5 s",
                       f"chain stopped: {missing} did not come; later pieces not run", "session done"]
     assert calls.read_text().splitlines() == ["--piece a"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_device_session_returns_a_seeds_documents_and_exports_them_from_history(tmp_path):
+    """return-docs packs a seed's shards and info.json (nothing else) as soon as data/done exists; the pack, committed
+    to a git history and removed again, comes back through export-docs REF byte for byte, and `docs` unpacks it."""
+    env = {**os.environ, "OUT_DIR": str(tmp_path / "out"), "SESSION_DIR": str(tmp_path / "sd"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    data = tmp_path / "out" / "seed4" / "data"
+    (data / "shards").mkdir(parents=True)
+    shard = bytes(range(256)) * 40
+    (data / "shards" / "docs_0.pt").write_bytes(shard)
+    (data / "info.json").write_text('{"seed": 4}')
+    (data / "stage1.pt").write_bytes(b"rows")  # rebuilt from the shards: not returned
+    (tmp_path / "out" / "seed4" / "hydra-7to1_t12500000").mkdir()
+    (tmp_path / "out" / "seed4" / "hydra-7to1_t12500000" / "arm.json").write_text("{}")
+    ret = tmp_path / "ret"
+
+    def session(*args: str, cwd: Path = ROOT, script: Path = SCRIPT) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, cwd=cwd)
+
+    early = session("return-docs", str(ret), "4")  # the data piece has not finished: refused, nothing packed
+    assert early.returncode == 1 and "no seed4/data/done" in early.stderr and not ret.exists()
+    assert session("return-docs", str(ret), "x4").returncode == 2
+    (data / "done").touch()
+    r = session("return-docs", str(ret), "4")
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((ret / "seed4-docs" / "state.manifest.json").read_text())
+    assert sorted(f["path"] for f in manifest["files"]) == ["seed4/data/info.json", "seed4/data/shards/docs_0.pt"]
+    # kept in a history (a commit that adds the pack under state/, then one that removes it), exported by that commit
+    repo = tmp_path / "repo"
+    (repo / "experiments" / "conversion-generalization" / "state").mkdir(parents=True)
+    script = repo / "experiments" / "conversion-generalization" / "device_session.sh"
+    script.write_text(SCRIPT.read_text())
+    subprocess.run(["cp", "-r", str(ret / "seed4-docs"), str(script.parent / "state")], check=True)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "seed 4's documents"], check=True)
+    added = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run([*git, "rm", "-rq", "experiments/conversion-generalization/state/seed4-docs"], check=True)
+    subprocess.run([*git, "commit", "-qm", "out of the tree"], check=True)
+    dest = tmp_path / "carried"
+    missing = session("export-docs", str(dest), "4", "0" * 40, script=script, cwd=repo)
+    assert missing.returncode == 1 and "no commit" in missing.stderr
+    no_branch = session("export-docs", str(dest), "4", script=script, cwd=repo)
+    assert no_branch.returncode == 1 and "no branch study-state" in no_branch.stderr
+    r = session("export-docs", str(dest), "4", added, script=script, cwd=repo)
+    assert r.returncode == 0, r.stderr
+    for f in (ret / "seed4-docs").iterdir():
+        assert (dest / f.name).read_bytes() == f.read_bytes()
+    # on a fresh machine `docs` puts the shards and the record back into OUT, the rows are left to the data piece
+    env["OUT_DIR"] = str(tmp_path / "fresh")
+    r = session("docs", str(dest))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "fresh" / "seed4" / "data" / "shards" / "docs_0.pt").read_bytes() == shard
+    assert (tmp_path / "fresh" / "seed4" / "data" / "info.json").read_text() == '{"seed": 4}'
+    assert not (tmp_path / "fresh" / "seed4" / "data" / "stage1.pt").exists()
+
+
+LEVERS = ROOT / "experiments" / "conversion-generalization" / "lever_session.sh"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+@pytest.mark.parametrize("gpu_mib", [81559, 143771])
+def test_lever_session_chains_keep_their_order_and_memory_limit(tmp_path, gpu_mib):
+    """lever_session.sh start: four chains on one OUT; the levers' rows after the documents, the s3 arm after its rows
+    and the baseline, the 5:1 arm after the s2 arm on an 80 GiB GPU (two trainings at a time) but beside the baseline
+    on a 140 GiB one; every training after the wheels; every arm's cells after its training; poll reports each chain."""
+    calls = tmp_path / "calls.txt"
+    out = tmp_path / "out"
+    arm = out / "seed4"
+    fake = tmp_path / "fake_run.sh"  # run.py's stand-in: writes the files that chains wait for; the baseline trains longest
+    fake.write_text(f"""#!/usr/bin/env bash
+sleep 0.3
+case "$*" in
+  "--piece data --seed 4") mkdir -p {arm}/data && echo '{{}}' > {arm}/data/info.json && touch {arm}/data/done ;;
+  "--piece data --seed 4 --s2-retrieval 0.25 --s3-wordings 6") touch {arm}/data/stage2_r0.25.pt {arm}/data/long_w6.pt ;;
+  "--piece train --arm hydra-7to1 --seed 4 --tokens 12.5M") sleep 2; mkdir -p {arm}/hydra-7to1_t12500000/stage3 && touch {arm}/hydra-7to1_t12500000/stage3/done.json ;;
+  "--piece train --arm hydra-7to1 --seed 4 --tokens 12.5M --s2-retrieval 0.25")
+    d="{arm}/hydra-7to1+s2_retrieval=0.25_t12500000/stage3"; mkdir -p "$d" && touch "$d/done.json" ;;
+esac
+echo "$*" >> {calls}
+""")
+    fake.chmod(0o755)
+    wheels = tmp_path / "wheels_done"
+    env = {**os.environ, "OUT_DIR": str(out), "RUN": str(fake), "SESSION_DIR": str(tmp_path / "sd"),
+           "CODE_DIR": str(tmp_path / "code"), "TRITON_CACHE_DIR": str(tmp_path / "triton"), "KERNEL_CACHE": "/none",
+           "COMPILE_CACHE": "/none", "WHEELS_DONE": str(wheels), "GPU_MIB": str(gpu_mib),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", str(LEVERS), "start"], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    time.sleep(1)
+    assert not calls.exists() or "--piece train" not in calls.read_text()  # no training before the wheels are in
+    wheels.touch()
+    ret = tmp_path / "ret"
+    p = subprocess.run(["bash", str(LEVERS), "poll", str(ret), "120"], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    for s in ("sd", "sd2", "sd3", "sd4"):
+        assert (tmp_path / s / "status").read_text().endswith("session done\n"), s
+    e = "--eval-formats unseen --eval-max-len 4096 --eval-tasks-first niah_single"
+    r4 = "--seed 4 --tokens 12.5M"
+    order = calls.read_text().splitlines()
+    assert sorted(order) == sorted([
+        "--piece data --seed 4", "--piece suite --eval-max-len 4096",
+        "--piece data --seed 4 --s2-retrieval 0.25 --s3-wordings 6",
+        *(f"--piece {piece} --arm {a} {r4}{lever}" + (f" {e}" if piece == "eval" else "")
+          for piece in ("train", "eval") for a, lever in (("hydra-7to1", ""), ("hydra-7to1", " --s2-retrieval 0.25"),
+                                                          ("hydra-7to1", " --s3-wordings 6"), ("hydra-5to1", "")))])
+    at = {c: i for i, c in enumerate(order)}
+    base, s2, s3, b5 = (f"--piece train --arm {a} {r4}{lv}" for a, lv in (("hydra-7to1", ""),
+                        ("hydra-7to1", " --s2-retrieval 0.25"), ("hydra-7to1", " --s3-wordings 6"), ("hydra-5to1", "")))
+    rows = "--piece data --seed 4 --s2-retrieval 0.25 --s3-wordings 6"
+    assert at["--piece data --seed 4"] < at[rows] < at[s2] and at[rows] < at[s3] and at[base] < at[s3]
+    assert all(at[t] < at[t.replace("--piece train", "--piece eval") + f" {e}"] for t in (base, s2, s3, b5))
+    waits5 = (tmp_path / "sd4" / "status").read_text()
+    if gpu_mib > 100000:
+        assert f"wait {arm}/data/done: here" in waits5 and "s2_retrieval" not in waits5
+    else:
+        assert f"wait {arm}/hydra-7to1+s2_retrieval=0.25_t12500000/stage3/done.json: here" in waits5
+        assert at[s2] < at[b5]
+    chains = (ret / "chains.log").read_text()
+    assert all(f"== chain {i}" in chains for i in (2, 3, 4)) and (ret / "status").exists()

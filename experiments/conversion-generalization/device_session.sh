@@ -3,9 +3,12 @@
 # polled by short calls (the machine goes back 30 s after a call ends, and after 30 minutes held). On a GPU machine of
 # your own, run the pieces in sequence instead (the study's README).
 # On the working machine, before the session (needs the repository's git history):
-#   bash experiments/conversion-generalization/device_session.sh export-docs DIR [SEED]
-#       write seed SEED's (default 0) document pack from the branch study-state (or origin/study-state in a clone),
-#       folder seedSEED-docs/, into DIR (e.g. runs/state/seed0-docs), checked against the pack's manifest; carry DIR
+#   bash experiments/conversion-generalization/device_session.sh export-docs DIR [SEED [REF]]
+#       write seed SEED's (default 0) document pack from git into DIR (e.g. runs/state/seed0-docs), checked against the
+#       pack's manifest; carry DIR. The pack is the folder seedSEED-docs/ at REF's root or in REF's
+#       experiments/conversion-generalization/state/ (REF: a commit, e.g. the one that added the pack to main and whose
+#       successor removed it, so that it stays in main's history without riding in every call's tree; default: the
+#       branch study-state, or origin/study-state in a clone)
 # From the repository root on the GPU machine, after `source benchmarks/device_env.sh` in the calls that carry wheels:
 #   bash experiments/conversion-generalization/device_session.sh docs PACK_DIR
 #       unpack a carried state pack (e.g. seed 0's documents from export-docs) into OUT
@@ -17,6 +20,10 @@
 #       "wait FILE" instead of ARGS waits (up to CHAIN_WAIT_S s, default 1200) for FILE and stops the chain if it
 #       does not come. Status lines: /tmp/hs_session/status; output:
 #       /tmp/hs_session/log
+#   bash experiments/conversion-generalization/device_session.sh return-docs RETURN SEED
+#       pack seed SEED's documents (OUT/seedSEED/data/shards and info.json, ~10 MiB for 12,288) into RETURN/seedSEED-docs,
+#       as soon as the data piece has sampled them, in a call of its own: a machine lost later then costs the trainings,
+#       not the 280 s of sampling, and the seed's further arms train on the same documents in a later session
 #   bash experiments/conversion-generalization/device_session.sh poll RETURN [WAIT_S [PATTERN]]
 #       wait up to WAIT_S seconds (default 0) until PATTERN (grep -E) is in the status, print the status and the log's
 #       end, pack OUT's state (no document shards, no suite: both are elsewhere) into RETURN/state and copy the status
@@ -52,7 +59,8 @@ tilelang_dir=${TILELANG_CACHE_DIR:-$HOME/.tilelang/cache}
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 usage() {
-  echo "usage: bash $0 export-docs DIR [SEED] | docs PACK_DIR | start \"RUN.PY ARGS\" ... | poll RETURN [WAIT_S [PATTERN]] | caches RETURN [MAX_MIB]"
+  echo "usage: bash $0 export-docs DIR [SEED [REF]] | docs PACK_DIR | start \"RUN.PY ARGS\" ... | return-docs RETURN SEED |"
+  echo "       poll RETURN [WAIT_S [PATTERN]] | caches RETURN [MAX_MIB]"
   echo "  export-docs on the working machine; docs, start and poll on the GPU machine (see the comments at the top)"
 }
 if [ $# -lt 1 ] || [ "$1" = -h ] || [ "$1" = --help ]; then usage; [ $# -ge 1 ]; exit $?; fi
@@ -60,17 +68,27 @@ cmd=$1
 shift
 case $cmd in
   export-docs)
-    dest=${1:?export-docs DIR [SEED]}
+    dest=${1:?export-docs DIR [SEED [REF]]}
     seed=${2:-0}
-    ref=$(git -C "$repo" rev-parse -q --verify study-state || git -C "$repo" rev-parse -q --verify origin/study-state) \
-      || { echo "no branch study-state here: git fetch origin study-state:study-state" >&2; exit 1; }
+    if [ -n "${3:-}" ]; then
+      ref=$(git -C "$repo" rev-parse -q --verify "$3^{commit}") \
+        || { echo "no commit $3 in $repo's history: pass the commit that added seed$seed-docs/ (state/README.md lists them)" >&2; exit 1; }
+    else
+      ref=$(git -C "$repo" rev-parse -q --verify study-state || git -C "$repo" rev-parse -q --verify origin/study-state) \
+        || { echo "no branch study-state here: git fetch origin study-state:study-state, or pass the commit that holds the pack as REF" >&2; exit 1; }
+    fi
+    loc=
+    for cand in "seed$seed-docs" "experiments/conversion-generalization/state/seed$seed-docs"; do
+      git -C "$repo" cat-file -e "$ref:$cand/state.manifest.json" 2>/dev/null && { loc=$cand; break; }
+    done
+    [ -n "$loc" ] || { echo "no seed$seed-docs/ at $ref (its root or experiments/conversion-generalization/state/): sample the seed's documents on the GPU first" >&2; exit 1; }
     mkdir -p "$dest"
-    git -C "$repo" show "$ref:seed$seed-docs/state.manifest.json" > "$dest/state.manifest.json" \
-      || { rm -f "$dest/state.manifest.json"; echo "no seed$seed-docs/ on $ref: sample the seed's documents on the GPU first" >&2; exit 1; }
+    git -C "$repo" show "$ref:$loc/state.manifest.json" > "$dest/state.manifest.json" \
+      || { rm -f "$dest/state.manifest.json"; exit 1; }
     python3 -c "import json, sys; [print(p['name'], p['sha256']) for p in json.load(open(sys.argv[1]))['parts']]" \
       "$dest/state.manifest.json" > "$dest/.parts" || exit 1
     while read -r name want; do
-      git -C "$repo" show "$ref:seed$seed-docs/$name" > "$dest/$name" || { rm -f "$dest/$name"; exit 1; }
+      git -C "$repo" show "$ref:$loc/$name" > "$dest/$name" || { rm -f "$dest/$name"; exit 1; }
       have=$(sha256sum "$dest/$name" | cut -d' ' -f1)
       [ "$want" = "$have" ] || { echo "$name's SHA-256 $have is not the manifest's $want" >&2; exit 1; }
     done < "$dest/.parts"
@@ -161,6 +179,20 @@ case $cmd in
       [ $done_ok = 1 ] || { st "chain stopped: $args did not finish; later pieces not run"; break; }
     done < "$sd/pieces"
     st "session done"
+    ;;
+  return-docs)
+    ret=${1:?return-docs RETURN SEED}
+    seed=${2:?return-docs RETURN SEED}
+    case $seed in *[!0-9]*) echo "SEED must be a number, not '$seed'" >&2; exit 2;; esac
+    if [ ! -f "$out/seed$seed/data/done" ] || [ ! -f "$out/seed$seed/data/info.json" ]; then
+      echo "seed $seed's documents are not all in $out yet (no seed$seed/data/done): return them once its data piece" \
+        "has finished (its status line, or 'wait $out/seed$seed/data/done' in a chain)" >&2
+      exit 1
+    fi
+    PYTHONPATH="/tmp/site:$repo${PYTHONPATH:+:$PYTHONPATH}" python "$here/run.py" --out "$out" --piece pack \
+      --pack-to "$ret/seed$seed-docs" --pack-include "seed$seed/data/shards" "seed$seed/data/info.json" 2>&1 | tail -n 1
+    [ -f "$ret/seed$seed-docs/state.manifest.json" ] || { echo "seed $seed's documents were not packed" >&2; exit 1; }
+    echo "seed $seed's documents in $ret/seed$seed-docs: keep them on the working machine (state/README.md says where)"
     ;;
   poll)
     ret=${1:?poll RETURN [WAIT_S [PATTERN]]}
