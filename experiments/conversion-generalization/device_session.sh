@@ -11,8 +11,8 @@
 #       branch study-state, or origin/study-state in a clone)
 # From the repository root on the GPU machine, after `source benchmarks/device_env.sh` in the calls that carry wheels:
 #   bash experiments/conversion-generalization/device_session.sh docs PACK_DIR
-#       unpack a carried state pack (e.g. seed 0's documents from export-docs) into OUT
-#       into OUT, so --piece data rebuilds the rows from them instead of sampling again (checked against the record)
+#       unpack a carried state pack (e.g. a seed's documents from export-docs) into OUT, before `start`, so that
+#       --piece data rebuilds the rows from them instead of sampling again (checked against the seed's info.json)
 #   bash experiments/conversion-generalization/device_session.sh start "ARGS" ["ARGS" ...]
 #       restore the committed state/ into OUT (the first start on a machine only; files already there are kept), copy
 #       the code to a private folder, and run `run.py ARGS` for each string in turn in a new process session: a failing

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The lever session's plan (issue 40: the stage-2 data mix, stage-3 template diversity and the 5:1 budget, each beside
 # the baseline trained on the same documents, 12.5M tokens, one new seed) as chains of device_session.sh, so that each
-# call on the GPU machine (the `device` tool) is one short line. From the repository root on the GPU machine, after the
-# set-up calls that carry the wheels and the model (state/README.md), each call starting with
-# `source benchmarks/device_env.sh; `:
+# call on the GPU machine (the `device` tool) is one short line. From the repository root on the GPU machine, in the
+# set-up call that completes the model (trainings wait for the wheels) or later (state/README.md), each call starting
+# with `source benchmarks/device_env.sh; `:
 #   bash experiments/conversion-generalization/lever_session.sh start
 #       the four chains: (1) the seed's documents, the baseline hydra-7to1, its cells; (2) the suite's prompt sets, the
 #       levers' rows once the documents are in, the --s2-retrieval 0.25 arm, its cells; (3) the --s3-wordings 6 arm
