@@ -768,7 +768,7 @@ def test_study_mask_coverage_against_the_scores_csv(tmp_path):
     a = run.parser().parse_args(["--out", str(tmp_path)])
     s = run.settings(a)
     rows = {r["arm"]: r for r in run.mask_coverage(tmp_path, s, a)}
-    assert set(rows) == {"hydra-7to1", "layer-3to1", "layer-7to1", "random-7to1", "ie-7to1"}
+    assert set(rows) == {"hydra-7to1", "layer-3to1", "layer-7to1", "random-7to1", "ie-7to1", "hydra-5to1", "layer-5to1", "random-5to1"}
     sc = pd.read_csv(tmp_path / "anatomy" / key / "teacher" / "ranking" / "scores.csv")
     sc = sc.sort_values("score", ascending=False)
     keys = list(zip(sc["layer"], sc["head"]))
@@ -782,8 +782,9 @@ def test_study_mask_coverage_against_the_scores_csv(tmp_path):
         assert r["topN_held"] == sum(k in fa for k in keys[:len(fa)])
     assert rows["ie-7to1"]["top10_held"] == 9 and rows["hydra-7to1"]["top10_held"] == 5
     assert rows["ie-7to1"]["positive_share"] > rows["hydra-7to1"]["positive_share"] > rows["random-7to1"]["positive_share"]
+    assert rows["hydra-5to1"]["fa_heads"] == 45 and rows["hydra-5to1"]["top10_held"] == 5  # 7:1's 34 heads and 11 more
     lines = run.coverage_lines(tmp_path)
-    assert sum(ln.startswith("| ") and not ln.startswith("| arm") for ln in lines) == 5
+    assert sum(ln.startswith("| ") and not ln.startswith("| arm") for ln in lines) == 8
 
 
 def test_study_anatomy_table_by_hand(tmp_path):

@@ -332,17 +332,21 @@ def test_lever_session_chains_keep_their_order_and_memory_limit(tmp_path, gpu_mi
     """lever_session.sh start: four chains on one OUT; the levers' rows after the documents, the s3 arm after its rows
     and the baseline, the 5:1 arm after the s2 arm on an 80 GiB GPU (two trainings at a time) but beside the baseline
     on a 140 GiB one; every training after the wheels; every arm's cells after its training; poll reports each chain."""
+    # a seed that the committed state/ (which `start` restores into OUT) holds no arm of: seed 4's arms, committed
+    # there since session 10, would let the chains' waits for the baseline pass at once
+    seed = 97
+    assert not (LEVERS.parent / "state" / f"seed{seed}").exists()
     calls = tmp_path / "calls.txt"
     out = tmp_path / "out"
-    arm = out / "seed4"
+    arm = out / f"seed{seed}"
     fake = tmp_path / "fake_run.sh"  # run.py's stand-in: writes the files that chains wait for; the baseline trains longest
     fake.write_text(f"""#!/usr/bin/env bash
 sleep 0.3
 case "$*" in
-  "--piece data --seed 4") mkdir -p {arm}/data && echo '{{}}' > {arm}/data/info.json && touch {arm}/data/done ;;
-  "--piece data --seed 4 --s2-retrieval 0.25 --s3-wordings 6") touch {arm}/data/stage2_r0.25.pt {arm}/data/long_w6.pt ;;
-  "--piece train --arm hydra-7to1 --seed 4 --tokens 12.5M") sleep 2; mkdir -p {arm}/hydra-7to1_t12500000/stage3 && touch {arm}/hydra-7to1_t12500000/stage3/done.json ;;
-  "--piece train --arm hydra-7to1 --seed 4 --tokens 12.5M --s2-retrieval 0.25")
+  "--piece data --seed {seed}") mkdir -p {arm}/data && echo '{{}}' > {arm}/data/info.json && touch {arm}/data/done ;;
+  "--piece data --seed {seed} --s2-retrieval 0.25 --s3-wordings 6") touch {arm}/data/stage2_r0.25.pt {arm}/data/long_w6.pt ;;
+  "--piece train --arm hydra-7to1 --seed {seed} --tokens 12.5M") sleep 2; mkdir -p {arm}/hydra-7to1_t12500000/stage3 && touch {arm}/hydra-7to1_t12500000/stage3/done.json ;;
+  "--piece train --arm hydra-7to1 --seed {seed} --tokens 12.5M --s2-retrieval 0.25")
     d="{arm}/hydra-7to1+s2_retrieval=0.25_t12500000/stage3"; mkdir -p "$d" && touch "$d/done.json" ;;
 esac
 echo "$*" >> {calls}
@@ -351,7 +355,7 @@ echo "$*" >> {calls}
     wheels = tmp_path / "wheels_done"
     env = {**os.environ, "OUT_DIR": str(out), "RUN": str(fake), "SESSION_DIR": str(tmp_path / "sd"),
            "CODE_DIR": str(tmp_path / "code"), "TRITON_CACHE_DIR": str(tmp_path / "triton"), "KERNEL_CACHE": "/none",
-           "COMPILE_CACHE": "/none", "WHEELS_DONE": str(wheels), "GPU_MIB": str(gpu_mib),
+           "COMPILE_CACHE": "/none", "WHEELS_DONE": str(wheels), "GPU_MIB": str(gpu_mib), "SEED": str(seed),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     r = subprocess.run(["bash", str(LEVERS), "start"], env=env, capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
@@ -364,19 +368,19 @@ echo "$*" >> {calls}
     for s in ("sd", "sd2", "sd3", "sd4"):
         assert (tmp_path / s / "status").read_text().endswith("session done\n"), s
     e = "--eval-formats unseen --eval-max-len 4096 --eval-tasks-first niah_single"
-    r4 = "--seed 4 --tokens 12.5M"
+    r4 = f"--seed {seed} --tokens 12.5M"
     order = calls.read_text().splitlines()
     assert sorted(order) == sorted([
-        "--piece data --seed 4", "--piece suite --eval-max-len 4096",
-        "--piece data --seed 4 --s2-retrieval 0.25 --s3-wordings 6",
+        f"--piece data --seed {seed}", "--piece suite --eval-max-len 4096",
+        f"--piece data --seed {seed} --s2-retrieval 0.25 --s3-wordings 6",
         *(f"--piece {piece} --arm {a} {r4}{lever}" + (f" {e}" if piece == "eval" else "")
           for piece in ("train", "eval") for a, lever in (("hydra-7to1", ""), ("hydra-7to1", " --s2-retrieval 0.25"),
                                                           ("hydra-7to1", " --s3-wordings 6"), ("hydra-5to1", "")))])
     at = {c: i for i, c in enumerate(order)}
     base, s2, s3, b5 = (f"--piece train --arm {a} {r4}{lv}" for a, lv in (("hydra-7to1", ""),
                         ("hydra-7to1", " --s2-retrieval 0.25"), ("hydra-7to1", " --s3-wordings 6"), ("hydra-5to1", "")))
-    rows = "--piece data --seed 4 --s2-retrieval 0.25 --s3-wordings 6"
-    assert at["--piece data --seed 4"] < at[rows] < at[s2] and at[rows] < at[s3] and at[base] < at[s3]
+    rows = f"--piece data --seed {seed} --s2-retrieval 0.25 --s3-wordings 6"
+    assert at[f"--piece data --seed {seed}"] < at[rows] < at[s2] and at[rows] < at[s3] and at[base] < at[s3]
     assert all(at[t] < at[t.replace("--piece train", "--piece eval") + f" {e}"] for t in (base, s2, s3, b5))
     waits5 = (tmp_path / "sd4" / "status").read_text()
     if gpu_mib > 100000:
