@@ -20,7 +20,7 @@ def test_two_gloo_ranks_equal_one_process(tiny_dir, tmp_path):
     cols = ["layer", "head", "kv_group", "ie_recv", "ie_recv_std", "score", "rank"]
     pd.testing.assert_frame_equal(single.scores[cols], merged.scores[cols], check_exact=True)
     # both ranks wrote items: 3 pairs x (base + 2 layers) = 9 items
-    items = sorted(p.name for p in (tmp_path / "two" / "receivers").glob("*.pt"))
+    items = sorted(p.name for p in (tmp_path / "two" / "receivers").glob("pair*.json"))
     assert len(items) == 9
 
 

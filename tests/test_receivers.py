@@ -1,3 +1,4 @@
+import json
 import math
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import torch
 from headscope.patching import (
     ConfigMismatch,
     GapError,
+    Store,
     receiver_ie,
     receiver_patching,
     reference_patched_metric,
@@ -91,12 +93,13 @@ def test_hooks_removed_after_exception(tiny, pairs):
 
 def test_store_resume_and_config_guard(tiny, pairs, tmp_path):
     full = receiver_patching(tiny, pairs, min_gap=0.0, progress=False, store_dir=str(tmp_path))
-    stored = sorted(p.name for p in (tmp_path / "receivers").glob("*.pt"))
-    assert stored == [f"pair0000{i}_{k}.pt" for i in (0, 1) for k in ("L000", "L001", "base")]
+    stored = sorted(p.name for p in (tmp_path / "receivers").glob("pair*"))
+    assert stored == [f"pair0000{i}_{k}.json" for i in (0, 1) for k in ("L000", "L001", "base")]
     # poison one stored item: a resumed run must read it back instead of recomputing
-    path = tmp_path / "receivers" / "pair00001_L001.pt"
-    item = torch.load(path, weights_only=False)
-    torch.save({h: v + 100.0 for h, v in item.items()}, path)
+    store = Store(tmp_path, json.loads((tmp_path / "receivers" / "config.json").read_text()), name="receivers")
+    item = store.get("pair00001_L001")
+    assert item == {h: float(full.patched[1, 1, h]) for h in range(tiny.geometry.n_heads)}  # exact round trip
+    store.put("pair00001_L001", {h: v + 100.0 for h, v in item.items()})
     again = receiver_patching(tiny, pairs, min_gap=0.0, progress=False, store_dir=str(tmp_path))
     assert torch.allclose(again.patched[0], full.patched[0])
     assert torch.allclose(again.patched[1, 1], full.patched[1, 1] + 100.0)

@@ -42,12 +42,12 @@ def test_sigkill_then_resume(tiny_dir, tmp_path):
     items = store_dir / "receivers"
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(model_dir), str(store_dir)])
     deadline = time.time() + 300
-    while time.time() < deadline and len(list(items.glob("*.pt"))) < 4:
+    while time.time() < deadline and len(list(items.glob("pair*.json"))) < 4:
         assert proc.poll() is None, "the sweep ended before it could be killed"
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    stored = {p.stem for p in items.glob("*.pt")}
+    stored = {p.stem for p in items.glob("pair*.json")}
     assert 4 <= len(stored) < 9  # 3 pairs x (base + 2 layers) = 9 items when complete
 
     model = load_model(str(model_dir), device="cpu")
