@@ -36,7 +36,7 @@ def test_shards_split_the_items(tiny, smol_tokenizer, tmp_path):
     # base, then cannot merge because rank 0's items are missing
     with pytest.raises(FileNotFoundError):
         receiver_patching(tiny, pairs, min_gap=0.0, progress=False, store_dir=store, shard=(1, 2))
-    have = sorted(p.stem for p in (tmp_path / "s" / "receivers").glob("*.pt"))
+    have = sorted(p.stem for p in (tmp_path / "s" / "receivers").glob("pair*.json"))
     assert have == ["pair00000_L001", "pair00001_L001", "pair00001_base"]
     merged = receiver_patching(tiny, pairs, min_gap=0.0, progress=False, store_dir=store, shard=(0, 2))
     single = receiver_patching(tiny, pairs, min_gap=0.0, progress=False)
