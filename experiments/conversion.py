@@ -53,7 +53,7 @@ from headscope.train import (
     sample_teacher_text,
     stage_rows,
 )
-from headscope.train.evaluate import eval_pairs, evaluate, wilson_interval
+from headscope.evaluation.accuracy import eval_pairs, evaluate, wilson_interval
 
 app = typer.Typer(add_completion=False)
 torch.backends.cuda.matmul.allow_tf32 = True

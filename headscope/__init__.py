@@ -34,7 +34,7 @@ _LAZY = {
     "kv_cache_report": "hybrid",
 }
 _SUBMODULES = (
-    "anatomy", "api", "arch", "cli", "config", "distributed", "errors", "hybrid", "knockout", "masks",
+    "anatomy", "api", "arch", "cli", "config", "distributed", "errors", "evaluation", "hybrid", "knockout", "masks",
     "models", "patching", "plots", "readout", "runtime", "scores", "selectors", "statepack", "tasks", "train", "validate",
 )
 

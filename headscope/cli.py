@@ -49,7 +49,7 @@ def user_errors() -> Iterator[None]:
 
 @app.callback()
 def main() -> None:
-    """headscope: rank attention heads by causal importance (HydraHead, SPEC.md)."""
+    """headscope: rank attention heads by causal importance, convert, evaluate and generate (HydraHead, SPEC.md)."""
 
 
 #: options of ``headscope rank`` that are about the command (output, mask, printing, processes), not the
@@ -367,6 +367,60 @@ def anatomy(
                else f"; rho stays below {a.rho_target} up to n = {curve[-1]['n'] if curve else 0}")
         )
     typer.echo(f"wrote {out / 'anatomy.json'} and {sum(len(v) for k, v in written.items() if k != 'json')} figure file(s)")
+
+
+_EVAL_HELP = """Score MODEL on the retention suite: retrieval of a value hidden in a long prompt, per task x length x format.
+
+MODEL (and --teacher): a converted folder (`headscope convert`), a local HF directory, a .gguf file, a hub id already
+in the local cache, or 'smollm2-135m'. Every cell's n prompts are scored by teacher-forced greedy exact match of the
+answer (batched, bf16 autocast on CUDA) and the first --gen-n by free greedy generation (the `agreement` column: how
+often the two agree). With --teacher, the teacher is scored on the same prompts and retention = accuracy / teacher's.
+
+Haystack of the unseen cells: --corpus FILE (your text, documents separated by blank lines); else --haystack-docs
+documents of --doc-len tokens sampled from the teacher (from MODEL without --teacher) and kept in OUT/haystack/, the
+conversion study's haystack; --corpus builtin: the package's filler sentences (fast, for smoke runs; not natural text).
+The seen cells use the built-in filler and the RULER templates.
+
+Writes OUT/retention.csv (model, seed, tokens, task, formats, length, n, hits, accuracy, teacher_accuracy, agreement,
+source=cli), OUT/retention_summary.csv (intervals, retention), OUT/report.md, OUT/report.html and the per-prompt
+records OUT/cells/NAME__sSEED__tTOKENS/TASK.FORMATS.LENGTH.json.gz. Resumable per cell: a rerun skips the cells
+already stored with the same settings; several models evaluated into one OUT share the teacher's cells and the
+prompts and appear in one table. Every argument is checked before a model loads (errors: one line, exit code 2)."""
+
+
+@app.command("eval", help=_EVAL_HELP)
+def eval_command(
+    model: str = typer.Argument(..., help="the model to score: converted folder, HF directory, .gguf, cached hub id or 'smollm2-135m'"),
+    teacher: Optional[str] = typer.Option(None, help="reference model scored on the same prompts (retention = accuracy / its accuracy)"),
+    formats: List[str] = typer.Option(["unseen"], help="template families: unseen (wordings no conversion trains on, natural-text "
+                                       "haystack) and/or seen (the RULER templates); repeat or comma-separate"),
+    tasks: List[str] = typer.Option(["niah_single,niah_multikey,niah_multivalue,variable_tracking"],
+                                    help="retrieval tasks; repeat or comma-separate"),
+    lengths: List[str] = typer.Option(["1024,2048,4096"], help="prompt lengths in tokens (1024 or 1K); repeat or comma-separate"),
+    n: int = typer.Option(100, help="prompts per cell (needle depths evenly spread over the haystack)"),
+    gen_n: int = typer.Option(20, help="prompts per cell also scored by free greedy generation (0: none)"),
+    gen_max_len: int = typer.Option(4096, help="the generation check only in cells of at most this many tokens"),
+    batch_tokens: int = typer.Option(32768, help="tokens per forward of the teacher-forced scoring (prompts per batch = this // length)"),
+    corpus: Optional[str] = typer.Option(None, help="haystack of the unseen cells: a text file (documents separated by blank lines) "
+                                         "or 'builtin' (the package's filler); default: documents sampled from the teacher / model"),
+    haystack_docs: int = typer.Option(1024, help="documents sampled for the haystack (without --corpus)"),
+    doc_len: int = typer.Option(512, help="tokens per sampled haystack document"),
+    seed: int = typer.Option(0, help="added to the prompt and haystack seeds (0: the conversion study's prompts)"),
+    device: Optional[str] = typer.Option(None, help="cpu / cuda / cuda:N (default: cuda when available)"),
+    dtype: str = typer.Option("float32", help="weights' dtype: float32, bfloat16 or float16 (on CUDA the forward runs under bf16 autocast either way)"),
+    out: Path = typer.Option(Path("runs/eval"), help="output folder (a rerun resumes; several models may share it)"),
+    name: Optional[str] = typer.Option(None, help="the model's name in the tables (default: its folder's name; DIR/stageK -> DIR-stageK)"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="a progress bar over cells and prompts"),
+) -> None:
+    with user_errors():
+        from .evaluation.runner import check_eval_args, run_eval
+
+        cfg = check_eval_args(model, teacher, formats, tasks, lengths, n, gen_n, gen_max_len, batch_tokens, corpus,
+                              haystack_docs, doc_len, seed, device, dtype, out, name)
+        res = run_eval(cfg, progress=progress, log=lambda s: typer.echo(s, err=True))
+    typer.echo(Path(res["report"]["md"]).read_text())
+    typer.echo(f"wrote {out}/: retention.csv ({res['rows']} rows), retention_summary.csv, report.md"
+               + (", report.html" if "html" in res["report"] else "") + f", cells/ (per-prompt records); {res['seconds']} s")
 
 
 def run() -> None:  # pragma: no cover

@@ -384,6 +384,26 @@ def check_model(spec: Any, name: str = "model") -> Geometry | None:
     return config_geometry(Path(path) / "config.json")
 
 
+def is_hybrid(spec: Any) -> bool:
+    """Whether a model spec names a saved head-wise hybrid (a converted model folder, or a cached hub id of one):
+    its ``config.json`` holds the ``headscope_hybrid`` entry (mask, options, layer specs) that
+    :func:`headscope.hybridize` writes. Reads the config only; False for GGUF files and unknown specs.
+    A :class:`LoadedModel` is a hybrid when its model's config has the entry."""
+    if isinstance(spec, LoadedModel):
+        return bool(getattr(spec.hf_model.config, "headscope_hybrid", None))
+    try:
+        path, kw, _ = _resolve(spec)
+    except HeadscopeInputError:
+        return False
+    if "gguf_file" in kw:
+        return False
+    cfg = _cached_hub_config(path) if kw.get("local_files_only") else Path(path) / "config.json"
+    try:
+        return bool(cfg) and bool(json.loads(Path(cfg).read_text()).get("headscope_hybrid"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def load_hf(
     spec: str | os.PathLike = DEFAULT_MODEL,
     device: str | torch.device | None = None,
@@ -405,6 +425,10 @@ def load_hf(
     path, kw, name = _resolve(spec)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    if is_hybrid(spec):
+        from . import hybrid  # noqa: F401  (registers the hybrid model types: the folder loads without remote code)
+
+        kw = {**kw, "trust_remote_code": False}
     try:
         tok = AutoTokenizer.from_pretrained(path, **kw)
         if device_map is not None:

@@ -13,7 +13,7 @@ import torch
 
 from conftest import experiment_module
 from headscope.masks import HeadMask
-from headscope.train.evaluate import wilson_interval
+from headscope.evaluation.accuracy import wilson_interval
 
 
 
@@ -38,7 +38,7 @@ def test_retrieval_hits_equal_greedy_generation(smol_tokenizer):
 
     from conftest import tiny_llama
     from headscope.tasks import make_pairs
-    from headscope.train.evaluate import retrieval_hits
+    from headscope.evaluation.accuracy import retrieval_hits
 
     model = tiny_llama(smol_tokenizer)
     pairs = make_pairs("niah_single", smol_tokenizer, n_pairs=6, seq_len=160, seed=3)

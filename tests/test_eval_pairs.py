@@ -1,8 +1,10 @@
 """Evaluation prompts: the filler fit (gallop + bisection) against the one-sentence-at-a-time search,
-and the prompt cache of :func:`headscope.train.evaluate.eval_pairs`."""
+and the prompt cache of :func:`headscope.evaluation.accuracy.eval_pairs`."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import random
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 from headscope.tasks import make_pairs
 from headscope.tasks.filler import Filler
 from headscope.tasks.niah import _ids, _fit_filler
-from headscope.train.evaluate import eval_pairs
+from headscope.evaluation.accuracy import eval_pairs
 
 
 def _fit_linear(tok, make_text, filler, seq_len, seed):
@@ -46,7 +48,7 @@ def test_eval_pairs_cache_round_trip(smol_tokenizer, tmp_path, monkeypatch):
     a = eval_pairs(smol_tokenizer, "niah_single", 160, 3, seed=7, cache_dir=tmp_path)
     assert [p.clean.tolist() for p in a] == [p.clean.tolist() for p in fresh]
     assert [p.answer.tolist() for p in a] == [p.answer.tolist() for p in fresh]
-    f = tmp_path / "niah_single@160_n3_s7.pt"
+    f = tmp_path / "niah_single@160_n3_s7.json.gz"
     assert f.exists() and not list(tmp_path.glob("*.tmp"))
     # the second call reads the file: building is not called again
     import headscope.tasks as tasks
@@ -56,12 +58,12 @@ def test_eval_pairs_cache_round_trip(smol_tokenizer, tmp_path, monkeypatch):
     assert [p.clean.tolist() for p in b] == [p.clean.tolist() for p in a]
     # a file of another tokenizer is rebuilt, not trusted
     monkeypatch.undo()
-    d = torch.load(f, weights_only=False)
+    d = json.loads(gzip.decompress(f.read_bytes()))
     d["ident"]["vocab"] += 1
     d["pairs"] = d["pairs"][:1]
-    torch.save(d, f)
+    f.write_bytes(gzip.compress(json.dumps(d).encode()))
     c = eval_pairs(smol_tokenizer, "niah_single", 160, 3, seed=7, cache_dir=tmp_path)
-    assert len(c) == 3 and torch.load(f, weights_only=False)["ident"]["vocab"] == len(smol_tokenizer)
+    assert len(c) == 3 and json.loads(gzip.decompress(f.read_bytes()))["ident"]["vocab"] == len(smol_tokenizer)
 
 
 def test_evaluate_saves_each_cell_and_resumes(smol_tokenizer, tmp_path, monkeypatch):
@@ -69,7 +71,7 @@ def test_evaluate_saves_each_cell_and_resumes(smol_tokenizer, tmp_path, monkeypa
     finished cells back (never recomputed) and computes only the missing ones, equal to a fresh run."""
     import json
 
-    import headscope.train.evaluate as ev_mod
+    import headscope.evaluation.accuracy as ev_mod
     from conftest import tiny_llama
 
     model = tiny_llama(smol_tokenizer, seed=0, n_layers=1, n_heads=2, n_kv=2, d_model=32)

@@ -1,5 +1,5 @@
 """Retrieval formats kept apart (headscope.tasks.formats), training rows in the training family
-(headscope.train.format_rows), the seen/unseen retention suite (headscope.train.retention) and the
+(headscope.train.format_rows), the seen/unseen retention suite (headscope.evaluation.retention) and the
 study script experiments/conversion-generalization/run.py."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from headscope.tasks.formats import (
     words,
 )
 from headscope.train import format_rows
-from headscope.train.retention import (
+from headscope.evaluation.retention import (
     RETENTION_COLUMNS,
     SuiteConfig,
     evaluate_suite,
@@ -272,7 +272,7 @@ def test_evaluate_suite_scores_and_resumes(smol_tokenizer, tmp_path, monkeypatch
         assert min(parts) >= 0 and abs(sum(parts) - rec["seconds"]) <= 0.03
         g = greedy_generation_hits(model, smol_tokenizer, pairs[:2])
         assert [int(x) for x in g["exact"]] == brute[:2] and rec["gen_agree"] == 2
-    import headscope.train.retention as R
+    import headscope.evaluation.retention as R
 
     monkeypatch.setattr(R, "retrieval_hits", lambda *a, **k: (_ for _ in ()).throw(AssertionError("recomputed")))
     assert evaluate_suite(model, smol_tokenizer, "tiny", 0, 0, cfg, tmp_path / "cells", filler=filler,
@@ -464,7 +464,7 @@ def test_study_arm_labels_dirs_and_refusals(tmp_path):
     assert run.parse_label(run.arm_label(a)) == ("layer-3to1", {"s2_retrieval": "0.25", "s3_wordings": "6", "fa_pos": "rope"})
     assert run.arm_label(args("--arm", "hydra-5to1", "--budget", "5:1")) == "hydra-5to1"
     from headscope.errors import HeadscopeInputError
-    from headscope.train.retention import cell_dir
+    from headscope.evaluation.retention import cell_dir
 
     assert cell_dir(tmp_path, run.arm_label(a), 1, 2).name == "layer-3to1+s2_retrieval=0.25+s3_wordings=6+fa_pos=rope__s1__t2"
     for bad_name in ("a__b", "a/b", "a b"):
@@ -539,7 +539,7 @@ def test_study_lever_table_by_hand(tmp_path):
 def test_evaluate_suite_scores_the_chosen_cells_in_order(tmp_path, monkeypatch):
     """cells= scores exactly those cells in that order (a short session scores the unseen cells first); a cell the
     suite does not have is refused before anything is scored. Scoring itself is stubbed: the order is under test."""
-    import headscope.train.retention as R
+    import headscope.evaluation.retention as R
     from headscope.errors import HeadscopeInputError
 
     cfg = SuiteConfig(lengths=(1024, 2048, 4096), n=2, gen_n=0)
@@ -612,7 +612,7 @@ def test_greedy_generation_batches_equal_lengths_like_one_at_a_time(smol_tokeniz
 def test_depth_table_by_hand(tmp_path):
     import pandas as pd
 
-    from headscope.train.retention import DEPTH_COLUMNS, depth_table
+    from headscope.evaluation.retention import DEPTH_COLUMNS, depth_table
 
     # 10 prompts at linspace(0, 1, 10): 5 bins of width 0.2 hold prompts {0,1} {2,3} {4,5} {6,7} {8,9} (depth 1.0 in the last)
     cells = {"teacher__s0__t0": _cell("teacher", 0, 0, [1] * 9 + [0]),
@@ -640,7 +640,7 @@ def test_distance_table_by_hand(tmp_path):
     distances is left out; different prompt lengths for one key are refused."""
     import pandas as pd
 
-    from headscope.train.retention import DISTANCE_COLUMNS, distance_table
+    from headscope.evaluation.retention import DISTANCE_COLUMNS, distance_table
 
     dist = [100, 600, 511, 512, 1500, 1023, 1024, 3000]  # bins [0,512) [512,1024) [1024,2048) [2048,4096)
     plen = [3000 + i for i in range(8)]
@@ -679,7 +679,7 @@ def test_prompt_depths_are_the_suites(monkeypatch):
 
     import headscope.tasks as tasks
     import headscope.tasks.formats as formats
-    from headscope.train.evaluate import prompt_depths
+    from headscope.evaluation.accuracy import prompt_depths
 
     seen = {}
     monkeypatch.setattr(tasks, "make_pairs", lambda task, tok, n_pairs, seq_len, depth, seed: seen.setdefault("seen", depth))
@@ -901,7 +901,7 @@ def test_study_anatomy_eval_agreement(tmp_path):
 def test_paired_exact_test_by_hand():
     """McNemar's exact test: 3 prompts only ``a`` gets right, none only ``b``: p = 2 · 0.5³ = 0.25; 1 against 1: p = 1."""
     from headscope.errors import HeadscopeInputError
-    from headscope.train.evaluate import paired_exact_test
+    from headscope.evaluation.accuracy import paired_exact_test
 
     t = paired_exact_test([1, 1, 1, 0, 1], [0, 0, 0, 0, 1])
     assert (t["n"], t["hits_a"], t["hits_b"], t["only_a"], t["only_b"]) == (5, 4, 1, 3, 0)

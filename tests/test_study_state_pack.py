@@ -552,7 +552,7 @@ def test_eval_cells_selects_formats_in_order_up_to_a_length(study):
     no options: every cell, shortest first; a maximum below the shortest length is refused."""
     import argparse
 
-    from headscope.train.retention import SuiteConfig
+    from headscope.evaluation.retention import SuiteConfig
 
     cfg = SuiteConfig()
     a = argparse.Namespace(eval_formats=None, eval_max_len=None)

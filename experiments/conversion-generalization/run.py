@@ -3,7 +3,7 @@
 Arms (the same documents for every arm of a seed): hydra-7to1 (the HydraHead mask), layer-3to1 and
 layer-7to1 (whole FA layers), random-7to1 (seeded random heads), teacher. Stage-3 retrieval rows come
 from the ``train`` template family on the training documents (:func:`headscope.train.format_rows`);
-the evaluation is :mod:`headscope.train.retention`'s seen / unseen suite, the unseen haystack from
+the evaluation is :mod:`headscope.evaluation.retention`'s seen / unseen suite, the unseen haystack from
 documents sampled apart from every seed's training text. Every piece is resumable and sized to fit a
 10-minute command on one H200; a rerun skips what is stored:
 
@@ -73,8 +73,8 @@ from headscope.masks import HeadMask  # noqa: E402
 from headscope.runtime import atomic_write_text  # noqa: E402
 from headscope.tasks.formats import FORMAT_TASKS  # noqa: E402  (the suite's tasks; --eval-tasks-first checked against them)
 from headscope.train import TokenRows, TrainConfig, convert_stage, format_rows, load_student, mix, pack  # noqa: E402
-from headscope.train.evaluate import paired_exact_test  # noqa: E402
-from headscope.train.retention import (SuiteConfig, cell_dir, depth_table, distance_table, evaluate_suite,  # noqa: E402
+from headscope.evaluation.accuracy import paired_exact_test  # noqa: E402
+from headscope.evaluation.retention import (SuiteConfig, cell_dir, depth_table, distance_table, evaluate_suite,  # noqa: E402
                                        load_cells, retention_table, suite_pairs)
 
 ARMS = {"hydra-7to1": "hydrahead", "layer-3to1": "layerwise3", "layer-7to1": "layerwise", "random-7to1": "random", "teacher": None}
@@ -1222,7 +1222,7 @@ def _single_needle_bins(out: Path, csv_name: str, lengths: Sequence[int], lo: st
 
 def depth_lines(out: Path, lengths: Sequence[int]) -> list[str]:
     """comparison.md's depth section: unseen single-needle accuracy per needle-depth fifth (OUT/retention_depth.csv,
-    :func:`headscope.train.retention.depth_table`; :func:`_single_needle_bins`), the approximate distance from the
+    :func:`headscope.evaluation.retention.depth_table`; :func:`_single_needle_bins`), the approximate distance from the
     needle to the question in the header."""
     return _single_needle_bins(
         out, "retention_depth.csv", lengths, "depth_lo", "depth_hi",
@@ -1233,7 +1233,7 @@ def depth_lines(out: Path, lengths: Sequence[int]) -> list[str]:
 
 def distance_lines(out: Path, lengths: Sequence[int]) -> list[str]:
     """comparison.md's distance section: unseen single-needle hits per exact distance from the needle to the end of
-    the prompt (OUT/retention_distance.csv, :func:`headscope.train.retention.distance_table`;
+    the prompt (OUT/retention_distance.csv, :func:`headscope.evaluation.retention.distance_table`;
     :func:`_single_needle_bins`); the same distance column across lengths tells distance from relative depth."""
     return _single_needle_bins(
         out, "retention_distance.csv", lengths, "distance_lo", "distance_hi",
@@ -1335,7 +1335,7 @@ def lever_pairs(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> int:
     """OUT/levers_paired.csv and a second table in OUT/levers.md: each lever row of levers.csv beside its
     reference (:func:`lever_reference`) on the seeds both were trained on (same documents) and the same prompts
     of the unseen single-needle cells: hits of each summed over the shared seeds, the prompts only one of them gets
-    right, and McNemar's exact two-sided p (:func:`~headscope.train.evaluate.paired_exact_test`) per length.
+    right, and McNemar's exact two-sided p (:func:`~headscope.evaluation.accuracy.paired_exact_test`) per length.
     The lever table's means pool other seeds; this table is the like-for-like comparison. Returns the rows
     written (0 without levers.csv or shared cells)."""
     import pandas as pd

@@ -2,14 +2,14 @@
 
 The suite (:class:`SuiteConfig`) crosses tasks × formats × lengths:
 
-* ``formats="seen"``: the RULER-style prompts of :func:`headscope.train.evaluate.eval_pairs` (built-in
+* ``formats="seen"``: the RULER-style prompts of :func:`headscope.evaluation.accuracy.eval_pairs` (built-in
   filler, the templates that earlier conversions trained on) — the in-distribution cells;
 * ``formats="unseen"``: :func:`headscope.tasks.formats.format_pairs` of the ``unseen`` family on a
   natural-text haystack (held-out teacher documents or a user corpus; no training row shares a
   wording, key word, variable name or filler sentence with them).
 
 Every cell is scored by teacher-forced greedy exact match of the answer span
-(:func:`headscope.train.evaluate.retrieval_hits`) on all ``n`` prompts, and by free greedy generation
+(:func:`headscope.evaluation.accuracy.retrieval_hits`) on all ``n`` prompts, and by free greedy generation
 (:func:`greedy_generation_hits`) on the first ``gen_n`` prompts of the cells up to ``gen_max_len``
 tokens, which confirms the teacher-forced score. Each (model, cell) is written to its own JSON file as
 it finishes (:func:`evaluate_suite`); a rerun skips the stored cells. :func:`retention_table` joins the
@@ -19,6 +19,7 @@ each cell by needle depth (where in the prompt the evidence sits), into ``retent
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import math
@@ -34,10 +35,14 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ..errors import HeadscopeInputError
-from ..runtime import atomic_torch_save, atomic_write_text
-from .evaluate import eval_pairs, prompt_depths, retrieval_hits, wilson_interval
+from ..runtime import atomic_write_bytes, atomic_write_text
+from .accuracy import eval_pairs, prompt_depths, retrieval_hits, wilson_interval
+from .pairsets import load_pairs, save_pairs
 
 RETENTION_COLUMNS = ("model", "seed", "tokens", "task", "formats", "length", "n", "hits", "accuracy", "teacher_accuracy")
+#: retention.csv of ``headscope eval``: the study's columns, then ``agreement`` (share of the generation-checked prompts
+#: where free greedy generation's exact match equals teacher forcing's) and ``source`` (who made the row: ``cli``)
+EVAL_COLUMNS = RETENTION_COLUMNS + ("agreement", "source")
 DEPTH_COLUMNS = ("model", "seed", "tokens", "task", "formats", "length", "depth_lo", "depth_hi", "distance_tokens", "n",
                  "hits", "accuracy", "teacher_hits", "teacher_accuracy")
 DISTANCE_COLUMNS = ("model", "seed", "tokens", "task", "formats", "length", "distance_lo", "distance_hi", "n", "hits",
@@ -111,15 +116,15 @@ def suite_pairs(tokenizer: Any, cfg: SuiteConfig, task: str, formats: str, lengt
     from ..tasks.formats import format_pairs
 
     ident = {"tokenizer": str(getattr(tokenizer, "name_or_path", "")), "vocab": len(tokenizer), "filler": filler_digest(filler)}
-    f = Path(cache_dir) / f"unseen_{task}@{length}_n{cfg.n}_s{cfg.unseen_seed}.pt" if cache_dir is not None else None
+    f = Path(cache_dir) / f"unseen_{task}@{length}_n{cfg.n}_s{cfg.unseen_seed}.json.gz" if cache_dir is not None else None
     if f is not None and f.exists():
-        d = torch.load(f, weights_only=False)  # our own file: a pickled list of Pair
-        if d.get("ident") == ident:
-            return d["pairs"]
+        got = load_pairs(f, ident)
+        if got is not None:
+            return got
     depths = [float(d) for d in prompt_depths(cfg.n)]
     pairs = format_pairs(tokenizer, "unseen", task, filler, n_pairs=cfg.n, seq_len=length, depth=depths, seed=cfg.unseen_seed)
     if f is not None:
-        atomic_torch_save(f, {"ident": ident, "pairs": pairs})
+        save_pairs(f, ident, pairs)
     return pairs
 
 
@@ -209,6 +214,8 @@ def evaluate_suite(
     model: Any, tokenizer: Any, name: str, seed: int, tokens: int, cfg: SuiteConfig, root: str | Path,
     filler: Any = None, cache_dir: str | Path | None = None, deadline: Optional[float] = None,
     log: Callable[[str], None] = print, cells: Optional[Sequence[tuple[str, str, int]]] = None,
+    progress: Optional[Callable[[int], None]] = None, compress: bool = False,
+    extra_config: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """Score ``model`` on every cell of ``cfg`` into ``root``/``name``__s``seed``__t``tokens``/TASK.FORMATS.LENGTH.json.
 
@@ -226,6 +233,12 @@ def evaluate_suite(
     with the same config are skipped; ``deadline`` (a ``time.time()`` value) stops before starting a new
     cell once passed (rerun to continue).
 
+    ``compress``: write each cell as gzip JSON (``TASK.FORMATS.LENGTH.json.gz``, what ``headscope eval`` writes)
+    instead of plain JSON; either form is read back (:func:`load_cells`, the skip check). ``progress``: called
+    with the number of prompts scored as each batch finishes, and with a skipped cell's ``n`` (a progress bar
+    over cells x prompts). ``extra_config``: more settings stored in each cell's ``config`` beside ``cfg``'s (e.g. the
+    haystack's digest, the model's weights' fingerprint); a cell is skipped only where they are equal too.
+
     Returns:
         {"done": cells stored now or before, "left": cells not reached}.
     """
@@ -237,21 +250,24 @@ def evaluate_suite(
     model.eval()
     d = cell_dir(root, name, seed, tokens)
     d.mkdir(parents=True, exist_ok=True)
-    conf = json.loads(json.dumps(asdict(cfg)))  # as stored (tuples become lists)
+    conf = json.loads(json.dumps({**asdict(cfg), **(extra_config or {})}))  # as stored (tuples become lists)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     done, left = 0, 0
     for task, fmt, L in todo:
-        f = d / f"{task}.{fmt}.{L}.json"
-        if f.exists() and json.loads(f.read_text()).get("config") == conf:
+        old = read_cell(d, task, fmt, L)
+        if old is not None and old.get("config") == conf:
             done += 1
+            if progress is not None:
+                progress(cfg.n)
             continue
+        f = d / (f"{task}.{fmt}.{L}.json" + (".gz" if compress else ""))
         if deadline is not None and time.time() > deadline:
             left += 1
             continue
         t0 = time.time()
         pairs = suite_pairs(tokenizer, cfg, task, fmt, L, filler, cache_dir)
         t1 = time.time()
-        h = retrieval_hits(model, pairs, pad, batch_size=max(1, cfg.batch_tokens // L))
+        h = retrieval_hits(model, pairs, pad, batch_size=max(1, cfg.batch_tokens // L), progress=progress)
         t2 = time.time()
         rec: dict[str, Any] = {"model": name, "seed": int(seed), "tokens": int(tokens), "task": task, "formats": fmt,
                                "length": L, "n": len(h), "hits": int(h.sum()), "accuracy": int(h.sum()) / len(h),
@@ -263,13 +279,16 @@ def evaluate_suite(
             g = greedy_generation_hits(model, tokenizer, pairs[:k], batch_tokens=cfg.batch_tokens, use_cache=cfg.gen_cache)
             rec.update(gen_n=k, gen_exact_hits=int(sum(g["exact"])), gen_text_hits=int(sum(g["text"])),
                        gen_agree=int(sum(int(a) == int(b) for a, b in zip(g["exact"], h[:k].tolist()))),
-                       gen_examples=g["outputs"][:3])
+                       gen_exact=[int(x) for x in g["exact"]], gen_examples=g["outputs"][:3])
         else:
             rec.update(gen_n=0, gen_exact_hits=0, gen_text_hits=0, gen_agree=0)
         t3 = time.time()
         rec.update(seconds=round(t3 - t0, 2), prompt_seconds=round(t1 - t0, 2), score_seconds=round(t2 - t1, 2),
                    gen_seconds=round(t3 - t2, 2), config=conf)
-        atomic_write_text(f, json.dumps(rec))
+        write_cell(f, rec)
+        for other in (d / f"{task}.{fmt}.{L}.json", d / f"{task}.{fmt}.{L}.json.gz"):
+            if other != f:
+                other.unlink(missing_ok=True)  # a cell of another config in the other form
         done += 1
         log(f"{name} s{seed} t{tokens} {task} {fmt} {L}: {rec['hits']}/{rec['n']}"
             + (f" (generation {rec['gen_exact_hits']}/{k}, agrees on {rec['gen_agree']})" if k else "")
@@ -277,9 +296,33 @@ def evaluate_suite(
     return {"done": done, "left": left}
 
 
+def write_cell(path: str | Path, rec: dict[str, Any]) -> None:
+    """One cell record to ``path``, atomically: gzip JSON where the name ends in ``.gz``, else plain JSON."""
+    text = json.dumps(rec)
+    if str(path).endswith(".gz"):
+        atomic_write_bytes(path, gzip.compress(text.encode(), mtime=0))
+    else:
+        atomic_write_text(path, text)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if path.name.endswith(".gz") else raw)
+
+
+def read_cell(folder: str | Path, task: str, formats: str, length: int) -> Optional[dict[str, Any]]:
+    """The stored record of one cell in a model's folder (:func:`cell_dir`), plain or gzip JSON; None if absent."""
+    for name in (f"{task}.{formats}.{int(length)}.json", f"{task}.{formats}.{int(length)}.json.gz"):
+        f = Path(folder) / name
+        if f.exists():
+            return _read_json(f)
+    return None
+
+
 def load_cells(root: str | Path) -> list[dict[str, Any]]:
-    """Every stored cell record under ``root`` (see :func:`evaluate_suite`)."""
-    return [json.loads(f.read_text()) for f in sorted(Path(root).glob("*__s*__t*/*.json"))]
+    """Every stored cell record under ``root`` (see :func:`evaluate_suite`; plain or gzip JSON)."""
+    files = sorted([*Path(root).glob("*__s*__t*/*.json"), *Path(root).glob("*__s*__t*/*.json.gz")])
+    return [_read_json(f) for f in files]
 
 
 def _teacher_cells(cells: Sequence[dict[str, Any]], teacher: str) -> dict[tuple[str, str, int], dict[str, Any]]:
@@ -316,13 +359,15 @@ def ratio_interval(student: Sequence[int], teacher: Sequence[int], n_boot: int =
     return float(s.sum() / t.sum()), float(np.quantile(r, a)), float(np.quantile(r, 1 - a))
 
 
-def retention_table(root: str | Path, out: str | Path, teacher: str = "teacher", n_boot: int = 2000) -> dict[str, Any]:
+def retention_table(root: str | Path, out: str | Path, teacher: str = "teacher", n_boot: int = 2000,
+                    source: Optional[str] = None) -> dict[str, Any]:
     """``out``/retention.csv (columns :data:`RETENTION_COLUMNS`, one row per model, seed, tokens, task,
     formats, length; the teacher's own rows included), ``retention_summary.csv`` (per row: 95 % Wilson
     intervals of both accuracies, the retention with its paired bootstrap interval, the greedy-generation
     check) and ``retention_seeds.csv`` (per model, tokens and cell over seeds: mean, standard deviation,
     min and max of accuracy and retention). The teacher is the stored model named ``teacher`` (its
-    first seed/tokens where several are stored).
+    first seed/tokens where several are stored). ``source``: retention.csv gets the columns :data:`EVAL_COLUMNS`,
+    ``source`` set to it on every row and ``agreement`` = gen_agree / gen_n (empty where no prompt was generated).
 
     Returns:
         {"rows": rows in retention.csv, "missing_teacher": cells without a teacher record}.
@@ -339,8 +384,10 @@ def retention_table(root: str | Path, out: str | Path, teacher: str = "teacher",
         ta = t["hits"] / t["n"] if t is not None and t["n"] == c["n"] else float("nan")
         rows.append({k: c[k] for k in RETENTION_COLUMNS if k not in ("accuracy", "teacher_accuracy")}
                     | {"accuracy": c["hits"] / c["n"], "teacher_accuracy": ta})
+        if source is not None:
+            rows[-1].update(agreement=c["gen_agree"] / c["gen_n"] if c.get("gen_n") else float("nan"), source=source)
         lo, hi = wilson_interval(c["hits"], c["n"])
-        s = {**rows[-1], "accuracy_lo": lo, "accuracy_hi": hi}
+        s = {**{k: v for k, v in rows[-1].items() if k not in ("agreement", "source")}, "accuracy_lo": lo, "accuracy_hi": hi}
         if t is not None and t["n"] == c["n"]:
             s["teacher_lo"], s["teacher_hi"] = wilson_interval(t["hits"], t["n"])
             s["retention"], s["retention_lo"], s["retention_hi"] = ratio_interval(c["correct"], t["correct"], n_boot)
@@ -348,7 +395,7 @@ def retention_table(root: str | Path, out: str | Path, teacher: str = "teacher",
         summ.append(s)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    df = pd.DataFrame(rows, columns=list(RETENTION_COLUMNS)).sort_values(["model", "seed", "tokens", "task", "formats", "length"])
+    df = pd.DataFrame(rows, columns=list(RETENTION_COLUMNS if source is None else EVAL_COLUMNS)).sort_values(["model", "seed", "tokens", "task", "formats", "length"])
     df.to_csv(out / "retention.csv", index=False)
     sm = pd.DataFrame(summ)
     sm.to_csv(out / "retention_summary.csv", index=False)
@@ -455,7 +502,7 @@ def depth_table(root: str | Path, out: str | Path, bins: int = 5, teacher: str =
     beside the teacher's on the same prompts (the teacher's first seed/tokens, as :func:`retention_table`).
     ``distance_tokens``: the bin's middle distance from the evidence to the prompt's end, (1 - depth) x the
     cell's mean prompt length, rounded (an approximation: depth places the evidence in the haystack, not in
-    tokens). Method: the prompts of a cell are built at :func:`headscope.train.evaluate.prompt_depths`, so
+    tokens). Method: the prompts of a cell are built at :func:`headscope.evaluation.accuracy.prompt_depths`, so
     prompt i's depth is known from its index.
 
     Returns:

@@ -1,4 +1,4 @@
-"""Evaluation of a converted model: retrieval accuracy with Wilson intervals and held-out perplexity.
+"""Retrieval accuracy with Wilson intervals, paired tests and held-out perplexity, for any causal LM.
 
 Works on any transformers causal LM (teacher or hybrid student) on its own device; on CUDA the
 forward runs under bf16 autocast, as in training. Retrieval is scored by teacher-forced greedy
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -19,8 +19,11 @@ from torch import Tensor
 
 from ..errors import HeadscopeInputError
 from ..readout import greedy_exact_match, read_positions
-from ..runtime import atomic_torch_save, atomic_write_text
-from .data import TokenRows
+from ..runtime import atomic_write_text
+from .pairsets import load_pairs, save_pairs
+
+if TYPE_CHECKING:
+    from ..train.data import TokenRows
 
 
 def wilson_interval(hits: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
@@ -72,7 +75,8 @@ def paired_exact_test(a: Sequence[int], b: Sequence[int]) -> dict[str, float]:
 
 @torch.no_grad()
 def retrieval_hits(
-    model: Any, pairs: Sequence[Any], pad_id: int, batch_size: int = 8, pad_multiple: int = 256
+    model: Any, pairs: Sequence[Any], pad_id: int, batch_size: int = 8, pad_multiple: int = 256,
+    progress: Optional[Callable[[int], None]] = None,
 ) -> Bool[Tensor, "pair"]:
     """Whether greedy decoding reproduces each pair's answer a⁺ exactly after its clean prompt.
 
@@ -83,6 +87,7 @@ def retrieval_hits(
         pad_multiple: every batch is right-padded to a multiple of this many tokens, so that the
             kernels see few distinct shapes (a new shape can mean a new compilation or autotuning
             for Triton- and ``torch.compile``-based kernels). Padding never changes real positions.
+        progress: called with the number of prompts of each batch once it is scored (e.g. a tqdm ``update``).
 
     Returns:
         [pair] bool on the CPU.
@@ -106,12 +111,14 @@ def retrieval_hits(
         col = {pos: k for k, pos in enumerate(keep)} if logits.shape[1] == len(keep) else {i: i for i in range(T)}
         for j, (p, r) in enumerate(zip(chunk, reads)):
             hits.append(bool(greedy_exact_match(logits[j, [col[i] for i in r]].float(), p.answer)))
+        if progress is not None:
+            progress(len(chunk))
     return torch.tensor(hits, dtype=torch.bool)
 
 
 def prompt_depths(n: int) -> Float[np.ndarray, "n"]:
     """The needle depth of each of a cell's ``n`` prompts, in prompt order: ``linspace(0, 1, n)`` (0.5 for one
-    prompt); :func:`eval_pairs` (seen) and :func:`headscope.train.retention.suite_pairs` (unseen) build their
+    prompt); :func:`eval_pairs` (seen) and :func:`headscope.evaluation.retention.suite_pairs` (unseen) build their
     prompts at these depths, so a prompt's depth is known from its index. Depth is the evidence's place in the
     haystack as a fraction of it (0: the start, farthest from the question; the queried needle of multi-key, the
     first value of multi-value, the chain's root of variable tracking)."""
@@ -125,8 +132,9 @@ def eval_pairs(tokenizer: Any, task: str, seq_len: int, n: int, seed: int = 1234
 
     Building long prompts is tokenizer-bound (~0.5 s per 16K-token prompt on one CPU core), and every
     model of a comparison is scored on the same prompts: with ``cache_dir`` they are built once and kept
-    in ``cache_dir/{task}@{seq_len}_n{n}_s{seed}.pt`` (with the tokenizer's name and vocabulary size,
-    rebuilt when those differ; written atomically, so concurrent evaluators may share the folder).
+    in ``cache_dir/{task}@{seq_len}_n{n}_s{seed}.json.gz`` (gzip JSON, :mod:`headscope.evaluation.pairsets`; with
+    the tokenizer's name and vocabulary size, rebuilt when those differ; written atomically, so concurrent
+    evaluators may share the folder).
     The key does not cover the task code or tokenizer files changed in place under the same name and
     vocabulary size: use a fresh folder per run (``conversion.py`` keeps it in the run's directory).
 
@@ -136,15 +144,15 @@ def eval_pairs(tokenizer: Any, task: str, seq_len: int, n: int, seed: int = 1234
     from ..tasks import make_pairs
 
     ident = {"tokenizer": str(getattr(tokenizer, "name_or_path", "")), "vocab": len(tokenizer)}
-    f = Path(cache_dir) / f"{task}@{seq_len}_n{n}_s{seed}.pt" if cache_dir is not None else None
+    f = Path(cache_dir) / f"{task}@{seq_len}_n{n}_s{seed}.json.gz" if cache_dir is not None else None
     if f is not None and f.exists():
-        d = torch.load(f, weights_only=False)  # our own file: a pickled list of Pair
-        if d.get("ident") == ident:
-            return d["pairs"]
+        pairs = load_pairs(f, ident)
+        if pairs is not None:
+            return pairs
     depths = [float(d) for d in prompt_depths(n)]
     pairs = make_pairs(task, tokenizer, n_pairs=n, seq_len=seq_len, depth=depths, seed=seed)
     if f is not None:
-        atomic_torch_save(f, {"ident": ident, "pairs": pairs})
+        save_pairs(f, ident, pairs)
     return pairs
 
 
@@ -168,9 +176,9 @@ def retrieval_accuracy(
 
 
 @torch.no_grad()
-def perplexity(model: Any, rows: TokenRows, batch_size: int = 8) -> float:
+def perplexity(model: Any, rows: "TokenRows", batch_size: int = 8) -> float:
     """exp(mean next-token NLL, nats) over the real tokens of ``rows``."""
-    from .stages import lm_loss
+    from ..train.stages import lm_loss
 
     dev = next(model.parameters()).device
     tot, cnt = 0.0, 0
@@ -187,7 +195,7 @@ def perplexity(model: Any, rows: TokenRows, batch_size: int = 8) -> float:
 
 
 def evaluate(
-    model: Any, tokenizer: Any, heldout: TokenRows | None, tasks: Sequence[str], lengths: Sequence[int], n: int,
+    model: Any, tokenizer: Any, heldout: "TokenRows | None", tasks: Sequence[str], lengths: Sequence[int], n: int,
     batch_size: int = 16, seed: int = 1234, cache_dir: str | Path | None = None, partial: str | Path | None = None,
 ) -> dict[str, Any]:
     """Held-out perplexity (``ppl``, if ``heldout``) and ``"{task}@{length}"`` retrieval cells
