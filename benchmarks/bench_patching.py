@@ -10,8 +10,12 @@ Part 1 (one niah_single pair, needle at depth 0.5): times
     first into layers, KV groups and heads where AtP's sums miss, exact verification until the top 10 is
     certified by the stopping rule, a heuristic; see ``screen_auto``).
 Part 2 (``--pairs`` pairs): exact vs screen-then-verify top-10 on the mean IE.
-The final line is `speedup_exact=X speedup_screen=Y max_abs_diff=Z recall_at_k=R`.
-Times are ratios against the TransformerLens sweep measured in the same run.
+The engine's self-check (:mod:`headscope.patching.self_check`) runs once per (model, dtype, length): its seconds in
+the warm-up (where it is paid) and in each timed run are printed (``self-check: ...``), with its share of the one-pair
+screen (``check_share_screen``; the share a cold screen would pay, ``cold_check_share_screen``, is the warm-up's
+checks over the one-pair screen's time).
+The final line is `speedup_exact=X speedup_screen=Y max_abs_diff=Z recall_at_k=R check_share_screen=S
+cold_check_share_screen=C`. Times are ratios against the TransformerLens sweep measured in the same run.
 
 ``--family F[,G...]|all``: for random models of every adapter family at one shape (``--shape``
 layers,d_model,heads,kv_heads), one niah_single pair each: the TransformerLens sweep, headscope exact on the
@@ -141,18 +145,24 @@ def main() -> None:
         shape = tuple(int(x) for x in args.shape.split(","))
         bench_families(args.family.split(","), shape, args.seq_len, args.out, args.fp64, args.repeats)  # type: ignore[arg-type]
         return
+    from headscope.patching.self_check import seconds_spent
+
     model = headscope.load_model(args.model, device="cpu")
     one = niah_single(model.tokenizer, n_pairs=1, seq_len=args.seq_len, depth=0.5, seed=0)
     rows = []
-    # warm-up (allocator, bridge boot) outside the timings
+    checks: dict[str, float] = {}
+    # warm-up (allocator, bridge boot, the self-checks at this length) outside the timings
+    c0 = seconds_spent()
     receiver_patching(model, one, direction="denoising", min_gap=0.0, progress=False, heads=[(0, 0)])
+    checks["warm-up"] = seconds_spent() - c0
     _ = model.bridge
 
     tl_s = float("nan")
     max_diff = float("nan")
-    t = time.perf_counter()
+    c0, t = seconds_spent(), time.perf_counter()
     exact = receiver_patching(model, one, direction="denoising", min_gap=0.0, progress=False)
     exact_s = time.perf_counter() - t
+    checks["exact, 1 pair"] = seconds_spent() - c0
     rows.append(("headscope exact (denoising)", exact_s))
     if not args.skip_tl:
         t = time.perf_counter()
@@ -160,19 +170,22 @@ def main() -> None:
         tl_s = time.perf_counter() - t
         rows.append(("TransformerLens per-head sweep", tl_s))
         max_diff = float((exact.patched[0] - tl).abs().max())
-    t = time.perf_counter()
+    c0, t = seconds_spent(), time.perf_counter()
     scr1 = screen_then_verify(model, one, verify="auto", min_gap=0.0, progress=False)
     screen_s = time.perf_counter() - t
+    checks["screen, 1 pair"] = seconds_spent() - c0
     rows.append(("headscope screen-then-verify", screen_s))
     print(f"screen, 1 pair: {scr1.details}")
 
     pairs = niah_single(model.tokenizer, n_pairs=args.pairs, seq_len=args.seq_len, depth=0.5, seed=1)
-    t = time.perf_counter()
+    c0, t = seconds_spent(), time.perf_counter()
     ex = receiver_patching(model, pairs, progress=False)
     ex6 = time.perf_counter() - t
-    t = time.perf_counter()
+    checks[f"exact, {args.pairs} pairs"] = seconds_spent() - c0
+    c0, t = seconds_spent(), time.perf_counter()
     sc = screen_then_verify(model, pairs, verify="auto", progress=False)
     sc6 = time.perf_counter() - t
+    checks[f"screen, {args.pairs} pairs"] = seconds_spent() - c0
     mean_ex = ex.ie[ex.used].mean(0).numpy()
     mean_sc = sc.ie[sc.exact.used].mean(0).numpy()
     rec = recall_at_k(mean_ex, mean_sc, 10)
@@ -186,9 +199,13 @@ def main() -> None:
     print(f"SmolLM2 niah_single, {args.seq_len} tokens, depth 0.5, torch threads={torch.get_num_threads()}")
     print(table.to_string(index=False))
     print(f"screen, {args.pairs} pairs: {sc.details}")
+    print("self-check seconds (once per model, dtype and length; the warm-up pays it): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in checks.items()))
+    share, cold = checks["screen, 1 pair"] / screen_s, checks["warm-up"] / screen_s
     print(f"load average (1, 5, 15 min) at the end: {os.getloadavg()}")
     print(f"speedup_exact={tl_s / exact_s:.1f} speedup_screen={tl_s / screen_s:.1f} "
-          f"max_abs_diff={max_diff:.2e} recall_at_k={rec:.2f}")
+          f"max_abs_diff={max_diff:.2e} recall_at_k={rec:.2f} check_share_screen={share:.3f} "
+          f"cold_check_share_screen={cold:.3f}")
 
 
 if __name__ == "__main__":

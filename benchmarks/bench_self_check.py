@@ -1,6 +1,7 @@
 """What the engine's longer self-check costs: one ranking of SmolLM2-135M on ``niah_single`` pairs of 512 tokens
 with the checks on (the default: the model's own forward on the first prompt of each new length, and one patched
-row against a hooked forward) or off (``Engine.check = False`` after the build-time check), in separate processes.
+row against a hooked forward) or off (``engine.checks.enabled = False`` after the build-time check), in separate
+processes. ``bench_patching.py`` reports the checks' share of a screen in one process.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_self_check.py on 1
     PYTHONPATH=. .venv/bin/python benchmarks/bench_self_check.py off 1
@@ -28,7 +29,7 @@ def main(arm: str, n_pairs: int) -> None:
 
         def no_check(self, *a, **k):
             init(self, *a, **k)
-            self.check = False
+            self.checks.enabled = False
 
         Engine.__init__ = no_check
     s0 = time.perf_counter()

@@ -3,7 +3,7 @@
 A head-wise hybrid student (:func:`headscope.hybridize`, trained by :mod:`headscope.train`) keeps some heads as
 softmax attention (FA) and turns the others into gated-delta-rule heads (GDN). Its heads are ranked like the
 teacher's, FA and GDN heads alike, each at its output before the output projection (``o_proj``'s input columns,
-the hybrid's ``hook_z``; :mod:`headscope.patching.hybrid`), with the same readout and pairs:
+the hybrid's ``hook_z``; :mod:`headscope.patching.hybrid_engine`), with the same readout and pairs:
 
 * :func:`rank_heads` — receiver IE of every head (eq. 10) as a :class:`~headscope.scores.Ranking`, with a
   ``kind`` column (``"fa"`` / ``"gdn"``) for a hybrid; :meth:`Ranking.mask` and :func:`headscope.anatomy.anatomy`
@@ -32,7 +32,7 @@ from .anatomy import DEFAULT_THRESHOLD, critical_share
 from .errors import HeadscopeInputError
 from .knockout import Method, ablate, retrieval_correct
 from .models import LoadedModel
-from .patching.hybrid import head_kinds, is_hybrid
+from .patching.hybrid_engine import head_kinds, is_hybrid
 from .patching.receivers import receiver_patching
 from .readout import Readout
 from .scores import Ranking, head_table
@@ -52,7 +52,7 @@ def rank_heads(
 ) -> Ranking:
     """Receiver IE of every head of ``model`` on ``pairs`` (exact activation patching, eq. 10), as a Ranking.
 
-    The engine is :func:`~headscope.patching.generic.make_engine`'s ``"auto"``: for a head-wise hybrid the hybrid
+    The engine is :func:`~headscope.patching.contract.make_engine`'s ``"auto"``: for a head-wise hybrid the hybrid
     engine (every head at ``o_proj``'s input, FA and GDN alike), for the teacher the fast engine (hook_z).
 
     Args:

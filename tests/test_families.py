@@ -12,7 +12,8 @@ from conftest import fast_first
 from families import FAMILIES, tiny_family
 from headscope.patching import receiver_patching, reference_patched_metric
 from headscope.patching.engine import Engine, EngineMismatch
-from headscope.patching.generic import BridgeEngine, make_engine
+from headscope.patching.contract import make_engine
+from headscope.patching.generic import BridgeEngine
 from headscope.tasks import niah_single
 
 

@@ -1,4 +1,4 @@
-"""Receiver patching of a hybrid's heads (headscope/patching/hybrid.py) against brute force: one forward of the
+"""Receiver patching of a hybrid's heads (headscope/patching/hybrid_engine.py) against brute force: one forward of the
 model per head with that head's o_proj input columns taken from the corrupted run."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from conftest import tiny_llama
 from headscope.masks import HeadMask
 from headscope.models import wrap
 from headscope.patching import receiver_patching
-from headscope.patching.generic import make_engine
-from headscope.patching.hybrid import HybridEngine, head_kinds, is_hybrid
+from headscope.patching.contract import make_engine
+from headscope.patching.hybrid_engine import HybridEngine, head_kinds, is_hybrid
 from headscope.patching.receivers import sequences
 from headscope.readout import logit_diff
 from headscope.tasks import niah_single
@@ -126,7 +126,7 @@ def test_shortcuts_on_and_batching_invariant(smol_tokenizer, pairs):
 
 def test_broken_shortcut_is_given_up(smol_tokenizer, pairs, monkeypatch):
     """A prefix cache that lost its GDN state is caught by the check; the ranking then runs without it, exactly."""
-    import headscope.patching.hybrid as H
+    import headscope.patching.hybrid_engine as H
 
     lm = tiny_hybrid(smol_tokenizer)
     real = H._copy_cache

@@ -90,7 +90,7 @@ def test_float32_residual_of_bf16_model_nearer_fp32(smol_tokenizer):
 
     from headscope.models import wrap
     from headscope.patching import Precision
-    from headscope.patching.generic import make_engine
+    from headscope.patching.contract import make_engine
 
     pairs = niah_single(smol_tokenizer, n_pairs=1, seq_len=96, depth=[0.4], seed=1)
     import copy

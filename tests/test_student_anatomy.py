@@ -13,7 +13,7 @@ from inference_cfg import plain, use
 from test_hybrid_patching import FA, tiny_hybrid
 
 from headscope.knockout import ablate, generate_answers, retrieval_correct
-from headscope.patching.hybrid import head_kinds
+from headscope.patching.hybrid_engine import head_kinds
 from headscope.scores import Ranking, head_table
 from headscope.student_anatomy import (compare_rankings, head_comparison, kind_summary, knockout_accuracy,
                                        random_gdn_heads, rank_heads)

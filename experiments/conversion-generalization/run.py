@@ -1577,7 +1577,7 @@ def piece_anatomy(a: argparse.Namespace, s: dict, deadline: float) -> str:
     from headscope.models import wrap
     from headscope.student_anatomy import (compare_rankings, head_comparison, kind_summary, knockout_accuracy,
                                            random_gdn_heads)
-    from headscope.patching.hybrid import head_kinds
+    from headscope.patching.hybrid_engine import head_kinds
 
     out = Path(a.out)
     base = out / "anatomy" / anatomy_key(a)

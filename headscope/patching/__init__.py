@@ -1,5 +1,7 @@
-"""Patching: the engine, receivers (eq. 10), senders (path patching, SPEC.md §5) and the resumable store."""
+"""Patching: the engines and their contract, receivers (eq. 10), senders (path patching, SPEC.md §5) and the
+resumable store."""
 
+from .contract import PatchingEngine, PlanEngine, make_engine
 from .engine import Engine, Precision, RunCache, UnsupportedArchitecture
 from .receivers import GapError, PatchResult, receiver_ie, receiver_patching, reference_patched_metric
 from .senders import SenderRounds, iterate_senders, sender_ie, sender_patching
@@ -7,6 +9,9 @@ from .store import ConfigMismatch, Store
 
 __all__ = [
     "Engine",
+    "PatchingEngine",
+    "PlanEngine",
+    "make_engine",
     "Precision",
     "RunCache",
     "UnsupportedArchitecture",

@@ -36,7 +36,9 @@ from tqdm.auto import tqdm
 from ..models import LoadedModel
 from ..readout import Direction, Readout
 from ..tasks.base import Pair
-from .engine import Engine, head_slice
+from .contract import PlanEngine
+from .engine import Engine
+from .layer_ops import head_slice
 from .plan import Entry, LayerCtx, Plan
 from .receivers import PairState, PatchResult, _auto_batch, check_pairs, sequences
 
@@ -67,7 +69,7 @@ def _attribution(
     readout: Readout,
     progress: bool,
     keep_bytes: float,
-    grad_engine: Engine | None = None,
+    grad_engine: PlanEngine | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, dict[int, PairState]]:
     """:func:`attribution_ie` that also keeps each pair's clean/corrupted passes as a
     :class:`PairState` (for exact verification without re-running them) while they fit in ``keep_bytes``.
@@ -155,7 +157,7 @@ def recall_at_k(a: np.ndarray, b: np.ndarray, k: int = 10) -> float:
 
 @torch.no_grad()
 def probe_ie(
-    engine: Engine,
+    engine: PlanEngine,
     states: dict[int, PairState],
     pairs: Sequence[Pair],
     patches: Sequence[tuple[int, Sequence[int]]],
@@ -189,7 +191,7 @@ def probe_ie(
 
 @torch.no_grad()
 def probe_blocks_ie(
-    engine: Engine,
+    engine: PlanEngine,
     states: dict[int, PairState],
     pairs: Sequence[Pair],
     blocks: Sequence[tuple[int, int]],

@@ -23,7 +23,9 @@
   output projection), which the clean comparison cannot see.
 
 ``eng`` is always a :class:`~headscope.patching.engine.Engine` (typed ``Any`` here: the engine imports this
-module, and this module does not import it back).
+module, and this module does not import it back); it is used through its public layer pieces
+(:class:`~headscope.patching.layer_ops.LayerOps`). When each check runs, and what a passed one is kept for:
+:mod:`headscope.patching.self_check`.
 """
 
 from __future__ import annotations
@@ -246,7 +248,7 @@ def compare(eng: Any, cache: "RunCache", logits: Tensor, ref: Reference, read: S
     for lay in range(eng.g.n_layers):
         h_in = cache.resid[lay][None].to(eng.layers[lay].device)
         o_ref = ref.attn[lay] if lay < len(ref.attn) else None
-        o_eng = eng._o(lay, cache.z[lay][None])
+        o_eng = eng.attn_out(lay, cache.z[lay][None])
         h_next = (cache.resid[lay + 1][None] if lay + 1 < eng.g.n_layers
                   else eng.post_attn(lay, h_in, cache.z[lay][None]))
         for part, a, b in ((ATTN_PART, o_eng, o_ref), (OUT_PART, h_next, ref.out[lay] if lay < len(ref.out) else None)):
@@ -310,7 +312,7 @@ def compare_teacher_forced(eng: Any, ids: Int[Tensor, "pos"], ref: Reference, re
         z = eng.attend(lay, q, k, v, positions.to(dev))
         del q, k, v
         if lay < len(ref.attn):
-            d = _rel(eng._o(lay, z), ref.attn[lay])
+            d = _rel(eng.attn_out(lay, z), ref.attn[lay])
             worst = max(worst, d)
             if not d <= tol:
                 raise _layer_mismatch(eng, lay, ATTN_PART, d, tol, T, how)

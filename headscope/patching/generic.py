@@ -1,7 +1,7 @@
 """The generic patching path: any architecture the TransformerLens bridge boots, through its ``hook_z``.
 
-:class:`BridgeEngine` offers the two engine methods receiver patching needs (:meth:`~BridgeEngine.run`
-and :meth:`~BridgeEngine.patched_logits_multi`) for models without an architecture adapter. It makes
+:class:`BridgeEngine` implements :class:`~headscope.patching.contract.PatchingEngine` (the passes of
+:class:`~headscope.patching.hooked.HookedEngine`) for models without an architecture adapter. It makes
 no assumption about the architecture; it finds the activation to patch through the bridge and runs
 the model's own forward:
 
@@ -25,9 +25,9 @@ every new prompt, the unpatched suffix through the cached prefix must give the f
 A shortcut that fails falls back (cache → full forwards; plain modules → the bridge's own hooks), with
 a warning that says which and why: slower, never silently wrong. ``mode`` says what runs.
 
-:func:`make_engine` picks the path: the fast engine where an adapter exists and passes its
-self-check, the generic one where no adapter exists; an adapter that fails its self-check refuses
-(an unknown variant must never give a silently wrong ranking).
+:func:`~headscope.patching.contract.make_engine` picks the path: the fast engine where an adapter exists and passes
+its self-check, the generic one where no adapter exists; an adapter that fails its self-check refuses (an unknown
+variant must never give a silently wrong ranking).
 """
 
 from __future__ import annotations
@@ -36,23 +36,19 @@ import contextlib
 import copy
 import inspect
 import warnings
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Int
 from torch import Tensor, nn
 
 from ..arch import UnsupportedArchitecture
 from ..models import LoadedModel
-from .engine import Engine, Precision
-from .plan import RunCache, row_edits
+from .hooked import Edits, HookedEngine, join_hook, z_hook
+from .plan import RunCache
 
-Path = Literal["auto", "fast", "generic", "hybrid"]
-PATHS = ("auto", "fast", "generic", "hybrid")
 CHECK_TOL = 1e-4  # relative, fp32 (lower precision: LOW_TOL)
 LOW_TOL = 3e-2
-# z edits of one forward: layer -> (row indices, values [rows, positions, H·dh], first position replaced)
-Edits = dict[int, tuple[Tensor, Tensor, int]]
 
 
 def _original(m: nn.Module) -> nn.Module | None:
@@ -117,7 +113,7 @@ def _rel(a: Tensor, b: Tensor) -> float:
     return float((a.float() - b.float()).abs().max()) / float(b.float().abs().max().clamp_min(1e-6))
 
 
-class BridgeEngine:
+class BridgeEngine(HookedEngine):
     """Receiver patching of any architecture the TransformerLens bridge boots, at its ``hook_z``
     hook points. ``path = "generic"``.
 
@@ -136,12 +132,8 @@ class BridgeEngine:
     path = "generic"
 
     def __init__(self, model: LoadedModel, check: bool = True):
-        self.model = model
-        self.g = model.geometry
-        self.device = model.device
-        self.dtype = model.dtype
+        super().__init__(model)
         self.bridge = model.bridge
-        self.hf = model.hf_model
         missing = [f"blocks.{i}.attn.hook_z" for i in range(self.g.n_layers)
                    if f"blocks.{i}.attn.hook_z" not in self.bridge.hook_dict]
         if missing:
@@ -153,7 +145,6 @@ class BridgeEngine:
         self._zmods = _modules(self.bridge, self.g.n_layers, hook_z=True)
         self._blocks = _modules(self.bridge, self.g.n_layers, hook_z=False)
         self._cache_kw = _cache_kw(self.hf)
-        self.why: list[str] = []  # the shortcuts given up, and why
         self.mode = "plain" if self._zmods is not None else "bridge"
         if self._zmods is None:
             self.why.append("no transformers module found behind the bridge's hook_z alias")
@@ -192,28 +183,6 @@ class BridgeEngine:
         S = ids.shape[1]
         off = torch.as_tensor(list(read_off), device=ids.device)
 
-        def z_hook(layer: int) -> Callable:
-            def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-                z = args[0] if args else kwargs["input"]
-                B = z.shape[0]
-                if grab is not None:
-                    grab.append(z.detach().reshape(B, S, -1))
-                if edits is None or layer not in edits:
-                    return None
-                idx, vals, s0 = edits[layer]
-                z2 = z.reshape(B, S, -1).clone()
-                z2[idx, s0:] = vals.to(z2.dtype)
-                z2 = z2.view(z.shape)
-                return ((z2, *args[1:]), kwargs) if args else (args, {**kwargs, "input": z2})
-            return hook
-
-        def join_hook(n: int) -> Callable:
-            def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-                h = args[0] if args else kwargs["hidden_states"]
-                h = torch.cat([h, h[:1].expand(n, *h.shape[1:])])
-                return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
-            return hook
-
         def head_hook(mod: nn.Module, args: tuple) -> tuple | None:  # the read rows only into the unembedding
             h = args[0]
             if h.dim() == 3 and h.shape[1] == S:
@@ -225,7 +194,7 @@ class BridgeEngine:
             try:
                 for i, m in enumerate(self._zmods):
                     if grab is not None or (edits and i in edits):
-                        hooks.append(m.register_forward_pre_hook(z_hook(i), with_kwargs=True))
+                        hooks.append(m.register_forward_pre_hook(z_hook(i, S, edits, grab), with_kwargs=True))
                 for i, n in (join or {}).items():
                     hooks.append(self._blocks[i].register_forward_pre_hook(join_hook(n), with_kwargs=True))  # type: ignore[index]
                 out_emb = self.hf.get_output_embeddings() if hasattr(self.hf, "get_output_embeddings") else None
@@ -256,6 +225,8 @@ class BridgeEngine:
         """A fresh copy of the prefix cache with ``rows`` batch rows, or ``rows[i]`` rows in layer i
         (the forward extends it)."""
         c = copy.deepcopy(self._prefix_cache(ids, start))
+        if not isinstance(rows, int) and len(set(rows)) == 1:
+            rows = rows[0]
         if isinstance(rows, int):
             if rows > 1:
                 c.batch_repeat_interleave(rows)
@@ -265,65 +236,37 @@ class BridgeEngine:
                 layer.batch_repeat_interleave(n)
         return c
 
-    # ---- the engine methods --------------------------------------------------------------------
-    @torch.no_grad()
-    def run(self, ids: Int[Tensor, "pos"], read: Sequence[int]) -> RunCache:
-        """A full pass: hook_z of every layer ([layer, pos, H·dh]) and the logits at ``read``.
-        ``resid``/``k``/``v`` are not kept (empty)."""
-        read = [int(r) for r in read]
+    # ---- the routes of HookedEngine's passes -------------------------------------------------------
+    def _run_other(self, ids: Tensor, read: list[int]) -> RunCache | None:
+        """Through the bridge's own hooks (``run_with_cache``) in bridge mode or where a user hooked the bridge."""
+        if not (self.mode == "bridge" or self._bridge_hooked()):
+            return None
+        names = [f"blocks.{i}.attn.hook_z" for i in range(self.g.n_layers)]
+        logits, cache = self.bridge.run_with_cache(ids[None].to(self.device), names_filter=lambda n: n in names)
+        z = torch.stack([cache[n][0].reshape(ids.numel(), -1) for n in names])
         empty = torch.empty(self.g.n_layers, 0)
-        ids = ids.detach()
-        if self.mode == "bridge" or self._bridge_hooked():
-            names = [f"blocks.{i}.attn.hook_z" for i in range(self.g.n_layers)]
-            logits, cache = self.bridge.run_with_cache(ids[None].to(self.device), names_filter=lambda n: n in names)
-            z = torch.stack([cache[n][0].reshape(ids.numel(), -1) for n in names])
-            return RunCache(empty, z, empty, empty, logits[0, read], ids=ids.cpu(), read=read)
-        grab: list[Tensor] = []
-        logits = self._forward(ids[None].to(self.device), read, grab=grab)
-        return RunCache(empty, torch.stack([z[0] for z in grab]), empty, empty, logits[0], ids=ids.cpu(), read=read)
+        return RunCache(empty, z, empty, empty, logits[0, read], ids=ids.cpu(), read=read)
 
-    @torch.no_grad()
-    def patched_logits_multi(self, base: RunCache, entries: Sequence[tuple[int, Float[Tensor, "rows suffix hd"]]],
-                             start: int, read: Sequence[int]) -> Float[Tensor, "batch read vocab"]:
-        """Each row of ``entries`` ``(layer, z_rows)`` is one forward of ``base``'s prompt whose layer-``layer``
-        hook_z at positions ``start..`` is that row; all rows in one batch. Output rows follow ``entries``.
+    def _patched_other(self, ids: Tensor, flat: list[tuple[int, Tensor]], start: int, read: list[int]
+                       ) -> Tensor | None:
+        """Full forwards through the bridge's own hook points in bridge mode or where a user hooked the bridge."""
+        if not (self.mode == "bridge" or self._bridge_hooked()):
+            return None
+        return self._bridge_patched(ids, flat, start, read)
 
-        Raises:
-            ValueError: no entries, or a base pass without its prompt (not made by :meth:`run`).
-        """
-        if not entries:
-            raise ValueError("no patched rows given")
-        if base.ids is None:
-            raise ValueError("the generic path needs a base pass made by BridgeEngine.run (it keeps the prompt)")
-        read = [int(r) for r in read]
-        ids = base.ids.to(self.device)
-        flat = [(int(layer), z[j]) for layer, z in entries for j in range(z.shape[0])]
+    def _prefix_ok(self, base: RunCache, ids: Tensor, start: int, read: list[int]) -> bool:
+        self._check_prefix(base, ids, start, read)
+        return self.prefix
+
+    def _bridge_patched(self, ids: Tensor, flat: list[tuple[int, Tensor]], start: int, read: list[int]) -> Tensor:
+        """:meth:`patched_logits_multi` of the rows ``flat`` ((layer, hook_z [suffix, H·dh]) each) through the
+        bridge's own hook points (full forwards)."""
+        g = self.g
         rows: dict[int, list[Tensor]] = {}
         idx: dict[int, list[int]] = {}
-        if self.mode == "bridge" or self._bridge_hooked():
-            for r, (layer, z) in enumerate(flat):
-                rows.setdefault(layer, []).append(z)
-                idx.setdefault(layer, []).append(r)
-            return self._bridge_patched(ids, rows, idx, len(flat), start, read)
-        prefix = self.prefix and start > 0
-        if prefix:
-            self._check_prefix(base, ids, start, read)
-            prefix = self.prefix
-        lead = 1 if self.join else 0  # with join, row 0 is the unpatched base row
-        b = row_edits(flat, self.join, 0 if prefix else start, self.device)
-        join, n = b.join, b.n
-        seq = ids[None, start:] if prefix else ids[None]
-        off = [p - start for p in read] if prefix else read
-        cache = None
-        if prefix:
-            cache = self._cached_rows(ids, start, [1 + sum(v for lay, v in join.items() if lay <= i)
-                                                   for i in range(self.g.n_layers)] if join else n)
-        return b.unsort(self._forward(seq.expand(n, -1), off, b.edits, cache=cache, join=join)[lead:])
-
-    def _bridge_patched(self, ids: Tensor, rows: dict[int, list[Tensor]], idx: dict[int, list[int]], r: int,
-                        start: int, read: list[int]) -> Tensor:
-        """:meth:`patched_logits_multi` through the bridge's own hook points (full forwards)."""
-        g = self.g
+        for r, (layer, z) in enumerate(flat):
+            rows.setdefault(layer, []).append(z)
+            idx.setdefault(layer, []).append(r)
         hooks = []
         for layer, members in rows.items():
             ix = torch.as_tensor(idx[layer], device=self.device)
@@ -335,7 +278,7 @@ class BridgeEngine:
                 return zh
 
             hooks.append((f"blocks.{layer}.attn.hook_z", hook))
-        logits = self.bridge.run_with_hooks(ids[None].expand(r, -1), fwd_hooks=hooks)
+        logits = self.bridge.run_with_hooks(ids[None].expand(len(flat), -1), fwd_hooks=hooks)
         return logits[:, read]
 
     # ---- checks ---------------------------------------------------------------------------------
@@ -393,13 +336,7 @@ class BridgeEngine:
         start = T // 2
         entries = [(0, ref.z[0, start:][None] * torch.tensor([0.5, -1.0])[:, None, None].to(ref.z))]
         entries += [(lay, ref.z[lay, start:][None] * 0.5) for lay in range(1, g.n_layers)]
-        flat = [(lay, z[j]) for lay, z in entries for j in range(z.shape[0])]
-        rows: dict[int, list[Tensor]] = {}
-        idx: dict[int, list[int]] = {}
-        for r, (lay, z) in enumerate(flat):
-            rows.setdefault(lay, []).append(z)
-            idx.setdefault(lay, []).append(r)
-        want = self._bridge_patched(ids, rows, idx, len(flat), start, read)
+        want = self._bridge_patched(ids, [(lay, z[j]) for lay, z in entries for j in range(z.shape[0])], start, read)
         for what in ("join", "prefix"):  # each shortcut alone, then together
             if not getattr(self, what):
                 continue
@@ -428,52 +365,3 @@ class BridgeEngine:
             return _rel(self.patched_logits_multi(ref, entries, start, read), want), ""
         except Exception as e:  # noqa: BLE001 - a shortcut the model cannot take
             return float("inf"), f"it fails on this model ({e!r})"
-
-
-def make_engine(model: LoadedModel, path: Path = "auto", precision: Precision | None = None) -> Any:
-    """The engine for ``path``: ``"fast"`` (an architecture adapter, checked against the model's own
-    forward when built), ``"generic"`` (the bridge's hooks), ``"hybrid"`` (a head-wise FA/GDN hybrid's heads
-    at its ``o_proj`` input: :class:`~headscope.patching.hybrid.HybridEngine`) or ``"auto"`` (hybrid for a
-    hybrid, else fast where an adapter exists, else generic, with a warning that says so). ``precision``: the
-    fast engine's :class:`~headscope.patching.engine.Precision` (a float32 residual stream needs the fast engine).
-
-    Raises:
-        ValueError: an unknown path; a float32-residual precision of a low-precision model on the generic or
-            hybrid path; ``"fast"`` / ``"generic"`` on a hybrid, ``"hybrid"`` on another model.
-        UnsupportedArchitecture: ``path="fast"`` on a model without an adapter.
-        EngineMismatch: the adapter's self-check failed (the message names the layer and the fix).
-    """
-    from .hybrid import HybridEngine, is_hybrid
-
-    if path not in PATHS:
-        raise ValueError(f"path={path!r}: use one of {PATHS}")
-    f32 = precision is not None and precision.residual == "float32" and model.dtype != torch.float32
-    hybrid = is_hybrid(model.hf_model)
-    if hybrid and path in ("fast", "generic"):
-        raise ValueError(f"path={path!r} on a head-wise hybrid: use path='auto' or 'hybrid' (its heads are patched "
-                         "at the o_proj input by the hybrid engine)")
-    if path == "hybrid" and not hybrid:
-        raise ValueError("path='hybrid' needs a head-wise hybrid (headscope.hybridize); use 'auto' for this model")
-    if hybrid:
-        if f32:
-            raise ValueError("Precision(residual='float32') runs on the fast engine only; a hybrid runs in its own dtype "
-                             "(load it in float32 for a float32 residual stream)")
-        return HybridEngine(model)
-    if path == "generic":
-        if f32:
-            raise ValueError("Precision(residual='float32') runs on the fast engine only: use path='fast' or 'auto', "
-                             "or the default Precision()")
-        return BridgeEngine(model)
-    try:
-        eng = Engine(model, precision=precision)
-    except UnsupportedArchitecture as e:
-        from .engine import EngineMismatch
-
-        if path == "fast" or isinstance(e, EngineMismatch):
-            raise
-        if f32:
-            raise ValueError(f"{e}; Precision(residual='float32') needs the fast engine: use the default "
-                             "Precision() for the generic bridge path") from e
-        warnings.warn(f"{e}; running the generic bridge path (slower, exact)", stacklevel=3)
-        return BridgeEngine(model)
-    return eng

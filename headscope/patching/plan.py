@@ -1,4 +1,5 @@
-"""What one engine pass computes (:class:`Plan`) and what it keeps (:class:`RunCache`, :class:`PassResult`).
+"""What one engine pass computes (:class:`Plan`), in which precision (:class:`Precision`), and what it keeps
+(:class:`RunCache`, :class:`PassResult`).
 
 Every pass of :meth:`headscope.patching.engine.Engine.forward` is described by a plan: which rows
 start from the embedding and which join later from a cached pass (with their ``hook_z`` given),
@@ -11,10 +12,38 @@ short plans.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How the engine keeps a bf16/fp16 model's activations (recorded with results and in stores).
+
+    Attributes:
+        residual: ``"model"`` (default): the residual stream in the model's dtype, every add rounded to it,
+            as the model's own forward computes. ``"float32"``: the residual stream, the norms, RoPE and
+            every residual add in float32; the projections, the MLP and attention still run in the model's
+            dtype (float32 accumulation inside the kernels, inputs rounded once to the model's dtype), and
+            the cached residual streams are float32 (2x their memory). Closer to a float32 forward of the
+            same weights than the model's own low-precision forward. For a float32 model both are the same
+            computation.
+
+    Raises:
+        ValueError: another ``residual``.
+    """
+
+    residual: Literal["model", "float32"] = "model"
+
+    def __post_init__(self) -> None:
+        if self.residual not in ("model", "float32"):
+            raise ValueError(f"Precision.residual={self.residual!r}: use 'model' or 'float32'")
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"residual": ...}`` (JSON-able)."""
+        return {"residual": self.residual}
 
 
 class LayerStack:
@@ -165,7 +194,7 @@ class PassResult:
 @dataclass
 class RowEdits:
     """Patched rows of one batched suffix pass, grouped by the layer they patch (the batched engines' shared
-    bookkeeping: :meth:`GenericEngine.patched_logits_multi`, :meth:`HybridEngine.patched_logits_multi`).
+    bookkeeping: :meth:`~headscope.patching.hooked.HookedEngine.patched_logits_multi`).
 
     Attributes:
         order: row indices of the flat entries sorted by layer (stable); ``unsort`` puts outputs back.

@@ -21,9 +21,11 @@ from ..models import LoadedModel
 from ..readout import (DEFAULT_LAMBDA, DEFAULT_MIN_GAP, Direction, LowPrecisionWarning, Readout,  # noqa: F401
                        answer_logit_scale, logit_diff, low_precision_pairs, read_positions)
 from ..tasks.base import Pair, validate_pair
-from .engine import Engine, Precision, RunCache, head_slice
-from .generic import make_engine
+from .contract import PatchingEngine, make_engine
+from .layer_ops import head_slice
+from .plan import Precision, RunCache
 from .schedule import Schedule, heads_by_layer
+from .self_check import load_records, save_records
 from .store import Store
 
 
@@ -41,7 +43,7 @@ class PatchResult:
     readout: the :class:`~headscope.readout.Readout` (λ, direction, min_gap) the numbers were read with.
     skipped: indices of pairs whose gap was below ``min_gap``, with the reason.
     path: the engine that ran (``"fast"`` / ``"generic"`` / ``"hybrid"``); precision: the engine's
-    :class:`~headscope.patching.engine.Precision`.
+    :class:`~headscope.patching.plan.Precision`.
     """
 
     ie: Tensor
@@ -89,7 +91,7 @@ def check_pairs(model: LoadedModel, pairs: Sequence[Pair]) -> None:
 def _auto_batch(model: LoadedModel, suffix: int, total: int, mem_bytes: float, resid_bytes: int | None = None) -> int:
     """Patch rows per forward: as many as ``mem_bytes`` of activations allow, at most 4 layers' heads.
 
-    Rows of several layers share one batch (see :meth:`Engine.patched_logits_multi`); bigger batches
+    Rows of several layers share one batch (see :meth:`PatchingEngine.patched_logits_multi`); bigger batches
     make the matmuls more efficient, up to a few thousand (row × position) at a time on a CPU.
     """
     g = model.geometry
@@ -122,7 +124,7 @@ class PairState:
     """
 
     def __init__(
-        self, engine: Engine, pair: Pair, readout: Readout | float, direction: Direction | None = None,
+        self, engine: PatchingEngine, pair: Pair, readout: Readout | float, direction: Direction | None = None,
         runs: tuple[RunCache, RunCache] | None = None,
     ):
         self.readout = readout if isinstance(readout, Readout) else Readout(lam=readout, direction=direction or "noising")
@@ -161,7 +163,7 @@ class PairState:
 
 
 def patch_rows(
-    engine: Engine, st: PairState, rows: Sequence[tuple[int, int]], lam: float | None = None, batch_size: int = 64
+    engine: PatchingEngine, st: PairState, rows: Sequence[tuple[int, int]], lam: float | None = None, batch_size: int = 64
 ) -> Iterator[tuple[list[tuple[int, int]], Tensor]]:
     """m after patching each (layer, head) of ``rows`` alone, ``batch_size`` rows per forward.
 
@@ -189,7 +191,7 @@ def patch_rows(
 
 
 def patch_heads(
-    engine: Engine, st: PairState, layer: int, heads: Sequence[int], lam: float | None = None, batch_size: int = 64
+    engine: PatchingEngine, st: PairState, layer: int, heads: Sequence[int], lam: float | None = None, batch_size: int = 64
 ) -> Tensor:
     """m after patching each of ``heads`` of ``layer`` alone (one batch row per head) -> Float64[len(heads)]."""
     vals = {}
@@ -201,7 +203,7 @@ def patch_heads(
 class _States:
     """Pair states by index: the given ones, else one computed pair at a time."""
 
-    def __init__(self, engine: Engine, pairs: Sequence[Pair], readout: Readout, given: dict[int, PairState] | None):
+    def __init__(self, engine: PatchingEngine, pairs: Sequence[Pair], readout: Readout, given: dict[int, PairState] | None):
         self.engine, self.pairs, self.readout, self.given = engine, pairs, readout, given or {}
         self.cached: dict[int, PairState] = {}
 
@@ -254,8 +256,8 @@ def receiver_patching(
             e.g. kept by :func:`~headscope.patching.attribution.screen_then_verify`).
         path: ``"auto"`` (the hybrid engine for a head-wise hybrid, else the fast engine where an architecture
             adapter exists, else the generic bridge path), ``"fast"``, ``"generic"`` or ``"hybrid"``
-            (:func:`~headscope.patching.generic.make_engine`); the result's ``path`` says which ran.
-        precision: the fast engine's :class:`~headscope.patching.engine.Precision` (default: the
+            (:func:`~headscope.patching.contract.make_engine`); the result's ``path`` says which ran.
+        precision: the fast engine's :class:`~headscope.patching.plan.Precision` (default: the
             model's dtype throughout; ``Precision("float32")``: a bf16/fp16 model's residual stream,
             norms and RoPE in float32, nearer a float32 forward); recorded in the result and the store.
 
@@ -274,26 +276,28 @@ def receiver_patching(
     if shard is not None and (store_dir is None or not 0 <= shard[0] < shard[1]):
         raise ValueError(f"shard={shard} needs 0 <= rank < world_size and a store_dir shared by all ranks")
     precision = precision or Precision()
-    engine = make_engine(model, path, precision)  # type: ignore[arg-type]
-    if mem_bytes is None:
-        mem_bytes = 0.5 * torch.cuda.mem_get_info(model.device)[0] if model.device.type == "cuda" else 2e9
     store = None
     if store_dir is not None:
         cfg = {"kind": "receivers", "lam": readout.lam, "direction": readout.direction, **(store_config or {})}
         if precision != Precision():  # the default adds no key: stores written before keep resuming
             cfg["precision"] = precision.to_dict()
         store = Store(store_dir, {**cfg, "pairs": [hash_pair(p) for p in pairs]}, name="receivers")
+        load_records(model.hf_model, store)  # the engine's self-checks this store's run passed before
+    engine = make_engine(model, path, precision)  # type: ignore[arg-type]
+    if mem_bytes is None:
+        mem_bytes = 0.5 * torch.cuda.mem_get_info(model.device)[0] if model.device.type == "cuda" else 2e9
     sched = Schedule(len(pairs), per_layer, store, shard, progress,
                      desc=f"receiver patching, {engine.path} path (heads x pairs)")
     state = _States(engine, pairs, readout, states)
     sched.load_bases(lambda i: state(i).base_metrics())
     for i, rows in sched.pending().items():
         st = state(i)
-        check = getattr(engine, "check_patches", None)
-        if check is not None:  # a few patched rows against hooked forwards, once per new length
-            check(st.base_ids, st.base, st.src, st.start, st.read)
+        # a few patched rows against hooked forwards, once per new length
+        engine.check_patches(st.base_ids, st.base, st.src, st.start, st.read)
+        if store is not None:
+            save_records(model.hf_model, store)
         bs = batch_size or _auto_batch(model, st.total - st.start, st.total, mem_bytes,
-                                       torch.finfo(getattr(engine, "resid_dtype", model.dtype)).bits // 8)
+                                       torch.finfo(engine.resid_dtype).bits // 8)
         for chunk, vals in patch_rows(engine, st, rows, readout.lam, bs):  # the compute
             for (layer, h), v in zip(chunk, vals.tolist()):
                 sched.record(i, layer, h, v)

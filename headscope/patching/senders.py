@@ -34,7 +34,10 @@ from tqdm.auto import tqdm
 from ..models import LoadedModel
 from ..readout import Readout, logit_diff
 from ..tasks.base import Pair
-from .engine import Engine, RunCache, head_slice
+from .contract import PlanEngine
+from .engine import Engine
+from .layer_ops import head_slice
+from .plan import RunCache
 from .attention import attend
 from .plan import LayerCtx, Plan
 from .receivers import PatchResult, check_pairs, finish, hash_pair, sequences
@@ -73,7 +76,7 @@ def candidate_senders(model: LoadedModel, receivers: Sequence[Head]) -> list[Hea
 
 
 def _pair_sender_effects(
-    engine: Engine,
+    engine: PlanEngine,
     pair: Pair,
     receivers: list[Head],
     senders: list[Head],
@@ -125,7 +128,7 @@ def _pair_sender_effects(
 
 @torch.no_grad()
 def path_patched_logits(
-    engine: Engine,
+    engine: PlanEngine,
     base: RunCache,
     start: int,
     read: Sequence[int],
@@ -144,7 +147,7 @@ def path_patched_logits(
     Raises:
         ValueError: no receivers.
     """
-    engine._one_device("sender path patching")
+    engine.require_one_device("sender path patching")
     layers = sorted(receivers)
     if not layers:
         raise ValueError("no receivers given")

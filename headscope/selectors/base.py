@@ -20,7 +20,7 @@ from torch import Tensor
 from ..runtime import __version__
 from ..models import LoadedModel
 from ..patching.attention import visible
-from ..patching.engine import Engine
+from ..patching.contract import PlanEngine
 from ..patching.plan import Plan
 from ..readout import read_positions
 from ..scores import Ranking
@@ -140,7 +140,7 @@ def sdpa_heads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> F
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def own_attention(eng: Engine, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Float[Tensor, "batch head pos dh"]:
+def own_attention(eng: PlanEngine, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Float[Tensor, "batch head pos dh"]:
     """The model's own attention of ``layer`` (its scale, sliding window and soft-cap) over a whole
     prompt: q [B,H,T,dh], k/v [B,KV,T,dh] -> [B,H,T,dh]."""
     B, H, T, dh = q.shape
@@ -148,13 +148,13 @@ def own_attention(eng: Engine, layer: int, q: Tensor, k: Tensor, v: Tensor) -> F
     return z.view(B, T, H, dh).transpose(1, 2)
 
 
-def layer_mask(eng: Engine, layer: int, T: int) -> Tensor:
+def layer_mask(eng: PlanEngine, layer: int, T: int) -> Tensor:
     """[T, T] mask of the layer's own attention (True = attend): causal, within its sliding window."""
     return visible(torch.arange(T, device=eng.device), T, eng.layers[layer].window)
 
 
 def forward_final(
-    eng: Engine, ids: Int[Tensor, "batch pos"], attn_fn: AttnFn | None = None
+    eng: PlanEngine, ids: Int[Tensor, "batch pos"], attn_fn: AttnFn | None = None
 ) -> Float[Tensor, "batch pos d_model"]:
     """Final hidden states (after the final norm) of one prompt (``ids`` [1, T]) with ``attn_fn`` in
     place of every attention (``attn_fn(layer, q, k, v) -> hook_z [1, T, H·dh]``).

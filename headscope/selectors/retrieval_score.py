@@ -31,6 +31,7 @@ from torch import Tensor
 
 from ..models import LoadedModel
 from ..patching import attention
+from ..patching.contract import PlanEngine
 from ..patching.engine import Engine
 from ..scores import Ranking
 from .base import Prompt, make_ranking, passkey_prompts
@@ -81,7 +82,7 @@ def retrieval_scores(
 
 
 @torch.no_grad()
-def answer_patterns(eng: Engine, ids: Int[Tensor, "pos"], read: Sequence[int]) -> tuple[Tensor, Tensor]:
+def answer_patterns(eng: PlanEngine, ids: Int[Tensor, "pos"], read: Sequence[int]) -> tuple[Tensor, Tensor]:
     """Attention patterns of the read positions' queries, every layer and head, and the logits there.
 
     Returns:
@@ -102,7 +103,7 @@ def answer_patterns(eng: Engine, ids: Int[Tensor, "pos"], read: Sequence[int]) -
     return torch.stack(out, 1), cache.logits
 
 
-def prompt_retrieval_scores(eng: Engine, p: Prompt) -> tuple[Tensor, bool]:
+def prompt_retrieval_scores(eng: PlanEngine, p: Prompt) -> tuple[Tensor, bool]:
     """Retrieval scores of one prompt and whether greedy decoding reproduced the whole answer."""
     pats, logits = answer_patterns(eng, p.ids, p.read)
     emitted = logits.argmax(-1).cpu()

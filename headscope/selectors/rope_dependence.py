@@ -25,6 +25,7 @@ from torch import Tensor
 from ..models import LoadedModel
 from ..arch import LayerParts, rotate
 from ..patching import attention
+from ..patching.contract import PlanEngine
 from ..patching.engine import Engine
 from ..scores import Ranking
 from .base import make_ranking, passkey_prompts
@@ -51,7 +52,7 @@ def band_slices(half: int, n_bands: int) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def rope_kl(
-    eng: Engine, ids: Tensor, n_queries: int | None = 64, n_bands: int = 4
+    eng: PlanEngine, ids: Tensor, n_queries: int | None = 64, n_bands: int = 4
 ) -> tuple[Float[Tensor, "layer head"], Float[Tensor, "band layer head"]]:
     """Per head, mean KL(p_RoPE ‖ p_noRoPE) (RPD) and per band KL(p_RoPE ‖ p_band-removed) (RFIS) on one
     prompt. Layers without RoPE (NoPE layers, learned positions) score 0. Attention uses the layer's own

@@ -8,9 +8,9 @@ head) into the head's slot of the teacher's head order, fuses every head alone (
 output before the output projection. The fusion acts on each head alone, so taking a head's columns from another
 run is the same as taking its output before the fusion from that run.
 
-:class:`HybridEngine` offers the engine methods :func:`~headscope.patching.receivers.receiver_patching` uses
-(:meth:`~HybridEngine.run`, :meth:`~HybridEngine.patched_logits_multi`, :meth:`~HybridEngine.check_patches`), so
-``receiver_patching`` and ``headscope.rank`` run unchanged on a hybrid (:func:`~headscope.patching.generic.make_engine`
+:class:`HybridEngine` implements :class:`~headscope.patching.contract.PatchingEngine` (the passes of
+:class:`~headscope.patching.hooked.HookedEngine`, and :meth:`~HybridEngine.check_patches`), so
+``receiver_patching`` and ``headscope.rank`` run unchanged on a hybrid (:func:`~headscope.patching.contract.make_engine`
 picks it: ``path = "hybrid"``). It runs the model's own forward with forward pre-hooks on ``o_proj`` (read or
 replace ``hook_z`` rows) and on the decoder layers, and two shortcuts that change no number beyond rounding:
 
@@ -37,7 +37,7 @@ disagree too the engine raises :class:`~headscope.patching.check.EngineMismatch`
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from jaxtyping import Float, Int
@@ -46,12 +46,11 @@ from torch import Tensor, nn
 from ..arch import UnsupportedArchitecture
 from ..models import LoadedModel
 from .check import EngineMismatch, tolerance
-from .engine import head_slice
-from .plan import RunCache, row_edits
+from .hooked import Edits, HookedEngine, join_hook, z_hook
+from .layer_ops import head_slice
+from .plan import RunCache
 
 KINDS = ("fa", "gdn")
-# hook_z edits of one forward: layer -> (batch rows, values [rows, positions, H·dh], first computed position replaced)
-Edits = dict[int, tuple[Tensor, Tensor, int]]
 
 
 def hybrid_layers(hf_model: nn.Module) -> list[Any] | None:
@@ -107,7 +106,7 @@ def _copy_cache(cache: Any, config: Any, rows: Sequence[int], max_len: int) -> A
     return out
 
 
-class HybridEngine:
+class HybridEngine(HookedEngine):
     """Receiver patching of a head-wise hybrid's heads at ``o_proj``'s input (``path = "hybrid"``).
 
     ``prefix`` (the cached prefix) and ``join`` (rows join at their layer) say which shortcuts are on; ``why``
@@ -130,11 +129,7 @@ class HybridEngine:
                                           "engine patches models made by headscope.hybridize")
         from ..hybrid.modeling_hybrid import decoder_layers
 
-        self.model = model
-        self.g = model.geometry
-        self.hf = model.hf_model
-        self.device = model.device
-        self.dtype = model.dtype
+        super().__init__(model)
         self.attn = mods
         self.blocks = list(decoder_layers(self.hf))
         self.kinds = head_kinds(self.hf)
@@ -142,12 +137,8 @@ class HybridEngine:
         self.tol = tolerance(self.dtype)
         self.prefix = True
         self.join = True
-        self.why: list[str] = []
         self.patch_checked_len = 0
         self._prefix: tuple[Tensor, Any] | None = None  # (prefix ids, HybridCache of them)
-
-    def __repr__(self) -> str:
-        return f"HybridEngine(prefix={self.prefix}, join={self.join})"
 
     # ---- one forward of the model ---------------------------------------------------------------
     def _forward(self, ids: Int[Tensor, "batch pos"], read_off: Sequence[int], edits: Edits | None = None,
@@ -161,29 +152,9 @@ class HybridEngine:
         off = [int(o) for o in read_off]
         hooks = []
 
-        def z_hook(layer: int) -> Callable:
-            def hook(mod: nn.Module, args: tuple) -> tuple | None:
-                z = args[0]
-                if grab is not None:
-                    grab.append(z.detach().reshape(z.shape[0], S, -1))
-                if edits is None or layer not in edits:
-                    return None
-                idx, vals, s0 = edits[layer]
-                z2 = z.reshape(z.shape[0], S, -1).clone()
-                z2[idx, s0:] = vals.to(z2.device, z2.dtype)
-                return (z2.view(z.shape), *args[1:])
-            return hook
-
-        def join_hook(n: int) -> Callable:
-            def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-                h = args[0] if args else kwargs["hidden_states"]
-                h = torch.cat([h, h[:1].expand(n, *h.shape[1:])])
-                return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
-            return hook
-
         try:
             for i, m in enumerate(self.attn):
-                hooks.append(m.o_proj.register_forward_pre_hook(z_hook(i)))
+                hooks.append(m.o_proj.register_forward_pre_hook(z_hook(i, S, edits, grab), with_kwargs=True))
             for i, n in (join or {}).items():
                 hooks.append(self.blocks[i].register_forward_pre_hook(join_hook(n), with_kwargs=True))
             keep = S - min(off)
@@ -205,49 +176,9 @@ class HybridEngine:
         self._prefix = (ids[:start].clone(), cache)
         return cache
 
-    # ---- the engine methods --------------------------------------------------------------------
-    @torch.no_grad()
-    def run(self, ids: Int[Tensor, "pos"], read: Sequence[int]) -> RunCache:
-        """A full pass of a prompt: hook_z of every layer (``z`` [layer, pos, H·dh]) and the logits at ``read``
-        ([read, vocab]); ``resid``/``k``/``v`` are not kept (empty)."""
-        read = [int(r) for r in read]
-        ids = ids.detach().reshape(-1)
-        grab: list[Tensor] = []
-        logits = self._forward(ids[None].to(self.device), read, grab=grab)
-        empty = torch.empty(self.g.n_layers, 0)
-        return RunCache(empty, torch.stack([z[0] for z in grab]), empty, empty, logits[0], ids=ids.cpu(), read=read)
-
-    @torch.no_grad()
-    def patched_logits_multi(self, base: RunCache, entries: Sequence[tuple[int, Float[Tensor, "rows suffix hd"]]],
-                             start: int, read: Sequence[int]) -> Float[Tensor, "batch read vocab"]:
-        """Each row of ``entries`` ``(layer, z_rows)`` is one forward of ``base``'s prompt whose layer-``layer``
-        hook_z at positions ``start..`` is that row; all rows in one batch. Output rows follow ``entries``.
-
-        Raises:
-            ValueError: no entries, rows that do not cover ``start..``, a base pass without its prompt.
-        """
-        if not entries:
-            raise ValueError("no patched rows given")
-        if base.ids is None:
-            raise ValueError("the hybrid engine needs a base pass made by HybridEngine.run (it keeps the prompt)")
-        ids = base.ids.to(self.device)
-        T = int(ids.numel())
-        read = [int(r) for r in read]
-        flat = [(int(layer), z[j]) for layer, z in entries for j in range(z.shape[0])]
-        if any(z.shape[0] != T - start for _, z in flat):
-            raise ValueError(f"z rows must cover positions {start}..{T - 1} ({T - start} rows of hook_z)")
-        prefix = self.prefix and start > 0
-        lead = 1 if self.join else 0  # with join, row 0 is the unpatched base row
-        b = row_edits(flat, self.join, 0 if prefix else start, self.device)
-        join, n = b.join, b.n
-        seq = ids[None, start:] if prefix else ids[None]
-        off = [p - start for p in read] if prefix else read
-        cache = None
-        if prefix:
-            rows = ([1 + sum(c for lay, c in join.items() if lay <= i) for i in range(self.g.n_layers)] if join
-                    else [n] * self.g.n_layers)
-            cache = _copy_cache(self._prefix_cache(ids, start), self.hf.config, rows, T)
-        return b.unsort(self._forward(seq.expand(n, -1), off, b.edits, cache=cache, join=join)[lead:])
+    def _cached_rows(self, ids: Int[Tensor, "pos"], start: int, rows: Sequence[int]) -> Any:
+        """A copy of the HybridCache of ``ids[:start]`` with ``rows[i]`` rows in layer i, room for ``ids``."""
+        return _copy_cache(self._prefix_cache(ids, start), self.hf.config, rows, int(ids.numel()))
 
     # ---- checks ---------------------------------------------------------------------------------
     def rows_to_check(self) -> list[tuple[int, int]]:
