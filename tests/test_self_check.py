@@ -7,6 +7,7 @@ by name, never silently different."""
 from __future__ import annotations
 
 import copy
+import json
 import random
 import time
 from typing import Any
@@ -539,3 +540,37 @@ def test_drawn_configurations_ranked_exactly_or_refused_200(smol_tokenizer):
           f"{len(res['refused'])} refused by name, {time.perf_counter() - t:.0f} s; by family {res['by_family']}")
     assert res["exact"] + len(res["refused"]) == 200
     assert res["exact"] >= 180, res["refused"]
+
+
+# ---- each check once per (model, dtype, length) -------------------------------------------------------------------
+def test_checks_are_kept_per_model_and_reused(smol_tokenizer, monkeypatch, tmp_path):
+    """A check passed by one engine is not repeated by another engine of the same model with the same parts (in
+    memory, and from a run's store after the process forgot it); an engine whose parts differ is checked anew."""
+    from headscope.patching import Precision, self_check
+
+    hf = WINDOWED["mistral"]().to(torch.bfloat16)
+    lm = wrap(hf, smol_tokenizer, name="mistral-window-bf16")
+    calls: list[int] = []
+    orig = chk.model_reference
+    monkeypatch.setattr(chk, "model_reference", lambda e, ids, **kw: calls.append(ids.numel()) or orig(e, ids, **kw))
+    pairs = [random_pair(40, 0), random_pair(40, 1)]
+    first = receiver_patching(lm, pairs, min_gap=0.0, progress=False, path="fast", store_dir=str(tmp_path))
+    assert calls == [12, 40]  # the build check, then the pairs' length once
+    eng = Engine(lm)
+    assert eng.checked_len == 40 and eng.needs_check(40) is False and eng.needs_check(41) is True
+    receiver_patching(lm, pairs, min_gap=0.0, progress=False, path="fast")
+    assert calls == [12, 40]  # a new engine, a new ranking of the same model: nothing checked again
+    f32 = Engine(lm, precision=Precision("float32"))  # another precision computes other numbers: checked
+    assert calls == [12, 40, 12] and f32.checked_len == 12
+    wrong = Engine(lm)
+    wrong.layers[0].scaling *= 1.5  # the adapter's reading changed after the build: the record is not its
+    with pytest.raises(EngineMismatch, match="layer 0, attention output"):
+        wrong.run(pairs[0].clean, [39])
+    # a new process: the records come back from the run's store (receivers/self_check.json)
+    saved = json.loads((tmp_path / "receivers" / "self_check.json").read_text())["dict"]
+    assert [dict(r["dict"])["checked_len"] for _, r in saved] == [40]  # the ranking's record
+    self_check.records(lm.hf_model).clear()
+    (tmp_path / "receivers" / "pair00001_L000.json").unlink()  # one item to recompute: pair 1's passes run again
+    calls.clear()
+    again = receiver_patching(lm, pairs, min_gap=0.0, progress=False, path="fast", store_dir=str(tmp_path))
+    assert calls == [] and torch.equal(again.patched, first.patched)
