@@ -20,7 +20,7 @@ Usage::
         --tokens1 1e6 --tokens2 2e6 --tokens3 1e6 --device cuda --parallel
 
 Writes OUT/data/ (shared rows), OUT/<mask>/stage{1,2,3}/log.csv, OUT/<mask>/eval.json, OUT/teacher/eval.json,
-OUT/results.csv + OUT/results.md (the table) and OUT/curves.csv (losses of all runs). Re-running skips
+OUT/results.csv + OUT/results.md (the table) and OUT/curves.csv.gz (losses of all runs). Re-running skips
 finished evaluations.
 """
 
@@ -325,7 +325,7 @@ def _curves(out: Path, name: str, losses: list) -> list[dict]:
 
 def report(out: Path) -> pd.DataFrame:
     """OUT/results.csv + results.md (accuracy per cell), OUT/results_ci.csv (hits, n, 95 % Wilson
-    interval per cell), OUT/curves.csv (losses of all runs) and OUT/retrieval_curves.csv (retrieval
+    interval per cell), OUT/curves.csv.gz (losses of all runs, gzip) and OUT/retrieval_curves.csv (retrieval
     against tokens seen) from the finished runs."""
     rows, curves, cis, rcurves = [], [], [], []
     # a run without eval.json (stopped before its evaluation) still gives its loss and retrieval curves
@@ -360,8 +360,8 @@ def report(out: Path) -> pd.DataFrame:
     (out / "results.md").write_text(_markdown(table))
     if cis:
         pd.DataFrame(cis).to_csv(out / "results_ci.csv", index=False)
-    if curves:
-        pd.concat(curves).to_csv(out / "curves.csv", index=False)
+    if curves:  # gzip without a timestamp: the same losses give the same bytes
+        pd.concat(curves).to_csv(out / "curves.csv.gz", index=False, compression={"method": "gzip", "mtime": 0})
     if rcurves:
         pd.DataFrame(rcurves).to_csv(out / "retrieval_curves.csv", index=False)
     return table
@@ -497,10 +497,10 @@ def report_cmd(out: Path = typer.Option(Path("runs/conversion"))) -> None:
 
 @app.command()
 def figure(out: Path = typer.Option(Path("runs/conversion")), png: Optional[Path] = typer.Option(None)) -> None:
-    """Training curves (loss against tokens, one panel per stage) from OUT/curves.csv, as PNG."""
+    """Training curves (loss against tokens, one panel per stage) from OUT/curves.csv.gz (or an older curves.csv), as PNG."""
     import plotly.express as px
 
-    df = pd.read_csv(out / "curves.csv")
+    df = pd.read_csv(out / "curves.csv.gz" if (out / "curves.csv.gz").exists() else out / "curves.csv")
     fig = px.line(df, x="tokens", y="loss", color="model", facet_col="stage", facet_col_spacing=0.06,
                   labels={"tokens": "tokens", "loss": "loss"}, title="Three-stage transfer: loss per step")
     fig.update_xaxes(matches=None)

