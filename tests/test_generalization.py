@@ -29,6 +29,7 @@ from headscope.tasks.formats import (
 )
 from headscope.train import format_rows
 from headscope.evaluation.retention import (
+    EVAL_COLUMNS,
     RETENTION_COLUMNS,
     SuiteConfig,
     evaluate_suite,
@@ -290,7 +291,7 @@ def test_study_smoke(tmp_path, smol_tokenizer):
     import pandas as pd
 
     df = pd.read_csv(out / "retention.csv")
-    assert tuple(df.columns) == (*RETENTION_COLUMNS, "source") and (df.source == "study").all()
+    assert tuple(df.columns) == EVAL_COLUMNS and (df.source == "study").all()  # headscope eval's columns
     lever = "hydra-5to1+s2_retrieval=0.25+s3_wordings=6+fa_pos=rope"
     assert set(df.model) == {"hydra-7to1", "teacher", lever} and set(df.formats) == {"seen", "unseen"}
     assert len(df) == 3 * 4 * 2 and (df.n == 2).all()

@@ -10,6 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from headscope.evaluation.retention import EVAL_COLUMNS
+
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = ROOT / "experiments" / "conversion-generalization"
 TABLES = ("retention.csv", "retention_summary.csv", "retention_seeds.csv", "retention_depth.csv", "retention_distance.csv",
@@ -24,15 +26,16 @@ def _cells() -> list[dict]:
 
 def test_records_cells_are_retention_csv_row_by_row():
     """Each committed cell is one row of retention.csv: hits = the sum of its per-prompt outcomes, accuracy =
-    hits / n, the teacher's accuracy that of the teacher's cell on the same (task, formats, length); every row's
-    source is 'study'."""
+    hits / n, the teacher's accuracy that of the teacher's cell on the same (task, formats, length), agreement the
+    share of the generation-checked prompts where generation agreed with teacher forcing; the columns are those of
+    `headscope eval`'s retention.csv, every row's source 'study'."""
     cells = _cells()
     keys = [(c["model"], c["seed"], c["tokens"], c["task"], c["formats"], c["length"]) for c in cells]
     assert len(keys) == len(set(keys)) == 232
     teacher = {(c["task"], c["formats"], c["length"]): c for c in cells if c["model"] == "teacher"}
     assert len(teacher) == 40  # 4 tasks x 2 formats x 5 lengths
     df = pd.read_csv(STUDY / "retention.csv")
-    assert list(df.columns)[-1] == "source" and (df.source == "study").all() and len(df) == len(cells)
+    assert tuple(df.columns) == EVAL_COLUMNS and (df.source == "study").all() and len(df) == len(cells)
     rows = df.set_index(["model", "seed", "tokens", "task", "formats", "length"])
     for c, k in zip(cells, keys):
         r = rows.loc[k]
@@ -40,6 +43,7 @@ def test_records_cells_are_retention_csv_row_by_row():
         assert r.accuracy == pytest.approx(c["hits"] / c["n"], abs=1e-15)
         t = teacher[(c["task"], c["formats"], c["length"])]
         assert r.teacher_accuracy == pytest.approx(sum(t["correct"]) / t["n"], abs=1e-15)
+        assert r.agreement == pytest.approx(c["gen_agree"] / c["gen_n"]) if c["gen_n"] else pd.isna(r.agreement)
 
 
 def test_records_hold_what_the_report_reads():

@@ -978,8 +978,8 @@ def piece_eval(a: argparse.Namespace, s: dict, deadline: float) -> str:
 
 #: the study's committed results (every scored cell, the anatomy, the masks, the arms' records and loss curves)
 RECORDS = Path(__file__).resolve().parent / "records"
-#: retention.csv's ``source`` of the rows of the cells in :data:`RECORDS` (the study's pieces scored them); rows the
-#: package's commands make are ``cli``
+#: retention.csv's ``source`` of the rows of the study's cells (its pieces scored them; the rows ``headscope eval``
+#: makes are ``cli``), with ``agreement``: the columns of ``headscope eval``'s retention.csv
 STUDY_SOURCE = "study"
 
 
@@ -1021,20 +1021,8 @@ def restore_records(out: Path, records: Path = RECORDS) -> int:
     return written
 
 
-def add_source(out: Path) -> None:
-    """OUT/retention.csv with a last column ``source``: :data:`STUDY_SOURCE` for every row (the cells the study's
-    pieces scored, restored from :data:`RECORDS` or scored by ``--piece eval``)."""
-    import pandas as pd
-
-    f = out / "retention.csv"
-    df = pd.read_csv(f)
-    df["source"] = STUDY_SOURCE
-    df.to_csv(f, index=False)
-
-
 def piece_report(a: argparse.Namespace, s: dict, deadline: float) -> str:
-    r = retention_table(Path(a.out) / "cells", Path(a.out))
-    add_source(Path(a.out))
+    r = retention_table(Path(a.out) / "cells", Path(a.out), source=STUDY_SOURCE)  # headscope eval's columns
     n_depth = depth_table(Path(a.out) / "cells", Path(a.out))
     n_dist = distance_table(Path(a.out) / "cells", Path(a.out))
     n_cov = len(mask_coverage(Path(a.out), s, a))
