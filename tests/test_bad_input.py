@@ -72,12 +72,13 @@ def files(tmp_path_factory):
     # conversions: a finished stage 1, a stage-2 checkpoint of another plan, a stage-1 checkpoint
     for name in ("conv_s1", "conv_plan", "conv_ckpt"):
         (root / name / "stage1").mkdir(parents=True)
-    torch.save({}, root / "conv_s1" / "stage1" / "student.pt")
-    torch.save({}, root / "conv_plan" / "stage1" / "student.pt")
+    for name in ("conv_s1", "conv_plan"):  # a finished stage-1 model folder (its record and config)
+        (root / name / "stage1" / "training.json").write_text("{}")
+        (root / name / "stage1" / "config.json").write_text("{}")
     (root / "conv_plan" / "stage2" / "checkpoint").mkdir(parents=True)
-    torch.save({"stage": 2, "total_steps": 99}, root / "conv_plan" / "stage2" / "checkpoint" / "trainer.pt")
+    (root / "conv_plan" / "stage2" / "checkpoint" / "trainer.json").write_text(json.dumps({"stage": 2, "total_steps": 99}))
     (root / "conv_ckpt" / "stage1" / "checkpoint").mkdir(parents=True)
-    torch.save({"stage": 1, "total_steps": 1}, root / "conv_ckpt" / "stage1" / "checkpoint" / "trainer.pt")
+    (root / "conv_ckpt" / "stage1" / "checkpoint" / "trainer.json").write_text(json.dumps({"stage": 1, "total_steps": 1}))
     (root / "corpus_empty.txt").write_text("\n\n  \n")
     # a rank run directory whose store holds another lambda
     (root / "old_rank" / "receivers").mkdir(parents=True)
@@ -122,30 +123,41 @@ CLI_CASES = [
     ("rank-unknown-kappa", lambda f: ["rank", "--senders", "--kappa", "attention"], "--kappa='attention' is not one of focus, one"),
     # ---- headscope convert
     ("convert-stage-4", lambda f: _conv(f, "--stage", "4"), "--stage 4 does not exist; use 1 (layer-wise alignment)"),
-    ("convert-zero-tokens", lambda f: _conv(f, "--stage", "1", "--tokens", "0"), "--tokens=0 must be >= 1"),
+    ("convert-zero-tokens", lambda f: _conv(f, "--stage", "1", "--tokens", "0"), "--tokens='0' must be a whole number of tokens >= 1"),
+    ("convert-tokens-typo", lambda f: _conv(f, "--tokens", "12.5X"), "--tokens='12.5X' is not a token count; write e.g. 12.5M"),
+    ("convert-stage-tokens-two", lambda f: _conv(f, "--stage-tokens", "1M,2M"), "--stage-tokens '1M,2M': give three budgets"),
+    ("convert-shares-sum", lambda f: _conv(f, "--shares", "0.2,0.5,0.5"), "--shares=[0.2, 0.5, 0.5]: give three positive shares summing to 1"),
+    ("convert-s3-wordings-7", lambda f: _conv(f, "--s3-wordings", "7"), "--s3-wordings=7 must be in 1..6; the train family has 6 wordings"),
+    ("convert-fa-pos-alibi", lambda f: _conv(f, "--fa-pos", "alibi"), "--fa-pos='alibi' is not one of nope, rope"),
+    ("convert-seq-len-short-for-retrieval", lambda f: _conv(f, "--seq-len", "64"), "--seq-len=64 is too short for the stage-2 retrieval rows"),
+    ("convert-resume-nothing", lambda f: _conv(f, "--resume", out="conv_empty"), "holds no conversion to continue; start without --resume"),
+    ("convert-devices-over-batch", lambda f: _conv(f, "--devices", "4", "--batch-long", "2"), "cannot feed 4 processes"),
+    ("convert-finished-without-resume", lambda f: _conv(f, "--stage", "1", out="conv_s1"), "holds a finished stage: pass --resume"),
     ("convert-missing-mask", lambda f: ["convert", "--mask", str(f["root"] / "nope.json"), "--stage", "1", "--tokens", "9",
                                         "--out", str(f["root"] / "c")], "nope.json does not exist; pass the mask.json"),
     ("convert-broken-mask", lambda f: ["convert", "--mask", str(f["broken"]), "--stage", "1", "--tokens", "9",
                                        "--out", str(f["root"] / "c")], "is not JSON"),
     ("convert-mask-of-another-model", lambda f: ["convert", "--mask", str(f["other_mask"]), "--stage", "1", "--tokens", "9",
                                                  "--out", str(f["root"] / "c")], "rank this model first"),
-    ("convert-stage2-without-stage1", lambda f: _conv(f, "--stage", "2"), "stage1/student.pt does not exist"),
+    ("convert-stage2-without-stage1", lambda f: _conv(f, "--stage", "2"), "stage1 is not a finished stage: stage 2 starts from stage 1's model folder"),
     ("convert-resume-without-checkpoint", lambda f: _conv(f, "--stage", "2", "--resume", out="conv_s1"),
-     "--resume: no checkpoint at"),
+     "holds no conversion to continue"),
     ("convert-resume-other-plan", lambda f: _conv(f, "--stage", "2", "--resume", out="conv_plan"),
      "checkpoint planned 99 steps, this run 1: resume with the same --tokens"),
-    ("convert-checkpoint-without-resume", lambda f: _conv(f, "--stage", "1", out="conv_ckpt"), "pass resume=True (--resume)"),
+    ("convert-checkpoint-without-resume", lambda f: _conv(f, "--stage", "1", out="conv_ckpt"), "stage1 holds a checkpoint: pass --resume to continue"),
     ("convert-missing-corpus", lambda f: _conv(f, "--stage", "1", "--corpus", str(f["root"] / "nope.txt")),
      "nope.txt does not exist; pass a UTF-8 text file"),
     ("convert-empty-corpus", lambda f: _conv(f, "--stage", "1", "--corpus", str(f["root"] / "corpus_empty.txt")), "is empty"),
-    ("convert-unknown-retrieval-task", lambda f: _conv(f, "--stage", "3", "--retrieval-task", "nope"),
-     "--retrieval-task='nope' is not one of"),
-    ("convert-retrieval-frac-1", lambda f: _conv(f, "--stage", "3", "--retrieval-frac", "1"), "must lie in [0, 1)"),
-    ("convert-zero-lr", lambda f: _conv(f, "--stage", "1", "--lr", "0"), "--lr=0.0 must lie in (0, inf)"),
+    ("convert-unknown-seen-task", lambda f: _conv(f, "--stage", "3", "--s3-seen-task", "nope"),
+     "--s3-seen-task='nope' is not one of"),
+    ("convert-s3-retrieval-1", lambda f: _conv(f, "--stage", "3", "--s3-retrieval", "1"), "--s3-retrieval=1.0 must lie in [0, 0.9]"),
+    ("convert-zero-lr", lambda f: _conv(f, "--stage", "1", "--lr", "1e-3,0,1e-4"), "--lr (stage 2)=0.0 must lie in (0, inf)"),
+    ("convert-one-lr", lambda f: _conv(f, "--lr", "1e-3"), "--lr '1e-3': give 3 comma-separated numbers"),
     ("convert-bad-gdn-kernel", lambda f: _conv(f, "--stage", "1", "--gdn-kernel", "fast"), "is not one of auto, torch, fla"),
-    ("convert-batch-over-rows", lambda f: _conv(f, "--stage", "1", "--text-docs", "4", "--doc-len", "510",
-                                                "--seq-len", "512", "--batch-size", "8"), "--batch-size=8 is more than the 4 training rows"),
-    ("convert-too-little-text", lambda f: _conv(f, "--stage", "1", "--text-docs", "1", "--doc-len", "8"), "fewer than one row"),
+    ("convert-batch-over-rows", lambda f: _conv(f, "--stage", "1", "--docs", "5", "--doc-len", "510",
+                                                "--seq-len", "512", "--batch-size", "8"),
+     "4 training document(s) of 510 tokens make 4 row(s) of 512 tokens for stage 1, fewer than --batch-size=8"),
+    ("convert-too-little-text", lambda f: _conv(f, "--stage", "1", "--docs", "1", "--doc-len", "8"), "make 0 row(s)"),
     ("convert-out-is-a-file", lambda f: _conv(f, "--stage", "1", out="a_file.txt"), "is a file, not a directory"),
     ("convert-cuda-without-cuda", lambda f: _conv(f, "--stage", "1", "--device", "cuda"), "use --device cpu"),
     # ---- headscope anatomy
@@ -244,7 +256,7 @@ API_CASES = [
      "['n_digit'] are not settings of task 'niah_single'"),
     ("rank-api-cuda", lambda f: headscope.rank("smollm2-135m", device="cuda"), ValueError, "use device cpu"),
     ("rank-api-dtype", lambda f: headscope.rank("smollm2-135m", dtype=torch.int8), ValueError, "torch.bfloat16"),
-    ("convert-stage-api-no-student", _convert_stage_without_student, FileNotFoundError, "stage1/student.pt does not exist"),
+    ("convert-stage-api-no-student", _convert_stage_without_student, FileNotFoundError, "stage1/training.json does not exist"),
 ]
 
 

@@ -232,46 +232,50 @@ def test_stage1_trains_only_attention_and_lowers_the_loss(teacher, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert {"align_l0", "align_l1"} <= set(rows[0])
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
-    assert s["finished"] and (tmp_path / "student.pt").exists()
+    assert s["finished"] and (tmp_path / "done.json").exists()
+    assert not (tmp_path / "student.pt").exists()  # only with save_student (convert_stage writes a model folder)
     sd = student.state_dict()
     assert all(torch.equal(sd[k], v) for k, v in frozen.items())
 
 
 @pytest.mark.slow
-def test_cli_convert_three_stages_end_to_end(teacher_full_vocab, smol_tokenizer, tmp_path):
+def test_cli_convert_one_stage_at_a_time(teacher_full_vocab, smol_tokenizer, tmp_path):
+    """`--stage K` runs one stage from the previous stage's folder; the plain step; --resume of a finished stage."""
     from typer.testing import CliRunner
 
     from headscope.cli import app
+    from headscope.train.model_folder import load_model_folder
 
     mdir = tmp_path / "teacher"
     teacher_full_vocab.save_pretrained(mdir)
     smol_tokenizer.save_pretrained(mdir)
     _mask(((1,), (0, 3))).to_json(tmp_path / "mask.json")
+    words = "The farmer walked to the harbour in the morning. A young painter looked at an empty barn after the rain."
+    (tmp_path / "corpus.txt").write_text("\n\n".join(words for _ in range(30)))
     out = tmp_path / "conv"
     common = ["convert", "--model", str(mdir), "--mask", str(tmp_path / "mask.json"), "--out", str(out),
-              "--device", "cpu", "--text-docs", "6", "--doc-len", "40", "--batch-size", "2", "--ckpt-every", "2"]
+              "--device", "cpu", "--corpus", str(tmp_path / "corpus.txt"), "--seq-len", "128", "--long-len", "160",
+              "--batch-size", "2", "--batch-long", "2", "--ckpt-every", "2", "--stage-tokens", "768,768,960"]
     runner = CliRunner()
-    r = runner.invoke(app, common + ["--stage", "2", "--tokens", "64", "--seq-len", "32"])
+    r = runner.invoke(app, common + ["--stage", "2"])
     assert r.exit_code == 2 and "run the previous stage first" in r.output
-    for stage, L in ((1, 32), (2, 32), (3, 160)):
-        r = runner.invoke(app, common + ["--stage", str(stage), "--tokens", str(3 * 2 * L), "--seq-len", str(L)])
+    for stage in (1, 2, 3):
+        r = runner.invoke(app, common + ["--stage", str(stage)])
         assert r.exit_code == 0, r.output
-        summary = json.loads(r.output[r.output.rindex('{"stage"') :].splitlines()[0])
+        summary = json.loads(r.output[r.output.index('{"' + str(stage) + '"') :].splitlines()[0])[str(stage)]
         assert summary["finished"] and summary["steps"] == 3
-        assert (out / f"stage{stage}" / "student.pt").exists()
         log = (out / f"stage{stage}" / "log.csv").read_text().splitlines()
         assert len(log) == 4 and log[0].startswith("stage,step,tokens,loss")
+        rec = json.loads((out / f"stage{stage}" / "training.json").read_text())
+        assert rec["config"]["train"]["fast"] is None  # auto (the default): the fast step on CPU, and on CUDA with fla
     # stage 3 mixed retrieval rows in: its rows are padded (mask) where the prompts end early
-    cfg = json.loads((out / "stage3" / "config.json").read_text())
-    assert cfg["data"]["retrieval_frac"] == 0.25 and cfg["data"]["seq_len"] == 160
-    assert cfg["train"]["fast"] is None  # auto (the default): the fast step on CPU, and on CUDA with fla
-    r = runner.invoke(app, [c if c != str(out) else str(tmp_path / "plain") for c in common]
-                      + ["--stage", "1", "--tokens", str(2 * 32), "--seq-len", "32", "--plain-step"])
+    assert rec["data"]["retrieval_rows"] >= 4 and rec["data"]["row_len"] == 160
+    r = runner.invoke(app, [c if c != str(out) else str(tmp_path / "plain") for c in common] + ["--stage", "1", "--plain-step"])
     assert r.exit_code == 0, r.output
-    assert json.loads((tmp_path / "plain" / "stage1" / "config.json").read_text())["train"]["fast"] is False
+    assert json.loads((tmp_path / "plain" / "stage1" / "training.json").read_text())["config"]["train"]["fast"] is False
     # resume a finished stage: nothing left to do, same weights
-    before = torch.load(out / "stage3" / "student.pt")
-    r = runner.invoke(app, common + ["--stage", "3", "--tokens", str(3 * 2 * 160), "--seq-len", "160", "--resume"])
-    assert r.exit_code == 0, r.output
-    after = torch.load(out / "stage3" / "student.pt")
+    before = load_model_folder(out / "stage3").state_dict()
+    r = runner.invoke(app, common + ["--stage", "3", "--resume"])
+    assert r.exit_code == 0 and "already finished" in r.output, r.output
+    after = load_model_folder(out / "stage3").state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)

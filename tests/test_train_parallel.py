@@ -37,10 +37,14 @@ def setup(smol_tokenizer, tmp_path_factory):
     return root, teacher, mask, stage1
 
 
-def _dir(root, name, stage1):
+def _dir(root, name, stage1, teacher, mask, tok):
+    """A conversion folder whose stage 1 is finished: the model folder of the weights ``stage1``."""
+    from headscope.train import save_model_folder
+
     d = root / name
-    (d / "stage1").mkdir(parents=True)
-    torch.save(stage1, d / "stage1" / "student.pt")
+    student = hybridize(teacher, mask)
+    student.load_state_dict(stage1)
+    save_model_folder(student, tok, mask, d / "stage1", {"stage": 1})
     return d
 
 
@@ -55,7 +59,9 @@ def _losses(d):
 
 
 def _weights(d):
-    return torch.load(d / "stage2" / "student.pt")
+    from safetensors.torch import load_file
+
+    return load_file(str(d / "stage2" / "model.safetensors"))
 
 
 @pytest.mark.slow
@@ -69,19 +75,19 @@ def test_two_gloo_ranks_train_like_one_process_and_checkpoints_move(setup, smol_
     torch.set_num_threads(1)  # each rank runs one intra-op thread too
     try:
         # A: one process, uninterrupted
-        a = _dir(root, "a", stage1)
+        a = _dir(root, "a", stage1, teacher, mask, smol_tokenizer)
         convert_stage(teacher, smol_tokenizer, mask, 2, a, config=cfg, data=data)
         # B: two ranks stop after 2 steps (checkpoint written by 2 processes) ...
-        b = _dir(root, "b", stage1)
+        b = _dir(root, "b", stage1, teacher, mask, smol_tokenizer)
         s = spawn_convert(2, str(root.parent / "teacher"), mask, 2, b, device="cpu", config=cfg, data=data, max_steps=2)
         assert s["steps"] == 2 and not s["finished"]
         assert s["data_parallel"] == (mode or "replicate")
-        meta = torch.load(b / "stage2" / "checkpoint" / "trainer.pt", weights_only=False)
+        meta = json.loads((b / "stage2" / "checkpoint" / "trainer.json").read_text())
         assert meta["world_size"] == 2 and meta["step"] == 2
         # ... and one process resumes it to the end
         convert_stage(teacher, smol_tokenizer, mask, 2, b, config=cfg, data=data, resume=True)
         # C: one process stops after 2 steps, two ranks resume it to the end
-        c = _dir(root, "c", stage1)
+        c = _dir(root, "c", stage1, teacher, mask, smol_tokenizer)
         convert_stage(teacher, smol_tokenizer, mask, 2, c, config=cfg, data=data, max_steps=2)
     finally:
         torch.set_num_threads(n)
@@ -97,6 +103,7 @@ def test_two_gloo_ranks_train_like_one_process_and_checkpoints_move(setup, smol_
     assert la[-1] < la[0]  # it trained
     wa, wb, wc = _weights(a), _weights(b), _weights(c)
     assert sorted(wa) == sorted(wb) == sorted(wc)
+    stage1 = {k: stage1[k] for k in wa}  # the saved weights leave out the tied LM head
     moved = max(float((wa[k] - stage1[k]).abs().max()) for k in wa)
     assert moved > 1e-3
     for w in (wb, wc):  # 2 -> 1 and 1 -> 2 resumes end where the uninterrupted run ends
@@ -164,33 +171,28 @@ def test_sharded_loss_shares_sum_to_the_global_loss(setup):
         assert float(sum(shares)) == pytest.approx(float(whole), rel=1e-5), stage
 
 
-def test_single_process_checkpoint_round_trips_without_the_dcp_warning(tmp_path):
-    """Without a process group, save/load_checkpoint (DCP with no_dist) restore the weights, optimizer state and
-    extra exactly, and DCP's "torch.distributed is disabled" UserWarning (which it raises for no_dist) is not shown."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
+def test_single_process_checkpoint_round_trips(tmp_path):
+    """Without a process group, save/load_checkpoint restore the weights (tied ones too), the optimizer state
+    and extra exactly, from safetensors and JSON only."""
     from headscope.train.parallel import load_checkpoint, save_checkpoint
 
-    with warnings.catch_warnings(record=True) as raw:  # the warning exists: DCP raises it for no_dist
-        warnings.simplefilter("always")
-        dcp.save({"a": torch.ones(2)}, checkpoint_id=str(tmp_path / "raw"), no_dist=True)
-    assert any("torch.distributed is disabled" in str(w.message) for w in raw)
     torch.manual_seed(0)
-    m = torch.nn.Linear(3, 2)
-    o = torch.optim.AdamW(m.parameters(), lr=0.1)
-    m(torch.ones(1, 3)).sum().backward()
+    m = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5))
+    m[1].weight = m[0].weight  # tied, as an LM head is to its embedding
+    o = torch.optim.AdamW([{"params": [m[0].weight], "weight_decay": 0.1}, {"params": [m[1].bias]}], lr=0.1)
+    m(torch.tensor([[1, 2]])).sum().backward()
     o.step()
     want = {k: v.clone() for k, v in m.state_dict().items()}
-    want_avg = o.state[m.weight]["exp_avg"].clone()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        save_checkpoint(tmp_path / "ck", m, o, {"step": 7})
-        with torch.no_grad():
-            m.weight.zero_()
-        o.state[m.weight]["exp_avg"].zero_()
-        extra = load_checkpoint(tmp_path / "ck", m, o)
-    assert not [w for w in seen if "torch.distributed is disabled" in str(w.message)]
-    assert extra == {"step": 7} and torch.equal(m.weight, want["weight"]) and torch.equal(m.bias, want["bias"])
-    assert torch.equal(o.state[m.weight]["exp_avg"], want_avg)
+    want_avg = o.state[m[0].weight]["exp_avg"].clone()
+    save_checkpoint(tmp_path / "ck", m, o, {"step": 7})
+    assert {p.name for p in (tmp_path / "ck").iterdir()} == {"model.safetensors", "optim.safetensors", "optim.json", "trainer.json"}
+    with torch.no_grad():
+        m[0].weight.zero_()
+        m[1].bias.zero_()
+    o.state[m[0].weight]["exp_avg"].zero_()
+    o.param_groups[0]["lr"] = 5.0
+    extra = load_checkpoint(tmp_path / "ck", m, o)
+    assert extra == {"step": 7} and all(torch.equal(m.state_dict()[k], v) for k, v in want.items())
+    assert m[1].weight is m[0].weight
+    assert torch.equal(o.state[m[0].weight]["exp_avg"], want_avg) and o.param_groups[0]["lr"] == 0.1
+    assert o.param_groups[0]["weight_decay"] == 0.1 and o.param_groups[1]["weight_decay"] == 0.01

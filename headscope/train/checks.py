@@ -1,8 +1,9 @@
 """Checks of a conversion stage before the teacher loads or any text is sampled (issue #19).
 
 :func:`check_convert_args` covers ``headscope convert``; :func:`check_stage_inputs` the files and data
-settings that :func:`headscope.train.convert_stage` needs (the previous stage's ``student.pt``, the
-checkpoint to resume or not to overwrite, the corpus, enough rows for a batch). Both raise
+settings that :func:`headscope.train.convert_stage` needs (the previous stage's model folder, the
+checkpoint to resume or not to overwrite, the corpus, enough rows for a batch); the conversion folder of
+:func:`headscope.train.convert_model` is checked by :func:`headscope.train.recipe.check_convert_dir`. All raise
 :class:`~headscope.errors.HeadscopeInputError` (or a variant) with a message that names the fix.
 """
 
@@ -86,41 +87,37 @@ def check_data(data: Any, stage: int, batch_size: int, world: int = 1, cli: bool
 
 def check_stage_files(out: Any, stage: int, resume: bool, need_student: bool = True,
                       total_steps: Optional[int] = None) -> None:
-    """The files a stage needs (``out/stage{k-1}/student.pt``; with ``resume`` a checkpoint of the same
-    plan) and the one it must not overwrite (a checkpoint without ``resume``).
+    """The files a stage needs (the finished folder ``out/stage{k-1}/``; with ``resume`` a checkpoint of
+    the same plan) and the one it must not overwrite (a checkpoint without ``resume``).
 
     Raises:
-        InputFileNotFoundError: no previous student, or ``resume`` without a checkpoint.
+        InputFileNotFoundError: no finished previous stage, or ``resume`` without a checkpoint.
         InputFileExistsError: a checkpoint exists and ``resume`` is False.
         HeadscopeInputError: the checkpoint is of another stage or plans another number of steps.
     """
-    from .parallel import TRAINER_STATE, find_checkpoint
+    from .parallel import TRAINER_STATE, find_checkpoint, read_trainer_state
+
+    from .model_folder import RECORD, is_model_folder
 
     out = Path(out)
     if need_student and stage > 1:
-        prev = out / f"stage{stage - 1}" / "student.pt"
-        if not prev.is_file():
+        prev = out / f"stage{stage - 1}"
+        if not is_model_folder(prev):
             raise InputFileNotFoundError(
-                f"{prev} does not exist: stage {stage} starts from stage {stage - 1}'s student; run the previous "
-                f"stage first (`headscope convert --stage {stage - 1} --out {out}`, to the end)"
+                f"{prev / RECORD} does not exist: stage {stage} starts from stage {stage - 1}'s model folder; run the "
+                f"previous stage first (`headscope convert --stage {stage - 1} --out {out}`, to the end)"
             )
     sd = out / f"stage{stage}"
     found = find_checkpoint(sd / "checkpoint")
-    legacy = sd / "checkpoint.pt"
-    if resume and found is None and not legacy.is_file():
+    if resume and found is None:
         raise InputFileNotFoundError(f"--resume: no checkpoint at {sd / 'checkpoint'}; start without --resume")
-    if not resume and (found is not None or legacy.is_file()):
+    if not resume and found is not None:
         raise InputFileExistsError(
             f"{sd / 'checkpoint'} exists: pass resume=True (--resume) to continue it, or use another output directory"
         )
-    if resume and total_steps is not None:
-        import torch
-
-        path = found / TRAINER_STATE if found is not None else legacy
-        try:
-            st = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception:  # unreadable here: the trainer reports it when it loads the checkpoint
-            return
+    if resume and total_steps is not None and found is not None:
+        path = found / TRAINER_STATE
+        st = read_trainer_state(found)
         if st.get("stage") != stage:
             raise HeadscopeInputError(f"{path} is a stage-{st.get('stage')} checkpoint, this is stage {stage}")
         if st.get("total_steps") != total_steps:
@@ -152,10 +149,11 @@ def check_stage_inputs(out: Any, stage: int, config: Any, data: Any, resume: boo
     check_stage_files(out, stage, resume, need_student, total_steps(config.tokens, config.batch_size, L))
 
 
-def check_convert_args(*, model: Any, mask: Any, stage: Any, tokens: Any, out: Any, batch_size: Any, lr: Any,
-                       ckpt_every: Any, devices: Any, device: Any, gdn_kernel: Any) -> Any:
-    """``headscope convert``'s own arguments (the stage's files and data: :func:`check_stage_inputs`)
-    -> the HeadMask, checked against the teacher's geometry read from its config.
+def check_convert_args(*, model: Any, mask: Any, stage: Any, out: Any, devices: Any, device: Any, gdn_kernel: Any,
+                       data_parallel: Any = None) -> Any:
+    """``headscope convert``'s own arguments (the recipe checks itself: :class:`~headscope.train.recipe.ConvertRecipe`;
+    the conversion folder: :func:`~headscope.train.recipe.check_convert_dir`) -> the HeadMask, checked against the teacher's
+    geometry read from its config.
 
     Raises:
         HeadscopeInputError (or a variant): a bad value, a missing or foreign mask, an unknown
@@ -163,15 +161,13 @@ def check_convert_args(*, model: Any, mask: Any, stage: Any, tokens: Any, out: A
     """
     from ..masks import HeadMask
 
-    check_stage(stage, "--stage")
-    check_int("--tokens", tokens, lo=1, fix="the token budget of the stage")
-    check_int("--batch-size", batch_size, lo=1)
-    if lr is not None:
-        check_real("--lr", lr, 0.0, lo_open=True)
-    check_int("--ckpt-every", ckpt_every, lo=0, fix="0 checkpoints only on exit")
+    if stage is not None:
+        check_stage(stage, "--stage")
     check_int("--devices", devices, lo=1, fix="need at least one process")
     check_device(device, "--device")
     check_choice("--gdn-kernel", gdn_kernel, GDN_KERNELS)
+    if data_parallel is not None:
+        check_choice("--data-parallel", data_parallel, ("replicate", "fsdp"))
     if gdn_kernel == "fla":
         import torch
 

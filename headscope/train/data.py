@@ -68,7 +68,7 @@ class TokenRows:
 
     @classmethod
     def load(cls, path: str | Path) -> "TokenRows":
-        d = torch.load(path)
+        d = torch.load(path, weights_only=True)
         return cls(d["ids"], d["mask"])
 
 

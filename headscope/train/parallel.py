@@ -9,19 +9,18 @@ device-count-independent checkpoints (torch.distributed.checkpoint, DCP).
   stages 2 and 3 shard every decoder layer plus the root (embeddings, final norm, LM head); stage 1,
   which calls each layer's attention directly, shards every ``self_attn`` (the only trained modules)
   and keeps the frozen rest replicated. FSDP2 runs on CUDA (NCCL) and on CPU (gloo).
-* Checkpoints are DCP directories written collectively from ``get_state_dict`` (model + optimizer,
-  keyed by parameter names, not by shard), so a checkpoint written by N ranks loads into M ranks
-  (``set_state_dict``), including M = 1 without a process group.
+* Checkpoints hold the full model and optimizer state from ``get_state_dict`` (keyed by parameter
+  names, not by shard) as safetensors plus JSON, nothing pickled, so a checkpoint written by N ranks
+  loads into M ranks (``set_state_dict``), including M = 1 without a process group, and reading one
+  runs no code.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -131,26 +130,82 @@ def grad_norm(params: list[Tensor], clip: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------- checkpoints
-TRAINER_STATE = "trainer.pt"
+TRAINER_STATE = "trainer.json"
+MODEL_FILE, OPTIM_FILE, OPTIM_META = "model.safetensors", "optim.safetensors", "optim.json"
+
+
+def _tensor_file(flat: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """(tensors to write, aliases) of a flat tensor dict: tensors that share storage (tied weights) are
+    written once and the others recorded as aliases of it."""
+    tensors: dict[str, Tensor] = {}
+    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    aliases: dict[str, str] = {}
+    for k, v in flat.items():
+        v = v.detach()
+        if hasattr(v, "full_tensor"):
+            v = v.full_tensor()
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)) if v.numel() else None
+        if key is not None and key in seen:
+            aliases[k] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = k
+        tensors[k] = v.cpu().contiguous()
+    return tensors, aliases
+
+
+def _optim_parts(osd: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """A name-keyed optimizer state dict ({"state": {fqn: {key: value}}, "param_groups": [...]}) as
+    (tensors "fqn::key", JSON of the rest)."""
+    tensors: dict[str, Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for fqn, st in osd["state"].items():
+        for key, v in st.items():
+            if isinstance(v, Tensor):
+                tensors[f"{fqn}::{key}"] = v
+            else:
+                scalars.setdefault(fqn, {})[key] = v
+    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in osd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def _optim_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[str, dict[str, Any]] = {}
+    for k, v in tensors.items():
+        fqn, key = k.split("::")
+        state.setdefault(fqn, {})[key] = v
+    for fqn, st in meta.get("scalars", {}).items():
+        state.setdefault(fqn, {}).update(st)
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
 
 
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> Path:
-    """Write a DCP checkpoint directory ``path`` (collective): model and optimizer state from
-    ``get_state_dict`` plus ``extra`` (step, scheduler, data position, RNG; written by rank 0 as
-    ``trainer.pt``). The new directory replaces the old one only when complete."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    """Write a checkpoint directory ``path`` (a collective when ``model`` is sharded): the full model
+    state (``model.safetensors``), the optimizer state keyed by parameter name (``optim.safetensors``
+    and ``optim.json``, from ``get_state_dict`` with flattened optimizer state) and ``extra`` (step,
+    scheduler, data position, RNG: ``trainer.json``, written last). Nothing in it is pickled, so
+    reading it runs no code. The new directory replaces the old one only when complete."""
+    import json
+
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     rank, _ = world_info()
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    if rank == 0 and tmp.exists():
-        shutil.rmtree(tmp)
-    barrier()
-    msd, osd = get_state_dict(model, optimizer)
-    with _single_process_quiet():
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(model, optimizer, options=opts)  # full tensors, by parameter name (rank 0 when sharded)
     if rank == 0:
-        torch.save(extra, tmp / TRAINER_STATE)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        m_t, aliases = _tensor_file(msd)
+        o_t, o_meta = _optim_parts(osd)
+        o_t, o_aliases = _tensor_file(o_t)
+        save_file(m_t, str(tmp / MODEL_FILE), metadata={"aliases": json.dumps(aliases)})
+        save_file(o_t, str(tmp / OPTIM_FILE), metadata={"aliases": json.dumps(o_aliases)})
+        (tmp / OPTIM_META).write_text(json.dumps(o_meta))
+        (tmp / TRAINER_STATE).write_text(json.dumps(extra))
         if path.exists():
             if old.exists():
                 shutil.rmtree(old)
@@ -162,16 +217,6 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     return path
 
 
-@contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """Hide DCP's "torch.distributed is disabled ... single process" UserWarning: without a process group, a
-    single process is what we mean (``no_dist``), so the warning only alarms the user."""
-    with warnings.catch_warnings():
-        if not dist.is_initialized():
-            warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
-        yield
-
-
 def find_checkpoint(path: Path) -> Optional[Path]:
     """``path`` if it holds a complete checkpoint, else the previous one left by a crash during the
     swap (``path.old``), else None."""
@@ -181,18 +226,57 @@ def find_checkpoint(path: Path) -> Optional[Path]:
     return None
 
 
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """``trainer.json`` of a checkpoint directory (JSON: reading it runs no code).
+
+    Raises:
+        HeadscopeInputError: the file is not JSON (e.g. a pickle of an older or foreign format).
+    """
+    import json
+
+    from ..errors import HeadscopeInputError
+
+    f = Path(path) / TRAINER_STATE
+    try:
+        return json.loads(f.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HeadscopeInputError(f"{f} is not a headscope checkpoint (not JSON: {e}); start the stage anew "
+                                  "without --resume in another output directory") from None
+
+
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Load a :func:`save_checkpoint` directory into ``model``/``optimizer`` (any world size, sharded or
-    not; a collective when sharded) and return its ``extra``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    not; a collective when sharded: every rank reads the files) and return its ``extra``. Only
+    safetensors and JSON are read.
 
-    msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optim": osd}
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+    Raises:
+        HeadscopeInputError: a file of the checkpoint is missing or not of this format.
+    """
+    import json
+
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from ..errors import HeadscopeInputError
+
+    extra = read_trainer_state(path)
+
+    def read(name: str) -> dict[str, Tensor]:
+        tensors = load_file(str(path / name))
+        with safe_open(str(path / name), "pt") as f:
+            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+        return {**tensors, **{k: tensors[src] for k, src in aliases.items()}}
+
+    try:
+        msd = read(MODEL_FILE)
+        osd = _optim_state(read(OPTIM_FILE), json.loads((path / OPTIM_META).read_text()))
+    except (OSError, SafetensorError, UnicodeDecodeError, json.JSONDecodeError, KeyError, ValueError) as e:
+        raise HeadscopeInputError(f"{path} is not a complete headscope checkpoint ({type(e).__name__}: {e}); start the "
+                                  "stage anew without --resume in another output directory") from None
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd,
+                   options=StateDictOptions(full_state_dict=True))
+    return extra
 
 
 Reducer = Callable[[Tensor], Tensor]

@@ -3,12 +3,14 @@ bf16 autocast on GPU, checkpoints every N steps and on exit, exact resume, tqdm 
 
 One :class:`Trainer` runs one stage. Layout of its output directory::
 
-    out/checkpoint/     latest checkpoint (torch.distributed.checkpoint directory): student weights and
-                        optimizer state by parameter name, plus trainer.pt (step, scheduler, data
-                        position, RNG); it loads on any number of devices
+    out/checkpoint/     latest checkpoint (:func:`headscope.train.parallel.save_checkpoint`): student
+                        weights and optimizer state by parameter name (safetensors + JSON), plus
+                        trainer.json (step, scheduler, data position, RNG, seconds and peak memory so
+                        far); nothing pickled; it loads on any number of devices
     out/log.csv         one row per step (stage, step, tokens, loss, lr, grad_norm, seconds, align_l*)
     out/log.jsonl       the same rows as JSON lines
-    out/student.pt      final student weights (state_dict) when the stage finishes
+    out/student.pt      final student weights (state_dict) when the stage finishes, only with
+                        ``save_student`` (``headscope convert`` writes a model folder instead)
     out/done.json       written last: the stage's summary
 
 Data parallel: when a ``torch.distributed`` process group with more than one rank is initialized
@@ -26,8 +28,6 @@ and files. Two modes (:attr:`TrainConfig.data_parallel`):
   runs the plain step with globally normalized losses.
 * ``"fsdp"`` (the default otherwise): the student is sharded with FSDP2
   (:mod:`headscope.train.parallel`) and the plain step runs on the shards.
-
-Checkpoints of an older headscope (``out/checkpoint.pt``) still resume in one process.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ class TrainConfig:
         grad_clip: max global gradient norm (0 = off).
         ckpt_every: write a checkpoint every N steps (0 = only on exit).
         ckpt_on_exit: write a checkpoint when the run stops (finished, interrupted or failed).
-        save_student: write ``student.pt`` when the stage finishes.
+        save_student: write ``student.pt`` (a bare state dict) when the stage finishes (default off:
+            :func:`headscope.train.convert_stage` writes the stage's model folder).
         bf16: autocast to bfloat16 (None = on CUDA only). Master weights stay fp32.
         seed: data order seed.
         progress: tqdm bar.
@@ -101,7 +102,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     ckpt_every: int = 0
     ckpt_on_exit: bool = True
-    save_student: bool = True
+    save_student: bool = False
     bf16: Optional[bool] = None
     seed: int = 0
     progress: bool = True
@@ -145,18 +146,36 @@ def cosine_lambda(total: int, warmup: int, min_ratio: float) -> Callable[[int], 
 
 
 def _rng_state() -> dict[str, Any]:
-    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
+    """torch / CUDA / Python / NumPy RNG states as JSON values (lists of ints)."""
+    ver, py, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    st: dict[str, Any] = {"torch": torch.get_rng_state().tolist(), "python": [ver, list(py), gauss],
+                          "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return st
 
 
 def _set_rng_state(st: dict[str, Any]) -> None:
-    torch.set_rng_state(st["torch"])
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
+    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+    ver, py, gauss = st["python"]
+    random.setstate((ver, tuple(py), gauss))
+    name, keys, pos, has_gauss, cached = st["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
+
+
+def peak_memory(device: torch.device) -> dict[str, Any]:
+    """Peak memory so far: ``torch.cuda.max_memory_allocated`` on CUDA (since the last reset), else the
+    process's maximum resident set size (``ru_maxrss``, kilobytes on Linux, bytes on macOS)."""
+    if device.type == "cuda":
+        return {"bytes": int(torch.cuda.max_memory_allocated(device)), "kind": "torch.cuda.max_memory_allocated"}
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"bytes": int(rss if sys.platform == "darwin" else rss * 1024), "kind": "ru_maxrss (process)"}
 
 
 class Trainer:
@@ -272,21 +291,30 @@ class Trainer:
         self.sched = get_cosine_with_min_lr_schedule_with_warmup(
             self.opt, num_warmup_steps=warm, num_training_steps=self.total_steps, min_lr_rate=config.min_lr_ratio)
         self.step = 0
+        self.seconds_before = 0.0  # training seconds of the earlier runs of this stage (from the checkpoint)
+        self.peak_before = 0  # their peak memory (bytes)
         self.ckpt_path = self.out / "checkpoint"
-        self.legacy_ckpt = self.out / "checkpoint.pt"
         found = parallel.find_checkpoint(self.ckpt_path)
         if resume:
             if found is not None:
                 self._load(found)
-            elif self.legacy_ckpt.exists() and not self.parallel:
-                self._load_legacy()
             else:
                 raise InputFileNotFoundError(f"--resume: no checkpoint at {self.ckpt_path}; start without --resume")
-        elif found is not None or self.legacy_ckpt.exists():
+        elif found is not None:
             raise InputFileExistsError(
                 f"{self.ckpt_path} exists: pass resume=True (--resume) to continue it, or use another output directory"
             )
         self._fields: Optional[list[str]] = None
+        self._t_run: Optional[float] = None  # time.time() at the start of the current run()
+
+    def seconds(self) -> float:
+        """Training seconds of this stage so far, over every run that resumed it."""
+        return self.seconds_before + (time.time() - self._t_run if self._t_run is not None else 0.0)
+
+    def peak_memory(self) -> dict[str, Any]:
+        """Peak memory of this stage so far (bytes, the larger of this run's and the earlier runs')."""
+        p = peak_memory(self.device)
+        return {**p, "bytes": max(p["bytes"], self.peak_before)}
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -294,7 +322,7 @@ class Trainer:
         optimizer state via torch.distributed.checkpoint, plus step, scheduler, data position and
         RNG; the previous checkpoint is replaced only once the new one is complete."""
         extra = {
-            "format": "headscope.train/2",
+            "format": "headscope.train/3",
             "stage": self.cfg.stage,
             "step": self.step,
             "total_steps": self.total_steps,
@@ -303,6 +331,8 @@ class Trainer:
             "data": self.loader.state_dict(),
             "rng": _rng_state(),
             "world_size": self.world if self.parallel else 1,
+            "seconds": round(self.seconds(), 3),
+            "peak_memory_bytes": self.peak_memory()["bytes"],
         }
         return parallel.save_checkpoint(self.ckpt_path, self.student, self.opt, extra)
 
@@ -318,26 +348,16 @@ class Trainer:
     def _restore(self, st: dict[str, Any]) -> None:
         self.sched.load_state_dict(st["scheduler"])
         self.loader.load_state_dict(st["data"])
-        rng = st["rng"]
-        rng["torch"] = rng["torch"].cpu()
-        if "cuda" in rng:
-            rng["cuda"] = [s.cpu() for s in rng["cuda"]]
-        _set_rng_state(rng)
+        _set_rng_state(st["rng"])
         self.step = int(st["step"])
 
     def _load(self, path: Path) -> None:
-        st = torch.load(path / parallel.TRAINER_STATE, map_location="cpu", weights_only=False)
+        st = parallel.read_trainer_state(path)
         self._check(st, path)
         parallel.load_checkpoint(path, self.student, self.opt)
         self._restore(st)
-
-    def _load_legacy(self) -> None:
-        """A ``checkpoint.pt`` of headscope.train/1 (one process)."""
-        st = torch.load(self.legacy_ckpt, map_location=self.device, weights_only=False)
-        self._check(st, self.legacy_ckpt)
-        self.student.load_state_dict(st["student"])
-        self.opt.load_state_dict(st["optimizer"])
-        self._restore(st)
+        self.seconds_before = float(st.get("seconds", 0.0))
+        self.peak_before = int(st.get("peak_memory_bytes", 0))
 
     # ------------------------------------------------------------------ logging
     def _log(self, row: dict[str, Any]) -> None:
@@ -470,6 +490,7 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"stage {self.cfg.stage}",
                    disable=not self.cfg.progress or self.rank != 0)
         t0 = time.time()
+        self._t_run = t0
         last: dict[str, Any] = {}
         stopped = "finished"
         try:
@@ -494,6 +515,7 @@ class Trainer:
                 self.save_checkpoint()
             if self.step_fn is not None:
                 self.step_fn.close()  # frees the captured graph's memory; a later run() captures again
+            self.seconds_before, self._t_run = self.seconds(), None
         finished = self.step >= self.total_steps
         summary = {
             "stage": self.cfg.stage,
@@ -504,6 +526,8 @@ class Trainer:
             "finished": finished,
             "stopped": stopped if not finished else "finished",
             "seconds": round(time.time() - t0, 2),
+            "seconds_total": round(self.seconds(), 2),
+            "peak_memory": self.peak_memory(),
             "data_parallel": self.dp_mode,
             "fast_step": self.step_fn is not None,
         }
