@@ -86,8 +86,9 @@ def rank(
         ``kappa``, ``s_<capability>`` and the fused ``score`` (SPEC.md §6, eq. 11–12).
 
     Raises:
-        HeadscopeInputError (a ValueError), before the model loads: any bad setting (see
-        :func:`headscope.config.check_rank_args`), a store of another configuration in ``out_dir``, a
+        HeadscopeInputError (a ValueError), before the model loads: any bad setting (a
+        :class:`~headscope.errors.SettingError` naming it; :class:`~headscope.config.RankConfig` and
+        :func:`headscope.config.check_rank_call`), a store of another configuration in ``out_dir``, a
         ``device``/``dtype`` that contradicts a loaded model, settings passed beside ``config``;
         ModelSpecError: a model spec that cannot be loaded; InputNotImplementedError: an unsupported
         combination. After the model loads: HeadscopeInputError for a prompt too short for the task's
@@ -98,23 +99,44 @@ def rank(
     return run(model, cfg, pairs=pairs, out_dir=out_dir, shard=shard, progress=progress)
 
 
-def run(model: str | LoadedModel, cfg: RankConfig, pairs: Sequence[Pair] | None = None,
-        out_dir: str | Path | None = None, shard: tuple[int, int] | None = None, progress: bool = True) -> Ranking:
-    """:func:`rank` with a ready :class:`~headscope.config.RankConfig`: check the call, load, run the strategy, save."""
-    from .config import check_rank_args
+def check_call(model: str | LoadedModel, cfg: RankConfig, pairs: Sequence[Pair] | None = None,
+               out_dir: str | Path | None = None, shard: tuple[int, int] | None = None,
+               on_geometry: Callable[[Any], None] | None = None) -> Any:
+    """Every check of a ranking call that its config (validated when made) does not hold, once, before the model
+    loads: the model spec (its geometry from its config or GGUF metadata), the call with the config
+    (:func:`~headscope.config.check_rank_call`), a loaded model against the config's device / dtype, the store in
+    ``out_dir``; then ``on_geometry(geometry)`` (a caller's own checks that need the model's shape) where the
+    geometry is known. Returns the geometry (None where the spec's config cannot be read before loading).
+
+    Raises:
+        HeadscopeInputError: as :func:`rank`, before the model loads.
+    """
+    from .config import check_rank_call
     from .models import check_model
     from .patching.store import check_rank_store
 
     geometry = check_model(model)
-    check_rank_args(**cfg.check_args(pairs=pairs, out_dir=out_dir, shard=shard, geometry=geometry))
-    if geometry is not None and cfg.mode == "screen":
-        cfg.screen.check_model(geometry)
+    check_rank_call(cfg, pairs, out_dir, shard, geometry)
     check_loaded_model(model, cfg)
     if pairs is None:
         check_rank_store(out_dir, cfg.tasks, cfg.fused, model, cfg.settings(), cfg.readout.lam, cfg.readout.direction)
+    if on_geometry is not None and geometry is not None:
+        on_geometry(geometry)
+    return geometry
+
+
+def run(model: str | LoadedModel, cfg: RankConfig, pairs: Sequence[Pair] | None = None,
+        out_dir: str | Path | None = None, shard: tuple[int, int] | None = None, progress: bool = True,
+        on_geometry: Callable[[Any], None] | None = None) -> Ranking:
+    """:func:`rank` with a ready :class:`~headscope.config.RankConfig`: check the call (:func:`check_call`, once),
+    load, run the strategy, save. ``on_geometry``: see :func:`check_call` (called after loading where the geometry
+    was unknown before)."""
+    geometry = check_call(model, cfg, pairs, out_dir, shard, on_geometry)
     t0 = time.time()
     lm = load_model(model, device=cfg.device, dtype=cfg.torch_dtype or torch.float32,
                     device_map=cfg.device_map if not cfg.fused else None)
+    if on_geometry is not None and geometry is None:
+        on_geometry(lm.geometry)
     strategy = STRATEGIES["fused" if cfg.fused else cfg.mode]
     df, ie, prov, extras = strategy(lm, cfg, pairs, out_dir, shard, progress)
     settings = cfg.settings()

@@ -81,33 +81,40 @@ def _rank_options() -> list[inspect.Parameter]:
     return params
 
 
+@contextlib.contextmanager
+def flag_names() -> Iterator[None]:
+    """A :class:`~headscope.errors.SettingError` raised inside names the setting by its ``headscope rank`` flag
+    (``n_pairs`` -> ``--pairs``): the config and the API validate under the settings' own names."""
+    from .errors import SettingError
+
+    try:
+        yield
+    except SettingError as e:
+        from .config import cli_names
+
+        raise e.renamed(cli_names()) from None
+
+
 def rank(**values: Any) -> None:
     """Rank every head; write OUT/scores.csv, OUT/mask.json and OUT/heatmap.html.
 
-    Every argument is checked before the model loads (errors: one line, exit code 2)."""
+    Every argument is checked before the model loads (errors: one line, exit code 2): the command's own options
+    here, the ranking's settings when its config is made (:class:`headscope.config.RankConfig`), the call (model,
+    output folder, shards, store, budget) once by the API (:func:`headscope.api.check_call`)."""
     out: Path = values["out"]
     budget, min_per_layer, top = values["budget"], values["min_per_layer"], values["top"]
-    with user_errors():
-        from .config import RankConfig, check_rank_args, config_from_cli
-        from .masks import check_budget
-        from .models import check_device_map, check_model
-        from .patching.store import check_rank_store
+    with user_errors(), flag_names():
+        from .config import RankConfig, config_from_cli
         from .validate import check_int
 
         model, devices = values["model"], values["devices"]
-        g = check_model(model, "--model")  # the geometry from the config / GGUF metadata, no weights
         check_int("--devices", devices, lo=1, fix="need at least one process")
         check_int("--top", top, lo=0)
         kw = config_from_cli(values)  # rank()'s keywords from the generated options
-        check_device_map(kw["device_map"], devices, "--device-map")
-        check_budget(budget, g, min_per_layer, "--budget", allow_raise=True)
-        names = inspect.signature(check_rank_args).parameters
-        tasks = check_rank_args(**{k: v for k, v in kw.items() if k in names}, out_dir=out,
-                                shard=(0, devices) if devices > 1 else None, geometry=g, cli=True)
-        if kw["path"] not in ("auto", "fast", "generic"):
-            raise HeadscopeInputError(f"--path {kw['path']!r}: use auto, fast or generic")
-        cfg = RankConfig.from_kwargs(**kw)
-        check_rank_store(out, tasks, cfg.fused, model, cfg.settings(), cfg.readout.lam, cfg.readout.direction)
+        if kw["device_map"] is not None and devices > 1:
+            raise HeadscopeInputError(
+                "--device-map spreads one model over the GPUs; --devices shards the sweep: use one of them")
+        cfg = RankConfig.from_kwargs(**kw)  # validates itself
         r = _run_rank(cfg, model, budget, min_per_layer, out, devices)
         if r is None:
             return
@@ -180,29 +187,24 @@ def _heatmap_step(r: Any, out: Path) -> str | None:
 
 
 def _run_rank(cfg: Any, model: str, budget: str, min_per_layer: int, out: Path, devices: int) -> Optional[Any]:
-    """Load the model and run the (checked) ranking -> Ranking, or None on a rank != 0."""
+    """Check the call once, load the model and run the ranking -> Ranking, or None on a rank != 0. The budget is
+    checked against the model's heads before it loads where its config is read, else right after."""
     import dataclasses
 
-    import headscope
-
-    from .api import run
-    from .masks import check_budget
+    from .api import check_call, run
     from .distributed import spawn_rank
+    from .masks import check_budget
     from .runtime import init_from_env
 
-    import torch
+    def budget_fits(geometry: Any) -> None:  # a budget too small for --min-per-layer is raised after ranking
+        check_budget(budget, geometry, min_per_layer, "--budget", allow_raise=True)
 
-    lm = headscope.load_model(model, device=cfg.device, dtype=cfg.torch_dtype or torch.float32,
-                              device_map=cfg.device_map)
-    # again where the config could not be read; a budget too small for --min-per-layer is raised after ranking
-    check_budget(budget, lm.geometry, min_per_layer, "--budget", allow_raise=True)
     shard = init_from_env(cfg.device)  # under torchrun: RANK / WORLD_SIZE in the environment
     if devices > 1 and shard is None:
+        check_call(model, cfg, out_dir=out, shard=(0, devices), on_geometry=budget_fits)
         return spawn_rank(devices, out, device=cfg.device, config=dataclasses.replace(cfg, device=None),
                           model=model)  # each rank loads its own
-    if shard is not None:
-        cfg = dataclasses.replace(cfg, device=None)  # the rank's model is where load_model put it
-    r = run(lm, cfg, out_dir=out, shard=shard)
+    r = run(model, cfg, out_dir=out, shard=shard, on_geometry=budget_fits)
     if shard is not None and shard[0] != 0:
         return None
     return r

@@ -1,8 +1,8 @@
 """Frozen, typed configurations of a ranking: :class:`RankConfig` with its :class:`~headscope.readout.Readout`,
 :class:`ScreenConfig` and :class:`FusionConfig`.
 
-Each validates itself once, when made (:func:`check_rank_args`, :mod:`headscope.validate`; a bad value raises
-:class:`~headscope.errors.HeadscopeInputError` naming the fix), is saved whole in ``ranking.json``'s
+Each validates itself once, when made (``__post_init__``, with :mod:`headscope.validate`; a bad value raises
+:class:`~headscope.errors.SettingError` naming the setting and the fix), is saved whole in ``ranking.json``'s
 provenance (``provenance["config"]``, :meth:`RankConfig.to_dict`), and declares per field what the
 ``headscope rank`` command needs (flag, type, help: the ``cli`` metadata), from which
 :mod:`headscope.cli` generates the command's options (:func:`cli_fields`): one list, not two.
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any, Iterator, Optional, Sequence, Union
 
-from .errors import HeadscopeInputError, InputNotImplementedError, InputTypeError
-from .readout import DEFAULT_LAMBDA, DEFAULT_MIN_GAP, DIRECTIONS, Readout
+from .errors import HeadscopeInputError, InputNotImplementedError, InputTypeError, SettingError
+from .readout import Readout
 from .validate import check_choice, check_device, check_dtype, check_file, check_int, check_out_dir, check_real, is_int
 
 Verify = Union[int, float, str]
@@ -71,7 +71,7 @@ class ScreenConfig:
             elif isinstance(self.verify, float):
                 check_real("verify", self.verify, 0.0, 1.0, lo_open=True, fix=fix)
             else:
-                raise HeadscopeInputError(f"verify {self.verify!r}: {fix}")
+                raise SettingError("verify", f"{{setting}} {self.verify!r}: {fix}")
         if is_int(self.spot_checks):
             check_int("spot_checks", self.spot_checks, lo=0)
         else:
@@ -97,8 +97,8 @@ class ScreenConfig:
         """What needs the model's head count. Raises HeadscopeInputError: a ``verify`` count above it
         (``top_k`` is capped at it by ``screen_then_verify``; ``screen_auto`` refuses a larger one)."""
         n = geometry.n_layers * geometry.n_heads
-        if isinstance(self.verify, int) and not isinstance(self.verify, bool) and self.verify > n:
-            raise HeadscopeInputError(f"verify={self.verify} must be within 1..{n} (the model's heads)")
+        if is_int(self.verify):
+            check_int("verify", self.verify, lo=1, hi=n, fix="use auto, a head count or a fraction in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class FusionConfig:
 
 @dataclass(frozen=True)
 class RankConfig:
-    """Everything that determines a ranking's numbers, validated once (:func:`check_rank_args`).
+    """Everything that determines a ranking's numbers, validated once, when made.
 
     Attributes:
         tasks: capability names (:data:`headscope.tasks.TASKS`); n_pairs: pairs per capability; seq_len:
@@ -193,8 +193,61 @@ class RankConfig:
         if self.dtype is not None:
             check_dtype(self.torch_dtype)
             object.__setattr__(self, "dtype", str(self.torch_dtype).replace("torch.", ""))
+        self._validate()
+
+    def _validate(self) -> None:
+        """Every setting of this config, alone and together (its parts validated themselves when made); what needs
+        the call (pairs, output folder, shards) or the model is :func:`check_rank_call`'s. Runs once, when the
+        config is made.
+
+        Raises:
+            SettingError (a HeadscopeInputError) naming the setting: any bad value, with the fix in the message.
+            InputNotImplementedError: a combination of settings that is not supported.
+        """
+        from .models import check_device_map
+        from .scores import check_weights
+        from .tasks import TASKS
+
+        tasks = self.tasks
+        check_int("n_pairs", self.n_pairs, fix="need at least one calibration pair per task")
+        if self.n_pairs < 1:
+            raise SettingError("n_pairs", f"{{setting}}={self.n_pairs}: need at least one calibration pair per task")
+        if not tasks:
+            raise SettingError("tasks", f"no task given; pass {{setting}} with one of {', '.join(sorted(TASKS))}")
+        unknown = [t for t in tasks if not isinstance(t, str) or t not in TASKS]
+        if unknown:
+            raise SettingError("tasks", f"unknown task(s) {unknown}; available: {', '.join(sorted(TASKS))}")
+        if len(set(tasks)) != len(tasks):
+            raise SettingError("tasks", f"tasks {list(tasks)} name a capability twice; give each once")
+        check_int("seq_len", self.seq_len, lo=16, fix="the prompt needs room for the task's text")
+        depths = [self.depth] if isinstance(self.depth, (int, float)) and not isinstance(self.depth, bool) else list(
+            self.depth or [])
+        if not depths:
+            raise SettingError("depth", "{setting}: give at least one needle depth in [0, 1]")
+        for d in depths:
+            check_real("depth", d, 0.0, 1.0, fix="a needle depth is a fraction of the prompt, 0 = start, 1 = end")
+        check_int("seed", self.seed)
+        check_choice("mode", self.mode, MODES, "exact patches every head, screen uses the AtP screen")
         check_choice("path", self.path, ("auto", "fast", "generic"))
-        check_rank_args(**self.check_args())
+        if self.batch_size is not None:
+            check_int("batch_size", self.batch_size, lo=1)
+        fused = self.fused
+        if self.mode == "screen" and fused:
+            raise InputNotImplementedError("mode='screen' covers the receivers-only ranking; use mode='exact' with fusion")
+        if self.device_map is not None and (fused or self.mode != "exact"):
+            raise InputNotImplementedError(
+                "device_map covers the exact receiver sweep of one task in one process; drop --device-map, or "
+                "--mode screen / --senders / several tasks / --devices"
+            )
+        if fused:
+            check_weights(self.fusion.weight_arg(), tasks)
+        if self.task_settings:
+            if not isinstance(self.task_settings, dict):
+                raise InputTypeError(f"task_settings must be a dict, not {type(self.task_settings).__name__}")
+            for t in tasks:
+                check_task_settings(t, self.task_settings)
+        check_device(self.device, "device")
+        check_device_map(self.device_map, name="device_map")
 
     # ---- views
     @property
@@ -217,20 +270,6 @@ class RankConfig:
         """The task generators' settings (what ``make_pairs`` takes besides the tokenizer)."""
         return {"n_pairs": self.n_pairs, "seq_len": self.seq_len, "seed": self.seed, "depth": self.depth,
                 **(self.task_settings or {})}
-
-    def check_args(self, **call: Any) -> dict[str, Any]:
-        """Keyword arguments of :func:`check_rank_args` for this config (plus ``call``:
-        pairs, out_dir, shard, geometry, cli)."""
-        s, f = self.screen, self.fusion
-        return dict(
-            tasks=self.tasks, n_pairs=self.n_pairs, seq_len=self.seq_len, seed=self.seed, depth=self.depth,
-            lam=self.readout.lam, direction=self.readout.direction, min_gap=self.readout.min_gap,
-            device=self.device, dtype=self.torch_dtype, batch_size=self.batch_size,
-            task_settings=self.task_settings, mode=self.mode, verify=s.verify, spot_checks=s.spot_checks,
-            senders=f.senders, weights=f.weight_arg(), kappa=f.kappa, normalize=f.normalize,
-            sender_mode=f.sender_mode, top_k=f.top_k, max_rounds=f.max_rounds,
-            sender_batch_size=f.sender_batch_size, device_map=self.device_map, **call,
-        )
 
     def to_dict(self) -> dict[str, Any]:
         """The whole configuration as JSON-able values (what ``ranking.json`` keeps as ``provenance["config"]``)."""
@@ -267,14 +306,6 @@ class RankConfig:
                 raise TypeError(f"RankConfig has no setting {k!r}")
         return cls(readout=parts[""].pop("readout", None) or Readout(**parts["readout"]),
                    screen=ScreenConfig(**parts["screen"]), fusion=FusionConfig(**parts["fusion"]), **parts[""])
-
-
-# ---------------------------------------------------------------------------------------- the checks of a ranking
-_CLI = {"lam": "--lambda", "n_pairs": "--pairs", "tasks": "--task", "weights": "--weight", "out_dir": "--out"}
-
-
-def _namer(cli: bool) -> Any:
-    return (lambda n: _CLI.get(n, "--" + n.replace("_", "-"))) if cli else (lambda n: n)
 
 
 def parse_verify(text: str) -> Any:
@@ -319,125 +350,56 @@ def check_task_settings(task: str, settings: dict[str, Any], name: str = "task_s
         check_file(settings["corpus"], "filler corpus", "pass a UTF-8 text file or None")
 
 
-def check_rank_args(
-    *, tasks: Any = ("niah_single",), n_pairs: Any = 6, seq_len: Any = 512, seed: Any = 0, depth: Any = 0.5,
-    lam: Any = DEFAULT_LAMBDA, direction: Any = "noising", min_gap: Any = DEFAULT_MIN_GAP, pairs: Any = None, out_dir: Any = None,
-    device: Any = None, dtype: Any = None, batch_size: Any = None, task_settings: Any = None, shard: Any = None,
-    mode: Any = "exact", verify: Any = "auto", spot_checks: Any = 0.05, senders: bool = False, weights: Any = None,
-    kappa: Any = None, normalize: Any = "max", sender_mode: Any = "qkv", top_k: Any = 10, max_rounds: Any = 3,
-    sender_batch_size: Any = 16, device_map: Any = None, geometry: Any = None, cli: bool = False,
-) -> tuple[str, ...]:
-    """Every argument of :func:`headscope.rank` (and ``headscope rank``), before the model loads.
-
-    ``geometry`` (from :func:`headscope.models.check_model`) adds the checks that need the model's shape (the prompt
-    against its context). ``cli`` names the command-line flags in the messages. Returns the tasks.
+def check_rank_call(cfg: RankConfig, pairs: Any = None, out_dir: Any = None, shard: Any = None,
+                    geometry: Any = None) -> None:
+    """What a ranking call adds to its config (:func:`headscope.rank`, ``headscope rank``), before the model loads:
+    ready-made ``pairs``, the output folder, a shard ``(rank, world_size)`` and, with ``geometry`` (from
+    :func:`headscope.models.check_model`), the prompt against the model's context and a ``verify`` count against
+    its heads.
 
     Raises:
-        HeadscopeInputError: any bad value, with the fix in the message.
+        SettingError (a HeadscopeInputError) naming the setting: any bad value, with the fix in the message.
         InputNotImplementedError: a combination of options that is not supported.
     """
-    f = _namer(cli)
-    from .scores import KAPPA, NORMALIZE, check_weights
-    from .tasks import TASKS
     from .tasks.base import Pair
 
-    check_int(f("n_pairs"), n_pairs, fix="need at least one calibration pair per task")
-    if n_pairs < 1:
-        raise HeadscopeInputError(f"{f('n_pairs')}={n_pairs}: need at least one calibration pair per task")
-    tasks = (tasks,) if isinstance(tasks, str) else tuple(tasks)
-    if not tasks:
-        raise HeadscopeInputError(f"no task given; pass {f('tasks')} with one of {', '.join(sorted(TASKS))}")
-    unknown = [t for t in tasks if not isinstance(t, str) or t not in TASKS]
-    if unknown:
-        raise HeadscopeInputError(f"unknown task(s) {unknown}; available: {', '.join(sorted(TASKS))}")
-    if len(set(tasks)) != len(tasks):
-        raise HeadscopeInputError(f"tasks {list(tasks)} name a capability twice; give each once")
-    check_int(f("seq_len"), seq_len, lo=16, fix="the prompt needs room for the task's text")
-    if geometry is not None and geometry.n_ctx and seq_len >= geometry.n_ctx:
-        raise HeadscopeInputError(
-            f"{f('seq_len')}={seq_len} leaves no room for the answer: the model's context is {geometry.n_ctx} "
-            "tokens; use a shorter seq_len"
-        )
-    depths = [depth] if isinstance(depth, (int, float)) and not isinstance(depth, bool) else list(depth or [])
-    if not depths:
-        raise HeadscopeInputError(f"{f('depth')}: give at least one needle depth in [0, 1]")
-    for d in depths:
-        check_real(f("depth"), d, 0.0, 1.0, fix="a needle depth is a fraction of the prompt, 0 = start, 1 = end")
-    check_int(f("seed"), seed)
-    check_real(f("lam"), lam, 0.0, 1.0, lo_open=True, fix="λ weighs answer token j by λ^j; 0.9 is the default")
-    check_choice(f("direction"), direction, DIRECTIONS)
-    check_real(f("min_gap"), min_gap, 0.0, fix="it is a logit difference; 0 keeps every pair")
-    check_choice(f("mode"), mode, MODES, "exact patches every head, screen uses the AtP screen")
-    if batch_size is not None:
-        check_int(f("batch_size"), batch_size, lo=1)
-    fusion = bool(senders) or len(tasks) > 1 or weights is not None or kappa is not None
-    if mode == "screen":
-        if fusion:
-            raise InputNotImplementedError("mode='screen' covers the receivers-only ranking; use mode='exact' with fusion")
-        if shard is not None:
-            raise InputNotImplementedError("mode='screen' runs in one process; shard exact sweeps instead")
-    if verify != "auto":  # checked in every mode: a typo is not silently ignored
-        fix = "use auto, a head count or a fraction in (0, 1]"
-        if is_int(verify):
-            check_int(f("verify"), verify, lo=1, hi=geometry.n_total if geometry else None, fix=fix)
-        elif isinstance(verify, float):
-            check_real(f("verify"), verify, 0.0, 1.0, lo_open=True, fix=fix)
-        else:
-            raise HeadscopeInputError(f"{f('verify')} {verify!r}: {fix}")
-    if is_int(spot_checks):
-        check_int(f("spot_checks"), spot_checks, lo=0)
-    else:
-        check_real(f("spot_checks"), spot_checks, 0.0, 1.0, fix="a count of heads or a fraction of the rest")
-    if device_map is not None and (fusion or mode != "exact" or shard is not None):
-        raise InputNotImplementedError(
-            "device_map covers the exact receiver sweep of one task in one process; drop --device-map, or "
-            "--mode screen / --senders / several tasks / --devices"
-        )
-    if fusion and shard is not None:
-        raise InputNotImplementedError(
-            "sharded sweeps (--devices / torchrun) cover the receiver sweep of one task; run fused rankings in one process"
-        )
     if shard is not None:
+        if cfg.mode == "screen":
+            raise InputNotImplementedError("mode='screen' runs in one process; shard exact sweeps instead")
+        if cfg.device_map is not None:
+            raise InputNotImplementedError(
+                "device_map covers the exact receiver sweep of one task in one process; drop --device-map, or "
+                "--mode screen / --senders / several tasks / --devices"
+            )
+        if cfg.fused:
+            raise InputNotImplementedError(
+                "sharded sweeps (--devices / torchrun) cover the receiver sweep of one task; run fused rankings in "
+                "one process"
+            )
         if out_dir is None:
-            raise HeadscopeInputError("a sharded sweep needs out_dir: the ranks meet in its store")
+            raise SettingError("out_dir", "a sharded sweep needs {setting}: the ranks meet in its store")
         r, w = shard
         check_int("shard world size", w, lo=1)
         check_int("shard rank", r, lo=0, hi=w - 1)
-    # every option is checked, also those this run does not use (a typo is not silently ignored)
-    if kappa is not None:
-        check_choice(f("kappa"), kappa, KAPPA, "focus = retrieval focus, one = κ ≡ 1")
-    check_choice(f("normalize"), normalize, NORMALIZE)
-    check_choice(f("sender_mode"), sender_mode, SENDER_MODES)
-    check_int(f("top_k"), top_k, lo=1)
-    check_int(f("max_rounds"), max_rounds, lo=1)
-    check_int(f("sender_batch_size"), sender_batch_size, lo=1)
-    if fusion:
-        check_weights(weights, tasks)
-        if pairs is not None and len(tasks) != 1:
+    if geometry is not None:
+        if geometry.n_ctx and cfg.seq_len >= geometry.n_ctx:
+            raise SettingError(
+                "seq_len", f"{{setting}}={cfg.seq_len} leaves no room for the answer: the model's context is "
+                f"{geometry.n_ctx} tokens; use a shorter seq_len")
+        cfg.screen.check_model(geometry)
+    if pairs is not None:
+        if cfg.fused and len(cfg.tasks) != 1:
             raise HeadscopeInputError(
                 "ready-made pairs label a single task; pass pairs with one task, or let rank generate them"
             )
-    if pairs is not None:
         pairs = list(pairs)
         if not pairs:
             raise HeadscopeInputError("pairs=[] holds no calibration pair; pass at least one, or pairs=None")
         bad = [i for i, p in enumerate(pairs) if not isinstance(p, Pair)]
         if bad:
             raise InputTypeError(f"pairs {bad[:5]} are not headscope Pair objects; build them with headscope.tasks.Pair")
-    if task_settings:
-        if not isinstance(task_settings, dict):
-            raise InputTypeError(f"task_settings must be a dict, not {type(task_settings).__name__}")
-        for t in tasks:
-            check_task_settings(t, task_settings)
-    check_device(device, f("device"))
-    if dtype is not None:
-        check_dtype(dtype)
-    from .models import check_device_map
-
-    check_device_map(device_map, name=f("device_map"))
     if out_dir is not None:
-        check_out_dir(out_dir, f("out_dir"))
-    return tasks
+        check_out_dir(out_dir, "out_dir")
 
 
 # ---------------------------------------------------------------------------------------- the CLI view
@@ -484,6 +446,12 @@ def cli_fields() -> Iterator[CliField]:
                 (prefix, f.name) if prefix else (f.name,), meta["flag"] or "--" + f.name.replace("_", "-"),
                 meta["cli_type"] or type(default), meta.get("cli_default", default), meta["help"], meta.get("parse"),
             )
+
+
+def cli_names() -> dict[str, str]:
+    """The ``headscope rank`` flag of each setting a :class:`~headscope.errors.SettingError` can name
+    (``{"n_pairs": "--pairs", "lam": "--lambda", ...}``)."""
+    return {**{cf.path[-1]: cf.flag for cf in cli_fields()}, "out_dir": "--out", "model": "--model"}
 
 
 def config_from_cli(values: dict[str, Any]) -> dict[str, Any]:

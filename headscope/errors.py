@@ -14,6 +14,21 @@ class HeadscopeInputError(ValueError):
     """An expected user error: a bad argument, a missing file or an unmet precondition."""
 
 
+class SettingError(HeadscopeInputError):
+    """A bad value of one named setting. ``setting`` is its name as the caller spelled it (``n_pairs``), ``text``
+    the message with ``{setting}`` where the name goes; :meth:`renamed` gives the same error under the name another
+    interface uses for it (the ``headscope rank`` flag ``--pairs``)."""
+
+    def __init__(self, setting: str, text: str):
+        self.setting, self.text = setting, text
+        super().__init__(text.replace("{setting}", setting))
+
+    def renamed(self, names: "dict[str, str]") -> "SettingError":
+        """This error with the setting named ``names[setting]`` (itself where ``names`` has no entry)."""
+        new = names.get(self.setting)
+        return self if new is None else type(self)(new, self.text)
+
+
 class InputFileNotFoundError(HeadscopeInputError, FileNotFoundError):
     """A file or directory that the user named, or that a later step needs, does not exist."""
 

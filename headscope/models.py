@@ -35,7 +35,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .arch import unwrap
-from .errors import HeadscopeInputError, InputTypeError
+from .errors import HeadscopeInputError, InputTypeError, SettingError
 from .validate import check_choice
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -466,9 +466,9 @@ def check_device_map(device_map: Any, devices: int = 1, name: str = "device_map"
     if isinstance(device_map, str):
         check_choice(name, device_map, DEVICE_MAPS, "or pass a {module name: device} dict")
     elif not isinstance(device_map, dict):
-        raise HeadscopeInputError(f"{name}={device_map!r}: use one of {DEVICE_MAPS} or a {{module: device}} dict")
+        raise SettingError(name, f"{{setting}}={device_map!r}: use one of {DEVICE_MAPS} or a {{module: device}} dict")
     if importlib.util.find_spec("accelerate") is None:
-        raise HeadscopeInputError(f"{name} needs accelerate: pip install 'headscope[scale]' (or accelerate)")
+        raise SettingError(name, "{setting} needs accelerate: pip install 'headscope[scale]' (or accelerate)")
 
 
 

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .errors import HeadscopeInputError, InputFileNotFoundError
+from .errors import HeadscopeInputError, InputFileNotFoundError, SettingError
 
 
 # ---------------------------------------------------------------------------------------- scalars
@@ -26,11 +26,11 @@ def check_int(name: str, value: Any, lo: Optional[int] = None, hi: Optional[int]
     """``value`` as an int within [lo, hi]. Raises HeadscopeInputError naming ``name`` and ``fix``."""
     tail = f"; {fix}" if fix else ""
     if not is_int(value):
-        raise HeadscopeInputError(f"{name}={value!r} must be a whole number{tail}")
+        raise SettingError(name, f"{{setting}}={value!r} must be a whole number{tail}")
     v = int(value)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else (f"<= {hi}" if lo is None else f"in {lo}..{hi}")
-        raise HeadscopeInputError(f"{name}={v} must be {rng}{tail}")
+        raise SettingError(name, f"{{setting}}={v} must be {rng}{tail}")
     return v
 
 
@@ -49,7 +49,7 @@ def check_real(
             raise TypeError
         x = float(value)
     except (TypeError, ValueError):
-        raise HeadscopeInputError(f"{name}={value!r} must be a number{tail}") from None
+        raise SettingError(name, f"{{setting}}={value!r} must be a number{tail}") from None
     bad_lo = lo is not None and (x <= lo if lo_open else x < lo)
     bad_hi = hi is not None and (x >= hi if hi_open else x > hi)
     if not math.isfinite(x) or bad_lo or bad_hi:
@@ -57,7 +57,7 @@ def check_real(
         right = "inf)" if hi is None else f"{hi:g}{')' if hi_open else ']'}"
         if lo is None:
             left = "(-inf"
-        raise HeadscopeInputError(f"{name}={value!r} must lie in {left}, {right}{tail}")
+        raise SettingError(name, f"{{setting}}={value!r} must lie in {left}, {right}{tail}")
     return x
 
 
@@ -65,7 +65,7 @@ def check_choice(name: str, value: Any, choices: Sequence[Any], fix: str = "") -
     """``value`` if it is one of ``choices``. Raises HeadscopeInputError listing them."""
     if value not in tuple(choices):
         tail = f"; {fix}" if fix else ""
-        raise HeadscopeInputError(f"{name}={value!r} is not one of {', '.join(map(str, choices))}{tail}")
+        raise SettingError(name, f"{{setting}}={value!r} is not one of {', '.join(map(str, choices))}{tail}")
     return value
 
 
@@ -84,24 +84,24 @@ def check_device(device: Any, name: str = "device") -> None:
     try:
         d = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
-        raise HeadscopeInputError(f"{name} {device!r} is not a device; use cpu, cuda or cuda:N") from None
+        raise SettingError(name, f"{{setting}} {device!r} is not a device; use cpu, cuda or cuda:N") from None
     if d.type == "cpu":
         return
     if d.type == "cuda":
         if not torch.cuda.is_available():
             why = "this PyTorch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-            raise HeadscopeInputError(
-                f"{name} {device!r}: {why}; use {name} cpu (or leave {name} out: cuda is used when available)"
-            )
+            raise SettingError(
+                name, f"{{setting}} {device!r}: {why}; use {{setting}} cpu (or leave {{setting}} out: cuda is used when "
+                "available)")
         n = torch.cuda.device_count()
         if d.index is not None and d.index >= n:
-            raise HeadscopeInputError(f"{name} {device!r}: only {n} GPU(s) are visible (cuda:0..cuda:{n - 1})")
+            raise SettingError(name, f"{{setting}} {device!r}: only {n} GPU(s) are visible (cuda:0..cuda:{n - 1})")
         return
     if d.type == "mps":
         if not torch.backends.mps.is_available():
-            raise HeadscopeInputError(f"{name} 'mps' is not available on this machine; use {name} cpu")
+            raise SettingError(name, "{setting} 'mps' is not available on this machine; use {setting} cpu")
         return
-    raise HeadscopeInputError(f"{name} {device!r}: headscope runs on cpu or cuda (or mps)")
+    raise SettingError(name, f"{{setting}} {device!r}: headscope runs on cpu or cuda (or mps)")
 
 
 def check_dtype(dtype: Any) -> None:
@@ -121,14 +121,14 @@ def check_out_dir(path: Any, name: str = "out") -> Path:
     """
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
-        raise HeadscopeInputError(f"{name} {p} is a file, not a directory; pass a directory path (created when missing)")
+        raise SettingError(name, f"{{setting}} {p} is a file, not a directory; pass a directory path (created when missing)")
     a = p
     while not a.exists() and a != a.parent:
         a = a.parent
     if a.exists() and not a.is_dir():
-        raise HeadscopeInputError(f"{name} {p}: {a} is a file, so the directory cannot be created; pass another path")
+        raise SettingError(name, f"{{setting}} {p}: {a} is a file, so the directory cannot be created; pass another path")
     if a.exists() and not os.access(a, os.W_OK | os.X_OK):
-        raise HeadscopeInputError(f"{name} {p}: {a} is not writable; pass a directory you can write to")
+        raise SettingError(name, f"{{setting}} {p}: {a} is not writable; pass a directory you can write to")
     return p
 
 

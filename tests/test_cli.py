@@ -1,5 +1,7 @@
 import json
 
+import headscope.api
+
 from typer.testing import CliRunner
 
 from headscope.cli import app
@@ -112,3 +114,42 @@ def test_rank_without_plotly_keeps_the_ranking_and_says_so(tiny_dir, tmp_path, m
     assert f"wrote {out}/: scores.csv, mask.json, ranking.json" in res.output
     r = Ranking.load(out)
     assert len(r.scores) == 8 and HeadMask.from_json(out / "mask.json").n_fa == 3
+
+
+def test_rank_runs_each_check_once(tiny_dir, tmp_path, monkeypatch):
+    """One `headscope rank` of a tiny model: the config validates itself once, the API checks the model spec, the
+    call, the store and (through the CLI's callback) the budget once each, before the model loads."""
+    import headscope.config
+    import headscope.masks
+    import headscope.models
+    import headscope.patching.store
+
+    calls: dict[str, list[bool]] = {}
+    loaded: list[bool] = []
+    load = headscope.models.load_model
+
+    def loading(*a, **k):
+        loaded.append(True)
+        return load(*a, **k)
+
+    def counted(owner, name, key=None):
+        orig = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            calls.setdefault(key or name, []).append(bool(loaded))  # True: called after the model loaded
+            return orig(*a, **k)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    monkeypatch.setattr(headscope.api, "load_model", loading)
+    counted(headscope.config.RankConfig, "_validate", "RankConfig._validate")
+    counted(headscope.config, "check_rank_call")
+    counted(headscope.models, "check_model")
+    counted(headscope.patching.store, "check_rank_store")
+    counted(headscope.masks, "check_budget")
+    res = CliRunner().invoke(app, ["rank", "--model", str(tiny_dir), "--pairs", "1", "--seq-len", "64", "--budget",
+                                   "3", "--min-gap", "0", "--device", "cpu", "--out", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    assert loaded == [True]
+    assert calls == {"RankConfig._validate": [False], "check_rank_call": [False], "check_model": [False],
+                     "check_rank_store": [False], "check_budget": [False]}

@@ -50,7 +50,6 @@ def check_select_args(model: Any, method: Any, settings: dict[str, Any]) -> None
     import inspect
     import typing
 
-    from ..config import check_rank_args
     from ..models import check_model
 
     if method not in SELECTORS:
@@ -64,8 +63,7 @@ def check_select_args(model: Any, method: Any, settings: dict[str, Any]) -> None
         bad = [k for k in settings if k not in ok]
         if bad:
             raise HeadscopeInputError(f"selector 'causal' does not take {bad}; its settings are {ok}")
-        keys = set(inspect.signature(check_rank_args).parameters)
-        check_rank_args(**{k: v for k, v in settings.items() if k in keys})
+        # the values: headscope.rank checks them before it loads the model (its config, then the call)
     elif not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         bad = [k for k in settings if k not in params or k == "model"]
         if bad:
@@ -88,7 +86,8 @@ def check_select_args(model: Any, method: Any, settings: dict[str, Any]) -> None
         ds = settings["depths"]
         for d in [ds] if isinstance(ds, (int, float)) else list(ds):
             check_real("depths", d, 0.0, 1.0, fix="depths are fractions of the prompt")
-    check_model(model)
+    if method != "causal":  # headscope.rank checks the model itself, before it loads
+        check_model(model)
 
 
 def select(model: Any, method: str, **settings: Any) -> Any:
