@@ -34,8 +34,9 @@ _LAZY = {
     "kv_cache_report": "hybrid",
 }
 _SUBMODULES = (
-    "anatomy", "api", "arch", "cli", "config", "distributed", "errors", "evaluation", "hybrid", "knockout", "masks",
-    "models", "patching", "plots", "readout", "runtime", "scores", "selectors", "tasks", "train", "validate",
+    "anatomy", "api", "arch", "cli", "config", "distributed", "errors", "evaluation", "generation", "hybrid",
+    "knockout", "masks", "models", "patching", "plots", "readout", "runtime", "scores", "selectors", "tasks", "train",
+    "validate",
 )
 
 

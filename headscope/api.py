@@ -139,6 +139,7 @@ def run(model: str | LoadedModel, cfg: RankConfig, pairs: Sequence[Pair] | None 
         on_geometry(lm.geometry)
     strategy = STRATEGIES["fused" if cfg.fused else cfg.mode]
     df, ie, prov, extras = strategy(lm, cfg, pairs, out_dir, shard, progress)
+    df, prov = _hybrid_kinds(lm, df, prov)
     settings = cfg.settings()
     provenance: dict[str, Any] = {
         "headscope_version": __version__, **lm.provenance(), "tasks": list(cfg.tasks), "task_settings": settings,
@@ -149,6 +150,21 @@ def run(model: str | LoadedModel, cfg: RankConfig, pairs: Sequence[Pair] | None 
     if out_dir is not None and (shard is None or shard[0] == 0):
         ranking.save(out_dir)
     return ranking
+
+
+def _hybrid_kinds(lm: LoadedModel, df: Any, prov: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """For a head-wise hybrid (a converted model), the score table with a ``kind`` column (``"fa"`` / ``"gdn"``, after
+    ``kv_group``) and ``"hybrid": True`` in the provenance, as :func:`headscope.student_anatomy.rank_heads` writes
+    them; any other model's unchanged."""
+    from .patching.hybrid import head_kinds, is_hybrid
+
+    if not is_hybrid(lm.hf_model) or "kind" in df.columns:
+        return df, prov
+    kinds = head_kinds(lm.hf_model)
+    df = df.copy()
+    df.insert(int(df.columns.get_loc("kv_group")) + 1 if "kv_group" in df.columns else 2, "kind",
+              [kinds[int(layer)][int(h)] for layer, h in zip(df["layer"], df["head"])])
+    return df, {**prov, "hybrid": True}
 
 
 # ---- the config of a call --------------------------------------------------------------------------

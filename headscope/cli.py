@@ -142,6 +142,8 @@ def _report(r: Any, cfg: Any, budget: str, min_per_layer: int, out: Path, top: i
     if fused:
         cols = ["rank", "layer", "head", "kv_group", "ie_recv", "ie_send", "kappa"]
         cols += [c for c in r.scores.columns if c.startswith("s_")] + ["score"]
+    if "kind" in r.scores.columns:  # a converted model: each head's kind, FA or GDN
+        cols.insert(cols.index("kv_group") + 1, "kind")
     typer.echo(f"top {top} heads by {'fused score S' if fused else 'receiver IE'}:")
     typer.echo(r.top(top)[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     scr = p.get("screen")
@@ -440,6 +442,15 @@ def anatomy(
         a = an.anatomy(r, model=model, pairs=pairs, threshold=threshold, n_boot=boot, seed=seed, n_ref=n_ref,
                        negative=negative)  # type: ignore[arg-type]
         written = a.save(out, formats=tuple(fmt))
+        kinds = None
+        if "kind" in r.scores.columns:  # a converted model: where the IE sits, FA heads against GDN heads
+            import json
+
+            from .runtime import atomic_write_text
+            from .student_anatomy import kind_summary
+
+            kinds = kind_summary(r, threshold=threshold)
+            atomic_write_text(out / "kinds.json", json.dumps(kinds, indent=2))
     d = a.to_dict()
     typer.echo(f"Gini: {d['gini_negative']['meaning']}")
     for col, c in d["critical"].items():
@@ -458,7 +469,14 @@ def anatomy(
             + (f"; rho >= {a.rho_target} from n = {n}" if (n := d["stability"]["n_at_target"]) is not None
                else f"; rho stays below {a.rho_target} up to n = {curve[-1]['n'] if curve else 0}")
         )
-    typer.echo(f"wrote {out / 'anatomy.json'} and {sum(len(v) for k, v in written.items() if k != 'json')} figure file(s)")
+    if kinds is not None:
+        for kd in ("fa", "gdn"):
+            k = kinds[kd]
+            mass = "–" if k["positive_mass_share"] is None else f"{k['positive_mass_share']:.1%}"
+            typer.echo(f"{kd.upper()} heads: {k['n_heads']}, mean IE {k['mean_ie'] if k['mean_ie'] is None else round(k['mean_ie'], 3)}, "
+                       f"{mass} of the positive IE, {k['top5']} of the top 5, {k['top10']} of the top 10")
+    typer.echo(f"wrote {out / 'anatomy.json'}{', kinds.json' if kinds is not None else ''} and "
+               f"{sum(len(v) for k, v in written.items() if k != 'json')} figure file(s)")
 
 
 _EVAL_HELP = """Score MODEL on the retention suite: retrieval of a value hidden in a long prompt, per task x length x format.
@@ -513,6 +531,46 @@ def eval_command(
     typer.echo(Path(res["report"]["md"]).read_text())
     typer.echo(f"wrote {out}/: retention.csv ({res['rows']} rows), retention_summary.csv, report.md"
                + (", report.html" if "html" in res["report"] else "") + f", cells/ (per-prompt records); {res['seconds']} s")
+
+
+@app.command()
+def generate(
+    model: str = typer.Argument(..., help="converted folder, HF directory, .gguf, cached hub id or 'smollm2-135m'"),
+    prompt: Optional[str] = typer.Argument(None, help="the prompt (default: --file, else read from stdin)"),
+    file: Optional[Path] = typer.Option(None, help="read the prompt from this text file"),
+    max_new_tokens: int = typer.Option(128, help="tokens to generate at most (stops earlier at end-of-sequence)"),
+    temperature: float = typer.Option(0.0, help="0: greedy decoding; > 0: sampling at this temperature"),
+    top_p: float = typer.Option(1.0, help="nucleus sampling mass, with --temperature > 0 (1.0: off)"),
+    seed: int = typer.Option(0, help="torch seed set before sampling"),
+    chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the tokenizer's chat template (one user turn)"),
+    device: Optional[str] = typer.Option(None, help="cpu / cuda / cuda:N (default: cuda when available)"),
+    dtype: str = typer.Option("float32", help="weights' dtype: float32, bfloat16 or float16"),
+) -> None:
+    """Generate text from MODEL with transformers' generate: print the new text, then (on stderr) tokens per second.
+
+    A converted hybrid takes its fast path where the device has one (CUDA), by itself, through its own forward. Every
+    argument is checked before the model loads (errors: one line, exit code 2)."""
+    with user_errors():
+        import torch
+
+        from .generation import check_generate_args, generate_text
+        from .models import load_hf
+
+        cfg = check_generate_args(model, prompt, file, max_new_tokens, temperature, top_p, seed, device, dtype, chat)
+        if prompt is None:
+            if file is not None:
+                prompt = file.read_text(encoding="utf-8", errors="replace")
+            elif sys.stdin is None or sys.stdin.isatty():
+                raise HeadscopeInputError("no prompt: pass it as an argument, with --file, or on stdin")
+            else:
+                prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise HeadscopeInputError("the prompt is empty: pass it as an argument, with --file or on stdin")
+        m, tok, _ = load_hf(model, device=device, dtype=getattr(torch, dtype))
+        res = generate_text(m, tok, prompt, cfg)
+    typer.echo(res["text"])
+    typer.echo(f"{res['new_tokens']} new tokens after {res['prompt_tokens']} prompt tokens in {res['seconds']:.2f} s: "
+               f"{res['tokens_per_s']:.1f} tokens/s ({next(m.parameters()).device}, {dtype})", err=True)
 
 
 def run() -> None:  # pragma: no cover

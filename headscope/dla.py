@@ -92,8 +92,11 @@ def direct_logit_attribution(
         NotImplementedError: a norm other than RMSNorm / LayerNorm on the path.
     """
     from .patching.engine import Engine, head_slice
+    from .patching.hybrid import is_hybrid
     from .patching.receivers import sequences
 
+    if is_hybrid(model.hf_model):
+        return _hybrid_dla(model, pairs, lam, run)
     eng = Engine(model)
     g = eng.g
     WU = eng.arch.lm_head.weight  # [vocab, d_model]
@@ -172,8 +175,11 @@ def layer_cosine(model: Any, pairs: Sequence[Any]) -> Float[np.ndarray, "layer l
         Float[ndarray, "layer layer"] (rows: clean layer, columns: corrupted layer).
     """
     from .patching.engine import Engine
+    from .patching.hybrid import is_hybrid
     from .patching.receivers import sequences
 
+    if is_hybrid(model.hf_model):
+        return _hybrid_cosine(model, pairs)
     eng = Engine(model)
     g = eng.g
     acc = np.zeros((g.n_layers, g.n_layers))
@@ -193,3 +199,133 @@ def layer_cosine(model: Any, pairs: Sequence[Any]) -> Float[np.ndarray, "layer l
     if n == 0:
         raise ValueError("layer_cosine needs at least one pair")
     return acc / n
+
+
+# ---- a converted model (head-wise FA/GDN hybrid): the same quantities read through hooks ---------------------
+#: decoder-layer norms that act on the attention output before it joins the residual (Gemma's sandwich): a hybrid
+#: with one of them has no per-head DLA here
+_POST_ATTENTION_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+@torch.no_grad()
+def _hybrid_capture(hf: Any, ids: Tensor, read: Sequence[int]) -> dict[str, Any]:
+    """One forward of a hybrid with hooks: at the read positions, the input of every layer's ``o_proj`` (its ``hook_z``,
+    each head's fused output in the head's slot), the embedding (layer 0's input), every MLP's output, every decoder
+    layer's output, the final norm's input, and the logits. Hooking ``o_proj`` sends each layer to the reference
+    forward (as the hybrid patching engine does)."""
+    from .hybrid.modeling_hybrid import attention_name, decoder_layers
+
+    layers = list(decoder_layers(hf))
+    dev = next(hf.parameters()).device
+    ridx = torch.as_tensor(list(read), device=dev)
+    got: dict[str, Any] = {"z": {}, "mlp": {}, "out": {}}
+
+    def hidden(args: tuple, kwargs: dict) -> Tensor:
+        return args[0] if args else kwargs["hidden_states"]
+
+    hooks = [layers[0].register_forward_pre_hook(
+        lambda m, a, k: got.__setitem__("embed", hidden(a, k)[0, ridx].detach()), with_kwargs=True)]
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, attention_name(layer))
+        hooks.append(attn.o_proj.register_forward_pre_hook(lambda m, a, i=i: got["z"].__setitem__(i, a[0][0, ridx].detach())))
+        hooks.append(layer.mlp.register_forward_hook(lambda m, a, o, i=i: got["mlp"].__setitem__(i, o[0, ridx].detach())))
+        hooks.append(layer.register_forward_hook(
+            lambda m, a, o, i=i: got["out"].__setitem__(i, (o[0] if isinstance(o, tuple) else o)[0, ridx].detach())))
+    norm = _final_norm(hf)
+    hooks.append(norm.register_forward_pre_hook(lambda m, a: got.__setitem__("final", a[0][0, ridx].detach())))
+    try:
+        got["logits"] = hf(input_ids=ids[None].to(dev), use_cache=False).logits[0, ridx].float()
+    finally:
+        for h in hooks:
+            h.remove()
+    return got
+
+
+def _final_norm(hf: Any) -> Any:
+    body = hf.base_model
+    for name in ("norm", "final_layer_norm"):
+        if isinstance(getattr(body, name, None), torch.nn.Module):
+            return getattr(body, name)
+    raise NotImplementedError(f"no final norm found in {type(hf).__name__}")
+
+
+def _hybrid_dla(model: Any, pairs: Sequence[Any], lam: float, run: str) -> DLA:
+    """:func:`direct_logit_attribution` of a converted model (:func:`headscope.hybridize`): each head's columns of the
+    ``o_proj`` input (its fused output) times its columns of ``o_proj``, through the final norm frozen at the run's
+    residual; components embed, the ``o_proj`` bias, every MLP. Families whose attention output joins the residual
+    directly (Llama / SmolLM2, Qwen2, Qwen3, Mistral, GPT-NeoX).
+
+    Raises:
+        InputNotImplementedError: a hybrid whose layers norm the attention output (Gemma 3) or soft-cap the logits.
+    """
+    from .errors import InputNotImplementedError
+    from .hybrid.modeling_hybrid import attention_name, decoder_layers
+    from .patching.engine import head_slice
+    from .patching.receivers import sequences
+
+    hf = model.hf_model
+    layers = list(decoder_layers(hf))
+    if any(hasattr(layer, n) for layer in layers for n in _POST_ATTENTION_NORMS) or getattr(hf.config, "final_logit_softcapping", None):
+        raise InputNotImplementedError(f"DLA of a converted {type(hf).__name__} (post-attention norms or logit soft-cap) is "
+                                       "not implemented; run anatomy with --no-model")
+    g = model.geometry
+    WU = hf.get_output_embeddings().weight
+    fin_norm = _final_norm(hf)
+    heads_all, other_all, total_all, m_all = [], [], [], []
+    names: list[str] = []
+    for pair in pairs:
+        clean, corr, read = sequences(pair)
+        cap = _hybrid_capture(hf, clean if run == "clean" else corr, read)
+        dev = cap["final"].device
+        w = span_weights(len(read), lam).to(dev).double()
+        u = (WU[pair.answer.to(WU.device)] - WU[pair.counter_answer.to(WU.device)]).double().to(dev)
+        fin, fin_b = _frozen_norm(fin_norm, cap["final"])
+
+        def contrib(c: Tensor, normed: bool = False) -> Tensor:
+            x = c if normed else fin(c)
+            return ((x * u).sum(-1) * w).sum(-1)
+
+        head_c = torch.empty(g.n_layers, g.n_heads, len(read), g.d_model, dtype=torch.float64, device=dev)
+        comps: list[tuple[str, Tensor]] = [("embed", cap["embed"].double())]
+        for layer_i, layer in enumerate(layers):
+            o = getattr(layer, attention_name(layer)).o_proj
+            z = cap["z"][layer_i].double()
+            Wo = o.weight.double()
+            for hd in range(g.n_heads):
+                sl = head_slice(hd, g.d_head)
+                head_c[layer_i, hd] = z[:, sl] @ Wo[:, sl].T
+            if o.bias is not None:
+                comps.append((f"attn_bias.{layer_i}", o.bias.double().expand(len(read), -1)))
+            comps.append((f"mlp.{layer_i}", cap["mlp"][layer_i].double()))
+        if fin_b is not None:
+            comps.append(("final_norm_bias", fin_b.expand_as(cap["final"])))
+        heads_all.append(contrib(head_c).cpu())
+        names = [n for n, _ in comps]
+        other_all.append(torch.stack([contrib(c, normed=n == "final_norm_bias") for n, c in comps]).cpu())
+        total = contrib(cap["final"].double())
+        if fin_b is not None:
+            total = total + contrib(fin_b.expand_as(cap["final"]), normed=True)
+        total_all.append(total.cpu())
+        m_all.append(logit_diff(cap["logits"], pair.answer.to(dev), pair.counter_answer.to(dev), lam).cpu())
+    return DLA(torch.stack(heads_all), torch.stack(other_all), names, torch.stack(total_all), torch.stack(m_all))
+
+
+def _hybrid_cosine(model: Any, pairs: Sequence[Any]) -> Float[np.ndarray, "layer layer"]:
+    """:func:`layer_cosine` of a converted model: every decoder layer's output at the read positions, clean against
+    corrupted, read with forward hooks."""
+    from .patching.receivers import sequences
+
+    n_layers = model.geometry.n_layers
+    acc = np.zeros((n_layers, n_layers))
+    for pair in pairs:
+        clean, corr, read = sequences(pair)
+        outs = []
+        for seq in (clean, corr):
+            cap = _hybrid_capture(model.hf_model, seq, read)
+            outs.append(torch.stack([cap["out"][i] for i in range(n_layers)]).double())  # [layer, ans, d]
+        a = torch.nn.functional.normalize(outs[0], dim=-1)
+        b = torch.nn.functional.normalize(outs[1], dim=-1)
+        acc += torch.einsum("lad,mad->lm", a, b).cpu().numpy() / len(read)
+    if not len(pairs):
+        raise ValueError("layer_cosine needs at least one pair")
+    return acc / len(pairs)
