@@ -156,7 +156,7 @@ def _hybrid_kinds(lm: LoadedModel, df: Any, prov: dict[str, Any]) -> tuple[Any, 
     """For a head-wise hybrid (a converted model), the score table with a ``kind`` column (``"fa"`` / ``"gdn"``, after
     ``kv_group``) and ``"hybrid": True`` in the provenance, as :func:`headscope.student_anatomy.rank_heads` writes
     them; any other model's unchanged."""
-    from .patching.hybrid import head_kinds, is_hybrid
+    from .patching.hybrid_engine import head_kinds, is_hybrid
 
     if not is_hybrid(lm.hf_model) or "kind" in df.columns:
         return df, prov

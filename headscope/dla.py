@@ -92,7 +92,7 @@ def direct_logit_attribution(
         NotImplementedError: a norm other than RMSNorm / LayerNorm on the path.
     """
     from .patching.engine import Engine, head_slice
-    from .patching.hybrid import is_hybrid
+    from .patching.hybrid_engine import is_hybrid
     from .patching.receivers import sequences
 
     if is_hybrid(model.hf_model):
@@ -175,7 +175,7 @@ def layer_cosine(model: Any, pairs: Sequence[Any]) -> Float[np.ndarray, "layer l
         Float[ndarray, "layer layer"] (rows: clean layer, columns: corrupted layer).
     """
     from .patching.engine import Engine
-    from .patching.hybrid import is_hybrid
+    from .patching.hybrid_engine import is_hybrid
     from .patching.receivers import sequences
 
     if is_hybrid(model.hf_model):

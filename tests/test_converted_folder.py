@@ -48,7 +48,7 @@ def test_load_model_reads_a_converted_folder(converted):
 
 def test_rank_and_anatomy_of_a_converted_folder(converted, tmp_path):
     from headscope.models import load_model
-    from headscope.patching.hybrid import head_kinds
+    from headscope.patching.hybrid_engine import head_kinds
     from headscope.scores import Ranking
     from headscope.student_anatomy import kind_summary, rank_heads
     from headscope.tasks import make_pairs
