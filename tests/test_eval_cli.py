@@ -38,6 +38,10 @@ def folders(smol_tokenizer, tmp_path_factory):
     student = hybridize(teacher, mask)
     student.save_pretrained(root / "conv" / "stage3")
     smol_tokenizer.save_pretrained(root / "conv" / "stage3")
+    # headscope convert's record: the recipe's total tokens and seed name the model's row (the stage's own tokens not)
+    (root / "conv" / "stage3" / "training.json").write_text(json.dumps(
+        {"format": "headscope.convert/1", "stage": 3, "tokens": 3_740_000, "seeds": {"train": 4},
+         "recipe": {"tokens": 12_500_000, "seed": 4}}))
     (root / "corpus.txt").write_text(CORPUS)
     return root
 
@@ -59,6 +63,8 @@ def test_eval_writes_cells_checked_by_brute_force_and_resumes(folders, tmp_path,
     assert tuple(df.columns) == EVAL_COLUMNS
     assert sorted(df.model.unique()) == ["conv-stage3", "teacher"] and (df.source == "cli").all() and len(df) == 4
     assert set(df.task) == {"niah_single", "variable_tracking"} and (df.length == 256).all() and (df.n == 3).all()
+    student = df[df.model == "conv-stage3"]
+    assert (student.seed == 4).all() and (student.tokens == 12_500_000).all()
     assert (out / "report.md").read_text().count("| niah_single | unseen | 256 | 3 |") == 1
     html = (out / "report.html").read_text()
     assert "plotly" in html and "conv-stage3 (unseen)" in html and len(html) > 1_000_000  # plotly.js inlined
@@ -66,7 +72,7 @@ def test_eval_writes_cells_checked_by_brute_force_and_resumes(folders, tmp_path,
     model, tok, _ = load_hf(folders / "conv" / "stage3", device="cpu")
     pairs = load_pairs(out / "prompts" / "unseen_niah_single@256_n3_s4321.json.gz")
     assert len(pairs) == 3 and all(p.meta["family"] == "unseen" for p in pairs)
-    rec = json.loads(__import__("gzip").decompress((out / "cells" / "conv-stage3__s0__t0" / "niah_single.unseen.256.json.gz")
+    rec = json.loads(__import__("gzip").decompress((out / "cells" / "conv-stage3__s4__t12500000" / "niah_single.unseen.256.json.gz")
                                                    .read_bytes()))
     brute, gen = [], []
     with torch.no_grad():

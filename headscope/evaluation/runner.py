@@ -44,8 +44,8 @@ class EvalConfig:
         model: model spec (a converted folder, a local HF directory, a .gguf path, a cached hub id, a name).
         teacher: the reference model's spec, scored on the same prompts (None: the model alone).
         name: the model's name in the cell folders and tables (default from the spec: :func:`default_name`).
-        seed / tokens: the model's training seed and token count in the tables (from a converted folder's
-            training.json; else 0).
+        seed / tokens: the model's training seed and total training tokens in the tables (from a converted folder's
+            training.json, :func:`training_record`; else 0).
         suite: the cells and their scoring (:class:`~headscope.evaluation.retention.SuiteConfig`).
         haystack: the unseen cells' haystack (:class:`~headscope.evaluation.haystack.HaystackConfig`).
         prompt_seed: added to the study's prompt seeds (0: the study's prompts).
@@ -107,26 +107,29 @@ def default_name(spec: str) -> str:
 
 
 def training_record(spec: str) -> dict[str, int]:
-    """(seed, tokens) of a converted folder from its training.json (``seed``, ``tokens``: top level, or the last
-    stage's under ``stages``); zeros for any other model."""
+    """(seed, tokens) of a converted folder from its ``training.json`` (``headscope convert``'s record): the recipe's
+    total token budget of the three stages and its seed (``recipe.tokens``, ``recipe.seed``), else the stage's own
+    ``tokens`` and ``seeds.train``; zeros for any other model or an unreadable record."""
     f = Path(str(spec)).expanduser() / "training.json"
-    if not f.is_file():
-        return {"seed": 0, "tokens": 0}
     try:
-        d = json.loads(f.read_text())
-    except ValueError:
-        return {"seed": 0, "tokens": 0}
+        d = json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, ValueError):
+        d = {}
+    if not isinstance(d, dict):
+        d = {}
+    recipe = d.get("recipe") if isinstance(d.get("recipe"), dict) else {}
+    seeds = d.get("seeds") if isinstance(d.get("seeds"), dict) else {}
 
-    def pick(key: str) -> int:
-        v = d.get(key, d.get("config", {}).get(key) if isinstance(d.get("config"), dict) else None)
-        if v is None and isinstance(d.get("totals"), dict):
-            v = d["totals"].get(key)
-        try:
-            return int(v)
-        except (TypeError, ValueError):
-            return 0
+    def first(*values: Any) -> int:
+        for v in values:
+            try:
+                return int(v)
+            except (TypeError, ValueError):
+                continue
+        return 0
 
-    return {"seed": pick("seed"), "tokens": pick("tokens")}
+    return {"seed": first(recipe.get("seed"), seeds.get("train"), d.get("seed")),
+            "tokens": first(recipe.get("tokens"), d.get("tokens"))}
 
 
 def check_eval_args(
