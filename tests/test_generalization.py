@@ -362,6 +362,16 @@ def test_study_smoke(tmp_path, smol_tokenizer):
     assert json.loads((d / "anatomy.json").read_text())["done"]
 
 
+def _tables():
+    """experiments/conversion-generalization/tables.py (the study's tables from its records)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_tables", ROOT / "experiments" / "conversion-generalization" / "tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _study():
     import importlib.util
 
@@ -508,7 +518,7 @@ def test_study_lever_table_by_hand(tmp_path):
     add("hydra-7to1", 0, 50_000_000, 0.0, 0.8, task="niah_multikey")
     add("hydra-7to1", 0, 50_000_000, 0.0, 0.8, lengths=(8192,))
     pd.DataFrame(rows, columns=list(RETENTION_COLUMNS)).to_csv(tmp_path / "retention.csv", index=False)
-    assert run.lever_table(tmp_path) == 5
+    assert _tables().lever_table(tmp_path) == 5
     t = pd.read_csv(tmp_path / "levers.csv")
     got = {r.model + "@" + str(r.tokens): r for r in t.itertuples()}
     b = got["hydra-7to1@50000000"]
@@ -650,7 +660,7 @@ def test_distance_table_by_hand(tmp_path):
     assert h.hits.tolist() == [1, 3, 1, 0] and h.teacher_hits.tolist() == [2, 2, 2, 1]
     tt = df[df.model == "teacher"]
     assert tt.hits.tolist() == [2, 2, 2, 1] and set(tt.distance_from) == {"hydra-7to1"}
-    lines = _study().distance_lines(tmp_path, [1024, 4096])  # comparison.md's table, arms in the study's order
+    lines = _tables().distance_lines(tmp_path, [1024, 4096])  # comparison.md's table, arms in the study's order
     assert lines[3] == "| arm | tokens | length | 0–512 | 512–1024 | 1024–2048 | 2048–4096 |"
     assert lines[5:] == ["| teacher | – | 4K | 2/2 | 2/3 | 2/2 | 1/1 |", "| hydra-7to1 | 12.5M | 4K | 1/2 | 3/3 | 1/2 | 0/1 |"]
     assert "distances stored by hydra-7to1's cells" in lines[1]
@@ -736,15 +746,15 @@ def test_study_selection_arm_mask_and_lever(tmp_path):
     assert (tmp_path / "masks" / "ie-7to1.json").exists() and m.meta["ranking"] == "experiments/fused-smollm2/one"
     spec = run.arm_spec(a, s)
     assert (spec["mask"], spec["budget"], spec["ranking"], spec["label"]) == ("ie_kappa1", "7:1", "experiments/fused-smollm2/one", "ie-7to1")
-    assert run.lever_of("ie-7to1", 50_000_000) == ("selection: IE alone (κ = 1)", "--arm ie-7to1 --tokens 50M")
+    assert _tables().lever_of("ie-7to1", 50_000_000) == ("selection: IE alone (κ = 1)", "--arm ie-7to1 --tokens 50M")
     with pytest.raises(SystemExit, match="states its budget"):
         run.arm_spec(run.parser().parse_args(["--out", str(tmp_path), "--arm", "ie-7to1", "--budget", "5:1"]), s)
 
 
 def test_study_mask_coverage_against_the_scores_csv(tmp_path):
     """mask_coverage on the committed teacher ranking (unseen single-needle pairs at 4K) and masks, recomputed here
-    from the ranking's scores.csv with pandas: positive-IE share, top 10 and top N held; ie-7to1 is built from
-    its ranking without a model; comparison.md's coverage section lists every arm."""
+    from the ranking's scores.csv with pandas: positive-IE share, top 10 and top N held; comparison.md's coverage
+    section lists every arm."""
     import json as _json
     import shutil
 
@@ -755,9 +765,7 @@ def test_study_mask_coverage_against_the_scores_csv(tmp_path):
     key = "unseen_niah_single@4096_p6"
     shutil.copytree(records / "anatomy" / key / "teacher" / "ranking", tmp_path / "anatomy" / key / "teacher" / "ranking")
     shutil.copytree(records / "masks", tmp_path / "masks")
-    a = run.parser().parse_args(["--out", str(tmp_path)])
-    s = run.settings(a)
-    rows = {r["arm"]: r for r in run.mask_coverage(tmp_path, s, a)}
+    rows = {r["arm"]: r for r in _tables().mask_coverage(tmp_path)}
     assert set(rows) == {"hydra-7to1", "layer-3to1", "layer-7to1", "random-7to1", "ie-7to1", "hydra-5to1", "layer-5to1", "random-5to1"}
     sc = pd.read_csv(tmp_path / "anatomy" / key / "teacher" / "ranking" / "scores.csv")
     sc = sc.sort_values("score", ascending=False)
@@ -773,7 +781,7 @@ def test_study_mask_coverage_against_the_scores_csv(tmp_path):
     assert rows["ie-7to1"]["top10_held"] == 9 and rows["hydra-7to1"]["top10_held"] == 5
     assert rows["ie-7to1"]["positive_share"] > rows["hydra-7to1"]["positive_share"] > rows["random-7to1"]["positive_share"]
     assert rows["hydra-5to1"]["fa_heads"] == 45 and rows["hydra-5to1"]["top10_held"] == 5  # 7:1's 34 heads and 11 more
-    lines = run.coverage_lines(tmp_path)
+    lines = _tables().coverage_lines(tmp_path)
     assert sum(ln.startswith("| ") and not ln.startswith("| arm") for ln in lines) == 8
 
 
@@ -809,7 +817,7 @@ def test_study_anatomy_table_by_hand(tmp_path):
     bad = tmp_path / "anatomy" / key / "seed1_layer-3to1_t50000000"
     bad.mkdir(parents=True)
     (bad / "anatomy.json").write_text(json.dumps({"arm": "layer-3to1", "seed": 1, "tokens": 1, "student": {"error": "gap"}}))
-    assert run.anatomy_table(tmp_path) == 2
+    assert _tables().anatomy_table(tmp_path) == 2
     t = pd.read_csv(tmp_path / "anatomy.csv").set_index("model")
     r = t.loc["ie-7to1"]
     assert (r.fa_heads, r.fa_in_top10, r.teacher_top10_fa, r.student_top3, r.knockout_n) == (34, 7, 5, "L16H0 L3H1 L9H2", 100)
@@ -824,7 +832,7 @@ def test_study_anatomy_table_by_hand(tmp_path):
     k = pd.read_csv(tmp_path / "anatomy_knockout.csv")
     assert len(k) == 14 and list(k.columns[:4]) == ["key", "arm", "seed", "tokens"]
     assert k[(k.arm == "ie-7to1") & (k.condition == "gdn_random1")].accuracy.item() == 0.75
-    lines = run.anatomy_lines(tmp_path)
+    lines = _tables().anatomy_lines(tmp_path)
     row = next(ln for ln in lines if ln.startswith("| ie-7to1 |"))
     assert row == ("| ie-7to1 | 0 | 50M | 0.80 | 7 | 0.60 | 0.41 | L16H0 L3H1 L9H2 | 0.90 | 0.20 / 0.10 | 0.80 (0.75–0.85) | 0.30 | 0.45 | "
                    "0.98 | 0.50 | 0.40 |")
@@ -840,7 +848,7 @@ def test_study_token_curve_by_hand(tmp_path):
     import pandas as pd
 
     run = _study()
-    assert run.token_curve(tmp_path) == 0  # no levers.csv
+    assert _tables().token_curve(tmp_path) == 0  # no levers.csv
     rows = []
     for model, tokens, seeds, base in (("hydra-7to1", 50_000_000, 2, 0.8), ("hydra-7to1", 200_000_000, 1, 0.9),
                                        ("hydra-7to1", 12_500_000, 1, 0.6), ("layer-3to1", 50_000_000, 1, 0.1)):
@@ -850,16 +858,16 @@ def test_study_token_curve_by_hand(tmp_path):
                       f"retention_{L}_max": base - 0.1 * k + 0.05})
         rows.append(r)
     pd.DataFrame(rows).to_csv(tmp_path / "levers.csv", index=False)
-    assert run.token_curve(tmp_path, [1024, 2048, 4096]) == 1
+    assert _tables().token_curve(tmp_path, [1024, 2048, 4096]) == 1
     d = pd.read_csv(tmp_path / "token_curve.csv")
     assert set(d.model) == {"hydra-7to1"} and len(d) == 9
     r = d[(d.tokens == 200_000_000) & (d.length == 2048)].iloc[0]
     assert (r.retention, r.retention_min, r.retention_max, r.seeds) == (pytest.approx(0.8), pytest.approx(0.75), pytest.approx(0.85), 1)
     assert (tmp_path / "token_curve.html").stat().st_size > 1000
-    lines = run.curve_lines(tmp_path)
+    lines = _tables().curve_lines(tmp_path)
     assert lines[3] == "| arm | length | 12.5M | 50M | 200M |"
     for t in (1, 999, 12_000, 12_500_000, 50_000_000, 200_000_000, 1_250_000, 3_000_000_000, 123_456):
-        assert run.parse_tokens(run.tokens_text(t)) == t
+        assert run.parse_tokens(_tables().tokens_text(t)) == t
     assert lines[5:] == ["| hydra-7to1 | 1K | 0.60 | 0.80 | 0.90 |", "| hydra-7to1 | 2K | 0.50 | 0.70 | 0.80 |",
                          "| hydra-7to1 | 4K | 0.40 | 0.60 | 0.70 |"]
 
@@ -911,11 +919,11 @@ def test_study_lever_pairs_by_hand(tmp_path):
     import pandas as pd
 
     run = _study()
-    assert run.lever_reference("hydra-7to1+s2_retrieval=0.25", 12_500_000) == ("hydra-7to1", 12_500_000)
-    assert run.lever_reference("hydra-5to1", 12_500_000) == ("hydra-7to1", 12_500_000)
-    assert run.lever_reference("ie-7to1", 50_000_000) == ("hydra-7to1", 50_000_000)
-    assert run.lever_reference("layer-3to1", 12_500_000) == ("layer-3to1", 50_000_000)
-    assert run.lever_reference("hydra-7to1", 50_000_000) is None
+    assert _tables().lever_reference("hydra-7to1+s2_retrieval=0.25", 12_500_000) == ("hydra-7to1", 12_500_000)
+    assert _tables().lever_reference("hydra-5to1", 12_500_000) == ("hydra-7to1", 12_500_000)
+    assert _tables().lever_reference("ie-7to1", 50_000_000) == ("hydra-7to1", 50_000_000)
+    assert _tables().lever_reference("layer-3to1", 12_500_000) == ("layer-3to1", 50_000_000)
+    assert _tables().lever_reference("hydra-7to1", 50_000_000) is None
 
     def cell(model, seed, tokens, correct, L=1024, task="niah_single"):
         d = tmp_path / "cells" / f"{model}__s{seed}__t{tokens}"
@@ -935,7 +943,7 @@ def test_study_lever_pairs_by_hand(tmp_path):
                            {"lever": "s3_wordings=6 + tokens 12.5M", "model": "hydra-7to1+s3_wordings=6", "tokens": T}])
     levers.to_csv(tmp_path / "levers.csv", index=False)
     (tmp_path / "levers.md").write_text("| lever |\n")
-    assert run.lever_pairs(tmp_path, [1024, 2048]) == 1
+    assert _tables().lever_pairs(tmp_path, [1024, 2048]) == 1
     r = pd.read_csv(tmp_path / "levers_paired.csv").iloc[0]
     assert (r.reference, r.reference_tokens, r.length, r.seeds, r.n) == ("hydra-7to1", T, 1024, "4 5", 8)
     # seed 4: lever-only prompts 1, 2; reference-only 3; seed 5: lever-only 0, 1 -> 4 against 1, p = 2 · 6/32

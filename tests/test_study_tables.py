@@ -1,6 +1,6 @@
 """The conversion study's committed tables come from its committed records (experiments/conversion-generalization/
-records/): the cells' per-prompt outcomes agree with retention.csv row by row (fast), and `run.py --piece report`
-rebuilds every table of the study folder from the records alone, byte for byte (slow: ~10 s on 2 cores)."""
+records/): the cells' per-prompt outcomes agree with retention.csv row by row (fast), and `tables.py` rebuilds every
+table of the study folder from the records alone, byte for byte (slow: ~10 s on 2 cores)."""
 import gzip
 import json
 import subprocess
@@ -70,8 +70,8 @@ def test_records_hold_what_the_report_reads():
 
 @pytest.mark.slow
 def test_report_rebuilds_the_committed_tables_byte_for_byte(tmp_path):
-    r = subprocess.run([sys.executable, str(STUDY / "run.py"), "--out", str(tmp_path / "gen"), "--device", "cpu",
-                        "--piece", "report"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    r = subprocess.run([sys.executable, str(STUDY / "tables.py"), "--out", str(tmp_path / "gen")], capture_output=True,
+                       text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     differ = [t for t in TABLES if (tmp_path / "gen" / t).read_bytes() != (STUDY / t).read_bytes()]
     assert not differ, f"rebuilt from records/, these differ from the committed tables: {differ}"
