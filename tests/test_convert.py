@@ -209,3 +209,32 @@ def test_checkpoint_that_would_run_code_is_refused(setup, smol_tokenizer, tmp_pa
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="not a complete headscope checkpoint"):
         load_checkpoint(ck, model, torch.optim.AdamW(model.parameters()))
+
+
+def test_cli_defaults_are_the_recipe():
+    """Each `headscope convert` option of a recipe field defaults to ConvertRecipe's value (one source of truth
+    for the documented defaults), and parse_tokens reads the budgets' spellings."""
+    import dataclasses
+
+    import typer
+
+    from headscope.train import parse_tokens
+
+    params = {p.name: p.default for p in typer.main.get_command(app).commands["convert"].params}
+    r = ConvertRecipe()
+    for f in dataclasses.fields(ConvertRecipe):
+        if f.name == "tasks":
+            continue  # not an option: the four tasks of the template families
+        v = getattr(r, f.name)
+        cli = params[f.name]
+        if f.name == "tokens":
+            cli = parse_tokens(cli)
+        elif f.name in ("shares", "lr"):
+            cli = tuple(float(x) for x in cli.split(","))
+        assert cli == v, (f.name, cli, v)
+    assert r.plan() == [
+        {"stage": 1, "tokens": 1_867_776, "steps": 57, "rows_per_step": 64, "row_len": 512, "lr": 1e-3},
+        {"stage": 2, "tokens": 6_881_280, "steps": 210, "rows_per_step": 64, "row_len": 512, "lr": 2e-4},
+        {"stage": 3, "tokens": 3_735_552, "steps": 114, "rows_per_step": 16, "row_len": 2048, "lr": 1e-4}]
+    assert r.hybrid_options() == {"fa_pos": "nope", "fa_gate": True, "gdn_rope": True}
+    assert [parse_tokens(x) for x in ("12.5M", "200K", "200000", "1.5e6", "2G")] == [12_500_000, 200_000, 200_000, 1_500_000, 2 * 10**9]

@@ -196,3 +196,41 @@ def test_single_process_checkpoint_round_trips(tmp_path):
     assert m[1].weight is m[0].weight
     assert torch.equal(o.state[m[0].weight]["exp_avg"], want_avg) and o.param_groups[0]["lr"] == 0.1
     assert o.param_groups[0]["weight_decay"] == 0.1 and o.param_groups[1]["weight_decay"] == 0.01
+
+
+@pytest.mark.slow
+def test_convert_model_on_two_gloo_ranks_equals_one_process(setup, smol_tokenizer):
+    """All three stages of a recipe on two ranks (rank 0 builds the documents and rows, the others read them)
+    end where the one-process conversion ends."""
+    from safetensors.torch import load_file
+
+    from headscope.train import ConvertRecipe, convert_model
+    from headscope.train.pipeline import spawn_convert_model
+
+    root, teacher, mask, _ = setup
+    root = root / "model"
+    words = "The farmer walked to the harbour in the morning. A young painter looked at an empty barn after the rain."
+    (root).mkdir()
+    (root / "corpus.txt").write_text("\n\n".join(f"{words} {words}" for _ in range(40)))
+    recipe = ConvertRecipe(seq_len=128, long_len=256, batch_size=4, batch_long=2, stage_tokens=(1024, 1024, 1024),
+                           corpus=str(root / "corpus.txt"))
+    if smol_tokenizer.pad_token_id is None:
+        smol_tokenizer.pad_token = smol_tokenizer.eos_token
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = convert_model(teacher, smol_tokenizer, mask, root / "one", recipe=recipe, progress=False)
+    finally:
+        torch.set_num_threads(n)
+    two = spawn_convert_model(2, str(root.parent / "teacher"), mask, root / "two", device="cpu", recipe=recipe,
+                              progress=False)
+    assert one["finished"] and two["finished"] and two["stages"][3]["data_parallel"] == "replicate"
+    a = load_file(str(root / "one" / "stage3" / "model.safetensors"))
+    b = load_file(str(root / "two" / "stage3" / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert diff <= 1e-4, diff
+    for k in (1, 2, 3):
+        ra = json.loads((root / "one" / f"stage{k}" / "training.json").read_text())
+        rb = json.loads((root / "two" / f"stage{k}" / "training.json").read_text())
+        assert ra["data"]["rows_sha256"] == rb["data"]["rows_sha256"] and rb["world_size"] == 2

@@ -1,5 +1,5 @@
 """Data-parallel training on PyTorch's distributed stack: FSDP2 sharding, global-batch slicing and
-device-count-independent checkpoints (torch.distributed.checkpoint, DCP).
+device-count-independent checkpoints (safetensors + JSON).
 
 * Every rank draws the same global batch from the same :class:`~headscope.train.data.Loader` and
   trains on a contiguous slice of its rows (:func:`local_rows`); the loss is normalized by the

@@ -318,9 +318,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Write the ``checkpoint/`` directory (collective when data parallel): student weights and
-        optimizer state via torch.distributed.checkpoint, plus step, scheduler, data position and
-        RNG; the previous checkpoint is replaced only once the new one is complete."""
+        """Write the ``checkpoint/`` directory (collective when sharded; :func:`headscope.train.parallel.save_checkpoint`):
+        student weights and optimizer state by parameter name, plus step, scheduler, data position, RNG,
+        seconds and peak memory so far; the previous checkpoint is replaced only once the new one is complete."""
         extra = {
             "format": "headscope.train/3",
             "stage": self.cfg.stage,
