@@ -383,7 +383,7 @@ def recipe_documents(teacher: Any, tokenizer: Any, recipe: ConvertRecipe, cache_
                 new = sample_teacher_text(teacher, tokenizer, b, recipe.doc_len, seed=DOC_SEED * recipe.seed + k,
                                           batch_size=b, progress=progress,
                                           cache_implementation="static" if dev.type == "cuda" else None)
-                atomic_torch_save(new, f)
+                atomic_torch_save(f, new)
             docs += new
             k += 1
         docs = docs[: recipe.docs]
