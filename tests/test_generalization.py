@@ -1,6 +1,6 @@
 """Retrieval formats kept apart (headscope.tasks.formats), training rows in the training family
 (headscope.train.format_rows), the seen/unseen retention suite (headscope.evaluation.retention) and the
-study script experiments/conversion-generalization/run.py."""
+study's tables (experiments/conversion-generalization/tables.py) and committed masks."""
 
 from __future__ import annotations
 
@@ -280,86 +280,28 @@ def test_evaluate_suite_scores_and_resumes(smol_tokenizer, tmp_path, monkeypatch
                           cache_dir=tmp_path / "p", log=lambda s: None) == {"done": 4, "left": 0}
 
 
-@pytest.mark.slow
-def test_study_smoke(tmp_path, smol_tokenizer):
-    """run.py --smoke: every piece (suite, data, train, eval of one arm, the teacher and a lever arm with every
-    lever, report, anatomy) on a tiny model."""
-    out = tmp_path / "smoke"
-    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "conversion-generalization" / "run.py"), "--smoke",
-                        "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    import pandas as pd
+def test_study_committed_masks_are_the_rankings_selections():
+    """The study's arms' masks (records/masks/): hydra-7to1 is the 50M study's HydraHead mask (the one the
+    package's benchmarks use), the fused ranking `experiments/fused-smollm2/focus` selects exactly it at 7:1 with
+    >= 1 FA head per layer; ie-7to1 is the kappa = 1 ranking's selection, which keeps the teacher's top unseen
+    single-needle head L16H0 that HydraHead's focus factor leaves out; hydra-5to1 holds hydra-7to1's 34 heads and 11
+    more."""
+    from headscope.masks import HeadMask
+    from headscope.scores import Ranking
 
-    df = pd.read_csv(out / "retention.csv")
-    assert tuple(df.columns) == EVAL_COLUMNS and (df.source == "study").all()  # headscope eval's columns
-    lever = "hydra-5to1+s2_retrieval=0.25+s3_wordings=6+fa_pos=rope"
-    assert set(df.model) == {"hydra-7to1", "teacher", lever} and set(df.formats) == {"seen", "unseen"}
-    assert len(df) == 3 * 4 * 2 and (df.n == 2).all()
-    t = df[df.model == "teacher"]
-    assert (t.accuracy == t.teacher_accuracy).all()
-    m = json.loads((out / "manifest.json").read_text())
-    assert {"commit", "hardware", "commands", "seeds", "data"} <= set(m) and m["seeds"] == [0]
-    assert len(m["data"]["seed0"]["docs_sha256"]) == 64 and "suite_docs_sha256" in m["data"]
-    info = json.loads((out / "seed0" / "data" / "info.json").read_text())
-    assert info["long_retrieval_rows"] >= 4
-    # the training rows carry no evaluation wording (4-grams), scanned on the stored rows
-    from headscope.train import TokenRows
-    from transformers import AutoTokenizer  # noqa: F401  (the tokenizer comes with the smoke settings)
-
-    rows = TokenRows.load(out / "seed0" / "data" / "long.pt")
-    assert rows.ids.shape[1] == 256
-    # the lever arm: its own directory, settings and rows; its rows carry no evaluation wording either
-    arm = json.loads((out / "seed0" / f"{lever}_t1" / "arm.json").read_text())
-    assert arm["levers"] == {"s2_retrieval": 0.25, "s3_wordings": 6, "fa_pos": "rope"} and arm["hybrid"]["fa_pos"] == "rope"
-    assert arm["budget"] == "5:1" and sum(map(len, arm["fa_heads"])) == 3  # 16 heads at 5:1
-    assert (out / "seed0" / "hydra-7to1_t1" / "arm.json").exists()
-    tok = smol_tokenizer
-    eval4 = wording_ngrams("seen", 4) | wording_ngrams("unseen", 4) | filler_ngrams(4)
-    s2, s3 = TokenRows.load(out / "seed0" / "data" / "stage2_r0.25.pt"), TokenRows.load(out / "seed0" / "data" / "long_w6.pt")
-    lev = json.loads((out / "seed0" / "data" / "levers.json").read_text())
-    assert len(s2) == lev["stage2_r0.25.pt"]["text_rows"] + lev["stage2_r0.25.pt"]["retrieval_rows"]
-    assert lev["stage2_r0.25.pt"]["retrieval_rows"] == round(lev["stage2_r0.25.pt"]["text_rows"] * 0.25 / 0.75)
-    assert len(s3) == len(rows) and s2.ids.shape[1] == 128
-    n_train = 0
-    for r, m in [*zip(s2.ids, s2.mask), *zip(s3.ids, s3.mask)]:
-        g = ngrams(words(tok.decode(r[m])), 4)
-        assert not g & eval4
-        n_train += bool(ngrams(words(tok.decode(r[m])), 3) & wording_ngrams("train", 3))
-    assert n_train >= 8  # the retrieval rows of both levers are there
-    t = __import__("pandas").read_csv(out / "levers.csv")
-    assert set(t.model) == {"hydra-7to1", lever} and set(t.lever) == {  # the smoke run's 1 token is not the study's 50M
-        "tokens 1", "budget 5:1 + s2_retrieval=0.25 + s3_wordings=6 + fa_pos=rope + tokens 1"}
-    # the anatomy piece: both rankings, the comparison, the knockout table; a rerun computes only what is missing
-    d = out / "anatomy" / "unseen_niah_single@256_p2_gap0" / "seed0_hydra-7to1_t1"
-    res = json.loads((d / "anatomy.json").read_text())
-    assert res["done"] and res["teacher"]["path"] == "fast" and res["student"]["path"] == "hybrid"
-    assert res["student"]["kinds"]["fa"]["n_heads"] == 2 and res["student"]["kinds"]["gdn"]["n_heads"] == 14
-    assert set(res["comparison"]) == {"top2", "top10"} and res["comparison"]["top2"]["k"] == 2
-    heads = pd.read_csv(d / "heads.csv")
-    assert len(heads) == 16 and set(heads["kind"]) == {"fa", "gdn"} and heads["ie_student"].notna().all()
-    ko = pd.read_csv(d / "knockout.csv")
-    want = {f"student/{m}/{c}" for m in ("zero", "mean") for c in ("fa", "gdn_random0", "student_top", "gdn")}
-    want |= {"student/zero/none", "teacher/zero/none"} | {f"teacher/{m}/{c}" for m in ("zero", "mean") for c in ("fa", "gdn")}
-    singles = dict.fromkeys(res["student"]["top10"][:3] + res["teacher"]["top10"][:3])  # each alone, mean ablation
-    want |= {f"student/mean/single_{h}" for h in singles}
-    assert 3 <= len(singles) <= 6 and (ko.loc[ko.condition.str.startswith("single_"), "n_heads"] == 1).all()
-    assert set(ko["model"] + "/" + ko["method"] + "/" + ko["condition"]) == want
-    assert (ko.loc[ko.condition == "fa", "n_heads"] == 2).all() and (ko.n == 2).all()
-    # the unablated student and teacher score as their eval cells did on the same prompts (fp32 on the CPU: all)
-    assert res["eval_agreement"]["student"]["agree"] == 2 and res["eval_agreement"]["teacher"]["agree"] == 2
-    # the lever arm's anatomy: its own folder and name, its own mask (5:1) and FA positions (the student the eval built)
-    lev = json.loads((d.parent / f"seed0_{lever}_t1" / "anatomy.json").read_text())
-    assert lev["done"] and lev["arm"] == lever and lev["hybrid"] == arm["hybrid"] and lev["hybrid"]["fa_pos"] == "rope"
-    assert lev["student"]["kinds"]["fa"]["n_heads"] == 3 and lev["eval_agreement"]["student"]["agree"] == 2
-    del res["knockout"]["student/mean/fa"]
-    res["done"] = False
-    (d / "anatomy.json").write_text(json.dumps(res))
-    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "conversion-generalization" / "run.py"), "--smoke",
-                        "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("anatomy knockout")]
-    assert len(lines) == 1 and lines[0].startswith("anatomy knockout student/mean/fa:")
-    assert json.loads((d / "anatomy.json").read_text())["done"]
+    masks = ROOT / "experiments" / "conversion-generalization" / "records" / "masks"
+    hydra = HeadMask.from_json(masks / "hydra-7to1.json")
+    assert hydra == HeadMask.from_json(ROOT / "experiments" / "conversion-smollm2-50m" / "masks" / "hydrahead.json")
+    assert (hydra.n_layers, hydra.n_heads, hydra.n_kv_heads) == (30, 9, 3) and sum(map(len, hydra.fa_heads)) == 34
+    focus = Ranking.load(ROOT / "experiments" / "fused-smollm2" / "focus").matrix("score")
+    assert HeadMask.select(focus, "7:1", 3, min_per_layer=1) == hydra
+    ie = HeadMask.from_json(masks / "ie-7to1.json")
+    one = Ranking.load(ROOT / "experiments" / "fused-smollm2" / "one").matrix("score")
+    assert ie == HeadMask.select(one, "7:1", 3, min_per_layer=1) and sum(map(len, ie.fa_heads)) == 34
+    assert 0 in ie.fa_heads[16] and 0 not in hydra.fa_heads[16]
+    h5 = HeadMask.from_json(masks / "hydra-5to1.json")
+    heads = {(l, h) for l, hs in enumerate(h5.fa_heads) for h in hs}
+    assert len(heads) == 45 and {(l, h) for l, hs in enumerate(hydra.fa_heads) for h in hs} <= heads
 
 
 def _tables():
@@ -372,134 +314,9 @@ def _tables():
     return mod
 
 
-def _study():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gen_study", ROOT / "experiments" / "conversion-generalization" / "run.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_study_settings_frozen_and_token_split(tmp_path):
-    run = _study()
-    a = run.parser().parse_args(["--out", str(tmp_path), "--n", "50", "--lengths", "1024", "4096"])
-    s = run.settings(a)
-    assert s["suite"]["n"] == 50 and s["suite"]["lengths"] == [1024, 4096]
-    # a later command that leaves the options at their defaults reads the stored settings
-    assert run.settings(run.parser().parse_args(["--out", str(tmp_path)]))["suite"]["n"] == 50
-    with pytest.raises(SystemExit, match="suite.n"):
-        run.settings(run.parser().parse_args(["--out", str(tmp_path), "--n", "70"]))
-    assert run.parse_tokens("50M") == 50_000_000 and run.parse_tokens("1.5e6") == 1_500_000
-    # 50M tokens at 64 x 512 (stages 1, 2) and 16 x 2048 (stage 3): whole steps of 32,768 tokens, shares 15/55/30 %
-    assert run.stage_tokens(s, 50_000_000) == [229 * 32768, 839 * 32768, 458 * 32768]
-
-
-def test_study_default_hydra_mask_is_committed():
-    """run.py's default --hydra-mask exists (the 50M-token study's 7:1 mask) and its default
-    --hydra-ranking selects exactly that mask at 7:1 (so the 5:1 arms' HydraHead mask comes from it)."""
-    from headscope.masks import HeadMask
-    from headscope.scores import Ranking
-
-    run = _study()
-    a = run.parser().parse_args([])
-    f = ROOT / a.hydra_mask
-    assert f.is_file(), f
-    m = HeadMask.from_json(f)
-    assert (m.n_layers, m.n_heads, m.n_kv_heads) == (30, 9, 3) and sum(map(len, m.fa_heads)) == 34
-    scores = Ranking.load(ROOT / a.hydra_ranking).matrix("score")
-    assert HeadMask.select(scores, "7:1", 3, min_per_layer=1) == m
-
-
-def _smol_geometry_teacher():
-    from types import SimpleNamespace
-
-    from transformers import LlamaConfig
-
-    return SimpleNamespace(config=LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576))
-
-
-def test_study_budget_masks_follow_the_budget(tmp_path):
-    """Every mask arm at 5:1 has the 5:1 head count of SmolLM2-135M (270 heads: 45 = 270/6), built as the
-    7:1 arms are; the 7:1 arms keep the study's masks."""
-    from headscope.masks import HeadMask
-    from headscope.scores import Ranking
-
-    run = _study()
-    a = run.parser().parse_args(["--out", str(tmp_path), "--arm", "hydra-5to1"])
-    s = run.settings(a)
-    ms = run.masks(a, s, _smol_geometry_teacher())
-    n = {k: sum(map(len, m.fa_heads)) for k, m in ms.items()}
-    assert n == {"hydra-7to1": 34, "random-7to1": 34, "layer-7to1": 36, "layer-3to1": 72,
-                 "hydra-5to1": 45, "random-5to1": 45, "layer-5to1": 45}
-    heads = {k: {(l, h) for l, hs in enumerate(m.fa_heads) for h in hs} for k, m in ms.items()}
-    assert heads["hydra-7to1"] < heads["hydra-5to1"] and heads["random-7to1"] < heads["random-5to1"]
-    assert all(len(hs) >= 1 for k in ("hydra-5to1", "random-5to1") for hs in ms[k].fa_heads)
-    assert sum(len(hs) == 9 for hs in ms["layer-5to1"].fa_heads) == 5 and sum(map(bool, ms["layer-5to1"].fa_heads)) == 5
-    scores = Ranking.load(ROOT / "experiments" / "fused-smollm2" / "focus").matrix("score")
-    assert ms["hydra-5to1"] == HeadMask.select(scores, "5:1", 3, min_per_layer=1)
-    assert ms["hydra-7to1"] == HeadMask.from_json(ROOT / s["hydra_mask"])
-    assert (tmp_path / "masks" / "layer-5to1.json").exists()
-    # a ranking that did not make the study's 7:1 mask is refused
-    b = run.parser().parse_args(["--out", str(tmp_path / "other"), "--arm", "random-5to1",
-                                 "--hydra-ranking", "experiments/fused-smollm2/one"])
-    with pytest.raises(SystemExit, match="does not select"):
-        run.masks(b, run.settings(b), _smol_geometry_teacher())
-
-
-def test_study_arm_labels_dirs_and_refusals(tmp_path):
-    run = _study()
-
-    def args(*x):
-        return run.parser().parse_args(["--out", str(tmp_path), *x])
-
-    # the baseline: today's name and directory, also when a lever is given at the study's value
-    for extra in ([], ["--fa-pos", "nope"], ["--s2-retrieval", "0"], ["--s3-wordings", "3"], ["--budget", "7:1"]):
-        a = args(*extra)
-        assert run.arm_label(a) == "hydra-7to1" and run.run_dir(a) == tmp_path / "seed0" / "hydra-7to1_t50000000"
-    assert run.arm_label(args("--fa-pos", "rope")) == "hydra-7to1+fa_pos=rope"
-    a = args("--arm", "layer-3to1", "--fa-pos", "rope", "--s3-wordings", "6", "--s2-retrieval", "0.25", "--tokens", "200M", "--seed", "1")
-    assert run.arm_label(a) == "layer-3to1+s2_retrieval=0.25+s3_wordings=6+fa_pos=rope"
-    assert run.run_dir(a) == tmp_path / "seed1" / "layer-3to1+s2_retrieval=0.25+s3_wordings=6+fa_pos=rope_t200000000"
-    assert run.parse_label(run.arm_label(a)) == ("layer-3to1", {"s2_retrieval": "0.25", "s3_wordings": "6", "fa_pos": "rope"})
-    assert run.arm_label(args("--arm", "hydra-5to1", "--budget", "5:1")) == "hydra-5to1"
-    from headscope.errors import HeadscopeInputError
-    from headscope.evaluation.retention import cell_dir
-
-    assert cell_dir(tmp_path, run.arm_label(a), 1, 2).name == "layer-3to1+s2_retrieval=0.25+s3_wordings=6+fa_pos=rope__s1__t2"
-    for bad_name in ("a__b", "a/b", "a b"):
-        with pytest.raises(HeadscopeInputError):
-            cell_dir(tmp_path, bad_name, 0, 0)
-    s = run.settings(args())
-    spec = run.arm_spec(a, s)
-    assert spec["rows"] == {"stage1": "short.pt", "stage2": "stage2_r0.25.pt", "stage3": "long_w6.pt"}
-    assert spec["hybrid"] == {"fa_pos": "rope", "gdn_rope": True, "fa_gate": True} and spec["budget"] == "3:1"
-    assert spec["stage_tokens"] == [916 * 32768, 3357 * 32768, 1831 * 32768]  # 15 / 55 / 30 % of 200M in whole steps
-    base = run.arm_spec(args(), s)
-    assert base["rows"] == {"stage1": "short.pt", "stage2": "short.pt", "stage3": "long.pt"} and base["hybrid"] == run.HYBRID
-    # refused: another budget than the arm's, levers on the teacher, values outside their range
-    for bad, msg in ((["--budget", "5:1"], "use --arm hydra-5to1"), (["--arm", "layer-3to1", "--budget", "7:1"], "states its budget"),
-                     (["--arm", "teacher", "--fa-pos", "rope"], "no levers"), (["--s3-wordings", "7"], "1..6"),
-                     (["--s3-wordings", "0"], "1..6"), (["--s2-retrieval", "0.95"], "0.9"), (["--s2-retrieval", "0.125"], "0.01")):
-        with pytest.raises(SystemExit, match=msg):
-            run.arm_spec(args(*bad), s)
-    # a run directory keeps its settings: the same spec passes, another (or another mask) is refused
-    rd = tmp_path / "run"
-    run.check_arm(rd, base)
-    run.check_arm(rd, base)
-    with pytest.raises(SystemExit, match="other settings"):
-        run.check_arm(rd, {**base, "hybrid": {**base["hybrid"], "fa_pos": "rope"}})
-    from headscope.masks import HeadMask
-
-    run.check_arm(rd, base, HeadMask(2, 2, 1, ((0,), (1,))))
-    with pytest.raises(SystemExit, match="fa_heads"):
-        run.check_arm(rd, base, HeadMask(2, 2, 1, ((1,), (1,))))
-
-
 def test_study_lever_table_by_hand(tmp_path):
     import pandas as pd
 
-    run = _study()
     rows = []
 
     def add(model, seed, tokens, acc, teacher, task="niah_single", fmt="unseen", lengths=(1024, 2048, 4096)):
@@ -728,29 +545,6 @@ def test_cached_greedy_generation_equals_the_cache_free_loop(smol_tokenizer, kin
     assert widths.count(1) == sum(n + 2 - 1 for L, n in chunks) > 0  # then one token per forward
 
 
-def test_study_selection_arm_mask_and_lever(tmp_path):
-    """ie-7to1: the κ = 1 ranking selected at 7:1 with >= 1 FA head per layer (34 heads of SmolLM2's 270), written
-    once; it holds the teacher's top single-needle head L16H0 that HydraHead's κ_focus left out; its lever label."""
-    from headscope.masks import HeadMask
-    from headscope.scores import Ranking
-
-    run = _study()
-    a = run.parser().parse_args(["--out", str(tmp_path), "--arm", "ie-7to1"])
-    s = run.settings(a)
-    ms = run.masks(a, s, _smol_geometry_teacher())
-    m = ms["ie-7to1"]
-    scores = Ranking.load(ROOT / "experiments" / "fused-smollm2" / "one").matrix("score")
-    assert m == HeadMask.select(scores, "7:1", 3, min_per_layer=1)
-    assert sum(map(len, m.fa_heads)) == 34 and all(len(hs) >= 1 for hs in m.fa_heads)
-    assert 0 in m.fa_heads[16] and 0 not in ms["hydra-7to1"].fa_heads[16]
-    assert (tmp_path / "masks" / "ie-7to1.json").exists() and m.meta["ranking"] == "experiments/fused-smollm2/one"
-    spec = run.arm_spec(a, s)
-    assert (spec["mask"], spec["budget"], spec["ranking"], spec["label"]) == ("ie_kappa1", "7:1", "experiments/fused-smollm2/one", "ie-7to1")
-    assert _tables().lever_of("ie-7to1", 50_000_000) == ("selection: IE alone (κ = 1)", "--arm ie-7to1 --tokens 50M")
-    with pytest.raises(SystemExit, match="states its budget"):
-        run.arm_spec(run.parser().parse_args(["--out", str(tmp_path), "--arm", "ie-7to1", "--budget", "5:1"]), s)
-
-
 def test_study_mask_coverage_against_the_scores_csv(tmp_path):
     """mask_coverage on the committed teacher ranking (unseen single-needle pairs at 4K) and masks, recomputed here
     from the ranking's scores.csv with pandas: positive-IE share, top 10 and top N held; comparison.md's coverage
@@ -760,7 +554,6 @@ def test_study_mask_coverage_against_the_scores_csv(tmp_path):
 
     import pandas as pd
 
-    run = _study()
     records = ROOT / "experiments" / "conversion-generalization" / "records"
     key = "unseen_niah_single@4096_p6"
     shutil.copytree(records / "anatomy" / key / "teacher" / "ranking", tmp_path / "anatomy" / key / "teacher" / "ranking")
@@ -791,7 +584,6 @@ def test_study_anatomy_table_by_hand(tmp_path):
     of the draws, the knockout table keeps every row with its arm; a student whose ranking failed has no row."""
     import pandas as pd
 
-    run = _study()
     key = "unseen_niah_single@4096_p6"
 
     def student(arm: str, seed: int, fa_share: float, ko: dict) -> None:
@@ -847,7 +639,6 @@ def test_study_token_curve_by_hand(tmp_path):
     one row per (tokens, length) with the levers.csv values, the figure written; comparison.md's table by tokens."""
     import pandas as pd
 
-    run = _study()
     assert _tables().token_curve(tmp_path) == 0  # no levers.csv
     rows = []
     for model, tokens, seeds, base in (("hydra-7to1", 50_000_000, 2, 0.8), ("hydra-7to1", 200_000_000, 1, 0.9),
@@ -867,33 +658,9 @@ def test_study_token_curve_by_hand(tmp_path):
     lines = _tables().curve_lines(tmp_path)
     assert lines[3] == "| arm | length | 12.5M | 50M | 200M |"
     for t in (1, 999, 12_000, 12_500_000, 50_000_000, 200_000_000, 1_250_000, 3_000_000_000, 123_456):
-        assert run.parse_tokens(_tables().tokens_text(t)) == t
+        assert _tables().parse_tokens(_tables().tokens_text(t)) == t
     assert lines[5:] == ["| hydra-7to1 | 1K | 0.60 | 0.80 | 0.90 |", "| hydra-7to1 | 2K | 0.50 | 0.70 | 0.80 |",
                          "| hydra-7to1 | 4K | 0.40 | 0.60 | 0.70 |"]
-
-
-def test_study_anatomy_eval_agreement(tmp_path):
-    """eval_agreement: the anatomy's unablated model against its stored eval cell on the cell's prompts ``index``;
-    None without a cell, the counts by hand, and a refusal below 90 % agreement (session 5's rope arm, built with
-    the study's NoPE FA heads, scored 0.00 where its eval scored 0.56)."""
-    import argparse
-
-    run = _study()
-    a = argparse.Namespace(anatomy_task="niah_single", anatomy_formats="unseen", anatomy_len=4096)
-    label = "hydra-7to1+fa_pos=rope"
-    assert run.eval_agreement(tmp_path, label, 0, 50_000_000, a, [1, 0], [0, 1]) is None
-    d = tmp_path / "cells" / f"{label}__s0__t50000000"
-    d.mkdir(parents=True)
-    cell = [1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1]  # 12 prompts; the anatomy took 10 of them
-    (d / "niah_single.unseen.4096.json").write_text(json.dumps({"correct": cell}))
-    index = [0, 1, 2, 3, 4, 5, 6, 7, 8, 10]
-    same = [cell[i] for i in index]
-    assert run.eval_agreement(tmp_path, label, 0, 50_000_000, a, same, index) == {
-        "n": 10, "agree": 10, "accuracy": 0.7, "eval_accuracy": 0.7}
-    one_off = same[:9] + [1]  # 9 of 10 agree: the threshold itself passes
-    assert run.eval_agreement(tmp_path, label, 0, 50_000_000, a, one_off, index)["agree"] == 9
-    with pytest.raises(SystemExit, match="scores 0.00 on 10 prompts of niah_single.unseen.4096.json, its eval cell 0.70, agreeing on 3"):
-        run.eval_agreement(tmp_path, label, 0, 50_000_000, a, [0] * 10, index)
 
 
 def test_paired_exact_test_by_hand():
@@ -918,7 +685,6 @@ def test_study_lever_pairs_by_hand(tmp_path):
     out), hits summed over those seeds, McNemar's p from the pooled discordant prompts; the baseline has no row."""
     import pandas as pd
 
-    run = _study()
     assert _tables().lever_reference("hydra-7to1+s2_retrieval=0.25", 12_500_000) == ("hydra-7to1", 12_500_000)
     assert _tables().lever_reference("hydra-5to1", 12_500_000) == ("hydra-7to1", 12_500_000)
     assert _tables().lever_reference("ie-7to1", 50_000_000) == ("hydra-7to1", 50_000_000)

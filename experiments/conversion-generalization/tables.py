@@ -27,12 +27,8 @@ from typing import Any, Callable, Optional, Sequence
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# headscope's modules are imported where used: the driver (run.py) loads this file to name things, without torch
 
-from headscope.evaluation.accuracy import paired_exact_test  # noqa: E402
-from headscope.evaluation.retention import cell_dir, depth_table, distance_table, load_cells, retention_table  # noqa: E402
-from headscope.masks import HeadMask  # noqa: E402
-from headscope.runtime import atomic_write_text  # noqa: E402
-from headscope.tasks.formats import FORMAT_TASKS  # noqa: E402
 
 #: the study's arms in table order: the main comparison's masks, the budget lever's (5:1) and the selection lever's
 ARMS = ("hydra-7to1", "layer-3to1", "layer-7to1", "random-7to1", "teacher")
@@ -70,6 +66,7 @@ def mask_coverage(out: Path) -> list[dict[str, Any]]:
     top-N (N = the arm's FA heads) they hold. Arms: the stored OUT/masks/*.json. Returns the rows."""
     import pandas as pd
 
+    from headscope.masks import HeadMask
     from headscope.scores import Ranking
 
     arms = {f.stem: HeadMask.from_json(f) for f in sorted((out / "masks").glob("*.json"))}
@@ -106,11 +103,14 @@ def read_jsonl_gz(f: Path) -> list[dict[str, Any]]:
 
 
 def restore_records(out: Path, records: Path = RECORDS) -> int:
-    """The committed records into the run folder ``out`` as the pieces left them: each cell of ``cells.jsonl.gz`` as
+    """The committed records into the run folder ``out`` as the study's former pieces wrote them: each cell of ``cells.jsonl.gz`` as
     OUT/cells/MODEL__sS__tT/TASK.FORMATS.LENGTH.json, each file of ``arms.jsonl.gz`` at its path, ``settings.json``,
     ``manifest.json.gz`` (as manifest.json), ``masks/`` and ``anatomy/``. A file already in OUT is kept (a session's
     newer results win). Returns the number of files written."""
     import gzip
+
+    from headscope.evaluation.retention import cell_dir
+    from headscope.runtime import atomic_write_text
 
     written = 0
 
@@ -152,6 +152,8 @@ def comparison_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> 
     at the same tokens (every unseen length stored, not only ``lengths``). Returns the number of arm rows (0 without
     retention_seeds.csv)."""
     import pandas as pd
+
+    from headscope.tasks.formats import FORMAT_TASKS
 
     f = out / "retention_seeds.csv"
     if not f.exists():
@@ -411,6 +413,8 @@ def lever_table(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> int:
     number of seeds. Returns the number of rows (0 without retention.csv)."""
     import pandas as pd
 
+    from headscope.runtime import atomic_write_text
+
     f = out / "retention.csv"
     if not f.exists():
         return 0
@@ -469,7 +473,11 @@ def lever_pairs(out: Path, lengths: Sequence[int] = (1024, 2048, 4096)) -> int:
     right, and McNemar's exact two-sided p (:func:`~headscope.evaluation.accuracy.paired_exact_test`) per length.
     The lever table's means pool other seeds; this table is the like-for-like comparison. Returns the rows
     written (0 without levers.csv or shared cells)."""
+    from headscope.evaluation.accuracy import paired_exact_test
+    from headscope.evaluation.retention import load_cells
     import pandas as pd
+
+    from headscope.runtime import atomic_write_text
 
     f = out / "levers.csv"
     if not f.exists():
@@ -579,14 +587,39 @@ def curve_lines(out: Path) -> list[str]:
 def table_lengths(out: Path) -> list[int]:
     """The lengths of the lever and comparison tables: the suite's lengths (OUT/settings.json; without it, the lengths
     of the stored cells) up to :data:`TABLE_MAX_LEN`."""
+    from headscope.evaluation.retention import load_cells
+
     f = out / "settings.json"
     every = json.loads(f.read_text())["suite"]["lengths"] if f.exists() else [c["length"] for c in load_cells(out / "cells")]
     return sorted({int(L) for L in every if int(L) <= TABLE_MAX_LEN})
 
 
-def report(out: Path, records: Optional[Path] = RECORDS) -> str:
+def add_cli_rows(out: Path, sources: Sequence[Path]) -> int:
+    """Append to OUT/retention.csv the rows ``headscope eval`` made (its retention.csv: the same columns, ``source`` =
+    cli) from each of ``sources`` that exists (a later source's row replaces an earlier one's with the same model, seed,
+    tokens, task, formats and length). The study's rows stay as they were written. Returns the rows appended."""
+    import pandas as pd
+
+    from headscope.evaluation.retention import EVAL_COLUMNS
+
+    frames = [pd.read_csv(f) for f in sources if Path(f).exists()]
+    if not frames:
+        return 0
+    key = ["model", "seed", "tokens", "task", "formats", "length"]
+    cli = pd.concat(frames, ignore_index=True).drop_duplicates(key, keep="last").sort_values(key)
+    with open(out / "retention.csv", "a", encoding="utf-8") as fh:
+        fh.write(cli[list(EVAL_COLUMNS)].to_csv(index=False, header=False))
+    return len(cli)
+
+
+def report(out: Path, records: Optional[Path] = RECORDS, cli: Optional[Path] = None) -> str:
     """Every table of the study into ``out`` from ``records`` (restored into ``out`` first; None: ``out`` as it is)
-    and the cells already in ``out``. Returns a one-line summary."""
+    and the cells already in ``out``; then retention.csv gets the rows of ``headscope eval`` kept in the records
+    (``cli_retention.csv``) and those of the eval folder ``cli`` (its retention.csv), source = cli. The other tables
+    come from the study's cells alone (the package's evaluation writes its own report beside its rows). Returns a
+    one-line summary."""
+    from headscope.evaluation.retention import depth_table, distance_table, retention_table
+
     out = Path(out)
     if records is not None:
         restore_records(out, records)
@@ -600,11 +633,14 @@ def report(out: Path, records: Optional[Path] = RECORDS) -> str:
     n_curve = token_curve(out, lengths)
     n_ana = anatomy_table(out)  # before comparison.md, which has their sections
     n_cmp = comparison_table(out, lengths)
+    n_cli = add_cli_rows(out, [p for p in ((records / "cli_retention.csv") if records else None,
+                                           (Path(cli) / "retention.csv") if cli else None) if p is not None])
 
     def count(n: int, what: str) -> str:
         return f"{n} {what}{'' if n == 1 else 's'}"
 
-    return (f"{count(r['rows'], 'row')} in retention.csv ({r['missing_teacher']} without a teacher cell), "
+    return (f"{count(r['rows'], 'row')} in retention.csv ({r['missing_teacher']} without a teacher cell; "
+            f"{count(n_cli, 'row')} of headscope eval beside them), "
             f"{count(n_depth, 'row')} in retention_depth.csv, {count(n_dist, 'row')} in retention_distance.csv, "
             f"{count(n_cov, 'row')} in mask_coverage.csv, "
             f"{count(n_lev, 'row')} in levers.csv, {count(n_pairs, 'row')} in levers_paired.csv, {count(n_curve, 'arm')} in token_curve.csv, "
@@ -622,9 +658,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("runs/gen"), help="the run folder (the records are restored into it)")
     p.add_argument("--records", type=Path, default=RECORDS, help="the committed records")
+    p.add_argument("--cli", type=Path, default=None, help="a `headscope eval` folder whose retention.csv rows to add")
     p.add_argument("--write-to", type=Path, default=None, help="also copy the tables into this folder (the study's)")
     a = p.parse_args(argv)
-    print(report(a.out, a.records), flush=True)
+    print(report(a.out, a.records, a.cli), flush=True)
     if a.write_to:
         for t in TABLES:
             if (a.out / t).exists():
