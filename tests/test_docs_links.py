@@ -1,5 +1,6 @@
-"""The README stays a newcomer's page (at most 300 lines) and no relative link in README.md or docs/*.md
-points at a missing file or heading (fast: reads the Markdown files only, no model)."""
+"""The README stays a newcomer's page (at most 300 lines) and no relative link in README.md, docs/*.md or the pages
+that cite committed results (:func:`markdown_files`) points at a missing file or heading (fast: reads the Markdown
+files only, no model)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 
 
 def markdown_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    """README.md, docs/*.md and the pages that cite the committed results: benchmarks/README.md, experiments/README.md
+    and the conversion study's README and LOG."""
+    study = ROOT / "experiments" / "conversion-generalization"
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md",
+            ROOT / "experiments" / "README.md", study / "README.md", study / "LOG.md"]
 
 
 def _strip_code(text: str) -> str:
