@@ -289,6 +289,8 @@ def convert(
     heldout_docs: int = typer.Option(256, help="of them held out of training (at most a quarter; OUT/data/heldout.pt)"),
     doc_len: int = typer.Option(512, help="new tokens per sampled document"),
     sample_batch: int = typer.Option(2048, help="documents per sampling shard (shard k: seed 10000 x seed + k; the documents depend on it)"),
+    sample_dtype: str = typer.Option("auto", help="the teacher's precision while sampling: auto (bfloat16 on CUDA, as the study "
+                                                   "sampled; float32 on a CPU), float32 or bfloat16"),
     corpus: Optional[Path] = typer.Option(None, help="a UTF-8 text file (documents separated by blank lines) instead of sampled text"),
     s2_retrieval: float = typer.Option(0.25, help="share of stage-2 rows that are retrieval rows of the train template family: lifted "
                                                   "seed 4's unseen single-needle from 0.98/0.91/0.87 to 1.00/0.98/0.95 (p = 0.016 / 0.008); 0 = off"),
@@ -334,7 +336,7 @@ def convert(
         recipe = ConvertRecipe.from_cli(
             tokens=parse_tokens(tokens, "--tokens"), shares=_floats("--shares", shares, 3), stage_tokens=st,
             seq_len=seq_len, long_len=long_len, batch_size=batch_size, batch_long=batch_long, lr=_floats("--lr", lr, 3),
-            docs=docs, heldout_docs=heldout_docs, doc_len=doc_len, sample_batch=sample_batch,
+            docs=docs, heldout_docs=heldout_docs, doc_len=doc_len, sample_batch=sample_batch, sample_dtype=sample_dtype,
             corpus=str(corpus) if corpus else None, s2_retrieval=s2_retrieval, s2_wordings=s2_wordings,
             s3_retrieval=s3_retrieval, s3_wordings=s3_wordings, s3_seen_task=s3_seen_task, fa_pos=fa_pos, fa_gate=fa_gate,
             gdn_rope=gdn_rope, seed=seed, ckpt_every=ckpt_every)

@@ -78,6 +78,8 @@ class ConvertRecipe:
         heldout_docs: documents held out of training (at most a quarter; ``OUT/data/heldout.pt``).
         sample_batch: documents per sampling shard (shard k samples with seed 10,000 · seed + k: the
             documents depend on it).
+        sample_dtype: the teacher's precision while it samples: ``"auto"`` (a bfloat16 copy on CUDA, as the
+            study sampled; float32 on a CPU), ``"float32"`` or ``"bfloat16"``.
         corpus: a UTF-8 text file (documents separated by blank lines) instead of sampled text.
         tasks: retrieval tasks of the template-family rows (:data:`headscope.tasks.formats.FORMAT_TASKS`).
         s2_retrieval: share of stage-2 rows that are ``train``-family retrieval rows (prompt seq_len − 8).
@@ -108,6 +110,7 @@ class ConvertRecipe:
     heldout_docs: int = 256
     doc_len: int = 512
     sample_batch: int = 2048
+    sample_dtype: str = "auto"
     corpus: Optional[str] = None
     tasks: tuple[str, ...] = FORMAT_TASKS
     s2_retrieval: float = 0.25
@@ -244,6 +247,7 @@ def check_recipe_fields(r: ConvertRecipe, cli: bool = False) -> None:
     if r.s3_seen_task is not None:
         check_choice(n("s3_seen_task"), r.s3_seen_task, sorted(TASKS))
     check_choice(n("fa_pos"), r.fa_pos, ("nope", "rope"))
+    check_choice(n("sample_dtype"), r.sample_dtype, ("auto", "float32", "bfloat16"))
     if r.s2_retrieval > 0 and r.seq_len < MIN_RETRIEVAL_LEN:
         raise HeadscopeInputError(f"{n('seq_len')}={r.seq_len} is too short for the stage-2 retrieval rows (>= "
                                   f"{MIN_RETRIEVAL_LEN} tokens); raise it or set {n('s2_retrieval')} 0")
@@ -372,7 +376,10 @@ def recipe_documents(teacher: Any, tokenizer: Any, recipe: ConvertRecipe, cache_
     else:
         folder = Path(cache_dir) / "docs"
         folder.mkdir(parents=True, exist_ok=True)
-        dev = next(teacher.parameters()).device
+        p0 = next(teacher.parameters())
+        bf16 = recipe.sample_dtype == "bfloat16" or (recipe.sample_dtype == "auto" and p0.device.type == "cuda")
+        dt = torch.bfloat16 if bf16 else torch.float32
+        sampler = None  # the teacher, or a copy of it in the sampling precision, made once a shard is missing
         docs, k = [], 0
         while len(docs) < recipe.docs:
             f = folder / f"shard_{k}.pt"
@@ -380,14 +387,20 @@ def recipe_documents(teacher: Any, tokenizer: Any, recipe: ConvertRecipe, cache_
             if f.exists():
                 new = torch.load(f, weights_only=True)
             else:
-                new = sample_teacher_text(teacher, tokenizer, b, recipe.doc_len, seed=DOC_SEED * recipe.seed + k,
+                if sampler is None:
+                    import copy
+
+                    sampler = teacher if p0.dtype == dt else copy.deepcopy(teacher).to(dt)
+                new = sample_teacher_text(sampler, tokenizer, b, recipe.doc_len, seed=DOC_SEED * recipe.seed + k,
                                           batch_size=b, progress=progress,
-                                          cache_implementation="static" if dev.type == "cuda" else None)
+                                          cache_implementation="static" if p0.device.type == "cuda" else None)
                 atomic_torch_save(f, new)
             docs += new
             k += 1
         docs = docs[: recipe.docs]
-        info = {"source": "teacher samples", "shards": k, "sample_batch": recipe.sample_batch}
+        del sampler
+        info = {"source": "teacher samples", "shards": k, "sample_batch": recipe.sample_batch,
+                "sample_dtype": str(dt).replace("torch.", "")}
     held, train = split_docs(docs, recipe.heldout_docs, recipe.seed)
     if not train:
         raise HeadscopeInputError(f"no training documents ({len(docs)} in all, {len(held)} held out)")
