@@ -238,3 +238,45 @@ def test_cli_defaults_are_the_recipe():
         {"stage": 3, "tokens": 3_735_552, "steps": 114, "rows_per_step": 16, "row_len": 2048, "lr": 1e-4}]
     assert r.hybrid_options() == {"fa_pos": "nope", "fa_gate": True, "gdn_rope": True}
     assert [parse_tokens(x) for x in ("12.5M", "200K", "200000", "1.5e6", "2G")] == [12_500_000, 200_000, 200_000, 1_500_000, 2 * 10**9]
+
+
+def test_sampled_documents_are_saved_per_shard_and_reused(setup, smol_tokenizer, tmp_path):
+    """Without a corpus the teacher samples the documents in shards of sample_batch (shard k with seed 10,000 · seed
+    + k), each saved as it finishes; a resumed run reads them instead of sampling again."""
+    import headscope.train.data as data_mod
+    from headscope.train import sample_teacher_text
+    from headscope.train.recipe import docs_sha256
+
+    root, teacher = setup
+    tok = _tok(smol_tokenizer)
+    recipe = ConvertRecipe(seq_len=32, long_len=64, batch_size=2, batch_long=2, docs=7, heldout_docs=0, doc_len=30,
+                           sample_batch=3, s2_retrieval=0.0, s3_retrieval=0.0, stage_tokens=(64, 64, 128), seed=2)
+    calls = []
+    real = data_mod.sample_teacher_text
+
+    def spy(*a, **k):
+        calls.append((a[2], k["seed"]))
+        return real(*a, **k)
+
+    data_mod.sample_teacher_text = spy
+    try:
+        class Stop(RuntimeError):
+            pass
+
+        def stop(tr, row):
+            raise Stop
+        with pytest.raises(Stop):
+            convert_model(teacher, tok, MASK, tmp_path / "c", recipe=recipe, progress=False, on_step=stop)
+        assert calls == [(3, 20_000), (3, 20_001), (1, 20_002)]  # 7 documents in shards of 3, seeds 10,000 · 2 + k
+        shards = sorted(p.name for p in (tmp_path / "c" / "data" / "docs").iterdir())
+        assert shards == ["shard_0.pt", "shard_1.pt", "shard_2.pt"]
+        want = [d for s in range(3) for d in sample_teacher_text(teacher, tok, [3, 3, 1][s], 30, seed=20_000 + s,
+                                                                  batch_size=3, progress=False)]
+        calls.clear()
+        res = convert_model(teacher, tok, MASK, tmp_path / "c", recipe=recipe, progress=False, resume=True)
+    finally:
+        data_mod.sample_teacher_text = real
+    assert calls == [] and res["finished"]  # nothing sampled again
+    rec = json.loads((tmp_path / "c" / "stage3" / "training.json").read_text())
+    assert rec["data"]["docs_sha256"] == docs_sha256(want) and rec["data"]["sample_dtype"] == "float32"
+    assert rec["seeds"]["documents"] == [20_000, 20_001, 20_002]
