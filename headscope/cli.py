@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import sys
 import typing
 from pathlib import Path
@@ -522,13 +523,15 @@ def eval_command(
     dtype: str = typer.Option("float32", help="weights' dtype: float32, bfloat16 or float16 (on CUDA the forward runs under bf16 autocast either way)"),
     out: Path = typer.Option(Path("runs/eval"), help="output folder (a rerun resumes; several models may share it)"),
     name: Optional[str] = typer.Option(None, help="the model's name in the tables (default: its folder's name; DIR/stageK -> DIR-stageK)"),
+    workers: int = typer.Option(max(1, min(8, (os.cpu_count() or 2) - 1)),
+                                help="processes building the prompt sets (CPU-bound; default: the cores less one, at most 8)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="a progress bar over cells and prompts"),
 ) -> None:
     with user_errors():
         from .evaluation.runner import check_eval_args, run_eval
 
         cfg = check_eval_args(model, teacher, formats, tasks, lengths, n, gen_n, gen_max_len, batch_tokens, corpus,
-                              haystack_docs, doc_len, seed, device, dtype, out, name)
+                              haystack_docs, doc_len, seed, device, dtype, out, name, workers)
         res = run_eval(cfg, progress=progress, log=lambda s: typer.echo(s, err=True))
     typer.echo(Path(res["report"]["md"]).read_text())
     typer.echo(f"wrote {out}/: retention.csv ({res['rows']} rows), retention_summary.csv, report.md"

@@ -161,3 +161,19 @@ def test_pair_sets_round_trip_and_refuse_a_pickle(smol_tokenizer, tmp_path):
     with pytest.raises(HeadscopeInputError, match="not a headscope pair-set file"):
         load_pairs(bomb)
     assert not hit.exists()
+
+
+@pytest.mark.slow
+def test_prompt_sets_built_in_parallel_equal_one_process(smol_tokenizer, tmp_path):
+    """build_prompt_sets over two spawned processes writes the sets suite_pairs builds alone."""
+    from headscope.evaluation.retention import SuiteConfig, build_prompt_sets, prompt_set_file, suite_pairs
+    from headscope.tasks.formats import natural_filler
+
+    cfg = SuiteConfig(tasks=("niah_single", "niah_multikey"), formats=("seen", "unseen"), lengths=(160, 256), n=2)
+    filler = natural_filler(CORPUS.split("\n\n"), "unseen", "test corpus")
+    assert build_prompt_sets(smol_tokenizer, cfg, tmp_path / "par", filler, workers=2, log=lambda s: None) == 8
+    assert build_prompt_sets(smol_tokenizer, cfg, tmp_path / "par", filler, workers=2, log=lambda s: None) == 0
+    for cell in cfg.cells():
+        got = load_pairs(prompt_set_file(tmp_path / "par", cfg, *cell))
+        want = suite_pairs(smol_tokenizer, cfg, *cell, filler=filler)
+        assert [p.to_dict() for p in got] == json.loads(json.dumps([p.to_dict() for p in want]))

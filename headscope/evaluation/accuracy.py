@@ -125,6 +125,11 @@ def prompt_depths(n: int) -> Float[np.ndarray, "n"]:
     return np.linspace(0.0, 1.0, n) if n > 1 else np.array([0.5])
 
 
+def eval_pairs_file(cache_dir: str | Path, task: str, seq_len: int, n: int, seed: int) -> Path:
+    """Where :func:`eval_pairs` keeps a prompt set in ``cache_dir``."""
+    return Path(cache_dir) / f"{task}@{seq_len}_n{n}_s{seed}.json.gz"
+
+
 def eval_pairs(tokenizer: Any, task: str, seq_len: int, n: int, seed: int = 1234,
                cache_dir: str | Path | None = None) -> list[Any]:
     """The ``n`` evaluation prompts of ``task`` at ``seq_len`` tokens: needle depths evenly spread over
@@ -144,7 +149,7 @@ def eval_pairs(tokenizer: Any, task: str, seq_len: int, n: int, seed: int = 1234
     from ..tasks import make_pairs
 
     ident = {"tokenizer": str(getattr(tokenizer, "name_or_path", "")), "vocab": len(tokenizer)}
-    f = Path(cache_dir) / f"{task}@{seq_len}_n{n}_s{seed}.json.gz" if cache_dir is not None else None
+    f = eval_pairs_file(cache_dir, task, seq_len, n, seed) if cache_dir is not None else None
     if f is not None and f.exists():
         pairs = load_pairs(f, ident)
         if pairs is not None:

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..errors import HeadscopeInputError
 from ..runtime import atomic_write_bytes, atomic_write_text
-from .accuracy import eval_pairs, prompt_depths, retrieval_hits, wilson_interval
+from .accuracy import eval_pairs, eval_pairs_file, prompt_depths, retrieval_hits, wilson_interval
 from .pairsets import load_pairs, save_pairs
 
 RETENTION_COLUMNS = ("model", "seed", "tokens", "task", "formats", "length", "n", "hits", "accuracy", "teacher_accuracy")
@@ -102,6 +102,54 @@ def filler_digest(filler: Any) -> str:
     return hashlib.sha256("\n".join(filler.sentences).encode()).hexdigest()[:16]
 
 
+def prompt_set_file(cache_dir: str | Path, cfg: SuiteConfig, task: str, formats: str, length: int) -> Path:
+    """Where :func:`suite_pairs` keeps a cell's prompt set in ``cache_dir`` (gzip JSON)."""
+    if formats == "seen":
+        return eval_pairs_file(cache_dir, task, length, cfg.n, cfg.seed)
+    return Path(cache_dir) / f"unseen_{task}@{int(length)}_n{cfg.n}_s{cfg.unseen_seed}.json.gz"
+
+
+def _build_prompt_set(job: tuple[Any, ...]) -> tuple[str, str, int, float]:
+    """One prompt set built into the cache (a worker of :func:`build_prompt_sets`) -> (task, formats, length, seconds)."""
+    tokenizer, cfg, task, formats, length, filler, cache_dir = job
+    t0 = time.time()
+    suite_pairs(tokenizer, cfg, task, formats, length, filler, cache_dir)
+    return task, formats, length, time.time() - t0
+
+
+def build_prompt_sets(tokenizer: Any, cfg: SuiteConfig, cache_dir: str | Path, filler: Any = None, workers: int = 1,
+                      cells: Optional[Sequence[tuple[str, str, int]]] = None,
+                      log: Callable[[str], None] = print) -> int:
+    """Build the prompt sets of ``cells`` (default every cell of ``cfg``) that ``cache_dir`` does not hold yet, the
+    longest first, over ``workers`` processes (a ``spawn`` pool: safe after CUDA has started; building is
+    tokenizer-bound, ~0.5 s per 16K-token prompt on one core). The sets are those :func:`suite_pairs` builds alone
+    (seeded per cell), so scoring reads them back unchanged.
+
+    Returns:
+        the number of sets built.
+    """
+    todo = [c for c in (cfg.cells() if cells is None else cells)
+            if not prompt_set_file(cache_dir, cfg, *c).exists()]
+    todo.sort(key=lambda c: -c[2])
+    if not todo:
+        return 0
+    jobs = [(tokenizer, cfg, t, f, L, filler, cache_dir) for t, f, L in todo]
+    t0 = time.time()
+    if workers <= 1 or len(todo) == 1:
+        for job in jobs:
+            _build_prompt_set(job)
+    else:
+        import multiprocessing as mp
+        import os
+        from concurrent.futures import ProcessPoolExecutor
+
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
+            list(pool.map(_build_prompt_set, jobs))
+    log(f"built {len(todo)} prompt set(s) in {time.time() - t0:.1f} s ({min(workers, len(todo))} process(es))")
+    return len(todo)
+
+
 def suite_pairs(tokenizer: Any, cfg: SuiteConfig, task: str, formats: str, length: int, filler: Any = None,
                 cache_dir: str | Path | None = None) -> list[Any]:
     """The ``cfg.n`` prompts of one cell (the same for every model; with ``cache_dir`` built once).
@@ -116,7 +164,7 @@ def suite_pairs(tokenizer: Any, cfg: SuiteConfig, task: str, formats: str, lengt
     from ..tasks.formats import format_pairs
 
     ident = {"tokenizer": str(getattr(tokenizer, "name_or_path", "")), "vocab": len(tokenizer), "filler": filler_digest(filler)}
-    f = Path(cache_dir) / f"unseen_{task}@{length}_n{cfg.n}_s{cfg.unseen_seed}.json.gz" if cache_dir is not None else None
+    f = prompt_set_file(cache_dir, cfg, task, formats, length) if cache_dir is not None else None
     if f is not None and f.exists():
         got = load_pairs(f, ident)
         if got is not None:

@@ -52,6 +52,7 @@ class EvalConfig:
         device: cpu / cuda / cuda:N (None: cuda when available). dtype: the weights' dtype; on CUDA the forward
             runs under bf16 autocast either way (the study's method).
         out: the output folder.
+        workers: processes that build the prompt sets (tokenizer-bound, before any scoring).
     """
 
     model: str
@@ -65,6 +66,7 @@ class EvalConfig:
     device: Optional[str] = None
     dtype: str = "float32"
     out: str = "runs/eval"
+    workers: int = 1
     model_info: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -137,7 +139,7 @@ def check_eval_args(
     lengths: Sequence[Any] = DEFAULT_LENGTHS, n: int = 100, gen_n: int = 20, gen_max_len: int = 4096,
     batch_tokens: int = 32768, corpus: Optional[str] = None, haystack_docs: int = 1024, doc_len: int = 512,
     seed: int = 0, device: Optional[str] = None, dtype: str = "float32", out: str | Path = "runs/eval",
-    name: Optional[str] = None,
+    name: Optional[str] = None, workers: int = 1,
 ) -> EvalConfig:
     """Every argument of ``headscope eval`` checked, nothing loaded -> the run's :class:`EvalConfig`.
 
@@ -170,6 +172,7 @@ def check_eval_args(
     check_int("--gen-max-len", gen_max_len, lo=0)
     check_int("--batch-tokens", batch_tokens, lo=1)
     check_int("--seed", seed, lo=0)
+    check_int("--workers", workers, lo=1)
     check_choice("--dtype", dtype, DTYPES)
     check_device(device, "--device")
     check_out_dir(out, "--out")
@@ -187,7 +190,7 @@ def check_eval_args(
     rec = training_record(model)
     return EvalConfig(model=str(model), teacher=None if teacher is None else str(teacher), name=nm, seed=rec["seed"],
                       tokens=rec["tokens"], suite=suite, haystack=hay, prompt_seed=seed, device=device, dtype=dtype,
-                      out=str(out))
+                      out=str(out), workers=workers)
 
 
 def weights_fingerprint(spec: str) -> str:
@@ -236,7 +239,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True, log: Callable[[str], None] 
     from ..runtime import atomic_write_text
     from .haystack import unseen_haystack
     from .report import write_report
-    from .retention import evaluate_suite, filler_digest, retention_table
+    from .retention import build_prompt_sets, evaluate_suite, filler_digest, retention_table
 
     t0 = time.time()
     out = Path(cfg.out)
@@ -259,6 +262,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True, log: Callable[[str], None] 
         filler = unseen_haystack(cfg.haystack, tok, out / "haystack", sampler=sampler, sampler_name=str(sampler_name), log=log)
     ident = {"haystack": filler_digest(filler) if filler is not None else None, "vocab": _vocab_digest(tok),
              "dtype": cfg.dtype}
+    build_prompt_sets(tok, cfg.suite, out / "prompts", filler=filler, workers=cfg.workers, log=log)
     n_cells = len(cfg.suite.cells())
     bar = tqdm(total=n_cells * cfg.suite.n * len(runs), unit="prompt", disable=not progress, desc="eval", dynamic_ncols=True)
     stored: dict[str, int] = {}
