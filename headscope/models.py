@@ -404,6 +404,38 @@ def is_hybrid(spec: Any) -> bool:
         return False
 
 
+def _load_kwargs(spec: str | os.PathLike) -> tuple[str, dict[str, Any], str]:
+    """(path, from_pretrained keywords, name) of a spec, transformers' logging quieted; a saved hybrid's model types
+    registered (it then loads with headscope's classes, without remote code)."""
+    from transformers.utils import logging as hf_logging
+
+    path, kw, name = _resolve(spec)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if is_hybrid(spec):
+        from . import hybrid  # noqa: F401  (registers the hybrid model types: the folder loads without remote code)
+
+        kw = {**kw, "trust_remote_code": False}
+    return path, kw, name
+
+
+def load_tokenizer(spec: str | os.PathLike = DEFAULT_MODEL) -> Any:
+    """The tokenizer of a model spec alone (no weights; a GGUF's read from its metadata).
+
+    Raises:
+        ModelSpecError: the spec cannot be resolved locally, or its tokenizer cannot be read.
+    """
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    path, kw, _ = _load_kwargs(spec)
+    try:
+        return AutoTokenizer.from_pretrained(path, **kw)
+    except OSError as e:
+        raise ModelSpecError(f"could not load the tokenizer of {spec!r}: {e}") from e
+
+
 def load_hf(
     spec: str | os.PathLike = DEFAULT_MODEL,
     device: str | torch.device | None = None,
@@ -420,15 +452,8 @@ def load_hf(
         ModelSpecError: the spec cannot be resolved locally (message says what to pass instead).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    path, kw, name = _resolve(spec)
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    if is_hybrid(spec):
-        from . import hybrid  # noqa: F401  (registers the hybrid model types: the folder loads without remote code)
-
-        kw = {**kw, "trust_remote_code": False}
+    path, kw, name = _load_kwargs(spec)
     try:
         tok = AutoTokenizer.from_pretrained(path, **kw)
         if device_map is not None:

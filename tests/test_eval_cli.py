@@ -48,7 +48,7 @@ def folders(smol_tokenizer, tmp_path_factory):
 
 def _eval(folders, out, *extra):
     argv = ["eval", str(folders / "conv" / "stage3"), "--teacher", str(folders / "teacher"), "--corpus",
-            str(folders / "corpus.txt"), "--tasks", "niah_single,variable_tracking", "--lengths", "256", "--n", "3",
+            str(folders / "corpus.txt"), "--tasks", "niah_single", "--lengths", "256", "--n", "3",
             "--gen-n", "2", "--device", "cpu", "--no-progress", "--out", str(out), *extra]
     return CliRunner().invoke(app, argv)
 
@@ -61,8 +61,8 @@ def test_eval_writes_cells_checked_by_brute_force_and_resumes(folders, tmp_path,
     assert res.exit_code == 0, (res.output, res.exception)
     df = pd.read_csv(out / "retention.csv")
     assert tuple(df.columns) == EVAL_COLUMNS
-    assert sorted(df.model.unique()) == ["conv-stage3", "teacher"] and (df.source == "cli").all() and len(df) == 4
-    assert set(df.task) == {"niah_single", "variable_tracking"} and (df.length == 256).all() and (df.n == 3).all()
+    assert sorted(df.model.unique()) == ["conv-stage3", "teacher"] and (df.source == "cli").all() and len(df) == 2
+    assert set(df.task) == {"niah_single"} and (df.length == 256).all() and (df.n == 3).all()
     student = df[df.model == "conv-stage3"]
     assert (student.seed == 4).all() and (student.tokens == 12_500_000).all()
     assert (out / "report.md").read_text().count("| niah_single | unseen | 256 | 3 |") == 1
@@ -89,17 +89,33 @@ def test_eval_writes_cells_checked_by_brute_force_and_resumes(folders, tmp_path,
     t = json.loads(__import__("gzip").decompress((out / "cells" / "teacher__s0__t0" / "niah_single.unseen.256.json.gz")
                                                  .read_bytes()))
     assert row.teacher_accuracy == pytest.approx(t["hits"] / 3)
-    # resume: every cell is stored, nothing is scored again, the table is the same
+    # resume: every cell is stored, no model loads, nothing is scored again, the table is the same
     import headscope.evaluation.retention as R
 
     def boom(*a, **k):
         raise AssertionError("a stored cell was scored again")
 
+    import headscope.models
+
     monkeypatch.setattr(R, "retrieval_hits", boom)
     monkeypatch.setattr(R, "greedy_generation_hits", boom)
+    monkeypatch.setattr(headscope.models, "load_hf", boom)  # every cell stored: no weights load
     again = _eval(folders, out)
     assert again.exit_code == 0, (again.output, again.exception)
     pd.testing.assert_frame_equal(pd.read_csv(out / "retention.csv"), df)
+    # a second model into the same folder: the teacher's stored cells are reused, only the new model loads
+    monkeypatch.undo()
+    calls = []
+    real = headscope.models.load_hf
+    monkeypatch.setattr(headscope.models, "load_hf", lambda spec, **k: (calls.append(str(spec)), real(spec, **k))[1])
+    second = _eval(folders, out, "--name", "conv-b")
+    assert second.exit_code == 0, (second.output, second.exception)
+    assert calls == [str(folders / "conv" / "stage3")]
+    both = pd.read_csv(out / "retention.csv")
+    assert sorted(both.model.unique()) == ["conv-b", "conv-stage3", "teacher"] and len(both) == 3
+    b = both[both.model == "conv-b"].set_index("task")
+    a = both[both.model == "conv-stage3"].set_index("task")
+    assert (b.hits == a.hits).all() and (b.teacher_accuracy == a.teacher_accuracy).all()  # same weights, same prompts
 
 
 @pytest.mark.parametrize("extra, want", [

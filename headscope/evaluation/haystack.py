@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from ..errors import HeadscopeInputError
 from ..runtime import atomic_write_bytes
 
@@ -83,7 +85,7 @@ def corpus_texts(path: str | Path) -> list[str]:
 
 def sampled_documents(model: Any, tokenizer: Any, cfg: HaystackConfig, folder: str | Path, sampler: str,
                       log: Any = print) -> list[list[int]]:
-    """``cfg.docs`` documents sampled from ``model`` (token ids, each from BOS), kept in ``folder``/docs.json.gz
+    """``cfg.docs`` documents sampled from ``model`` (or the model a function returns; token ids, each from BOS), kept in ``folder``/docs.json.gz
     with the settings they were sampled with; a rerun with the same settings and ``sampler`` name reads them back.
     On CUDA the sampler uses a static KV cache (``generate(cache_implementation="static")``), as the study did."""
     from ..train import sample_teacher_text
@@ -96,6 +98,8 @@ def sampled_documents(model: Any, tokenizer: Any, cfg: HaystackConfig, folder: s
         if doc.get("ident") == ident:
             return doc["docs"]
         log(f"{f} was sampled with other settings {doc.get('ident')}: sampling again")
+    if callable(model) and not isinstance(model, torch.nn.Module):
+        model = model()
     dev = next(model.parameters()).device
     docs: list[list[int]] = []
     for k, start in enumerate(range(0, cfg.docs, SAMPLE_BATCH)):
@@ -112,8 +116,9 @@ def unseen_haystack(cfg: HaystackConfig, tokenizer: Any, folder: str | Path, sam
 
     Args:
         cfg: where the haystack comes from. tokenizer: decodes sampled documents.
-        folder: where sampled documents are kept (OUT/haystack). sampler: the model that samples them (needed
-            only when ``cfg.corpus`` is None). sampler_name: names it in the kept file and the filler's source.
+        folder: where sampled documents are kept (OUT/haystack). sampler: the model that samples them, or a
+            function that loads it (called only when documents must be sampled: ``cfg.corpus`` None and no kept
+            documents of these settings). sampler_name: names it in the kept file and the filler's source.
 
     Raises:
         HeadscopeInputError (a ValueError): no usable sentence in the corpus or the samples; no sampler.

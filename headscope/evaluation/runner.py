@@ -211,15 +211,34 @@ def _vocab_digest(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
-def _load(spec: str, cfg: EvalConfig) -> tuple[Any, Any]:
+def _load(spec: str, cfg: EvalConfig) -> Any:
     import torch
 
     from ..models import load_hf
 
-    model, tok, _ = load_hf(spec, device=cfg.device, dtype=getattr(torch, cfg.dtype))
+    return load_hf(spec, device=cfg.device, dtype=getattr(torch, cfg.dtype))[0]
+
+
+def _tokenizer(spec: str) -> Any:
+    from ..models import load_tokenizer
+
+    tok = load_tokenizer(spec)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return model, tok
+    return tok
+
+
+def _stored(out: Path, name: str, seed: int, tokens: int, suite: Any, extra: dict[str, Any]) -> bool:
+    """Whether every cell of ``suite`` is stored for this model with these settings (then its weights need not load)."""
+    from .retention import cell_dir, read_cell
+
+    conf = json.loads(json.dumps({**asdict(suite), **extra}))
+    d = cell_dir(out / "cells", name, seed, tokens)
+    for task, fmt, L in suite.cells():
+        c = read_cell(d, task, fmt, L)
+        if c is None or c.get("config") != conf:
+            return False
+    return True
 
 
 def run_eval(cfg: EvalConfig, progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -245,21 +264,32 @@ def run_eval(cfg: EvalConfig, progress: bool = True, log: Callable[[str], None] 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "eval.json", json.dumps(cfg.to_dict(), indent=2))
-    model, tok = _load(cfg.model, cfg)
-    runs: list[tuple[str, Any, int, int, str]] = [(cfg.name, model, cfg.seed, cfg.tokens, cfg.model)]
-    teacher = None
+    # tokenizers first: the prompts, the haystack's identity and the skip check need no weights
+    tok = _tokenizer(cfg.model)
+    runs: list[tuple[str, int, int, str]] = [(cfg.name, cfg.seed, cfg.tokens, cfg.model)]
     if cfg.teacher is not None:
-        teacher, ttok = _load(cfg.teacher, cfg)
+        ttok = _tokenizer(cfg.teacher)
         if _vocab_digest(ttok) != _vocab_digest(tok):
             raise HeadscopeInputError(f"the teacher {cfg.teacher} and the model {cfg.model} have different tokenizers "
                                       "(vocabularies differ): a teacher must share the model's tokenizer")
         tok = ttok  # prompts from the teacher's tokenizer: every model of the folder scored on the same prompts
-        runs.insert(0, (TEACHER, teacher, 0, 0, cfg.teacher))
-    needs_hay = "unseen" in cfg.suite.formats
+        runs.insert(0, (TEACHER, 0, 0, cfg.teacher))
+    loaded: dict[str, Any] = {}
+
+    def model_of(spec: str) -> Any:
+        if spec not in loaded:
+            t = time.time()
+            loaded[spec] = _load(spec, cfg)
+            log(f"loaded {spec} in {time.time() - t:.1f} s")
+        return loaded[spec]
+
     filler = None
-    if needs_hay:
-        sampler, sampler_name = (teacher, cfg.teacher) if teacher is not None else (model, cfg.model)
-        filler = unseen_haystack(cfg.haystack, tok, out / "haystack", sampler=sampler, sampler_name=str(sampler_name), log=log)
+    if "unseen" in cfg.suite.formats:
+        sampler = cfg.teacher if cfg.teacher is not None else cfg.model
+        t = time.time()
+        filler = unseen_haystack(cfg.haystack, tok, out / "haystack", sampler=lambda: model_of(sampler),
+                                 sampler_name=str(sampler), log=log)
+        log(f"haystack: {cfg.haystack.describe()}, {len(filler.sentences)} sentences ({time.time() - t:.1f} s)")
     ident = {"haystack": filler_digest(filler) if filler is not None else None, "vocab": _vocab_digest(tok),
              "dtype": cfg.dtype}
     build_prompt_sets(tok, cfg.suite, out / "prompts", filler=filler, workers=cfg.workers, log=log)
@@ -267,14 +297,19 @@ def run_eval(cfg: EvalConfig, progress: bool = True, log: Callable[[str], None] 
     bar = tqdm(total=n_cells * cfg.suite.n * len(runs), unit="prompt", disable=not progress, desc="eval", dynamic_ncols=True)
     stored: dict[str, int] = {}
     try:
-        for name, m, seed, tokens, spec in runs:
+        for name, seed, tokens, spec in runs:
+            extra = {**ident, "model": spec, "weights": weights_fingerprint(spec)}
+            if _stored(out, name, seed, tokens, cfg.suite, extra):
+                bar.update(n_cells * cfg.suite.n)
+                stored[name] = n_cells
+                continue
             bar.set_description(name)
-            lines: list[str] = []
-            res = evaluate_suite(m, tok, name, seed, tokens, cfg.suite, out / "cells", filler=filler,
-                                 cache_dir=out / "prompts", log=lambda s: (lines.append(s), bar.write(s)),
-                                 progress=bar.update, compress=True,
-                                 extra_config={**ident, "model": spec, "weights": weights_fingerprint(spec)})
+            res = evaluate_suite(model_of(spec), tok, name, seed, tokens, cfg.suite, out / "cells", filler=filler,
+                                 cache_dir=out / "prompts", log=bar.write, progress=bar.update, compress=True,
+                                 extra_config=extra)
             stored[name] = res["done"]
+            if spec != cfg.model:
+                loaded.pop(spec, None)  # the teacher's memory back before the model loads
     finally:
         bar.close()
     tab = retention_table(out / "cells", out, teacher=TEACHER, source="cli")
