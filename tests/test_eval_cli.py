@@ -193,3 +193,28 @@ def test_prompt_sets_built_in_parallel_equal_one_process(smol_tokenizer, tmp_pat
         got = load_pairs(prompt_set_file(tmp_path / "par", cfg, *cell))
         want = suite_pairs(smol_tokenizer, cfg, *cell, filler=filler)
         assert [p.to_dict() for p in got] == json.loads(json.dumps([p.to_dict() for p in want]))
+
+
+def test_sampled_haystack_documents_are_kept_and_read_back(smol_tokenizer, tmp_path, monkeypatch):
+    """The default haystack: documents sampled with the study's haystack seed (HAYSTACK_SEED + seed), the model loaded
+    only when they must be sampled, kept in gzip JSON and read back by a rerun of the same settings."""
+    import headscope.train
+    from headscope.evaluation.haystack import HAYSTACK_SEED, HaystackConfig, sampled_documents
+    from headscope.train import sample_teacher_text
+
+    model = tiny_llama(smol_tokenizer, seed=6, n_layers=1, n_heads=2, n_kv=1, d_model=32)
+    cfg = HaystackConfig(docs=3, doc_len=16, seed=2)
+    loads = []
+
+    def loader():
+        loads.append(1)
+        return model
+
+    docs = sampled_documents(loader, smol_tokenizer, cfg, tmp_path, "tiny")
+    assert loads == [1] and len(docs) == 3 and all(len(d) == 17 for d in docs)
+    assert docs == sample_teacher_text(model, smol_tokenizer, 3, 16, seed=HAYSTACK_SEED + 2, batch_size=3, progress=False)
+    monkeypatch.setattr(headscope.train, "sample_teacher_text", lambda *a, **k: pytest.fail("sampled again"))
+    assert sampled_documents(loader, smol_tokenizer, cfg, tmp_path, "tiny") == docs and loads == [1]
+    monkeypatch.undo()
+    other = sampled_documents(loader, smol_tokenizer, HaystackConfig(docs=3, doc_len=16, seed=3), tmp_path, "tiny")
+    assert loads == [1, 1] and other != docs  # other settings: sampled again

@@ -5,7 +5,8 @@ text. :func:`unseen_haystack` gives that text, one of three ways (:class:`Haysta
 
 * ``corpus=PATH``: a user's text file, documents separated by blank lines;
 * ``corpus=None`` (the default): ``docs`` documents of ``doc_len`` tokens sampled from a model (the teacher
-  where there is one; ancestral sampling from BOS, :func:`headscope.train.sample_teacher_text`) with the
+  where there is one, in bfloat16 on CUDA as the study sampled; ancestral sampling from BOS,
+  :func:`headscope.train.sample_teacher_text`) with the
   conversion study's haystack seed (:data:`HAYSTACK_SEED` + ``seed``): documents no training row was built
   from (the study's training documents use seeds 10,000·S + batch). They are kept in ``OUT/haystack/``
   (gzip JSON) and read back by a rerun;

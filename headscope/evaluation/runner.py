@@ -211,12 +211,21 @@ def _vocab_digest(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
-def _load(spec: str, cfg: EvalConfig) -> Any:
+def _load(spec: str, cfg: EvalConfig, dtype: Optional[str] = None) -> Any:
     import torch
 
     from ..models import load_hf
 
-    return load_hf(spec, device=cfg.device, dtype=getattr(torch, cfg.dtype))[0]
+    return load_hf(spec, device=cfg.device, dtype=getattr(torch, dtype or cfg.dtype))[0]
+
+
+def sample_dtype(device: Optional[str]) -> str:
+    """The precision the haystack's documents are sampled in: bfloat16 on CUDA (the conversion study sampled its
+    haystack from a bfloat16 teacher), float32 elsewhere."""
+    import torch
+
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return "bfloat16" if dev.type == "cuda" else "float32"
 
 
 def _tokenizer(spec: str) -> Any:
@@ -274,21 +283,28 @@ def run_eval(cfg: EvalConfig, progress: bool = True, log: Callable[[str], None] 
                                       "(vocabularies differ): a teacher must share the model's tokenizer")
         tok = ttok  # prompts from the teacher's tokenizer: every model of the folder scored on the same prompts
         runs.insert(0, (TEACHER, 0, 0, cfg.teacher))
-    loaded: dict[str, Any] = {}
+    loaded: dict[tuple[str, str], Any] = {}
 
-    def model_of(spec: str) -> Any:
-        if spec not in loaded:
+    def model_of(spec: str, dtype: str = cfg.dtype) -> Any:
+        if (spec, dtype) not in loaded:
             t = time.time()
-            loaded[spec] = _load(spec, cfg)
-            log(f"loaded {spec} in {time.time() - t:.1f} s")
-        return loaded[spec]
+            loaded[(spec, dtype)] = _load(spec, cfg, dtype)
+            log(f"loaded {spec} ({dtype}) in {time.time() - t:.1f} s")
+        return loaded[(spec, dtype)]
 
     filler = None
     if "unseen" in cfg.suite.formats:
-        sampler = cfg.teacher if cfg.teacher is not None else cfg.model
+        sampler, sdt = cfg.teacher if cfg.teacher is not None else cfg.model, sample_dtype(cfg.device)
+
+        def sampling_model() -> Any:
+            m = model_of(sampler, sdt)
+            if sdt != cfg.dtype:
+                loaded.pop((sampler, sdt))  # a copy for sampling only: dropped once the documents are sampled
+            return m
+
         t = time.time()
-        filler = unseen_haystack(cfg.haystack, tok, out / "haystack", sampler=lambda: model_of(sampler),
-                                 sampler_name=str(sampler), log=log)
+        filler = unseen_haystack(cfg.haystack, tok, out / "haystack", sampler=sampling_model,
+                                 sampler_name=f"{sampler} ({sdt})", log=log)
         log(f"haystack: {cfg.haystack.describe()}, {len(filler.sentences)} sentences ({time.time() - t:.1f} s)")
     ident = {"haystack": filler_digest(filler) if filler is not None else None, "vocab": _vocab_digest(tok),
              "dtype": cfg.dtype}
@@ -309,7 +325,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True, log: Callable[[str], None] 
                                  extra_config=extra)
             stored[name] = res["done"]
             if spec != cfg.model:
-                loaded.pop(spec, None)  # the teacher's memory back before the model loads
+                loaded.pop((spec, cfg.dtype), None)  # the teacher's memory back before the model loads
     finally:
         bar.close()
     tab = retention_table(out / "cells", out, teacher=TEACHER, source="cli")
