@@ -56,7 +56,7 @@ def test_levers_are_the_studys_options_under_its_labels(tmp_path):
                   "--out", str(tmp_path / "eval")]
     an = _commands("anatomy", "--seed", "5", "--arm", "layer-3to1", "--lever", "baseline", "--out", out)
     assert an[0][:3] == ["rank", "--model", str(tmp_path / "seed5" / "layer-3to1_t12500000" / "stage3")]
-    assert an[1] == ["anatomy", str(tmp_path / "anatomy" / "layer-3to1_t12500000_s5")]
+    assert an[1] == ["anatomy", str(tmp_path / "anatomy" / "layer-3to1_t12500000_s5"), "--format", "html"]
     ranked = _commands("convert", "--arm", "ranked", "--out", out)[0]
     assert ranked[ranked.index("--mask") + 1] == str(tmp_path / "rank" / "mask.json")
     for bad in (["convert", "--lever", "s4"], ["convert", "--arm", "layer-9to1"], ["convert", "--tokens", "lots"]):
@@ -102,8 +102,9 @@ def test_keep_and_cli_rows_beside_the_studys(tmp_path):
 
 @pytest.mark.slow
 def test_driver_end_to_end_on_a_tiny_model(smol_tokenizer, tmp_path):
-    """convert (the three stages, baseline lever), eval (the teacher beside), generate and the tables through the
-    package's commands on a tiny random Llama; the eval's rows land in the tables' retention.csv as source = cli."""
+    """convert (the three stages, baseline lever), eval (the teacher beside), generate, the anatomy (rank on the
+    hybrid path + anatomy) and the tables through the package's commands on a tiny random Llama; the eval's rows land
+    in the tables' retention.csv as source = cli."""
     from headscope.masks import HeadMask
 
     from conftest import tiny_llama
@@ -135,6 +136,11 @@ def test_driver_end_to_end_on_a_tiny_model(smol_tokenizer, tmp_path):
     assert set(ev.model) == {"hydra-7to1", "teacher"} and (ev.source == "cli").all() and (ev.n == 2).all()
     assert set(ev[ev.model == "hydra-7to1"].seed) == {0} and set(ev[ev.model == "hydra-7to1"].tokens) == {3000}
     assert "tokens/s" in run("generate", *common, "--", "--device", "cpu")
+    # the anatomy: the student's FA and GDN heads ranked on the hybrid path, then summarized
+    run("anatomy", *common, "--", "--seq-len", "256", "--pairs", "2", "--device", "cpu", "--min-gap", "0")
+    heads = pd.read_csv(out / "anatomy" / "hydra-7to1_t3000_s0" / "scores.csv")
+    assert len(heads) == 8 and set(heads["kind"]) == {"fa", "gdn"} and (heads["kind"] == "fa").sum() == 3
+    assert (out / "anatomy" / "hydra-7to1_t3000_s0" / "anatomy" / "anatomy.json").exists()
     run("tables", "--out", str(out))
     t = pd.read_csv(out / "tables" / "retention.csv")
     assert len(t) == len(pd.read_csv(STUDY / "retention.csv")) + len(ev)

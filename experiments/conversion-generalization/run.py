@@ -9,8 +9,8 @@ and ``headscope anatomy`` on the converted folder; the study's tables come from 
     python experiments/conversion-generalization/run.py tables --write-to experiments/conversion-generalization
     python experiments/conversion-generalization/run.py keep                              # OUT/eval's rows into records/
 
-Every step prints the command it runs (``--dry-run``: prints only); arguments after ``--`` go to the package's
-command as they are (e.g. ``-- --batch-size 4 --device cpu``). A step resumes where it stopped when run again
+Every step prints the command it runs (``--dry-run``: prints only); arguments after ``--`` go to each of the step's
+package commands as they are (e.g. ``-- --batch-size 4 --device cpu``; anatomy: to its ranking). A step resumes where it stopped when run again
 (``headscope convert --resume``, ``headscope eval`` per cell). Folders: OUT/seedS/LABEL_tTOKENS/ (the conversion:
 stage1..3/ are model folders), OUT/eval/ (every model's cells, retention.csv, report.md / .html), OUT/anatomy/,
 OUT/tables/. LABEL is the arm with each lever away from the study's first setting (``hydra-7to1+s2_retrieval=0.25``),
@@ -98,8 +98,10 @@ def commands(step: str, a: argparse.Namespace) -> list[list[str]]:
     if step == "generate":
         return [headscope("generate", rd / "stage3", PROMPT, "--max-new-tokens", "8", *extra)]
     if step == "anatomy":
-        d = a.out / "anatomy" / f"{rd.name}_s{a.seed}"
-        return [headscope("rank", "--model", rd / "stage3", *ANATOMY, "--out", d, *extra), headscope("anatomy", d)]
+        d = a.out / "anatomy" / f"{rd.name}_s{a.seed}"  # extra arguments go to the ranking; the summary gets --device
+        dev = extra[extra.index("--device"):extra.index("--device") + 2] if "--device" in extra else []
+        return [headscope("rank", "--model", rd / "stage3", *ANATOMY, "--out", d, *extra),
+                headscope("anatomy", d, "--format", "html", *dev)]
     raise ValueError(step)
 
 
