@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from headscope.patching import engine as engine_mod
+from headscope.patching import layer_ops
 from headscope.patching.engine import Engine
 from headscope.patching.linear import linear, onednn_available, packed_weight
 from headscope.patching.receivers import PairState
@@ -59,7 +59,7 @@ def test_onednn_switch_gives_same_patched_logits(tiny, smol_tokenizer, monkeypat
         return e.patched_logits(st.base, 0, z, st.start, st.read)
 
     on = run()
-    monkeypatch.setattr(engine_mod, "MLP_BLOCK", 7)
+    monkeypatch.setattr(layer_ops, "MLP_BLOCK", 7)
     blocked = run()
     monkeypatch.setenv("HEADSCOPE_ONEDNN", "0")
     off = run()
