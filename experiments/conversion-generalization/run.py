@@ -155,6 +155,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     a = parser().parse_args(argv[:len(argv) - len(extra) - (1 if "--" in argv else 0)])
     a.extra = extra
+    # paths as the caller means them: the commands run from the repository root (tools/device/chain.sh: from a copy)
+    a.out = a.out.resolve()
+    a.mask = a.mask.resolve() if a.mask else None
+    a.corpus = str(Path(a.corpus).resolve()) if a.corpus and a.corpus != "builtin" else a.corpus
     try:
         TABLES.parse_tokens(a.tokens)
     except ValueError:
