@@ -280,6 +280,30 @@ def test_evaluate_suite_scores_and_resumes(smol_tokenizer, tmp_path, monkeypatch
                           cache_dir=tmp_path / "p", log=lambda s: None) == {"done": 4, "left": 0}
 
 
+def test_evaluate_suite_reuses_cells_of_a_wider_suite(smol_tokenizer, tmp_path, monkeypatch):
+    """A cell is identified by what its prompts and scores depend on, not by the suite's other cells: an eval of one
+    task after an eval of two reads the stored cell (seen on the GPU: a student's eval of two tasks scored its
+    teacher's four-task cells again). A cell of another n is scored again."""
+    import headscope.evaluation.retention as R
+
+    model = tiny_llama(smol_tokenizer, seed=4, n_layers=1, n_heads=2, n_kv=1, d_model=32)
+    filler = natural_filler(TEXTS, "unseen", "t")
+    wide = SuiteConfig(tasks=("niah_single", "variable_tracking"), lengths=(256,), formats=("unseen",), n=2, gen_n=0)
+    kw = dict(filler=filler, cache_dir=tmp_path / "p", log=lambda s: None)
+    assert evaluate_suite(model, smol_tokenizer, "tiny", 0, 0, wide, tmp_path / "cells", **kw) == {"done": 2, "left": 0}
+    f = tmp_path / "cells" / "tiny__s0__t0" / "niah_single.unseen.256.json"
+    before = f.read_text()
+    calls = []
+    real = R.retrieval_hits
+    monkeypatch.setattr(R, "retrieval_hits", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    narrow = SuiteConfig(tasks=("niah_single",), lengths=(256,), formats=("unseen",), n=2, gen_n=0)
+    assert evaluate_suite(model, smol_tokenizer, "tiny", 0, 0, narrow, tmp_path / "cells", **kw) == {"done": 1, "left": 0}
+    assert calls == [] and f.read_text() == before
+    other_n = SuiteConfig(tasks=("niah_single",), lengths=(256,), formats=("unseen",), n=3, gen_n=0)
+    evaluate_suite(model, smol_tokenizer, "tiny", 0, 0, other_n, tmp_path / "cells", **kw)
+    assert calls == [1] and json.loads(f.read_text())["n"] == 3
+
+
 def test_study_committed_masks_are_the_rankings_selections():
     """The study's arms' masks (records/masks/): hydra-7to1 is the 50M study's HydraHead mask (the one the
     package's benchmarks use), the fused ranking `experiments/fused-smollm2/focus` selects exactly it at 7:1 with

@@ -258,6 +258,12 @@ def cell_dir(root: str | Path, model: str, seed: int, tokens: int) -> Path:
     return Path(root) / f"{model}__s{int(seed)}__t{int(tokens)}"
 
 
+def cell_identity(cfg: "SuiteConfig") -> dict[str, Any]:
+    """The settings a stored cell is compared on before it is skipped: ``cfg`` without the suite's lists of tasks,
+    formats and lengths (a cell's prompts depend on its own task, format and length, on ``n`` and the seeds only)."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("tasks", "formats", "lengths")}
+
+
 def evaluate_suite(
     model: Any, tokenizer: Any, name: str, seed: int, tokens: int, cfg: SuiteConfig, root: str | Path,
     filler: Any = None, cache_dir: str | Path | None = None, deadline: Optional[float] = None,
@@ -298,7 +304,9 @@ def evaluate_suite(
     model.eval()
     d = cell_dir(root, name, seed, tokens)
     d.mkdir(parents=True, exist_ok=True)
-    conf = json.loads(json.dumps({**asdict(cfg), **(extra_config or {})}))  # as stored (tuples become lists)
+    # a cell's identity: what its prompts and scores depend on (task, format and length are its file name), not
+    # which other cells the suite holds, so an eval of fewer tasks or lengths reuses the cells already stored
+    conf = json.loads(json.dumps({**cell_identity(cfg), **(extra_config or {})}))  # as stored (tuples become lists)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     done, left = 0, 0
     for task, fmt, L in todo:

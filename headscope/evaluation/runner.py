@@ -239,9 +239,9 @@ def _tokenizer(spec: str) -> Any:
 
 def _stored(out: Path, name: str, seed: int, tokens: int, suite: Any, extra: dict[str, Any]) -> bool:
     """Whether every cell of ``suite`` is stored for this model with these settings (then its weights need not load)."""
-    from .retention import cell_dir, read_cell
+    from .retention import cell_dir, cell_identity, read_cell
 
-    conf = json.loads(json.dumps({**asdict(suite), **extra}))
+    conf = json.loads(json.dumps({**cell_identity(suite), **extra}))
     d = cell_dir(out / "cells", name, seed, tokens)
     for task, fmt, L in suite.cells():
         c = read_cell(d, task, fmt, L)
