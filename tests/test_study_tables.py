@@ -19,23 +19,16 @@ TABLES = ("retention.csv", "retention_summary.csv", "retention_seeds.csv", "rete
           "anatomy.csv", "anatomy_knockout.csv", "comparison.md")
 
 
-def _cells() -> list[dict]:
-    with gzip.open(STUDY / "records" / "cells.jsonl.gz", "rt") as fh:
+def _cells(name: str = "cells.jsonl.gz") -> list[dict]:
+    with gzip.open(STUDY / "records" / name, "rt") as fh:
         return [json.loads(line) for line in fh]
 
 
-def test_records_cells_are_retention_csv_row_by_row():
-    """Each committed cell is one row of retention.csv: hits = the sum of its per-prompt outcomes, accuracy =
-    hits / n, the teacher's accuracy that of the teacher's cell on the same (task, formats, length), agreement the
-    share of the generation-checked prompts where generation agreed with teacher forcing; the columns are those of
-    `headscope eval`'s retention.csv, every row's source 'study'."""
-    cells = _cells()
+def _check_rows(df: pd.DataFrame, cells: list[dict]) -> None:
+    """Every cell is one row of ``df``: hits, accuracy, the teacher's accuracy on the same cell, agreement."""
     keys = [(c["model"], c["seed"], c["tokens"], c["task"], c["formats"], c["length"]) for c in cells]
-    assert len(keys) == len(set(keys)) == 232
+    assert len(keys) == len(set(keys)) == len(df)
     teacher = {(c["task"], c["formats"], c["length"]): c for c in cells if c["model"] == "teacher"}
-    assert len(teacher) == 40  # 4 tasks x 2 formats x 5 lengths
-    df = pd.read_csv(STUDY / "retention.csv")
-    assert tuple(df.columns) == EVAL_COLUMNS and (df.source == "study").all() and len(df) == len(cells)
     rows = df.set_index(["model", "seed", "tokens", "task", "formats", "length"])
     for c, k in zip(cells, keys):
         r = rows.loc[k]
@@ -44,6 +37,23 @@ def test_records_cells_are_retention_csv_row_by_row():
         t = teacher[(c["task"], c["formats"], c["length"])]
         assert r.teacher_accuracy == pytest.approx(sum(t["correct"]) / t["n"], abs=1e-15)
         assert r.agreement == pytest.approx(c["gen_agree"] / c["gen_n"]) if c["gen_n"] else pd.isna(r.agreement)
+
+
+def test_records_cells_are_retention_csv_row_by_row():
+    """Each committed cell is one row of retention.csv: hits = the sum of its per-prompt outcomes, accuracy =
+    hits / n, the teacher's accuracy that of the teacher's cell on the same (task, formats, length), agreement the
+    share of the generation-checked prompts where generation agreed with teacher forcing; the columns are those of
+    `headscope eval`'s retention.csv. The study's cells (records/cells.jsonl.gz) are the rows of source 'study'; the
+    cells `headscope eval` made (records/cli_cells.jsonl.gz, kept by run.py keep) those of source 'cli'."""
+    cells = _cells()
+    assert len(cells) == 232
+    assert len({(c["task"], c["formats"], c["length"]) for c in cells if c["model"] == "teacher"}) == 40  # 4 x 2 x 5
+    df = pd.read_csv(STUDY / "retention.csv")
+    assert tuple(df.columns) == EVAL_COLUMNS and set(df.source) <= {"study", "cli"}
+    _check_rows(df[df.source == "study"], cells)
+    cli = _cells("cli_cells.jsonl.gz")
+    assert {c["model"] for c in cli} >= {"teacher"}
+    _check_rows(df[df.source == "cli"], cli)
 
 
 def test_records_hold_what_the_report_reads():
