@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import math
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -380,7 +381,7 @@ def recipe_documents(teacher: Any, tokenizer: Any, recipe: ConvertRecipe, cache_
         bf16 = recipe.sample_dtype == "bfloat16" or (recipe.sample_dtype == "auto" and p0.device.type == "cuda")
         dt = torch.bfloat16 if bf16 else torch.float32
         sampler = None  # the teacher, or a copy of it in the sampling precision, made once a shard is missing
-        docs, k = [], 0
+        docs, k, sampled, t0 = [], 0, 0, time.perf_counter()
         while len(docs) < recipe.docs:
             f = folder / f"shard_{k}.pt"
             b = min(recipe.sample_batch, recipe.docs - len(docs))
@@ -395,12 +396,14 @@ def recipe_documents(teacher: Any, tokenizer: Any, recipe: ConvertRecipe, cache_
                                           batch_size=b, progress=progress,
                                           cache_implementation="static" if p0.device.type == "cuda" else None)
                 atomic_torch_save(f, new)
+                sampled += 1
             docs += new
             k += 1
         docs = docs[: recipe.docs]
         del sampler
         info = {"source": "teacher samples", "shards": k, "sample_batch": recipe.sample_batch,
-                "sample_dtype": str(dt).replace("torch.", "")}
+                "sample_dtype": str(dt).replace("torch.", ""), "shards_sampled_now": sampled,
+                "sample_seconds_now": round(time.perf_counter() - t0, 2) if sampled else 0.0}
     held, train = split_docs(docs, recipe.heldout_docs, recipe.seed)
     if not train:
         raise HeadscopeInputError(f"no training documents ({len(docs)} in all, {len(held)} held out)")
@@ -422,6 +425,7 @@ def recipe_rows(tokenizer: Any, recipe: ConvertRecipe, train_docs: Sequence[Sequ
     """
     from .data import format_rows, mix, pack, retrieval_rows
 
+    t0 = time.perf_counter()
     eos = tokenizer.eos_token_id
     s = recipe.seed
     if stage in (1, 2):
@@ -459,4 +463,5 @@ def recipe_rows(tokenizer: Any, recipe: ConvertRecipe, train_docs: Sequence[Sequ
         raise HeadscopeInputError(f"stage {stage!r} does not exist; use 1, 2 or 3")
     info["rows"] = len(rows)
     info["rows_sha256"] = rows_sha256(rows)
+    info["build_seconds"] = round(time.perf_counter() - t0, 2)
     return rows, info
