@@ -3,7 +3,7 @@
 Ranks every head of SmolLM2-135M-Instruct by exact receiver activation patching (eq. 10) on
 ``niah_single`` pairs at 256 tokens, needle depth cycled over 0.1 … 0.9, and keeps the per-pair IE
 (``ie.pt``, Float[pair, layer, head]) so that the stability curve can be drawn against a reference
-built from pairs disjoint from the sample (``headscope.anatomy.stability_curve``). Then writes the
+built from pairs disjoint from the sample (``headscope.analysis.anatomy.stability_curve``). Then writes the
 anatomy (critical share, per-layer Gini, stability with the noise baseline) without the model-
 dependent parts (DLA, cosine), which ``headscope anatomy RUN`` adds.
 
@@ -47,7 +47,7 @@ def main(
     import torch
 
     import headscope
-    from headscope import anatomy as an
+    from headscope.analysis import anatomy as an
     from headscope.scores import Ranking
 
     if out is None:

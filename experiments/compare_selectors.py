@@ -6,7 +6,7 @@ For every selector in :data:`headscope.selectors.SELECTORS`:
   head scores against the causal ranking's scores;
 * knockout efficacy: greedy (teacher-forced, = greedy generation of the answer span) exact-match
   accuracy on ``--n-eval`` niah_single prompts of ``--ko-len`` tokens after zero-ablating the
-  selector's top-K heads (``hook_z`` rows zeroed with ``headscope.knockout.ablate``), against the
+  selector's top-K heads (``hook_z`` rows zeroed with ``headscope.analysis.knockout.ablate``), against the
   unablated accuracy;
 * cost: wall and CPU seconds of the selector on this machine (the causal ranking's cost is its own run's).
 
@@ -34,7 +34,7 @@ from scipy.stats import spearmanr
 
 import headscope
 from headscope.readout import greedy_exact_match
-from headscope.knockout import ablate
+from headscope.analysis.knockout import ablate
 from headscope.scores import Ranking, head_table
 from headscope.selectors import select
 from headscope.selectors.base import passkey_prompts

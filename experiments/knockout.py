@@ -1,7 +1,7 @@
 """Knockout validation (SPEC.md §7; issue 6): retrieval accuracy after ablating K heads.
 
 For each task, prompt length and ablation method, accuracy (greedy exact match of the needle value,
-teacher-forced: ``headscope.knockout.retrieval_correct``) after ablating
+teacher-forced: ``headscope.analysis.knockout.retrieval_correct``) after ablating
 * the top-K heads of a ranking (``headscope.rank`` on calibration pairs of a DIFFERENT seed from
   the evaluation prompts; the seeds and a prompt-overlap check are written to the output),
 * K random heads (several seeds; mean and standard deviation),
@@ -96,7 +96,7 @@ def main(
     import torch
 
     import headscope
-    from headscope.knockout import ablate, mean_reference, retrieval_correct
+    from headscope.analysis.knockout import ablate, mean_reference, retrieval_correct
     from headscope.scores import Ranking
     from headscope.tasks import TASKS, make_pairs
 

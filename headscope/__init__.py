@@ -26,17 +26,16 @@ _LAZY = {
     "ScreenConfig": "config",
     "FusionConfig": "config",
     "Readout": "readout",
-    "ablate": "knockout",
-    "retrieval_accuracy": "knockout",
+    "ablate": "analysis.knockout",
+    "retrieval_accuracy": "analysis.knockout",
     "hybridize": "hybrid",
     "HeadwiseHybridAttention": "hybrid",
     "HybridOptions": "hybrid",
     "kv_cache_report": "hybrid",
 }
 _SUBMODULES = (
-    "anatomy", "api", "arch", "cli", "config", "distributed", "errors", "evaluation", "generation", "hybrid",
-    "knockout", "masks", "models", "patching", "plots", "readout", "runtime", "scores", "selectors", "tasks", "train",
-    "validate",
+    "analysis", "api", "arch", "cli", "config", "distributed", "errors", "evaluation", "generation", "hybrid",
+    "masks", "models", "patching", "plots", "readout", "runtime", "scores", "selectors", "tasks", "train", "validate",
 )
 
 
@@ -64,11 +63,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names the lazy loader provides
-    from . import hybrid, knockout, train  # noqa: F401
+    from . import analysis, hybrid, train  # noqa: F401
     from .api import rank  # noqa: F401
     from .config import FusionConfig, RankConfig, ScreenConfig  # noqa: F401
     from .hybrid import HeadwiseHybridAttention, HybridOptions, hybridize, kv_cache_report  # noqa: F401
-    from .knockout import ablate, retrieval_accuracy  # noqa: F401
+    from .analysis.knockout import ablate, retrieval_accuracy  # noqa: F401
     from .masks import HeadMask  # noqa: F401
     from .models import LoadedModel, load_model  # noqa: F401
     from .readout import Readout  # noqa: F401
@@ -86,7 +85,7 @@ __all__ = [
     "HeadwiseHybridAttention",
     "HybridOptions",
     "kv_cache_report",
-    "knockout",
+    "analysis",
     "train",
     "ablate",
     "retrieval_accuracy",

@@ -154,7 +154,7 @@ def run(model: str | LoadedModel, cfg: RankConfig, pairs: Sequence[Pair] | None 
 
 def _hybrid_kinds(lm: LoadedModel, df: Any, prov: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """For a head-wise hybrid (a converted model), the score table with a ``kind`` column (``"fa"`` / ``"gdn"``, after
-    ``kv_group``) and ``"hybrid": True`` in the provenance, as :func:`headscope.student_anatomy.rank_heads` writes
+    ``kv_group``) and ``"hybrid": True`` in the provenance, as :func:`headscope.analysis.student_anatomy.rank_heads` writes
     them; any other model's unchanged."""
     from .patching.hybrid_engine import head_kinds, is_hybrid
 
@@ -275,7 +275,7 @@ def rank_screen(lm: LoadedModel, cfg: RankConfig, pairs: Any, out_dir: Any, shar
 
 def rank_fused(lm: LoadedModel, cfg: RankConfig, pairs: Any, out_dir: Any, shard: Any, progress: bool) -> Result:
     """Receivers, senders, κ and fusion over several capabilities (SPEC.md §5, §6)."""
-    from .kappa import retrieval_focus
+    from .analysis.kappa import retrieval_focus
     from .patching.senders import iterate_senders
     from .scores import check_weights, fused_table
 

@@ -430,8 +430,8 @@ def anatomy(
     spec and task settings are checked before the model loads (errors: one line, exit code 2)."""
     out = out or run_dir / "anatomy"
     with user_errors():
-        from . import anatomy as an
-        from .anatomy import check_anatomy_args
+        from .analysis import anatomy as an
+        from .analysis.anatomy import check_anatomy_args
 
         r, spec = check_anatomy_args(run_dir, out, threshold, boot, fmt, use_model, device, seed)
         model = pairs = None
@@ -450,7 +450,7 @@ def anatomy(
             import json
 
             from .runtime import atomic_write_text
-            from .student_anatomy import kind_summary
+            from .analysis.student_anatomy import kind_summary
 
             kinds = kind_summary(r, threshold=threshold)
             atomic_write_text(out / "kinds.json", json.dumps(kinds, indent=2))

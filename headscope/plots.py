@@ -62,7 +62,7 @@ def matrix_heatmap(
 
 
 def gini_bars(gini: dict, title: str = "per-layer Gini of head importance") -> go.Figure:
-    """Bars of the per-layer Gini coefficient (``headscope.anatomy.layer_gini`` output), with the
+    """Bars of the per-layer Gini coefficient (``headscope.analysis.anatomy.layer_gini`` output), with the
     mean as a dashed line."""
     per = [np.nan if v is None else v for v in gini["per_layer"]]
     fig = go.Figure(
@@ -79,7 +79,7 @@ def gini_bars(gini: dict, title: str = "per-layer Gini of head importance") -> g
 
 
 def stability_plot(curve: Any, target: float = 0.9, title: str | None = None) -> go.Figure:
-    """Spearman ρ vs number of calibration pairs n (``headscope.anatomy.stability_curve``), with the
+    """Spearman ρ vs number of calibration pairs n (``headscope.analysis.anatomy.stability_curve``), with the
     replicate percentile band, the target line and, when the curve has ``noise_*`` columns, the
     same curve on head-shuffled IE (noise baseline) with its band."""
     n = curve["n"].tolist()
@@ -139,7 +139,7 @@ def stability_plot(curve: Any, target: float = 0.9, title: str | None = None) ->
 
 def cosine_matrix(c: np.ndarray, title: str = "layer-output cosine similarity, clean vs corrupted") -> go.Figure:
     """Heatmap of C[l, l'] = cos(clean layer l output, corrupted layer l' output)
-    (``headscope.anatomy.layer_cosine``)."""
+    (``headscope.analysis.anatomy.layer_cosine``)."""
     c = np.asarray(c, dtype=float)
     L = c.shape[0]
     fig = go.Figure(

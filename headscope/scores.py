@@ -1,7 +1,7 @@
 """Scores and the Ranking: per-head IE statistics -> a table, a HeadMask, saved results.
 
 Receivers only: the score of a head is its mean receiver IE over the used calibration pairs.
-With senders, κ (computed by :mod:`headscope.kappa`) or several capabilities, :func:`fused_table` implements SPEC.md §6 (eq. 11, 12):
+With senders, κ (computed by :mod:`headscope.analysis.kappa`) or several capabilities, :func:`fused_table` implements SPEC.md §6 (eq. 11, 12):
 s_h^(c) = max(IE_recv, IE_send)·κ_h^(c), ŝ normalized per capability, S_h = Σ_c w_c ŝ_h^(c).
 """
 

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from headscope import anatomy as an
+from headscope.analysis import anatomy as an
 from headscope.scores import Ranking, head_table
 
 

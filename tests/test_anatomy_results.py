@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from headscope import anatomy as an
+from headscope.analysis import anatomy as an
 from headscope.scores import Ranking
 
 EXP = Path(__file__).resolve().parents[1] / "experiments"

@@ -50,7 +50,7 @@ def test_rank_and_anatomy_of_a_converted_folder(converted, tmp_path):
     from headscope.models import load_model
     from headscope.patching.hybrid_engine import head_kinds
     from headscope.scores import Ranking
-    from headscope.student_anatomy import kind_summary, rank_heads
+    from headscope.analysis.student_anatomy import kind_summary, rank_heads
     from headscope.tasks import make_pairs
 
     d, _ = converted
@@ -84,7 +84,7 @@ def test_dla_and_cosine_of_a_converted_model_add_up(converted):
     """DLA: the heads and the other components add up to the total, which equals m from the model's own logits
     (the frozen final norm is exact at the run's residual); the cosine's entries are the cosines of the layers' outputs
     (``output_hidden_states``) at the read positions."""
-    from headscope.dla import direct_logit_attribution, layer_cosine
+    from headscope.analysis.dla import direct_logit_attribution, layer_cosine
     from headscope.models import load_model
     from headscope.patching.receivers import sequences
     from headscope.tasks import make_pairs

@@ -9,7 +9,7 @@ import torch
 
 from conftest import fast_first
 from families import tiny_family
-from headscope import anatomy as an
+from headscope.analysis import anatomy as an
 from headscope.patching import receiver_patching
 from headscope.patching.screen import screen_auto, screen_then_verify
 from headscope.patching.senders import sender_patching

@@ -10,7 +10,7 @@ import headscope
 from headscope.masks import HeadMask
 from headscope.patching import Engine
 from headscope.patching.receivers import sequences
-from headscope.kappa import retrieval_focus
+from headscope.analysis.kappa import retrieval_focus
 from headscope.scores import capability_score, check_weights, fused_table, normalize_score
 from headscope.tasks import niah_single
 from test_senders import plain_forward

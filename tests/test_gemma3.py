@@ -116,7 +116,7 @@ def test_real_gemma3_geometry_and_engine(gemma3):
 @pytest.mark.slow
 def test_real_gemma3_answers_niah_single(gemma3):
     """The base model retrieves the needle at 512 tokens (>= 0.8 of 10 prompts, seed 100)."""
-    from headscope.knockout import retrieval_accuracy
+    from headscope.analysis.knockout import retrieval_accuracy
     from headscope.tasks import niah_single
 
     pairs = niah_single(gemma3.tokenizer, n_pairs=10, seq_len=512, depth=[0.1, 0.3, 0.5, 0.7, 0.9], seed=100)

@@ -7,7 +7,7 @@ import torch
 
 from conftest import fast_first
 
-from headscope.knockout import (
+from headscope.analysis.knockout import (
     ablate,
     folded_value_bias,
     mean_reference,
@@ -179,7 +179,7 @@ def test_bad_input(tiny):
 def _check_prefix(model, pairs):
     """Generated tokens equal the teacher-forced argmax up to and including the first miss;
     returns (teacher-forced exact match, generated exact match) per pair."""
-    from headscope.knockout import answer_logits, generate_answers
+    from headscope.analysis.knockout import answer_logits, generate_answers
 
     gens = generate_answers(model, pairs)
     tf, gen = [], []

@@ -1,4 +1,4 @@
-"""Anatomy after conversion (headscope/student_anatomy.py): knockout on a hybrid, kinds, comparisons by hand."""
+"""Anatomy after conversion (headscope/analysis/student_anatomy.py): knockout on a hybrid, kinds, comparisons by hand."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from scipy.stats import spearmanr
 from inference_cfg import plain, use
 from test_hybrid_patching import FA, tiny_hybrid
 
-from headscope.knockout import ablate, generate_answers, retrieval_correct
+from headscope.analysis.knockout import ablate, generate_answers, retrieval_correct
 from headscope.patching.hybrid_engine import head_kinds
 from headscope.scores import Ranking, head_table
-from headscope.student_anatomy import (compare_rankings, head_comparison, kind_summary, knockout_accuracy,
+from headscope.analysis.student_anatomy import (compare_rankings, head_comparison, kind_summary, knockout_accuracy,
                                        random_gdn_heads, rank_heads)
 from headscope.tasks import niah_single
 

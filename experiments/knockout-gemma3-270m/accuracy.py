@@ -5,7 +5,7 @@
 import json, sys, time
 import torch
 import headscope
-from headscope.knockout import retrieval_correct, generate_answers
+from headscope.analysis.knockout import retrieval_correct, generate_answers
 from headscope.tasks import make_pairs
 torch.set_num_threads(2)
 t0 = time.time()

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import headscope
-from headscope.knockout import ablate, mean_reference, retrieval_correct
+from headscope.analysis.knockout import ablate, mean_reference, retrieval_correct
 from headscope.tasks import make_pairs
 
 here = Path(__file__).resolve().parent

@@ -1,6 +1,6 @@
 """Ranking stability (SPEC.md §7; paper §5.7): Spearman ρ between the ranking from n calibration pairs
 and the ranking from a reference of other pairs (random disjoint splits, or a held-out set), with the same
-curve on head-shuffled IE as a noise baseline. Re-exported by :mod:`headscope.anatomy`.
+curve on head-shuffled IE as a noise baseline. Re-exported by :mod:`headscope.analysis.anatomy`.
 """
 
 from __future__ import annotations

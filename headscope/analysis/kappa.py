@@ -8,7 +8,7 @@ from typing import Any
 from jaxtyping import Float
 from torch import Tensor
 
-from .errors import HeadscopeInputError
+from ..errors import HeadscopeInputError
 
 
 def retrieval_focus(model: Any, pairs: Any) -> Float[Tensor, "layer head"]:
@@ -22,8 +22,8 @@ def retrieval_focus(model: Any, pairs: Any) -> Float[Tensor, "layer head"]:
     Raises:
         ValueError: no pairs; HeadscopeInputError: no head attends to the evidence at all (κ undefined).
     """
-    from .patching.engine import Engine
-    from .patching.receivers import check_pairs, sequences
+    from ..patching.engine import Engine
+    from ..patching.receivers import check_pairs, sequences
 
     check_pairs(model, pairs)
     eng = Engine(model)

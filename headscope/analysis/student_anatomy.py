@@ -6,7 +6,7 @@ teacher's, FA and GDN heads alike, each at its output before the output projecti
 the hybrid's ``hook_z``; :mod:`headscope.patching.hybrid_engine`), with the same readout and pairs:
 
 * :func:`rank_heads` — receiver IE of every head (eq. 10) as a :class:`~headscope.scores.Ranking`, with a
-  ``kind`` column (``"fa"`` / ``"gdn"``) for a hybrid; :meth:`Ranking.mask` and :func:`headscope.anatomy.anatomy`
+  ``kind`` column (``"fa"`` / ``"gdn"``) for a hybrid; :meth:`Ranking.mask` and :func:`headscope.analysis.anatomy.anatomy`
   take it as they take the teacher's;
 * :func:`kind_summary` — per kind: heads, mean IE, share of the positive IE mass, critical heads (IE > 0.1),
   and how many of the top-k heads are of that kind;
@@ -14,8 +14,8 @@ the hybrid's ``hook_z``; :mod:`headscope.patching.hybrid_engine`), with the same
   Spearman ρ of IE over all heads and over each kind's heads, which of the teacher's top heads the student kept
   as FA, and their IE in the student);
 * :func:`random_gdn_heads` and :func:`knockout_accuracy` — retrieval accuracy (teacher-forced greedy exact
-  match, :func:`headscope.knockout.retrieval_correct`) with a set of heads ablated
-  (:func:`headscope.knockout.ablate`, which hooks ``o_proj``: the student's FA heads, or as many random GDN heads
+  match, :func:`headscope.analysis.knockout.retrieval_correct`) with a set of heads ablated
+  (:func:`headscope.analysis.knockout.ablate`, which hooks ``o_proj``: the student's FA heads, or as many random GDN heads
   as a control).
 """
 
@@ -29,15 +29,15 @@ import pandas as pd
 from jaxtyping import Float
 
 from .anatomy import DEFAULT_THRESHOLD, critical_share
-from .errors import HeadscopeInputError
+from ..errors import HeadscopeInputError
 from .knockout import Method, ablate, retrieval_correct
-from .models import LoadedModel
-from .patching.hybrid_engine import head_kinds, is_hybrid
-from .patching.receivers import receiver_patching
-from .readout import Readout
-from .scores import Ranking, head_table
+from ..models import LoadedModel
+from ..patching.hybrid_engine import head_kinds, is_hybrid
+from ..patching.receivers import receiver_patching
+from ..readout import Readout
+from ..scores import Ranking, head_table
 from .stability import spearman_rows
-from .tasks.base import Pair
+from ..tasks.base import Pair
 
 Head = tuple[int, int]
 
@@ -98,7 +98,7 @@ def kind_summary(ranking: Ranking, threshold: float = DEFAULT_THRESHOLD, ks: Seq
     Returns:
         ``{"fa": {...}, "gdn": {...}, "all": {...}}``; each: ``n_heads``, ``mean_ie`` (mean of ``score``),
         ``positive_mass_share`` (Σ max(IE, 0) over the kind's heads ÷ over all heads; NaN when no head has a
-        positive IE), ``critical`` (:func:`~headscope.anatomy.critical_share` at ``threshold``), and
+        positive IE), ``critical`` (:func:`~headscope.analysis.anatomy.critical_share` at ``threshold``), and
         ``top{k}`` (how many of the k best heads are of the kind) for every k of ``ks``.
 
     Raises:
@@ -211,15 +211,15 @@ def knockout_accuracy(
     """Retrieval accuracy of ``model`` on ``pairs`` with ``heads`` ablated (none: the unablated baseline).
 
     Args:
-        heads: (layer, head) pairs; their ``o_proj`` input columns are replaced (:func:`headscope.knockout.ablate`).
-        method / reference: as :func:`~headscope.knockout.ablate` (``"mean"`` needs reference prompts or a
-            :func:`~headscope.knockout.mean_reference`).
+        heads: (layer, head) pairs; their ``o_proj`` input columns are replaced (:func:`headscope.analysis.knockout.ablate`).
+        method / reference: as :func:`~headscope.analysis.knockout.ablate` (``"mean"`` needs reference prompts or a
+            :func:`~headscope.analysis.knockout.mean_reference`).
 
     Returns:
         ``{"accuracy", "correct" (per prompt, 0/1), "n", "n_heads", "heads"}``.
 
     Raises:
-        ValueError: no pairs; as :func:`~headscope.knockout.ablate` for bad heads, methods or references.
+        ValueError: no pairs; as :func:`~headscope.analysis.knockout.ablate` for bad heads, methods or references.
     """
     if len(pairs) == 0:
         raise ValueError("knockout_accuracy needs at least one prompt")

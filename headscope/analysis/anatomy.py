@@ -33,8 +33,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .dla import DLA, direct_logit_attribution, layer_cosine  # noqa: F401  (re-exported)
-from .errors import HeadscopeInputError
-from .readout import DEFAULT_LAMBDA
+from ..errors import HeadscopeInputError
+from ..readout import DEFAULT_LAMBDA
 from .stability import (  # noqa: F401  (re-exported)
     DEFAULT_RHO_TARGET,
     PAPER_RHO_AT_6,
@@ -46,7 +46,7 @@ from .stability import (  # noqa: F401  (re-exported)
     stability_samples,
     stability_splits,
 )
-from .validate import check_choice, check_device, check_int, check_out_dir, check_real
+from ..validate import check_choice, check_device, check_int, check_out_dir, check_real
 
 DEFAULT_THRESHOLD = 0.1
 PAPER = {
@@ -253,7 +253,7 @@ class Anatomy:
 
     def figures(self) -> dict[str, Any]:
         """{name: plotly Figure}: heatmaps of IE / score (/ DLA), Gini bars, stability curve, cosine."""
-        from . import plots
+        from .. import plots
 
         r = self.ranking
         figs: dict[str, Any] = {"heatmap_ie": plots.heatmap(r, "ie_recv", title=f"receiver IE per head — {r.provenance.get('model', '')}")}
@@ -276,8 +276,8 @@ class Anatomy:
 
         Returns {"json": [path], figure name: [paths]}.
         """
-        from .runtime import atomic_write_text
-        from .plots import save_figure
+        from ..runtime import atomic_write_text
+        from ..plots import save_figure
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
@@ -406,8 +406,8 @@ def check_anatomy_args(run_dir: Any, out: Any, threshold: Any, boot: Any, format
         HeadscopeInputError (InputFileNotFoundError): a missing or broken run directory, a bad value,
             a run whose model or pairs cannot be re-created (then ``--no-model`` is the fix).
     """
-    from .models import check_model
-    from .scores import Ranking
+    from ..models import check_model
+    from ..scores import Ranking
 
     r = Ranking.load(run_dir)
     check_real("--threshold", threshold, 0.0, fix="IE above it marks a head critical")
@@ -449,7 +449,7 @@ def pairs_of_run(ranking: Any, tokenizer: Any) -> list[Any]:
         ValueError: the provenance lacks the task settings (pairs were passed in by hand), more
             than one task, or a pair count that differs from the stored results.
     """
-    from .tasks import make_pairs
+    from ..tasks import make_pairs
 
     p = ranking.provenance
     tasks, settings = p.get("tasks"), p.get("task_settings")

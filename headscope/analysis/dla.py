@@ -1,5 +1,5 @@
 """Direct logit attribution of every head (figure 2a) and the clean-vs-corrupted layer-output cosine
-matrix (figure 2b) (SPEC.md §7; paper §5.7). Re-exported by :mod:`headscope.anatomy`.
+matrix (figure 2b) (SPEC.md §7; paper §5.7). Re-exported by :mod:`headscope.analysis.anatomy`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .readout import DEFAULT_LAMBDA, logit_diff, span_weights
+from ..readout import DEFAULT_LAMBDA, logit_diff, span_weights
 
 # ---- direct logit attribution (figure 2a) -------------------------------------------------------
 @dataclass
@@ -91,9 +91,9 @@ def direct_logit_attribution(
     Raises:
         NotImplementedError: a norm other than RMSNorm / LayerNorm on the path.
     """
-    from .patching.engine import Engine, head_slice
-    from .patching.hybrid_engine import is_hybrid
-    from .patching.receivers import sequences
+    from ..patching.engine import Engine, head_slice
+    from ..patching.hybrid_engine import is_hybrid
+    from ..patching.receivers import sequences
 
     if is_hybrid(model.hf_model):
         return _hybrid_dla(model, pairs, lam, run)
@@ -174,9 +174,9 @@ def layer_cosine(model: Any, pairs: Sequence[Any]) -> Float[np.ndarray, "layer l
     Returns:
         Float[ndarray, "layer layer"] (rows: clean layer, columns: corrupted layer).
     """
-    from .patching.engine import Engine
-    from .patching.hybrid_engine import is_hybrid
-    from .patching.receivers import sequences
+    from ..patching.engine import Engine
+    from ..patching.hybrid_engine import is_hybrid
+    from ..patching.receivers import sequences
 
     if is_hybrid(model.hf_model):
         return _hybrid_cosine(model, pairs)
@@ -213,7 +213,7 @@ def _hybrid_capture(hf: Any, ids: Tensor, read: Sequence[int]) -> dict[str, Any]
     each head's fused output in the head's slot), the embedding (layer 0's input), every MLP's output, every decoder
     layer's output, the final norm's input, and the logits. Hooking ``o_proj`` sends each layer to the reference
     forward (as the hybrid patching engine does)."""
-    from .hybrid.modeling_hybrid import attention_name, decoder_layers
+    from ..hybrid.modeling_hybrid import attention_name, decoder_layers
 
     layers = list(decoder_layers(hf))
     dev = next(hf.parameters()).device
@@ -258,10 +258,10 @@ def _hybrid_dla(model: Any, pairs: Sequence[Any], lam: float, run: str) -> DLA:
     Raises:
         InputNotImplementedError: a hybrid whose layers norm the attention output (Gemma 3) or soft-cap the logits.
     """
-    from .errors import InputNotImplementedError
-    from .hybrid.modeling_hybrid import attention_name, decoder_layers
-    from .patching.engine import head_slice
-    from .patching.receivers import sequences
+    from ..errors import InputNotImplementedError
+    from ..hybrid.modeling_hybrid import attention_name, decoder_layers
+    from ..patching.engine import head_slice
+    from ..patching.receivers import sequences
 
     hf = model.hf_model
     layers = list(decoder_layers(hf))
@@ -313,7 +313,7 @@ def _hybrid_dla(model: Any, pairs: Sequence[Any], lam: float, run: str) -> DLA:
 def _hybrid_cosine(model: Any, pairs: Sequence[Any]) -> Float[np.ndarray, "layer layer"]:
     """:func:`layer_cosine` of a converted model: every decoder layer's output at the read positions, clean against
     corrupted, read with forward hooks."""
-    from .patching.receivers import sequences
+    from ..patching.receivers import sequences
 
     n_layers = model.geometry.n_layers
     acc = np.zeros((n_layers, n_layers))

@@ -47,11 +47,11 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from .arch import adapt, attention_out_module, decoder_layers, unwrap
-from .errors import HeadscopeInputError, InputTypeError
-from .models import LoadedModel, value_bias
-from .readout import greedy_exact_match
-from .tasks.base import Pair
+from ..arch import adapt, attention_out_module, decoder_layers, unwrap
+from ..errors import HeadscopeInputError, InputTypeError
+from ..models import LoadedModel, value_bias
+from ..readout import greedy_exact_match
+from ..tasks.base import Pair
 
 Method = Literal["zero", "mean", "resample"]
 METHODS = ("zero", "mean", "resample")
