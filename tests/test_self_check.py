@@ -574,3 +574,18 @@ def test_checks_are_kept_per_model_and_reused(smol_tokenizer, monkeypatch, tmp_p
     calls.clear()
     again = receiver_patching(lm, pairs, min_gap=0.0, progress=False, path="fast", store_dir=str(tmp_path))
     assert calls == [] and torch.equal(again.patched, first.patched)
+
+
+def test_checks_survive_the_bridge_boot(smol_tokenizer, monkeypatch):
+    """Booting the TransformerBridge wraps the model's modules (and gives the unembedding a zero bias); the engine
+    computes the same numbers, so a check passed before the boot is not repeated after it."""
+    from conftest import tiny_llama
+
+    lm = wrap(tiny_llama(smol_tokenizer), smol_tokenizer, name="tiny-llama-boot")
+    calls: list[int] = []
+    orig = chk.model_reference
+    monkeypatch.setattr(chk, "model_reference", lambda e, ids, **kw: calls.append(ids.numel()) or orig(e, ids, **kw))
+    Engine(lm)
+    _ = lm.bridge
+    eng = Engine(lm)
+    assert calls == [12] and eng.checked_len == 12

@@ -31,6 +31,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor, nn
 
+from ..arch import Proj, unwrap
 from ..runtime import __version__
 from . import check
 from .plan import Plan
@@ -83,17 +84,23 @@ def records(hf: nn.Module) -> dict[str, CheckRecord]:
 
 
 def _describe(v: Any, depth: int = 0) -> Any:
-    """A JSON-able description of an adapter part that stays the same across processes: numbers and names as they
-    are, a tensor by dtype and shape, a module by its class (and its norm epsilon), a function by its name."""
+    """A JSON-able description of an adapter part that stays the same across processes and TransformerBridge boots:
+    numbers and names as they are, a tensor by dtype and shape, a module by its transformers class (and its norm
+    epsilon), a function by its name."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, torch.Tensor):
         return ["tensor", str(v.dtype), list(v.shape)]
     if isinstance(v, torch.device):
         return v.type
-    if isinstance(v, nn.Module):
-        eps = getattr(v, "variance_epsilon", getattr(v, "eps", None))
-        return ["module", type(v).__name__, eps if isinstance(eps, (int, float)) else None]
+    if isinstance(v, nn.Module):  # the transformers module (a booted TransformerBridge wraps it: same numbers)
+        m = unwrap(v)
+        eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+        return ["module", type(m).__name__, eps if isinstance(eps, (int, float)) else None]
+    if isinstance(v, Proj):  # a zero bias (a booted TransformerBridge adds one to the unembedding) is no bias
+        has_bias = v.bias is not None and bool(v.bias.detach().any())
+        return {"weight": _describe(v.weight), "bias": _describe(v.bias) if has_bias else None,
+                "module": _describe(v.module)}
     if is_dataclass(v) and not isinstance(v, type) and depth < 3:
         return {f.name: _describe(getattr(v, f.name), depth + 1) for f in fields(v)}
     if isinstance(v, (list, tuple)) and depth < 3:
