@@ -72,7 +72,8 @@ def bench_families(names: list[str], shape: tuple[int, int, int, int], seq_len: 
                    fp64: bool = False, repeats: int = 2) -> None:
     import json
 
-    from headscope.arch.random_models import FAMILIES, random_family
+    from headscope.arch.random_models import FAMILIES
+    from headscope.models import random_family
     from headscope.models import default_gguf_path
 
     from transformers import AutoTokenizer

@@ -20,7 +20,8 @@ import time
 import torch
 
 from headscope.arch import attention_out_module
-from headscope.arch.random_models import FAMILIES, random_family
+from headscope.arch.random_models import FAMILIES
+from headscope.models import random_family
 from headscope.patching import receiver_patching
 from headscope.patching.engine import Engine
 from headscope.patching.receivers import sequences

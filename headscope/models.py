@@ -589,6 +589,21 @@ def wrap(
     )
 
 
+def random_family(name: str, tokenizer: Any, seed: int | None = None,
+                  shape: tuple[int, int, int, int] | None = None) -> LoadedModel:
+    """A :class:`LoadedModel` of family ``name`` with random weights; ``shape`` =
+    (layers, d_model, query heads, KV heads), default tiny.
+
+    Raises:
+        KeyError: an unknown family (see :data:`headscope.arch.random_models.FAMILIES`).
+    """
+    from .arch.random_models import FAMILIES, SEEDS, _families
+
+    builders = FAMILIES if shape is None else _families(*shape)
+    s = SEEDS.get(name, 0) if seed is None else seed
+    return wrap(builders[name](len(tokenizer), s), tokenizer, name=f"random-{name}")
+
+
 def load_model(
     spec: str | os.PathLike | LoadedModel = DEFAULT_MODEL,
     device: str | torch.device | None = None,

@@ -1,11 +1,11 @@
-"""The package's import graph has no cycle.
+"""The package's import graph has no cycle, and no sub-package imports a top-level module that imports it.
 
 Every ``import`` of every module of ``headscope`` is read with :mod:`ast`: module-level ones and the
 deferred ones inside functions alike (a deferred import still ties the two modules: each needs the other),
 except those under ``if TYPE_CHECKING:`` (never run). Relative imports are resolved against the module's
 package, and ``from pkg import name`` points at ``pkg.name`` when that is a module, else at ``pkg``.
 The graph's strongly connected components of more than one module (or a module importing itself) are
-the cycles; the test names each with one closed path through it.
+the cycles; the test names each with one closed path through it. The layered rule is :func:`upward_imports`'s.
 """
 
 from __future__ import annotations
@@ -188,3 +188,44 @@ def test_the_package_reads_whole():
 def test_no_import_cycles():
     found = cycles(package_graph())
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def upward_imports(graph: dict[str, set[str]], package: str) -> list[tuple[str, str]]:
+    """(importer, imported) for every import of a top-level module of ``package`` by a module of a sub-package
+    that this top-level module itself imports (at any depth inside the sub-package): the sub-package would sit
+    both below and above it.
+
+    The layered rule: a top-level module (``headscope.models``) that uses a sub-package (``headscope.arch``) is
+    above it, and nothing in that sub-package imports it back. A top-level module that no longer imports the
+    sub-package is below it and may be used from it (``headscope.errors``, ``headscope.readout``).
+    """
+    modules = set(graph)
+    top = {m for m in modules if m.count(".") == 1 and not any(o.startswith(m + ".") for o in modules)}
+    found = []
+    for mod, deps in graph.items():
+        parts = mod.split(".")
+        if len(parts) < 3:
+            continue
+        sub = ".".join(parts[:2])
+        for t in sorted(deps & top):
+            if any(d == sub or d.startswith(sub + ".") for d in graph[t]):
+                found.append((mod, t))
+    return sorted(found)
+
+
+def test_the_layer_check_finds_an_upward_import():
+    """Synthetic: pkg.models imports pkg.arch.parts; pkg.arch.random imports pkg.models back (deferred)."""
+    sources = {
+        "pkg": "", "pkg.errors": "", "pkg.models": "from .arch import parts\nfrom . import errors\n",
+        "pkg.arch": "", "pkg.arch.parts": "from ..errors import E\n",
+        "pkg.arch.random": "def f():\n    from ..models import wrap\n",
+    }
+    assert upward_imports(import_graph(sources, "pkg"), "pkg") == [("pkg.arch.random", "pkg.models")]
+    sources["pkg.arch.random"] = "from ..errors import E\n"
+    assert upward_imports(import_graph(sources, "pkg"), "pkg") == []
+
+
+def test_no_upward_imports():
+    found = upward_imports(package_graph(), PACKAGE)
+    assert not found, "a sub-package imports a top-level module that imports it:\n" + "\n".join(
+        f"{a} -> {b}" for a, b in found)

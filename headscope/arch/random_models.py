@@ -3,7 +3,8 @@
 Each is shaped to exercise what its family varies: GQA, sliding windows, per-layer RoPE bases (Gemma 3),
 NoPE layers (SmolLM3), partial rotary and parallel blocks (GPT-NeoX), fused projections (GPT-2, Phi-3,
 NeoX), soft-capping (Gemma 2), post-norms (OLMo 2) and multipliers (Granite). ``shape`` scales them
-(layers, d_model, query heads, KV heads); the defaults are tiny (CPU tests).
+(layers, d_model, query heads, KV heads); the defaults are tiny (CPU tests). These are transformers models;
+:func:`headscope.models.random_family` wraps one into a :class:`~headscope.models.LoadedModel`.
 """
 
 from __future__ import annotations
@@ -86,18 +87,3 @@ def hybrid_families(shape: tuple[int, int, int, int] = TINY) -> dict[str, Callab
 # seeds whose random weights give the test pair (niah_single, 64 tokens, depth 0.4, seed 3) a clean-corrupted
 # gap of at least 0.05 logits, so that IE is well conditioned
 SEEDS = {"gpt2": 1, "phi3": 2, "gemma2": 1, "gemma3": 2, "granite": 3, "mistral_sw": 1}
-
-
-def random_family(name: str, tokenizer: Any, seed: int | None = None,
-                  shape: tuple[int, int, int, int] | None = None):
-    """A :class:`~headscope.models.LoadedModel` of family ``name`` with random weights; ``shape`` =
-    (layers, d_model, query heads, KV heads), default tiny.
-
-    Raises:
-        KeyError: an unknown family (see :data:`FAMILIES`).
-    """
-    from ..models import wrap
-
-    builders = FAMILIES if shape is None else _families(*shape)
-    s = SEEDS.get(name, 0) if seed is None else seed
-    return wrap(builders[name](len(tokenizer), s), tokenizer, name=f"random-{name}")
