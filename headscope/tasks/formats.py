@@ -5,8 +5,8 @@ retrieval task, with its own key words and variable names:
 
 * ``seen``   — the RULER-style templates of :mod:`headscope.tasks.niah` / :mod:`headscope.tasks.ruler`
   with the built-in filler sentences (the in-distribution cells of earlier conversions, whose stage 3
-  trained on them). The registry entry mirrors those generators' text (a test checks that every
-  wording n-gram of it occurs in their prompts); the prompts themselves come from the generators.
+  trained on them): the generators' own wordings (:data:`headscope.tasks.ruler.RULER_WORDINGS`; NIAH-single's
+  from :mod:`headscope.tasks.niah`).
 * ``unseen`` — three other wordings per task, evaluated on a natural-text haystack (held-out
   teacher-sampled documents or a user corpus).
 * ``train``  — six more wordings per task, for stage-3 retrieval rows built on the training
@@ -19,7 +19,10 @@ at the placeholders), key word or variable name of ``train`` occurs in ``seen`` 
 haystack built with :func:`natural_filler` drops every sentence that contains a 4-gram of any family's
 wording, so the filler cannot carry a training phrase into an evaluation prompt or the reverse.
 
-Every pair is built by :func:`headscope.tasks.niah.build_pair` through the shared RULER loop: x and x'
+The families are data: every pair is drawn by the RULER generators' own draws
+(:func:`~headscope.tasks.ruler.multikey_draw`, :func:`~headscope.tasks.ruler.multivalue_draw`,
+:func:`~headscope.tasks.ruler.tracking_draw`; :func:`single_draw`) given the family's wordings, and built by
+:func:`headscope.tasks.niah.build_pair` through the shared RULER loop: x and x'
 of equal token length, answer a⁺ the queried value (n-digit number), the evidence span recorded;
 ``meta["family"]`` and ``meta["wording"]`` (index into the family's wordings, cycled over the pairs).
 
@@ -39,30 +42,12 @@ from ..errors import HeadscopeInputError
 from .base import Pair
 from .filler import BUILTIN_SENTENCES, Filler
 from .niah import INTRO, NEEDLE, QUESTION, draw_value
-from .ruler import INTRO_MULTI, INTRO_VARS, KEY_WORDS, VAR_NAMES, _check_common, _generate, _insert
+from .ruler import (
+    KEY_WORDS, RULER_WORDINGS, VAR_NAMES, Draw, Wording, _check_common, _generate, _insert, multikey_draw,
+    multivalue_draw, tracking_draw,
+)
 
 FORMAT_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
-
-
-@dataclass(frozen=True)
-class Wording:
-    """One wording of a retrieval task. Placeholders: ``{value}`` (the n-digit number), ``{key}``
-    (a key word: multi-key, multi-value), ``{var}`` / ``{prev}`` (variable names: variable tracking).
-
-    Attributes:
-        intro: text before the haystack.
-        needle: the needle sentence (variable tracking: the chain's root, ``{var}`` = ``{value}``).
-        question: text after the haystack; ends right before the answer (no trailing space).
-        hop: variable tracking only: ``{var}`` takes the value of ``{prev}``.
-    """
-
-    intro: str
-    needle: str
-    question: str
-    hop: str = ""
-
-    def texts(self) -> tuple[str, ...]:
-        return tuple(t for t in (self.intro, self.needle, self.question, self.hop) if t)
 
 
 @dataclass(frozen=True)
@@ -79,12 +64,7 @@ SEEN = Family(
     "seen",
     {
         "niah_single": (Wording(INTRO, NEEDLE, QUESTION),),
-        "niah_multikey": (Wording(INTRO_MULTI, "One of the special magic numbers for {key} is: {value}.",
-                                  "What is the special magic number for {key}? The special magic number for {key} is"),),
-        "niah_multivalue": (Wording(INTRO_MULTI, "One of the special magic numbers for {key} is: {value}.",
-                                    "What are all the special magic numbers for {key}? The special magic numbers for {key} are"),),
-        "variable_tracking": (Wording(INTRO_VARS, "VAR {var} = {value}.",
-                                      "What is the value of the variable {var}? The value of {var} is", hop="VAR {var} = {prev}."),),
+        **{task: (w,) for task, w in RULER_WORDINGS.items()},
     },
     KEY_WORDS,
     VAR_NAMES,
@@ -291,6 +271,22 @@ def natural_filler(texts: Sequence[str], family: str, source: str, n: int = 4) -
     return Filler.from_texts(texts, source, drop=lambda s: bool(ngrams(words(s), n) & bad))
 
 
+def single_draw(wordings: Sequence[Wording], n_digits: int, family: str | None = None) -> Draw:
+    """NIAH-single pairs in ``wordings`` (pair i: wording i mod len): one needle at the pair's depth; x' swaps
+    its value. (The RULER-style :func:`headscope.tasks.niah.niah_single` has its own builder.)"""
+    def draw(rng: random.Random, d: float, i: int) -> dict[str, Any]:
+        k = i % len(wordings)
+        w = wordings[k]
+
+        def text(sentences: list[str], value: str) -> str:
+            return _insert(w.intro, sentences, [(d, w.needle.format(value=value))], w.question)
+        v = draw_value(rng, n_digits)
+        return {"text": text, "value": v, "counter_value": draw_value(rng, n_digits, avoid=v),
+                "answer_tokens": n_digits + 1, "meta": {} if family is None else {"family": family, "wording": k}}
+
+    return draw
+
+
 def format_pairs(
     tokenizer: Any,
     family: str,
@@ -342,69 +338,12 @@ def format_pairs(
         raise HeadscopeInputError(f"n_values={n_values} must be >= 2")
     if task == "variable_tracking" and not 1 <= n_hops <= len(fam.var_names) // 2 - 1:
         raise HeadscopeInputError(f"n_hops={n_hops} must lie in 1..{len(fam.var_names) // 2 - 1}")
-    def draw(rng: random.Random, d: float, i: int) -> dict[str, Any]:
-        k = i % len(wordings)
-        w = wordings[k]
-        meta = {"family": family, "wording": k}
-        if task == "niah_single":
-            def text(sentences: list[str], value: str) -> str:
-                return _insert(w.intro, sentences, [(d, w.needle.format(value=value))], w.question)
-            v = draw_value(rng, n_digits)
-            return {"text": text, "value": v, "counter_value": draw_value(rng, n_digits, avoid=v),
-                    "answer_tokens": n_digits + 1, "meta": meta}
-        if task == "niah_multikey":
-            keys = rng.sample(fam.keys, n_keys)
-            vals = [draw_value(rng, n_digits)]
-            vals.append(draw_value(rng, n_digits, avoid=vals[0]))
-            while len(vals) < n_keys:
-                v = draw_value(rng, n_digits)
-                if v not in vals:
-                    vals.append(v)
-            depths_ = [d, *(rng.random() for _ in range(n_keys - 1))]
-            needles = [(depths_[j], w.needle.format(key=keys[j], value=vals[j])) for j in range(n_keys)]
-
-            def text(sentences: list[str], key: str) -> str:
-                return _insert(w.intro, sentences, needles, w.question.format(key=key))
-
-            def evidence_prefix(sentences: list[str]) -> str:
-                full = text(sentences, keys[0])
-                marker = w.needle.format(key=keys[0], value="\0").split("\0")[0]
-                return full[: full.index(marker) + len(marker)]
-
-            return {"text": text, "value": keys[0], "counter_value": keys[1], "answer": vals[0], "counter_answer": vals[1],
-                    "answer_tokens": n_digits + 1, "evidence_prefix": evidence_prefix, "evidence_value": vals[0],
-                    "meta": {**meta, "keys": keys, "values": vals, "query_key": keys[0], "counter_key": keys[1]}}
-        if task == "niah_multivalue":
-            key = rng.choice(fam.keys)
-            v = draw_value(rng, n_digits)
-            cv = draw_value(rng, n_digits, avoid=v)
-            rest = [draw_value(rng, n_digits) for _ in range(n_values - 1)]
-            later = sorted(d + (1 - d) * (j + 1) / n_values for j in range(n_values - 1))
-
-            def text(sentences: list[str], first: str) -> str:
-                needles = [(d, w.needle.format(key=key, value=first))]
-                needles += [(t, w.needle.format(key=key, value=r)) for t, r in zip(later, rest)]
-                return _insert(w.intro, sentences, needles, w.question.format(key=key))
-
-            return {"text": text, "value": v, "counter_value": cv, "answer_tokens": n_digits + 1,
-                    "meta": {**meta, "key": key, "other_values": rest}}
-        # variable_tracking
-        names = rng.sample(fam.var_names, 2 * (n_hops + 1))
-        chain, other = names[: n_hops + 1], names[n_hops + 1:]
-        v = draw_value(rng, n_digits)
-        cv = draw_value(rng, n_digits, avoid=v)
-        dv = draw_value(rng, n_digits, avoid=v)
-        spots = [d + (1 - d) * j / (n_hops + 1) for j in range(n_hops + 1)]
-        dspots = sorted(rng.random() for _ in range(n_hops + 1))
-
-        def text(sentences: list[str], root: str) -> str:
-            needles = [(spots[0], w.needle.format(var=chain[0], value=root))]
-            needles += [(spots[j], w.hop.format(var=chain[j], prev=chain[j - 1])) for j in range(1, n_hops + 1)]
-            needles += [(dspots[0], w.needle.format(var=other[0], value=dv))]
-            needles += [(dspots[j], w.hop.format(var=other[j], prev=other[j - 1])) for j in range(1, n_hops + 1)]
-            return _insert(w.intro, sentences, needles, w.question.format(var=chain[-1]))
-
-        return {"text": text, "value": v, "counter_value": cv, "answer_tokens": n_digits + 1,
-                "meta": {**meta, "chain": chain, "distractor_chain": other, "distractor_value": dv}}
-
-    return _generate(task, tokenizer, n_pairs, seq_len, depth, seed, filler, draw, with_index=True)
+    if task == "niah_multikey":
+        draw = multikey_draw(wordings, fam.keys, n_keys, n_digits, family=family)
+    elif task == "niah_multivalue":
+        draw = multivalue_draw(wordings, fam.keys, n_values, n_digits, family=family)
+    elif task == "variable_tracking":
+        draw = tracking_draw(wordings, fam.var_names, n_hops, n_digits, family=family)
+    else:
+        draw = single_draw(wordings, n_digits, family=family)
+    return _generate(task, tokenizer, n_pairs, seq_len, depth, seed, filler, draw)

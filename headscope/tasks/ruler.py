@@ -18,6 +18,7 @@ records the evidence span:
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..errors import HeadscopeInputError
@@ -41,6 +42,41 @@ INTRO_VARS = (
     "Memorize the variable assignments hidden inside the following text. "
     "I will ask you about the value of a variable later."
 )
+
+
+@dataclass(frozen=True)
+class Wording:
+    """One wording of a retrieval task. Placeholders: ``{value}`` (the n-digit number), ``{key}``
+    (a key word: multi-key, multi-value), ``{var}`` / ``{prev}`` (variable names: variable tracking).
+
+    Attributes:
+        intro: text before the haystack.
+        needle: the needle sentence (variable tracking: the chain's root, ``{var}`` = ``{value}``).
+        question: text after the haystack; ends right before the answer (no trailing space).
+        hop: variable tracking only: ``{var}`` takes the value of ``{prev}``.
+    """
+
+    intro: str
+    needle: str
+    question: str
+    hop: str = ""
+
+    def texts(self) -> tuple[str, ...]:
+        return tuple(t for t in (self.intro, self.needle, self.question, self.hop) if t)
+
+
+#: the RULER wording of each task (the ``seen`` family of :mod:`headscope.tasks.formats`)
+RULER_WORDINGS = {
+    "niah_multikey": Wording(INTRO_MULTI, "One of the special magic numbers for {key} is: {value}.",
+                             "What is the special magic number for {key}? The special magic number for {key} is"),
+    "niah_multivalue": Wording(INTRO_MULTI, "One of the special magic numbers for {key} is: {value}.",
+                               "What are all the special magic numbers for {key}? The special magic numbers for {key} are"),
+    "variable_tracking": Wording(INTRO_VARS, "VAR {var} = {value}.",
+                                 "What is the value of the variable {var}? The value of {var} is", hop="VAR {var} = {prev}."),
+}
+
+#: a draw: ``draw(rng, depth, i)`` -> the pair's render and values (see :func:`_generate`)
+Draw = Callable[[random.Random, float, int], dict[str, Any]]
 
 
 def _check_common(n_pairs: int, depth: float | Sequence[float]) -> list[float]:
@@ -90,12 +126,10 @@ def _generate(
     depth: float | Sequence[float],
     seed: int,
     corpus: str | Filler | None,
-    draw: Callable[..., dict[str, Any]],
-    with_index: bool = False,
+    draw: Draw,
 ) -> list[Pair]:
-    """Shared loop: ``draw(rng, depth)`` returns render/values; filler fitted to ``seq_len``
-    (``corpus``: a text file, a ready :class:`Filler`, or None for the built-in sentences);
-    ``with_index``: call ``draw(rng, depth, i)`` with the pair's index i."""
+    """Shared loop: ``draw(rng, depth, i)`` returns the render and values of pair i; filler fitted to
+    ``seq_len`` (``corpus``: a text file, a ready :class:`Filler`, or None for the built-in sentences)."""
     depths = _check_common(n_pairs, depth)
     filler = corpus if isinstance(corpus, Filler) else Filler(corpus)
     rng = random.Random(seed)
@@ -104,7 +138,7 @@ def _generate(
         d = depths[i % len(depths)]
         fill_seed = rng.randrange(2**31)
         for _ in range(MAX_REDRAWS):
-            spec = draw(rng, d, i) if with_index else draw(rng, d)
+            spec = draw(rng, d, i)
             text: Callable[[list[str], str], str] = spec["text"]
             sentences = _fit_filler(
                 tokenizer, lambda s: text(s, spec["value"]), filler, seq_len - spec["answer_tokens"], fill_seed
@@ -137,6 +171,101 @@ def _generate(
     return pairs
 
 
+def _picker(wordings: Sequence[Wording], family: str | None) -> Callable[[int], tuple[Wording, dict[str, Any]]]:
+    """Pair i's wording (cycled) and the meta naming it (``family`` and ``wording`` index; none for RULER's own)."""
+    def pick(i: int) -> tuple[Wording, dict[str, Any]]:
+        k = i % len(wordings)
+        return wordings[k], ({} if family is None else {"family": family, "wording": k})
+    return pick
+
+
+def multikey_draw(wordings: Sequence[Wording], keys: Sequence[str], n_keys: int, n_digits: int,
+                  family: str | None = None) -> Draw:
+    """NIAH-multikey pairs in ``wordings`` (pair i: wording i mod len) with key words ``keys``: ``n_keys``
+    needles, the queried one at the pair's depth, the others at random depths; x' asks for another key."""
+    pick = _picker(wordings, family)
+
+    def draw(rng: random.Random, d: float, i: int) -> dict[str, Any]:
+        w, meta = pick(i)
+        ks = rng.sample(keys, n_keys)
+        vals = [draw_value(rng, n_digits)]
+        vals.append(draw_value(rng, n_digits, avoid=vals[0]))
+        while len(vals) < n_keys:
+            v = draw_value(rng, n_digits)
+            if v not in vals:
+                vals.append(v)
+        depths_ = [d, *(rng.random() for _ in range(n_keys - 1))]
+        needles = [(depths_[j], w.needle.format(key=ks[j], value=vals[j])) for j in range(n_keys)]
+
+        def text(sentences: list[str], key: str) -> str:
+            return _insert(w.intro, sentences, needles, w.question.format(key=key))
+
+        def evidence_prefix(sentences: list[str]) -> str:
+            full = text(sentences, ks[0])
+            marker = w.needle.format(key=ks[0], value="\0").split("\0")[0]
+            return full[: full.index(marker) + len(marker)]
+
+        return {"text": text, "value": ks[0], "counter_value": ks[1], "answer": vals[0], "counter_answer": vals[1],
+                "answer_tokens": n_digits + 1, "evidence_prefix": evidence_prefix, "evidence_value": vals[0],
+                "meta": {**meta, "keys": ks, "values": vals, "query_key": ks[0], "counter_key": ks[1]}}
+
+    return draw
+
+
+def multivalue_draw(wordings: Sequence[Wording], keys: Sequence[str], n_values: int, n_digits: int,
+                    family: str | None = None) -> Draw:
+    """NIAH-multivalue pairs in ``wordings``: one key with ``n_values`` values, the first (the answer read)
+    at the pair's depth, the others later; x' swaps the first."""
+    pick = _picker(wordings, family)
+
+    def draw(rng: random.Random, d: float, i: int) -> dict[str, Any]:
+        w, meta = pick(i)
+        key = rng.choice(keys)
+        v = draw_value(rng, n_digits)
+        cv = draw_value(rng, n_digits, avoid=v)
+        rest = [draw_value(rng, n_digits) for _ in range(n_values - 1)]
+        later = sorted(d + (1 - d) * (j + 1) / n_values for j in range(n_values - 1))
+
+        def text(sentences: list[str], first: str) -> str:
+            needles = [(d, w.needle.format(key=key, value=first))]
+            needles += [(t, w.needle.format(key=key, value=r)) for t, r in zip(later, rest)]
+            return _insert(w.intro, sentences, needles, w.question.format(key=key))
+
+        return {"text": text, "value": v, "counter_value": cv, "answer_tokens": n_digits + 1,
+                "meta": {**meta, "key": key, "other_values": rest}}
+
+    return draw
+
+
+def tracking_draw(wordings: Sequence[Wording], var_names: Sequence[str], n_hops: int, n_digits: int,
+                  family: str | None = None) -> Draw:
+    """Variable-tracking pairs in ``wordings``: a chain of ``n_hops`` hops from the root at the pair's
+    depth plus an interleaved distractor chain; x' swaps the root value."""
+    pick = _picker(wordings, family)
+
+    def draw(rng: random.Random, d: float, i: int) -> dict[str, Any]:
+        w, meta = pick(i)
+        names = rng.sample(var_names, 2 * (n_hops + 1))
+        chain, other = names[: n_hops + 1], names[n_hops + 1:]
+        v = draw_value(rng, n_digits)
+        cv = draw_value(rng, n_digits, avoid=v)
+        dv = draw_value(rng, n_digits, avoid=v)
+        spots = [d + (1 - d) * j / (n_hops + 1) for j in range(n_hops + 1)]
+        dspots = sorted(rng.random() for _ in range(n_hops + 1))
+
+        def text(sentences: list[str], root: str) -> str:
+            needles = [(spots[0], w.needle.format(var=chain[0], value=root))]
+            needles += [(spots[j], w.hop.format(var=chain[j], prev=chain[j - 1])) for j in range(1, n_hops + 1)]
+            needles += [(dspots[0], w.needle.format(var=other[0], value=dv))]
+            needles += [(dspots[j], w.hop.format(var=other[j], prev=other[j - 1])) for j in range(1, n_hops + 1)]
+            return _insert(w.intro, sentences, needles, w.question.format(var=chain[-1]))
+
+        return {"text": text, "value": v, "counter_value": cv, "answer_tokens": n_digits + 1,
+                "meta": {**meta, "chain": chain, "distractor_chain": other, "distractor_value": dv}}
+
+    return draw
+
+
 def niah_multikey(
     tokenizer: Any,
     n_pairs: int = 6,
@@ -162,34 +291,8 @@ def niah_multikey(
     if not 2 <= n_keys <= len(KEY_WORDS):
         raise HeadscopeInputError(f"n_keys={n_keys} must lie in 2..{len(KEY_WORDS)}")
 
-    def draw(rng: random.Random, d: float) -> dict[str, Any]:
-        keys = rng.sample(KEY_WORDS, n_keys)
-        vals = [draw_value(rng, n_digits)]
-        vals.append(draw_value(rng, n_digits, avoid=vals[0]))
-        while len(vals) < n_keys:
-            v = draw_value(rng, n_digits)
-            if v not in vals:
-                vals.append(v)
-        others = [rng.random() for _ in range(n_keys - 1)]
-        depths_ = [d, *others]
-        needles = [(depths_[j], f"One of the special magic numbers for {keys[j]} is: {vals[j]}.") for j in range(n_keys)]
-
-        def text(sentences: list[str], key: str) -> str:
-            q = f"What is the special magic number for {key}? The special magic number for {key} is"
-            return _insert(INTRO_MULTI, sentences, needles, q)
-
-        def evidence_prefix(sentences: list[str]) -> str:
-            full = text(sentences, keys[0])
-            marker = f"One of the special magic numbers for {keys[0]} is: "
-            return full[: full.index(marker) + len(marker)]
-
-        return {
-            "text": text, "value": keys[0], "counter_value": keys[1], "answer": vals[0], "counter_answer": vals[1],
-            "answer_tokens": n_digits + 1, "evidence_prefix": evidence_prefix, "evidence_value": vals[0],
-            "meta": {"keys": keys, "values": vals, "query_key": keys[0], "counter_key": keys[1]},
-        }
-
-    return _generate("niah_multikey", tokenizer, n_pairs, seq_len, depth, seed, corpus, draw)
+    return _generate("niah_multikey", tokenizer, n_pairs, seq_len, depth, seed, corpus,
+                     multikey_draw((RULER_WORDINGS["niah_multikey"],), KEY_WORDS, n_keys, n_digits))
 
 
 def niah_multivalue(
@@ -213,24 +316,8 @@ def niah_multivalue(
     if n_values < 2:
         raise HeadscopeInputError(f"n_values={n_values} must be >= 2 (for one value use niah_single)")
 
-    def draw(rng: random.Random, d: float) -> dict[str, Any]:
-        key = rng.choice(KEY_WORDS)
-        v = draw_value(rng, n_digits)
-        cv = draw_value(rng, n_digits, avoid=v)
-        rest = [draw_value(rng, n_digits) for _ in range(n_values - 1)]
-        later = sorted(d + (1 - d) * (j + 1) / n_values for j in range(n_values - 1))
-
-        def text(sentences: list[str], first: str) -> str:
-            needles = [(d, f"One of the special magic numbers for {key} is: {first}.")]
-            needles += [(t, f"One of the special magic numbers for {key} is: {r}.") for t, r in zip(later, rest)]
-            q = (f"What are all the special magic numbers for {key}? "
-                 f"The special magic numbers for {key} are")
-            return _insert(INTRO_MULTI, sentences, needles, q)
-
-        return {"text": text, "value": v, "counter_value": cv, "answer_tokens": n_digits + 1,
-                "meta": {"key": key, "other_values": rest}}
-
-    return _generate("niah_multivalue", tokenizer, n_pairs, seq_len, depth, seed, corpus, draw)
+    return _generate("niah_multivalue", tokenizer, n_pairs, seq_len, depth, seed, corpus,
+                     multivalue_draw((RULER_WORDINGS["niah_multivalue"],), KEY_WORDS, n_values, n_digits))
 
 
 def variable_tracking(
@@ -255,24 +342,5 @@ def variable_tracking(
     if not 1 <= n_hops <= len(VAR_NAMES) // 2 - 1:
         raise HeadscopeInputError(f"n_hops={n_hops} must lie in 1..{len(VAR_NAMES) // 2 - 1}")
 
-    def draw(rng: random.Random, d: float) -> dict[str, Any]:
-        names = rng.sample(VAR_NAMES, 2 * (n_hops + 1))
-        chain, other = names[: n_hops + 1], names[n_hops + 1:]
-        v = draw_value(rng, n_digits)
-        cv = draw_value(rng, n_digits, avoid=v)
-        dv = draw_value(rng, n_digits, avoid=v)
-        spots = [d + (1 - d) * j / (n_hops + 1) for j in range(n_hops + 1)]
-        dspots = sorted(rng.random() for _ in range(n_hops + 1))
-
-        def text(sentences: list[str], root: str) -> str:
-            needles = [(spots[0], f"VAR {chain[0]} = {root}.")]
-            needles += [(spots[j], f"VAR {chain[j]} = {chain[j - 1]}.") for j in range(1, n_hops + 1)]
-            needles += [(dspots[0], f"VAR {other[0]} = {dv}.")]
-            needles += [(dspots[j], f"VAR {other[j]} = {other[j - 1]}.") for j in range(1, n_hops + 1)]
-            q = f"What is the value of the variable {chain[-1]}? The value of {chain[-1]} is"
-            return _insert(INTRO_VARS, sentences, needles, q)
-
-        return {"text": text, "value": v, "counter_value": cv, "answer_tokens": n_digits + 1,
-                "meta": {"chain": chain, "distractor_chain": other, "distractor_value": dv}}
-
-    return _generate("variable_tracking", tokenizer, n_pairs, seq_len, depth, seed, corpus, draw)
+    return _generate("variable_tracking", tokenizer, n_pairs, seq_len, depth, seed, corpus,
+                     tracking_draw((RULER_WORDINGS["variable_tracking"],), VAR_NAMES, n_hops, n_digits))
