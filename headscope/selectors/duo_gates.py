@@ -30,8 +30,9 @@ from torch import Tensor
 from ..models import LoadedModel
 from ..patching.engine import Engine
 from ..scores import Ranking
-from .base import (forward_final, frozen, layer_mask, make_ranking, own_attention, passkey_prompts, sdpa_heads,
+from .base import (AttnFn, Prompt, forward_final, layer_mask, make_ranking, own_attention, passkey_prompts, sdpa_heads,
                    streaming_mask)
+from .gate_training import GateTraining, train_gates
 
 
 def gate_to_heads(alpha: Tensor, n_heads: int) -> Tensor:
@@ -75,40 +76,34 @@ def select_duo_gates(
     n_gates = g.n_heads if granularity == "head" else g.n_kv_heads
     alpha = torch.ones(g.n_layers, n_gates, dtype=torch.float32, requires_grad=True)
     sens = torch.zeros(g.n_layers, n_gates, dtype=torch.float64)
-    opt = torch.optim.Adam([alpha], lr=lr)
-    losses: list[float] = []
-    with frozen(model):
-        refs = []
-        with torch.no_grad():
-            for p in prompts:
-                refs.append(forward_final(eng, p.ids[None])[0, p.read].float())
-        for step in range(steps):
-            i = step % len(prompts)
-            p, ref = prompts[i], refs[i]
-            T = p.ids.numel()
-            str_m = streaming_mask(T, sink, window, eng.device)
-            a_heads = gate_to_heads(alpha, g.n_heads).to(eng.device, eng.dtype)
+    with torch.no_grad():
+        refs = [forward_final(eng, p.ids[None])[0, p.read].float() for p in prompts]
 
-            def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-                sc = eng.layers[layer].scaling
-                a = a_heads[layer][None, :, None, None]
-                own = layer_mask(eng, layer, T)
-                o = a * own_attention(eng, layer, q, k, v) + (1 - a) * sdpa_heads(q, k, v, str_m & own, sc)
-                return o.transpose(1, 2).reshape(1, T, -1)
+    def attention(p: Prompt) -> AttnFn:
+        T = p.ids.numel()
+        str_m = streaming_mask(T, sink, window, eng.device)
+        a_heads = gate_to_heads(alpha, g.n_heads).to(eng.device, eng.dtype)
 
-            h = forward_final(eng, p.ids[None], attn)[0, p.read].float()
-            distill = (((h - ref) ** 2).sum(-1) / (ref**2).sum(-1)).mean()
-            loss = distill + l1 * alpha.abs().mean()
-            opt.zero_grad()
-            loss.backward()
-            with torch.no_grad():  # the distillation part of the gradient: remove the L1 term's
-                sens += (alpha.grad - l1 * torch.sign(alpha) / alpha.numel()).abs().double()
-            opt.step()
-            with torch.no_grad():
-                alpha.clamp_(0.0, 1.0)
-            losses.append(float(loss.detach()))
-            if progress:
-                print(f"duo_gates step {step + 1}/{steps} loss {losses[-1]:.5f}", flush=True)
+        def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            sc = eng.layers[layer].scaling
+            a = a_heads[layer][None, :, None, None]
+            own = layer_mask(eng, layer, T)
+            o = a * own_attention(eng, layer, q, k, v) + (1 - a) * sdpa_heads(q, k, v, str_m & own, sc)
+            return o.transpose(1, 2).reshape(1, T, -1)
+
+        return attn
+
+    def loss(i: int, p: Prompt, h: Tensor) -> tuple[Tensor, str]:
+        ref, h = refs[i], h.float()
+        distill = (((h - ref) ** 2).sum(-1) / (ref**2).sum(-1)).mean()
+        return distill + l1 * alpha.abs().mean(), ""
+
+    def sensitivity() -> None:  # the distillation part of the gradient: remove the L1 term's
+        sens.add_((alpha.grad - l1 * torch.sign(alpha) / alpha.numel()).abs().double())
+
+    cfg = GateTraining("duo_gates", attention, loss, after_backward=sensitivity,
+                       after_step=lambda: alpha.clamp_(0.0, 1.0), loss_digits=5)
+    losses = train_gates(model, eng, prompts, alpha, steps, lr, cfg, progress)
     a = gate_to_heads(alpha.detach(), g.n_heads).double().numpy()
     s = gate_to_heads(sens.float(), g.n_heads).double().numpy()
     score = a + 1e-7 * s / (s.max() + 1e-30)

@@ -34,7 +34,8 @@ from ..hybrid.gdn import gdn_chunked_torch
 from ..models import LoadedModel
 from ..patching.engine import Engine
 from ..scores import Ranking
-from .base import forward_final, frozen, make_ranking, own_attention, passkey_prompts
+from .base import AttnFn, Prompt, make_ranking, own_attention, passkey_prompts
+from .gate_training import GateTraining, train_gates
 
 
 def linear_branch(q: Tensor, k: Tensor, v: Tensor, beta: float, decay: float) -> Tensor:
@@ -102,29 +103,25 @@ def select_flashmorph_gates(
     eng = Engine(model)
     prompts = passkey_prompts(model, n_prompts, seq_lens, depths, seed)
     theta = torch.full((g.n_layers, 1 if granularity == "layer" else g.n_heads), float(init_logit), requires_grad=True)
-    opt = torch.optim.Adam([theta], lr=lr)
-    losses: list[float] = []
-    with frozen(model):
-        for step in range(steps):
-            p = prompts[step % len(prompts)]
-            T = p.ids.numel()
-            gate = torch.sigmoid(theta).expand(g.n_layers, g.n_heads).to(eng.device, eng.dtype)
 
-            def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-                a = gate[layer][None, :, None, None]
-                o = a * own_attention(eng, layer, q, k, v) + (1 - a) * linear_branch(q, k, v, beta, decay)
-                return o.transpose(1, 2).reshape(1, T, -1)
+    def attention(p: Prompt) -> AttnFn:
+        T = p.ids.numel()
+        gate = torch.sigmoid(theta).expand(g.n_layers, g.n_heads).to(eng.device, eng.dtype)
 
-            h = forward_final(eng, p.ids[None], attn)[0, p.read]
-            logits = eng.head(h).float()
-            ce = F.cross_entropy(logits, p.answer.to(logits.device))
-            loss = ce + lin * torch.sigmoid(theta).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
-            if progress:
-                print(f"flashmorph step {step + 1}/{steps} loss {losses[-1]:.4f} ce {float(ce):.4f}", flush=True)
+        def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            a = gate[layer][None, :, None, None]
+            o = a * own_attention(eng, layer, q, k, v) + (1 - a) * linear_branch(q, k, v, beta, decay)
+            return o.transpose(1, 2).reshape(1, T, -1)
+
+        return attn
+
+    def loss(i: int, p: Prompt, h: Tensor) -> tuple[Tensor, str]:
+        logits = eng.head(h).float()
+        ce = F.cross_entropy(logits, p.answer.to(logits.device))
+        return ce + lin * torch.sigmoid(theta).mean(), f" ce {float(ce):.4f}"
+
+    cfg = GateTraining("flashmorph", attention, loss, loss_digits=4)
+    losses = train_gates(model, eng, prompts, theta, steps, lr, cfg, progress)
     gate = torch.sigmoid(theta.detach()).expand(g.n_layers, g.n_heads).double().numpy()
     layer_gate = np.repeat(gate.mean(1, keepdims=True), g.n_heads, 1)
     if granularity == "layer":
