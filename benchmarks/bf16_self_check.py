@@ -1,8 +1,8 @@
 """The engine's self-check in bfloat16 at growing prompt lengths: the largest relative difference of the old comparison
-along the engine's own residual stream (:func:`~headscope.patching.check.compare`, what 16-bit models were checked
+along the engine's own residual stream (:func:`~headscope.patching.reference_check.compare`, what 16-bit models were checked
 with before: the two forwards' rounding accumulates over depth and length) and of the teacher-forced one
-(:func:`~headscope.patching.check.compare_teacher_forced`, each layer from the model's own input to it), both against
-the tolerance 8·eps, and the patched-row check (:func:`~headscope.patching.check.check_patches`, one row, the
+(:func:`~headscope.patching.reference_check.compare_teacher_forced`, each layer from the model's own input to it), both against
+the tolerance 8·eps, and the patched-row check (:func:`~headscope.patching.reference_check.check_patches`, one row, the
 prompt's cached prefix up to its first differing token). Prompts: one ``niah_single`` pair per length (what
 ``headscope rank`` ranks).
 
@@ -21,9 +21,9 @@ import time
 import torch
 
 from headscope.models import load_model
-from headscope.patching import check as chk
+from headscope.patching import reference_check as chk
 from headscope.patching.engine import Engine, EngineMismatch
-from headscope.patching.plan import Plan
+from headscope.patching.pass_plan import Plan
 from headscope.patching.receivers import sequences
 from headscope.tasks import make_pairs
 

@@ -22,9 +22,9 @@ _LAZY = {
     "LoadedModel": "models",
     "Ranking": "scores",
     "rank": "api",
-    "RankConfig": "config",
-    "ScreenConfig": "config",
-    "FusionConfig": "config",
+    "RankConfig": "rank_config",
+    "ScreenConfig": "rank_config",
+    "FusionConfig": "rank_config",
     "Readout": "readout",
     "ablate": "analysis.knockout",
     "retrieval_accuracy": "analysis.knockout",
@@ -34,8 +34,9 @@ _LAZY = {
     "kv_cache_report": "hybrid",
 }
 _SUBMODULES = (
-    "analysis", "api", "arch", "cli", "config", "distributed", "errors", "evaluation", "generation", "hybrid",
-    "masks", "models", "patching", "plots", "readout", "runtime", "scores", "selectors", "tasks", "train", "validate",
+    "analysis", "api", "arch", "cli", "distributed", "errors", "evaluation", "generation", "hybrid", "masks", "models",
+    "patching", "plots", "plugin_registry", "rank_config", "readout", "runtime", "scores", "selectors", "tasks", "train",
+    "validate",
 )
 
 
@@ -65,7 +66,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs: the names the lazy loader provides
     from . import analysis, hybrid, train  # noqa: F401
     from .api import rank  # noqa: F401
-    from .config import FusionConfig, RankConfig, ScreenConfig  # noqa: F401
+    from .rank_config import FusionConfig, RankConfig, ScreenConfig  # noqa: F401
     from .hybrid import HeadwiseHybridAttention, HybridOptions, hybridize, kv_cache_report  # noqa: F401
     from .analysis.knockout import ablate, retrieval_accuracy  # noqa: F401
     from .masks import HeadMask  # noqa: F401

@@ -1,4 +1,4 @@
-"""The one-call entry point: :func:`rank` — one :class:`~headscope.config.RankConfig`, three strategies
+"""The one-call entry point: :func:`rank` — one :class:`~headscope.rank_config.RankConfig`, three strategies
 (exact, screen, fused) behind it. ``headscope.selectors.select(model, "causal", ...)`` is the same call."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .config import RankConfig
+from .rank_config import RankConfig
 from .models import DEFAULT_MODEL, LoadedModel, load_model
 from .patching.receivers import receiver_patching
 from .readout import DEFAULT_LAMBDA, DEFAULT_MIN_GAP, Direction, Readout
@@ -66,13 +66,13 @@ def rank(
         model: ``"smollm2-135m"`` (default), ``"gemma3-270m"``, a local HF directory, a ``.gguf`` path, a
             cached hub id, or a :class:`~headscope.models.LoadedModel` (then ``device`` / ``dtype`` must
             be None or agree with it).
-        config: a :class:`~headscope.config.RankConfig` holding every setting below (then pass none of
+        config: a :class:`~headscope.rank_config.RankConfig` holding every setting below (then pass none of
             them); or the settings as keywords, each documented on the config part that owns it:
             ``tasks, n_pairs, seq_len, seed, depth, task_settings, mode, path, batch_size, device, dtype,
             device_map`` (:class:`RankConfig`), ``lam, direction, min_gap`` or ``readout``
-            (:class:`~headscope.readout.Readout`), ``verify, spot_checks`` (:class:`~headscope.config.ScreenConfig`:
+            (:class:`~headscope.readout.Readout`), ``verify, spot_checks`` (:class:`~headscope.rank_config.ScreenConfig`:
             ``mode="screen"``), ``senders, weights, kappa, normalize, sender_mode, top_k, max_rounds,
-            sender_batch_size`` (:class:`~headscope.config.FusionConfig`: senders, κ, several tasks).
+            sender_batch_size`` (:class:`~headscope.rank_config.FusionConfig`: senders, κ, several tasks).
         pairs: ready-made pairs (overrides task generation; ``tasks`` then only labels them).
         out_dir: per-item results are written there as they finish (a rerun resumes) and the Ranking
             is saved there at the end (``ranking.json`` keeps the whole config as ``provenance["config"]``).
@@ -87,8 +87,8 @@ def rank(
 
     Raises:
         HeadscopeInputError (a ValueError), before the model loads: any bad setting (a
-        :class:`~headscope.errors.SettingError` naming it; :class:`~headscope.config.RankConfig` and
-        :func:`headscope.config.check_rank_call`), a store of another configuration in ``out_dir``, a
+        :class:`~headscope.errors.SettingError` naming it; :class:`~headscope.rank_config.RankConfig` and
+        :func:`headscope.rank_config.check_rank_call`), a store of another configuration in ``out_dir``, a
         ``device``/``dtype`` that contradicts a loaded model, settings passed beside ``config``;
         ModelSpecError: a model spec that cannot be loaded; InputNotImplementedError: an unsupported
         combination. After the model loads: HeadscopeInputError for a prompt too short for the task's
@@ -104,14 +104,14 @@ def check_call(model: str | LoadedModel, cfg: RankConfig, pairs: Sequence[Pair] 
                on_geometry: Callable[[Any], None] | None = None) -> Any:
     """Every check of a ranking call that its config (validated when made) does not hold, once, before the model
     loads: the model spec (its geometry from its config or GGUF metadata), the call with the config
-    (:func:`~headscope.config.check_rank_call`), a loaded model against the config's device / dtype, the store in
+    (:func:`~headscope.rank_config.check_rank_call`), a loaded model against the config's device / dtype, the store in
     ``out_dir``; then ``on_geometry(geometry)`` (a caller's own checks that need the model's shape) where the
     geometry is known. Returns the geometry (None where the spec's config cannot be read before loading).
 
     Raises:
         HeadscopeInputError: as :func:`rank`, before the model loads.
     """
-    from .config import check_rank_call
+    from .rank_config import check_rank_call
     from .models import check_model
     from .patching.store import check_rank_store
 
@@ -128,7 +128,7 @@ def check_call(model: str | LoadedModel, cfg: RankConfig, pairs: Sequence[Pair] 
 def run(model: str | LoadedModel, cfg: RankConfig, pairs: Sequence[Pair] | None = None,
         out_dir: str | Path | None = None, shard: tuple[int, int] | None = None, progress: bool = True,
         on_geometry: Callable[[Any], None] | None = None) -> Ranking:
-    """:func:`rank` with a ready :class:`~headscope.config.RankConfig`: check the call (:func:`check_call`, once),
+    """:func:`rank` with a ready :class:`~headscope.rank_config.RankConfig`: check the call (:func:`check_call`, once),
     load, run the strategy, save. ``on_geometry``: see :func:`check_call` (called after loading where the geometry
     was unknown before)."""
     geometry = check_call(model, cfg, pairs, out_dir, shard, on_geometry)

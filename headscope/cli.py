@@ -54,7 +54,7 @@ def main() -> None:
 
 
 #: options of ``headscope rank`` that are about the command (output, mask, printing, processes), not the
-#: ranking; the ranking's own options are generated from :mod:`headscope.config` (:func:`_rank_options`)
+#: ranking; the ranking's own options are generated from :mod:`headscope.rank_config` (:func:`_rank_options`)
 _COMMAND_OPTIONS = [
     ("model", str, "smollm2-135m", "--model",
      "'smollm2-135m', 'gemma3-270m', a local HF directory, a .gguf path or a cached hub id"),
@@ -67,8 +67,8 @@ _COMMAND_OPTIONS = [
 
 
 def _rank_options() -> list[inspect.Parameter]:
-    """The parameters of ``headscope rank``: the command's own, then one per config field (:func:`headscope.config.cli_fields`)."""
-    from .config import cli_fields
+    """The parameters of ``headscope rank``: the command's own, then one per config field (:func:`headscope.rank_config.cli_fields`)."""
+    from .rank_config import cli_fields
 
     params = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=tp,
                                 default=typer.Option(default, flag, help=help))
@@ -91,7 +91,7 @@ def flag_names() -> Iterator[None]:
     try:
         yield
     except SettingError as e:
-        from .config import cli_names
+        from .rank_config import cli_names
 
         raise e.renamed(cli_names()) from None
 
@@ -100,12 +100,12 @@ def rank(**values: Any) -> None:
     """Rank every head; write OUT/scores.csv, OUT/mask.json and OUT/heatmap.html.
 
     Every argument is checked before the model loads (errors: one line, exit code 2): the command's own options
-    here, the ranking's settings when its config is made (:class:`headscope.config.RankConfig`), the call (model,
+    here, the ranking's settings when its config is made (:class:`headscope.rank_config.RankConfig`), the call (model,
     output folder, shards, store, budget) once by the API (:func:`headscope.api.check_call`)."""
     out: Path = values["out"]
     budget, min_per_layer, top = values["budget"], values["min_per_layer"], values["top"]
     with user_errors(), flag_names():
-        from .config import RankConfig, config_from_cli
+        from .rank_config import RankConfig, config_from_cli
         from .validate import check_int
 
         model, devices = values["model"], values["devices"]
@@ -323,7 +323,7 @@ def convert(
     import os
 
     with user_errors():
-        from .train.checks import check_convert_args
+        from .train.stage_checks import check_convert_args
         from .train.recipe import ConvertRecipe, check_convert_dir, parse_tokens
 
         hm = check_convert_args(model=model, mask=mask, stage=stage, out=out, devices=devices, device=device,

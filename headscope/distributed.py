@@ -24,7 +24,7 @@ from .runtime import init_from_env, launch, rank_device
 
 def _rank_worker(device: str | None, kwargs: dict[str, Any]) -> None:
     """One rank of a sharded :func:`headscope.rank` (inside a process group set up by ``launch``); with a
-    ``config`` (:class:`~headscope.config.RankConfig`) in ``kwargs``, that config on this rank's device."""
+    ``config`` (:class:`~headscope.rank_config.RankConfig`) in ``kwargs``, that config on this rank's device."""
     from dataclasses import replace
 
     from .api import rank, run

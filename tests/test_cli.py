@@ -119,7 +119,7 @@ def test_rank_without_plotly_keeps_the_ranking_and_says_so(tiny_dir, tmp_path, m
 def test_rank_runs_each_check_once(tiny_dir, tmp_path, monkeypatch):
     """One `headscope rank` of a tiny model: the config validates itself once, the API checks the model spec, the
     call, the store and (through the CLI's callback) the budget once each, before the model loads."""
-    import headscope.config
+    import headscope.rank_config
     import headscope.masks
     import headscope.models
     import headscope.patching.store
@@ -142,8 +142,8 @@ def test_rank_runs_each_check_once(tiny_dir, tmp_path, monkeypatch):
         monkeypatch.setattr(owner, name, wrapper)
 
     monkeypatch.setattr(headscope.api, "load_model", loading)
-    counted(headscope.config.RankConfig, "_validate", "RankConfig._validate")
-    counted(headscope.config, "check_rank_call")
+    counted(headscope.rank_config.RankConfig, "_validate", "RankConfig._validate")
+    counted(headscope.rank_config, "check_rank_call")
     counted(headscope.models, "check_model")
     counted(headscope.patching.store, "check_rank_store")
     counted(headscope.masks, "check_budget")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import headscope
-from headscope.config import FusionConfig, RankConfig, ScreenConfig, cli_fields, config_from_cli
+from headscope.rank_config import FusionConfig, RankConfig, ScreenConfig, cli_fields, config_from_cli
 from headscope.errors import HeadscopeInputError
 from headscope.readout import Readout, logit_diff, normalized_ie
 

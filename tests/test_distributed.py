@@ -52,7 +52,7 @@ def test_cli_devices_two_runs_the_config_on_two_ranks(tiny_dir, tmp_path):
     from typer.testing import CliRunner
 
     from headscope.cli import app
-    from headscope.config import RankConfig
+    from headscope.rank_config import RankConfig
 
     res = CliRunner().invoke(app, ["rank", "--model", str(tiny_dir), "--pairs", "2", "--seq-len", "64", "--seed", "2",
                                    "--min-gap", "0", "--lambda", "0.8", "--budget", "2", "--devices", "2",

@@ -19,7 +19,7 @@ import transformers
 from headscope.arch import UnsupportedArchitecture, attention_out_module
 from headscope.arch import families as fam
 from headscope.models import wrap
-from headscope.patching import check as chk
+from headscope.patching import reference_check as chk
 from headscope.patching import receiver_patching
 from headscope.patching.engine import Engine, EngineMismatch
 from headscope.patching.receivers import sequences
@@ -271,7 +271,7 @@ def test_bf16_drift_over_depth_is_accepted_layer_by_layer(smol_tokenizer):
     comparison along the engine's own stream refuses it; the model's own bf16 forward is as far from a float64
     forward of the same weights (the drift is bf16's, not the engine's); the teacher-forced check (every layer
     from the model's own input to it) accepts it, at build, in self_check and at a longer prompt in run()."""
-    from headscope.patching.plan import Plan
+    from headscope.patching.pass_plan import Plan
 
     hf = deep_bf16_llama()
     ids = random_pair(64, 0).clean
@@ -341,7 +341,7 @@ def test_smollm2_bf16_ranked_on_cpu(tmp_path):
 
     from headscope.cli import app
     from headscope.models import load_model
-    from headscope.patching.plan import Plan
+    from headscope.patching.pass_plan import Plan
     from headscope.tasks import make_pairs
 
     lm = load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)

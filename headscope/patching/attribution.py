@@ -39,7 +39,7 @@ from ..tasks.base import Pair
 from .contract import PlanEngine
 from .engine import Engine
 from .layer_ops import head_slice
-from .plan import Entry, LayerCtx, Plan
+from .pass_plan import Entry, LayerCtx, Plan
 from .receivers import PairState, PatchResult, _auto_batch, check_pairs, sequences
 
 

@@ -10,10 +10,10 @@ Three engines run receiver patching (:func:`~headscope.patching.receivers.receiv
   ``o_proj`` input.
 
 Each implements :class:`PatchingEngine`: a base pass of a prompt (:meth:`~PatchingEngine.run`, a
-:class:`~headscope.patching.plan.RunCache` holding every layer's ``hook_z`` and the logits at the read positions),
+:class:`~headscope.patching.pass_plan.RunCache` holding every layer's ``hook_z`` and the logits at the read positions),
 patched rows (:meth:`~PatchingEngine.patched_logits_multi`: one forward of the base prompt per row, the row's
 ``hook_z`` replacing one layer's from ``start`` on) and a check of patched rows against the model's own forward
-(:meth:`~PatchingEngine.check_patches`). The fast engine also runs any :class:`~headscope.patching.plan.Plan` and
+(:meth:`~PatchingEngine.check_patches`). The fast engine also runs any :class:`~headscope.patching.pass_plan.Plan` and
 exposes its per-layer pieces (:class:`PlanEngine`): senders, attribution, the screen's probes, the selectors, DLA and
 κ use those. Callers use these members only; what is private to an engine stays in its module.
 """
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..arch import UnsupportedArchitecture
 from ..models import Geometry, LoadedModel
-from .plan import PassResult, Plan, Precision, RunCache
+from .pass_plan import PassResult, Plan, Precision, RunCache
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..arch import Arch, LayerParts
@@ -73,13 +73,13 @@ class PatchingEngine(Protocol):
                       read: Sequence[int]) -> float:
         """A few patched rows (hook_z from ``src``) against the model's own forward with the same patch, once per
         new prompt length; returns the largest relative difference (0.0 when nothing was checked). Raises
-        :class:`~headscope.patching.check.EngineMismatch` where the engine cannot be trusted."""
+        :class:`~headscope.patching.reference_check.EngineMismatch` where the engine cannot be trusted."""
         ...
 
 
 @runtime_checkable
 class PlanEngine(PatchingEngine, Protocol):
-    """An engine that runs any :class:`~headscope.patching.plan.Plan` over the model's per-layer parts (the fast
+    """An engine that runs any :class:`~headscope.patching.pass_plan.Plan` over the model's per-layer parts (the fast
     engine, :class:`~headscope.patching.engine.Engine`).
 
     Attributes:
@@ -181,7 +181,7 @@ def make_engine(model: LoadedModel, path: Path = "auto", precision: Precision | 
     """The engine for ``path``: ``"fast"`` (an architecture adapter, checked against the model's own forward when
     built), ``"generic"`` (the bridge's hooks), ``"hybrid"`` (a head-wise FA/GDN hybrid's heads at their ``o_proj``
     input) or ``"auto"`` (hybrid for a hybrid, else fast where an adapter exists, else generic, with a warning that
-    says so). ``precision``: the fast engine's :class:`~headscope.patching.plan.Precision` (a float32 residual
+    says so). ``precision``: the fast engine's :class:`~headscope.patching.pass_plan.Precision` (a float32 residual
     stream needs the fast engine).
 
     Raises:
@@ -190,7 +190,7 @@ def make_engine(model: LoadedModel, path: Path = "auto", precision: Precision | 
         UnsupportedArchitecture: ``path="fast"`` on a model without an adapter.
         EngineMismatch: the adapter's self-check failed (the message names the layer and the fix).
     """
-    from .check import EngineMismatch
+    from .reference_check import EngineMismatch
     from .engine import Engine
     from .generic import BridgeEngine
     from .hybrid_engine import HybridEngine, is_hybrid

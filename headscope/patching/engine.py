@@ -1,11 +1,11 @@
-"""The patching engine: one forward pass over a :class:`~headscope.patching.plan.Plan`, for every
+"""The patching engine: one forward pass over a :class:`~headscope.patching.pass_plan.Plan`, for every
 architecture an adapter describes (:mod:`headscope.arch`).
 
 Patched passes reuse everything a patch cannot change (the reuse that makes exact patching cheap):
 
 * a patch of head ``h`` in layer ``l`` leaves layers ``< l`` and the attention pattern of layer ``l``
   as they were, so a patched row joins the batch at layer ``l`` from the cached residual stream,
-  with its hook_z given (:class:`~headscope.patching.plan.Entry`);
+  with its hook_z given (:class:`~headscope.patching.pass_plan.Entry`);
 * where clean and corrupted prompts agree up to position ``p``, every activation at positions
   ``< p`` is identical in every run (causal attention), so patched runs compute positions ``>= p``
   only, attending to the cached keys/values of positions ``< p``;
@@ -18,20 +18,20 @@ are :class:`~headscope.patching.layer_ops.LayerOps`; this module is the pass ove
 TransformerLens ``hook_z`` (``[batch, pos, n_heads * d_head]``).
 
 Every engine checks itself against the model's own forward (:mod:`headscope.patching.self_check`, comparisons in
-:mod:`headscope.patching.check`), in the model's dtype and on its device: a short prompt when it is built, then the
+:mod:`headscope.patching.reference_check`), in the model's dtype and on its device: a short prompt when it is built, then the
 first prompt of every length beyond the longest checked (the first calibration pair's own clean sequence, through
 :meth:`Engine.run`), so that whatever acts only on longer inputs (a sliding window, a length-switched RoPE table) is
 seen at the length the ranking uses. A check passed is kept per (model, dtype, precision, what the adapter read) and
 length, for every engine of the same model in the process and in a run's store, and not repeated. Every layer must agree to
-:func:`~headscope.patching.check.tolerance` (1e-3 in fp32, 8·eps in 16-bit types: 6.25e-2 in bf16),
+:func:`~headscope.patching.reference_check.tolerance` (1e-3 in fp32, 8·eps in 16-bit types: 6.25e-2 in bf16),
 or the engine refuses, naming the layer and the first part that disagrees. In 16-bit types each layer
 is computed from the model's own input to it (teacher-forced), so the two forwards' rounding does not
 accumulate over the stack. The sliding windows are read from the
-masks the model passes to its layers in that forward. :func:`~headscope.patching.check.check_patches`
+masks the model passes to its layers in that forward. :func:`~headscope.patching.reference_check.check_patches`
 compares a few patched rows with one hooked forward each (what reusing the prefix could get wrong).
 
 A model spread over several devices (``device_map``) runs too: every layer computes on the device of
-its weights and keeps its caches there (:class:`~headscope.patching.plan.LayerStack`).
+its weights and keeps its caches there (:class:`~headscope.patching.pass_plan.LayerStack`).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ from torch import Tensor
 from ..arch import UnsupportedArchitecture
 from ..models import LoadedModel
 from . import attention
-from .check import EngineMismatch, tolerance
+from .reference_check import EngineMismatch, tolerance
 from .layer_ops import LayerOps, Positions, head_slice
-from .plan import Entry, LayerCtx, LayerStack, PassResult, Plan, Precision, RunCache, stack_layers
+from .pass_plan import Entry, LayerCtx, LayerStack, PassResult, Plan, Precision, RunCache, stack_layers
 from .self_check import SelfCheck
 
 __all__ = ["Engine", "EngineMismatch", "Entry", "LayerStack", "Plan", "Positions", "Precision", "RunCache",
@@ -56,7 +56,7 @@ __all__ = ["Engine", "EngineMismatch", "Entry", "LayerStack", "Plan", "Positions
 
 class Engine(LayerOps):
     """Runs a LoadedModel layer by layer from its architecture's parts (:func:`headscope.arch.adapt`): one pass,
-    :meth:`forward`, per :class:`~headscope.patching.plan.Plan`, and the plans every caller uses (:meth:`run`,
+    :meth:`forward`, per :class:`~headscope.patching.pass_plan.Plan`, and the plans every caller uses (:meth:`run`,
     :meth:`run_suffix`, :meth:`patched_logits_multi`, ...). Implements
     :class:`~headscope.patching.contract.PlanEngine` (and so :class:`~headscope.patching.contract.PatchingEngine`).
 
@@ -69,7 +69,7 @@ class Engine(LayerOps):
             now, and again on the first prompt of every longer length, unless an engine of the same model passed
             it before (:class:`~headscope.patching.self_check.SelfCheck`); engines with ``matmul_dtype``, an
             approximation by design, are not checked.
-        precision: :class:`~headscope.patching.plan.Precision` (default: the residual stream in the model's
+        precision: :class:`~headscope.patching.pass_plan.Precision` (default: the residual stream in the model's
             dtype); with ``Precision("float32")`` a bf16/fp16 model's residual stream, norms and RoPE run in float32.
 
     Raises:
@@ -98,7 +98,7 @@ class Engine(LayerOps):
 
     # ---- the one pass -----------------------------------------------------------------------
     def forward(self, plan: Plan) -> PassResult:
-        """Run one :class:`~headscope.patching.plan.Plan` (see there for what each field does).
+        """Run one :class:`~headscope.patching.pass_plan.Plan` (see there for what each field does).
 
         Raises:
             ValueError: a plan without rows, ``start`` > 0 without ``base``, a read position before

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from ..arch import UnsupportedArchitecture
 from ..models import LoadedModel
 from .hooked import Edits, HookedEngine, join_hook, z_hook
-from .plan import RunCache
+from .pass_plan import RunCache
 
 CHECK_TOL = 1e-4  # relative, fp32 (lower precision: LOW_TOL)
 LOW_TOL = 3e-2

@@ -27,7 +27,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from ..models import LoadedModel
-from .plan import RunCache, row_edits
+from .pass_plan import RunCache, row_edits
 
 # hook_z edits of one forward: layer -> (batch rows, values [rows, positions, H·dh], first computed position replaced)
 Edits = dict[int, tuple[Tensor, Tensor, int]]

@@ -30,8 +30,8 @@ so clean, corrupted and patched runs take the same path.
 Checks (:meth:`HybridEngine.check_patches`, on the first pair of every new prompt length): two patched rows (the
 first FA head and the first GDN head of the earliest layers that have one) through the shortcuts against the
 model's full forward with that head's columns replaced at every position; a shortcut that disagrees beyond
-:func:`~headscope.patching.check.tolerance` is given up with a warning (slower, exact), and if full forwards
-disagree too the engine raises :class:`~headscope.patching.check.EngineMismatch`.
+:func:`~headscope.patching.reference_check.tolerance` is given up with a warning (slower, exact), and if full forwards
+disagree too the engine raises :class:`~headscope.patching.reference_check.EngineMismatch`.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from torch import Tensor, nn
 
 from ..arch import UnsupportedArchitecture
 from ..models import LoadedModel
-from .check import EngineMismatch, tolerance
+from .reference_check import EngineMismatch, tolerance
 from .hooked import Edits, HookedEngine, join_hook, z_hook
 from .layer_ops import head_slice
-from .plan import RunCache
+from .pass_plan import RunCache
 
 KINDS = ("fa", "gdn")
 

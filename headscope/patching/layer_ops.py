@@ -6,7 +6,7 @@ layer as the model does: the pre-attention norm (:meth:`~LayerOps.ln1`), the pro
 (:meth:`~LayerOps.qkv`), attention with the layer's scale, window and soft-cap (:meth:`~LayerOps.attend`), the
 output projection (:meth:`~LayerOps.attn_out`), the rest of the block (:meth:`~LayerOps.post_attn`), the
 embedding and the unembedding. :class:`~headscope.patching.engine.Engine` runs them as one pass over a
-:class:`~headscope.patching.plan.Plan`; the self-check (:mod:`headscope.patching.self_check`) compares them with the
+:class:`~headscope.patching.pass_plan.Plan`; the self-check (:mod:`headscope.patching.self_check`) compares them with the
 model's own forward, layer by layer.
 
 The activation patched is TransformerLens ``hook_z`` (``[batch, pos, n_heads * d_head]``): the input of
@@ -27,7 +27,7 @@ from ..models import LoadedModel
 from . import attention
 from .linear import linear
 from .mlp import mlp_blocks, mlp_linears
-from .plan import Precision
+from .pass_plan import Precision
 
 __all__ = ["LOW_PRECISION", "LayerOps", "Positions", "Precision", "head_slice"]
 

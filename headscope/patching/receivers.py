@@ -23,7 +23,7 @@ from ..readout import (DEFAULT_LAMBDA, DEFAULT_MIN_GAP, Direction, LowPrecisionW
 from ..tasks.base import Pair, validate_pair
 from .contract import PatchingEngine, make_engine
 from .layer_ops import head_slice
-from .plan import Precision, RunCache
+from .pass_plan import Precision, RunCache
 from .schedule import Schedule, heads_by_layer
 from .self_check import load_records, save_records
 from .store import Store
@@ -43,7 +43,7 @@ class PatchResult:
     readout: the :class:`~headscope.readout.Readout` (λ, direction, min_gap) the numbers were read with.
     skipped: indices of pairs whose gap was below ``min_gap``, with the reason.
     path: the engine that ran (``"fast"`` / ``"generic"`` / ``"hybrid"``); precision: the engine's
-    :class:`~headscope.patching.plan.Precision`.
+    :class:`~headscope.patching.pass_plan.Precision`.
     """
 
     ie: Tensor
@@ -257,7 +257,7 @@ def receiver_patching(
         path: ``"auto"`` (the hybrid engine for a head-wise hybrid, else the fast engine where an architecture
             adapter exists, else the generic bridge path), ``"fast"``, ``"generic"`` or ``"hybrid"``
             (:func:`~headscope.patching.contract.make_engine`); the result's ``path`` says which ran.
-        precision: the fast engine's :class:`~headscope.patching.plan.Precision` (default: the
+        precision: the fast engine's :class:`~headscope.patching.pass_plan.Precision` (default: the
             model's dtype throughout; ``Precision("float32")``: a bf16/fp16 model's residual stream,
             norms and RoPE in float32, nearer a float32 forward); recorded in the result and the store.
 

@@ -45,7 +45,7 @@ import torch
 from scipy import stats as scipy_stats
 from torch import Tensor
 
-from ..config import ScreenConfig
+from ..rank_config import ScreenConfig
 from ..errors import HeadscopeInputError
 from ..models import LoadedModel
 from ..readout import Direction, Readout
@@ -291,7 +291,7 @@ def screen_auto(
     """Screen with AtP and layer-block probes, refine best first, then verify exactly until the top
     ``top_k`` is certified (the algorithm: :mod:`headscope.patching.screen`).
 
-    Args: ``config`` (a :class:`~headscope.config.ScreenConfig`) or its fields as keywords (``top_k``,
+    Args: ``config`` (a :class:`~headscope.rank_config.ScreenConfig`) or its fields as keywords (``top_k``,
     ``flag``, ``probe_dtype``, ``probe_margin``, ``verify_cost``, ``block``, ``atp_slack``, ``keep_bytes``);
     ``readout`` (or ``lam`` / ``direction`` / ``min_gap``); the rest as ``receiver_patching``.
 
@@ -376,7 +376,7 @@ def screen_then_verify(
         spot_checks: unverified heads measured exactly at random: count or fraction of the rest.
         seed: RNG of the spot checks.
         readout: the :class:`~headscope.readout.Readout` (or the older ``lam`` / ``direction`` / ``min_gap``).
-        screen: a :class:`~headscope.config.ScreenConfig` for ``verify="auto"`` (its ``top_k`` is capped
+        screen: a :class:`~headscope.rank_config.ScreenConfig` for ``verify="auto"`` (its ``top_k`` is capped
             at the model's head count); default from ``top_k``.
         Other arguments as :func:`~headscope.patching.receivers.receiver_patching`.
 

@@ -1,14 +1,14 @@
 """When the fast engine checks itself against the model's own forward, and what a passed check is kept for.
 
-The comparisons themselves are :mod:`headscope.patching.check` (:func:`~headscope.patching.check.model_reference`,
-:func:`~headscope.patching.check.compare`, :func:`~headscope.patching.check.compare_teacher_forced`,
-:func:`~headscope.patching.check.check_patches`). :class:`SelfCheck` runs them for one
+The comparisons themselves are :mod:`headscope.patching.reference_check` (:func:`~headscope.patching.reference_check.model_reference`,
+:func:`~headscope.patching.reference_check.compare`, :func:`~headscope.patching.reference_check.compare_teacher_forced`,
+:func:`~headscope.patching.reference_check.check_patches`). :class:`SelfCheck` runs them for one
 :class:`~headscope.patching.engine.Engine`: a short prompt when the engine is built, the first prompt of every
 length beyond the longest checked (that prompt's own pass is the engine side of the comparison, so the check costs
 one forward of the model), and a patched row against a hooked forward on the first pair of every new length.
 
 A check that passed is kept, by :class:`CheckRecord`, per model and per *what the check verified*: the engine's
-kind, the model's dtype, the :class:`~headscope.patching.plan.Precision`, and everything the adapter read from the
+kind, the model's dtype, the :class:`~headscope.patching.pass_plan.Precision`, and everything the adapter read from the
 model (each layer's parts: scale, window, soft-cap, RoPE kind, norms, block shape, ...; :func:`assumptions`).
 Another engine of the same model that reads the same parts (the exact engine after the screen's, the next call of
 :func:`headscope.rank`) reuses it, so each check runs once per (model, dtype, length) in a process; an engine whose
@@ -33,12 +33,12 @@ from torch import Tensor, nn
 
 from ..arch import Proj, unwrap
 from ..runtime import __version__
-from . import check
-from .plan import Plan
+from . import reference_check as check
+from .pass_plan import Plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine
-    from .plan import RunCache
+    from .pass_plan import RunCache
     from .store import Store
 
 __all__ = ["CheckRecord", "SelfCheck", "assumptions", "load_records", "records", "save_records", "seconds_spent"]
@@ -240,11 +240,11 @@ class SelfCheck:
     def run(self, n_tokens: int = BUILD_TOKENS, tol: float | None = None, ids: Tensor | None = None) -> float:
         """A prompt through the engine and through the model's own forward (in the model's dtype, on its device;
         dynamic RoPE as freshly built), now; every layer's attention output, layer output and the logits must
-        agree to ``tol`` (default :func:`~headscope.patching.check.tolerance` of the dtype), relative to the
+        agree to ``tol`` (default :func:`~headscope.patching.reference_check.tolerance` of the dtype), relative to the
         activations' scale. The engine's sliding windows are first set from the masks the model passes to its
-        layers (:func:`~headscope.patching.check.model_reference`). In float32 and float64 the engine's own pass is
-        compared (:func:`~headscope.patching.check.compare`); in bfloat16 and float16 each layer is computed from
-        the model's own input to it (:func:`~headscope.patching.check.compare_teacher_forced`), so the two
+        layers (:func:`~headscope.patching.reference_check.model_reference`). In float32 and float64 the engine's own pass is
+        compared (:func:`~headscope.patching.reference_check.compare`); in bfloat16 and float16 each layer is computed from
+        the model's own input to it (:func:`~headscope.patching.reference_check.compare_teacher_forced`), so the two
         forwards' rounding does not accumulate over depth and length.
 
         Args:
@@ -276,7 +276,7 @@ class SelfCheck:
     def patches(self, ids: Int[Tensor, "pos"], base: "RunCache", src: "RunCache", start: int,
                 read: Sequence[int]) -> float:
         """A patched row against the model's forward with a hook_z patch
-        (:func:`~headscope.patching.check.check_patches`), once per new prompt length for this model and these
+        (:func:`~headscope.patching.reference_check.check_patches`), once per new prompt length for this model and these
         assumptions; 0.0 when checked before or checks are off.
 
         Raises:

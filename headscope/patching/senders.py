@@ -37,9 +37,9 @@ from ..tasks.base import Pair
 from .contract import PlanEngine
 from .engine import Engine
 from .layer_ops import head_slice
-from .plan import RunCache
+from .pass_plan import RunCache
 from .attention import attend
-from .plan import LayerCtx, Plan
+from .pass_plan import LayerCtx, Plan
 from .receivers import PatchResult, check_pairs, finish, hash_pair, sequences
 from .store import Store
 

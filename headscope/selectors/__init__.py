@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import HeadscopeInputError
 from ..models import load_model
-from ..registry import Registry
+from ..plugin_registry import Registry
 from ..validate import check_choice, check_int, check_real, is_int
 
 #: method name -> "module:function" (imported on first use)

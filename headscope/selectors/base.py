@@ -21,7 +21,7 @@ from ..runtime import __version__
 from ..models import LoadedModel
 from ..patching.attention import visible
 from ..patching.contract import PlanEngine
-from ..patching.plan import Plan
+from ..patching.pass_plan import Plan
 from ..readout import read_positions
 from ..scores import Ranking
 from ..tasks import niah_single

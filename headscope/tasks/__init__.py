@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from ..errors import HeadscopeInputError
-from ..registry import Registry
+from ..plugin_registry import Registry
 from .base import Pair, PairError, validate_pair
 from .filler import Filler
 from .induction import induction

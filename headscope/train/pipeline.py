@@ -189,7 +189,7 @@ def convert_stage(
 
     Raises:
         HeadscopeInputError (a ValueError), before any text is sampled or a student built (see
-        :func:`headscope.train.checks.check_stage_inputs`): a config of another stage; bad data
+        :func:`headscope.train.stage_checks.check_stage_inputs`): a config of another stage; bad data
         settings (unknown retrieval task, a missing corpus, too little text for a batch); no finished
         ``out_dir/stage{stage-1}/`` for stages 2 and 3 (InputFileNotFoundError); ``resume`` without a
         checkpoint (InputFileNotFoundError), a checkpoint without ``resume`` (InputFileExistsError), a
@@ -197,7 +197,7 @@ def convert_stage(
     """
     import shutil
 
-    from .checks import check_stage_inputs
+    from .stage_checks import check_stage_inputs
     from .model_folder import save_model_folder
 
     out = Path(out_dir)

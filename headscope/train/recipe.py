@@ -288,7 +288,7 @@ def check_convert_dir(out: Any, recipe: Any, stages: tuple[int, ...], resume: bo
 
     from ..validate import check_out_dir
     from ..errors import InputFileExistsError, InputFileNotFoundError
-    from .checks import check_stage, check_stage_files
+    from .stage_checks import check_stage, check_stage_files
     from .model_folder import is_model_folder
     from .parallel import find_checkpoint
 

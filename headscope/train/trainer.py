@@ -115,7 +115,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """Raises HeadscopeInputError (a ValueError) for a stage other than 1-3, a count / rate <= 0 or a
         ``data_parallel`` other than None, "replicate", "fsdp"."""
-        from .checks import check_stage
+        from .stage_checks import check_stage
 
         check_stage(self.stage)
         if self.tokens < 1 or self.batch_size < 1 or self.lr <= 0:

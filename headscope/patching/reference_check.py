@@ -42,7 +42,7 @@ from ..arch import UnsupportedArchitecture, attention_out_module, decoder_layers
 from ..arch.rope_state import fresh_rope
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .plan import RunCache
+    from .pass_plan import RunCache
 
 FIX = "pass path='generic' (CLI --path generic) to patch through the TransformerLens bridge's hooks"
 
