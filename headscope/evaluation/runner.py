@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -321,7 +322,8 @@ def run_eval(cfg: EvalConfig, progress: bool = True, log: Callable[[str], None] 
                 continue
             bar.set_description(name)
             res = evaluate_suite(model_of(spec), tok, name, seed, tokens, cfg.suite, out / "cells", filler=filler,
-                                 cache_dir=out / "prompts", log=bar.write, progress=bar.update, compress=True,
+                                 cache_dir=out / "prompts", log=lambda m: tqdm.write(m, file=sys.stderr),
+                                 progress=bar.update, compress=True,
                                  extra_config=extra)
             stored[name] = res["done"]
             if spec != cfg.model:
