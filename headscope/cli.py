@@ -250,8 +250,8 @@ over five seeds); the stage-2 retrieval mix lifted seed 4 from 0.98 / 0.91 / 0.8
 0.99 / 0.97; FA heads with RoPE instead of NoPE fell to 0.56 at 4K against 0.76 (50M, p = 1.9e-6).
 docs/conversion.md gives each default with its figure.
 
-On a CPU use a small budget, e.g. `--tokens 200K --seq-len 256 --long-len 512 --batch-size 8
---batch-long 4 --docs 96 --doc-len 256`. Every argument, the mask against the teacher's config, the
+On a CPU use a small budget, e.g. `--tokens 10K --seq-len 128 --long-len 256 --batch-size 4
+--batch-long 2 --docs 16 --doc-len 64` (a few minutes; one thread per process on a shared machine). Every argument, the mask against the teacher's config, the
 conversion folder (its recipe.json, finished stages, checkpoints) are checked before the teacher loads
 (errors: one line, exit code 2). Data parallel: --devices N (or torchrun)."""
 
