@@ -142,7 +142,9 @@ def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
 def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, smol_tokenizer):
     """experiments/gpu_conversion.sh with both "devices" on the CPU and tiny settings: plan, two sampling
     shards, the teacher's cells beside them, pack, three queues (main masks, teacher, ablation) and the report; a
-    second run does nothing."""
+    second run does nothing. Smallest settings: each shard is one sampling batch (SAMPLE_BATCH 24 >= its
+    documents), and the main models' budget is the smallest whose stage 3 is still one step (1,024 tokens: 2 + 9 + 1
+    steps)."""
     import os
     import subprocess
     import sys
@@ -155,8 +157,8 @@ def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, smol_tokenizer):
     HeadMask.from_heads([(0, 0), (1, 2)], 2, 4, 2).to_json(tmp_path / "mask.json")
     out = tmp_path / "conv"
     env = {**os.environ, "MODEL": str(model), "CONV_OUT": str(out), "MASK": str(tmp_path / "mask.json"),
-           "DEV0": "cpu", "DEV1": "cpu", "TOKENS": "2048", "ABL_TOKENS": "1024", "EVAL_N": "2", "SAMPLE_S": "1000",
-           "SAMPLE_BATCH": "8", "SAMPLE_MAX_DOCS": "16,24", "HELDOUT_DOCS": "4", "WARMUP": "", "PYTHON": sys.executable,
+           "DEV0": "cpu", "DEV1": "cpu", "TOKENS": "1024", "ABL_TOKENS": "1024", "EVAL_N": "2", "SAMPLE_S": "1000",
+           "SAMPLE_BATCH": "24", "SAMPLE_MAX_DOCS": "16,24", "HELDOUT_DOCS": "4", "WARMUP": "", "PYTHON": sys.executable,
            "SAMPLE_ARGS": "--doc-len 40", "EARLY_TEACHER": "1", "DEV2": "cpu",
            "JOBS0": "hydrahead,layerwise3,abl0_base", "JOBS1": "layerwise,random,teacher,abl1_fa_nope",
            "JOBS2": "abl2_gdn_rope,abl3_fa_gate",
@@ -172,6 +174,7 @@ def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, smol_tokenizer):
     assert [x.split("] ")[1] for x in steps].count("done") == 2 and sum("sample on" in x for x in steps) == 1
     info = json.loads((out / "data" / "info.json").read_text())
     assert info["docs_per_shard"] == [16, 24]
+    assert [(out / "logs" / f"sample{k}.log").read_text().count(" docs, batch ") for k in (0, 1)] == [1, 1]
     table = pd.read_csv(out / "results.csv")
     jobs = ["hydrahead", "layerwise3", "abl0_base", "abl2_gdn_rope", "layerwise", "random", "teacher", "abl1_fa_nope",
             "abl3_fa_gate"]
