@@ -183,7 +183,7 @@ def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, smol_tokenizer):
     hyd = table.set_index("model").loc["hydrahead"]
     assert [hyd[f"tokens{k}"] for k in (1, 2, 3)] == [s["tokens1"], s["tokens2"], s["tokens3"]]
     # the evaluation prompts were built once, by the `pairs` step, one file per (task, length, n)
-    assert sorted(p.name for p in (out / "eval_pairs").glob("*.pt")) == ["niah_single@192_n2_s1234.pt"]
+    assert sorted(p.name for p in (out / "eval_pairs").iterdir()) == ["niah_single@192_n2_s1234.json.gz"]
     assert "1 prompt sets" in (out / "logs" / "pairs.log").read_text()
     # the teacher's cells ran beside the sampling (no held-out data yet); its queue added the perplexity
     assert "retrieval cells done" in (out / "logs" / "teacher_early.log").read_text()
