@@ -50,6 +50,7 @@ from headscope.hybrid.attn import flash_attn_available, flash_attn_usable
 from headscope.hybrid.inference.kernels import splitk
 from headscope.hybrid.inference.graphs import capture as capture_graph, warm_up
 from headscope.hybrid.gdn import fla_available, gdn_chunked_torch, gated_delta_rule
+from headscope.hybrid.backends import replace_all
 from headscope.masks import HeadMask
 
 from bench_timing import configured, parse_variant, time_ms, variant_config
@@ -331,7 +332,7 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
             r["prefill_peak_bytes"] = max(r["prefill_peak_bytes_first_call"], r["prefill_peak_bytes_steady"])
         if name == "hybrid" and before:
             # the layer before the lean path (its default low-memory path)
-            with configured([mod], replace(config, fast_path="never")):
+            with configured([mod], replace_all(config, "reference")):
                 r["prefill_peak_bytes_before"] = _peak_bytes(call, dev)
                 r["prefill_ms_before"] = _time(call, dev, reps)
                 ref_before = call()
@@ -665,7 +666,7 @@ def main(argv=None):
     lengths = [64, 128] if a.smoke else a.lengths
     eager_reps = 3 if a.smoke else a.eager_reps
     # the layers' InferenceConfig: the defaults, with the lean path on CPU too for --smoke (eager glue)
-    config = variant_config({"gdn_block_tokens": a.gdn_block, **({"fast_path": "always"} if a.smoke else {})})
+    config = variant_config({"gdn_block_tokens": a.gdn_block, **({"prefill": "lean", "decode": "lean"} if a.smoke else {})})
     results = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
                "dtype": str(dtype), "gdn_kernel": gdn_kernel, "fa_kernel": fa_kernel, "batch": 1,
                "layer_path": "lean (hybrid/lean.py): fused projection, compiled glue, SDPA + one GDN call per block",

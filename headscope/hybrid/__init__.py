@@ -8,7 +8,7 @@ from .gdn import fla_available, gated_delta_rule, gdn_chunked_torch, gdn_naive, 
 from .cache import HybridCache
 from .kv import kv_cache_report, kv_cache_report_for
 from .layer import HeadwiseHybridAttention, HybridDecodeCache
-from .inference import dispatch as _dispatch  # noqa: F401  (the layers' fast paths: inference/dispatch.py)
+from .backends import backends
 from .inference import InferenceConfig, inference_config, use_inference
 from .inference.decoder import StaticDecoder
 
@@ -19,6 +19,7 @@ __all__ = [
     "HybridOptions",
     "InferenceConfig",
     "StaticDecoder",
+    "backends",
     "LayerSpec",
     "HybridLlamaConfig",
     "HybridLlamaForCausalLM",

@@ -42,6 +42,7 @@ from .modeling_hybrid import (
     decoder_layers,
 )
 from .layer import _HeadRMSNorm
+from .inference.config import use_inference
 
 HYBRID_CLASSES = tuple(m for _, m in FAMILIES.values())
 
@@ -259,6 +260,7 @@ def hybridize(
     if getattr(model, "generation_config", None) is not None:
         hybrid.generation_config = model.generation_config
     hybrid.train(model.training)
+    use_inference(hybrid)  # the fast backends the default InferenceConfig chooses
     return hybrid
 
 

@@ -39,7 +39,6 @@ architecture adapter at conversion (:func:`headscope.hybrid.hybridize`).
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any, Optional, Sequence
 
 import torch
@@ -162,7 +161,7 @@ class HeadwiseHybridAttention(nn.Module):
             bias = bool(getattr(config, "attention_bias", False))
             spec = LayerSpec(q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, qk_norm="rms" if qk_norm else None)
         self.spec = spec
-        self.plain = spec.plain(d)
+        self.backends: Any = None  # fast implementations attached by headscope (headscope.hybrid.use_inference)
         if H % self.n_kv_heads:
             raise ValueError(f"num_attention_heads={H} is not a multiple of num_key_value_heads={self.n_kv_heads}")
         rep = H // self.n_kv_heads
@@ -356,8 +355,6 @@ class HeadwiseHybridAttention(nn.Module):
         past_key_values: Any = None,
         position_ids: Optional[Tensor] = None,
         layer_past: Any = None,
-        defer_out: bool = False,
-        projected: Optional[Tensor] = None,
         **kwargs: Any,
     ) -> tuple[Float[Tensor, "batch time hidden"], None]:
         """Hybrid attention output (before the residual add), same contract as the teacher's module.
@@ -372,21 +369,12 @@ class HeadwiseHybridAttention(nn.Module):
                 ``model(ids)`` and ``generate`` pass), a :class:`HybridDecodeCache`, or None.
             position_ids: [batch, time] absolute positions (for the NoPE coefficient); default counts
                 from the cache length.
-            defer_out: a decode step on the lean path's one-launch step returns a
-                :class:`~headscope.hybrid.inference.decode.DeferredOutput` in place of the output (its o_proj — and, for rows
-                the launch does not combine, the split-K combination — left to
-                :func:`~headscope.hybrid.inference.kernels.layer_tail.layer_tail`; ``StaticDecoder``'s tail kernel); other paths ignore
-                it.
-            projected: the lean path's input projection of the (normalized) hidden states, already computed
-                ([batch, time, rows of ``inference.plan.plan(self).W``]; the layer tail before computes it); hidden_states then
-                give only shape, dtype and device.
-
         Returns:
             (output [batch, time, hidden], None) — no attention weights are returned.
 
         Raises:
-            ValueError: missing position embeddings, ``gdn_kernel='fla'`` on a non-CUDA device, ``projected``
-                where the lean path does not run or of the wrong shape, a cache of another type.
+            ValueError: missing position embeddings, ``gdn_kernel='fla'`` on a non-CUDA device, a cache of
+                another type.
         """
         cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
         if isinstance(cache, HybridCache):  # the model's transformers Cache: this layer's preallocated slot
@@ -395,18 +383,10 @@ class HeadwiseHybridAttention(nn.Module):
             raise ValueError(f"a hybrid layer keeps its cache in a HybridCache, not a {type(cache).__name__}: call the "
                              "model's forward / generate (they make one), or pass HybridCache(model.config) or the "
                              "layer's new_decode_cache(batch, max_len)")
-        # the fast paths, once headscope is imported; only for a plain layer (LayerSpec.plain) they compute
-        fast = sys.modules.get("headscope.hybrid.inference.dispatch") if self.plain else None
-        out = None if fast is None else fast.fast_forward(self, hidden_states, position_embeddings, attention_mask,
-                                                           cache, position_ids, defer_out, projected)
-        if out is not None:
-            return out, None
-        if projected is not None:
-            raise ValueError("projected= needs the lean path (no gradient, no attention mask, a decode cache or none, "
-                             "weights in the input's dtype): pass the normalized hidden states instead")
-        if getattr(cache, "pos", None) is not None:
-            raise ValueError("device-position decoding (cache.pos) runs on the lean path only: no gradient, no "
-                             "attention mask, weights in the input's dtype, InferenceConfig.fast_path not \"never\" (CPU: \"always\")")
+        if self.backends is not None:  # the fast backends headscope attached (None in a process without it)
+            out = self.backends(self, hidden_states, position_embeddings, attention_mask, cache, position_ids)
+            if out is not None:
+                return out, None
         B, T, _ = hidden_states.shape
         d, x = self.head_dim, hidden_states
         opts = self.options

@@ -228,6 +228,7 @@ def _hybrid_classes(family: str, config_base: type, model_base: type) -> tuple[t
 
     def __init__(self: Any, config: Any) -> None:
         model_base.__init__(self, config)
+        self.backends = None  # headscope's fast backends, attached by headscope.hybrid.use_inference
         install_hybrid_attention(self)
         self.base_model.register_forward_pre_hook(_base_model_cache_hook, with_kwargs=True)
 
@@ -239,9 +240,8 @@ def _hybrid_classes(family: str, config_base: type, model_base: type) -> tuple[t
         cache = hybrid_cache_for(self, cache, self.config.use_cache if use_cache is None else use_cache)
         if cache is not None:
             kwargs[key] = cache
-        fast = sys.modules.get("headscope.hybrid.inference.dispatch")
-        if fast is not None and isinstance(cache, HybridCache) and not args:
-            out = fast.model_forward(self, input_ids, cache, kwargs)
+        if self.backends is not None and isinstance(cache, HybridCache) and not args:  # headscope's captured decode
+            out = self.backends(self, input_ids, cache, kwargs)
             if out is not None:
                 return out
         return model_base.forward(self, input_ids, *args, **kwargs)

@@ -7,13 +7,22 @@ process can differ, and a benchmark records its choices as data (``dataclasses.a
 the variants that lost and were removed, and the measurements behind each default).
 
     from dataclasses import replace
-    use_inference(model, replace(InferenceConfig(), fast_path="always"))   # e.g. the lean path on CPU (tests)
+    use_inference(model, replace(InferenceConfig(), prefill="lean", decode="lean"))   # e.g. the lean path on CPU
+
+Which implementation computes each role of a call (training step, prefill, decode step, captured decode) is named by
+the config's role fields and looked up in the backend registry (``headscope/hybrid/backends.py``); the chosen
+backends attach to the model's layers as a :class:`LayerBackends` (``layer.backends``) and to the model as a
+:class:`ModelBackends` (``model.backends``), which the saved modeling code calls when they are set.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+import torch
+
+from .. import backends as registry
 
 _WHERE = ("cuda", "always", "never")
 _DECODE_GRAPHS = ("all", "static", "never")
@@ -24,8 +33,12 @@ class InferenceConfig:
     """The fast paths' choices (all validated on construction).
 
     Attributes:
-        fast_path: where a hybrid layer takes the lean path (no gradient, no mask, no cache or a decode cache):
-            ``"cuda"`` on CUDA tensors, ``"always"`` on every device (CPU tests), ``"never"``.
+        train, prefill, decode, captured_decode: the backend of each role (``headscope.hybrid.backends()``):
+            a registered name, or ``"auto"`` — the fastest that applies to the layer (or model) on the call's device
+            (on CUDA: ``fused`` / ``lean`` / ``lean`` / ``graph`` for Llama, Qwen2, Qwen3, GPT-NeoX layers; on CPU
+            the reference); ``"reference"``: the saved modeling code's forward. A named backend that does not apply
+            raises :class:`~headscope.HeadscopeInputError` (in :func:`use_inference`, or at the first call on
+            another device / dtype).
         compile_glue: ``torch.compile`` the lean path's elementwise glue on CUDA (eager elsewhere).
         gdn_block_tokens: batch × time tokens per GDN kernel call in a prefill; None: the automatic rule
             (``gdn_block_work`` eagerly, ``tokens // gdn_graph_block_divisor`` under a CUDA graph).
@@ -57,7 +70,10 @@ class InferenceConfig:
         ValueError: a field outside its allowed values (named in the message).
     """
 
-    fast_path: str = "cuda"
+    train: str = "auto"
+    prefill: str = "auto"
+    decode: str = "auto"
+    captured_decode: str = "auto"
     compile_glue: bool = True
     gdn_block_tokens: Optional[int] = None
     gdn_block_work: int = 1 << 31
@@ -76,9 +92,11 @@ class InferenceConfig:
     decode_graphs: str = "all"
 
     def __post_init__(self) -> None:
-        for name in ("fast_path", "eager_gdn_graphs"):
-            if getattr(self, name) not in _WHERE:
-                raise ValueError(f"InferenceConfig.{name} must be one of {_WHERE}; got {getattr(self, name)!r}")
+        for name in registry.ROLES:
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"InferenceConfig.{name} must be a backend name or 'auto'; got {getattr(self, name)!r}")
+        if self.eager_gdn_graphs not in _WHERE:
+            raise ValueError(f"InferenceConfig.eager_gdn_graphs must be one of {_WHERE}; got {self.eager_gdn_graphs!r}")
         if self.decode_graphs not in _DECODE_GRAPHS:
             raise ValueError(f"InferenceConfig.decode_graphs must be one of {_DECODE_GRAPHS}; got {self.decode_graphs!r}")
         for f in fields(self):
@@ -102,26 +120,134 @@ class InferenceConfig:
 
 
 DEFAULT = InferenceConfig()
-_ATTR = "_headscope_inference"
+
+
+def _needs(features: frozenset, w: torch.Tensor) -> registry.Needs:
+    return registry.Needs(features, str(w.dtype).removeprefix("torch."), w.device.type)
+
+
+class LayerBackends:
+    """A hybrid layer's backends (``layer.backends``, set by :func:`use_inference`): the config, the layer's
+    :data:`~headscope.hybrid.backends.FEATURES`, the backend chosen per (role, device, dtype), and the fast paths'
+    per-layer state (``plan``: the inference plan; ``train_index``: the fused training step's index tensors)."""
+
+    def __init__(self, config: InferenceConfig, features: frozenset):
+        self.config, self.features = config, features
+        self.plan: Any = None
+        self.train_index: Any = None
+        self._chosen: dict = {}
+
+    def backend(self, layer: Any, role: str, w: torch.Tensor) -> registry.Backend:
+        """The backend of ``role`` for the layer with parameters like ``w`` (dtype, device; memoized).
+
+        Raises:
+            HeadscopeInputError: the config names a backend that does not apply to this layer."""
+        key = (role, w.device.type, w.dtype)
+        b = self._chosen.get(key)
+        if b is None:
+            b = self._chosen[key] = registry.select(role, getattr(self.config, role), _needs(self.features, w),
+                                                    f" to layer {layer.layer_idx}")
+        return b
+
+    def fn(self, layer: Any, role: str) -> Optional[Callable]:
+        """The function of ``role``'s backend for the layer's current parameters (None: the reference forward)."""
+        return self.backend(layer, role, layer.q_proj.weight).fn()
+
+    def __call__(self, layer: Any, x: torch.Tensor, position_embeddings: Any, attention_mask: Any, cache: Any,
+                 position_ids: Any) -> Any:
+        """The layer's output from its backend for this call's role, or None (the reference forward computes it):
+        a layer whose ``o_proj`` has hooks runs the reference (the fast paths apply o_proj's weights directly)."""
+        if layer.o_proj._forward_pre_hooks or layer.o_proj._forward_hooks:
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or layer.q_proj.weight.requires_grad):
+            if cache is not None or attention_mask is not None or position_embeddings is None:
+                return None
+            fn = self.fn(layer, "train")
+            return None if fn is None else fn(layer, x, *position_embeddings, position_ids)
+        if attention_mask is not None or not inference_call(layer, x):
+            return None
+        fn = self.fn(layer, "decode" if cache is not None and x.shape[1] == 1 else "prefill")
+        return None if fn is None else fn(layer, x, position_embeddings, position_ids, cache)
+
+
+def inference_call(layer: Any, x: torch.Tensor) -> bool:
+    """Whether a call can take an inference backend: no gradient needed, [batch, time, hidden] input in the
+    weights' dtype and device, no autocast."""
+    w = layer.q_proj.weight
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return False
+    if x.dim() != 3 or w.dtype != x.dtype or w.device != x.device:
+        return False
+    return not torch.is_autocast_enabled(x.device.type)
+
+
+class ModelBackends:
+    """A hybrid causal LM's ``captured_decode`` backend (``model.backends``, set by :func:`use_inference`)."""
+
+    def __init__(self, config: InferenceConfig, features: frozenset):
+        self.config, self.features = config, features
+        self._chosen: dict = {}
+
+    def backend(self, w: torch.Tensor) -> registry.Backend:
+        key = (w.device.type, w.dtype)
+        if key not in self._chosen:
+            self._chosen[key] = registry.select("captured_decode", self.config.captured_decode,
+                                                _needs(self.features, w), " to this model")
+        return self._chosen[key]
+
+    def __call__(self, model: Any, input_ids: Any, cache: Any, kwargs: dict) -> Any:
+        fn = self.backend(next(model.parameters())).fn()
+        return None if fn is None else fn(model, input_ids, cache, kwargs)
 
 
 def inference_config(module: Any) -> InferenceConfig:
-    """The :class:`InferenceConfig` a model or hybrid layer runs with (:data:`DEFAULT` unless set by
-    :func:`use_inference`)."""
-    return module.__dict__.get(_ATTR, DEFAULT)
+    """The :class:`InferenceConfig` a model or hybrid layer runs with (:data:`DEFAULT` where none is attached)."""
+    b = getattr(module, "backends", None)
+    return b.config if isinstance(b, (LayerBackends, ModelBackends)) else DEFAULT
 
 
-def use_inference(model: Any, config: InferenceConfig) -> InferenceConfig:
-    """Choose the fast paths' configuration of ``model`` (a hybrid model, or one hybrid layer): stored on the model
-    and on every module with a hybrid layer's decode cache, which read it at run time. Returns ``config``.
+def _partial_rotary(config: Any) -> bool:
+    return any(float(getattr(config, k, None) or 1.0) < 1.0 for k in ("rotary_pct", "partial_rotary_factor"))
+
+
+def _llama_form(model: Any) -> bool:
+    """Whether the model's decoder layers are Llama-form (input norm → attention → residual → norm → MLP →
+    residual; what ``StaticDecoder`` computes)."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or not all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "norm")):
+        return False
+    return all(hasattr(getattr(l, "self_attn", None), "new_decode_cache") and not hasattr(l, "pre_feedforward_layernorm")
+               and all(hasattr(l, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp")) for l in layers)
+
+
+def use_inference(model: Any, config: InferenceConfig = DEFAULT) -> InferenceConfig:
+    """Attach the backends ``config`` chooses to ``model`` (a hybrid model, or one hybrid layer): a
+    :class:`LayerBackends` on every hybrid layer, a :class:`ModelBackends` on a hybrid causal LM. Every role is
+    resolved once for the parameters' current device and dtype, so a backend that does not apply is refused here.
+    Returns ``config``.
 
     Raises:
         TypeError: ``config`` is not an InferenceConfig.
+        HeadscopeInputError: a role names a backend that is not registered or does not apply (named, with the fix).
     """
     if not isinstance(config, InferenceConfig):
         raise TypeError(f"want an InferenceConfig, got {type(config).__name__}; build one with "
                         "dataclasses.replace(InferenceConfig(), ...)")
-    for m in model.modules():
-        if m is model or hasattr(m, "new_decode_cache"):
-            m.__dict__[_ATTR] = config
+    partial = _partial_rotary(getattr(model, "config", None))
+    layers = [m for m in model.modules() if hasattr(m, "new_decode_cache")]
+    attached = [LayerBackends(config, registry.layer_needs(m, partial)) for m in layers]
+    for m, b in zip(layers, attached):
+        for role in ("train", "prefill", "decode"):
+            b.backend(m, role, m.q_proj.weight)
+    step = None
+    if "backends" in getattr(model, "__dict__", {}) and not hasattr(model, "new_decode_cache"):
+        feats = frozenset().union(*(b.features for b in attached)) | (
+            frozenset() if _llama_form(model) else {"other_decoder_layer"})
+        step = ModelBackends(config, feats)
+        step.backend(next(model.parameters()))
+    for m, b in zip(layers, attached):
+        m.backends = b
+    if step is not None:
+        model.backends = step
     return config

@@ -17,9 +17,9 @@ This path computes the same function with:
 - only tensor indices and integer head counts read inside, so every layer with the same head counts
   shares one compiled graph (Dynamo guards on the counts, not on which heads).
 
-It is taken when the layer has been prepared (:func:`prepare_fast`, done by the fast training step),
-gradients are on, there is no cache and no attention mask, and the layer has no short convolution;
-otherwise the plain forward runs. The numbers equal the plain forward's up to the summation order of
+It is the ``fused`` backend of the ``train`` role (``headscope/hybrid/backends.py``): taken where the model's
+InferenceConfig chooses it (``train="fused"``, or ``"auto"`` on CUDA), gradients are on and there is no cache and no
+attention mask; otherwise the plain forward runs. The numbers equal the plain forward's up to the summation order of
 the fused GEMM (tested on CPU in fp32).
 """
 
@@ -47,42 +47,35 @@ def _gdn_call(q, k, v, g, beta, scale, kernel, chunk_size):
     return gated_delta_rule(q, k, v, g, beta, scale=scale, kernel=kernel, chunk_size=chunk_size)[0]
 
 
-def prepare_fast(layer: "HeadwiseHybridAttention", device: Optional[torch.device] = None) -> None:
-    """Build the index tensors of the fast path on ``device`` (default: the layer's) and enable it.
+class TrainIndex:
+    """The fused training step's index tensors of one layer on one device (``LayerBackends.train_index``):
+    ``rows`` (Long[H·d]: q_proj rows / o_proj columns in (FA, GDN) head order), ``heads`` (Long[H]: the head order,
+    for γ), ``fa_kv`` (Long[n_fa]: kept KV group of each FA head; used only when the FA heads are spread unevenly
+    over their groups), ``counts`` (n_fa, n_gdn, n_keep as plain ints: Dynamo guards on their values only, not on
+    which heads) and ``fa_kernel``."""
 
-    Sets plain attributes (not buffers: nothing enters the state dict): ``_fast_counts`` (n_fa, n_gdn,
-    n_keep), ``_fast_rows`` (Long[H·d]: q_proj rows / o_proj columns in (FA, GDN) head order),
-    ``_fast_heads`` (Long[H]: the head order, for γ) and ``_fast_fa_kv`` (Long[n_fa]: kept KV group of
-    each FA head; used only when the FA heads are spread unevenly over their groups).
-    """
+    def __init__(self, layer: "HeadwiseHybridAttention", device: torch.device):
+        d = layer.head_dim
+        order = list(layer.fa_heads) + list(layer.gdn_heads)
+        self.rows = torch.tensor([h * d + i for h in order for i in range(d)], dtype=torch.long, device=device)
+        self.heads = torch.tensor(order, dtype=torch.long, device=device)
+        self.fa_kv = torch.tensor(layer._index_lists["fa_kv"] or [0], dtype=torch.long, device=device)
+        self.counts = (len(layer.fa_heads), len(layer.gdn_heads), len(layer.kv_keep))
+        fa = layer.options.fa_kernel
+        self.fa_kernel = "sdpa" if fa == "auto" and not flash_attn_available() else fa
+
+
+def train_index(layer: "HeadwiseHybridAttention", device: Optional[torch.device] = None) -> TrainIndex:
+    """The layer's :class:`TrainIndex` on ``device`` (default: the layer's), built once and kept in
+    ``layer.backends`` (a compiled step builds it before capture: ``headscope.train.fast``)."""
     device = layer.q_proj.weight.device if device is None else torch.device(device)
-    d = layer.head_dim
-    order = list(layer.fa_heads) + list(layer.gdn_heads)
-    layer._fast_rows = torch.tensor([h * d + i for h in order for i in range(d)], dtype=torch.long, device=device)
-    layer._fast_heads = torch.tensor(order, dtype=torch.long, device=device)
-    layer._fast_fa_kv = torch.tensor(layer._index_lists["fa_kv"] or [0], dtype=torch.long, device=device)
-    # head counts as plain ints: Dynamo guards on their values only, not on which heads
-    layer._fast_counts = (len(layer.fa_heads), len(layer.gdn_heads), len(layer.kv_keep))
-    fa = layer.options.fa_kernel
-    layer._fast_fa_kernel = "sdpa" if fa == "auto" and not flash_attn_available() else fa
-
-
-def unprepare_fast(layer: "HeadwiseHybridAttention") -> None:
-    """Turn the fast path off again (the plain forward runs)."""
-    for name in ("_fast_rows", "_fast_heads", "_fast_fa_kv", "_fast_fa_kernel", "_fast_counts"):
-        layer.__dict__.pop(name, None)
-
-
-def fast_ready(layer: "HeadwiseHybridAttention", x: Tensor) -> bool:
-    """True when the fast path applies to this call (prepared on x's device, gradients on, no short
-    convolution); the caller checks that there is no cache and no attention mask."""
-    rows = layer.__dict__.get("_fast_rows")
-    return (
-        rows is not None
-        and torch.is_grad_enabled()
-        and layer.gdn_conv is None
-        and rows.device == x.device
-    )
+    held = layer.backends
+    ix = held.train_index if held is not None else None
+    if ix is None or ix.rows.device != device:
+        ix = TrainIndex(layer, device)
+        if held is not None:
+            held.train_index = ix
+    return ix
 
 
 def _l2norm(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -99,7 +92,8 @@ def fast_forward(
     """The layer's output (before the residual add) on a fresh sequence, without cache or mask.
 
     Args:
-        layer: a prepared :class:`HeadwiseHybridAttention` (:func:`prepare_fast`).
+        layer: a :class:`HeadwiseHybridAttention` (the ``fused`` train backend: LayerSpec features of Llama, Qwen2,
+            Qwen3, GPT-NeoX; no short convolution).
         x: the layer's normalized input.
         cos, sin: rotary tables [batch or 1, time, d] (None only when no branch uses RoPE).
         position_ids: absolute positions for the NoPE coefficient (default 0..time-1).
@@ -109,10 +103,11 @@ def fast_forward(
     """
     B, T, _ = x.shape
     d, H, opts = layer.head_dim, layer.n_heads, layer.options
-    n_fa, n_gdn, n_keep = layer._fast_counts
+    ix = train_index(layer, x.device)
+    n_fa, n_gdn, n_keep = ix.counts
     if cos is not None and cos.shape[0] != B:
         cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
-    rows = layer._fast_rows
+    rows = ix.rows
 
     # ---- one input GEMM over every projection of the layer
     parts = [(layer.q_proj, rows, 1)]
@@ -145,9 +140,9 @@ def fast_forward(
             pos = position_ids if position_ids is not None else torch.arange(T, device=x.device)[None]
             q_fa = q_fa * nope_log_scale(pos.expand(B, T), opts.nope_a)[..., None, None].to(q_fa.dtype)
         if not layer._fa_gqa:
-            k, v = k.index_select(2, layer._fast_fa_kv), v.index_select(2, layer._fast_fa_kv)
+            k, v = k.index_select(2, ix.fa_kv), v.index_select(2, ix.fa_kv)
         o = fa_attention(q_fa, k.transpose(1, 2), v.transpose(1, 2), layer.scaling, causal=True,
-                         kernel=layer._fast_fa_kernel)
+                         kernel=ix.fa_kernel)
         if layer.g_proj is not None:
             o = o * torch.sigmoid(z[i].view(B, T, n_fa, d))
             i += 1
@@ -179,6 +174,6 @@ def fast_forward(
     if layer.gamma is not None:
         yf = y.float()
         yf = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + opts.norm_eps)
-        y = (layer.gamma.index_select(0, layer._fast_heads).float() * yf).to(y.dtype)
+        y = (layer.gamma.index_select(0, ix.heads).float() * yf).to(y.dtype)
     w_o = layer.o_proj.weight.index_select(1, rows)
     return F.linear(y.reshape(B, T, H * d), w_o, layer.o_proj.bias)
