@@ -42,15 +42,16 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
+from headscope.hybrid.convert import migrate_from
 from headscope.hybrid.inference import prefill
 import headscope.hybrid.layer as layer_mod
 from headscope.hybrid.inference import DEFAULT, inference_config, use_inference
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions, hybridize
-from headscope.hybrid.attn import flash_attn_available, flash_attn_usable
+from headscope.hybrid.fa_kernels import flash_attn_available, flash_attn_usable
 from headscope.hybrid.inference.kernels import splitk
 from headscope.hybrid.inference.graphs import capture as capture_graph, warm_up
-from headscope.hybrid.gdn import fla_available, gdn_chunked_torch, gated_delta_rule
-from headscope.hybrid.backends import replace_all
+from headscope.hybrid.gdn_kernels import fla_available, gdn_chunked_torch, gated_delta_rule
+from headscope.hybrid.registry import replace_all
 from headscope.masks import HeadMask
 
 from bench_timing import configured, parse_variant, time_ms, variant_config
@@ -297,8 +298,8 @@ def layers(shape, dev, dtype, gdn_kernel, config=DEFAULT):
     mods = {"teacher": teacher,
             "fa": HeadwiseHybridAttention(cfg, 0, tuple(range(h)), HybridOptions(fusion="none", gdn_kernel=gdn_kernel)),
             "hybrid": HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel=gdn_kernel))}
-    mods["fa"].migrate_from(teacher)
-    mods["hybrid"].migrate_from(teacher)
+    migrate_from(mods["fa"], teacher)
+    migrate_from(mods["hybrid"], teacher)
     for k in ("fa", "hybrid"):
         use_inference(mods[k], config)
     return {k: m.to(dev, dtype).eval() for k, m in mods.items()}, cfg
@@ -469,7 +470,7 @@ def checks(dev):
         torch.nn.init.normal_(p, std=0.05)
     opts = dict(gdn_conv=4, fa_gate=True, fa_pos="nope")
     cpu_layer = HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel="torch", **opts)).eval()
-    cpu_layer.migrate_from(teacher)
+    migrate_from(cpu_layer, teacher)
     with torch.no_grad():
         for n, p in cpu_layer.named_parameters():
             if any(s in n for s in ("a_proj", "b_proj", "g_proj")):

@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions, hybridize
 from headscope.hybrid.config import LayerSpec
-from headscope.hybrid.backends import layer_needs
+from headscope.hybrid.registry import layer_needs
 from headscope.hybrid.inference import DEFAULT, use_inference
 
 
@@ -116,7 +116,7 @@ def test_fast_path_only_with_gradients_and_without_cache(teacher):
     calls = []
     from headscope.hybrid.inference import train_forward as L
 
-    orig = L.fast_forward  # the fused train backend (backends.py)
+    orig = L.fast_forward  # the fused train backend (registry.py)
     L.fast_forward = lambda *a, **k: calls.append(1) or orig(*a, **k)
     try:
         x = torch.randn(1, 8, 64)

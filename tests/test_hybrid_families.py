@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from headscope.arch.random_models import hybrid_families
-from headscope.hybrid import hybridize
+from headscope.hybrid import hybridize, load
 from headscope.hybrid.modeling_hybrid import attention_name, decoder_layers
 from headscope.masks import HeadMask
 
@@ -100,7 +100,7 @@ def test_fa_head_of_sliding_layer_keeps_window_without_mask(name):
     assert (got - causal).abs().max().item() > 1e-2
 
 
-FAST = {"llama", "qwen2", "qwen3", "gpt_neox"}  # the lean backends apply to their layers (backends.py)
+FAST = {"llama", "qwen2", "qwen3", "gpt_neox"}  # the lean backends apply to their layers (registry.py)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -112,7 +112,7 @@ def test_lean_path_equals_reference_forward_and_decode(name):
     from dataclasses import replace
 
     from headscope import HeadscopeInputError
-    from headscope.hybrid.backends import Needs, select
+    from headscope.hybrid.registry import Needs, select
     from headscope.hybrid.inference import InferenceConfig, use_inference
 
     teacher = _teacher(name)
@@ -213,7 +213,7 @@ def test_decay_parameters_stay_fp32_in_bf16_load(tmp_path):
             a.A_log.copy_(torch.randn_like(a.A_log) * 0.3 + 1e-3)
             a.dt_bias.copy_(torch.randn_like(a.dt_bias) + 1e-3)
     hybrid.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    loaded = load(tmp_path, dtype=torch.bfloat16)
     assert _attn(loaded, 0).q_proj.weight.dtype == torch.bfloat16
     n = 0
     for i in range(len(decoder_layers(hybrid))):

@@ -12,10 +12,11 @@ from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
+from headscope.hybrid.convert import migrate_from
 from headscope.hybrid.inference import prefill
 from headscope import HeadscopeInputError
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions
-from headscope.hybrid.gdn import fla_available, gdn_naive
+from headscope.hybrid.gdn_kernels import fla_available, gdn_naive
 from headscope.hybrid.inference import DEFAULT, forward, inference_config, use_inference
 from inference_cfg import plain, use
 
@@ -42,7 +43,7 @@ def _layer(fa, qwen=False, seed=0, gdn_kernel="torch", lean_path=True, **opts):
     for p in teacher.parameters():
         torch.nn.init.normal_(p, std=0.2)
     layer = HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel=gdn_kernel, **opts), qk_norm=qwen)
-    layer.migrate_from(teacher)
+    migrate_from(layer, teacher)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for n, p in layer.named_parameters():

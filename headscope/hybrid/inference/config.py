@@ -10,19 +10,23 @@ the variants that lost and were removed, and the measurements behind each defaul
     use_inference(model, replace(InferenceConfig(), prefill="lean", decode="lean"))   # e.g. the lean path on CPU
 
 Which implementation computes each role of a call (training step, prefill, decode step, captured decode) is named by
-the config's role fields and looked up in the backend registry (``headscope/hybrid/backends.py``); the chosen
+the config's role fields and looked up in the backend registry (``headscope/hybrid/registry.py``); the chosen
 backends attach to the model's layers as a :class:`LayerBackends` (``layer.backends``) and to the model as a
 :class:`ModelBackends` (``model.backends``), which the saved modeling code calls when they are set.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional
 
 import torch
 
-from .. import backends as registry
+from ..registry import ROLES, Backend, Needs, layer_needs, select
+from ..fa_kernels import fa_attention, flash_attn_available
+from ..gdn_kernels import fla_available, gated_delta_rule
 
 _WHERE = ("cuda", "always", "never")
 _DECODE_GRAPHS = ("all", "static", "never")
@@ -92,7 +96,7 @@ class InferenceConfig:
     decode_graphs: str = "all"
 
     def __post_init__(self) -> None:
-        for name in registry.ROLES:
+        for name in ROLES:
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"InferenceConfig.{name} must be a backend name or 'auto'; got {getattr(self, name)!r}")
         if self.eager_gdn_graphs not in _WHERE:
@@ -122,8 +126,8 @@ class InferenceConfig:
 DEFAULT = InferenceConfig()
 
 
-def _needs(features: frozenset, w: torch.Tensor) -> registry.Needs:
-    return registry.Needs(features, str(w.dtype).removeprefix("torch."), w.device.type)
+def _needs(features: frozenset, w: torch.Tensor) -> Needs:
+    return Needs(features, str(w.dtype).removeprefix("torch."), w.device.type)
 
 
 class LayerBackends:
@@ -137,7 +141,7 @@ class LayerBackends:
         self.train_index: Any = None
         self._chosen: dict = {}
 
-    def backend(self, layer: Any, role: str, w: torch.Tensor) -> registry.Backend:
+    def backend(self, layer: Any, role: str, w: torch.Tensor) -> Backend:
         """The backend of ``role`` for the layer with parameters like ``w`` (dtype, device; memoized).
 
         Raises:
@@ -145,9 +149,22 @@ class LayerBackends:
         key = (role, w.device.type, w.dtype)
         b = self._chosen.get(key)
         if b is None:
-            b = self._chosen[key] = registry.select(role, getattr(self.config, role), _needs(self.features, w),
+            b = self._chosen[key] = select(role, getattr(self.config, role), _needs(self.features, w),
                                                     f" to layer {layer.layer_idx}")
         return b
+
+    def attention(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+        """The reference forward's FA heads with the kernel of ``layer.options.fa_kernel`` (flash-attn where it
+        applies; ``fa_kernels.fa_attention``)."""
+        return fa_attention(q, k, v, layer.scaling, True, mask, layer.options.fa_kernel, layer.spec.window,
+                            layer.spec.softcap)
+
+    def gdn(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            h0: Optional[torch.Tensor]) -> tuple:
+        """The reference forward's GDN heads with the kernel of ``layer.options.gdn_kernel`` (fla on CUDA;
+        ``gdn_kernels.gated_delta_rule``)."""
+        return gated_delta_rule(q, k, v, g, beta, scale=layer.gdn_scale, initial_state=h0,
+                                kernel=layer.options.gdn_kernel, chunk_size=layer.options.chunk_size)
 
     def fn(self, layer: Any, role: str) -> Optional[Callable]:
         """The function of ``role``'s backend for the layer's current parameters (None: the reference forward)."""
@@ -188,10 +205,10 @@ class ModelBackends:
         self.config, self.features = config, features
         self._chosen: dict = {}
 
-    def backend(self, w: torch.Tensor) -> registry.Backend:
+    def backend(self, w: torch.Tensor) -> Backend:
         key = (w.device.type, w.dtype)
         if key not in self._chosen:
-            self._chosen[key] = registry.select("captured_decode", self.config.captured_decode,
+            self._chosen[key] = select("captured_decode", self.config.captured_decode,
                                                 _needs(self.features, w), " to this model")
         return self._chosen[key]
 
@@ -221,6 +238,28 @@ def _llama_form(model: Any) -> bool:
                and all(hasattr(l, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp")) for l in layers)
 
 
+def runnable_options(options: Any, warned: Optional[set] = None) -> Any:
+    """``options`` (a layer's HybridOptions) with kernels that are not installed replaced by the PyTorch ones, with a
+    warning (once per swap in ``warned``): ``gdn_kernel="fla"`` → ``"torch"`` without flash-linear-attention,
+    ``fa_kernel="flash_attn"`` → ``"sdpa"`` without flash-attn. Other options are returned unchanged (the model's
+    config keeps the saved choice)."""
+    swap: dict[str, str] = {}
+    if options.gdn_kernel == "fla" and not fla_available():
+        swap["gdn_kernel"] = "torch"
+    if options.fa_kernel == "flash_attn" and not flash_attn_available():
+        swap["fa_kernel"] = "sdpa"
+    if not swap:
+        return options
+    msg = ("the hybrid asks for kernels that are not installed " + ", ".join(f"{k}={getattr(options, k)!r}" for k in swap)
+           + "; using " + ", ".join(f"{k}={v!r}" for k, v in swap.items())
+           + " (PyTorch). Install flash-linear-attention / flash-attn for the fast kernels.")
+    if warned is None or msg not in warned:
+        warnings.warn(msg, stacklevel=3)
+        if warned is not None:
+            warned.add(msg)
+    return dataclasses.replace(options, **swap)
+
+
 def use_inference(model: Any, config: InferenceConfig = DEFAULT) -> InferenceConfig:
     """Attach the backends ``config`` chooses to ``model`` (a hybrid model, or one hybrid layer): a
     :class:`LayerBackends` on every hybrid layer, a :class:`ModelBackends` on a hybrid causal LM. Every role is
@@ -234,9 +273,9 @@ def use_inference(model: Any, config: InferenceConfig = DEFAULT) -> InferenceCon
     if not isinstance(config, InferenceConfig):
         raise TypeError(f"want an InferenceConfig, got {type(config).__name__}; build one with "
                         "dataclasses.replace(InferenceConfig(), ...)")
-    partial = _partial_rotary(getattr(model, "config", None))
+    partial, warned = _partial_rotary(getattr(model, "config", None)), set()
     layers = [m for m in model.modules() if hasattr(m, "new_decode_cache")]
-    attached = [LayerBackends(config, registry.layer_needs(m, partial)) for m in layers]
+    attached = [LayerBackends(config, layer_needs(m, partial)) for m in layers]
     for m, b in zip(layers, attached):
         for role in ("train", "prefill", "decode"):
             b.backend(m, role, m.q_proj.weight)
@@ -248,6 +287,7 @@ def use_inference(model: Any, config: InferenceConfig = DEFAULT) -> InferenceCon
         step.backend(next(model.parameters()))
     for m, b in zip(layers, attached):
         m.backends = b
+        m.options = runnable_options(m.options, warned)
     if step is not None:
         model.backends = step
     return config

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attn import fa_attention
+from ..fa_kernels import fa_attention
 from .config import inference_config
 from .kernels.fa_prep import applies as fa_prep_applies, fa_decode_prep
 from .kernels.gdn_step import applies as gdn_step_applies, full_rotary, gdn_decode_step

@@ -1,5 +1,5 @@
 """The ``lean`` backends of :class:`~headscope.hybrid.HeadwiseHybridAttention`: :func:`prefill` and
-:func:`decode_step` (``headscope/hybrid/backends.py``).
+:func:`decode_step` (``headscope/hybrid/registry.py``).
 
 Each computes the reference forward's function with one fused input projection and the compiled glue (``plan.py``);
 outputs stay in (FA, GDN) head order and ``o_proj``'s input columns are permuted instead. A call reaches them

@@ -1,6 +1,6 @@
 """The fast path of a whole hybrid model's forward: a decode step into a :class:`~headscope.hybrid.HybridCache`.
 
-The ``graph`` backend of the ``captured_decode`` role (``headscope/hybrid/backends.py``): a hybrid causal LM
+The ``graph`` backend of the ``captured_decode`` role (``headscope/hybrid/registry.py``): a hybrid causal LM
 (``modeling_hybrid``) asks its attached ``model.backends`` before its own forward. It computes one call: a decode step (one new token per sequence) into a HybridCache after
 an unpadded prefill, replayed from one CUDA graph of the whole step (``StaticDecoder.step_replayed``: embedding,
 every layer through the lean decode path, final norm and LM head) — the graph-captured step's speed through

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attn import flash_attn_available
-from ..gdn import fla_available
+from ..fa_kernels import flash_attn_available
+from ..gdn_kernels import fla_available
 from ..rope import apply_rope
 from .kernels.gdn_step import gdn_decode_step_torch, l2_normalize, rms_norm
 from .projections import stack_projections

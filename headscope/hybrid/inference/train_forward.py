@@ -17,7 +17,7 @@ This path computes the same function with:
 - only tensor indices and integer head counts read inside, so every layer with the same head counts
   shares one compiled graph (Dynamo guards on the counts, not on which heads).
 
-It is the ``fused`` backend of the ``train`` role (``headscope/hybrid/backends.py``): taken where the model's
+It is the ``fused`` backend of the ``train`` role (``headscope/hybrid/registry.py``): taken where the model's
 InferenceConfig chooses it (``train="fused"``, or ``"auto"`` on CUDA), gradients are on and there is no cache and no
 attention mask; otherwise the plain forward runs. The numbers equal the plain forward's up to the summation order of
 the fused GEMM (tested on CPU in fp32).
@@ -25,16 +25,16 @@ the fused GEMM (tested on CPU in fp32).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
 from ..shapes import Float
 from torch import Tensor
 
-from ..attn import fa_attention, flash_attn_available
+from ..fa_kernels import fa_attention, flash_attn_available
 from .projections import stack_projections
-from ..gdn import gated_delta_rule
+from ..gdn_kernels import gated_delta_rule
 from ..rope import apply_rope, nope_log_scale
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -126,44 +126,11 @@ def fast_forward(
     i = 1
     outs = []
 
-    # ---- FA heads: softmax attention over their kept KV groups (GQA-native)
-    if n_fa:
-        q_fa = q[:, :, :n_fa]
-        k = z[i].view(B, T, n_keep, d)
-        v = z[i + 1].view(B, T, n_keep, d)
-        i += 2
-        if layer.k_norm is not None:
-            k = layer.k_norm(k)
-        if opts.fa_pos == "rope":
-            q_fa, k = apply_rope(q_fa, cos, sin), apply_rope(k, cos, sin)
-        else:
-            pos = position_ids if position_ids is not None else torch.arange(T, device=x.device)[None]
-            q_fa = q_fa * nope_log_scale(pos.expand(B, T), opts.nope_a)[..., None, None].to(q_fa.dtype)
-        if not layer._fa_gqa:
-            k, v = k.index_select(2, ix.fa_kv), v.index_select(2, ix.fa_kv)
-        o = fa_attention(q_fa, k.transpose(1, 2), v.transpose(1, 2), layer.scaling, causal=True,
-                         kernel=ix.fa_kernel)
-        if layer.g_proj is not None:
-            o = o * torch.sigmoid(z[i].view(B, T, n_fa, d))
-            i += 1
-        outs.append(o)
-
-    # ---- GDN heads: all of them in one kernel call
-    if n_gdn:
-        qg = q[:, :, n_fa:]
-        kg = z[i].view(B, T, n_gdn, d)
-        vg = z[i + 1].view(B, T, n_gdn, d)
-        a, b = z[i + 2], z[i + 3]
-        if layer.k_norm is not None:
-            kg = layer.k_norm(kg)
-        if opts.gdn_rope:
-            qg, kg = apply_rope(qg, cos, sin), apply_rope(kg, cos, sin)
-        qg, kg = _l2norm(qg, x.dtype), _l2norm(kg, x.dtype)
-        beta = torch.sigmoid(b.float())
-        g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
-        y = _gdn_call(qg, kg, vg, g, beta.to(x.dtype) if x.dtype != torch.float32 else beta, layer.scaling,
-                      opts.gdn_kernel, opts.chunk_size)
-        outs.append(y.to(x.dtype))
+    if n_fa:  # FA heads: softmax attention over their kept KV groups (GQA-native)
+        outs.append(_fa_heads(layer, ix, x, q[:, :, :n_fa], z[i:], cos, sin, position_ids))
+        i += 3 if layer.g_proj is not None else 2
+    if n_gdn:  # GDN heads: all of them in one kernel call
+        outs.append(_gdn_heads(layer, x, q[:, :, n_fa:], z[i:], cos, sin))
 
     # ---- fusion (eq. 13–14) with γ in (FA, GDN) order, then o_proj with permuted input columns
     if len(outs) > 1:
@@ -177,3 +144,43 @@ def fast_forward(
         y = (layer.gamma.index_select(0, ix.heads).float() * yf).to(y.dtype)
     w_o = layer.o_proj.weight.index_select(1, rows)
     return F.linear(y.reshape(B, T, H * d), w_o, layer.o_proj.bias)
+
+
+def _fa_heads(layer: "HeadwiseHybridAttention", ix: TrainIndex, x: Tensor, q_fa: Tensor, z: tuple, cos: Any,
+              sin: Any, position_ids: Optional[Tensor]) -> Tensor:
+    """The FA heads' output [B, T, n_fa, d] from their queries and the projection's next parts z (k, v[, gate])."""
+    B, T, _ = x.shape
+    d, opts = layer.head_dim, layer.options
+    n_fa, n_keep = ix.counts[0], ix.counts[2]
+    k, v = z[0].view(B, T, n_keep, d), z[1].view(B, T, n_keep, d)
+    if layer.k_norm is not None:
+        k = layer.k_norm(k)
+    if opts.fa_pos == "rope":
+        q_fa, k = apply_rope(q_fa, cos, sin), apply_rope(k, cos, sin)
+    else:
+        pos = position_ids if position_ids is not None else torch.arange(T, device=x.device)[None]
+        q_fa = q_fa * nope_log_scale(pos.expand(B, T), opts.nope_a)[..., None, None].to(q_fa.dtype)
+    if not layer._fa_gqa:
+        k, v = k.index_select(2, ix.fa_kv), v.index_select(2, ix.fa_kv)
+    o = fa_attention(q_fa, k.transpose(1, 2), v.transpose(1, 2), layer.scaling, causal=True, kernel=ix.fa_kernel)
+    if layer.g_proj is not None:
+        o = o * torch.sigmoid(z[2].view(B, T, n_fa, d))
+    return o
+
+
+def _gdn_heads(layer: "HeadwiseHybridAttention", x: Tensor, qg: Tensor, z: tuple, cos: Any, sin: Any) -> Tensor:
+    """The GDN heads' output [B, T, n_gdn, d] from their queries and the projection's next parts z (k, v, a, b)."""
+    B, T, _ = x.shape
+    d, opts = layer.head_dim, layer.options
+    n_gdn = len(layer.gdn_heads)
+    kg, vg, a, b = z[0].view(B, T, n_gdn, d), z[1].view(B, T, n_gdn, d), z[2], z[3]
+    if layer.k_norm is not None:
+        kg = layer.k_norm(kg)
+    if opts.gdn_rope:
+        qg, kg = apply_rope(qg, cos, sin), apply_rope(kg, cos, sin)
+    qg, kg = _l2norm(qg, x.dtype), _l2norm(kg, x.dtype)
+    beta = torch.sigmoid(b.float())
+    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
+    y = _gdn_call(qg, kg, vg, g, beta.to(x.dtype) if x.dtype != torch.float32 else beta, layer.scaling,
+                  opts.gdn_kernel, opts.chunk_size)
+    return y.to(x.dtype)

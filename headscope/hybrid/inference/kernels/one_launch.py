@@ -184,20 +184,7 @@ def hybrid_decode_step(
     for name, t in (("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs unit stride in its last dimension")
-    NGP = NCB = 0
-    gargs: tuple = ()
-    gmeta: dict = dict(N=1, BV=16, GROPE=False, GQKN=False, NORM=False)
-    y = None
-    if gdn is not None:
-        extra = {"block_v"} & set(gdn)
-        if extra:
-            raise ValueError(f"gdn takes gdn_decode_step's arguments except {sorted(extra)}")
-        grid, gargs, gm, y = gdn_step.setup(**gdn)
-        if gm["D"] != d:
-            raise ValueError(f"the GDN heads' head_dim {gm['D']} differs from the FA heads' {d}")
-        NCB = grid[1]
-        NGP = grid[0] * NCB
-        gmeta = dict(N=gm["N"], BV=gm["BV"], GROPE=gm["ROPE"], GQKN=gm["QKN"], NORM=gm["NORM"])
+    NGP, NCB, gargs, gmeta, y = _gdn_programs(gdn, d)
     sp = splitk.setup(q, k_cache, v_cache, length, kv_index, None, n_splits, out, gate, gamma, reserved=NGP)
     if not gargs:  # dummies of the right kinds: never read without GDN programs
         f = sp.ml
@@ -206,14 +193,7 @@ def hybrid_decode_step(
         q, cos, sin, positions, nope_a, q_norm, k_norm, sp.ml)
     fa_args = (k, v, cos_t, sin_t, qn, kn, pos, float(qk_eps), inv_log_a, a, k.stride(0), k.stride(1), v.stride(0),
                v.stride(1), scb, ssb, pos_stride)
-    if combine is True:
-        mode = combine_mode(sp.G)
-    elif combine == "defer":
-        mode = "launch" if combine_mode(sp.G) == "launch" else False
-    else:
-        mode = combine
-    if mode not in ("launch", "kernel", False):
-        raise ValueError(f"combine must be True, False, 'launch', 'kernel' or 'defer', got {combine!r}")
+    mode = _combine_where(combine, sp.G)
     o = sp.o
     rows = sp.B * sp.Hk
     comb = (o, gate if gate is not None else o, gamma.float().contiguous() if gamma is not None else sp.ml,
@@ -229,3 +209,37 @@ def hybrid_decode_step(
     if mode == "kernel":
         return splitk.combine(sp, gate, gamma, eps), y
     return (o if mode == "launch" else sp), y
+
+
+def _gdn_programs(gdn: Optional[dict], d: int) -> tuple:
+    """(GDN programs, their column blocks, launch arguments, meta-parameters, output y or None) of
+    :func:`hybrid_decode_step`'s ``gdn`` (nothing without GDN heads)."""
+    NGP = NCB = 0
+    gargs: tuple = ()
+    gmeta: dict = dict(N=1, BV=16, GROPE=False, GQKN=False, NORM=False)
+    y = None
+    if gdn is not None:
+        extra = {"block_v"} & set(gdn)
+        if extra:
+            raise ValueError(f"gdn takes gdn_decode_step's arguments except {sorted(extra)}")
+        grid, gargs, gm, y = gdn_step.setup(**gdn)
+        if gm["D"] != d:
+            raise ValueError(f"the GDN heads' head_dim {gm['D']} differs from the FA heads' {d}")
+        NCB = grid[1]
+        NGP = grid[0] * NCB
+        gmeta = dict(N=gm["N"], BV=gm["BV"], GROPE=gm["ROPE"], GQKN=gm["QKN"], NORM=gm["NORM"])
+    return NGP, NCB, gargs, gmeta, y
+
+
+def _combine_where(combine: Any, G: int) -> Any:
+    """Where :func:`hybrid_decode_step`'s split-K combination runs for ``combine`` and rows of G query heads:
+    ``"launch"``, ``"kernel"`` or False (the caller). Raises ValueError for another ``combine``."""
+    if combine is True:
+        mode = combine_mode(G)
+    elif combine == "defer":
+        mode = "launch" if combine_mode(G) == "launch" else False
+    else:
+        mode = combine
+    if mode not in ("launch", "kernel", False):
+        raise ValueError(f"combine must be True, False, 'launch', 'kernel' or 'defer', got {combine!r}")
+    return mode

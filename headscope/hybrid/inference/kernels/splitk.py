@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from ...gdn import module_found
+from ...gdn_kernels import module_found
 from ...shapes import Float
 
 def triton_available() -> bool:
@@ -215,6 +215,38 @@ def _make(triton, tl) -> dict:
         return m_new, l_, acc
 
     @triton.jit
+    def _own_slot(q, K, V, KN, VN, KNW, b, hk, n, t_own, end, rd, rr, sign, c, sn, w, wr, qk_eps, scale, m, l_, acc,
+                  skb, skh, skl, svb, svh, svl, sknb, sknh, svnb, svnh, D: tl.constexpr, BN: tl.constexpr,
+                  QKN: tl.constexpr, ROPE: tl.constexpr, PREC: tl.constexpr):
+        """The tile of :func:`_attend`'s split that holds the token's slot n − 1 (PREP): the token's key prepared with
+        the glue, key and value written into the cache and used in place of the slot's old contents -> (m, l, acc)."""
+        ro = t_own + tl.arange(0, BN)
+        omask = ro < end
+        new = (ro == n - 1)[:, None]
+        kp = K + b * skb + hk * skh + ro[:, None] * skl + rd[None, :]
+        vp = V + b * svb + hk * svh + ro[:, None] * svl + rd[None, :]
+        keep = (omask & (ro != n - 1))[:, None]  # the token's row is not read (another program may write it)
+        ko = tl.load(kp, mask=keep, other=0.0)
+        vo = tl.load(vp, mask=keep, other=0.0)
+        # the token's key with the glue (every row of the tile the same vector: the glue's [rows, D] form)
+        zr = tl.zeros([BN, D], tl.int32)
+        kr = KN + b * sknb + hk * sknh
+        xk = tl.load(kr + rd[None, :] + zr).to(tl.float32)
+        xkr = tl.load(kr + rr[None, :] + zr).to(tl.float32)
+        wk = w
+        wkr = wr
+        if QKN:
+            wk = tl.load(KNW + rd)[None, :]
+            wkr = tl.load(KNW + rr)[None, :]
+        kn = _glue(xk, xkr, sign, c, sn, wk, wkr, qk_eps, D, QKN, ROPE).to(K.dtype.element_ty)
+        vn = tl.load(VN + b * svnb + hk * svnh + rd[None, :] + zr).to(V.dtype.element_ty)
+        tl.store(kp, kn, mask=new & omask[:, None])
+        tl.store(vp, vn, mask=new & omask[:, None])
+        ko = tl.where(new, kn, ko)
+        vo = tl.where(new, vn, vo)
+        return _tile(q, ko, vo, omask, m, l_, acc, scale, PREC)
+
+    @triton.jit
     def _attend(bh, s, Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
                 sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
                 KN, VN, COS, SIN, QN, KNW, POS, qk_eps, inv_log_a, nope_a, sknb, sknh, svnb, svnh, scb, ssb, pos_stride,
@@ -278,31 +310,9 @@ def _make(triton, tl) -> dict:
             m, l_, acc = _tile(q, kt, vt, tmask, m, l_, acc, scale, PREC)
         if PREP:
             if own:  # (names of its own: a runtime branch may not change the type of a name from outside it)
-                ro = t_own + tl.arange(0, BN)
-                omask = ro < end
-                new = (ro == n - 1)[:, None]
-                kp = K + b * skb + hk * skh + ro[:, None] * skl + rd[None, :]
-                vp = V + b * svb + hk * svh + ro[:, None] * svl + rd[None, :]
-                keep = (omask & (ro != n - 1))[:, None]  # the token's row is not read (another program may write it)
-                ko = tl.load(kp, mask=keep, other=0.0)
-                vo = tl.load(vp, mask=keep, other=0.0)
-                # the token's key with the glue (every row of the tile the same vector: the glue's [rows, D] form)
-                zr = tl.zeros([BN, D], tl.int32)
-                kr = KN + b * sknb + hk * sknh
-                xk = tl.load(kr + rd[None, :] + zr).to(tl.float32)
-                xkr = tl.load(kr + rr[None, :] + zr).to(tl.float32)
-                wk = w
-                wkr = wr
-                if QKN:
-                    wk = tl.load(KNW + rd)[None, :]
-                    wkr = tl.load(KNW + rr)[None, :]
-                kn = _glue(xk, xkr, sign, c, sn, wk, wkr, qk_eps, D, QKN, ROPE).to(K.dtype.element_ty)
-                vn = tl.load(VN + b * svnb + hk * svnh + rd[None, :] + zr).to(V.dtype.element_ty)
-                tl.store(kp, kn, mask=new & omask[:, None])
-                tl.store(vp, vn, mask=new & omask[:, None])
-                ko = tl.where(new, kn, ko)
-                vo = tl.where(new, vn, vo)
-                m, l_, acc = _tile(q, ko, vo, omask, m, l_, acc, scale, PREC)
+                m, l_, acc = _own_slot(q, K, V, KN, VN, KNW, b, hk, n, t_own, end, rd, rr, sign, c, sn, w, wr, qk_eps,
+                                       scale, m, l_, acc, skb, skh, skl, svb, svh, svl, sknb, sknh, svnb, svnh, D, BN,
+                                       QKN, ROPE, PREC)
         base = (bh * NS + s) * G
         tl.store(ACC + (base + rg[:, None]) * D + rd[None, :], acc, mask=gmask[:, None])
         tl.store(ML + (base + rg) * 2, m, mask=gmask)
@@ -310,7 +320,7 @@ def _make(triton, tl) -> dict:
 
     # a kernel finds the Triton functions it calls among its module's globals (the interpreter does not look in
     # closures): the bodies are published there when the kernels are built
-    globals().update(_glue=_glue, _tile=_tile, _attend=_attend, tl=tl)  # the interpreter wants tl there too
+    globals().update(_glue=_glue, _tile=_tile, _own_slot=_own_slot, _attend=_attend, tl=tl)  # the interpreter wants tl there too
 
     @triton.jit
     def _partial(Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
