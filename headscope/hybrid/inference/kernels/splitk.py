@@ -10,7 +10,7 @@ its row maximum and its softmax denominator, and combines the pieces exactly::
     o = Σ_s exp(m_s − M) · acc_s / Σ_s exp(m_s − M) · l_s,       M = max_s m_s
 
 The number of valid cache slots is read from **device memory** (``length``), so one captured CUDA graph
-serves every decode position (``HybridDecodeCache.pos``); splits past the length exit at once.
+serves every decode position (``inference.decode.DevicePosition``); splits past the length exit at once.
 
 - :func:`decode_attention` — the Triton kernels (CUDA; or Triton's interpreter, ``TRITON_INTERPRET=1``).
 - :func:`decode_attention_torch` — the same function in PyTorch (fp32 masked softmax): the reference and
