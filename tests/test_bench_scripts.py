@@ -46,7 +46,12 @@ def test_variants_are_parsed_into_configs_and_bad_items_name_the_fix():
         parse_variant("x:lean.DECODE_GDN=kernel")  # the old module switches are gone
     with pytest.raises(ValueError, match="prefill must be a backend name"):
         parse_variant("x:prefill=5")
-    model = torch.nn.Linear(2, 2)
+    from transformers import LlamaConfig
+
+    from headscope.hybrid import HeadwiseHybridAttention
+
+    model = HeadwiseHybridAttention(LlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                                head_dim=16), 0, [0])
     with pytest.raises(RuntimeError):  # configured: the config holds inside the block and is restored after an error
         with configured([model], cfg):
             assert inference_config(model) is cfg

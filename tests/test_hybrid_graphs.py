@@ -170,7 +170,7 @@ def test_device_position_needs_the_lean_path():
         dec.prefill(torch.zeros(2, 4, dtype=torch.long))
         with pytest.raises(ValueError, match="lean decode backend only"):
             dec.step_replayed(torch.zeros(2, 1, dtype=torch.long))
-    assert dec.length == 4 and all(c.pos is None for c in dec.caches)
+    assert dec.length == 4 and dec._dp is None
 
 
 @gpu

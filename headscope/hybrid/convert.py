@@ -1,23 +1,11 @@
-"""Convert a pretrained decoder-only model into a head-wise FA/GDN hybrid (SPEC.md §8).
+"""Convert a pretrained decoder-only model into a head-wise FA/GDN hybrid (SPEC.md §8), and load a saved one.
 
-:func:`hybridize` reads the teacher through its architecture adapter (:func:`headscope.arch.adapt`:
-per layer the projections with their biases, QK-norm, RoPE or NoPE, the logit scale, the sliding
-window, soft-capping) and records what each layer applies as a
-:class:`~headscope.hybrid.config.LayerSpec`. It then builds the hybrid class of the teacher's family
-(:data:`~headscope.hybrid.modeling_hybrid.FAMILIES`: a subclass of the teacher's transformers class whose
-attention modules are :class:`HeadwiseHybridAttention`), copies every weight outside attention and
-migrates Q/K/V/O from the adapter's parts. The config stores the HeadMask, the
-:class:`HybridOptions` and the layer specs under ``config.headscope_hybrid``. The teacher is not changed.
-
-Families: Llama (SmolLM2), Qwen2 (q/k/v biases), Qwen3 (QK-norm), Mistral (sliding window), Gemma 3
-text (sliding and full layers with their own RoPE bases, Gemma's QK-norm and logit scale; embedding
-scale, sandwich norms and final soft-cap stay the teacher's code) and GPT-NeoX (fused interleaved
-q/k/v, partial rotary, parallel residual). Other families are refused with what is missing
-(:func:`unsupported_reason`).
-
-``save_pretrained`` writes the modeling code (the reference model) beside the weights (``auto_map`` in config.json),
-so the result loads with ``AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)`` in any process with torch
-and transformers; :func:`load` loads it with headscope's classes and attaches the fast backends.
+:func:`hybridize` reads the teacher through its architecture adapter (:func:`headscope.arch.adapt`), records what each
+layer applies as a :class:`~headscope.hybrid.config.LayerSpec`, builds the hybrid class of the teacher's family
+(:func:`~headscope.hybrid.modeling_hybrid.family_classes`), copies every weight outside attention and migrates
+Q/K/V/O (:func:`migrate`); the teacher is not changed. Families: Llama (SmolLM2), Qwen2, Qwen3, Mistral, Gemma 3
+text, GPT-NeoX; others are refused with what is missing (:func:`unsupported_reason`). :func:`load` loads a saved
+hybrid with headscope's classes and attaches the fast backends (docs/hybrid.md, "Saving and loading").
 """
 
 from __future__ import annotations
@@ -204,31 +192,24 @@ def hybridize(
     """Convert a causal LM into a head-wise FA/GDN hybrid (SPEC.md §8, section 4.2).
 
     Args:
-        model: a transformers ``LlamaForCausalLM`` (incl. SmolLM2), ``Qwen2ForCausalLM``,
-            ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM`` or
-            ``GPTNeoXForCausalLM``; not modified.
+        model: a transformers ``LlamaForCausalLM`` (incl. SmolLM2), ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+            ``MistralForCausalLM``, ``Gemma3ForCausalLM`` or ``GPTNeoXForCausalLM``; not modified.
         mask: a :class:`~headscope.masks.HeadMask` (or its dict / JSON path): per layer the FA heads.
-        min_per_layer: every layer must keep at least this many FA heads; default: the mask's
-            ``meta["min_per_layer"]`` if present, else 0 (an all-GDN layer is allowed).
-        calibration_ids: optional token batch; γ_h of every head is set to the teacher head's output RMS
-            on it (:func:`head_output_rms`), so the fused outputs start at the teacher's scale. Without
-            it γ_h = 1.
-        calibration_mask: padding mask [batch, time] for ``calibration_ids``.
-        **options: fields of :class:`HybridOptions` (fa_pos, nope_a, fa_gate, gdn_rope, gdn_conv,
-            fusion, norm_eps, gdn_kernel, chunk_size, gdn_span).
+        min_per_layer: least FA heads per layer; default the mask's ``meta["min_per_layer"]``, else 0.
+        calibration_ids, calibration_mask: a token batch (and its padding mask) on which γ_h is set to the teacher
+            head's output RMS (:func:`head_output_rms`); without it γ_h = 1.
+        **options: fields of :class:`HybridOptions`.
 
     Returns:
-        A new hybrid model (same device and dtype as ``model``, eval/train mode copied) whose
-        ``config.headscope_hybrid`` holds the mask, options and per-layer specs. An FA head keeps its
-        layer's sliding window, logit scale and soft-cap; GDN heads have none of them.
+        A new hybrid (the teacher's device, dtype and mode; the default backends attached, ``use_inference``) whose
+        ``config.headscope_hybrid`` holds the mask, options and layer specs. An FA head keeps its layer's sliding
+        window, logit scale and soft-cap; GDN heads have none.
 
     Raises (checked first, :func:`check_hybridize_args`):
-        InputTypeError (a TypeError and HeadscopeInputError): ``model`` is not a supported family
-            (the message names what is missing), or ``mask`` is of an unknown type.
-        HeadscopeInputError (a ValueError): the mask is for another geometry, lists a head twice, or
-            leaves a layer with fewer than ``min_per_layer`` FA heads; an unknown or invalid option.
-        ImportError: ``gdn_kernel="fla"`` without flash-linear-attention installed.
-        NotImplementedError: a layer applies something the hybrid layer cannot reproduce (named).
+        InputTypeError: an unsupported family (what is missing named) or mask type.
+        HeadscopeInputError: a mask of another geometry, a head twice, a layer below ``min_per_layer``, a bad option.
+        ImportError: ``gdn_kernel="fla"`` without flash-linear-attention. NotImplementedError: a layer applies
+        something the hybrid layer cannot reproduce (named).
     """
     from ..arch import adapt
 

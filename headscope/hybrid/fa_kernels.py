@@ -1,14 +1,7 @@
-"""The FA heads' kernel choice beside the saved SDPA form (:mod:`.attn`): flash-attn when importable.
-
-:func:`fa_attention` takes ``kernel`` (``HybridOptions.fa_kernel``):
-
-- ``"auto"``: flash-attn's ``flash_attn_func`` when the package imports, the tensors are on CUDA in fp16/bf16, and
-  there is no explicit mask, window or soft-cap; otherwise PyTorch SDPA (:func:`.attn.fa_attention`);
-- ``"sdpa"``: always SDPA;
-- ``"flash_attn"``: flash-attn (errors without it or on a device/dtype it cannot run); explicit masks (padding),
-  windows and soft-caps still go to SDPA, since ``flash_attn_func`` is called without them.
-
-flash-attn takes fewer K/V heads as they are (GQA-native) and is bottom-right causal, as :mod:`.attn` is.
+"""The FA heads' kernel choice beside the saved SDPA form (:mod:`.attn`): :func:`fa_attention` with ``kernel``
+(``HybridOptions.fa_kernel``) — ``"auto"``: flash-attn's ``flash_attn_func`` where it imports and applies (CUDA,
+fp16/bf16, no explicit mask, window or soft-cap), else SDPA; ``"sdpa"``; ``"flash_attn"`` (errors without it; masks,
+windows and soft-caps still go to SDPA). flash-attn is GQA-native and bottom-right causal, as :mod:`.attn` is.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""The gated delta rule's kernels and references beside the saved form (:mod:`.gdn`), and their dispatch.
-
-- :func:`gdn_naive` — token-by-token recurrence in fp64: the one brute-force reference of the recurrence (as fla keeps
-  ``naive.py`` beside its kernels); every other form — :func:`~.gdn.gdn_chunked_torch`, the recurrence here, fla's
-  kernels and the decode-step kernels of the fast backends with their PyTorch twins — is tested against it;
-- :func:`gdn_recurrent_torch` — the recurrence in PyTorch fp32 (matmuls and elementwise ops only, so it can be
-  captured in a CUDA graph); the torch decode step (time = 1);
-- :func:`gdn_fla` — flash-linear-attention's ``chunk_gated_delta_rule`` (prefill) and
-  ``fused_recurrent_gated_delta_rule`` (decoding); CUDA only, needs the optional extra ``gdn``;
-- :func:`gated_delta_rule` dispatches between them (``HybridOptions.gdn_kernel``): the reference forward's GDN call
-  once headscope attached its backends (``LayerBackends.gdn``).
+"""The gated delta rule's kernels and references beside the saved form (:mod:`.gdn`), and their dispatch:
+:func:`gdn_naive` (fp64 token recurrence: the one brute-force reference every other form is tested against),
+:func:`gdn_recurrent_torch` (fp32, capturable; the torch decode step), :func:`gdn_fla` (flash-linear-attention,
+CUDA, extra ``gdn``) and :func:`gated_delta_rule` (``HybridOptions.gdn_kernel``: the reference forward's GDN call
+once headscope attached its backends).
 """
 
 from __future__ import annotations
@@ -50,22 +44,9 @@ def gdn_naive(
     scale: float | None = None,
     initial_state: Optional[Float[Tensor, "batch head dk dv"]] = None,
 ) -> tuple[Float[Tensor, "batch time head dv"], Float[Tensor, "batch head dk dv"]]:
-    """Token-by-token gated delta rule (eq. 7–8), computed in fp64 as a brute-force reference.
-
-    Args:
-        q, k: queries and keys (normalize them beforehand if the model does; no normalization here).
-        v: values.
-        g: log decay, α_t = exp(g_t).
-        beta: write strength β_t.
-        scale: factor on the read-out; default ``d_k ** -0.5``.
-        initial_state: S_0, zeros when None.
-
-    Returns:
-        (y, S_T) in the dtype of ``v``.
-
-    Raises:
-        ValueError: inconsistent shapes.
-    """
+    """Token-by-token gated delta rule (eq. 7–8) in fp64, the brute-force reference: q, k (normalized beforehand if
+    the model does), v, g (log decay, α_t = exp(g_t)), beta, scale (default d_k^-½), initial_state (S_0, zeros when
+    None) -> (y, S_T) in v's dtype. Raises ValueError: inconsistent shapes."""
     _check_shapes(q, k, v, g, beta, initial_state)
     B, T, H, dk = q.shape
     dv = v.shape[-1]

@@ -1,22 +1,18 @@
 """The hybrid's backends: which implementation computes each role of a call, chosen by data (issue 61).
 
-A backend is one implementation of one **role**, registered by name; every backend of a role has that role's
-signature (the module-level ``*_signature`` stubs below). The roles:
+A backend is one implementation of one **role**, registered by name, with that role's signature:
 
 - ``train`` — a layer's training forward (gradients, no cache, no mask): ``fn(layer, x, cos, sin, position_ids)``;
-- ``prefill`` — a layer's inference forward over a prompt (or any call that is not a one-token step into a cache):
-  ``fn(layer, x, position_embeddings, position_ids, cache)``;
-- ``decode`` — one token per sequence into the layer's cache: the same signature;
-- ``captured_decode`` — a whole model's decode step into a ``HybridCache``, replayed from a CUDA graph:
-  ``fn(model, input_ids, cache, kwargs)``.
+- ``prefill`` — a layer's inference forward over a prompt (any call that is not one token into a cache) and
+  ``decode`` — one token per sequence into the layer's cache: ``fn(layer, x, position_embeddings, position_ids,
+  cache)`` -> [batch, time, hidden], the cache (a ``HybridDecodeCache`` or None) filled / advanced in place;
+- ``captured_decode`` — a whole model's decode step into a ``HybridCache``: ``fn(model, input_ids, cache, kwargs)``
+  -> the model's output, or None where the call is not one it computes.
 
-``"reference"`` (every role) is the saved modeling code's forward (``layer.py``); its ``fn`` is None. Each backend
-says what it :class:`Supports` (family features, dtypes, devices); :class:`Needs` is what a layer (or model)
-requires. The model's :class:`~headscope.hybrid.inference.InferenceConfig` names one backend per role
-(``train``, ``prefill``, ``decode``, ``captured_decode``) or ``"auto"``: the fastest backend that applies on the
-call's device (``Backend.speed``; ties and ``"auto"`` on CPU: the reference). A named backend that does not apply
-raises :class:`~headscope.HeadscopeInputError` naming why and the fix. Nothing here runs on import: backends attach
-to a model through :func:`headscope.hybrid.use_inference` (called by ``hybridize`` and ``headscope.hybrid.load``).
+``"reference"`` (every role, ``target`` None) is the saved modeling code's forward. Each backend says what it
+:class:`Supports`; :class:`Needs` is what a layer (or model) requires. The model's InferenceConfig names one backend
+per role, or ``"auto"``: the fastest that applies on the call's device. Nothing here runs on import: backends attach
+to a model through :func:`headscope.hybrid.use_inference` (``hybridize``, ``headscope.hybrid.load``).
 """
 
 from __future__ import annotations
@@ -31,19 +27,6 @@ from ..errors import HeadscopeInputError
 ROLES = ("train", "prefill", "decode", "captured_decode")
 FEATURES = ("window", "softcap", "partial_rotary", "biases", "qk_norm_teacher", "nope_layer", "logit_scale",
             "short_conv", "other_decoder_layer")
-
-
-def train_signature(layer: Any, x: Any, cos: Any, sin: Any, position_ids: Any) -> Any:
-    """``train``: the layer's output [batch, time, hidden] (before the residual add) with gradients."""
-
-
-def layer_signature(layer: Any, x: Any, position_embeddings: Any, position_ids: Any, cache: Any) -> Any:
-    """``prefill`` / ``decode``: the layer's output [batch, time, hidden]; ``cache`` (a ``HybridDecodeCache`` or
-    None) filled / advanced in place."""
-
-
-def model_signature(model: Any, input_ids: Any, cache: Any, kwargs: dict) -> Any:
-    """``captured_decode``: the model's output of a decode step, or None where the call is not one it computes."""
 
 
 @dataclass(frozen=True)
@@ -76,15 +59,9 @@ class Supports:
 
 @dataclass(frozen=True)
 class Backend:
-    """One registered implementation of one role.
-
-    Attributes:
-        name, role: how an InferenceConfig names it (``role`` in :data:`ROLES`).
-        target: ``"module:function"`` of its function (imported on first use), or None for the reference forward.
-        supports: :class:`Supports`.
-        speed: per device type, a rank: ``"auto"`` picks the highest that applies (absent: never auto there).
-        doc: one line.
-    """
+    """One registered implementation of one role (:data:`ROLES`), named by an InferenceConfig: ``target`` —
+    ``"module:function"`` (imported on first use) or None (the reference forward); ``supports``; ``speed`` — per
+    device type a rank, ``"auto"`` picks the highest that applies (absent: never auto there); ``doc``: one line."""
 
     name: str
     role: str

@@ -1,13 +1,6 @@
 """An explicit warm-up: compile and capture a hybrid's fast backends ahead of the first ``generate`` (issue 61 item 5).
-
-The first ``generate`` of a new shape pays for ``torch.compile`` of the glue and layer tails, Triton's compile and
-autotuning of the decode kernels, and the capture of the eager prefill's GDN block graphs; :func:`warm_up` pays them
-before serving by running ``generate`` on random tokens of the shapes to come. What it builds is kept per process and
-reused by later calls: the compiled glue and tails (Dynamo's cache), the Triton kernels, the GDN block graphs
-(``inference.prefill``, per block shape). Each ``generate`` still captures its own whole-model decode graph (its
-cache is new; the capture reuses the compiled pieces). Across processes, set ``TORCHINDUCTOR_CACHE_DIR`` and
-``TRITON_CACHE_DIR`` to a kept directory: inductor's FX-graph and autotuning caches and Triton's kernel cache are
-read from there (docs/hybrid.md, "First call").
+What it builds is kept per process; across processes torch reuses its compile caches from ``TORCHINDUCTOR_CACHE_DIR``
+and ``TRITON_CACHE_DIR`` (docs/hybrid.md, "First call").
 """
 
 from __future__ import annotations
@@ -24,21 +17,13 @@ def warm_up(model: Any, batch: int, max_len: int, prompt_lens: Optional[Sequence
     those shapes does not compile or capture.
 
     Args:
-        model: a hybrid causal LM (its backends attached: ``hybridize`` / ``headscope.hybrid.load``).
-        batch: sequences per call to come.
-        max_len: prompt + new tokens of the calls to come (tokens); the default prompt is ``max_len - new_tokens``.
-        prompt_lens: prompt lengths to warm (tokens; the eager prefill's GDN block graphs are per power-of-two block
-            up to ``InferenceConfig.eager_graph_tokens / batch``).
-        new_tokens: decode steps per warm-up call (≥ 2: the first step captures, the next replays).
-        static: cache modes to warm: False — ``generate``'s default cache; True — ``cache_implementation="static"``
-            (compiled layer tails, a first-use compile).
-        seed: of the random tokens.
+        model: a hybrid causal LM with its backends attached (``hybridize`` / ``headscope.hybrid.load``).
+        batch, max_len: sequences and prompt + new tokens of the calls to come; prompt_lens: prompt lengths to warm
+            (default ``max_len - new_tokens``); new_tokens: decode steps per call (≥ 2: capture, then replay);
+            static: cache modes (False: ``generate``'s default; True: ``cache_implementation="static"``); seed.
 
-    Returns:
-        ``{"calls": [{"prompt_len", "static", "seconds"}...], "seconds": total}`` (wall-clock, synchronized).
-
-    Raises:
-        ValueError: batch < 1, new_tokens < 2, or a prompt length that leaves no room in ``max_len``.
+    Returns ``{"calls": [{"prompt_len", "static", "seconds"}...], "seconds": total}`` (wall clock, synchronized).
+    Raises ValueError: batch < 1, new_tokens < 2, a prompt length without room in ``max_len``.
     """
     if batch < 1 or new_tokens < 2:
         raise ValueError(f"batch must be >= 1 and new_tokens >= 2; got {batch}, {new_tokens}")

@@ -1,18 +1,10 @@
-"""One frozen configuration of the hybrid's fast inference paths, chosen once per model and passed down.
+"""One frozen configuration of the hybrid's fast backends, attached per model (:func:`use_inference`).
 
-The layer's inference forward (``forward.py``: prefill and decode) and the whole-model decoder (``decoder.py``)
-read every choice from an :class:`InferenceConfig` — none from a module-level switch — so two models in one
-process can differ, and a benchmark records its choices as data (``dataclasses.asdict``). Variants are
-``dataclasses.replace(cfg, ...)``. The defaults are the measured best (``docs/performance-variants.md`` lists
-the variants that lost and were removed, and the measurements behind each default).
-
-    from dataclasses import replace
-    use_inference(model, replace(InferenceConfig(), prefill="lean", decode="lean"))   # e.g. the lean path on CPU
-
-Which implementation computes each role of a call (training step, prefill, decode step, captured decode) is named by
-the config's role fields and looked up in the backend registry (``headscope/hybrid/registry.py``); the chosen
-backends attach to the model's layers as a :class:`LayerBackends` (``layer.backends``) and to the model as a
-:class:`ModelBackends` (``model.backends``), which the saved modeling code calls when they are set.
+Every choice of the fast paths is a field of :class:`InferenceConfig` — none a module-level switch — so two models in
+one process can differ and a result file records the choices (``dataclasses.asdict``); variants are
+``dataclasses.replace(cfg, ...)``, the defaults the measured best (docs/performance-variants.md). Its role fields name
+the backends (``headscope/hybrid/registry.py``) that attach to the layers (:class:`LayerBackends`, ``layer.backends``)
+and the model (:class:`ModelBackends`, ``model.backends``), which the saved modeling code calls when they are set.
 """
 
 from __future__ import annotations
@@ -34,41 +26,30 @@ _DECODE_GRAPHS = ("all", "static", "never")
 
 @dataclass(frozen=True)
 class InferenceConfig:
-    """The fast paths' choices (all validated on construction).
+    """The fast backends' choices (all validated on construction).
 
     Attributes:
-        train, prefill, decode, captured_decode: the backend of each role (``headscope.hybrid.backends()``):
-            a registered name, or ``"auto"`` — the fastest that applies to the layer (or model) on the call's device
-            (on CUDA: ``fused`` / ``lean`` / ``lean`` / ``graph`` for Llama, Qwen2, Qwen3, GPT-NeoX layers; on CPU
-            the reference); ``"reference"``: the saved modeling code's forward. A named backend that does not apply
-            raises :class:`~headscope.HeadscopeInputError` (in :func:`use_inference`, or at the first call on
+        train, prefill, decode, captured_decode: each role's backend (``headscope.hybrid.backends()``): a name, or
+            ``"auto"`` — the fastest that applies on the call's device (CUDA: ``fused`` / ``lean`` / ``lean`` /
+            ``graph`` for Llama, Qwen2, Qwen3, GPT-NeoX layers; CPU: ``"reference"``, the saved code's forward). A
+            named backend that does not apply raises HeadscopeInputError (``use_inference``, or a first call on
             another device / dtype).
-        compile_glue: ``torch.compile`` the lean path's elementwise glue on CUDA (eager elsewhere).
-        gdn_block_tokens: batch × time tokens per GDN kernel call in a prefill; None: the automatic rule
-            (``gdn_block_work`` eagerly, ``tokens // gdn_graph_block_divisor`` under a CUDA graph).
-        gdn_block_work: automatic eager blocks: tokens × GDN heads × d² per call.
-        gdn_graph_block_divisor: a prefill recorded for a CUDA graph takes GDN blocks of a 1/divisor of its tokens
-            (at least ``gdn_graph_block_min``); 0: the eager rule.
-        gdn_graph_block_min: the smallest such block (tokens).
+        compile_glue: ``torch.compile`` the lean backends' elementwise glue on CUDA (eager elsewhere).
+        gdn_block_tokens: batch × time tokens per GDN kernel call in a prefill; None: ``gdn_block_work`` (tokens ×
+            GDN heads × d² per call) eagerly, under a CUDA graph ``tokens // gdn_graph_block_divisor`` (≥
+            ``gdn_graph_block_min``; divisor 0: the eager rule).
         eager_gdn_graphs: an eager prefill without autograd replays its GDN heads as fixed-shape blocks from CUDA
-            graphs: ``"cuda"`` where it applies (CUDA, fla), ``"always"`` also on CPU (the same padded static-buffer
-            path without graphs: tests), ``"never"``.
-        eager_graph_tokens: batch × time tokens per such block; a shorter prefill takes a power-of-two block of at
-            least ``eager_graph_min`` tokens; at most ``eager_graph_max`` block shapes are held.
-        flash_qla: FlashQLA's GDN chunk forward (head_dim 128, bf16/fp16, CUDA, when installed) instead of fla's.
-        fused_out_max_d: a decode step folds the output fusion (FA gate, per-head RMSNorm, γ) into its kernels up
-            to this head_dim.
-        tail_backend, tail_mode: ``torch.compile`` backend and mode of StaticDecoder's compiled layer tails.
-        fused_gate_up_max_bytes: StaticDecoder's fused tail concatenates a layer's gate and up weights into one
-            GEMM up to this many bytes per layer (small, latency-bound GEMMs).
-        tail_kernel: StaticDecoder's decode step (≤ 16 rows, compile_tail) runs each layer's split-K combination,
-            o_proj, residual, norm, gated MLP, next norm and next input projection in one persistent Triton launch
-            (``kernels/layer_tail.py``) where it applies; False: the compiled tail.
-        decode_graphs: which decode steps of ``model(...)`` / ``generate`` (one token per sequence into a
-            ``HybridCache``, on CUDA, unpadded) run as one replayed CUDA graph of the whole model step
-            (``model_step.py``): ``"all"``; ``"static"`` only a static cache's (``cache_implementation="static"``),
-            the others layer by layer; ``"never"``. A static cache's graph has compiled layer tails (a first-use
-            compile), a growing cache's has eager ones (capture only).
+            graphs: ``"cuda"`` (CUDA, fla), ``"always"`` (also on CPU, without graphs: tests), ``"never"``;
+            ``eager_graph_tokens`` per block (a shorter prefill: a power of two ≥ ``eager_graph_min``), at most
+            ``eager_graph_max`` block shapes held.
+        flash_qla: FlashQLA's GDN chunk forward (head_dim 128, bf16/fp16, CUDA, installed) instead of fla's.
+        fused_out_max_d: a decode step folds the output fusion (gate, RMSNorm, γ) into its kernels up to this d.
+        tail_backend, tail_mode: ``torch.compile`` backend and mode of StaticDecoder's compiled layer tails;
+            ``fused_gate_up_max_bytes``: its fused tail's one gate/up GEMM up to this size per layer;
+            ``tail_kernel``: its decode step (≤ 16 rows) runs each layer's tail (combination, o_proj, norm, MLP,
+            next norm and input projection) as one Triton launch (``kernels/layer_tail.py``).
+        decode_graphs: which decode steps of ``generate`` replay the ``graph`` backend: ``"all"``, ``"static"``
+            (only ``cache_implementation="static"``'s, with compiled tails), ``"never"``.
 
     Raises:
         ValueError: a field outside its allowed values (named in the message).

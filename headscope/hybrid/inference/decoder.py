@@ -1,17 +1,10 @@
-"""Whole-model prefill and decode steps of a hybrid (Llama-family) model through preallocated caches.
+"""Whole-model prefill and decode steps of a hybrid (Llama-form) model through its per-layer caches.
 
-:class:`StaticDecoder` runs the decoder layers itself with one :class:`HybridDecodeCache` per layer
-(FA heads' kept KV groups + GDN state, fixed shapes), so every attention layer takes the lean path
-(``forward.py``). Generation goes through transformers' own ``model.generate(...)``: a hybrid's forward makes a
-:class:`~headscope.hybrid.HybridCache` and its decode steps replay :meth:`StaticDecoder.step_replayed` (``model_step.py``).
-Driven directly (benchmarks, tests)::
-
-    dec = StaticDecoder(model, batch=16, max_len=32768 + 64)
-    logits = dec.prefill(ids)            # ids [16, T]: fills the caches, logits of the last position
-    logits = dec.step(next_ids)          # one token per sequence
-
-For the benchmarks, ``capture()`` / ``replay()`` record and re-run one step at a fixed length, and
-``prefill_graphed(ids)`` replays a recorded prefill for every prompt batch of ids' shape (see each method).
+:class:`StaticDecoder` runs the decoder layers itself, every attention layer on the lean backends; ``generate``'s
+decode steps replay its :meth:`StaticDecoder.step_replayed` (the ``graph`` backend, ``model_step.py``). Driven
+directly (benchmarks, tests): ``dec = StaticDecoder(model, batch, max_len)``, ``dec.prefill(ids)`` (fills the caches,
+logits of the last position), ``dec.step(next_ids)``; ``capture()`` / ``replay()`` record and re-run one step at a
+fixed length, ``prefill_graphed(ids)`` replays a recorded prefill for every batch of ids' shape.
 """
 
 from __future__ import annotations
@@ -109,22 +102,16 @@ class StaticDecoder:
     """Prefill / decode a hybrid model (``model.model.layers[i].self_attn`` a HeadwiseHybridAttention).
 
     Args:
-        model: a hybrid causal LM (from :func:`~headscope.hybrid.hybridize`; an all-FA mask with
-            ``fusion="none"`` gives the teacher's function).
-        batch: sequences decoded together.
-        max_len: cache capacity in tokens (prompt + new tokens).
-        compile_tail: ``torch.compile`` each layer's input norm and its residual + norm + MLP tail (one compiled
-            graph shared by all layers), and a decode step's ends (embedding + rotary, final norm + LM head); eager
-            after a compile failure (warned). Off by default (a first-use compile; docs/performance-variants.md).
-            With gated MLPs (checked against the modules' forward first; not with forward hooks on the norms or MLPs,
-            warned) a layer's residual, norm, MLP (gate and up projections in one GEMM up
-            to ``config.fused_gate_up_max_bytes``) and the next layer's input norm are one compiled call, or with
-            ``config.tail_kernel`` one Triton launch per layer (``kernels/layer_tail.py``) that also computes the
-            next layer's input projection.
-        config: the fast paths' :class:`~headscope.hybrid.inference.InferenceConfig`, set on the model
-            (:func:`~headscope.hybrid.inference.use_inference`); None: the model's own (default unless set).
-        caches: one :class:`HybridDecodeCache` per layer of capacity ``max_len`` to decode into (a
-            :class:`~headscope.hybrid.HybridCache`'s ``decode_caches``, filled by the model's own prefill);
+        model: a hybrid causal LM (an all-FA mask with ``fusion="none"`` gives the teacher's function).
+        batch, max_len: sequences decoded together and cache capacity (prompt + new tokens).
+        compile_tail: ``torch.compile`` each layer's input norm and residual + norm + MLP tail (one graph shared by
+            all layers) and a step's ends (embedding + rotary, final norm + LM head); eager after a compile failure
+            (warned). With gated MLPs (checked against the modules first; not with hooks on them, warned) a layer's
+            tail and the next input norm are one compiled call (gate/up in one GEMM up to
+            ``config.fused_gate_up_max_bytes``), or with ``config.tail_kernel`` one Triton launch per layer
+            (``kernels/layer_tail.py``) that also computes the next layer's input projection.
+        config: an InferenceConfig to attach (``use_inference``) unless it is the model's; None: the model's.
+        caches: one HybridDecodeCache of capacity ``max_len`` per layer (a ``HybridCache``'s ``decode_caches``);
             None: new ones.
 
     Raises:

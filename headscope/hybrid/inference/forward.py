@@ -1,17 +1,13 @@
-"""The ``lean`` backends of :class:`~headscope.hybrid.HeadwiseHybridAttention`: :func:`prefill` and
-:func:`decode_step` (``headscope/hybrid/registry.py``).
+"""The ``lean`` backends of :class:`~headscope.hybrid.HeadwiseHybridAttention` (``headscope/hybrid/registry.py``):
+the reference forward's function with one fused input projection and the compiled glue (``plan.py``), outputs in
+(FA, GDN) head order and ``o_proj``'s input columns permuted instead; reached through ``layer.backends`` when no
+gradient is needed, there is no attention mask and the weights are in the input's dtype.
 
-Each computes the reference forward's function with one fused input projection and the compiled glue (``plan.py``);
-outputs stay in (FA, GDN) head order and ``o_proj``'s input columns are permuted instead. A call reaches them
-through the layer's :class:`~headscope.hybrid.inference.config.LayerBackends` when no gradient is needed, there is no
-attention mask and the weights are in the input's dtype (no autocast).
-
-- :func:`prefill` (a prompt, or any call that is not one token into a cache): the FA heads' kept KV groups to SDPA /
-  flash-attn, all GDN heads in one kernel call per time block (``prefill.py``), the state carried from block to block;
-- :func:`decode_step` (one token per sequence into a ``HybridDecodeCache``): the Triton decode kernels where they
-  apply (``decode.py``), writing K/V into the cache slot and the new GDN state into ``cache.S`` in place, so it can
-  be captured in a CUDA graph (after a warm-up call: the glue compiles on first use). A device position
-  (:class:`~.decode.DevicePosition`) makes one captured graph serve every length (``StaticDecoder.step_replayed``).
+- :func:`prefill`: the FA heads' kept KV groups to SDPA / flash-attn, all GDN heads in one kernel call per time
+  block (``prefill.py``), the state carried from block to block;
+- :func:`decode_step`: one token into a ``HybridDecodeCache`` through the Triton decode kernels where they apply
+  (``decode.py``), every write in place (capturable in a CUDA graph; a :class:`~.decode.DevicePosition` makes one
+  graph serve every length).
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""The fast path of a whole hybrid model's forward: a decode step into a :class:`~headscope.hybrid.HybridCache`.
-
-The ``graph`` backend of the ``captured_decode`` role (``headscope/hybrid/registry.py``): a hybrid causal LM
-(``modeling_hybrid``) asks its attached ``model.backends`` before its own forward. It computes one call: a decode step (one new token per sequence) into a HybridCache after
-an unpadded prefill, replayed from one CUDA graph of the whole step (``StaticDecoder.step_replayed``: embedding,
-every layer through the lean decode path, final norm and LM head) — the graph-captured step's speed through
-transformers' own ``generate``. A static cache (``generate(..., cache_implementation="static")``) gets compiled layer
-tails and the tail kernel (a first-use compile); a growing one (``generate``'s default) eager tails (capture only),
-recaptured if a layer's cache grows; ``InferenceConfig.decode_graphs`` chooses which. Every other call (prefill,
-padding, gradients, autocast, hooks, outputs other than logits, layers with the short convolution) returns None and
-runs the model's own forward, whose attention layers take the lean path where it applies (``forward.py``).
+"""The ``graph`` backend of the ``captured_decode`` role: a hybrid model's decode step into a
+:class:`~headscope.hybrid.HybridCache` after an unpadded prefill, replayed from one CUDA graph of the whole step
+(``StaticDecoder.step_replayed``); every other call returns None (the model's own forward). Details:
+docs/hybrid.md, "How the kernels work: Captured decode".
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
-"""The training-time forward of :class:`~headscope.hybrid.HeadwiseHybridAttention`, written for speed.
-
-The plain forward (``layer.py``) projects with seven ``nn.Linear`` calls, gathers the FA and GDN heads
-out of the query activations with ``index_select`` and scatters the two branches back into the
-teacher's head order (``index_copy`` / ``cat`` + ``index_select``) before the fusion and ``o_proj``.
-This path computes the same function with:
-
-- **one input GEMM**: the rows of ``q_proj`` are gathered into (FA heads, GDN heads) order and stacked
-  with ``k_proj``, ``v_proj``, ``g_proj``, ``gdn_k_proj``, ``gdn_v_proj``, ``a_proj`` and ``b_proj``
-  into one weight; the output is split by columns. Gathering weight rows (a few hundred KB) replaces
-  gathering activations (batch · time · heads · d);
-- **no head permutation of activations**: the branch outputs are concatenated in (FA, GDN) order and
-  the fusion's γ rows and ``o_proj``'s input columns are permuted to match, so
-  ``o_proj(fuse(y))`` is unchanged;
-- **all GDN heads of the layer in one kernel call**, behind :func:`torch.compiler.disable`, so a
-  ``torch.compile`` of the decoder layer breaks the graph there once and compiles the two sides;
-- only tensor indices and integer head counts read inside, so every layer with the same head counts
-  shares one compiled graph (Dynamo guards on the counts, not on which heads).
-
-It is the ``fused`` backend of the ``train`` role (``headscope/hybrid/registry.py``): taken where the model's
-InferenceConfig chooses it (``train="fused"``, or ``"auto"`` on CUDA), gradients are on and there is no cache and no
-attention mask; otherwise the plain forward runs. The numbers equal the plain forward's up to the summation order of
-the fused GEMM (tested on CPU in fp32).
+"""The ``fused`` backend of the ``train`` role: the training-time forward of
+:class:`~headscope.hybrid.HeadwiseHybridAttention` with one input GEMM, no head permutation of activations and all
+GDN heads in one kernel call; taken where InferenceConfig chooses it (``train="fused"``, or ``"auto"`` on CUDA) with
+gradients, no cache and no mask. Equal to the reference up to the fused GEMM's summation order. Design:
+docs/hybrid.md, "How the kernels work: Fused training forward".
 """
 
 from __future__ import annotations

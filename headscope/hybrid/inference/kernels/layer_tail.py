@@ -1,32 +1,7 @@
-"""A decode step's layer tail in one persistent Triton launch: the split-K combination, ``o_proj`` and the
-residual, the post-attention RMSNorm, the gated MLP and its residual, the next layer's input RMSNorm and, optionally,
-that layer's input projection.
-
-It replaces nine launch-bound kernels of a small decode layer (docs/performance-variants.md).
-:func:`layer_tail` does that chain as the *phases* of one launch of at most one program
-per SM, separated by grid-wide barriers (an atomic counter that only grows: each program adds one per barrier and
-waits until all have; every program of the launch is resident, so none waits on a program that never runs):
-
-0. the split-K combination with the output fusion (``splitk._combine_row``: FA gate, per-head RMSNorm, γ_h) into
-   the FA heads' columns of ``o_proj``'s input (the GDN heads' columns are already there) — skipped, with its
-   barrier's wait, where the attention's launch combined them itself (``step.combine_mode``: rows of few heads);
-1. ``h1 = h + o_proj(y)`` in 16-column tiles;
-2. ``act = silu(gate(x)) · up(x)`` in 16-column tiles, ``x = RMSNorm(h1)``;
-3. ``h2 = h1 + down(act)`` in 16-column tiles × a few pieces of the reduction (fp32 partials, more programs with
-   shorter loops; the last piece of a tile to finish, found by a per-tile atomic counter, adds them in order);
-4. the next layer's input ``x = RMSNorm'(h2)``, or straight away its input projection ``x @ W_inᵀ + b_in`` (the
-   next attention layer's first GEMM; ``forward.forward``'s ``z_in``).
-
-Every reduction is a software-pipelined loop deep enough that all its chunks' copies into shared memory are in
-flight before the first product: a ``tl.dot``'s operands pass through shared memory behind a barrier that no later
-load moves above, so chunks loaded one after another would wait a memory latency each. The norms' row statistics
-come from the tiles of the phase before (sums of squares per
-tile, added by every program of the next phase), not from a second pass over the rows. Rounding follows the
-modules' (each GEMM's output, the residual sums, the norms' ``weight · x.to(dtype)``, SiLU then the product, in the
-activations' dtype); products accumulate in fp32.
-
-Without a GPU (Triton's interpreter, ``TRITON_INTERPRET=1``), whose programs run one after another and cannot
-wait on each other, the phases run as five launches of the same kernel.
+"""A decode step's layer tail in one persistent Triton launch: the split-K combination, ``o_proj`` and the residual,
+the post-attention RMSNorm, the gated MLP and its residual, the next layer's input RMSNorm and, optionally, that
+layer's input projection, as phases separated by grid-wide barriers (in Triton's interpreter: five launches). Design:
+docs/hybrid.md, "How the kernels work: Layer tail".
 """
 
 from __future__ import annotations
@@ -321,39 +296,23 @@ def layer_tail(
     b_in: Optional[Tensor] = None,
     attn: Optional[tuple] = None,
 ) -> tuple[Float[Tensor, "batch hidden"], Optional[Float[Tensor, "batch n"]]]:
-    """A decode step's layer tail of a Llama-family layer (SiLU-gated MLP, RMSNorms) in one launch (see the module
-    docstring): ``h1 = h + o_proj(y)``, ``h2 = h1 + down(silu(gate(x)) · up(x))`` with ``x = RMSNorm(h1)``,
-    and the next layer's input ``RMSNorm'(h2)`` — or, with ``w_in``, that input's projection
-    ``RMSNorm'(h2) @ w_inᵀ + b_in`` (the next attention layer's first GEMM).
+    """A Llama-family decode layer's tail in one launch (module docstring): ``h1 = h + o_proj(y)``, ``h2 = h1 +
+    down(silu(gate(x)) · up(x))`` with ``x = RMSNorm(h1)``, and the next layer's input ``RMSNorm'(h2)`` — or with
+    ``w_in`` its projection ``RMSNorm'(h2) @ w_inᵀ + b_in``.
 
     Args:
-        y: o_proj's input [batch ≤ 16, k_o], contiguous. With ``attn`` its FA heads' columns are written by the
-            launch's first phase (``attn``'s output buffer must be a view of y).
-        h: the residual stream before the layer [batch, hidden], contiguous, in y's dtype.
-        w_o, b_o: o_proj's weight [hidden, k_o] and bias (or None).
-        w_post, eps_post: the post-attention RMSNorm's weight [hidden] and ε.
-        w_gu, b_gu: the gate and up projections' weights stacked [gate; up] = [2·inter, hidden], biases likewise
-            (or None).
-        w_down, b_down: the down projection's weight [hidden, inter] and bias (or None).
-        w_next, eps_next: the next layer's input RMSNorm (None after the last layer).
-        w_in, b_in: the next layer's input projection [n_in, hidden] (n_in a multiple of 16) and bias, applied to the
-            normalized rows (needs ``w_next``); None: the normalized rows are returned.
-        attn: ``(sp, gate, gamma, eps)``: the split-K partials of :func:`~headscope.hybrid.inference.kernels.splitk.setup` (after the
-            partial kernel ran) and the output fusion of :func:`~headscope.hybrid.inference.kernels.splitk.combine`; None: y is
-            complete.
+        y: o_proj's input [batch ≤ 16, k_o], contiguous (with ``attn``, its FA heads' columns are written by the
+            launch's first phase: ``attn``'s output buffer is a view of y); h: the residual [batch, hidden].
+        w_o, b_o: o_proj; w_post, eps_post: the post-attention RMSNorm; w_gu, b_gu: [gate; up] stacked
+            [2·inter, hidden]; w_down, b_down: the down projection; w_next, eps_next: the next layer's input norm
+            (None after the last); w_in, b_in: the next input projection [n_in (× 16), hidden] (needs w_next).
+        attn: ``(sp, gate, gamma, eps)``: the split-K partials of :func:`~.splitk.setup` and the output fusion of
+            :func:`~.splitk.combine`; None: y is complete.
 
-    Returns:
-        (h2 [batch, hidden], x_next [batch, hidden] — or z [batch, n_in] with ``w_in`` — or None), new tensors in
-        h's dtype.
-
-    Raises:
-        ValueError: sizes or dtypes that disagree, or sizes where :func:`applies` is False (use
-            :func:`layer_tail_torch`); CPU tensors outside ``TRITON_INTERPRET=1``; bf16 in the interpreter (its bf16
-            ``tl.dot`` is wrong in Triton 3.9).
-        ImportError: triton is not installed.
-
-    Source: the modules' forward (Llama's decoder layer after attention); flash-decoding's combination (Dao et al.,
-    2023) with HydraHead eq. 13–14; a grid-wide barrier as in CUDA cooperative groups.
+    Returns (h2 [batch, hidden], x_next [batch, hidden] or z [batch, n_in] or None), in h's dtype. Raises
+    ValueError: sizes / dtypes that disagree or where :func:`applies` is False (use :func:`layer_tail_torch`), CPU
+    tensors outside ``TRITON_INTERPRET=1``, bf16 in the interpreter; ImportError without triton. Source: Llama's
+    decoder layer; flash-decoding's combination with eq. 13–14; a grid-wide barrier (CUDA cooperative groups).
     """
     B, k_o = y.shape
     hid, inter = h.shape[1], w_down.shape[1]
