@@ -160,7 +160,7 @@ def test_a_failed_step_capture_leaves_the_caches(monkeypatch):
         for _ in range(2):
             with pytest.raises(RuntimeError, match="capture failed"):
                 dec.step_replayed(ids[:, -1:])
-    assert dec.length == 10 and dec._dgraph is None and all(c.pos is None and c.valid is None for c in dec.caches)
+    assert dec.length == 10 and dec._dgraph is None and dec._dp is None
     assert all(torch.equal(c.S, S) for c, S in zip(dec.caches, before))
 
 

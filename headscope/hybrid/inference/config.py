@@ -121,6 +121,7 @@ class LayerBackends:
         self.plan: Any = None
         self.train_index: Any = None
         self._chosen: dict = {}
+        self._fns: dict = {}
 
     def backend(self, layer: Any, role: str, w: torch.Tensor) -> Backend:
         """The backend of ``role`` for the layer with parameters like ``w`` (dtype, device; memoized).
@@ -148,8 +149,12 @@ class LayerBackends:
                                 kernel=layer.options.gdn_kernel, chunk_size=layer.options.chunk_size)
 
     def fn(self, layer: Any, role: str) -> Optional[Callable]:
-        """The function of ``role``'s backend for the layer's current parameters (None: the reference forward)."""
-        return self.backend(layer, role, layer.q_proj.weight).fn()
+        """``role``'s backend function for the layer's parameters (None: the reference), resolved once per dtype."""
+        w = layer.q_proj.weight
+        key = (role, w.device.type, w.dtype)
+        if key not in self._fns:
+            self._fns[key] = self.backend(layer, role, w).fn()
+        return self._fns[key]
 
     def __call__(self, layer: Any, x: torch.Tensor, position_embeddings: Any, attention_mask: Any, cache: Any,
                  position_ids: Any) -> Any:
@@ -157,11 +162,10 @@ class LayerBackends:
         a layer whose ``o_proj`` has hooks runs the reference (the fast paths apply o_proj's weights directly)."""
         if layer.o_proj._forward_pre_hooks or layer.o_proj._forward_hooks:
             return None
-        if torch.is_grad_enabled() and (x.requires_grad or layer.q_proj.weight.requires_grad):
-            if cache is not None or attention_mask is not None or position_embeddings is None:
-                return None
-            fn = self.fn(layer, "train")
-            return None if fn is None else fn(layer, x, *position_embeddings, position_ids)
+        if torch.is_grad_enabled() and cache is None and attention_mask is None and position_embeddings is not None:
+            fn = self.fn(layer, "train")  # the reference here: the inference check below
+            if fn is not None:
+                return fn(layer, x, *position_embeddings, position_ids)
         if attention_mask is not None or not inference_call(layer, x):
             return None
         fn = self.fn(layer, "decode" if cache is not None and x.shape[1] == 1 else "prefill")
@@ -169,11 +173,11 @@ class LayerBackends:
 
 
 def inference_call(layer: Any, x: torch.Tensor) -> bool:
-    """Whether a call can take an inference backend: no gradient needed, [batch, time, hidden] input in the
-    weights' dtype and device, no autocast."""
+    """Whether a call can take an inference backend: no gradient needed (for x or any parameter), [batch, time,
+    hidden] input in the weights' dtype and device, no autocast."""
     w = layer.q_proj.weight
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in layer.parameters())):
+        return False  # gradients for any parameter: the inference backends build their weights without autograd
     if x.dim() != 3 or w.dtype != x.dtype or w.device != x.device:
         return False
     return not torch.is_autocast_enabled(x.device.type)
