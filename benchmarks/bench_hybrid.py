@@ -51,7 +51,7 @@ from headscope.hybrid.fa_kernels import flash_attn_available, flash_attn_usable
 from headscope.hybrid.inference.kernels import splitk
 from headscope.hybrid.inference.graphs import capture as capture_graph, warm_up
 from headscope.hybrid.gdn_kernels import fla_available, gdn_chunked_torch, gated_delta_rule
-from headscope.hybrid.registry import replace_all
+from headscope.hybrid.backend_registry import replace_all
 from headscope.masks import HeadMask
 
 from bench_timing import configured, parse_variant, time_ms, variant_config

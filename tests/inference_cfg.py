@@ -4,7 +4,7 @@ device)."""
 from contextlib import contextmanager
 from dataclasses import replace
 
-from headscope.hybrid.registry import replace_all
+from headscope.hybrid.backend_registry import replace_all
 from headscope.hybrid.inference import DEFAULT, InferenceConfig, inference_config, use_inference
 
 ON = replace(DEFAULT, prefill="lean", decode="lean", captured_decode="graph")  # also on CPU (Triton interpreter)

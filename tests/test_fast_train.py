@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions, hybridize
 from headscope.hybrid.config import LayerSpec
-from headscope.hybrid.registry import layer_needs
+from headscope.hybrid.backend_registry import layer_needs
 from headscope.hybrid.inference import DEFAULT, use_inference
 
 

@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from headscope import HeadscopeInputError
 from headscope.hybrid import HybridOptions, backends, hybridize, use_inference, warm_up
 from headscope.hybrid.inference import DEFAULT, InferenceConfig
-from headscope.hybrid.registry import ROLES, Backend, Needs, register, select
+from headscope.hybrid.backend_registry import ROLES, Backend, Needs, register, select
 from headscope.masks import HeadMask
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,7 +161,7 @@ def test_auto_picks_the_fastest_that_applies_and_a_named_backend_that_does_not_i
 def test_a_registered_backend_is_chosen_by_name_and_by_auto(monkeypatch):
     """A new backend is data: registered with what it supports, named by a config (or chosen by auto where it is
     the fastest), called with its role's signature."""
-    from headscope.hybrid import registry
+    from headscope.hybrid import backend_registry as registry
 
     calls = []
     mod = type(sys)("fake_backend")

@@ -135,7 +135,7 @@ def test_a_short_convolution_decodes_through_the_models_own_forward(static, monk
     its own forward, not the replayed step: generate gives the cache-free loop's greedy tokens. "auto" picks the
     reference for it even on CUDA; naming the lean backend is refused."""
     from headscope import HeadscopeInputError
-    from headscope.hybrid.registry import Needs, select
+    from headscope.hybrid.backend_registry import Needs, select
 
     m = _hybrid(gdn_conv=4, gdn_kernel="torch")
     with pytest.raises(HeadscopeInputError, match="short_conv"):

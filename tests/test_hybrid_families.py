@@ -112,7 +112,7 @@ def test_lean_path_equals_reference_forward_and_decode(name):
     from dataclasses import replace
 
     from headscope import HeadscopeInputError
-    from headscope.hybrid.registry import Needs, select
+    from headscope.hybrid.backend_registry import Needs, select
     from headscope.hybrid.inference import InferenceConfig, use_inference
 
     teacher = _teacher(name)

@@ -615,7 +615,7 @@ def test_family_decode_on_cuda_matches_the_reference(name):
     whole-model step) against the reference forward (every role ``"reference"``) on the same tokens: within bf16 rounding,
     max |Δlogit| ≤ 3 % of the largest logit (GPT-NeoX's partial-rotary heads once decoded with errors ~ the logits)."""
     from headscope.arch.random_models import hybrid_families
-    from headscope.hybrid.registry import replace_all
+    from headscope.hybrid.backend_registry import replace_all
     from headscope.hybrid.inference import use_inference
 
     teacher = hybrid_families()[name](V, 0).float().eval()

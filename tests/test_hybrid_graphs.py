@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from headscope.hybrid import hybridize
 from headscope.hybrid.inference.graphs import capture
-from headscope.hybrid.registry import replace_all
+from headscope.hybrid.backend_registry import replace_all
 from headscope.hybrid.inference import DEFAULT
 from inference_cfg import ON, plain, use
 from headscope.hybrid.inference.decoder import StaticDecoder

@@ -5,7 +5,7 @@ backends attach to a model through :func:`use_inference` (called by :func:`hybri
 its :class:`InferenceConfig` from the registry :func:`backends` lists.
 """
 
-from .registry import backends
+from .backend_registry import backends
 from .cache import HybridCache
 from .config import HybridOptions, LayerSpec
 from .convert import head_output_rms, hybrid_spec, hybridize, load, migrate, migrate_from, register_auto_classes

@@ -3,7 +3,7 @@
 Every choice of the fast paths is a field of :class:`InferenceConfig` — none a module-level switch — so two models in
 one process can differ and a result file records the choices (``dataclasses.asdict``); variants are
 ``dataclasses.replace(cfg, ...)``, the defaults the measured best (docs/performance-variants.md). Its role fields name
-the backends (``headscope/hybrid/registry.py``) that attach to the layers (:class:`LayerBackends`, ``layer.backends``)
+the backends (``headscope/hybrid/backend_registry.py``) that attach to the layers (:class:`LayerBackends`, ``layer.backends``)
 and the model (:class:`ModelBackends`, ``model.backends``), which the saved modeling code calls when they are set.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..registry import ROLES, Backend, Needs, layer_needs, select
+from ..backend_registry import ROLES, Backend, Needs, layer_needs, select
 from ..fa_kernels import fa_attention, flash_attn_available
 from ..gdn_kernels import fla_available, gated_delta_rule
 

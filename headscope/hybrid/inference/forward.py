@@ -1,4 +1,4 @@
-"""The ``lean`` backends of :class:`~headscope.hybrid.HeadwiseHybridAttention` (``headscope/hybrid/registry.py``):
+"""The ``lean`` backends of :class:`~headscope.hybrid.HeadwiseHybridAttention` (``headscope/hybrid/backend_registry.py``):
 the reference forward's function with one fused input projection and the compiled glue (``plan.py``), outputs in
 (FA, GDN) head order and ``o_proj``'s input columns permuted instead; reached through ``layer.backends`` when no
 gradient is needed, there is no attention mask and the weights are in the input's dtype.
