@@ -1,5 +1,4 @@
-"""The hybrid's fast backends and their configuration: :class:`InferenceConfig`, attached per model
-(:func:`use_inference`)."""
+"""The hybrid's inference seam: :class:`InferenceConfig`, chosen once per model (:func:`use_inference`)."""
 
 from .config import DEFAULT, InferenceConfig, inference_config, use_inference
 
