@@ -42,14 +42,16 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
+from headscope.hybrid.convert import migrate_from
 from headscope.hybrid.inference import prefill
 import headscope.hybrid.layer as layer_mod
 from headscope.hybrid.inference import DEFAULT, inference_config, use_inference
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions, hybridize
-from headscope.hybrid.attn import flash_attn_available, flash_attn_usable
+from headscope.hybrid.fa_kernels import flash_attn_available, flash_attn_usable
 from headscope.hybrid.inference.kernels import splitk
 from headscope.hybrid.inference.graphs import capture as capture_graph, warm_up
-from headscope.hybrid.gdn import fla_available, gdn_chunked_torch, gated_delta_rule
+from headscope.hybrid.gdn_kernels import fla_available, gdn_chunked_torch, gated_delta_rule
+from headscope.hybrid.backend_registry import replace_all
 from headscope.masks import HeadMask
 
 from bench_timing import configured, parse_variant, time_ms, variant_config
@@ -296,8 +298,8 @@ def layers(shape, dev, dtype, gdn_kernel, config=DEFAULT):
     mods = {"teacher": teacher,
             "fa": HeadwiseHybridAttention(cfg, 0, tuple(range(h)), HybridOptions(fusion="none", gdn_kernel=gdn_kernel)),
             "hybrid": HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel=gdn_kernel))}
-    mods["fa"].migrate_from(teacher)
-    mods["hybrid"].migrate_from(teacher)
+    migrate_from(mods["fa"], teacher)
+    migrate_from(mods["hybrid"], teacher)
     for k in ("fa", "hybrid"):
         use_inference(mods[k], config)
     return {k: m.to(dev, dtype).eval() for k, m in mods.items()}, cfg
@@ -331,7 +333,7 @@ def bench_layer(shape, T, dev, dtype, gdn_kernel, graph_reps=200, eager_reps=30,
             r["prefill_peak_bytes"] = max(r["prefill_peak_bytes_first_call"], r["prefill_peak_bytes_steady"])
         if name == "hybrid" and before:
             # the layer before the lean path (its default low-memory path)
-            with configured([mod], replace(config, fast_path="never")):
+            with configured([mod], replace_all(config, "reference")):
                 r["prefill_peak_bytes_before"] = _peak_bytes(call, dev)
                 r["prefill_ms_before"] = _time(call, dev, reps)
                 ref_before = call()
@@ -468,7 +470,7 @@ def checks(dev):
         torch.nn.init.normal_(p, std=0.05)
     opts = dict(gdn_conv=4, fa_gate=True, fa_pos="nope")
     cpu_layer = HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel="torch", **opts)).eval()
-    cpu_layer.migrate_from(teacher)
+    migrate_from(cpu_layer, teacher)
     with torch.no_grad():
         for n, p in cpu_layer.named_parameters():
             if any(s in n for s in ("a_proj", "b_proj", "g_proj")):
@@ -665,7 +667,7 @@ def main(argv=None):
     lengths = [64, 128] if a.smoke else a.lengths
     eager_reps = 3 if a.smoke else a.eager_reps
     # the layers' InferenceConfig: the defaults, with the lean path on CPU too for --smoke (eager glue)
-    config = variant_config({"gdn_block_tokens": a.gdn_block, **({"fast_path": "always"} if a.smoke else {})})
+    config = variant_config({"gdn_block_tokens": a.gdn_block, **({"prefill": "lean", "decode": "lean"} if a.smoke else {})})
     results = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
                "dtype": str(dtype), "gdn_kernel": gdn_kernel, "fa_kernel": fa_kernel, "batch": 1,
                "layer_path": "lean (hybrid/lean.py): fused projection, compiled glue, SDPA + one GDN call per block",

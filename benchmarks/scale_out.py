@@ -262,7 +262,7 @@ def part_b(args, tok, out: Path, res: dict) -> None:
     import numpy as np
 
     from headscope.hybrid import hybridize
-    from headscope.hybrid.gdn import fla_available
+    from headscope.hybrid.gdn_kernels import fla_available
     from headscope.masks import HeadMask, parse_budget
     from headscope.models import load_hf
     from headscope.train import TrainConfig, retrieval_rows

@@ -413,8 +413,9 @@ def _load_kwargs(spec: str | os.PathLike) -> tuple[str, dict[str, Any], str]:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     if is_hybrid(spec):
-        from . import hybrid  # noqa: F401  (registers the hybrid model types: the folder loads without remote code)
+        from .hybrid import register_auto_classes
 
+        register_auto_classes()  # headscope's classes load the folder without remote code
         kw = {**kw, "trust_remote_code": False}
     return path, kw, name
 
@@ -454,6 +455,7 @@ def load_hf(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, kw, name = _load_kwargs(spec)
+    hybrid = is_hybrid(spec)
     try:
         tok = AutoTokenizer.from_pretrained(path, **kw)
         if device_map is not None:
@@ -467,6 +469,10 @@ def load_hf(
             ) from e
         raise ModelSpecError(f"could not load {spec!r}: {e}") from e
     model.eval()
+    if hybrid:
+        from .hybrid import use_inference
+
+        use_inference(model)  # the hybrid's fast backends (docs/hybrid.md)
     if device_map is None:
         dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model.to(dev)

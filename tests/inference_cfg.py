@@ -1,11 +1,13 @@
-"""Test helpers: a hybrid model's or layer's InferenceConfig set from the default (the lean path on every device)."""
+"""Test helpers: a hybrid model's or layer's InferenceConfig set from the default (the lean backends on every
+device)."""
 
 from contextlib import contextmanager
 from dataclasses import replace
 
+from headscope.hybrid.backend_registry import replace_all
 from headscope.hybrid.inference import DEFAULT, InferenceConfig, inference_config, use_inference
 
-ON = replace(DEFAULT, fast_path="always")  # the lean path on CPU too (Triton kernels in the interpreter)
+ON = replace(DEFAULT, prefill="lean", decode="lean", captured_decode="graph")  # also on CPU (Triton interpreter)
 
 
 def use(model, **changes) -> InferenceConfig:
@@ -15,9 +17,9 @@ def use(model, **changes) -> InferenceConfig:
 
 @contextmanager
 def plain(model):
-    """Within the block ``model`` takes the reference (plain) path: fast_path="never"."""
+    """Within the block ``model`` takes the reference forward: every role "reference"."""
     old = inference_config(model)
-    use_inference(model, replace(old, fast_path="never"))
+    use_inference(model, replace_all(old, "reference"))
     try:
         yield
     finally:

@@ -33,20 +33,25 @@ def test_variants_are_parsed_into_configs_and_bad_items_name_the_fix():
         sys.path.remove(str(BENCH))
     from headscope.hybrid.inference import DEFAULT, inference_config
 
-    name, ch = parse_variant("compiled_tail:tail_kernel=False,gdn_block_tokens=4096,tail_mode=None,fast_path=always")
+    name, ch = parse_variant("compiled_tail:tail_kernel=False,gdn_block_tokens=4096,tail_mode=None,prefill=lean")
     assert name == "compiled_tail"
-    assert ch == {"tail_kernel": False, "gdn_block_tokens": 4096, "tail_mode": None, "fast_path": "always"}
+    assert ch == {"tail_kernel": False, "gdn_block_tokens": 4096, "tail_mode": None, "prefill": "lean"}
     cfg = variant_config(ch)
-    assert (cfg.tail_kernel, cfg.gdn_block_tokens, cfg.fast_path) == (False, 4096, "always")
+    assert (cfg.tail_kernel, cfg.gdn_block_tokens, cfg.prefill) == (False, 4096, "lean")
     assert cfg.flash_qla == DEFAULT.flash_qla  # the rest: the defaults
     assert parse_variant("again:") == ("again", {})
     with pytest.raises(ValueError, match="field=value"):
         parse_variant("x:no_such=1")
     with pytest.raises(ValueError, match="field=value"):
         parse_variant("x:lean.DECODE_GDN=kernel")  # the old module switches are gone
-    with pytest.raises(ValueError, match="fast_path must be one of"):
-        parse_variant("x:fast_path=sometimes")
-    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="prefill must be a backend name"):
+        parse_variant("x:prefill=5")
+    from transformers import LlamaConfig
+
+    from headscope.hybrid import HeadwiseHybridAttention
+
+    model = HeadwiseHybridAttention(LlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                                head_dim=16), 0, [0])
     with pytest.raises(RuntimeError):  # configured: the config holds inside the block and is restored after an error
         with configured([model], cfg):
             assert inference_config(model) is cfg

@@ -10,7 +10,7 @@ import torch
 
 from headscope.hybrid.inference import plan as plan_mod, prefill
 from headscope.hybrid.inference.graphs import ShapeGraphs
-from headscope.hybrid.gdn import fla_available
+from headscope.hybrid.gdn_kernels import fla_available
 from headscope.hybrid.inference import DEFAULT
 
 from inference_cfg import use

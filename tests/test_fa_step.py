@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from headscope.hybrid.convert import migrate_from
 from headscope.hybrid.inference import decode, forward as fwd, plan as plan_mod
 from headscope.hybrid.inference.kernels import fa_prep as fa_step
 from headscope.hybrid.inference.kernels.fa_prep import fa_decode_prep, fa_decode_prep_torch
@@ -190,7 +191,7 @@ def _decode_vs_forward(monkeypatch, qwen, opts, fa=(0, 3), d=16, fused_out_max_d
     for p in teacher.parameters():
         torch.nn.init.normal_(p, std=0.2)
     layer = HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel="torch", **opts), qk_norm=qwen)
-    layer.migrate_from(teacher)
+    migrate_from(layer, teacher)
     with torch.no_grad():
         for n, p in layer.named_parameters():
             if "norm" in n or n == "gamma":

@@ -3,13 +3,24 @@ FastStep (eager and through Dynamo) and the trainer with it, each against the pl
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import LlamaConfig
 
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions, hybridize
 from headscope.hybrid.config import LayerSpec
-from headscope.hybrid.inference.train_forward import prepare_fast, unprepare_fast
+from headscope.hybrid.backend_registry import layer_needs
+from headscope.hybrid.inference import DEFAULT, use_inference
+
+
+def prepare_fast(layer):
+    use_inference(layer, replace(DEFAULT, train="fused"))
+
+
+def unprepare_fast(layer):
+    use_inference(layer, replace(DEFAULT, train="reference"))
 from headscope.masks import HeadMask
 from headscope.train import TokenRows, TrainConfig, Trainer, distillation_loss, lm_loss, stage_loss, trainable_parameters
 from headscope.train.fast import FastStep, flops_per_token, model_body
@@ -79,7 +90,7 @@ def test_fast_layer_path_equals_plain_path(fa, opts, qk, bias):
     spec = LayerSpec(q_bias=True, k_bias=True, v_bias=True) if bias == "qkv" else None
     torch.manual_seed(0)
     layer = HeadwiseHybridAttention(_CFG, 0, fa, HybridOptions(**opts), qk_norm=qk, spec=spec).double()
-    assert layer.plain and (layer.q_proj.bias is not None) == bool(bias) and (layer.o_proj.bias is not None) == (bias is True)
+    assert not layer_needs(layer) - {"biases"} and (layer.q_proj.bias is not None) == bool(bias) and (layer.o_proj.bias is not None) == (bias is True)
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -105,7 +116,7 @@ def test_fast_path_only_with_gradients_and_without_cache(teacher):
     calls = []
     from headscope.hybrid.inference import train_forward as L
 
-    orig = L.fast_forward  # what the seam (inference/dispatch.py) calls for a training step
+    orig = L.fast_forward  # the fused train backend (registry.py)
     L.fast_forward = lambda *a, **k: calls.append(1) or orig(*a, **k)
     try:
         x = torch.randn(1, 8, 64)

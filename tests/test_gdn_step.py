@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from headscope.hybrid.inference.kernels import gdn_step
-from headscope.hybrid.gdn import gdn_naive
+from headscope.hybrid.gdn_kernels import gdn_naive
 from headscope.hybrid.inference.kernels.gdn_step import gdn_decode_step, gdn_decode_step_torch
 
 from conftest import rope_and_qk_norm

@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from headscope.hybrid import (
+    load,
     HeadwiseHybridAttention,
     HybridOptions,
     gdn_naive,
@@ -149,7 +150,7 @@ def test_generate_batched_left_padding_equals_single():
 def test_save_and_load_round_trip(tmp_path):
     hybrid = _perturb(hybridize(_tiny("qwen3"), MIXED, **FULL_OPTS)).eval()
     hybrid.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    loaded = load(tmp_path).eval()  # headscope's classes and backends
     assert type(loaded).__name__ == "HybridQwen3ForCausalLM"
     mask, opts = hybrid_spec(loaded)
     assert mask == MIXED and opts == HybridOptions(**FULL_OPTS)

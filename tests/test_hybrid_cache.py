@@ -44,7 +44,9 @@ def _greedy_loop(model, ids, n):
 
 
 def _lean(model, where):
-    use_inference(model, dataclasses.replace(InferenceConfig(), fast_path=where))
+    """``where="always"``: the lean and graph backends named (on CPU too); ``"never"``: the reference everywhere."""
+    names = ("lean", "lean", "graph") if where == "always" else ("reference",) * 3
+    use_inference(model, dataclasses.replace(InferenceConfig(), **dict(zip(("prefill", "decode", "captured_decode"), names))))
     return model
 
 
@@ -91,7 +93,7 @@ def test_greedy_generate_default_and_static_equal_the_cache_free_loop(where):
 
 
 def test_static_generate_takes_the_replayed_step_and_sampling_matches(monkeypatch):
-    """With fast_path="always" on the CPU a static cache's decode steps go through StaticDecoder.step_replayed
+    """With the lean and graph backends named on the CPU a static cache's decode steps go through StaticDecoder.step_replayed
     (run eagerly off CUDA: the same device-position step a GPU replays); sampled tokens (same seed) equal those of
     the reference path."""
     m = _hybrid()
@@ -117,7 +119,7 @@ def test_default_generate_replays_the_step_where_the_config_says(graphs, replaye
     """generate's default (growing) cache: decode steps through StaticDecoder.step_replayed with
     decode_graphs="all", layer by layer otherwise; greedy tokens equal the cache-free loop either way."""
     m = _hybrid()
-    use_inference(m, dataclasses.replace(InferenceConfig(), fast_path="always", decode_graphs=graphs))
+    use_inference(m, dataclasses.replace(InferenceConfig(), prefill="lean", decode="lean", captured_decode="graph", decode_graphs=graphs))
     ids = _ids(2, 16)
     calls = []
     orig = decoder_mod.StaticDecoder.step_replayed
@@ -130,8 +132,16 @@ def test_default_generate_replays_the_step_where_the_config_says(graphs, replaye
 @pytest.mark.parametrize("static", [False, True], ids=["default", "static"])
 def test_a_short_convolution_decodes_through_the_models_own_forward(static, monkeypatch):
     """A hybrid with the GDN short convolution (gdn_conv=4: no lean path, so no device-position step) decodes through
-    its own forward, not the replayed step: generate gives the cache-free loop's greedy tokens."""
-    m = _lean(_hybrid(gdn_conv=4, gdn_kernel="torch"), "always")
+    its own forward, not the replayed step: generate gives the cache-free loop's greedy tokens. "auto" picks the
+    reference for it even on CUDA; naming the lean backend is refused."""
+    from headscope import HeadscopeInputError
+    from headscope.hybrid.backend_registry import Needs, select
+
+    m = _hybrid(gdn_conv=4, gdn_kernel="torch")
+    with pytest.raises(HeadscopeInputError, match="short_conv"):
+        _lean(m, "always")
+    feats = m.model.layers[0].self_attn.backends.features
+    assert select("decode", "auto", Needs(feats, "bfloat16", "cuda")).name == "reference"
     ids = _ids(2, 12)
     calls = []
     orig = decoder_mod.StaticDecoder.step_replayed

@@ -11,10 +11,12 @@ import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-import headscope.hybrid.attn as attn_mod
+import headscope.hybrid.fa_kernels as attn_mod
+import headscope.hybrid.gdn_kernels as gdn_kernels
 import headscope.hybrid.layer as layer_mod
-from headscope.hybrid import HeadwiseHybridAttention, HybridCache, HybridOptions
-from headscope.hybrid.gdn import gdn_naive, gdn_recurrent_torch
+from headscope.hybrid.convert import migrate_from
+from headscope.hybrid import HeadwiseHybridAttention, HybridCache, HybridOptions, use_inference
+from headscope.hybrid.gdn_kernels import gdn_naive, gdn_recurrent_torch
 
 HID, H, KV, D = 48, 6, 2, 8  # groups of 3 query heads
 
@@ -33,7 +35,8 @@ def _layer(fa, seed=0, **opts):
     for p in teacher.parameters():
         torch.nn.init.normal_(p, std=0.2)
     layer = HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel="torch", **opts))
-    layer.migrate_from(teacher)
+    use_inference(layer)  # headscope's kernels (flash-attn where it applies) for the reference forward
+    migrate_from(layer, teacher)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # non-trivial new parameters
         for n, p in layer.named_parameters():
@@ -161,6 +164,7 @@ def _fake_flash_attn(calls):
 def fake_flash(monkeypatch):
     calls = []
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn(calls))
+    monkeypatch.setitem(gdn_kernels._found, "flash_attn", None)  # searched again: the stand-in is found
     monkeypatch.setattr(attn_mod, "flash_attn_usable", lambda q: True)  # pretend CUDA + bf16
     return calls
 
@@ -194,12 +198,14 @@ def test_fa_attention_dispatch(fake_flash):
 def test_fa_attention_dispatch_without_cuda_or_package(monkeypatch):
     calls = []
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn(calls))
+    monkeypatch.setitem(gdn_kernels._found, "flash_attn", None)
     q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 4, 8)
     attn_mod.fa_attention(q, k, k, 0.3, kernel="auto")  # CPU fp32: auto keeps SDPA
     assert calls == []
     with pytest.raises(ValueError, match="fa_kernel='sdpa'"):
         attn_mod.fa_attention(q, k, k, 0.3, kernel="flash_attn")
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed
+    monkeypatch.setitem(gdn_kernels._found, "flash_attn", None)
     monkeypatch.setattr(attn_mod, "flash_attn_usable", lambda q: True)
     assert not attn_mod.flash_attn_available()
     with pytest.raises(ImportError, match="pip install flash-attn"):

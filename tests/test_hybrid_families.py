@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from headscope.arch.random_models import hybrid_families
-from headscope.hybrid import hybridize
+from headscope.hybrid import hybridize, load
 from headscope.hybrid.modeling_hybrid import attention_name, decoder_layers
 from headscope.masks import HeadMask
 
@@ -100,27 +100,34 @@ def test_fa_head_of_sliding_layer_keeps_window_without_mask(name):
     assert (got - causal).abs().max().item() > 1e-2
 
 
-FAST = {"llama", "qwen2", "qwen3", "gpt_neox"}  # plain layers (LayerSpec.plain): the lean path computes them
+FAST = {"llama", "qwen2", "qwen3", "gpt_neox"}  # the lean backends apply to their layers (registry.py)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_lean_path_equals_reference_forward_and_decode(name):
-    """With the lean path forced on (``fast_path="always"``; the decode kernels through Triton's interpreter, which
+    """With the lean backends named (``prefill="lean"``, ``decode="lean"``; the decode kernels through Triton's interpreter, which
     tests/conftest.py turns on), a mixed hybrid's prefill and five decode steps through its HybridCache equal the
     reference forward's logits (fp32). GPT-NeoX rotates a quarter of each head (partial rotary): its decode steps
     take the PyTorch glue, as the kernels rotate all d features (they gave errors of ~2 in the logits before)."""
     from dataclasses import replace
 
+    from headscope import HeadscopeInputError
+    from headscope.hybrid.backend_registry import Needs, select
     from headscope.hybrid.inference import InferenceConfig, use_inference
 
     teacher = _teacher(name)
     hybrid = hybridize(teacher, _mixed(teacher), gdn_kernel="torch").eval()
     layers = [_attn(hybrid, i) for i in range(len(decoder_layers(hybrid)))]
-    assert all(a.plain for a in layers) == (name in FAST) and any(a.plain for a in layers) == (name in FAST)
+    lean = [select("decode", "auto", Needs(a.backends.features, "float32", "cuda")).name == "lean" for a in layers]
+    assert all(lean) == (name in FAST) and any(lean) == (name in FAST)
+    if name not in FAST:  # a backend that does not apply is refused by name
+        with pytest.raises(HeadscopeInputError, match="decode='lean' does not apply to layer"):
+            use_inference(hybrid, replace(InferenceConfig(), decode="lean"))
     ids = _ids()
     got = {}
-    for where in ("never", "always"):
-        use_inference(hybrid, replace(InferenceConfig(), fast_path=where, decode_graphs="never"))
+    modes = ("reference", "lean") if name in FAST else ("reference", "auto")
+    for where in modes:
+        use_inference(hybrid, replace(InferenceConfig(), prefill=where, decode=where, decode_graphs="never"))
         with torch.no_grad():
             full = hybrid(ids).logits
             out = hybrid(ids[:, :-5], use_cache=True)
@@ -130,7 +137,7 @@ def test_lean_path_equals_reference_forward_and_decode(name):
                 steps.append(hybrid(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
         got[where] = torch.stack(steps, 1)
         assert (got[where] - full[:, T - 6 : T - 1]).abs().max().item() <= 2e-5, where
-    assert (got["always"] - got["never"]).abs().max().item() <= 2e-5
+    assert (got[modes[1]] - got["reference"]).abs().max().item() <= 2e-5
 
 
 @pytest.mark.slow  # 50 teacher + student steps: ~25 s per family on a shared 2-core CPU
@@ -206,7 +213,7 @@ def test_decay_parameters_stay_fp32_in_bf16_load(tmp_path):
             a.A_log.copy_(torch.randn_like(a.A_log) * 0.3 + 1e-3)
             a.dt_bias.copy_(torch.randn_like(a.dt_bias) + 1e-3)
     hybrid.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    loaded = load(tmp_path, dtype=torch.bfloat16)
     assert _attn(loaded, 0).q_proj.weight.dtype == torch.bfloat16
     n = 0
     for i in range(len(decoder_layers(hybrid))):

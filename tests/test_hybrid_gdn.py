@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from headscope.hybrid.gdn import fla_available, gated_delta_rule, gdn_chunked_torch, gdn_naive
+from headscope.hybrid.convert import migrate_from
+from headscope.hybrid.gdn_kernels import fla_available, gated_delta_rule, gdn_chunked_torch, gdn_naive
 
 
 def _inputs(B=2, T=37, H=3, dk=8, dv=6, seed=0):
@@ -124,7 +125,7 @@ def test_fla_training_step_under_autocast_matches_torch_kernel():
     outs, grads = {}, {}
     for kernel in ("torch", "fla"):
         layer = HeadwiseHybridAttention(cfg, 0, (1,), HybridOptions(gdn_kernel=kernel)).cuda()
-        layer.migrate_from(teacher.cuda())
+        migrate_from(layer, teacher.cuda())
         x = torch.randn(2, 300, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
         cos, sin = LlamaRotaryEmbedding(cfg).cuda()(x, torch.arange(300, device="cuda")[None].expand(2, -1))
         with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from headscope.hybrid import StaticDecoder, hybridize
-from headscope.hybrid.gdn import fla_available, gated_delta_rule, gdn_chunked_torch, gdn_fla, gdn_naive, \
+from headscope.hybrid.gdn_kernels import fla_available, gated_delta_rule, gdn_chunked_torch, gdn_fla, gdn_naive, \
     gdn_recurrent_torch
 from headscope.hybrid.inference import DEFAULT, graphs, prefill
 from headscope.hybrid.inference import decoder as decoder_module
@@ -486,7 +486,7 @@ def test_replayed_decode_steps_leave_the_state(mode, monkeypatch):
                         "sets it on machines without CUDA)")
         from headscope.hybrid.inference import use_inference
 
-        use_inference(model, replace(DEFAULT, fast_path="always"))
+        use_inference(model, replace(DEFAULT, prefill="lean", decode="lean", captured_decode="graph"))
     ids = _ids(12).to(dev)
     out = {}
     with torch.no_grad():
@@ -531,7 +531,7 @@ def test_eager_prefill_block_graphs_leave_the_state(mode, monkeypatch):
     model, dev = _setup(mode, monkeypatch, emulate_blocks=True)
     cfg = replace(DEFAULT, eager_graph_tokens=128)  # B = 2: blocks of 64 time steps
     if mode == "emulated":
-        cfg = replace(cfg, fast_path="always", eager_gdn_graphs="always")
+        cfg = replace(cfg, prefill="lean", decode="lean", eager_gdn_graphs="always")
     graphed_direct = graphs.ShapeGraphs._direct
     prefill.release_eager_graphs()
     try:
@@ -612,9 +612,10 @@ def test_greedy_tokens_agree_bf16_cuda(gdn_conv):
 def test_family_decode_on_cuda_matches_the_reference(name):
     """Each family whose layers take the fast paths, on CUDA in bf16: a prefill and 5 decode steps through the
     HybridCache on the fast paths (lean prefill, the Triton decode kernels, for Llama-form layers the replayed
-    whole-model step) against the reference forward (``fast_path="never"``) on the same tokens: within bf16 rounding,
+    whole-model step) against the reference forward (every role ``"reference"``) on the same tokens: within bf16 rounding,
     max |Δlogit| ≤ 3 % of the largest logit (GPT-NeoX's partial-rotary heads once decoded with errors ~ the logits)."""
     from headscope.arch.random_models import hybrid_families
+    from headscope.hybrid.backend_registry import replace_all
     from headscope.hybrid.inference import use_inference
 
     teacher = hybrid_families()[name](V, 0).float().eval()
@@ -626,7 +627,7 @@ def test_family_decode_on_cuda_matches_the_reference(name):
     ids = _ids(40).cuda()
     got = {}
     for where in ("never", "cuda"):
-        use_inference(model, replace(DEFAULT, fast_path=where))
+        use_inference(model, replace_all(DEFAULT, "reference" if where == "never" else "auto"))
         with torch.no_grad():
             out = model(ids[:, :34], use_cache=True)
             cache, steps = out.past_key_values, [out.logits[:, -1]]

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from headscope.hybrid import hybridize
 from headscope.hybrid.inference.graphs import capture
+from headscope.hybrid.backend_registry import replace_all
 from headscope.hybrid.inference import DEFAULT
 from inference_cfg import ON, plain, use
 from headscope.hybrid.inference.decoder import StaticDecoder
@@ -159,17 +160,17 @@ def test_a_failed_step_capture_leaves_the_caches(monkeypatch):
         for _ in range(2):
             with pytest.raises(RuntimeError, match="capture failed"):
                 dec.step_replayed(ids[:, -1:])
-    assert dec.length == 10 and dec._dgraph is None and all(c.pos is None and c.valid is None for c in dec.caches)
+    assert dec.length == 10 and dec._dgraph is None and dec._dp is None
     assert all(torch.equal(c.S, S) for c, S in zip(dec.caches, before))
 
 
 def test_device_position_needs_the_lean_path():
-    dec = StaticDecoder(_hybrid(), batch=2, max_len=16, config=replace(DEFAULT, fast_path="never"))
+    dec = StaticDecoder(_hybrid(), batch=2, max_len=16, config=replace_all(DEFAULT, "reference"))
     with torch.no_grad():
         dec.prefill(torch.zeros(2, 4, dtype=torch.long))
-        with pytest.raises(ValueError, match="lean path only"):
+        with pytest.raises(ValueError, match="lean decode backend only"):
             dec.step_replayed(torch.zeros(2, 1, dtype=torch.long))
-    assert dec.length == 4 and all(c.pos is None for c in dec.caches)
+    assert dec.length == 4 and dec._dp is None
 
 
 @gpu
@@ -332,7 +333,9 @@ def test_fused_tail_matches_the_mlp_module_or_is_refused(monkeypatch):
 
 def test_device_position_step_of_one_layer_without_a_shared_mask():
     """A layer's device-position step computes its own slot mask / split-K length when no caller keeps one
-    (cache.valid, cache.n_valid None): same output and cache as the step at the Python length."""
+    (DevicePosition.valid, .n_valid None): same output and cache as the step at the Python length."""
+    from headscope.hybrid.inference.forward import DevicePosition, decode_step
+
     layer = _hybrid().model.layers[1].self_attn
     use(layer)  # FA heads 0 and 3 + GDN heads
     rope = _hybrid().model.rotary_emb
@@ -344,10 +347,8 @@ def test_device_position_step_of_one_layer_without_a_shared_mask():
         for device_pos in (False, True):
             dc = layer.new_decode_cache(1, 16)
             layer(x[:, :8], position_embeddings=tuple(t[:, :8] for t in pe), cache=dc)
-            if device_pos:
-                dc.pos = torch.tensor([8])
-            y, _ = layer(x[:, 8:], position_embeddings=tuple(t[:, 8:] for t in pe), cache=dc,
-                         position_ids=torch.tensor([[8]]))
+            dp = DevicePosition(torch.tensor([8])) if device_pos else None
+            y = decode_step(layer, x[:, 8:], tuple(t[:, 8:] for t in pe), torch.tensor([[8]]), dc, dp)
             outs.append((y, dc.k[:, :, :9].clone(), dc.S.clone()))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

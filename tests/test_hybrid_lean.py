@@ -12,11 +12,18 @@ from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
+from headscope.hybrid.convert import migrate_from
 from headscope.hybrid.inference import prefill
+from headscope import HeadscopeInputError
 from headscope.hybrid import HeadwiseHybridAttention, HybridOptions
-from headscope.hybrid.gdn import fla_available, gdn_naive
-from headscope.hybrid.inference import DEFAULT, inference_config
+from headscope.hybrid.gdn_kernels import fla_available, gdn_naive
+from headscope.hybrid.inference import DEFAULT, forward, inference_config, use_inference
 from inference_cfg import plain, use
+
+
+def _planned(layer):
+    """Whether the layer's lean backend ran (it keeps its inference plan in layer.backends)."""
+    return layer.backends is not None and layer.backends.plan is not None
 
 HID, H, KV, D = 48, 6, 2, 8
 
@@ -36,7 +43,7 @@ def _layer(fa, qwen=False, seed=0, gdn_kernel="torch", lean_path=True, **opts):
     for p in teacher.parameters():
         torch.nn.init.normal_(p, std=0.2)
     layer = HeadwiseHybridAttention(cfg, 0, fa, HybridOptions(gdn_kernel=gdn_kernel, **opts), qk_norm=qwen)
-    layer.migrate_from(teacher)
+    migrate_from(layer, teacher)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for n, p in layer.named_parameters():
@@ -82,7 +89,7 @@ def test_lean_prefill_and_decode_equal_plain_forward(fa, qwen, opts):
         steps = [layer(x[:, t : t + 1], position_embeddings=(cos[:, t : t + 1], sin[:, t : t + 1]), cache=dc)[0]
                  for t in range(30, 34)]
         chunk, _ = layer(x[:, 34:], position_embeddings=(cos[:, 34:], sin[:, 34:]), cache=dc)  # 3 tokens at once
-    assert "_inference_plan" in layer.__dict__
+    assert _planned(layer)
     assert dc.length == T
     for got, want in ((out, ref), (blocked, ref), (pre, ref[:, :30]), (torch.cat(steps + [chunk], 1), ref[:, 30:])):
         assert (got - want).abs().max() < 1e-5
@@ -123,11 +130,11 @@ def test_inference_plan_follows_parameter_changes():
     x, cos, sin = _inputs(cfg, 1, 9)
     with torch.no_grad():
         layer(x, position_embeddings=(cos, sin))
-        plan = layer.__dict__["_inference_plan"]
+        plan = layer.backends.plan
         layer.gamma.mul_(2.0)  # in place: the version counter changes
         ref = _plain(layer, x, position_embeddings=(cos, sin))
         out, _ = layer(x, position_embeddings=(cos, sin))
-    assert layer.__dict__["_inference_plan"] is not plan
+    assert layer.backends.plan is not plan
     assert (out - ref).abs().max() < 1e-5
 
 
@@ -135,13 +142,16 @@ def test_lean_path_is_skipped_with_gradients_masks_or_conv():
     layer, _, cfg = _layer((1,))
     x, cos, sin = _inputs(cfg, 1, 9)
     layer(x, position_embeddings=(cos, sin))  # gradients on: plain path
-    assert "_inference_plan" not in layer.__dict__
+    assert not _planned(layer)
     with torch.no_grad():
         layer(x, position_embeddings=(cos, sin), attention_mask=torch.ones(1, 9))
-        assert "_inference_plan" not in layer.__dict__
-        conv, _, _ = _layer((1,), gdn_conv=4)
+        assert not _planned(layer)
+        with pytest.raises(HeadscopeInputError, match="prefill='lean' does not apply to layer 0: .* short_conv"):
+            _layer((1,), gdn_conv=4)  # named, a backend that does not apply is refused
+        conv, _, _ = _layer((1,), gdn_conv=4, lean_path=False)
+        use_inference(conv, replace(DEFAULT, prefill="auto", decode="auto"))  # auto: the reference
         conv(x, position_embeddings=(cos, sin))
-        assert "_inference_plan" not in conv.__dict__
+        assert not _planned(conv)
 
 
 def test_block_tokens_rule():
@@ -196,10 +206,12 @@ def test_graph_recorded_blocks_are_a_quarter_of_the_tokens(monkeypatch):
 def test_lean_path_is_cuda_only_by_default():
     layer, _, cfg = _layer((1,), lean_path=False)
     x, cos, sin = _inputs(cfg, 1, 9)
-    assert inference_config(layer) is DEFAULT and DEFAULT.fast_path == "cuda"
+    use_inference(layer, DEFAULT)
+    assert inference_config(layer) is DEFAULT and DEFAULT.prefill == "auto"
+    assert layer.backends.backend(layer, "prefill", layer.q_proj.weight).name == "reference"  # auto on CPU
     with torch.no_grad():
         layer(x, position_embeddings=(cos, sin))
-    assert "_inference_plan" not in layer.__dict__
+    assert not _planned(layer)
 
 
 @pytest.mark.gpu
@@ -306,7 +318,8 @@ def test_static_decoder_equals_full_forward_and_generate(family, eager_graphs):
     allfa = hybridize(teacher, HeadMask(2, H, KV, (tuple(range(H)),) * 2), fusion="none").eval()
     for model in (hyb, allfa):
         use(model, eager_gdn_graphs=eager_graphs, eager_graph_min=16)
-        assert all(layer.self_attn.plain for layer in model.model.layers)  # the lean path computes every layer
+        with torch.no_grad():  # the lean backend computes every layer
+            assert all(forward.applies(layer.self_attn, torch.zeros(1, 1, HID)) for layer in model.model.layers)
     with torch.no_grad():
         for model, ref_model in ((hyb, hyb), (allfa, teacher)):
             with plain(ref_model):

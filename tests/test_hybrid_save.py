@@ -1,5 +1,6 @@
-"""A saved hybrid carries its code: it loads in a process without headscope (trust_remote_code=True),
-and without trust_remote_code after ``import headscope``; missing kernels fall back to PyTorch."""
+"""A saved hybrid carries its code (the reference model only): it loads in a process without headscope
+(trust_remote_code=True), and with headscope's classes and backends through ``headscope.hybrid.load`` (or
+``register_auto_classes`` + from_pretrained); missing kernels fall back to PyTorch."""
 
 import json
 import os
@@ -11,8 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from headscope.hybrid import HybridOptions, fla_available, flash_attn_available, hybrid_spec, hybridize
-from headscope.hybrid.modeling_hybrid import runnable_options
+from headscope.hybrid import (HybridOptions, fla_available, flash_attn_available, hybrid_spec, hybridize, load,
+                              register_auto_classes)
+from headscope.hybrid.inference.config import LayerBackends, ModelBackends, runnable_options
 from headscope.masks import HeadMask
 
 L, H, KV, D = 2, 4, 2, 8
@@ -59,11 +61,16 @@ def test_save_writes_code_and_loads_without_trust_remote_code(tmp_path):
     }
     ids = _ids()
     ref = hybrid(ids).logits.detach()
-    # headscope is imported: its registered classes load the directory, with or without trust_remote_code
+    loaded = load(tmp_path).eval()  # headscope's classes, its backends attached
+    assert type(loaded).__module__ == "headscope.hybrid.modeling_hybrid" and isinstance(loaded.backends, ModelBackends)
+    assert all(isinstance(l.self_attn.backends, LayerBackends) for l in loaded.model.layers)
+    with torch.no_grad():
+        assert (loaded(ids).logits - ref).abs().max().item() <= 1e-6
+    # registered: transformers' auto classes load the directory with headscope's classes (no backends attached)
     for trust in (None, True):
         kw = {} if trust is None else {"trust_remote_code": True}
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path, **kw).eval()
-        assert type(loaded).__module__ == "headscope.hybrid.modeling_hybrid"
+        assert type(loaded).__module__ == "headscope.hybrid.modeling_hybrid" and loaded.backends is None
         mask, opts = hybrid_spec(loaded)
         assert mask == MIXED and opts == HybridOptions(**FULL_OPTS)
         with torch.no_grad():
@@ -78,7 +85,7 @@ def test_missing_kernels_fall_back_to_torch(tmp_path):
     opts["gdn_kernel"], opts["fa_kernel"] = "fla", "flash_attn"  # as saved by a GPU run
     hybrid.save_pretrained(tmp_path)
     with pytest.warns(UserWarning, match="gdn_kernel='fla'.*fa_kernel='flash_attn'.*using gdn_kernel='torch'"):
-        loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        loaded = load(tmp_path).eval()
     layer_opts = loaded.model.layers[0].self_attn.options
     assert (layer_opts.gdn_kernel, layer_opts.fa_kernel) == ("torch", "sdpa")
     assert hybrid_spec(loaded)[1].gdn_kernel == "fla"  # the config keeps the saved choice
@@ -174,5 +181,6 @@ def test_fresh_process_without_headscope_loads_with_trust_remote_code(tmp_path):
         print(f"{d}: max |Δ logits| in the fresh process = {diff:.3g}")
         assert diff <= TOL
         assert torch.equal(gen, ref[family][1])
-    assert len(info["llama"]["warnings"]) == 1 and info["llama"]["gdn_kernel"] == "torch"
+    # the saved code runs torch alone whatever kernel the options name (nothing to fall back from, no warning)
+    assert info["llama"]["warnings"] == [] and info["llama"]["gdn_kernel"] == "fla"
     assert info["qwen3"]["warnings"] == [] and info["qwen3"]["gdn_kernel"] == "auto"

@@ -128,10 +128,11 @@ def test_applies_and_bad_input_name_the_fix():
 
 
 def test_a_precomputed_input_projection_equals_the_layers_own():
-    """The inference forward's z_in (the module's ``projected=``, what the tail kernel hands the next layer): the same output
-    and cache as the layer computing x @ Wᵀ + b itself; a wrong shape, or a call off the lean path, names the fix."""
-    from headscope.hybrid.inference import decode, plan as plan_mod
-    from inference_cfg import plain, use
+    """The lean decode step's z_in (what the tail kernel hands the next layer): the same output and cache as the layer
+    computing x @ Wᵀ + b itself; a wrong shape names the fix."""
+    from headscope.hybrid.inference import plan as plan_mod
+    from headscope.hybrid.inference.forward import decode_step
+    from inference_cfg import use
     from test_hybrid_graphs import _hybrid
 
     attn = _hybrid().model.layers[0].self_attn
@@ -144,18 +145,17 @@ def test_a_precomputed_input_projection_equals_the_layers_own():
         z = torch.nn.functional.linear(x, p.W, p.b)
         c1, c2 = attn.new_decode_cache(2, 8), attn.new_decode_cache(2, 8)
         ref, _ = attn(x, position_embeddings=(cos, sin), cache=c1)
-        got, _ = attn(torch.zeros_like(x), position_embeddings=(cos, sin), cache=c2, projected=z)
+        got = decode_step(attn, torch.zeros_like(x), (cos, sin), None, c2, z_in=z)
         assert torch.equal(got, ref) and torch.equal(c1.S, c2.S) and torch.equal(c1.k, c2.k) and c2.length == 1
         with pytest.raises(ValueError, match="z_in must be the input projection"):
-            attn(x, position_embeddings=(cos, sin), cache=attn.new_decode_cache(2, 8), projected=z[..., :-1])
-        with plain(attn), pytest.raises(ValueError, match="projected= needs the lean path"):
-            attn(x, position_embeddings=(cos, sin), cache=attn.new_decode_cache(2, 8), projected=z)
+            decode_step(attn, x, (cos, sin), None, attn.new_decode_cache(2, 8), z_in=z[..., :-1])
 
 
 def test_a_deferred_output_finishes_as_the_layers_own():
-    """defer_out=True on a decode step of the one-launch path: a DeferredOutput (the split-K partials, o_proj's
+    """defer=True on a lean decode step of the one-launch path: a DeferredOutput (the split-K partials, o_proj's
     input with the GDN heads' columns written) whose finish() (the combination, then o_proj) is the plain output."""
-    from headscope.hybrid.inference import decode, plan as plan_mod
+    from headscope.hybrid.inference import decode
+    from headscope.hybrid.inference.forward import decode_step
     from inference_cfg import use
     from test_hybrid_graphs import _hybrid
 
@@ -172,7 +172,7 @@ def test_a_deferred_output_finishes_as_the_layers_own():
         for c in (c1, c2):
             attn(x0, position_embeddings=pe[0], cache=c)
         ref, _ = attn(x1, position_embeddings=pe[1], cache=c1)
-        d, _ = attn(x1, position_embeddings=pe[1], cache=c2, defer_out=True)
+        d = decode_step(attn, x1, pe[1], None, c2, defer=True)
         assert isinstance(d, decode.DeferredOutput) and d.y.shape == (2, attn.q_proj.weight.shape[0])
         torch.testing.assert_close(d.finish(), ref, rtol=1e-6, atol=1e-6)
         assert torch.equal(c1.S, c2.S) and torch.equal(c1.k, c2.k) and c2.length == 2

@@ -1,5 +1,6 @@
-"""The caches of a hybrid model: a layer's preallocated :class:`HybridDecodeCache`, the model's transformers
-``Cache`` (:class:`HybridCache`, one HybridDecodeCache per layer), and the attention-mask reading shared by the paths."""
+"""The caches of a hybrid model: a layer's preallocated :class:`HybridDecodeCache`, the model's transformers ``Cache``
+(:class:`HybridCache`, one HybridDecodeCache per layer, shared by the reference forward and every fast backend), and
+the attention-mask reading."""
 
 from __future__ import annotations
 
@@ -19,14 +20,6 @@ class HybridDecodeCache:
         conv: [batch, gdn_conv − 1, C] short-convolution tail (None without it).
         length: tokens cached (a Python int; a captured CUDA graph replays the step at the length it
             was captured with, writing K/V into the same slot).
-        pos: None, or a [1] long tensor on the cache's device: the position of the next token, read by
-            the step from device memory (device-position decoding, lean path only: one token per step,
-            K/V written at ``pos``, attention masked to slots ≤ pos), so that one captured graph decodes at
-            every length. The caller advances it and keeps ``length`` (see ``StaticDecoder.step_replayed``).
-        valid: None, or Bool[max_len] = slot ≤ pos, kept by that caller (one mask for every layer);
-            without it the step computes it from ``pos``.
-        n_valid: None, or a [1] long tensor = pos + 1 (the split-K decode's length), kept by that caller
-            likewise; without it the step computes it.
         max_len: capacity in tokens.
 
     Made by :meth:`HeadwiseHybridAttention.new_decode_cache`; pass it as ``cache=`` to the layer.
@@ -36,42 +29,26 @@ class HybridDecodeCache:
         self.k, self.v, self.S, self.conv = k, v, S, conv
         self.max_len = max_len
         self.length = 0
-        self.pos: Optional[Tensor] = None
-        self.valid: Optional[Tensor] = None
-        self.n_valid: Optional[Tensor] = None
 
     def nbytes(self, length: Optional[int] = None) -> int:
-        """Bytes held for ``length`` cached tokens (default: the current length): K/V up to the length
-        plus the fixed GDN state and convolution tail."""
+        """Bytes held for ``length`` cached tokens (default: the current length): K/V up to it, GDN state, conv tail."""
         n = self.length if length is None else length
-        total = 0
-        for t in (self.k, self.v):
-            if t is not None:
-                total += t[:, :, :n].numel() * t.element_size()
-        for t in (self.S, self.conv):
-            if t is not None:
-                total += t.numel() * t.element_size()
-        return total
+        kv = sum(t[:, :, :n].numel() * t.element_size() for t in (self.k, self.v) if t is not None)
+        return kv + sum(t.numel() * t.element_size() for t in (self.S, self.conv) if t is not None)
 
     def _write(self, k: Tensor, v: Tensor, past: int) -> tuple[Tensor, Tensor]:
         T = k.shape[2]
         if past + T > self.max_len:
-            raise ValueError(
-                f"HybridDecodeCache holds {self.max_len} tokens but {past + T} are needed; "
-                "make it with a larger max_len"
-            )
+            raise ValueError(f"HybridDecodeCache holds {self.max_len} tokens but {past + T} are needed; "
+                             "make it with a larger max_len")
         self.k[:, :, past : past + T].copy_(k)
         self.v[:, :, past : past + T].copy_(v)
         return self.k[:, :, : past + T], self.v[:, :, : past + T]
 
 
 def valid_tokens(mask: Optional[Tensor], q_len: int) -> Optional[Tensor]:
-    """Bool[batch, q_len] — which of the current tokens are real, read off an attention mask.
-
-    Accepts a 2-D padding mask [batch, kv_len] (1 = real), or a 4-D bool / additive float mask
-    [batch, 1, q_len, kv_len] from ``transformers.masking_utils`` (a token is real iff it may attend
-    to itself: the diagonal entry at kv index kv_len − q_len + i).
-    """
+    """Bool[batch, q_len] — which of the current tokens are real: from a 2-D padding mask [batch, kv_len] (1 = real)
+    or a 4-D bool / additive mask [batch, 1, q_len, kv_len] (real iff it may attend to itself)."""
     if mask is None:
         return None
     if mask.dim() == 2:
@@ -153,11 +130,7 @@ class HybridCacheLayer(CacheLayerMixin):
         self._select(lambda t: t[indices.to(t.device)])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Only a no-op crop: the GDN state of the removed tokens cannot be taken back out.
-
-        Raises:
-            ValueError: any crop that would shorten the cache (assisted / speculative decoding).
-        """
+        """Only a no-op crop; raises ValueError for any other (the GDN state of removed tokens cannot be undone)."""
         n = self.get_seq_length()
         keep = n - tokens_to_remove if tokens_to_remove >= 0 else -tokens_to_remove
         if keep != n:
@@ -166,12 +139,9 @@ class HybridCacheLayer(CacheLayerMixin):
 
 
 class HybridCache(Cache):
-    """transformers ``Cache`` of a head-wise hybrid: per layer the kept KV groups' K/V (preallocated, grown by
-    doubling when ``max_len`` is None) and the GDN state, one :class:`HybridDecodeCache` each.
-
-    ``model(ids)`` and ``model.generate(...)`` of a hybrid model make one in place of transformers' ``DynamicCache``
-    (``static=False``, grows) or ``StaticCache`` (``cache_implementation="static"``: ``static=True``, ``max_len``
-    fixed; inside headscope its decode steps replay a CUDA graph). Pass one as ``cache=`` /
+    """transformers ``Cache`` of a head-wise hybrid: per layer one :class:`HybridDecodeCache` (the kept KV groups'
+    K/V, preallocated, and the GDN state). ``model(ids)`` and ``generate`` make one in place of a ``DynamicCache``
+    (``static=False``: grows) or ``StaticCache`` (``cache_implementation="static"``); pass one as ``cache=`` /
     ``past_key_values=`` to keep it across calls.
 
     Args:
@@ -179,8 +149,7 @@ class HybridCache(Cache):
         max_len: capacity in tokens (prompt + new tokens); None: grown as needed — the first call's length plus
             256 tokens (at least ``initial_len``), rounded up to 256, doubled when full (``static`` must be False).
         static: keep the capacity fixed (``max_len`` required): what CUDA-graph replay needs.
-        initial_len: without ``max_len``, the first allocation's least capacity (``generate`` passes prompt + new
-            tokens, so a call never grows it).
+        initial_len: without ``max_len``, the first allocation's least capacity (``generate``: prompt + new tokens).
 
     Raises:
         ValueError: ``static`` without ``max_len``, or max_len < 1.
@@ -227,7 +196,7 @@ class HybridCache(Cache):
                 raise ValueError(f"the HybridCache holds {dc.max_len} tokens but {need} are needed; make it with a "
                                  "larger max_len (generate: max_cache_len / max_new_tokens)")
             new = attn.new_decode_cache(batch, _round_up(max(2 * dc.max_len, need)))
-            for a, b in ((new.k, dc.k), (new.v, dc.v)):
+            for a, b in ((new.k, dc.k), (new.v, dc.v)):  # K/V up to the length; the state and conv tail whole
                 if a is not None:
                     a[:, :, :past].copy_(b[:, :, :past])
             for a, b in ((new.S, dc.S), (new.conv, dc.conv)):

@@ -5,10 +5,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-_FA_POS = ("rope", "nope")
-_FUSION = ("rmsnorm", "none")
-_KERNELS = ("auto", "torch", "fla")
-_FA_KERNELS = ("auto", "sdpa", "flash_attn")
+_CHOICES = {"fa_pos": ("rope", "nope"), "fusion": ("rmsnorm", "none"), "gdn_kernel": ("auto", "torch", "fla"),
+            "fa_kernel": ("auto", "sdpa", "flash_attn")}
+
+
+def _from_dict(cls: Any, d: dict[str, Any], what: str) -> Any:
+    names = {f.name for f in fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise ValueError(f"unknown {what} {sorted(unknown)}; known: {sorted(names)}")
+    return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -16,26 +22,18 @@ class HybridOptions:
     """How :class:`~headscope.hybrid.HeadwiseHybridAttention` computes its two branches.
 
     Attributes:
-        fa_pos: position encoding of the FA heads: ``"rope"`` (the teacher's; parity with the teacher) or
-            ``"nope"`` — no rotary, the query is multiplied by s_t = log(t + a) / log(a) at position t
-            (0-based; s_0 = 1), the log-scale coefficient of HypeNet. (default ``"rope"``)
-        nope_a: the constant a of s_t (tokens, > 1). (default 512)
-        fa_gate: per-head, per-channel output gate sigmoid(W_g x + b_g) on the FA heads. W_g = 0, b_g = 0
-            at initialization (gate 0.5, which the per-head RMSNorm of the fusion cancels exactly).
-        gdn_rope: apply the teacher's rotary embedding to GDN q/k before L2 normalization. (default True)
-        gdn_conv: kernel size of the optional depthwise causal short convolution on GDN q/k/v, 0 = off.
-            Initialized to the identity (last tap 1, others 0), no activation. (default 0)
-        fusion: ``"rmsnorm"`` — eq. 13–14, every head's output RMS-normalized on its own and scaled by a
-            learnable γ_h ∈ R^{d_head}; ``"none"`` — heads concatenated as they are (teacher parity).
-        norm_eps: ε of the fusion RMSNorm.
-        gdn_kernel: ``"auto"`` (fla on CUDA when installed, else the PyTorch chunked form), ``"torch"``,
-            ``"fla"`` (CUDA only).
-        chunk_size: chunk length of the PyTorch chunked path (tokens).
-        fa_kernel: softmax attention of the FA heads: ``"auto"`` (flash-attn's ``flash_attn_func`` when
-            importable, on CUDA in fp16/bf16, without a padding mask; else PyTorch SDPA), ``"sdpa"``,
-            ``"flash_attn"``. Both are GQA-native (no K/V copy per query head). (default ``"auto"``)
-        gdn_span: (min, max) initial memory span 1 / (1 − α_h) of the GDN heads in tokens, log-spaced
-            over the GDN heads of a layer; sets dt_bias with A_log = 0 and a_proj = 0. (default (16, 1024))
+        fa_pos: the FA heads' positions: ``"rope"`` (the teacher's) or ``"nope"`` — the query times
+            s_t = log(t + a) / log(a) at position t (0-based), HypeNet's coefficient; ``nope_a``: a (tokens, > 1).
+        fa_gate: per-channel output gate sigmoid(W_g x + b_g) on the FA heads (W_g = 0, b_g = 0 at start).
+        gdn_rope: the teacher's rotary embedding on GDN q/k before their L2 normalization.
+        gdn_conv: kernel size of a depthwise causal short convolution on GDN q/k/v (identity at start), 0 = off.
+        fusion: ``"rmsnorm"`` — eq. 13–14, each head's output RMS-normalized and scaled by a learnable γ_h;
+            ``"none"`` — heads concatenated as they are (teacher parity). ``norm_eps``: its ε.
+        gdn_kernel: ``"auto"`` (fla on CUDA when installed), ``"torch"``, ``"fla"``; ``fa_kernel``: ``"auto"``
+            (flash-attn where it applies), ``"sdpa"``, ``"flash_attn"``. Picked by headscope's backends; the saved
+            code runs PyTorch alone. ``chunk_size``: chunk length of the PyTorch GDN form (tokens).
+        gdn_span: (min, max) initial memory span 1 / (1 − α_h) of the GDN heads in tokens, log-spaced over a
+            layer's GDN heads (sets dt_bias with A_log = 0, a_proj = 0).
     """
 
     fa_pos: str = "rope"
@@ -51,16 +49,11 @@ class HybridOptions:
     fa_kernel: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.fa_pos not in _FA_POS:
-            raise ValueError(f"fa_pos must be one of {_FA_POS}, got {self.fa_pos!r}")
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not self.nope_a > 1:
             raise ValueError(f"nope_a must be > 1 (s_t = log(t + a) / log(a)), got {self.nope_a}")
-        if self.fusion not in _FUSION:
-            raise ValueError(f"fusion must be one of {_FUSION}, got {self.fusion!r}")
-        if self.gdn_kernel not in _KERNELS:
-            raise ValueError(f"gdn_kernel must be one of {_KERNELS}, got {self.gdn_kernel!r}")
-        if self.fa_kernel not in _FA_KERNELS:
-            raise ValueError(f"fa_kernel must be one of {_FA_KERNELS}, got {self.fa_kernel!r}")
         if self.gdn_conv < 0 or int(self.gdn_conv) != self.gdn_conv:
             raise ValueError(f"gdn_conv is a kernel size >= 0 (0 = off), got {self.gdn_conv}")
         if self.chunk_size < 1:
@@ -77,14 +70,7 @@ class HybridOptions:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "HybridOptions":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown hybrid option(s) {sorted(unknown)}; known: {sorted(names)}")
-        d = dict(d)
-        if "gdn_span" in d:
-            d["gdn_span"] = tuple(d["gdn_span"])
-        return cls(**d)
+        return _from_dict(cls, {k: tuple(v) if k == "gdn_span" else v for k, v in d.items()}, "hybrid option(s)")
 
 
 @dataclass(frozen=True)
@@ -125,20 +111,9 @@ class LayerSpec:
         if self.scaling is not None and not self.scaling > 0:
             raise ValueError(f"scaling must be > 0 or None, got {self.scaling}")
 
-    def plain(self, head_dim: int) -> bool:
-        """A Llama/Qwen2/Qwen3 layer (any projection biases, RoPE, 1/√d scale, no window, no soft-cap, no
-        teacher-convention QK-norm): what the fast inference and training paths compute (they stack the
-        projections' biases with zero rows where a projection has none, and add o_proj's own)."""
-        return (self.rope and self.qk_norm != "teacher" and self.window is None and self.softcap is None
-                and (self.scaling is None or abs(self.scaling - head_dim ** -0.5) < 1e-12))
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LayerSpec":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown layer spec field(s) {sorted(unknown)}; known: {sorted(names)}")
-        return cls(**d)
+        return _from_dict(cls, d, "layer spec field(s)")

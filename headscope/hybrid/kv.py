@@ -23,24 +23,14 @@ def kv_cache_report(
     state_bytes: int = 4,
     conv_kernel: int = 0,
 ) -> dict[str, Any]:
-    """Bytes of the attention cache of the hybrid and of the teacher (all-FA) at a given length.
-
-    Args:
-        mask: the HeadMask (carries n_layers, n_heads, n_kv_heads).
-        head_dim: d_head (channels per head).
-        seq_len: cached length in tokens.
-        batch: sequences.
-        kv_bytes: bytes per K/V element (2 for bf16/fp16, 4 for fp32).
-        state_bytes: bytes per GDN state element (4: fp32 state).
-        conv_kernel: short-convolution kernel size (0 = none).
+    """Bytes of the attention cache of the hybrid and of the teacher (all-FA) at ``seq_len`` tokens of ``batch``
+    sequences (``head_dim`` channels per head; ``kv_bytes`` per K/V element, ``state_bytes`` per GDN state element,
+    ``conv_kernel`` the short convolution's size, 0 = none).
 
     Returns:
-        dict with ``teacher_bytes_per_token``, ``hybrid_bytes_per_token`` (KV of kept groups),
-        ``gdn_state_bytes`` (fixed), ``teacher_bytes``, ``hybrid_bytes`` (= per token · len · batch +
-        state · batch), ``ratio`` (hybrid / teacher at ``seq_len``), ``kv_groups_kept``, ``n_gdn_heads``.
-
-    Raises:
-        ValueError: non-positive sizes.
+        dict with ``teacher_bytes_per_token``, ``hybrid_bytes_per_token`` (KV of kept groups), ``gdn_state_bytes``
+        (fixed), ``teacher_bytes``, ``hybrid_bytes`` (= per token · len · batch + state · batch), ``ratio`` (hybrid /
+        teacher), ``kv_groups_kept``, ``n_gdn_heads``. Raises ValueError: non-positive sizes.
     """
     if head_dim < 1 or seq_len < 0 or batch < 1 or kv_bytes < 1 or state_bytes < 1 or conv_kernel < 0:
         raise ValueError("head_dim, batch and byte sizes must be positive; seq_len and conv_kernel >= 0")

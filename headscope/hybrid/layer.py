@@ -1,45 +1,19 @@
-"""The head-wise hybrid attention layer (HydraHead, SPEC.md §8, paper section 4.2).
+"""The head-wise hybrid attention layer (HydraHead, SPEC.md §8, section 4.2): the reference forward.
 
-Per layer the query heads split into FA heads H_F (softmax attention over their KV group) and GDN
-heads H_L (gated delta rule, eq. 7–8). Outputs go back into the heads' original slots, are fused
-(eq. 13–14: per-head RMSNorm and a learnable γ_h) and pass through the teacher's output projection.
-
-The module has the call signature of a transformers Llama/Qwen3 attention module, so it can be
-called on a teacher's hidden states for layer-wise alignment::
-
-    cos_sin = model.model.rotary_emb(h, position_ids)          # h: [batch, time, hidden]
-    out, _ = hybrid_attn(h, position_embeddings=cos_sin)        # out: [batch, time, hidden]
-
-Caching: a hybrid model's forward and ``generate`` pass a :class:`~headscope.hybrid.cache.HybridCache` (a
-transformers ``Cache``); the layer takes its own slot of it, a :class:`HybridDecodeCache` — preallocated K/V
-buffers of its kept KV groups, GDN state and convolution tail, written in place (fixed shapes: CUDA graphs).
-Any other cache is refused (the GDN state has no place in it). A layer can be driven with a HybridDecodeCache
-directly::
-
-    dc = hybrid_attn.new_decode_cache(batch=1, max_len=T + 64)
-    hybrid_attn(h, position_embeddings=cos_sin, cache=dc)          # prefill: fills dc, dc.length = T
-    out, _ = hybrid_attn(h1, position_embeddings=cos_sin1, cache=dc)  # one decode step at length T
-
-Memory: under ``torch.no_grad`` (or on tensors that need no gradient) the elementwise stages — RoPE,
-the L2 normalization of GDN q/k, the fusion RMSNorm — run in place in blocks of ``BLOCK`` tokens and
-the head outputs are written straight into one output buffer, so no full-length fp32 temporaries are
-kept; the numbers are the same as out of place.
-
-This module is the reference forward (what a saved checkpoint ships) and imports no fast path.
-Inside headscope, a layer whose :class:`LayerSpec` is plain (Llama, Qwen2/3, GPT-NeoX: RoPE, 1/√d scale, no window,
-no soft-cap) hands the calls the fast paths compute (CUDA inference with no mask, the prepared training
-step) to ``inference/dispatch.py``; every other layer and call, and every call in a process without
-headscope (remote code), runs here.
-
-Per-layer variation (biases, QK-norm convention, NoPE layers, partial rotary, the teacher's logit
-scale, sliding windows, soft-capping) comes from the layer's :class:`LayerSpec`, read by the
-architecture adapter at conversion (:func:`headscope.hybrid.hybridize`).
+The query heads split into FA heads (softmax attention over their KV group) and GDN heads (gated delta rule, eq.
+7–8); outputs go back into the heads' slots, are fused (eq. 13–14: per-head RMSNorm, learnable γ_h) and pass through
+the teacher's output projection. Call signature of a transformers attention module:
+``out, _ = hybrid_attn(h, position_embeddings=model.model.rotary_emb(h, position_ids))``. Cache: the model's
+``HybridCache`` (this layer's slot of it) or a ``HybridDecodeCache`` (``new_decode_cache(batch, max_len)``); any other
+is refused. Under ``torch.no_grad`` the elementwise stages run in place by blocks of ``BLOCK`` tokens (the same
+numbers). Saved with the model, this module runs with torch alone (chunked PyTorch GDN, SDPA); inside headscope
+``layer.backends`` (``headscope.hybrid.use_inference``) computes the calls its fast backends apply to and picks the
+kernels the options name (fla, flash-attn). Per-layer variation comes from the layer's :class:`LayerSpec`.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any, Optional, Sequence
 
 import torch
@@ -50,7 +24,7 @@ from .attn import fa_attention
 from .config import HybridOptions, LayerSpec
 from .rope import apply_rope, nope_log_scale  # noqa: F401  (public here since the start)
 from .cache import HybridCache, HybridDecodeCache, valid_tokens as _valid_tokens
-from .gdn import gated_delta_rule
+from .gdn import gdn_chunked_torch
 from .shapes import Float
 
 BLOCK = 8192  # tokens per block of the in-place elementwise stages (no gradient needed)
@@ -61,40 +35,38 @@ def _inplace_ok(*ts: Tensor) -> bool:
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
 
 
-def _blocks(T: int):
-    for s in range(0, T, BLOCK):
-        yield slice(s, min(s + BLOCK, T))
+def _by_blocks(fn: Any, x: Tensor, *per_time: Tensor) -> Tensor:
+    """``fn(x, *per_time)`` written back into x block by block of ``BLOCK`` time steps (x: a fresh tensor no one else
+    reads, time in dim 1), or out of place where autograd needs the inputs."""
+    if not _inplace_ok(x, *per_time):
+        return fn(x, *per_time)
+    for s in range(0, x.shape[1], BLOCK):
+        b = slice(s, min(s + BLOCK, x.shape[1]))
+        x[:, b] = fn(x[:, b], *(t[:, b] for t in per_time))
+    return x
 
 
 def _rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """apply_rope, written back into x block by block (x must be a fresh tensor no one else reads)."""
-    if not _inplace_ok(x, cos) or torch.promote_types(x.dtype, cos.dtype) != x.dtype:
+    """apply_rope, in place by time blocks when allowed."""
+    if torch.promote_types(x.dtype, cos.dtype) != x.dtype:
         return apply_rope(x, cos, sin)
-    for b in _blocks(x.shape[1]):
-        x[:, b] = apply_rope(x[:, b], cos[:, b], sin[:, b])
-    return x
+    return _by_blocks(apply_rope, x, cos, sin)
 
 
 def _l2norm_(x: Tensor) -> Tensor:
-    """F.normalize(x.float(), dim=-1, eps=1e-6).to(x.dtype), in place by time blocks when allowed."""
-    if not _inplace_ok(x):
-        return F.normalize(x.float(), p=2, dim=-1, eps=1e-6).to(x.dtype)
-    for b in _blocks(x.shape[1]):
-        x[:, b] = F.normalize(x[:, b].float(), p=2, dim=-1, eps=1e-6)
-    return x
+    """F.normalize(x.float(), dim=-1, eps=1e-6) in x's dtype, in place by time blocks when allowed."""
+    return _by_blocks(lambda t: F.normalize(t.float(), p=2, dim=-1, eps=1e-6).to(t.dtype), x)
 
 
 def _fuse_(y: Tensor, gamma: Tensor, eps: float) -> Tensor:
     """eq. 13–14 on y [batch, time, head, d]: γ_h · y / RMS(y) per head, fp32 inside, y's dtype out."""
-    if not _inplace_ok(y, gamma):
-        yf = y.float()
-        yf = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps)
-        return (gamma.float() * yf).to(y.dtype)
     gf = gamma.float()
-    for b in _blocks(y.shape[1]):
-        yf = y[:, b].float()
-        y[:, b] = gf * (yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps))
-    return y
+
+    def fuse(t: Tensor) -> Tensor:
+        tf = t.float()
+        return (gf * (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + eps))).to(t.dtype)
+
+    return _by_blocks(fuse, y) if _inplace_ok(gamma) else fuse(y)
 
 
 class _HeadRMSNorm(nn.Module):
@@ -116,82 +88,46 @@ class HeadwiseHybridAttention(nn.Module):
     """FA heads + GDN heads in one attention layer, with scale-normalized fusion (eq. 7–8, 13–14).
 
     Args:
-        config: the transformers text config of the model (Llama / Qwen3 family): ``hidden_size``,
-            ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``attention_bias``,
-            ``rms_norm_eps``.
+        config: the transformers text config of the model: ``hidden_size``, ``num_attention_heads``,
+            ``num_key_value_heads``, ``head_dim``, ``attention_bias``, ``rms_norm_eps``.
         layer_idx: index of the layer (for the cache).
         fa_heads: query heads that keep softmax attention; the others are GDN.
         options: :class:`HybridOptions`.
-        qk_norm: the teacher normalizes q and k per head (Qwen3); creates ``q_norm``/``k_norm``
-            (ignored when ``spec`` is given).
-        spec: what the teacher layer applies (:class:`LayerSpec`); default: the Llama/Qwen3 layer
-            of ``config`` (``attention_bias`` on all four projections, ``qk_norm``).
+        qk_norm: the teacher normalizes q and k per head (Qwen3); ignored when ``spec`` is given.
+        spec: what the teacher layer applies (:class:`LayerSpec`); default: the Llama/Qwen3 layer of ``config``.
         norms: (q_norm, k_norm) modules of the teacher's class, for ``spec.qk_norm == "teacher"``.
 
-    Parameters (shapes; ``n_keep`` = KV groups with ≥ 1 FA head, ``n_gdn`` = GDN heads, d = head_dim):
-        q_proj [hidden → n_heads·d] (all heads, teacher order), k_proj / v_proj [hidden → n_keep·d]
-        (kept KV groups only), o_proj [n_heads·d → hidden]; gdn_k_proj / gdn_v_proj [hidden → n_gdn·d]
-        (the KV group's K/V copied to every GDN head: MHA); a_proj [hidden → n_gdn] (W = 0),
-        dt_bias [n_gdn], A_log [n_gdn] (= 0), b_proj [hidden → n_gdn] (W = 0, b = 0, so β = 0.5);
-        optional g_proj (FA gate), gdn_conv (short convolution); gamma [n_heads, d] (fusion γ_h, = 1
-        unless calibrated by :func:`headscope.hybrid.hybridize`).
+    Parameters (``n_keep`` = KV groups with ≥ 1 FA head, ``n_gdn`` = GDN heads, d = head_dim): q_proj [hidden →
+    n_heads·d] (teacher order), k_proj / v_proj [hidden → n_keep·d], o_proj [n_heads·d → hidden]; gdn_k_proj /
+    gdn_v_proj [hidden → n_gdn·d] (the KV group's K/V copied to every GDN head); a_proj [hidden → n_gdn], dt_bias,
+    A_log [n_gdn], b_proj [hidden → n_gdn]; optional g_proj (FA gate), gdn_conv (short convolution); gamma
+    [n_heads, d] (fusion γ_h). New parameters start at :meth:`reset_new_parameters`' values.
 
     Raises:
-        ValueError: head indices outside the geometry or listed twice; ``spec.qk_norm == "teacher"``
-            without ``norms``.
+        ValueError: head indices outside the geometry or listed twice; ``spec.qk_norm == "teacher"`` without ``norms``.
     """
 
-    def __init__(
-        self,
-        config: Any,
-        layer_idx: int,
-        fa_heads: Sequence[int],
-        options: HybridOptions | None = None,
-        qk_norm: bool = False,
-        spec: Optional[LayerSpec] = None,
-        norms: Optional[tuple[nn.Module, nn.Module]] = None,
-    ):
+    def __init__(self, config: Any, layer_idx: int, fa_heads: Sequence[int], options: HybridOptions | None = None,
+                 qk_norm: bool = False, spec: Optional[LayerSpec] = None,
+                 norms: Optional[tuple[nn.Module, nn.Module]] = None):
         super().__init__()
         self.options = options = options or HybridOptions()
         self.layer_idx = layer_idx
         H = self.n_heads = int(config.num_attention_heads)
         self.n_kv_heads = int(getattr(config, "num_key_value_heads", None) or H)
         d = self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // H)
-        hidden = int(config.hidden_size)
         if spec is None:
             bias = bool(getattr(config, "attention_bias", False))
             spec = LayerSpec(q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, qk_norm="rms" if qk_norm else None)
         self.spec = spec
-        self.plain = spec.plain(d)
-        if H % self.n_kv_heads:
-            raise ValueError(f"num_attention_heads={H} is not a multiple of num_key_value_heads={self.n_kv_heads}")
-        rep = H // self.n_kv_heads
-        fa = [int(h) for h in fa_heads]
-        if len(set(fa)) != len(fa):
-            raise ValueError(f"layer {layer_idx}: FA head listed twice in {fa}")
-        if any(not 0 <= h < H for h in fa):
-            raise ValueError(f"layer {layer_idx}: FA heads {fa} outside 0..{H - 1}")
-        self.fa_heads = tuple(sorted(fa))
-        self.gdn_heads = tuple(h for h in range(H) if h not in self.fa_heads)
-        self.kv_keep = tuple(sorted({h // rep for h in self.fa_heads}))
-        n_fa, n_gdn, n_keep = len(self.fa_heads), len(self.gdn_heads), len(self.kv_keep)
+        self.backends: Any = None  # fast implementations attached by headscope (headscope.hybrid.use_inference)
+        self._split_heads(fa_heads)
         self.scaling = float(spec.scaling) if spec.scaling is not None else d**-0.5  # FA heads
         self.gdn_scale = d**-0.5  # GDN read-out scale (q is L2-normalized)
-        # head index maps (plain tensors built per device on use: not parameters, not saved)
-        order = list(self.fa_heads) + list(self.gdn_heads)
-        self._index_lists = {
-            "fa": list(self.fa_heads),
-            "gdn": list(self.gdn_heads),
-            "fa_kv": [self.kv_keep.index(h // rep) for h in self.fa_heads],
-            "unperm": [order.index(h) for h in range(H)],
-        }
-        self._index_cache: dict[tuple[str, torch.device], Tensor] = {}
-        # GQA-native FA (no K/V copy per FA head) when every kept group has the same number of FA heads
-        per_group = [sum(1 for h in self.fa_heads if h // rep == g) for g in self.kv_keep]
-        self._fa_gqa = bool(per_group) and len(set(per_group)) == 1
-
+        hidden, n_fa, n_gdn, n_keep = int(config.hidden_size), len(self.fa_heads), len(self.gdn_heads), len(self.kv_keep)
         self.q_proj = nn.Linear(hidden, H * d, bias=spec.q_bias)
         self.o_proj = nn.Linear(H * d, hidden, bias=spec.o_bias)
+        self.q_norm = self.k_norm = None
         if spec.qk_norm == "teacher":
             if norms is None:
                 raise ValueError(f"layer {layer_idx}: qk_norm='teacher' needs the teacher's (q_norm, k_norm) modules")
@@ -199,30 +135,42 @@ class HeadwiseHybridAttention(nn.Module):
         elif spec.qk_norm == "rms":
             eps = float(getattr(config, "rms_norm_eps", 1e-6))
             self.q_norm, self.k_norm = _HeadRMSNorm(d, eps), _HeadRMSNorm(d, eps)
-        else:
-            self.q_norm = self.k_norm = None
-        # FA branch
         self.k_proj = nn.Linear(hidden, n_keep * d, bias=spec.k_bias) if n_keep else None
         self.v_proj = nn.Linear(hidden, n_keep * d, bias=spec.v_bias) if n_keep else None
         self.g_proj = nn.Linear(hidden, n_fa * d, bias=True) if (options.fa_gate and n_fa) else None
-        # GDN branch
+        self.gdn_k_proj = self.gdn_v_proj = self.a_proj = self.b_proj = self.gdn_conv = self.A_log = self.dt_bias = None
         if n_gdn:
             self.gdn_k_proj = nn.Linear(hidden, n_gdn * d, bias=spec.k_bias)
             self.gdn_v_proj = nn.Linear(hidden, n_gdn * d, bias=spec.v_bias)
-            self.a_proj = nn.Linear(hidden, n_gdn, bias=False)
-            self.b_proj = nn.Linear(hidden, n_gdn, bias=True)
-            self.A_log = nn.Parameter(torch.zeros(n_gdn))
-            self.dt_bias = nn.Parameter(torch.zeros(n_gdn))
-            self.gdn_conv = (
-                nn.Conv1d(3 * n_gdn * d, 3 * n_gdn * d, options.gdn_conv, groups=3 * n_gdn * d, bias=False)
-                if options.gdn_conv
-                else None
-            )
-        else:
-            self.gdn_k_proj = self.gdn_v_proj = self.a_proj = self.b_proj = self.gdn_conv = None
-            self.A_log = self.dt_bias = None
+            self.a_proj, self.b_proj = nn.Linear(hidden, n_gdn, bias=False), nn.Linear(hidden, n_gdn, bias=True)
+            self.A_log, self.dt_bias = nn.Parameter(torch.zeros(n_gdn)), nn.Parameter(torch.zeros(n_gdn))
+            C = 3 * n_gdn * d
+            self.gdn_conv = nn.Conv1d(C, C, options.gdn_conv, groups=C, bias=False) if options.gdn_conv else None
         self.gamma = nn.Parameter(torch.ones(H, d)) if options.fusion == "rmsnorm" else None
         self.reset_new_parameters()
+
+    def _split_heads(self, fa_heads: Sequence[int]) -> None:
+        """fa_heads, gdn_heads, kv_keep and the head index maps (plain lists; tensors built per device on use)."""
+        H, i = self.n_heads, self.layer_idx
+        if H % self.n_kv_heads:
+            raise ValueError(f"num_attention_heads={H} is not a multiple of num_key_value_heads={self.n_kv_heads}")
+        rep = H // self.n_kv_heads
+        fa = [int(h) for h in fa_heads]
+        if len(set(fa)) != len(fa):
+            raise ValueError(f"layer {i}: FA head listed twice in {fa}")
+        if any(not 0 <= h < H for h in fa):
+            raise ValueError(f"layer {i}: FA heads {fa} outside 0..{H - 1}")
+        self.fa_heads = tuple(sorted(fa))
+        self.gdn_heads = tuple(h for h in range(H) if h not in self.fa_heads)
+        self.kv_keep = tuple(sorted({h // rep for h in self.fa_heads}))
+        order = list(self.fa_heads) + list(self.gdn_heads)
+        self._index_lists = {"fa": list(self.fa_heads), "gdn": list(self.gdn_heads),
+                             "fa_kv": [self.kv_keep.index(h // rep) for h in self.fa_heads],
+                             "unperm": [order.index(h) for h in range(H)]}
+        self._index_cache: dict[tuple[str, torch.device], Tensor] = {}
+        # GQA-native FA (no K/V copy per FA head) when every kept group has the same number of FA heads
+        per_group = [sum(1 for h in self.fa_heads if h // rep == g) for g in self.kv_keep]
+        self._fa_gqa = bool(per_group) and len(set(per_group)) == 1
 
     def _idx(self, name: str, device: torch.device) -> Tensor:
         key = (name, device)
@@ -231,11 +179,10 @@ class HeadwiseHybridAttention(nn.Module):
             t = self._index_cache[key] = torch.tensor(self._index_lists[name], dtype=torch.long, device=device)
         return t
 
-    def new_decode_cache(
-        self, batch: int, max_len: int, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None
-    ) -> HybridDecodeCache:
-        """A :class:`HybridDecodeCache` for ``batch`` sequences of up to ``max_len`` tokens (K/V and the
-        convolution tail in ``dtype``, default the layer's; GDN state in fp32), on the layer's device.
+    def new_decode_cache(self, batch: int, max_len: int, device: Optional[torch.device] = None,
+                         dtype: Optional[torch.dtype] = None) -> HybridDecodeCache:
+        """A :class:`HybridDecodeCache` for ``batch`` sequences of up to ``max_len`` tokens (K/V and the convolution
+        tail in ``dtype``, default the layer's; GDN state in fp32), on the layer's device.
 
         Raises:
             ValueError: batch or max_len < 1.
@@ -243,20 +190,15 @@ class HeadwiseHybridAttention(nn.Module):
         if batch < 1 or max_len < 1:
             raise ValueError(f"batch and max_len must be >= 1, got {batch}, {max_len}")
         p = self.q_proj.weight
-        device = p.device if device is None else device
-        dtype = p.dtype if dtype is None else dtype
+        device, dtype = p.device if device is None else device, p.dtype if dtype is None else dtype
         d, n_keep, n_gdn = self.head_dim, len(self.kv_keep), len(self.gdn_heads)
-        k = v = S = conv = None
-        if n_keep:
-            k = torch.zeros(batch, n_keep, max_len, d, device=device, dtype=dtype)
-            v = torch.zeros_like(k)
-        if n_gdn:
-            S = torch.zeros(batch, n_gdn, d, d, device=device, dtype=torch.float32)
-            if self.options.gdn_conv:
-                conv = torch.zeros(batch, self.options.gdn_conv - 1, 3 * n_gdn * d, device=device, dtype=dtype)
-        return HybridDecodeCache(k, v, S, conv, max_len)
+        k = torch.zeros(batch, n_keep, max_len, d, device=device, dtype=dtype) if n_keep else None
+        S = torch.zeros(batch, n_gdn, d, d, device=device, dtype=torch.float32) if n_gdn else None
+        conv = None
+        if n_gdn and self.options.gdn_conv:
+            conv = torch.zeros(batch, self.options.gdn_conv - 1, 3 * n_gdn * d, device=device, dtype=dtype)
+        return HybridDecodeCache(k, None if k is None else torch.zeros_like(k), S, conv, max_len)
 
-    # ------------------------------------------------------------------ initialization / migration
     @torch.no_grad()
     def reset_new_parameters(self) -> None:
         """Set the parameters the teacher does not have to their documented initial values.
@@ -271,10 +213,8 @@ class HeadwiseHybridAttention(nn.Module):
             spans = torch.logspace(math.log10(lo), math.log10(hi), n) if n > 1 else torch.tensor([lo])
             dt = -torch.log1p(-1.0 / spans)  # = -log(alpha) > 0
             self.dt_bias.copy_(torch.log(torch.expm1(dt)))
-            self.A_log.zero_()
-            self.a_proj.weight.zero_()
-            self.b_proj.weight.zero_()
-            self.b_proj.bias.zero_()
+            for t in (self.A_log, self.a_proj.weight, self.b_proj.weight, self.b_proj.bias):
+                t.zero_()
             if self.gdn_conv is not None:
                 self.gdn_conv.weight.zero_()
                 self.gdn_conv.weight[:, 0, -1] = 1.0
@@ -284,109 +224,23 @@ class HeadwiseHybridAttention(nn.Module):
         if self.gamma is not None:
             self.gamma.fill_(1.0)
 
-    @torch.no_grad()
-    def migrate_from(self, teacher: nn.Module) -> None:
-        """Copy Q/K/V/O (and q_norm/k_norm) from a Llama-style transformers attention module
-        (``q_proj``/``k_proj``/``v_proj``/``o_proj``) of the same geometry; see :meth:`migrate`.
-
-        Raises:
-            ValueError: the teacher has no such projections, or not this layer's shapes.
-        """
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if not hasattr(teacher, name):
-                raise ValueError(f"teacher attention has no {name}; pass its projections to migrate()")
-        self.migrate(teacher.q_proj, teacher.k_proj, teacher.v_proj, teacher.o_proj,
-                     getattr(teacher, "q_norm", None), getattr(teacher, "k_norm", None))
-
-    @torch.no_grad()
-    def migrate(self, q: Any, k: Any, v: Any, o: Any, q_norm: Optional[nn.Module] = None,
-                k_norm: Optional[nn.Module] = None) -> None:
-        """Copy the teacher's projections: each of q, k, v, o has ``weight`` [out, in] and ``bias``
-        [out] or None (an ``nn.Linear`` or an adapter's ``Proj``); q_norm/k_norm: its QK-norm modules.
-
-        K/V of kept KV groups go to ``k_proj``/``v_proj``; each GDN head gets a copy of its KV group's
-        K/V rows (MHA expansion, h → group h // (n_heads / n_kv_heads)).
-
-        Raises:
-            ValueError: shapes that are not this layer's, a bias the layer has and the teacher lacks
-                (or the reverse), QK-norm on one side only.
-        """
-        d, rep = self.head_dim, self.n_heads // self.n_kv_heads
-        if tuple(q.weight.shape) != tuple(self.q_proj.weight.shape) or k.weight.shape[0] != self.n_kv_heads * d:
-            raise ValueError(
-                f"teacher attention shapes q {tuple(q.weight.shape)}, k {tuple(k.weight.shape)} "
-                f"do not match the hybrid layer ({self.n_heads} heads, {self.n_kv_heads} KV heads, head_dim {d})"
-            )
-
-        def rows(p: Any, groups: Sequence[int]) -> tuple[Tensor, Optional[Tensor]]:
-            idx = torch.cat([torch.arange(g * d, (g + 1) * d) for g in groups]).to(p.weight.device)
-            return p.weight[idx], (p.bias[idx] if p.bias is not None else None)
-
-        def put(dst: nn.Linear, w: Tensor, b: Optional[Tensor], name: str) -> None:
-            if (dst.bias is None) != (b is None):
-                raise ValueError(f"layer {self.layer_idx}: {name} bias is {'missing' if b is None else 'unexpected'} "
-                                 f"in the teacher (spec {self.spec})")
-            dst.weight.copy_(w)
-            if b is not None:
-                dst.bias.copy_(b)
-
-        put(self.q_proj, q.weight, q.bias, "q")
-        put(self.o_proj, o.weight, o.bias, "o")
-        if self.kv_keep:
-            put(self.k_proj, *rows(k, self.kv_keep), "k")
-            put(self.v_proj, *rows(v, self.kv_keep), "v")
-        if self.gdn_heads:
-            groups = [h // rep for h in self.gdn_heads]
-            put(self.gdn_k_proj, *rows(k, groups), "k")
-            put(self.gdn_v_proj, *rows(v, groups), "v")
-        if (self.q_norm is None) != (q_norm is None):
-            raise ValueError(f"layer {self.layer_idx}: QK-norm in {'the teacher' if q_norm is not None else 'the hybrid'} "
-                             "only; build the layer from the teacher's LayerSpec")
-        if self.q_norm is not None:
-            self.q_norm.load_state_dict(q_norm.state_dict())
-            self.k_norm.load_state_dict(k_norm.state_dict())
-
-    # ------------------------------------------------------------------ forward
-    def forward(
-        self,
-        hidden_states: Float[Tensor, "batch time hidden"],
-        position_embeddings: Optional[tuple[Tensor, Tensor]] = None,
-        attention_mask: Optional[Tensor] = None,
-        cache: Any = None,
-        past_key_values: Any = None,
-        position_ids: Optional[Tensor] = None,
-        layer_past: Any = None,
-        defer_out: bool = False,
-        projected: Optional[Tensor] = None,
-        **kwargs: Any,
-    ) -> tuple[Float[Tensor, "batch time hidden"], None]:
+    def forward(self, hidden_states: Float[Tensor, "batch time hidden"],
+                position_embeddings: Optional[tuple[Tensor, Tensor]] = None, attention_mask: Optional[Tensor] = None,
+                cache: Any = None, past_key_values: Any = None, position_ids: Optional[Tensor] = None,
+                layer_past: Any = None, **kwargs: Any) -> tuple[Float[Tensor, "batch time hidden"], None]:
         """Hybrid attention output (before the residual add), same contract as the teacher's module.
 
         Args:
             hidden_states: the layer's normalized input.
-            position_embeddings: (cos, sin), each [batch, time, head_dim], from the model's rotary
-                embedding; required when any branch uses RoPE.
-            attention_mask: None (causal, no padding), a 4-D mask from transformers (bool or additive)
-                or a 2-D padding mask; padded tokens do not change real tokens' outputs.
-            cache / past_key_values / layer_past (GPT-NeoX's name): the model's :class:`HybridCache` (what
-                ``model(ids)`` and ``generate`` pass), a :class:`HybridDecodeCache`, or None.
-            position_ids: [batch, time] absolute positions (for the NoPE coefficient); default counts
-                from the cache length.
-            defer_out: a decode step on the lean path's one-launch step returns a
-                :class:`~headscope.hybrid.inference.decode.DeferredOutput` in place of the output (its o_proj — and, for rows
-                the launch does not combine, the split-K combination — left to
-                :func:`~headscope.hybrid.inference.kernels.layer_tail.layer_tail`; ``StaticDecoder``'s tail kernel); other paths ignore
-                it.
-            projected: the lean path's input projection of the (normalized) hidden states, already computed
-                ([batch, time, rows of ``inference.plan.plan(self).W``]; the layer tail before computes it); hidden_states then
-                give only shape, dtype and device.
+            position_embeddings: (cos, sin), each [batch, time, head_dim], from the model's rotary embedding;
+                required when any branch uses RoPE.
+            attention_mask: None (causal, no padding), a 4-D mask from transformers (bool or additive) or a 2-D
+                padding mask; padded tokens do not change real tokens' outputs.
+            cache / past_key_values / layer_past (GPT-NeoX's name): a :class:`HybridCache`, a
+                :class:`HybridDecodeCache`, or None.
+            position_ids: [batch, time] absolute positions (for the NoPE coefficient); default counts from the cache.
 
-        Returns:
-            (output [batch, time, hidden], None) — no attention weights are returned.
-
-        Raises:
-            ValueError: missing position embeddings, ``gdn_kernel='fla'`` on a non-CUDA device, ``projected``
-                where the lean path does not run or of the wrong shape, a cache of another type.
+        Returns (output [batch, time, hidden], None); raises ValueError: missing position embeddings, another cache.
         """
         cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
         if isinstance(cache, HybridCache):  # the model's transformers Cache: this layer's preallocated slot
@@ -395,65 +249,69 @@ class HeadwiseHybridAttention(nn.Module):
             raise ValueError(f"a hybrid layer keeps its cache in a HybridCache, not a {type(cache).__name__}: call the "
                              "model's forward / generate (they make one), or pass HybridCache(model.config) or the "
                              "layer's new_decode_cache(batch, max_len)")
-        # the fast paths, once headscope is imported; only for a plain layer (LayerSpec.plain) they compute
-        fast = sys.modules.get("headscope.hybrid.inference.dispatch") if self.plain else None
-        out = None if fast is None else fast.fast_forward(self, hidden_states, position_embeddings, attention_mask,
-                                                           cache, position_ids, defer_out, projected)
-        if out is not None:
-            return out, None
-        if projected is not None:
-            raise ValueError("projected= needs the lean path (no gradient, no attention mask, a decode cache or none, "
-                             "weights in the input's dtype): pass the normalized hidden states instead")
-        if getattr(cache, "pos", None) is not None:
-            raise ValueError("device-position decoding (cache.pos) runs on the lean path only: no gradient, no "
-                             "attention mask, weights in the input's dtype, InferenceConfig.fast_path not \"never\" (CPU: \"always\")")
-        B, T, _ = hidden_states.shape
-        d, x = self.head_dim, hidden_states
-        opts = self.options
+        if self.backends is not None:  # the fast backends headscope attached (None in a process without it)
+            out = self.backends(self, hidden_states, position_embeddings, attention_mask, cache, position_ids)
+            if out is not None:
+                return out, None
+        return self._reference(hidden_states, position_embeddings, attention_mask, cache, position_ids), None
+
+    def _reference(self, x: Tensor, position_embeddings: Optional[tuple], attention_mask: Optional[Tensor],
+                   cache: Optional[HybridDecodeCache], position_ids: Optional[Tensor]) -> Tensor:
+        """The reference forward's output [batch, time, hidden]; ``cache`` filled / advanced in place."""
+        B, T, _ = x.shape
+        d, opts = self.head_dim, self.options
         past = cache.length if cache is not None else 0
-        valid = _valid_tokens(attention_mask, T)
-        need_rope = self.spec.rope and ((opts.fa_pos == "rope" and self.fa_heads) or (opts.gdn_rope and self.gdn_heads))
-        if need_rope and position_embeddings is None:
-            raise ValueError(
-                "position_embeddings=(cos, sin) is required (RoPE is on); compute it with "
-                "model.model.rotary_emb(hidden_states, position_ids)"
-            )
+        rope_on = (opts.fa_pos == "rope" and self.fa_heads) or (opts.gdn_rope and self.gdn_heads)
+        if self.spec.rope and rope_on and position_embeddings is None:
+            raise ValueError("position_embeddings=(cos, sin) is required (RoPE is on); compute it with "
+                             "model.model.rotary_emb(hidden_states, position_ids)")
         cos, sin = position_embeddings if position_embeddings is not None else (None, None)
         if cos is not None and cos.shape[0] != B:
             cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
-
         q = self.q_proj(x).view(B, T, self.n_heads, d)
         if self.q_norm is not None:
             q = self.q_norm(q)
         fa_idx, gdn_idx = self._idx("fa", x.device), self._idx("gdn", x.device)
+        fa = lambda q_fa: self._fa(x, q_fa, cos, sin, attention_mask, cache, past, position_ids)  # noqa: E731
+        gdn = lambda q_g: self._gdn(x, q_g, cos, sin, _valid_tokens(attention_mask, T), cache, past)  # noqa: E731
         if self.fa_heads and self.gdn_heads and _inplace_ok(q, x):
             # low-memory path: each branch writes its heads into one buffer and is freed before the next
             q_fa, q_gdn = q.index_select(2, fa_idx), q.index_select(2, gdn_idx)
             y = q.new_empty(B, T, self.n_heads, d)  # q's dtype: under autocast it is not x's (fp32 weights)
             del q
-            y.index_copy_(2, fa_idx, self._fa(x, q_fa, cos, sin, attention_mask, cache, past, position_ids).to(y.dtype))
+            y.index_copy_(2, fa_idx, fa(q_fa).to(y.dtype))
             del q_fa
-            y.index_copy_(2, gdn_idx, self._gdn(x, q_gdn, cos, sin, valid, cache, past).to(y.dtype))
+            y.index_copy_(2, gdn_idx, gdn(q_gdn).to(y.dtype))
             del q_gdn
         else:
-            outs = []
-            if self.fa_heads:
-                outs.append(self._fa(x, q.index_select(2, fa_idx), cos, sin, attention_mask, cache, past, position_ids))
-            if self.gdn_heads:
-                outs.append(self._gdn(x, q.index_select(2, gdn_idx), cos, sin, valid, cache, past))
+            outs = ([fa(q.index_select(2, fa_idx))] if self.fa_heads else []) + (
+                [gdn(q.index_select(2, gdn_idx))] if self.gdn_heads else [])
             y = torch.cat(outs, dim=2).index_select(2, self._idx("unperm", x.device)) if len(outs) > 1 else outs[0]
         if cache is not None:
             cache.length = past + T
         if self.gamma is not None:  # eq. 13–14: per-head RMSNorm, then γ_h
             y = _fuse_(y, self.gamma, opts.norm_eps)
-        return self.o_proj(y.reshape(B, T, self.n_heads * d)), None
+        return self.o_proj(y.reshape(B, T, self.n_heads * d))
+
+    def _fa_mask(self, attention_mask: Optional[Tensor], T: int, S: int, dtype: torch.dtype) -> Optional[Tensor]:
+        """The FA heads' mask [.., T, S] from a 4-D or 2-D attention mask (None: causal); rows with nothing to
+        attend (padded queries) see everything, so they stay finite."""
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() == 4:
+            mask = attention_mask[:, :, -T:, -S:]
+            return mask | ~mask.any(-1, keepdim=True) if mask.dtype == torch.bool else mask.to(dtype)
+        keep = attention_mask[:, -S:].bool()[:, None, None, :]
+        tri = torch.ones(T, S, dtype=torch.bool, device=attention_mask.device).tril(S - T)
+        if self.spec.window is not None:
+            tri = tri & ~torch.ones(T, S, dtype=torch.bool, device=tri.device).tril(S - T - self.spec.window)
+        mask = keep & tri
+        return mask | ~mask.any(-1, keepdim=True)
 
     def _fa(self, x, q, cos, sin, attention_mask, cache, past, position_ids):
         B, T = x.shape[:2]
-        d, opts = self.head_dim, self.options
-        n_keep = len(self.kv_keep)
-        k = self.k_proj(x).view(B, T, n_keep, d)
-        v = self.v_proj(x).view(B, T, n_keep, d)
+        d, opts, n_keep = self.head_dim, self.options, len(self.kv_keep)
+        k, v = self.k_proj(x).view(B, T, n_keep, d), self.v_proj(x).view(B, T, n_keep, d)
         if self.k_norm is not None:
             k = self.k_norm(k)
         if opts.fa_pos == "rope":
@@ -468,33 +326,19 @@ class HeadwiseHybridAttention(nn.Module):
         if not self._fa_gqa:  # FA heads spread unevenly over the kept groups: one K/V per FA head
             fkv = self._idx("fa_kv", x.device)
             k, v = k.index_select(1, fkv), v.index_select(1, fkv)
-        S = k.shape[2]
-        mask = None
-        if attention_mask is not None and attention_mask.dim() == 4:
-            mask = attention_mask[:, :, -T:, -S:]
-            if mask.dtype == torch.bool:  # rows with nothing to attend (padded queries): let them see all, finite
-                mask = mask | ~mask.any(-1, keepdim=True)
-            else:
-                mask = mask.to(q.dtype)
-        elif attention_mask is not None and attention_mask.dim() == 2:
-            keep = attention_mask[:, -S:].bool()[:, None, None, :]
-            tri = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
-            if self.spec.window is not None:
-                tri = tri & ~torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T - self.spec.window)
-            mask = keep & tri
-            mask = mask | ~mask.any(-1, keepdim=True)
-        o = fa_attention(q, k, v, self.scaling, causal=True, mask=mask, kernel=opts.fa_kernel,
-                         window=self.spec.window, softcap=self.spec.softcap)  # B, T, n_fa, d
+        mask = self._fa_mask(attention_mask, T, k.shape[2], q.dtype)
+        if self.backends is None:  # torch alone; headscope's backends pick the kernel (flash-attn) by the options
+            o = fa_attention(q, k, v, self.scaling, True, mask, self.spec.window, self.spec.softcap)  # B, T, n_fa, d
+        else:
+            o = self.backends.attention(self, q, k, v, mask)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x)).view(B, T, len(self.fa_heads), d)
         return o
 
     def _gdn(self, x, q, cos, sin, valid, cache, past):
         B, T = x.shape[:2]
-        d, opts = self.head_dim, self.options
-        n = len(self.gdn_heads)
-        k = self.gdn_k_proj(x).view(B, T, n, d)
-        v = self.gdn_v_proj(x).view(B, T, n, d)
+        d, opts, n = self.head_dim, self.options, len(self.gdn_heads)
+        k, v = self.gdn_k_proj(x).view(B, T, n, d), self.gdn_v_proj(x).view(B, T, n, d)
         if self.k_norm is not None:
             k = self.k_norm(k)
         carried = cache is not None and past > 0  # a fresh sequence starts from a zero state and conv tail
@@ -507,8 +351,7 @@ class HeadwiseHybridAttention(nn.Module):
             full = torch.cat([tail.to(qkv.dtype), qkv], dim=1)  # B, K-1+T, C
             if cache is not None:  # in place: a captured graph keeps the buffers
                 cache.conv.copy_(full[:, full.shape[1] - (K - 1):].detach())
-            qkv = self.gdn_conv(full.transpose(1, 2)).transpose(1, 2)  # B, T, C
-            q, k, v = qkv.view(B, T, 3, n, d).unbind(2)
+            q, k, v = self.gdn_conv(full.transpose(1, 2)).transpose(1, 2).view(B, T, 3, n, d).unbind(2)
         if opts.gdn_rope and self.spec.rope:
             q, k = _rope_(q, cos, sin), _rope_(k, cos, sin)
         q, k = _l2norm_(q).to(x.dtype), _l2norm_(k).to(x.dtype)
@@ -518,17 +361,15 @@ class HeadwiseHybridAttention(nn.Module):
             vf = valid.to(beta.dtype)[..., None]
             beta, g = beta * vf, g * vf
         h0 = cache.S if carried else None
-        y, S = gated_delta_rule(
-            q, k, v, g, beta.to(x.dtype) if x.dtype != torch.float32 else beta, scale=self.gdn_scale,
-            initial_state=h0, kernel=opts.gdn_kernel, chunk_size=opts.chunk_size,
-        )
+        beta = beta.to(x.dtype) if x.dtype != torch.float32 else beta
+        if self.backends is None:  # torch alone; headscope's backends pick the kernel (fla on CUDA) by the options
+            y, S = gdn_chunked_torch(q, k, v, g, beta, self.gdn_scale, h0, opts.chunk_size)
+        else:
+            y, S = self.backends.gdn(self, q, k, v, g, beta, h0)
         if cache is not None:
             cache.S.copy_(S.detach().float())
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return (
-            f"layer={self.layer_idx}, fa_heads={list(self.fa_heads)}, gdn_heads={len(self.gdn_heads)}, "
-            f"kv_keep={list(self.kv_keep)}, fa_pos={self.options.fa_pos}, fusion={self.options.fusion}"
-        )
-
+        return (f"layer={self.layer_idx}, fa_heads={list(self.fa_heads)}, gdn_heads={len(self.gdn_heads)}, "
+                f"kv_keep={list(self.kv_keep)}, fa_pos={self.options.fa_pos}, fusion={self.options.fusion}")

@@ -1,87 +1,45 @@
 """transformers classes of the head-wise hybrid: one config and causal-LM class per teacher family.
 
-Each hybrid class subclasses the teacher's own transformers class (``HybridQwen2ForCausalLM`` is a
-``Qwen2ForCausalLM``), so everything outside attention — embedding scale, norms (Gemma's sandwich),
-parallel residual (GPT-NeoX), MLP, final soft-cap, masks, rotary tables per layer type — is the
-teacher's code; only each decoder layer's attention module is replaced by a
-:class:`HeadwiseHybridAttention` built from data in the config. The classes differ only in their
-base classes (:data:`FAMILIES`); none holds per-family logic.
+Each subclasses the teacher's own transformers class (``HybridQwen2ForCausalLM`` is a ``Qwen2ForCausalLM``), so
+everything outside attention is the teacher's code; only each decoder layer's attention module becomes a
+:class:`HeadwiseHybridAttention` built from ``config.headscope_hybrid`` (``mask``: a HeadMask dict; ``options``:
+HybridOptions; ``layers``: one LayerSpec dict per layer). The classes differ only in their bases
+(:data:`FAMILY_BASES`), imported when a class is first asked for (module ``__getattr__``).
 
-This module and the modules it imports relatively (``layer``, ``rope``, ``attn``, ``gdn``, ``cache``,
-``config``, ``shapes``) are the hybrid's *remote code*: ``save_pretrained`` copies them beside the weights and
-writes ``auto_map`` into ``config.json`` (the classes are registered for ``AutoConfig`` and
-``AutoModelForCausalLM`` below), so a saved hybrid loads in any process that has torch and
-transformers::
-
-    AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)   # headscope not needed
-
-and, after ``import headscope`` (which registers the model types), without ``trust_remote_code``.
-The modules therefore import nothing from headscope outside this folder, no fast path and no Triton,
-and nothing beyond torch and transformers at top level (jaxtyping, fla and flash-attn are optional).
-
-The config stores under ``config.headscope_hybrid``: ``mask`` (HeadMask dict), ``options``
-(:class:`~headscope.hybrid.config.HybridOptions`), ``layers`` (one
-:class:`~headscope.hybrid.config.LayerSpec` dict per layer; absent in older Llama/Qwen3 saves: then
-``qk_norm`` and ``attention_bias`` give it). The decay parameters ``A_log`` and ``dt_bias`` stay in
-fp32 when a model is loaded in bf16/fp16 (``_keep_in_fp32_modules_strict``).
-When a saved model asks for a kernel that is not installed (``gdn_kernel="fla"`` without
-flash-linear-attention, ``fa_kernel="flash_attn"`` without flash-attn) it is loaded with the PyTorch
-path instead (a warning says so; ``config.headscope_hybrid`` keeps the saved choice).
+This module and its relative imports are the hybrid's remote code, the reference model only: ``save_pretrained``
+copies them beside the weights with ``auto_map``, so a saved hybrid runs exactly with torch and transformers alone
+(``AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)``). headscope's fast backends attach from the
+installed package (``model.backends`` / ``layer.backends``: ``headscope.hybrid.load``, ``hybridize``,
+``use_inference``). ``A_log`` and ``dt_bias`` stay fp32 when loaded in bf16/fp16 (``_keep_in_fp32_modules_strict``).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
+import importlib
 import inspect
-import sys
-import warnings
 from typing import Any, Optional
 
 from torch import Tensor, nn
-from transformers import (
-    DynamicCache,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    GPTNeoXConfig,
-    GPTNeoXForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    StaticCache,
-)
+from transformers import DynamicCache, PreTrainedModel, StaticCache
 
-from .attn import flash_attn_available
 from .cache import HybridCache
 from .config import HybridOptions, LayerSpec
-from .gdn import fla_available
 from .layer import HeadwiseHybridAttention
 
 CONFIG_KEY = "headscope_hybrid"
 
 
 def spec_fa_heads(config: Any) -> list[tuple[int, ...]]:
-    """FA heads of every layer, read from ``config.headscope_hybrid["mask"]`` (a HeadMask dict).
-
-    Returns:
-        one tuple of query-head indices per layer (``num_hidden_layers`` tuples).
+    """FA heads of every layer (one tuple of query-head indices per layer), read from ``config.headscope_hybrid["mask"]``.
 
     Raises:
-        ValueError: the config has no hybrid entry, or its mask is not a HeadMask dict for this
-            config's geometry (layers, heads, KV heads).
+        ValueError: no hybrid entry, or a mask that is not a HeadMask dict of this config's geometry.
     """
     spec = getattr(config, CONFIG_KEY, None)
     if not spec:
-        raise ValueError(
-            f"{type(config).__name__} has no '{CONFIG_KEY}' entry (mask and options); "
-            "create hybrids with headscope.hybridize(model, mask)"
-        )
+        raise ValueError(f"{type(config).__name__} has no '{CONFIG_KEY}' entry (mask and options); "
+                         "create hybrids with headscope.hybridize(model, mask)")
     mask = spec["mask"]
     if str(mask.get("format", "")).split("/")[0] != "headscope.HeadMask":
         raise ValueError(f"config.{CONFIG_KEY}['mask'] is not a HeadMask dict (no 'format': 'headscope.HeadMask/1')")
@@ -89,32 +47,9 @@ def spec_fa_heads(config: Any) -> list[tuple[int, ...]]:
     want = (int(config.num_hidden_layers), H, int(getattr(config, "num_key_value_heads", None) or H))
     got = (int(mask["n_layers"]), int(mask["n_heads"]), int(mask["n_kv_heads"]))
     if got != want:
-        raise ValueError(
-            f"the stored mask is for {got[0]} layers x {got[1]} heads ({got[2]} KV heads) but the config has "
-            f"{want[0]} x {want[1]} ({want[2]} KV heads)"
-        )
+        raise ValueError(f"the stored mask is for {got[0]} layers x {got[1]} heads ({got[2]} KV heads) but the config "
+                         f"has {want[0]} x {want[1]} ({want[2]} KV heads)")
     return [tuple(int(h) for h in mask["fa_heads"].get(str(i), [])) for i in range(want[0])]
-
-
-def runnable_options(options: HybridOptions) -> HybridOptions:
-    """``options`` with kernels that are not installed replaced by the PyTorch ones (with a warning):
-    ``gdn_kernel="fla"`` → ``"torch"`` without flash-linear-attention, ``fa_kernel="flash_attn"`` →
-    ``"sdpa"`` without flash-attn. Other options are returned unchanged."""
-    swap: dict[str, str] = {}
-    if options.gdn_kernel == "fla" and not fla_available():
-        swap["gdn_kernel"] = "torch"
-    if options.fa_kernel == "flash_attn" and not flash_attn_available():
-        swap["fa_kernel"] = "sdpa"
-    if not swap:
-        return options
-    warnings.warn(
-        "the saved hybrid asks for kernels that are not installed "
-        + ", ".join(f"{k}={getattr(options, k)!r}" for k in swap)
-        + "; using " + ", ".join(f"{k}={v!r}" for k, v in swap.items())
-        + " (PyTorch). Install flash-linear-attention / flash-attn for the fast kernels.",
-        stacklevel=3,
-    )
-    return dataclasses.replace(options, **swap)
 
 
 ATTENTION_NAMES = ("self_attn", "attention")  # the decoder layer's attention attribute (GPT-NeoX: attention)
@@ -155,35 +90,23 @@ def layer_specs(config: Any) -> list[LayerSpec]:
 
 def install_hybrid_attention(model: PreTrainedModel) -> None:
     """Replace every decoder layer's attention module by a :class:`HeadwiseHybridAttention` built from
-    ``model.config.headscope_hybrid`` (same device and dtype as the module it replaces; the weights are
-    the layer's initial values until loaded or migrated). A layer whose spec has ``qk_norm="teacher"``
-    keeps copies of the replaced module's own ``q_norm``/``k_norm``.
-
-    Raises:
-        ValueError: as :func:`spec_fa_heads` and :func:`layer_specs`, or an invalid stored option.
-    """
+    ``model.config.headscope_hybrid`` (device and dtype of the module it replaces; a ``qk_norm="teacher"`` layer keeps
+    copies of its ``q_norm``/``k_norm``). Raises ValueError as :func:`spec_fa_heads` / :func:`layer_specs`."""
     cfg = model.config
-    fa_heads = spec_fa_heads(cfg)
-    opts = runnable_options(HybridOptions.from_dict(getattr(cfg, CONFIG_KEY)["options"]))
+    fa_heads, opts = spec_fa_heads(cfg), HybridOptions.from_dict(getattr(cfg, CONFIG_KEY)["options"])
     for i, (layer, spec) in enumerate(zip(decoder_layers(model), layer_specs(cfg))):
         name = attention_name(layer)
         old = getattr(layer, name)
-        norms = None
-        if spec.qk_norm == "teacher":
-            norms = (copy.deepcopy(old.q_norm), copy.deepcopy(old.k_norm))
+        norms = (copy.deepcopy(old.q_norm), copy.deepcopy(old.k_norm)) if spec.qk_norm == "teacher" else None
         w = next(old.parameters())
-        setattr(layer, name, HeadwiseHybridAttention(cfg, i, fa_heads[i], opts, spec=spec, norms=norms).to(
-            device=w.device, dtype=w.dtype))
+        new = HeadwiseHybridAttention(cfg, i, fa_heads[i], opts, spec=spec, norms=norms)
+        setattr(layer, name, new.to(device=w.device, dtype=w.dtype))
 
 
 def hybrid_cache_for(model: PreTrainedModel, cache: Any, use_cache: bool, initial_len: int = 0) -> Any:
-    """The cache a hybrid model's layers get in place of the one transformers made or was given.
-
-    None with ``use_cache`` → a growing :class:`HybridCache` (first allocation ≥ ``initial_len`` tokens); an empty
-    ``DynamicCache`` → the same; an empty ``StaticCache`` (``generate(cache_implementation="static")``) →
-    ``HybridCache(max_len=its length, static=True)``; anything else (a HybridCache, a filled cache, None without
-    use_cache) is returned as it is (the layers refuse a cache that is not a HybridCache).
-    """
+    """The cache a hybrid model's layers get in place of the one transformers made or was given: None with
+    ``use_cache`` or an empty ``DynamicCache`` → a growing :class:`HybridCache` (first allocation ≥ ``initial_len``);
+    an empty ``StaticCache`` → ``HybridCache(max_len=its length, static=True)``; anything else as it is."""
     if cache is None:
         return HybridCache(model.config, initial_len=initial_len) if use_cache else None
     if type(cache) is DynamicCache and cache.get_seq_length() == 0:
@@ -215,11 +138,10 @@ def _cache_kwarg(model_base: type) -> str:
 def _hybrid_classes(family: str, config_base: type, model_base: type) -> tuple[type, type]:
     """The (config, causal-LM) classes of the hybrid of ``model_base`` (model type ``headscope_hybrid_<family>``).
 
-    Beside the attention layers, the class changes two things of the teacher's: its ``forward`` gives the layers a
+    Beside the attention layers, the class changes the teacher's ``forward`` and ``generate``: they give the layers a
     :class:`HybridCache` where transformers would make or pass an empty ``DynamicCache`` / ``StaticCache``
-    (:func:`hybrid_cache_for`), and ``generate`` makes one likewise; inside headscope a forward may be computed by
-    the fast paths' model step (``headscope.hybrid.inference.dispatch.model_forward``: a static cache's decode
-    step as one replayed CUDA graph)."""
+    (:func:`hybrid_cache_for`); with headscope's backends attached (``self.backends``) a decode step may be computed
+    by its ``captured_decode`` backend."""
     key = _cache_kwarg(model_base)
     cfg_cls = type(f"Hybrid{family}Config", (config_base,), {
         "__module__": __name__, "model_type": f"headscope_hybrid_{family.lower()}",
@@ -228,6 +150,7 @@ def _hybrid_classes(family: str, config_base: type, model_base: type) -> tuple[t
 
     def __init__(self: Any, config: Any) -> None:
         model_base.__init__(self, config)
+        self.backends = None  # headscope's fast backends, attached by headscope.hybrid.use_inference
         install_hybrid_attention(self)
         self.base_model.register_forward_pre_hook(_base_model_cache_hook, with_kwargs=True)
 
@@ -239,9 +162,8 @@ def _hybrid_classes(family: str, config_base: type, model_base: type) -> tuple[t
         cache = hybrid_cache_for(self, cache, self.config.use_cache if use_cache is None else use_cache)
         if cache is not None:
             kwargs[key] = cache
-        fast = sys.modules.get("headscope.hybrid.inference.dispatch")
-        if fast is not None and isinstance(cache, HybridCache) and not args:
-            out = fast.model_forward(self, input_ids, cache, kwargs)
+        if self.backends is not None and isinstance(cache, HybridCache) and not args:  # headscope's captured decode
+            out = self.backends(self, input_ids, cache, kwargs)
             if out is not None:
                 return out
         return model_base.forward(self, input_ids, *args, **kwargs)
@@ -266,24 +188,33 @@ def _hybrid_classes(family: str, config_base: type, model_base: type) -> tuple[t
     return cfg_cls, model_cls
 
 
-HybridLlamaConfig, HybridLlamaForCausalLM = _hybrid_classes("Llama", LlamaConfig, LlamaForCausalLM)
-HybridQwen2Config, HybridQwen2ForCausalLM = _hybrid_classes("Qwen2", Qwen2Config, Qwen2ForCausalLM)
-HybridQwen3Config, HybridQwen3ForCausalLM = _hybrid_classes("Qwen3", Qwen3Config, Qwen3ForCausalLM)
-HybridMistralConfig, HybridMistralForCausalLM = _hybrid_classes("Mistral", MistralConfig, MistralForCausalLM)
-HybridGemma3Config, HybridGemma3ForCausalLM = _hybrid_classes("Gemma3", Gemma3TextConfig, Gemma3ForCausalLM)
-HybridGPTNeoXConfig, HybridGPTNeoXForCausalLM = _hybrid_classes("GPTNeoX", GPTNeoXConfig, GPTNeoXForCausalLM)
-
-# teacher class -> (hybrid config class, hybrid model class)
-FAMILIES: dict[type, tuple[type, type]] = {
-    LlamaForCausalLM: (HybridLlamaConfig, HybridLlamaForCausalLM),
-    Qwen2ForCausalLM: (HybridQwen2Config, HybridQwen2ForCausalLM),
-    Qwen3ForCausalLM: (HybridQwen3Config, HybridQwen3ForCausalLM),
-    MistralForCausalLM: (HybridMistralConfig, HybridMistralForCausalLM),
-    Gemma3ForCausalLM: (HybridGemma3Config, HybridGemma3ForCausalLM),
-    GPTNeoXForCausalLM: (HybridGPTNeoXConfig, HybridGPTNeoXForCausalLM),
+# family -> (transformers config class, causal-LM class), imported on first use
+FAMILY_BASES = {
+    "Llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "Qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "Mistral": ("MistralConfig", "MistralForCausalLM"),
+    "Gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "GPTNeoX": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
 }
+_built: dict[str, tuple[type, type]] = {}
 
-# save_pretrained writes auto_map and copies this module (and its relative imports) beside the weights
-for _cfg_cls, _model_cls in FAMILIES.values():
-    _cfg_cls.register_for_auto_class("AutoConfig")
-    _model_cls.register_for_auto_class("AutoModelForCausalLM")
+
+def family_classes(family: str) -> tuple[type, type]:
+    """(hybrid config class, hybrid causal-LM class) of a family of :data:`FAMILY_BASES`, built on first use; their
+    ``save_pretrained`` writes ``auto_map`` and copies this module (and its relative imports) beside the weights."""
+    if family not in _built:
+        transformers = importlib.import_module("transformers")
+        cfg_cls, model_cls = _hybrid_classes(family, *(getattr(transformers, n) for n in FAMILY_BASES[family]))
+        cfg_cls.register_for_auto_class("AutoConfig")
+        model_cls.register_for_auto_class("AutoModelForCausalLM")
+        _built[family] = (cfg_cls, model_cls)
+    return _built[family]
+
+
+def __getattr__(name: str) -> type:
+    """``Hybrid<Family>Config`` / ``Hybrid<Family>ForCausalLM`` (what ``auto_map`` names), built on first access."""
+    for family in FAMILY_BASES:
+        if name in (f"Hybrid{family}Config", f"Hybrid{family}ForCausalLM"):
+            return family_classes(family)[name.endswith("ForCausalLM")]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,6 @@
-"""Shape annotations for the hybrid modules: jaxtyping's ``Float`` / ``Int`` when it is installed.
-
-The hybrid's modeling files are copied beside saved weights and run as transformers remote code in
-processes that may not have jaxtyping. The annotations are never evaluated at run time (every module
-uses ``from __future__ import annotations``), so without jaxtyping a stand-in is enough: it maps
-``Float[Tensor, "batch time"]`` to ``Tensor``. transformers' import check skips imports inside ``try``.
+"""Shape annotations: jaxtyping's ``Float`` / ``Int`` when installed, else stand-ins mapping ``Float[Tensor, "..."]``
+to ``Tensor`` (the saved modeling code runs where jaxtyping may be missing; annotations are never evaluated at run
+time, and transformers' import check skips imports inside ``try``).
 """
 
 from __future__ import annotations

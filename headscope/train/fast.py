@@ -110,22 +110,27 @@ def model_body(
     return inner.norm(h)
 
 
-def _prepare_hybrid(model: nn.Module) -> None:
-    from ..hybrid.inference.train_forward import prepare_fast
-    from ..hybrid.layer import HeadwiseHybridAttention
+def _prepare_hybrid(model: nn.Module) -> Any:
+    """Choose the hybrid layers' ``fused`` training backend (InferenceConfig.train) and build its index tensors
+    before any compile; returns the model's previous InferenceConfig (for :func:`_unprepare_hybrid`)."""
+    from dataclasses import replace
 
+    from ..hybrid.inference import inference_config, use_inference
+    from ..hybrid.inference.train_forward import train_index
+
+    old = inference_config(model)
+    use_inference(model, replace(old, train="fused"))
     for mod in model.modules():
-        if isinstance(mod, HeadwiseHybridAttention):
-            prepare_fast(mod)
+        if hasattr(mod, "new_decode_cache"):
+            train_index(mod)
+    return old
 
 
-def _unprepare_hybrid(model: nn.Module) -> None:
-    from ..hybrid.inference.train_forward import unprepare_fast
-    from ..hybrid.layer import HeadwiseHybridAttention
+def _unprepare_hybrid(model: nn.Module, old: Any) -> None:
+    """Give the model back its InferenceConfig from before :func:`_prepare_hybrid`."""
+    from ..hybrid.inference import use_inference
 
-    for mod in model.modules():
-        if isinstance(mod, HeadwiseHybridAttention):
-            unprepare_fast(mod)
+    use_inference(model, old)
 
 
 def _raise_recompile_limit(n: int = 64) -> None:
@@ -286,7 +291,7 @@ class FastStep:
         """
         ids, mask = ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
         if not self._prepared:
-            _prepare_hybrid(self.student)
+            self._old_inference = _prepare_hybrid(self.student)
             self._prepared = True
         self.calls += 1
         if self.graph is not None:
@@ -341,7 +346,7 @@ class FastStep:
             p.grad = None
         self.graph, self._static, self.calls = None, {}, 0
         if self._prepared:
-            _unprepare_hybrid(self.student)
+            _unprepare_hybrid(self.student, self._old_inference)
             self._prepared = False
 
 

@@ -13,8 +13,8 @@
     log.csv, log.jsonl                                        one row per step
 
 It loads with ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` in a process
-without headscope (docs/hybrid.md, "Saving and loading"), or after ``import headscope.hybrid`` without
-``trust_remote_code``.
+without headscope (docs/hybrid.md, "Saving and loading"), or with headscope's classes and fast backends through
+``headscope.hybrid.load(folder)`` (or :func:`load_model_folder`).
 """
 
 from __future__ import annotations
@@ -113,12 +113,14 @@ def load_model_folder(folder: str | Path, device: Optional[torch.device | str] =
     """
     from transformers import AutoModelForCausalLM
 
-    from .. import hybrid  # noqa: F401  (registers the hybrid model types)
+    from ..hybrid import register_auto_classes, use_inference
 
+    register_auto_classes()  # headscope's classes load the folder (no remote code)
     p = Path(folder)
     if not is_model_folder(p):
         raise InputFileNotFoundError(f"{p} is not a finished conversion stage (no {RECORD}): run that stage first")
     model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype or torch.float32)
     if not hasattr(model.config, "headscope_hybrid"):
         raise HeadscopeInputError(f"{p} holds no headscope hybrid (config.json has no headscope_hybrid)")
+    use_inference(model)  # the fast backends the default InferenceConfig chooses
     return model.to(device) if device is not None else model

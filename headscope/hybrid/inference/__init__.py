@@ -1,4 +1,5 @@
-"""The hybrid's inference seam: :class:`InferenceConfig`, chosen once per model (:func:`use_inference`)."""
+"""The hybrid's fast backends and their configuration: :class:`InferenceConfig`, attached per model
+(:func:`use_inference`)."""
 
 from .config import DEFAULT, InferenceConfig, inference_config, use_inference
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attn import fa_attention
+from ..fa_kernels import fa_attention
 from .config import inference_config
 from .kernels.fa_prep import applies as fa_prep_applies, fa_decode_prep
 from .kernels.gdn_step import applies as gdn_step_applies, full_rotary, gdn_decode_step
@@ -28,6 +28,22 @@ from .plan import Plan, glue
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..layer import HeadwiseHybridAttention
+
+class DevicePosition:
+    """A decode step's position read from device memory, so that one captured CUDA graph decodes at every length
+    (``StaticDecoder.step_replayed``): ``pos`` [1] long (the new token's slot; K/V written there, attention masked
+    to slots ≤ pos), ``valid`` Bool[max_len] = slot ≤ pos and ``n_valid`` [1] = pos + 1 (kept by the caller for
+    every layer; None: computed from ``pos``)."""
+
+    __slots__ = ("pos", "valid", "n_valid")
+
+    def __init__(self, pos: Tensor, valid: Optional[Tensor] = None, n_valid: Optional[Tensor] = None):
+        self.pos, self.valid, self.n_valid = pos, valid, n_valid
+
+    def length(self) -> Tensor:
+        """[1] long: the attended length (pos + 1)."""
+        return self.n_valid if self.n_valid is not None else self.pos + 1
+
 
 def _as_long(slot: Any, dev: torch.device) -> Tensor:
     return slot if isinstance(slot, Tensor) else torch.full((1,), int(slot), dtype=torch.long, device=dev)
@@ -41,34 +57,34 @@ def _splitk_applies(q: Tensor, layer: "HeadwiseHybridAttention") -> bool:
 
 
 def fa_attend(layer: "HeadwiseHybridAttention", p: Plan, q: Tensor, k: Optional[Tensor], v: Optional[Tensor],
-               cache: Any, dpos: Optional[Tensor], past: int, prep: Optional[bool] = None, **out: Any) -> Tensor:
+               cache: Any, dp: Optional[DevicePosition], past: int, prep: Optional[bool] = None, **out: Any) -> Tensor:
     """The FA heads' attention: q [B,T,nf,d], the new k, v [B,nk,T,d] (written into the cache when there is
     one) -> [B,T,nf,d]. A decode step goes to the split-K kernel where it applies; device-position steps
-    write slot ``dpos`` and attend over the buffer up to it (the split-K length, or SDPA with a slot mask).
+    write slot ``dp.pos`` and attend over the buffer up to it (the split-K length, or SDPA with a slot mask).
     ``prep``: q is already prepared and the token's K/V already in the cache (:func:`fa_decode_prep`); ``out``:
     the split-K kernel's ``out``/``gate``/``gamma``/``eps`` (the fused output)."""
     T = q.shape[1]
     splitk = T == 1 and cache is not None and _splitk_applies(q, layer)
     if splitk and prep:  # q prepared and K/V written into the cache by fa_decode_prep
         kc, vc, n_valid = cache.k, cache.v, None
-        if dpos is None:
+        if dp is None:
             kc, vc = kc[:, :, : past + 1], vc[:, :, : past + 1]
         else:
-            n_valid = cache.n_valid if cache.n_valid is not None else dpos + 1
+            n_valid = dp.length()
         return decode_attention(q[:, 0], kc, vc, n_valid, layer.scaling,
                                 kv_index=None if layer._fa_gqa else p.fa_kv, **out)[:, None]
     amask = None
-    if dpos is not None:
-        cache.k.index_copy_(2, dpos, k)
-        cache.v.index_copy_(2, dpos, v)
+    if dp is not None:
+        cache.k.index_copy_(2, dp.pos, k)
+        cache.v.index_copy_(2, dp.pos, v)
         k, v = cache.k, cache.v
         if not splitk:
-            valid = cache.valid if cache.valid is not None else torch.arange(cache.max_len, device=q.device) <= dpos
+            valid = dp.valid if dp.valid is not None else torch.arange(cache.max_len, device=q.device) <= dp.pos
             amask = valid[None, None, None]
     elif cache is not None:
         k, v = cache._write(k, v, past)
     if splitk:  # flash-decoding over the kept KV groups; the length from device memory with device positions
-        n_valid = None if dpos is None else (cache.n_valid if cache.n_valid is not None else dpos + 1)
+        n_valid = None if dp is None else dp.length()
         return decode_attention(q[:, 0], k, v, n_valid, layer.scaling,
                                 kv_index=None if layer._fa_gqa else p.fa_kv)[:, None]
     if not layer._fa_gqa:
@@ -128,18 +144,18 @@ def prep_applies(layer: "HeadwiseHybridAttention", q: Tensor, T: int, cache: Any
 
 
 def prep_attend(layer: "HeadwiseHybridAttention", p: Plan, q: Tensor, k: Tensor, v: Tensor, cache: Any,
-                dpos: Optional[Tensor], past: int, cos: Optional[Tensor], sin: Optional[Tensor],
+                dp: Optional[DevicePosition], past: int, cos: Optional[Tensor], sin: Optional[Tensor],
                 position_ids: Optional[Tensor], y_buf: Optional[Tensor], gate: Optional[Tensor]) -> Tensor:
     """A decode step's FA heads through the separate kernels: q/k glue + the K/V cache write in one kernel
     (:func:`fa_decode_prep`), then split-K attention (its fused output into ``y_buf`` when given) -> [B,1,nf,d]."""
-    slot = dpos if dpos is not None else past
+    slot = dp.pos if dp is not None else past
     qp = fa_decode_prep(q[:, 0], k[:, 0], v[:, 0], cache.k, cache.v, slot,
                         **_fa_glue_kw(layer, p, cos, sin, position_ids, slot, q.device))
-    return fa_attend(layer, p, qp[:, None], None, None, cache, dpos, past, prep=True, **fa_fused_out(p, y_buf, gate))
+    return fa_attend(layer, p, qp[:, None], None, None, cache, dp, past, prep=True, **fa_fused_out(p, y_buf, gate))
 
 
 def one_launch(layer: "HeadwiseHybridAttention", p: Plan, q: Tensor, k: Tensor, v: Tensor, z: Tensor, cache: Any,
-                dpos: Optional[Tensor], past: int, cos: Optional[Tensor], sin: Optional[Tensor],
+                dp: Optional[DevicePosition], past: int, cos: Optional[Tensor], sin: Optional[Tensor],
                 position_ids: Optional[Tensor], y_buf: Optional[Tensor], gate: Optional[Tensor],
                 g_out: Optional[dict], combine: Any = True) -> tuple[Any, Optional[Tensor]]:
     """A decode step's FA prep + split-K attention and GDN step through :func:`hybrid_decode_step` (one launch, then
@@ -148,11 +164,10 @@ def one_launch(layer: "HeadwiseHybridAttention", p: Plan, q: Tensor, k: Tensor, 
     :func:`hybrid_decode_step`'s; where it leaves the combination to the caller (``layer_tail.layer_tail``), the
     split-K namespace in place of o_fa."""
     ng = p.ng
-    if dpos is None:
+    if dp is None:
         kc, vc, n_valid = cache.k[:, :, : past + 1], cache.v[:, :, : past + 1], None
     else:
-        kc, vc = cache.k, cache.v
-        n_valid = cache.n_valid if cache.n_valid is not None else dpos + 1
+        kc, vc, n_valid = cache.k, cache.v, dp.length()
     gdn = None
     if ng:
         qg, kg, vg, a, b = z[..., p.n_fa_rows:].split(p.g_sizes, dim=-1)
@@ -160,7 +175,7 @@ def one_launch(layer: "HeadwiseHybridAttention", p: Plan, q: Tensor, k: Tensor, 
                            g_out["out"] if g_out else None, g_out["gamma"] if g_out else None)
     o, y = hybrid_decode_step(q[:, 0], k[:, 0], v[:, 0], kc, vc, n_valid, layer.scaling,
                               kv_index=None if layer._fa_gqa else p.fa_kv, gdn=gdn,
-                              **_fa_glue_kw(layer, p, cos, sin, position_ids, dpos if dpos is not None else past,
+                              **_fa_glue_kw(layer, p, cos, sin, position_ids, dp.pos if dp is not None else past,
                                             q.device), **fa_fused_out(p, y_buf, gate), combine=combine)
     return (o[:, None] if isinstance(o, Tensor) else o), y
 

@@ -1,17 +1,10 @@
-"""Whole-model prefill and decode steps of a hybrid (Llama-family) model through preallocated caches.
+"""Whole-model prefill and decode steps of a hybrid (Llama-form) model through its per-layer caches.
 
-:class:`StaticDecoder` runs the decoder layers itself with one :class:`HybridDecodeCache` per layer
-(FA heads' kept KV groups + GDN state, fixed shapes), so every attention layer takes the lean path
-(``forward.py``). Generation goes through transformers' own ``model.generate(...)``: a hybrid's forward makes a
-:class:`~headscope.hybrid.HybridCache` and its decode steps replay :meth:`StaticDecoder.step_replayed` (``model_step.py``).
-Driven directly (benchmarks, tests)::
-
-    dec = StaticDecoder(model, batch=16, max_len=32768 + 64)
-    logits = dec.prefill(ids)            # ids [16, T]: fills the caches, logits of the last position
-    logits = dec.step(next_ids)          # one token per sequence
-
-For the benchmarks, ``capture()`` / ``replay()`` record and re-run one step at a fixed length, and
-``prefill_graphed(ids)`` replays a recorded prefill for every prompt batch of ids' shape (see each method).
+:class:`StaticDecoder` runs the decoder layers itself, every attention layer on the lean backends; ``generate``'s
+decode steps replay its :meth:`StaticDecoder.step_replayed` (the ``graph`` backend, ``model_step.py``). Driven
+directly (benchmarks, tests): ``dec = StaticDecoder(model, batch, max_len)``, ``dec.prefill(ids)`` (fills the caches,
+logits of the last position), ``dec.step(next_ids)``; ``capture()`` / ``replay()`` record and re-run one step at a
+fixed length, ``prefill_graphed(ids)`` replays a recorded prefill for every batch of ids' shape.
 """
 
 from __future__ import annotations
@@ -25,7 +18,7 @@ from torch import Tensor
 
 from .graphs import capture as _capture
 from .config import InferenceConfig, inference_config, use_inference
-from .forward import DeferredOutput, applies as _lean_applies, plan as _plan
+from .forward import DeferredOutput, DevicePosition, applies as _lean_applies, decode_step, plan as _plan
 from .kernels.layer_tail import MAX_ROWS as _TAIL_ROWS, applies as _tail_applies, layer_tail
 
 
@@ -109,22 +102,16 @@ class StaticDecoder:
     """Prefill / decode a hybrid model (``model.model.layers[i].self_attn`` a HeadwiseHybridAttention).
 
     Args:
-        model: a hybrid causal LM (from :func:`~headscope.hybrid.hybridize`; an all-FA mask with
-            ``fusion="none"`` gives the teacher's function).
-        batch: sequences decoded together.
-        max_len: cache capacity in tokens (prompt + new tokens).
-        compile_tail: ``torch.compile`` each layer's input norm and its residual + norm + MLP tail (one compiled
-            graph shared by all layers), and a decode step's ends (embedding + rotary, final norm + LM head); eager
-            after a compile failure (warned). Off by default (a first-use compile; docs/performance-variants.md).
-            With gated MLPs (checked against the modules' forward first; not with forward hooks on the norms or MLPs,
-            warned) a layer's residual, norm, MLP (gate and up projections in one GEMM up
-            to ``config.fused_gate_up_max_bytes``) and the next layer's input norm are one compiled call, or with
-            ``config.tail_kernel`` one Triton launch per layer (``kernels/layer_tail.py``) that also computes the
-            next layer's input projection.
-        config: the fast paths' :class:`~headscope.hybrid.inference.InferenceConfig`, set on the model
-            (:func:`~headscope.hybrid.inference.use_inference`); None: the model's own (default unless set).
-        caches: one :class:`HybridDecodeCache` per layer of capacity ``max_len`` to decode into (a
-            :class:`~headscope.hybrid.HybridCache`'s ``decode_caches``, filled by the model's own prefill);
+        model: a hybrid causal LM (an all-FA mask with ``fusion="none"`` gives the teacher's function).
+        batch, max_len: sequences decoded together and cache capacity (prompt + new tokens).
+        compile_tail: ``torch.compile`` each layer's input norm and residual + norm + MLP tail (one graph shared by
+            all layers) and a step's ends (embedding + rotary, final norm + LM head); eager after a compile failure
+            (warned). With gated MLPs (checked against the modules first; not with hooks on them, warned) a layer's
+            tail and the next input norm are one compiled call (gate/up in one GEMM up to
+            ``config.fused_gate_up_max_bytes``), or with ``config.tail_kernel`` one Triton launch per layer
+            (``kernels/layer_tail.py``) that also computes the next layer's input projection.
+        config: an InferenceConfig to attach (``use_inference``) unless it is the model's; None: the model's.
+        caches: one HybridDecodeCache of capacity ``max_len`` per layer (a ``HybridCache``'s ``decode_caches``);
             None: new ones.
 
     Raises:
@@ -138,7 +125,9 @@ class StaticDecoder:
         for i, layer in enumerate(self.base.layers):
             if not hasattr(layer.self_attn, "new_decode_cache"):
                 raise ValueError(f"layer {i} is not a hybrid attention layer; hybridize the model first")
-        self.config = use_inference(model, config) if config is not None else inference_config(model)
+        if config is not None and config is not inference_config(model):
+            use_inference(model, config)
+        self.config = inference_config(model)
         cfg = self.config
         if caches is not None and (len(caches) != len(self.base.layers) or any(
                 c is None or c.max_len != max_len for c in caches)):
@@ -147,6 +136,7 @@ class StaticDecoder:
         self.caches = caches if caches is not None else [
             layer.self_attn.new_decode_cache(batch, max_len) for layer in self.base.layers]
         self._dstep: Optional[tuple] = None  # step_replayed's inputs (token, position, slots, valid, n_valid)
+        self._dp: Optional[DevicePosition] = None  # the replayed step's device position (None: cache.length)
         self._dgraph: Optional[tuple] = None  # its (graph, static logits), captured on first use on CUDA
         self.batch, self.max_len = batch, max_len
         self._graph: Optional[torch.cuda.CUDAGraph] = None
@@ -272,7 +262,7 @@ class StaticDecoder:
         if i + 1 >= len(layers):
             return None
         attn = layers[i + 1].self_attn
-        if not _lean_applies(attn, h, None):
+        if not _lean_applies(attn, h):
             return None
         p = _plan(attn)
         return p if p.W.shape[0] % 16 == 0 else None
@@ -287,8 +277,7 @@ class StaticDecoder:
             z = None  # the layer's input projection, when the tail kernel before computed it
             for i, (layer, dc) in enumerate(zip(layers, self.caches)):
                 if tk is not None:
-                    a, _ = layer.self_attn(x if z is None else h, position_embeddings=pe, cache=dc, position_ids=pos,
-                                           defer_out=True, projected=z)
+                    a = self._attend(layer.self_attn, x if z is None else h, pe, dc, pos, defer=True, z_in=z)
                     z = None
                     if isinstance(a, DeferredOutput) and not _tail_applies(
                             rows, h.shape[-1], a.y.shape[1], layer.mlp.down_proj.weight.shape[1], h.device):
@@ -303,14 +292,30 @@ class StaticDecoder:
                             x = nxt.view_as(h) if nxt is not None else None
                         continue
                 else:
-                    a, _ = layer.self_attn(x, position_embeddings=pe, cache=dc, position_ids=pos)
+                    a = self._attend(layer.self_attn, x, pe, dc, pos)
                 h, x = self._tail(2, layer, layers[i + 1] if i + 1 < len(layers) else None, h, a, *self._gate_up(i))
             return h
         for layer, dc in zip(layers, self.caches):
             x = self._tail(0, layer, h)
-            a, _ = layer.self_attn(x, position_embeddings=pe, cache=dc, position_ids=pos)
+            a = self._attend(layer.self_attn, x, pe, dc, pos)
             h = self._tail(1, layer, h, a)
         return h
+
+    def _attend(self, attn: Any, x: Tensor, pe: Any, dc: Any, pos: Tensor, defer: bool = False,
+                z_in: Optional[Tensor] = None) -> Any:
+        """One layer's attention into its cache: a decode step through the lean backend directly (with the replayed
+        step's device position, a deferred output or the projection the tail before computed), else the module (whose
+        output is never deferred).
+
+        Raises:
+            ValueError: a device-position step of a layer the lean backend does not compute."""
+        if x.shape[1] == 1 and (self._dp is not None or z_in is not None or (defer and _lean_applies(attn, x))):
+            if not _lean_applies(attn, x):
+                raise ValueError("device-position decoding (StaticDecoder.step_replayed) and the tail kernel run on the "
+                                 "lean decode backend only: no gradient, weights in the input's dtype, "
+                                 "InferenceConfig.decode 'lean' or 'auto' on CUDA")
+            return decode_step(attn, x, pe, pos, dc, self._dp, defer, z_in)
+        return attn(x, position_embeddings=pe, cache=dc, position_ids=pos)[0]
 
     def _tail(self, i: int, *args: Any) -> Any:
         """``_pre`` (i = 0), ``_post`` (i = 1), ``_post_fused`` (i = 2), ``_embed`` (i = 3) or ``_head`` (i = 4),
@@ -414,8 +419,8 @@ class StaticDecoder:
 
     def _position_step(self, tok: Tensor, pos: Tensor, slots: Tensor, valid: Tensor, n_valid: Tensor) -> Tensor:
         """One decode step of the tokens ``tok`` [batch, 1] at the device position ``pos`` ([1] long): the FA mask
-        ``valid`` (= slots ≤ pos) and the split-K length ``n_valid`` (= pos + 1) updated in place first (the caches'
-        ``pos``/``valid``/``n_valid`` must point at these tensors); logits [batch, 1, vocab]. Capturable: every
+        ``valid`` (= slots ≤ pos) and the split-K length ``n_valid`` (= pos + 1) updated in place first (``self._dp``
+        must point at these tensors); logits [batch, 1, vocab]. Capturable: every
         input is read from device memory."""
         torch.le(slots, pos, out=valid)
         torch.add(pos, 1, out=n_valid)
@@ -427,7 +432,7 @@ class StaticDecoder:
     def step_replayed(self, ids: Tensor) -> Tensor:
         """One decode step at the caches' length, replayed from a CUDA graph: ``ids`` [batch, 1] → logits
         [batch, 1, vocab] (a static buffer, overwritten by the next step: copy it to keep it). The graph is
-        captured on first use; it reads the position from device memory (``HybridDecodeCache.pos``; the FA heads
+        captured on first use; it reads the position from device memory (a ``DevicePosition``; the FA heads
         attend over the cache buffer masked to the written slots), so one graph serves every later length; warm-up
         and capture leave the caches as they were. Off CUDA the same device-position step runs eagerly (tests).
         ``transformers``' ``generate`` reaches this through
@@ -450,8 +455,7 @@ class StaticDecoder:
         tok, pos, _, valid, n_valid = self._dstep
         tok.copy_(ids)
         pos.fill_(n)
-        for c in self.caches:
-            c.pos, c.valid, c.n_valid = pos, valid, n_valid
+        self._dp = DevicePosition(pos, valid, n_valid)
         try:
             if self._dgraph is None and _graphable(ids.device):
                 saved = self._state()
@@ -465,8 +469,7 @@ class StaticDecoder:
             else:
                 logits = self._position_step(*self._dstep)
         finally:
-            for c in self.caches:
-                c.pos = c.valid = c.n_valid = None
+            self._dp = None
         self._set_length(n + 1)
         return logits
 

@@ -1,14 +1,6 @@
-"""CUDA-graph capture of a fixed-shape inference call (a layer's or a model's prefill, a decode step).
-
-A hybrid layer's prefill below ~32K tokens is bound by host time, not by the GPU: the compiled glue's
-guard checks and fla's Triton launches cost ~1–1.5 ms per GDN block on the H200 (README, "Known
-issues"), more than the kernels take at 8–16K tokens. Recording the call once in a CUDA graph and
-replaying it removes that host time for every later call of the same shape (the technique inference
-servers use for decode steps and, piecewise, for prefill buckets). Inputs are read from the tensors
-the call closed over: copy new data into them (``Tensor.copy_``) before each replay.
-
-:class:`ShapeGraphs` keeps such graphs for a function called with many shapes, one graph per shape key, the
-data copied into its static inputs on each call (the lean path's eager prefill records its GDN blocks so).
+"""CUDA-graph capture of a fixed-shape inference call (a prefill, a decode step): :func:`capture`, and
+:class:`ShapeGraphs` (one graph per shape key, new data copied into its static inputs). Why: docs/hybrid.md,
+"How the kernels work: CUDA graphs".
 """
 
 from __future__ import annotations
@@ -56,24 +48,13 @@ def warm_up(fn: Callable[[], Any], n: int, device: Any = None) -> None:
 
 
 def capture(fn: Callable[[], Any], warmup: int = 2, device: Any = None) -> tuple["torch.cuda.CUDAGraph", Any]:
-    """Record ``fn()`` in a CUDA graph after ``warmup`` eager calls on a side stream.
-
-    The warm-up calls compile the glue and tune the kernels (both must happen outside the capture);
-    ``fn`` must be free of host synchronisation (no ``.item()``, no CPU→GPU copies of new data).
-
-    Args:
-        fn: a call without arguments whose tensors live on the current CUDA device.
-        warmup: eager calls before the capture (>= 1 where anything is compiled or autotuned).
-        device: the CUDA device the call's tensors live on (default: the current one). The warm-up
-            and capture streams are made there: a capture stream of another device misses the call's
-            kernels and the capture fails.
-
-    Returns:
-        (graph, static output): ``graph.replay()`` re-runs the call and rewrites the static output
-        (and every buffer the call writes, e.g. a decode cache) in place.
+    """Record ``fn()`` (no arguments, no host synchronisation) in a CUDA graph after ``warmup`` eager calls on a side
+    stream of ``device`` (default: the current one; the call's tensors live there), which compile and tune what the
+    call needs -> (graph, static output): ``graph.replay()`` re-runs the call and rewrites the static output and
+    every buffer the call writes (e.g. a decode cache) in place.
 
     Raises:
-        RuntimeError: CUDA is not available (CUDA graphs are a CUDA feature; call ``fn`` eagerly).
+        RuntimeError: CUDA is not available (call ``fn`` eagerly).
     """
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA graphs need a CUDA device; on this machine run the call eagerly "

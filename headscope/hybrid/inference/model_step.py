@@ -1,14 +1,7 @@
-"""The fast path of a whole hybrid model's forward: a decode step into a :class:`~headscope.hybrid.HybridCache`.
-
-A hybrid causal LM (``modeling_hybrid``) asks :func:`model_forward` (through ``dispatch.py``) before its own forward
-when headscope is imported. It computes one call: a decode step (one new token per sequence) into a HybridCache after
-an unpadded prefill, replayed from one CUDA graph of the whole step (``StaticDecoder.step_replayed``: embedding,
-every layer through the lean decode path, final norm and LM head) — the graph-captured step's speed through
-transformers' own ``generate``. A static cache (``generate(..., cache_implementation="static")``) gets compiled layer
-tails and the tail kernel (a first-use compile); a growing one (``generate``'s default) eager tails (capture only),
-recaptured if a layer's cache grows; ``InferenceConfig.decode_graphs`` chooses which. Every other call (prefill,
-padding, gradients, autocast, hooks, outputs other than logits, layers with the short convolution) returns None and
-runs the model's own forward, whose attention layers take the lean path where it applies (``forward.py``).
+"""The ``graph`` backend of the ``captured_decode`` role: a hybrid model's decode step into a
+:class:`~headscope.hybrid.HybridCache` after an unpadded prefill, replayed from one CUDA graph of the whole step
+(``StaticDecoder.step_replayed``); every other call returns None (the model's own forward). Details:
+docs/hybrid.md, "How the kernels work: Captured decode".
 """
 
 from __future__ import annotations
@@ -19,6 +12,7 @@ import torch
 from torch import Tensor
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from . import forward
 from .config import inference_config
 from .decoder import StaticDecoder
 
@@ -28,17 +22,9 @@ _IGNORED = {"use_cache", "cache", "past_key_values", "position_ids", "cache_posi
             "return_dict", "attention_mask"}
 
 
-def _decoder_layers_plain(model: Any) -> bool:
-    """Whether the model's layers are what ``StaticDecoder`` computes: Llama-form decoder layers (input norm →
-    attention → residual → post-attention norm → MLP → residual) whose attention is a plain hybrid layer without the
-    short convolution (the device-position step runs on the lean path only, which has none)."""
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if layers is None or not all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "norm")):
-        return False
-    return all(getattr(getattr(l, "self_attn", None), "plain", False) and l.self_attn.gdn_conv is None
-               and all(hasattr(l, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp"))
-               and not hasattr(l, "pre_feedforward_layernorm") for l in layers)
+def _lean_layers(model: Any, x: Tensor) -> bool:
+    """Whether every layer's decode role takes the lean backend for a call on x (what ``StaticDecoder`` runs)."""
+    return all(forward.applies(l.self_attn, x) for l in model.model.layers)
 
 
 def _user_hooks(m: Any) -> bool:
@@ -74,9 +60,6 @@ def model_forward(model: Any, input_ids: Optional[Tensor], cache: Any, kwargs: d
     if any(v is not None and v is not False for k, v in kwargs.items() if k not in _IGNORED):
         return None  # inputs_embeds, labels, output_attentions / hidden_states, ...: the model's own forward
     cfg = inference_config(model)
-    where = cfg.fast_path
-    if where == "never" or (where == "cuda" and input_ids.device.type != "cuda"):
-        return None
     if cfg.decode_graphs == "never" or (cfg.decode_graphs == "static" and not cache.static):
         return None
     if model.training or any(_user_hooks(m) for m in model.modules()):
@@ -84,7 +67,9 @@ def model_forward(model: Any, input_ids: Optional[Tensor], cache: Any, kwargs: d
     dec = getattr(cache, "headscope_decoder", None)
     caches = cache.decode_caches
     if dec is None or any(a is not b for a, b in zip(dec.caches, caches)):  # new, or a layer's cache grew
-        if any(c is None for c in caches) or not _decoder_layers_plain(model):
+        h = torch.empty(input_ids.shape[0], 1, model.config.hidden_size, device=input_ids.device,
+                        dtype=next(model.parameters()).dtype)
+        if any(c is None for c in caches) or not _lean_layers(model, h):
             return None
         if len({c.max_len for c in caches}) != 1:
             return None

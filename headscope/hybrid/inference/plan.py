@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attn import flash_attn_available
-from ..gdn import fla_available
+from ..fa_kernels import flash_attn_available
+from ..gdn_kernels import fla_available
 from ..rope import apply_rope
 from .kernels.gdn_step import gdn_decode_step_torch, l2_normalize, rms_norm
 from .projections import stack_projections
@@ -83,14 +83,16 @@ class Plan:
 
 
 def plan(layer: "HeadwiseHybridAttention") -> Plan:
-    """The layer's :class:`Plan` (cached on the layer; a changed parameter rebuilds it)."""
+    """The layer's :class:`Plan` (kept in its ``backends`` when attached; a changed parameter rebuilds it)."""
     ps = list(layer.parameters())
     key = (ps[0].device, ps[0].dtype) + tuple((id(p), p._version) for p in ps)
-    pl = layer.__dict__.get("_inference_plan")
+    held = layer.backends
+    pl = held.plan if held is not None else None
     if pl is None or pl.key != key:
         with torch.no_grad():
             pl = Plan(layer, key)
-        layer.__dict__["_inference_plan"] = pl
+        if held is not None:
+            held.plan = pl
     return pl
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor
 
-from ..gdn import gated_delta_rule
+from ..gdn_kernels import gated_delta_rule
 from ..shapes import Float
 from .config import InferenceConfig, inference_config
 from .graphs import ShapeGraphs, recording as _graph_recording

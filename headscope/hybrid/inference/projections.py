@@ -20,21 +20,11 @@ def stack_projections(
 ) -> tuple[Float[Tensor, "rows hidden"], Optional[Float[Tensor, "rows"]], list[int]]:
     """Stack the rows of several linear maps into one weight (and bias).
 
-    Args:
-        parts: (module, rows, row_multiple) per projection: ``rows`` (Long[k] or None = all rows)
-            selects output rows of ``module.weight``/``bias``; zero rows are appended until the part
-            has a multiple of ``row_multiple`` rows (so that every later column slice of the output
-            starts aligned).
-        total_multiple: zero rows appended at the end until the total is a multiple of this (a
-            trailing part in ``sizes``; e.g. 16 columns keep fp32/bf16 views 16-byte aligned for SDPA).
-
-    Returns:
-        (W [Σ rows, hidden], b [Σ rows] or None when no part has a bias, sizes: rows per part, plus
-        the trailing padding if any). Differentiable in the modules' parameters (``index_select`` and
-        ``cat``), so ``F.linear(x, W, b).split(sizes, -1)`` equals the separate projections.
-
-    Raises:
-        ValueError: no parts, or a multiple < 1.
+    ``parts``: (module, rows, row_multiple) per projection — ``rows`` (Long[k] or None = all) selects output rows, zero
+    rows pad the part to a multiple of ``row_multiple`` (later column slices start aligned); ``total_multiple``: zero
+    rows at the end up to a multiple of this (16 columns keep views 16-byte aligned for SDPA). Returns (W [Σ rows,
+    hidden], b or None, rows per part plus the trailing padding), differentiable in the parameters, so
+    ``F.linear(x, W, b).split(sizes, -1)`` equals the separate projections. Raises ValueError: no parts, a multiple < 1.
     """
     if not parts or total_multiple < 1 or any(m < 1 for _, _, m in parts):
         raise ValueError("stack_projections needs at least one part and multiples >= 1")

@@ -1,16 +1,6 @@
-"""The FA heads' per-token work of a decode step in one Triton kernel: q/k glue and the K/V cache write.
-
-Before the split-K attention of a decode step (``splitk.py``) the FA heads' new token needs its query and
-key normalized (the teacher's QK-RMSNorm, when it has one), rotated (RoPE) or its query scaled (HypeNet's
-NoPE coefficient s_t = log(t + a) / log(a)), and its key and value written into the decode cache at the
-token's slot: three launch-bound kernels of a few hundred bytes per head (docs/performance-variants.md), which
-:func:`fa_decode_prep` does in one kernel: one program per (sequence,
-FA query head) writes the prepared query, one program per (sequence, kept KV group) writes the key and the
-value into the cache. The slot is a Python int or read from device memory (a [1] or [batch] integer tensor:
-one captured CUDA graph serves every position).
-
-Numerics follow the lean path's glue (``plan._glue_fa``): fp32 in registers, results rounded to the layer's
-dtype. :func:`fa_decode_prep_torch` is the same function in PyTorch (the reference).
+"""The FA heads' per-token work of a decode step in one Triton kernel: q/k glue (QK-RMSNorm, RoPE or the NoPE
+scale) and the K/V cache write at the token's slot (an int or read from device memory). :func:`fa_decode_prep_torch`
+is the PyTorch reference. Design: docs/hybrid.md, "How the kernels work: FA prep".
 """
 
 from __future__ import annotations
@@ -203,36 +193,22 @@ def fa_decode_prep(
     k_norm: Optional[Float[Tensor, " d"]] = None,
     qk_eps: float = 0.0,
 ) -> Float[Tensor, "batch fa_head d"]:
-    """One decode token of the FA heads: the prepared queries, and the key/value written into the cache.
+    """One decode token of the FA heads: the prepared queries, the key/value written into the cache.
 
-    Per FA query head: QK-RMSNorm (``q_norm``), then RoPE (``cos``/``sin``) or the NoPE scale
-    s_t = log(t + a) / log(a) (``nope_a``, t = ``positions``). Per kept KV group: QK-RMSNorm (``k_norm``) and
-    RoPE of the key, written with the value into ``k_cache`` / ``v_cache`` at ``slot``.
+    Per FA query head: QK-RMSNorm (``q_norm``), then RoPE (``cos``/``sin``) or the NoPE scale s_t = log(t + a) / log(a)
+    (``nope_a``, t = ``positions``). Per kept KV group: QK-RMSNorm (``k_norm``) and RoPE of the key, written with the
+    value into ``k_cache`` / ``v_cache`` at ``slot``.
 
     Args:
-        q: the token's FA queries [batch, fa_head, d] (views into the fused projection are fine: any batch /
-            head strides, unit stride in d), in the layer's dtype.
-        k, v: the token's keys and values of the kept KV groups [batch, kv_group, d] (likewise).
-        k_cache, v_cache: the decode cache's buffers [batch, kv_group, slots, d] (unit stride in d).
-        slot: the cache slot to write (0-based token index): an int (a kernel argument: a captured CUDA graph
-            replays that slot), or an integer tensor [1] / [batch] on the device (read by the kernel: one graph
-            serves every position; not bounds-checked: it must be < slots).
-        cos, sin: the token's rotary embedding [batch, d] or [1, d] (half-split), when the FA heads use RoPE.
-        positions: integer tensor [1] / [batch], the token's position t (the NoPE scale only).
-        nope_a: HypeNet's a (> 1) when the FA heads are NoPE with the log-scale query coefficient.
-        q_norm, k_norm: the teacher's QK-RMSNorm weights [d] (fp32) and ``qk_eps``, when it has them.
+        q [batch, fa_head, d], k, v [batch, kv_group, d]: the token's (views of the fused projection: unit stride in
+            d); k_cache, v_cache [batch, kv_group, slots, d]; slot: an int, or an integer tensor [1] / [batch] on the
+            device (one graph serves every position; not bounds-checked); cos, sin [batch or 1, d]; positions [1] /
+            [batch] (NoPE only); nope_a (> 1); q_norm, k_norm [d] fp32 with ``qk_eps``.
 
-    Returns:
-        the prepared queries [batch, fa_head, d] in q's dtype (contiguous).
-
-    Raises:
-        ValueError: shapes that disagree, a head_dim that is not a power of two ≥ 16, RoPE and NoPE together,
-            NoPE without positions, an int slot outside the cache, cos/sin of another shape, or CPU tensors outside
-            Triton's interpreter (``TRITON_INTERPRET=1``); the message names :func:`fa_decode_prep_torch`.
-        ImportError: triton missing.
-
-    Source: the lean path's FA glue (RoPE: Su et al. 2021, half-split as Llama; NoPE scale: HypeNet, SPEC §4.2);
-    one kernel instead of three (``benchmarks/profile_decode.py``).
+    Returns the prepared queries [batch, fa_head, d] in q's dtype. Raises ValueError: shapes that disagree, d not a
+    power of two ≥ 16, RoPE with NoPE, NoPE without positions, an int slot outside the cache, CPU tensors outside
+    ``TRITON_INTERPRET=1`` (naming :func:`fa_decode_prep_torch`); ImportError without triton. Source: the lean glue
+    (RoPE: Su et al. 2021; NoPE scale: HypeNet, SPEC §4.2).
     """
     check_args(q, k, v, k_cache, v_cache, cos, sin, q_norm, k_norm, nope_a)
     B, nf, d = q.shape

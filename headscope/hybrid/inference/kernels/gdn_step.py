@@ -1,20 +1,6 @@
-"""One decode token of every GDN head of a layer in one Triton kernel, the state updated in place.
-
-A decode step of the GDN heads is a small amount of work (the state of 14 heads of d = 128 is 0.9 MB of
-fp32) spread over many small operations: QK-RMSNorm, RoPE, L2 normalization, the decay
-g = −exp(A_log)·softplus(a + dt_bias), β = σ(b), then the gated delta rule (HydraHead eq. 7–8)::
-
-    S ← α S + k δᵀ,    δ = β (v − α Sᵀ k),    y = scale · Sᵀ q,     α = exp(g)
-
-Launched one by one (or as the 3–4 kernels that ``torch.compile`` makes of them) they cost more launch
-latency than work. :func:`gdn_decode_step` does all of it in one kernel that reads q, k, v, a and b
-straight from the layer's fused projection (strided views: no copies), reads and writes the state of the
-decode cache in place and writes y. One program per (sequence, head, block of ``BV`` value columns); each
-program normalizes its head's q and k itself (d values: cheaper than a second kernel).
-
-Numerics follow the lean path's glue (``plan._glue_gdn``): q and k are normalized in fp32 and rounded to
-the layer's dtype (as the chunk kernel of the prefill sees them), β is rounded likewise, the state and
-the recurrence are fp32. :func:`gdn_decode_step_torch` is the same function in PyTorch (the reference).
+"""One decode token of every GDN head of a layer in one Triton kernel (glue and the gated delta rule, eq. 7–8),
+the state updated in place; :func:`gdn_decode_step_torch` is the PyTorch reference. Design: docs/hybrid.md,
+"How the kernels work: GDN step".
 """
 
 from __future__ import annotations
@@ -209,35 +195,20 @@ def gdn_decode_step(
     gamma: Optional[Float[Tensor, "head d"]] = None,
     out_eps: float = 1e-6,
 ) -> Float[Tensor, "batch head d"]:
-    """One token of every GDN head (HydraHead eq. 7–8 with the layer's q/k glue) in one Triton kernel.
+    """One token of every GDN head (eq. 7–8 with the layer's q/k glue) in one Triton kernel.
 
     Args:
-        q, k, v: the token's GDN queries, keys and values (views into the fused projection are fine:
-            any batch/head strides, unit stride in d), in the layer's dtype.
-        a, b: decay and β pre-activations [batch, head] (unit stride over heads).
-        S: the GDN state, fp32, contiguous; read and overwritten in place with the new state.
-        A_neg: −exp(A_log) per head (fp32); dt_bias: per head (fp32).
-        scale: read-out scale (1/√d).
-        cos, sin: the token's rotary embedding [batch, d] (half-split) when the GDN heads use RoPE.
-        q_norm, k_norm: the teacher's QK-RMSNorm weights [d] (fp32) and its ε, when it has them.
-        block_v: value columns per program.
-        out: where to write y ([batch, head, d], v's dtype, unit stride in d): e.g. the GDN heads' columns of
-            the layer's fused output buffer, allocated on the stream that reads it when this runs on a side
-            stream. None: a new tensor.
-        gamma, out_eps: fold the hybrid's output fusion into the step (HydraHead eq. 13–14):
-            y ← γ_h · y / sqrt(mean(y²) + out_eps) per head, ``gamma`` fp32 [head, d]; y is rounded to v's
-            dtype first, as the unfused path (``plan._glue_out``) sees it. One program then holds a whole head.
+        q, k, v: the token's GDN rows (views of the fused projection: unit stride in d); a, b: decay and β
+            pre-activations [batch, head]; S: the fp32 state, overwritten in place; A_neg: −exp(A_log), dt_bias
+            (fp32, per head); scale: read-out scale; cos, sin [batch, d] with RoPE; q_norm, k_norm [d] fp32 and
+            ``qk_eps``; block_v: value columns per program.
+        out: where to write y ([batch, head, d], v's dtype, unit stride in d); None: a new tensor.
+        gamma, out_eps: fold the output fusion in (eq. 13–14: y ← γ_h · y / RMS(y), y first rounded to v's dtype as
+            the unfused path sees it; one program per head).
 
-    Returns:
-        y [batch, head, d] in v's dtype (contiguous, or ``out`` when given).
-
-    Raises:
-        ValueError: shapes or strides the kernel cannot take (``out`` and ``gamma`` included), or CPU tensors
-            outside Triton's interpreter (``TRITON_INTERPRET=1``); the message names the reference to use.
-        ImportError: triton missing.
-
-    Source: HydraHead eq. 7–8 (gated delta rule, Yang et al. 2024's GDN); the glue as in ``plan.py``; the
-    output fusion (``gamma``) eq. 13–14.
+    Returns y [batch, head, d] in v's dtype. Raises ValueError: shapes or strides the kernel cannot take, CPU tensors
+    outside ``TRITON_INTERPRET=1`` (naming the reference); ImportError without triton. Source: eq. 7–8 (Yang et al.
+    2024's GDN), the glue of ``plan.py``.
     """
     grid, args, meta, y = setup(q, k, v, a, b, S, A_neg, dt_bias, scale, cos, sin, q_norm, k_norm, qk_eps, block_v,
                                 out, gamma, out_eps)

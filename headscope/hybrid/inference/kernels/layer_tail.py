@@ -1,32 +1,7 @@
-"""A decode step's layer tail in one persistent Triton launch: the split-K combination, ``o_proj`` and the
-residual, the post-attention RMSNorm, the gated MLP and its residual, the next layer's input RMSNorm and, optionally,
-that layer's input projection.
-
-It replaces nine launch-bound kernels of a small decode layer (docs/performance-variants.md).
-:func:`layer_tail` does that chain as the *phases* of one launch of at most one program
-per SM, separated by grid-wide barriers (an atomic counter that only grows: each program adds one per barrier and
-waits until all have; every program of the launch is resident, so none waits on a program that never runs):
-
-0. the split-K combination with the output fusion (``splitk._combine_row``: FA gate, per-head RMSNorm, γ_h) into
-   the FA heads' columns of ``o_proj``'s input (the GDN heads' columns are already there) — skipped, with its
-   barrier's wait, where the attention's launch combined them itself (``step.combine_mode``: rows of few heads);
-1. ``h1 = h + o_proj(y)`` in 16-column tiles;
-2. ``act = silu(gate(x)) · up(x)`` in 16-column tiles, ``x = RMSNorm(h1)``;
-3. ``h2 = h1 + down(act)`` in 16-column tiles × a few pieces of the reduction (fp32 partials, more programs with
-   shorter loops; the last piece of a tile to finish, found by a per-tile atomic counter, adds them in order);
-4. the next layer's input ``x = RMSNorm'(h2)``, or straight away its input projection ``x @ W_inᵀ + b_in`` (the
-   next attention layer's first GEMM; ``forward.forward``'s ``z_in``).
-
-Every reduction is a software-pipelined loop deep enough that all its chunks' copies into shared memory are in
-flight before the first product: a ``tl.dot``'s operands pass through shared memory behind a barrier that no later
-load moves above, so chunks loaded one after another would wait a memory latency each. The norms' row statistics
-come from the tiles of the phase before (sums of squares per
-tile, added by every program of the next phase), not from a second pass over the rows. Rounding follows the
-modules' (each GEMM's output, the residual sums, the norms' ``weight · x.to(dtype)``, SiLU then the product, in the
-activations' dtype); products accumulate in fp32.
-
-Without a GPU (Triton's interpreter, ``TRITON_INTERPRET=1``), whose programs run one after another and cannot
-wait on each other, the phases run as five launches of the same kernel.
+"""A decode step's layer tail in one persistent Triton launch: the split-K combination, ``o_proj`` and the residual,
+the post-attention RMSNorm, the gated MLP and its residual, the next layer's input RMSNorm and, optionally, that
+layer's input projection, as phases separated by grid-wide barriers (in Triton's interpreter: five launches). Design:
+docs/hybrid.md, "How the kernels work: Layer tail".
 """
 
 from __future__ import annotations
@@ -128,6 +103,81 @@ def _make(triton, tl) -> dict:
         tl.store(SSQ + t * 16 + rb, tl.sum(of * of, 1))
 
     @triton.jit
+    def _mlp_in(pid, SSQ, eps1, H1, WN1, WGU, BGU, ACT, rows, rb, bmask, HID: tl.constexpr, INTER: tl.constexpr,
+                BN: tl.constexpr, KCH: tl.constexpr, NSTH: tl.constexpr, TP: tl.constexpr, HAS_BGU: tl.constexpr,
+                PREC: tl.constexpr, NP: tl.constexpr):
+        """Phase 2 of :func:`_tail`: act = silu(gate(x)) · up(x), x = RMSNorm(h1), a column tile per item."""
+        for it in range(pid, INTER // BN, NP):
+            r1 = _rstd(SSQ, rb, eps1, HID, BN, TP)
+            rn = it * BN + tl.arange(0, BN)
+            acg = tl.zeros([16, BN], tl.float32)
+            acu = tl.zeros([16, BN], tl.float32)
+            for kk in tl.range(0, HID, KCH, num_stages=NSTH):
+                rk = kk + tl.arange(0, KCH)
+                x = _normed(H1, rows, bmask, kk, WN1, r1, HID, KCH)
+                wg = tl.load(WGU + rn[:, None] * HID + rk[None, :])
+                wu = tl.load(WGU + (INTER + rn)[:, None] * HID + rk[None, :])
+                acg = tl.dot(x, tl.trans(wg), acg, input_precision=PREC)
+                acu = tl.dot(x, tl.trans(wu), acu, input_precision=PREC)
+            _gated(acg, acu, BGU, ACT, rows, bmask, rn, INTER, HAS_BGU)
+
+    @triton.jit
+    def _mlp_down(pid, ACT, WD, BD, DP, TCNT, H1, H2, SSQ2, rows, rb, bmask, HID: tl.constexpr, INTER: tl.constexpr,
+                  BN: tl.constexpr, KCI: tl.constexpr, DS: tl.constexpr, NSTI: tl.constexpr, HAS_BD: tl.constexpr,
+                  PREC: tl.constexpr, SYNC: tl.constexpr, NP: tl.constexpr):
+        """Phase 3 of :func:`_tail`: h2 = h1 + down(act) and its tiles' sums of squares (DS pieces per tile)."""
+        for it in range(pid, (HID // BN) * DS, NP):
+            sp = it % DS
+            t = it // DS
+            rn = t * BN + tl.arange(0, BN)
+            acc = _mm(ACT, INTER, WD, INTER, rows, bmask, rn, sp * (INTER // DS), INTER // DS, KCI, NSTI, PREC)
+            last = True
+            if DS > 1:
+                tl.store(DP + (sp * 16 + rows[:, None]) * HID + rn[None, :], acc)
+                if SYNC:  # the tile's counter grows by DS per launch: the DS-th arrival is the last
+                    tl.debug_barrier()
+                    last = tl.atomic_add(TCNT + t, 1, sem="acq_rel", scope="gpu") % DS == DS - 1
+                else:  # the interpreter runs the programs in order, one item each
+                    last = sp == DS - 1
+            if last:
+                if DS > 1:
+                    acc = tl.zeros([16, BN], tl.float32)
+                    for s in tl.static_range(DS):
+                        acc += tl.load(DP + (s * 16 + rows[:, None]) * HID + rn[None, :], cache_modifier=".cg")
+                hv = tl.load(H1 + rows[:, None] * HID + rn[None, :], mask=bmask[:, None], other=0.0,
+                             cache_modifier=".cg")
+                _residual(acc, BD, hv, H2, SSQ2, t, rows, rb, bmask, rn, HID, HAS_BD)
+
+    @triton.jit
+    def _next_input(pid, SSQ2, eps2, H2, WN2, XN, WIN, BIN, Z, rows, rb, bmask, HID: tl.constexpr, NIN: tl.constexpr,
+                    BN: tl.constexpr, KCH: tl.constexpr, NSTH: tl.constexpr, TP: tl.constexpr, HAS_BIN: tl.constexpr,
+                    NEXT: tl.constexpr, PREC: tl.constexpr, NP: tl.constexpr):
+        """Phase 4 of :func:`_tail`: the next layer's input norm (NEXT = 1) or its input projection (NEXT = 2)."""
+        DT = H2.dtype.element_ty
+        if NEXT > 0:
+            r2 = _rstd(SSQ2, rb, eps2, HID, BN, TP)
+        if NEXT == 1:
+            for it in range(pid, HID // BN, NP):
+                rn = it * BN + tl.arange(0, BN)
+                hv = tl.load(H2 + rows[:, None] * HID + rn[None, :], mask=bmask[:, None], other=0.0,
+                             cache_modifier=".cg").to(tl.float32)
+                xn = tl.load(WN2 + rn).to(tl.float32)[None, :] * (hv * r2[:, None]).to(DT).to(tl.float32)
+                tl.store(XN + rows[:, None] * HID + rn[None, :], xn.to(DT), mask=bmask[:, None])
+        if NEXT == 2:
+            for it in range(pid, NIN // BN, NP):
+                rn = it * BN + tl.arange(0, BN)
+                acc = tl.zeros([16, BN], tl.float32)
+                for kk in tl.range(0, HID, KCH, num_stages=NSTH):
+                    rk = kk + tl.arange(0, KCH)
+                    x = _normed(H2, rows, bmask, kk, WN2, r2, HID, KCH)
+                    w = tl.load(WIN + rn[:, None] * HID + rk[None, :])
+                    acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+                if HAS_BIN:
+                    acc += tl.load(BIN + rn).to(tl.float32)[None, :]
+                tl.store(Z + rows[:, None] * NIN + rn[None, :], acc.to(DT), mask=bmask[:, None])
+
+
+    @triton.jit
     def _tail(ACC, ML, O, GATE, GAMMA, sob, soh, sgb, sgh, out_eps,
               Y, WO, BO, H, H1, SSQ, WN1, eps1, WGU, BGU, ACT, WD, BD, DP, TCNT, H2, SSQ2, WN2, eps2, XN, WIN, BIN, Z,
               CNT, B,
@@ -169,46 +219,16 @@ def _make(triton, tl) -> dict:
                 _wait(CNT, base + 2 * NP)
         # ---- phase 2: act = silu(gate(x)) * up(x), x = RMSNorm(h1) (the rows' statistics from phase 1's tiles)
         if PHASES & 4:
-            for it in range(pid, INTER // BN, NP):
-                r1 = _rstd(SSQ, rb, eps1, HID, BN, TP)
-                rn = it * BN + tl.arange(0, BN)
-                acg = tl.zeros([16, BN], tl.float32)
-                acu = tl.zeros([16, BN], tl.float32)
-                for kk in tl.range(0, HID, KCH, num_stages=NSTH):
-                    rk = kk + tl.arange(0, KCH)
-                    x = _normed(H1, rows, bmask, kk, WN1, r1, HID, KCH)
-                    wg = tl.load(WGU + rn[:, None] * HID + rk[None, :])
-                    wu = tl.load(WGU + (INTER + rn)[:, None] * HID + rk[None, :])
-                    acg = tl.dot(x, tl.trans(wg), acg, input_precision=PREC)
-                    acu = tl.dot(x, tl.trans(wu), acu, input_precision=PREC)
-                _gated(acg, acu, BGU, ACT, rows, bmask, rn, INTER, HAS_BGU)
+            _mlp_in(pid, SSQ, eps1, H1, WN1, WGU, BGU, ACT, rows, rb, bmask, HID, INTER, BN, KCH, NSTH, TP, HAS_BGU,
+                    PREC, NP)
             if SYNC:
                 _arrive(CNT)
                 _wait(CNT, base + 3 * NP)
         # ---- phase 3: h2 = h1 + down(act), and the tile's sums of squares: per 16-column tile, DS pieces of the
         # reduction on as many programs (fp32 partials); the tile's last piece to finish adds them in order
         if PHASES & 8:
-            for it in range(pid, (HID // BN) * DS, NP):
-                sp = it % DS
-                t = it // DS
-                rn = t * BN + tl.arange(0, BN)
-                acc = _mm(ACT, INTER, WD, INTER, rows, bmask, rn, sp * (INTER // DS), INTER // DS, KCI, NSTI, PREC)
-                last = True
-                if DS > 1:
-                    tl.store(DP + (sp * 16 + rows[:, None]) * HID + rn[None, :], acc)
-                    if SYNC:  # the tile's counter grows by DS per launch: the DS-th arrival is the last
-                        tl.debug_barrier()
-                        last = tl.atomic_add(TCNT + t, 1, sem="acq_rel", scope="gpu") % DS == DS - 1
-                    else:  # the interpreter runs the programs in order, one item each
-                        last = sp == DS - 1
-                if last:
-                    if DS > 1:
-                        acc = tl.zeros([16, BN], tl.float32)
-                        for s in tl.static_range(DS):
-                            acc += tl.load(DP + (s * 16 + rows[:, None]) * HID + rn[None, :], cache_modifier=".cg")
-                    hv = tl.load(H1 + rows[:, None] * HID + rn[None, :], mask=bmask[:, None], other=0.0,
-                                 cache_modifier=".cg")
-                    _residual(acc, BD, hv, H2, SSQ2, t, rows, rb, bmask, rn, HID, HAS_BD)
+            _mlp_down(pid, ACT, WD, BD, DP, TCNT, H1, H2, SSQ2, rows, rb, bmask, HID, INTER, BN, KCI, DS, NSTI, HAS_BD,
+                      PREC, SYNC, NP)
             if SYNC:
                 _arrive(CNT)
                 if NEXT > 0:
@@ -216,30 +236,11 @@ def _make(triton, tl) -> dict:
         # ---- phase 4: the next layer's input norm (NEXT = 1: x_next), or its input projection of the normalized
         # rows (NEXT = 2: z = RMSNorm'(h2) @ W_in^T + b_in, what the next layer's attention would compute first)
         if PHASES & 16:
-            if NEXT > 0:
-                r2 = _rstd(SSQ2, rb, eps2, HID, BN, TP)
-            if NEXT == 1:
-                for it in range(pid, HID // BN, NP):
-                    rn = it * BN + tl.arange(0, BN)
-                    hv = tl.load(H2 + rows[:, None] * HID + rn[None, :], mask=bmask[:, None], other=0.0,
-                                 cache_modifier=".cg").to(tl.float32)
-                    xn = tl.load(WN2 + rn).to(tl.float32)[None, :] * (hv * r2[:, None]).to(DT).to(tl.float32)
-                    tl.store(XN + rows[:, None] * HID + rn[None, :], xn.to(DT), mask=bmask[:, None])
-            if NEXT == 2:
-                for it in range(pid, NIN // BN, NP):
-                    rn = it * BN + tl.arange(0, BN)
-                    acc = tl.zeros([16, BN], tl.float32)
-                    for kk in tl.range(0, HID, KCH, num_stages=NSTH):
-                        rk = kk + tl.arange(0, KCH)
-                        x = _normed(H2, rows, bmask, kk, WN2, r2, HID, KCH)
-                        w = tl.load(WIN + rn[:, None] * HID + rk[None, :])
-                        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
-                    if HAS_BIN:
-                        acc += tl.load(BIN + rn).to(tl.float32)[None, :]
-                    tl.store(Z + rows[:, None] * NIN + rn[None, :], acc.to(DT), mask=bmask[:, None])
+            _next_input(pid, SSQ2, eps2, H2, WN2, XN, WIN, BIN, Z, rows, rb, bmask, HID, NIN, BN, KCH, NSTH, TP,
+                        HAS_BIN, NEXT, PREC, NP)
 
     globals().update(_arrive=_arrive, _wait=_wait, _mm=_mm, _residual=_residual, _gated=_gated, _rstd=_rstd,
-                     _normed=_normed)
+                     _normed=_normed, _mlp_in=_mlp_in, _mlp_down=_mlp_down, _next_input=_next_input)
     return {"tail": _tail}
 
 
@@ -295,40 +296,64 @@ def layer_tail(
     b_in: Optional[Tensor] = None,
     attn: Optional[tuple] = None,
 ) -> tuple[Float[Tensor, "batch hidden"], Optional[Float[Tensor, "batch n"]]]:
-    """A decode step's layer tail of a Llama-family layer (SiLU-gated MLP, RMSNorms) in one launch (see the module
-    docstring): ``h1 = h + o_proj(y)``, ``h2 = h1 + down(silu(gate(x)) · up(x))`` with ``x = RMSNorm(h1)``,
-    and the next layer's input ``RMSNorm'(h2)`` — or, with ``w_in``, that input's projection
-    ``RMSNorm'(h2) @ w_inᵀ + b_in`` (the next attention layer's first GEMM).
+    """A Llama-family decode layer's tail in one launch (module docstring): ``h1 = h + o_proj(y)``, ``h2 = h1 +
+    down(silu(gate(x)) · up(x))`` with ``x = RMSNorm(h1)``, and the next layer's input ``RMSNorm'(h2)`` — or with
+    ``w_in`` its projection ``RMSNorm'(h2) @ w_inᵀ + b_in``.
 
     Args:
-        y: o_proj's input [batch ≤ 16, k_o], contiguous. With ``attn`` its FA heads' columns are written by the
-            launch's first phase (``attn``'s output buffer must be a view of y).
-        h: the residual stream before the layer [batch, hidden], contiguous, in y's dtype.
-        w_o, b_o: o_proj's weight [hidden, k_o] and bias (or None).
-        w_post, eps_post: the post-attention RMSNorm's weight [hidden] and ε.
-        w_gu, b_gu: the gate and up projections' weights stacked [gate; up] = [2·inter, hidden], biases likewise
-            (or None).
-        w_down, b_down: the down projection's weight [hidden, inter] and bias (or None).
-        w_next, eps_next: the next layer's input RMSNorm (None after the last layer).
-        w_in, b_in: the next layer's input projection [n_in, hidden] (n_in a multiple of 16) and bias, applied to the
-            normalized rows (needs ``w_next``); None: the normalized rows are returned.
-        attn: ``(sp, gate, gamma, eps)``: the split-K partials of :func:`~headscope.hybrid.inference.kernels.splitk.setup` (after the
-            partial kernel ran) and the output fusion of :func:`~headscope.hybrid.inference.kernels.splitk.combine`; None: y is
-            complete.
+        y: o_proj's input [batch ≤ 16, k_o], contiguous (with ``attn``, its FA heads' columns are written by the
+            launch's first phase: ``attn``'s output buffer is a view of y); h: the residual [batch, hidden].
+        w_o, b_o: o_proj; w_post, eps_post: the post-attention RMSNorm; w_gu, b_gu: [gate; up] stacked
+            [2·inter, hidden]; w_down, b_down: the down projection; w_next, eps_next: the next layer's input norm
+            (None after the last); w_in, b_in: the next input projection [n_in (× 16), hidden] (needs w_next).
+        attn: ``(sp, gate, gamma, eps)``: the split-K partials of :func:`~.splitk.setup` and the output fusion of
+            :func:`~.splitk.combine`; None: y is complete.
 
-    Returns:
-        (h2 [batch, hidden], x_next [batch, hidden] — or z [batch, n_in] with ``w_in`` — or None), new tensors in
-        h's dtype.
-
-    Raises:
-        ValueError: sizes or dtypes that disagree, or sizes where :func:`applies` is False (use
-            :func:`layer_tail_torch`); CPU tensors outside ``TRITON_INTERPRET=1``; bf16 in the interpreter (its bf16
-            ``tl.dot`` is wrong in Triton 3.9).
-        ImportError: triton is not installed.
-
-    Source: the modules' forward (Llama's decoder layer after attention); flash-decoding's combination (Dao et al.,
-    2023) with HydraHead eq. 13–14; a grid-wide barrier as in CUDA cooperative groups.
+    Returns (h2 [batch, hidden], x_next [batch, hidden] or z [batch, n_in] or None), in h's dtype. Raises
+    ValueError: sizes / dtypes that disagree or where :func:`applies` is False (use :func:`layer_tail_torch`), CPU
+    tensors outside ``TRITON_INTERPRET=1``, bf16 in the interpreter; ImportError without triton. Source: Llama's
+    decoder layer; flash-decoding's combination with eq. 13–14; a grid-wide barrier (CUDA cooperative groups).
     """
+    B, k_o = y.shape
+    hid, inter = h.shape[1], w_down.shape[1]
+    interp = _check_tail(y, h, w_o, w_gu, w_down, w_post, w_next, w_in, attn)
+    h1, h2 = torch.empty_like(h), torch.empty_like(h)
+    act = h.new_empty(B, inter)
+    ssq = torch.empty(2, hid // BN, MAX_ROWS, dtype=torch.float32, device=h.device)  # phases 1 and 3
+    DS = down_pieces(inter)
+    dp = torch.empty(DS, MAX_ROWS, hid, dtype=torch.float32, device=h.device) if DS > 1 else ssq
+    nxt = 0 if w_next is None else (2 if w_in is not None else 1)
+    out = None if nxt == 0 else (torch.empty_like(h) if nxt == 1 else h.new_empty(B, w_in.shape[0]))
+    comb, cmeta = _combination(attn, y)
+    n_items = max(cmeta["NCOMB"], inter // BN, (hid // BN) * DS, w_in.shape[0] // BN if nxt == 2 else 0)
+    NP = n_items if interp else min(n_items, splitk._sm_count(h.device))
+    dummy = h1
+    args = (*comb, y, w_o, b_o if b_o is not None else dummy, h, h1, ssq[0], w_post, float(eps_post), w_gu,
+            b_gu if b_gu is not None else dummy, act, w_down, b_down if b_down is not None else dummy, dp,
+            splitk.counters(("tiles", str(h.device), hid // BN, DS), hid // BN, h.device), h2, ssq[1],
+            w_next if w_next is not None else w_post, float(eps_next), out if nxt == 1 else dummy,
+            w_in if w_in is not None else w_o, b_in if b_in is not None else dummy, out if nxt == 2 else dummy,
+            splitk.counters(("grid", str(h.device), NP), 1, h.device), B)
+
+    p2 = lambda n: 1 << max(0, (max(1, n) - 1).bit_length())  # noqa: E731
+    meta = dict(HID=hid, KO=k_o, INTER=inter, NIN=w_in.shape[0] if nxt == 2 else 0, **cmeta, BN=BN,
+                KCO=_chunk(k_o), KCH=_chunk(hid), KCI=_chunk(inter // DS), DS=DS, NSTO=_stages(k_o),
+                NSTH=_stages(hid), NSTI=_stages(inter // DS), TP=p2(hid // BN), HAS_BO=b_o is not None,
+                HAS_BGU=b_gu is not None, HAS_BD=b_down is not None, HAS_BIN=b_in is not None, NEXT=nxt,
+                PREC="ieee" if h.dtype == torch.float32 else "tf32", NP=NP)
+    kern = _build()["tail"]
+    with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
+        if interp:  # programs run one after another: one launch per phase
+            for ph in range(5):
+                kern[(NP,)](*args, **meta, PHASES=1 << ph, SYNC=False, num_warps=NUM_WARPS)
+        else:
+            kern[(NP,)](*args, **meta, PHASES=31, SYNC=True, num_warps=NUM_WARPS)
+    return h2, out
+
+
+def _check_tail(y: Tensor, h: Tensor, w_o: Tensor, w_gu: Tensor, w_down: Tensor, w_post: Tensor,
+                w_next: Optional[Tensor], w_in: Optional[Tensor], attn: Optional[tuple]) -> bool:
+    """:func:`layer_tail`'s argument checks (its Raises); returns whether it runs in Triton's interpreter."""
     B, k_o = y.shape
     hid = h.shape[1]
     inter = w_down.shape[1]
@@ -355,13 +380,11 @@ def layer_tail(
     if interp and h.dtype == torch.bfloat16:
         raise ValueError("Triton's CPU interpreter computes bf16 tl.dot wrongly (Triton 3.9): use fp32/fp16 tensors "
                          "there, or layer_tail_torch")
-    h1, h2 = torch.empty_like(h), torch.empty_like(h)
-    act = h.new_empty(B, inter)
-    ssq = torch.empty(2, hid // BN, MAX_ROWS, dtype=torch.float32, device=h.device)  # phases 1 and 3
-    DS = down_pieces(inter)
-    dp = torch.empty(DS, MAX_ROWS, hid, dtype=torch.float32, device=h.device) if DS > 1 else ssq
-    nxt = 0 if w_next is None else (2 if w_in is not None else 1)
-    out = None if nxt == 0 else (torch.empty_like(h) if nxt == 1 else h.new_empty(B, w_in.shape[0]))
+    return interp
+
+
+def _combination(attn: Optional[tuple], y: Tensor) -> tuple[tuple, dict]:
+    """The split-K combination's launch arguments and meta-parameters of :func:`layer_tail` (none without ``attn``)."""
     if attn is not None:
         sp, gate, gamma, out_eps = attn
         o = sp.o
@@ -374,30 +397,7 @@ def layer_tail(
     else:
         comb = (y, y, y, y, y, 0, 0, 0, 0, 0.0)
         cmeta = dict(NCOMB=0, HK=1, G=1, D=16, NS=1, SC=2, HAS_GATE=False, HAS_NORM=False)
-    n_items = max(cmeta["NCOMB"], inter // BN, (hid // BN) * DS, w_in.shape[0] // BN if nxt == 2 else 0)
-    NP = n_items if interp else min(n_items, splitk._sm_count(h.device))
-    dummy = h1
-    args = (*comb, y, w_o, b_o if b_o is not None else dummy, h, h1, ssq[0], w_post, float(eps_post), w_gu,
-            b_gu if b_gu is not None else dummy, act, w_down, b_down if b_down is not None else dummy, dp,
-            splitk.counters(("tiles", str(h.device), hid // BN, DS), hid // BN, h.device), h2, ssq[1],
-            w_next if w_next is not None else w_post, float(eps_next), out if nxt == 1 else dummy,
-            w_in if w_in is not None else w_o, b_in if b_in is not None else dummy, out if nxt == 2 else dummy,
-            splitk.counters(("grid", str(h.device), NP), 1, h.device), B)
-
-    p2 = lambda n: 1 << max(0, (max(1, n) - 1).bit_length())  # noqa: E731
-    meta = dict(HID=hid, KO=k_o, INTER=inter, NIN=w_in.shape[0] if nxt == 2 else 0, **cmeta, BN=BN,
-                KCO=_chunk(k_o), KCH=_chunk(hid), KCI=_chunk(inter // DS), DS=DS, NSTO=_stages(k_o),
-                NSTH=_stages(hid), NSTI=_stages(inter // DS), TP=p2(hid // BN), HAS_BO=b_o is not None,
-                HAS_BGU=b_gu is not None, HAS_BD=b_down is not None, HAS_BIN=b_in is not None, NEXT=nxt,
-                PREC="ieee" if h.dtype == torch.float32 else "tf32", NP=NP)
-    kern = _build()["tail"]
-    with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
-        if interp:  # programs run one after another: one launch per phase
-            for ph in range(5):
-                kern[(NP,)](*args, **meta, PHASES=1 << ph, SYNC=False, num_warps=NUM_WARPS)
-        else:
-            kern[(NP,)](*args, **meta, PHASES=31, SYNC=True, num_warps=NUM_WARPS)
-    return h2, out
+    return comb, cmeta
 
 
 def layer_tail_torch(

@@ -1,27 +1,7 @@
-"""A decode step's attention work of one hybrid layer in one kernel launch, the split-K combination included.
-
-Separately, a decode step's attention is three launches before the combination: the FA heads' prep
-(``fa_prep.py``: q/k glue, the token's K/V written into the cache), the split-K partials over the cache
-(``splitk.py``) and the GDN heads' step (``gdn_step.py``). Each costs a launch and a ramp of a few µs on the H200,
-which at decode sizes is as much as the work (``benchmarks/profile_decode.py``). :func:`hybrid_decode_step` does
-all three in one launch:
-
-- **the prep folds into the partials**: every split-K program applies the query glue to its own query rows
-  (QK-RMSNorm, RoPE or the NoPE scale; a few hundred values), and the program whose split holds the token's slot
-  (``length − 1``) prepares the key, writes key and value into the cache and uses them in place of the slot's old
-  contents. No program reads that slot from memory (the owner masks it out of its tile load), so no ordering
-  between programs is needed;
-- **the GDN heads ride along**: the launch's first programs run the GDN step (one per sequence × head × value
-  block), the rest the splits; the split count leaves room for them (``splitk.n_splits_for(reserved=…)``), so all
-  programs fit about one wave;
-- **the combination rides along too** (rows of at most :data:`LAUNCH_COMBINE_MAX_G` query heads): each (sequence, KV head) row's last split to
-  finish — found by a per-row counter that grows by the split count per launch — combines the row's partials
-  (``splitk._combine_row``, with the output fusion) instead of a second launch.
-
-The bodies are the same Triton functions as the separate kernels' (``splitk._attend``, ``gdn_step._gdn_head``,
-``splitk._combine_row``): one definition of each computation. The results equal the three-launch path's up to the
-rounding of the glue's reductions (the query's norm summed over d at once here, in two halves there): the tests
-compare both with the PyTorch references.
+"""A decode step's attention work of one hybrid layer in one kernel launch: the FA prep folded into the split-K
+partials, the GDN step as the launch's first programs, the combination by each row's last split (rows of ≤
+:data:`LAUNCH_COMBINE_MAX_G` query heads); the same Triton bodies as the separate kernels. Design:
+docs/hybrid.md, "How the kernels work: One launch".
 """
 
 from __future__ import annotations
@@ -130,74 +110,30 @@ def hybrid_decode_step(
     n_splits: Optional[int] = None,
     combine: Any = True,
 ) -> tuple[Any, Optional[Float[Tensor, "batch gdn_head d"]]]:
-    """One decode token of a head-wise hybrid layer's attention: the FA heads' prep, split-K partials and their
-    combination, and the GDN heads' step in one kernel launch (the combination in a second launch for rows of many
-    heads, see ``combine``).
+    """One decode token of a hybrid layer's attention in one launch: the FA heads' prep and split-K partials (=
+    :func:`~.fa_prep.fa_decode_prep`, the token's K/V written at slot ``length − 1``, then
+    :func:`~.splitk.decode_attention` over slots ``[0, length)``), their combination (see ``combine``) and the GDN heads'
+    step (= :func:`~.gdn_step.gdn_decode_step` with the arguments ``gdn``, its ``S`` updated in place; None: no GDN).
 
-    The FA part equals :func:`~headscope.hybrid.inference.kernels.fa_prep.fa_decode_prep` (q, k, v → the prepared queries, the
-    token's key and value written at slot ``length − 1``) followed by
-    :func:`~headscope.hybrid.inference.kernels.splitk.decode_attention` over slots ``[0, length)``; the GDN part equals
-    :func:`~headscope.hybrid.inference.kernels.gdn_step.gdn_decode_step` with the arguments in ``gdn``.
+    Args: q [batch, fa_head, d] raw FA queries; k, v [batch, kv_group, d] the token's raw keys / values (views of the
+    fused projection: unit stride in d); k_cache, v_cache [batch, kv_group, slots, d]; length Long/Int[1] or [batch]
+    valid slots after this token on the device (None: all slots); scale; the FA glue (cos, sin, positions, nope_a,
+    q_norm, k_norm, qk_eps) as fa_decode_prep's; kv_index, out, gate, gamma, eps as decode_attention's (kv_index must
+    name every KV group of the cache); n_splits (default :func:`splitk.n_splits_for`, GDN programs reserved);
+    combine: ``"launch"`` (this launch, by each row's last split to finish), ``"kernel"`` (a second launch), True
+    (:func:`combine_mode`), False (the caller's: ``layer_tail``'s first phase; the split-K namespace is returned in
+    place of o), ``"defer"`` (``"launch"`` where combine_mode says so, else as False; a tensor returned is combined).
 
-    Args:
-        q: the token's raw FA queries [batch, fa_head, d] (views into the fused projection are fine: unit stride
-            in d), in the layer's dtype.
-        k, v: the token's raw keys and values of the kept KV groups [batch, kv_group, d] (likewise).
-        k_cache, v_cache: [batch, kv_group, slots, d] cache buffers (views of a longer buffer are fine); the
-            token's K/V are written at slot ``length − 1``.
-        length: Long/Int[1] or [batch] valid slots *after* this token, on the device (CUDA-graph safe); None: all
-            ``slots`` of the given views (the token at the last one).
-        scale: the FA logit scale.
-        cos, sin, positions, nope_a, q_norm, k_norm, qk_eps: the FA glue, as :func:`fa_decode_prep`'s.
-        kv_index: as :func:`decode_attention`'s (query heads spread unevenly over the kept KV groups; then every
-            query head's program of the token's split writes the same key and value). It must name every KV group
-            of the cache (as the inference forward does): a group that no query head reads is not written.
-        out, gate, gamma, eps: the combination's output buffer and output fusion, as :func:`decode_attention`'s.
-        gdn: keyword arguments of :func:`gdn_decode_step` (``q, k, v, a, b, S, A_neg, dt_bias, scale`` and the
-            optional ones except ``block_v``; its ``S`` is updated in place); None: no GDN heads.
-        n_splits: split count; default :func:`splitk.n_splits_for` with the GDN programs reserved.
-        combine: where the split-K combination (with the output fusion) runs: ``"launch"`` — in this launch, by
-            the last split of each (sequence, KV head) to finish; ``"kernel"`` — a second launch; True — the
-            default, :func:`combine_mode` of the rows' query heads; False — left to the caller
-            (``layer_tail.layer_tail``'s first phase): the split-K launch's namespace (:func:`splitk.setup`:
-            partials, output buffer) is returned in place of o; ``"defer"`` — in this launch where
-            :func:`combine_mode` says ``"launch"``, else left to the caller as with False (the caller tells the two
-            by the type returned: a tensor is combined).
-
-    Returns:
-        (o [batch, fa_head, d] in q's dtype — or the namespace where the caller combines —, y [batch, gdn_head, d]
-        of the GDN heads or None).
-
-    Raises:
-        ValueError: the errors of the three functions (shapes, strides, dtypes, head_dim, RoPE with NoPE, CPU
-            tensors outside ``TRITON_INTERPRET=1``, bf16 in the interpreter); GDN heads of another head_dim;
-            ``length`` of zero slots is not checked (no host sync): it must be ≥ 1; ``combine`` not one of
-            True, False, ``"launch"``, ``"kernel"``, ``"defer"``.
-        ImportError: triton missing (use the three PyTorch references).
-
-    Source: flash-decoding (Dao et al., 2023) with the FA glue of the lean path and the gated delta rule step
-    (HydraHead eq. 7–8), the output fusion eq. 13–14; one launch instead of three
-    (``benchmarks/profile_decode.py``).
+    Returns (o [batch, fa_head, d] in q's dtype or the namespace, y [batch, gdn_head, d] or None). Raises ValueError:
+    the three functions' errors, GDN heads of another head_dim, another ``combine`` (``length`` ≥ 1 is not checked:
+    no host sync); ImportError without triton. Source: flash-decoding (Dao et al., 2023), HydraHead eq. 7–8, 13–14.
     """
     _check_prep(q, k, v, k_cache, v_cache, cos, sin, q_norm, k_norm, nope_a)
     d = q.shape[-1]
     for name, t in (("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs unit stride in its last dimension")
-    NGP = NCB = 0
-    gargs: tuple = ()
-    gmeta: dict = dict(N=1, BV=16, GROPE=False, GQKN=False, NORM=False)
-    y = None
-    if gdn is not None:
-        extra = {"block_v"} & set(gdn)
-        if extra:
-            raise ValueError(f"gdn takes gdn_decode_step's arguments except {sorted(extra)}")
-        grid, gargs, gm, y = gdn_step.setup(**gdn)
-        if gm["D"] != d:
-            raise ValueError(f"the GDN heads' head_dim {gm['D']} differs from the FA heads' {d}")
-        NCB = grid[1]
-        NGP = grid[0] * NCB
-        gmeta = dict(N=gm["N"], BV=gm["BV"], GROPE=gm["ROPE"], GQKN=gm["QKN"], NORM=gm["NORM"])
+    NGP, NCB, gargs, gmeta, y = _gdn_programs(gdn, d)
     sp = splitk.setup(q, k_cache, v_cache, length, kv_index, None, n_splits, out, gate, gamma, reserved=NGP)
     if not gargs:  # dummies of the right kinds: never read without GDN programs
         f = sp.ml
@@ -206,14 +142,7 @@ def hybrid_decode_step(
         q, cos, sin, positions, nope_a, q_norm, k_norm, sp.ml)
     fa_args = (k, v, cos_t, sin_t, qn, kn, pos, float(qk_eps), inv_log_a, a, k.stride(0), k.stride(1), v.stride(0),
                v.stride(1), scb, ssb, pos_stride)
-    if combine is True:
-        mode = combine_mode(sp.G)
-    elif combine == "defer":
-        mode = "launch" if combine_mode(sp.G) == "launch" else False
-    else:
-        mode = combine
-    if mode not in ("launch", "kernel", False):
-        raise ValueError(f"combine must be True, False, 'launch', 'kernel' or 'defer', got {combine!r}")
+    mode = _combine_where(combine, sp.G)
     o = sp.o
     rows = sp.B * sp.Hk
     comb = (o, gate if gate is not None else o, gamma.float().contiguous() if gamma is not None else sp.ml,
@@ -229,3 +158,37 @@ def hybrid_decode_step(
     if mode == "kernel":
         return splitk.combine(sp, gate, gamma, eps), y
     return (o if mode == "launch" else sp), y
+
+
+def _gdn_programs(gdn: Optional[dict], d: int) -> tuple:
+    """(GDN programs, their column blocks, launch arguments, meta-parameters, output y or None) of
+    :func:`hybrid_decode_step`'s ``gdn`` (nothing without GDN heads)."""
+    NGP = NCB = 0
+    gargs: tuple = ()
+    gmeta: dict = dict(N=1, BV=16, GROPE=False, GQKN=False, NORM=False)
+    y = None
+    if gdn is not None:
+        extra = {"block_v"} & set(gdn)
+        if extra:
+            raise ValueError(f"gdn takes gdn_decode_step's arguments except {sorted(extra)}")
+        grid, gargs, gm, y = gdn_step.setup(**gdn)
+        if gm["D"] != d:
+            raise ValueError(f"the GDN heads' head_dim {gm['D']} differs from the FA heads' {d}")
+        NCB = grid[1]
+        NGP = grid[0] * NCB
+        gmeta = dict(N=gm["N"], BV=gm["BV"], GROPE=gm["ROPE"], GQKN=gm["QKN"], NORM=gm["NORM"])
+    return NGP, NCB, gargs, gmeta, y
+
+
+def _combine_where(combine: Any, G: int) -> Any:
+    """Where :func:`hybrid_decode_step`'s split-K combination runs for ``combine`` and rows of G query heads:
+    ``"launch"``, ``"kernel"`` or False (the caller). Raises ValueError for another ``combine``."""
+    if combine is True:
+        mode = combine_mode(G)
+    elif combine == "defer":
+        mode = "launch" if combine_mode(G) == "launch" else False
+    else:
+        mode = combine
+    if mode not in ("launch", "kernel", False):
+        raise ValueError(f"combine must be True, False, 'launch', 'kernel' or 'defer', got {combine!r}")
+    return mode

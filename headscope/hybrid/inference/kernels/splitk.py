@@ -1,20 +1,7 @@
-"""Split-K decode attention of the FA heads: one query token per sequence over a long K/V cache.
-
-A decode step's softmax attention reads the whole K/V cache for one query row per head. A kernel that
-gives each (sequence, KV group) to one thread block leaves most of the GPU idle when a head-wise hybrid
-keeps one or two KV groups (a 7:1 SmolLM2 or Qwen3 layer at batch 1: 1–2 blocks for 132 SMs). The
-split-K form (flash-decoding: Dao, Haziza, Massa & Sizov, "Flash-Decoding for long-context inference",
-2023) splits the cached time axis into ``n_splits`` pieces, computes per piece the unnormalized output,
-its row maximum and its softmax denominator, and combines the pieces exactly::
-
-    o = Σ_s exp(m_s − M) · acc_s / Σ_s exp(m_s − M) · l_s,       M = max_s m_s
-
-The number of valid cache slots is read from **device memory** (``length``), so one captured CUDA graph
-serves every decode position (``HybridDecodeCache.pos``); splits past the length exit at once.
-
-- :func:`decode_attention` — the Triton kernels (CUDA; or Triton's interpreter, ``TRITON_INTERPRET=1``).
-- :func:`decode_attention_torch` — the same function in PyTorch (fp32 masked softmax): the reference and
-  the fallback where Triton is missing.
+"""Split-K decode attention of the FA heads (flash-decoding): one query token per sequence over a long K/V cache,
+the valid length read from device memory (one CUDA graph serves every position). :func:`decode_attention` — the
+Triton kernels; :func:`decode_attention_torch` — the PyTorch reference and fallback. Design:
+docs/hybrid.md, "How the kernels work: Split-K decode attention".
 """
 
 from __future__ import annotations
@@ -27,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from ...gdn import module_found
+from ...gdn_kernels import module_found
 from ...shapes import Float
 
 def triton_available() -> bool:
@@ -215,6 +202,38 @@ def _make(triton, tl) -> dict:
         return m_new, l_, acc
 
     @triton.jit
+    def _own_slot(q, K, V, KN, VN, KNW, b, hk, n, t_own, end, rd, rr, sign, c, sn, w, wr, qk_eps, scale, m, l_, acc,
+                  skb, skh, skl, svb, svh, svl, sknb, sknh, svnb, svnh, D: tl.constexpr, BN: tl.constexpr,
+                  QKN: tl.constexpr, ROPE: tl.constexpr, PREC: tl.constexpr):
+        """The tile of :func:`_attend`'s split that holds the token's slot n − 1 (PREP): the token's key prepared with
+        the glue, key and value written into the cache and used in place of the slot's old contents -> (m, l, acc)."""
+        ro = t_own + tl.arange(0, BN)
+        omask = ro < end
+        new = (ro == n - 1)[:, None]
+        kp = K + b * skb + hk * skh + ro[:, None] * skl + rd[None, :]
+        vp = V + b * svb + hk * svh + ro[:, None] * svl + rd[None, :]
+        keep = (omask & (ro != n - 1))[:, None]  # the token's row is not read (another program may write it)
+        ko = tl.load(kp, mask=keep, other=0.0)
+        vo = tl.load(vp, mask=keep, other=0.0)
+        # the token's key with the glue (every row of the tile the same vector: the glue's [rows, D] form)
+        zr = tl.zeros([BN, D], tl.int32)
+        kr = KN + b * sknb + hk * sknh
+        xk = tl.load(kr + rd[None, :] + zr).to(tl.float32)
+        xkr = tl.load(kr + rr[None, :] + zr).to(tl.float32)
+        wk = w
+        wkr = wr
+        if QKN:
+            wk = tl.load(KNW + rd)[None, :]
+            wkr = tl.load(KNW + rr)[None, :]
+        kn = _glue(xk, xkr, sign, c, sn, wk, wkr, qk_eps, D, QKN, ROPE).to(K.dtype.element_ty)
+        vn = tl.load(VN + b * svnb + hk * svnh + rd[None, :] + zr).to(V.dtype.element_ty)
+        tl.store(kp, kn, mask=new & omask[:, None])
+        tl.store(vp, vn, mask=new & omask[:, None])
+        ko = tl.where(new, kn, ko)
+        vo = tl.where(new, vn, vo)
+        return _tile(q, ko, vo, omask, m, l_, acc, scale, PREC)
+
+    @triton.jit
     def _attend(bh, s, Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
                 sqb, sqh, skb, skh, skl, svb, svh, svl, len_stride,
                 KN, VN, COS, SIN, QN, KNW, POS, qk_eps, inv_log_a, nope_a, sknb, sknh, svnb, svnh, scb, ssb, pos_stride,
@@ -278,31 +297,9 @@ def _make(triton, tl) -> dict:
             m, l_, acc = _tile(q, kt, vt, tmask, m, l_, acc, scale, PREC)
         if PREP:
             if own:  # (names of its own: a runtime branch may not change the type of a name from outside it)
-                ro = t_own + tl.arange(0, BN)
-                omask = ro < end
-                new = (ro == n - 1)[:, None]
-                kp = K + b * skb + hk * skh + ro[:, None] * skl + rd[None, :]
-                vp = V + b * svb + hk * svh + ro[:, None] * svl + rd[None, :]
-                keep = (omask & (ro != n - 1))[:, None]  # the token's row is not read (another program may write it)
-                ko = tl.load(kp, mask=keep, other=0.0)
-                vo = tl.load(vp, mask=keep, other=0.0)
-                # the token's key with the glue (every row of the tile the same vector: the glue's [rows, D] form)
-                zr = tl.zeros([BN, D], tl.int32)
-                kr = KN + b * sknb + hk * sknh
-                xk = tl.load(kr + rd[None, :] + zr).to(tl.float32)
-                xkr = tl.load(kr + rr[None, :] + zr).to(tl.float32)
-                wk = w
-                wkr = wr
-                if QKN:
-                    wk = tl.load(KNW + rd)[None, :]
-                    wkr = tl.load(KNW + rr)[None, :]
-                kn = _glue(xk, xkr, sign, c, sn, wk, wkr, qk_eps, D, QKN, ROPE).to(K.dtype.element_ty)
-                vn = tl.load(VN + b * svnb + hk * svnh + rd[None, :] + zr).to(V.dtype.element_ty)
-                tl.store(kp, kn, mask=new & omask[:, None])
-                tl.store(vp, vn, mask=new & omask[:, None])
-                ko = tl.where(new, kn, ko)
-                vo = tl.where(new, vn, vo)
-                m, l_, acc = _tile(q, ko, vo, omask, m, l_, acc, scale, PREC)
+                m, l_, acc = _own_slot(q, K, V, KN, VN, KNW, b, hk, n, t_own, end, rd, rr, sign, c, sn, w, wr, qk_eps,
+                                       scale, m, l_, acc, skb, skh, skl, svb, svh, svl, sknb, sknh, svnb, svnh, D, BN,
+                                       QKN, ROPE, PREC)
         base = (bh * NS + s) * G
         tl.store(ACC + (base + rg[:, None]) * D + rd[None, :], acc, mask=gmask[:, None])
         tl.store(ML + (base + rg) * 2, m, mask=gmask)
@@ -310,7 +307,7 @@ def _make(triton, tl) -> dict:
 
     # a kernel finds the Triton functions it calls among its module's globals (the interpreter does not look in
     # closures): the bodies are published there when the kernels are built
-    globals().update(_glue=_glue, _tile=_tile, _attend=_attend, tl=tl)  # the interpreter wants tl there too
+    globals().update(_glue=_glue, _tile=_tile, _own_slot=_own_slot, _attend=_attend, tl=tl)  # the interpreter wants tl there too
 
     @triton.jit
     def _partial(Q, K, V, LEN, KVI, ACC, ML, scale, L, split_len,
@@ -421,40 +418,28 @@ def decode_attention(
     gamma: Optional[Float[Tensor, "q_head d"]] = None,
     eps: float = 1e-6,
 ) -> Float[Tensor, "batch q_head d"]:
-    """Split-K (flash-decoding) softmax attention of one query token per sequence, GQA-native (query
-    head i reads KV head i // (q_head / kv_head)), in two Triton kernels: per-split partials, then the
-    exact combination. fp32 accumulation; output in q's dtype.
+    """Split-K (flash-decoding) softmax attention of one query token per sequence, GQA-native (query head i reads KV
+    head i // r), in two Triton kernels (per-split partials, then the exact combination); fp32 accumulation, output
+    in q's dtype.
 
     Args:
-        q: [batch, q_head, d] queries (any strides, unit stride in d).
-        k, v: [batch, kv_head, slots, d] cache buffers (views of a longer buffer are fine).
-        length: Long/Int[1] or [batch] valid slots on the device (read by the kernel: no host sync,
-            CUDA-graph safe); None: all ``slots``.
-        scale: logit scale.
-        n_splits: pieces of the time axis; default :func:`n_splits_for` (:data:`BLOCKS_PER_SM` thread blocks per
-            SM of q's device).
-        block: slots per tile, a power of two ≥ 16 (default :data:`BLOCK`).
-        kv_index: Long[q_head] on the device, the KV head each query head reads (query heads spread
-            unevenly over the kept KV groups: one program per query head, no K/V copy); None: GQA order.
-        num_warps, num_stages: the partial kernel's launch settings (default :data:`NUM_WARPS`,
-            :data:`NUM_STAGES`).
-        out: where to write the output ([batch, q_head, d] in q's dtype, unit stride in d; e.g. the FA heads'
-            columns of a layer's fused output buffer); None: a new tensor.
-        gate, gamma, eps: fold the head-wise hybrid's output step into the combination (one kernel, a
-            whole head per program): o ← o · σ(gate) (the FA output gate's pre-activation, [batch, q_head, d],
-            unit stride in d), then o ← γ_h · o / sqrt(mean(o²) + eps) (HydraHead eq. 13–14; ``gamma`` fp32
-            [q_head, d]). The attention output is rounded to q's dtype first, as the unfused path
-            (``plan._glue_out``) sees it; the result equals that path's.
+        q: [batch, q_head, d] (unit stride in d); k, v: [batch, kv_head, slots, d] cache buffers (views are fine).
+        length: Long/Int[1] or [batch] valid slots on the device (no host sync, CUDA-graph safe); None: all slots.
+        scale: logit scale; n_splits: pieces of the time axis (default :func:`n_splits_for`); block: slots per tile,
+            a power of two ≥ 16; num_warps, num_stages: the partial kernel's launch settings.
+        kv_index: Long[q_head], the KV head each query head reads (heads spread unevenly over the kept groups: one
+            program per query head, no K/V copy); None: GQA order.
+        out: the output buffer ([batch, q_head, d], q's dtype, unit stride in d); None: a new tensor.
+        gate, gamma, eps: the hybrid's output fusion in the combination: o ← o · σ(gate), then γ_h · o / RMS(o)
+            (eq. 13–14, ``gamma`` fp32 [q_head, d]), after rounding o to q's dtype as the unfused path does.
 
     Raises:
-        ValueError: shapes that disagree, d or block not a power of two ≥ 16, CPU tensors outside Triton's
-            interpreter (``TRITON_INTERPRET=1``), or bf16 in the interpreter (its bf16 ``tl.dot`` is wrong in
-            Triton 3.9); each message names :func:`decode_attention_torch`. ``out`` of the wrong shape, dtype,
-            device or last-dimension stride, ``gate`` of the wrong shape or stride, ``gamma`` of the wrong shape.
-        ImportError: triton is not installed (use :func:`decode_attention_torch`).
+        ValueError: shapes that disagree, d or block not a power of two ≥ 16, CPU tensors outside
+            ``TRITON_INTERPRET=1``, bf16 in the interpreter (its ``tl.dot`` is wrong in Triton 3.9), a wrong ``out``
+            / ``gate`` / ``gamma`` (each message names :func:`decode_attention_torch`).
+        ImportError: triton is not installed.
 
-    Source: flash-decoding (Dao et al., 2023); the combination is the online-softmax identity of
-    FlashAttention (Dao et al., 2022); the output fusion is HydraHead eq. 13–14.
+    Source: flash-decoding (Dao et al., 2023), FlashAttention's online softmax (Dao et al., 2022), eq. 13–14.
     """
     sp = setup(q, k, v, length, kv_index, block, n_splits, out, gate, gamma)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
