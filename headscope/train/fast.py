@@ -123,6 +123,7 @@ def _prepare_hybrid(model: nn.Module) -> Any:
     for mod in model.modules():
         if hasattr(mod, "new_decode_cache"):
             train_index(mod)
+            mod.backends.fn(mod, "train")  # resolved before capture: no guard on the memo inside the graph
     return old
 
 

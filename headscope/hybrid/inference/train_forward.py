@@ -111,8 +111,10 @@ def fast_forward(
     if n_fa:  # FA heads: softmax attention over their kept KV groups (GQA-native)
         outs.append(_fa_heads(layer, ix, x, q[:, :, :n_fa], z[i:], cos, sin, position_ids))
         i += 3 if layer.g_proj is not None else 2
-    if n_gdn:  # GDN heads: all of them in one kernel call
-        outs.append(_gdn_heads(layer, x, q[:, :, n_fa:], z[i:], cos, sin))
+    if n_gdn:  # GDN heads: one kernel call, here (a break inside a helper made Dynamo guard on `outs` per call)
+        yg = _gdn_call(*_gdn_inputs(layer, n_gdn, x, q[:, :, n_fa:], z[i:], cos, sin), layer.scaling,
+                       opts.gdn_kernel, opts.chunk_size)
+        outs.append(yg.to(x.dtype))
 
     # ---- fusion (eq. 13–14) with γ in (FA, GDN) order, then o_proj with permuted input columns
     if len(outs) > 1:
@@ -150,19 +152,17 @@ def _fa_heads(layer: "HeadwiseHybridAttention", ix: TrainIndex, x: Tensor, q_fa:
     return o
 
 
-def _gdn_heads(layer: "HeadwiseHybridAttention", x: Tensor, qg: Tensor, z: tuple, cos: Any, sin: Any) -> Tensor:
-    """The GDN heads' output [B, T, n_gdn, d] from their queries and the projection's next parts z (k, v, a, b)."""
-    B, T, _ = x.shape
-    d, opts = layer.head_dim, layer.options
-    n_gdn = len(layer.gdn_heads)
+def _gdn_inputs(layer: "HeadwiseHybridAttention", n_gdn: int, x: Tensor, qg: Tensor, z: tuple, cos: Any,
+                sin: Any) -> tuple:
+    """The GDN kernel's q, k, v [B, T, n_gdn, d], g, beta [B, T, n_gdn] from the GDN queries and z (k, v, a, b);
+    ``n_gdn`` from TrainIndex.counts (``len(layer.gdn_heads)`` would guard on which heads: a graph per head set)."""
+    (B, T, _), d = x.shape, layer.head_dim
     kg, vg, a, b = z[0].view(B, T, n_gdn, d), z[1].view(B, T, n_gdn, d), z[2], z[3]
     if layer.k_norm is not None:
         kg = layer.k_norm(kg)
-    if opts.gdn_rope:
+    if layer.options.gdn_rope:
         qg, kg = apply_rope(qg, cos, sin), apply_rope(kg, cos, sin)
     qg, kg = _l2norm(qg, x.dtype), _l2norm(kg, x.dtype)
     beta = torch.sigmoid(b.float())
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
-    y = _gdn_call(qg, kg, vg, g, beta.to(x.dtype) if x.dtype != torch.float32 else beta, layer.scaling,
-                  opts.gdn_kernel, opts.chunk_size)
-    return y.to(x.dtype)
+    return qg, kg, vg, g, beta.to(x.dtype) if x.dtype != torch.float32 else beta
