@@ -152,12 +152,11 @@ def run_trainer(stage, student0, teacher, rows, batch, steps, warm, dev, out_dir
         sync(dev)
         times.append(time.perf_counter() - t0)
         losses.append(row["loss"])
-    fs = tr.step_fn
+    fs = tr.step_fn if tr.plan.fast else None
     res = {"losses": losses, "warmup_s": times[:warm], "step_times": times[warm:], "peak_gib": peak_gib(dev),
            "cuda_graph": None if fs is None else fs.graph is not None,
            "graph_error": None if fs is None else fs.graph_error}
-    if fs is not None:
-        fs.close()
+    tr.step_fn.close()
     del tr, student
     return res
 

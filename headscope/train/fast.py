@@ -67,6 +67,27 @@ def _align_term(y_s: Tensor, y_t: Tensor, m: Tensor) -> Tensor:
     return mse / var.clamp_min(1e-12)
 
 
+def _align_term_global(y_s: Tensor, y_t: Tensor, m: Tensor, n: Tensor, var: Tensor) -> Tensor:
+    """This rank's share of one layer's alignment loss when the batch is spread over ranks: the squared
+    error over this rank's real tokens divided by the global batch's element count ``n`` and teacher
+    variance ``var`` (summed over ranks the shares give the global loss)."""
+    return ((((y_s.float() - y_t.float()) * m) ** 2).sum() / n) / var.clamp_min(1e-12)
+
+
+def _global_teacher_stats(outs: Sequence[Tensor], m: Tensor, reduce: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+    """(element count n [layer], variance [layer]) of every layer's teacher attention output over the
+    real tokens of the global batch, from two sums over ranks (the plain step's
+    :func:`~headscope.train.stages.alignment_loss` computes the same per layer)."""
+    d = outs[0].shape[-1]
+    cnt = m.sum().reshape(1)
+    s1 = reduce(torch.stack([torch.cat([(a.float() * m).sum((0, 1)), cnt]) for a in outs]))  # [layer, D + 1]
+    n_tok = s1[:, -1]
+    mean = s1[:, :d] / n_tok[:, None].clamp_min(1.0)
+    ss = reduce(torch.stack([(((a.float() - mu) * m) ** 2).sum() for a, mu in zip(outs, mean)]))
+    n = (n_tok * d).clamp_min(1.0)
+    return n, ss / n
+
+
 def _teacher_stats(y_t: Tensor, m: Tensor) -> Tensor:
     """[n, q, s_0 .. s_{D-1}] of one layer's teacher output over the real tokens (m: [batch, time, 1]):
     the token count, the sum of squared deviations from the mean (over channels too), the channel sums."""
@@ -143,6 +164,22 @@ def _raise_recompile_limit(n: int = 64) -> None:
         cfg.accumulated_recompile_limit = 4 * n
 
 
+def fast_step_problem(stage: int, student: nn.Module, teacher: Optional[nn.Module]) -> Optional[str]:
+    """Why :class:`FastStep` cannot run ``stage`` on these models (a sentence), or None when it can: a
+    stage other than 1-3, stages 1-2 without a teacher, a model without the Llama / Qwen3 structure."""
+    if stage not in (1, 2, 3):
+        return f"stage must be 1, 2 or 3, got {stage!r}"
+    if stage in (1, 2) and teacher is None:
+        return f"stage {stage} needs the teacher model"
+    for name, m in (("student", student), ("teacher", teacher)):
+        if m is not None and not has_llama_body(m):
+            return f"the fast step needs a Llama / Qwen3 causal LM as {name}, got {type(m).__name__}"
+    if stage == 1 and not _decoder_parts_ok(teacher):
+        return ("stage 1's fast step needs decoder layers with input_layernorm, self_attn, "
+                "post_attention_layernorm and mlp")
+    return None
+
+
 # ---------------------------------------------------------------------------------------- the step
 class FastStep:
     """Forward + backward of one stage's loss on a batch, fast (see the module docstring).
@@ -162,6 +199,16 @@ class FastStep:
         warmup: eager steps before the capture (the first compiles).
         layer_stats: stage 1: also keep the teacher statistics of each step in :attr:`stats` (for
             replicated data parallelism, :mod:`headscope.train.replicate`).
+        reduce: data parallel: the sum of a tensor over ranks (:func:`headscope.train.parallel.all_sum`).
+            The batch is then this rank's slice of the global batch, the loss is normalized by the global
+            batch's counts (stage 1: its teacher statistics too), so the ranks' losses are shares that sum
+            to the global loss, and the logged values are the global ones (as the plain step with
+            ``reduce``, :func:`~headscope.train.stages.stage_loss`).
+        loss_scale: the loss is multiplied by it before the backward (the world size under DDP, which
+            averages the gradients over ranks: the average of ``world`` × the shares is their sum).
+        ddp: run the forward through :class:`torch.nn.parallel.DistributedDataParallel` wrapped around
+            the student (:func:`headscope.train.parallel.ddp_loss`), so that the gradients are averaged
+            over ranks during the backward; needs an initialized process group.
 
     Raises:
         ValueError: a stage other than 1, 2, 3; stages 1, 2 without a teacher; a model without the
@@ -181,17 +228,13 @@ class FastStep:
         backend: str = "inductor",
         warmup: int = 2,
         layer_stats: bool = False,
+        reduce: Optional[Callable[[Tensor], Tensor]] = None,
+        loss_scale: float = 1.0,
+        ddp: bool = False,
     ):
-        if stage not in (1, 2, 3):
-            raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
-        if stage in (1, 2) and teacher is None:
-            raise ValueError(f"stage {stage} needs the teacher model")
-        for name, m in (("student", student), ("teacher", teacher)):
-            if m is not None and not has_llama_body(m):
-                raise ValueError(f"the fast step needs a Llama / Qwen3 causal LM as {name}, got {type(m).__name__}")
-        if stage == 1 and not _decoder_parts_ok(teacher):
-            raise ValueError("stage 1's fast step needs decoder layers with input_layernorm, self_attn, "
-                             "post_attention_layernorm and mlp")
+        problem = fast_step_problem(stage, student, teacher)
+        if problem is not None:
+            raise ValueError(problem)
         self.stage, self.student, self.teacher = stage, student, teacher
         self.params = list(params)
         self.device = next(student.parameters()).device
@@ -206,6 +249,18 @@ class FastStep:
         self._prepared = False
         self.layer_stats = bool(layer_stats) and stage == 1
         self._stats: Optional[Tensor] = None
+        self.reduce = reduce
+        self.loss_scale = float(loss_scale)
+        self._forward: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] = self.loss
+        if ddp:
+            from .parallel import ddp_loss
+
+            # CUDA graphs of a DDP step: DDP built on a side stream, and 11 DDP-enabled eager steps before
+            # the capture (PyTorch's CUDA-graph notes, "Usage with DistributedDataParallel")
+            self.warmup = max(self.warmup, 11) if self.cuda_graph else self.warmup
+            side = torch.cuda.stream(torch.cuda.Stream(self.device)) if self.cuda_graph else contextlib.nullcontext()
+            with side:
+                self._forward = ddp_loss(student, self.loss)
         wrap = (lambda f: torch.compile(f, backend=backend, dynamic=False)) if compile else (lambda f: f)
         if compile:
             _raise_recompile_limit()
@@ -213,6 +268,7 @@ class FastStep:
         self._attn = wrap(_attn_call)
         self._tio = wrap(_teacher_io)
         self._align = wrap(_align_term)
+        self._align_global = wrap(_align_term_global)
         self._kl = wrap(kl_chunk)
         self._ce = wrap(ce_chunk)
 
@@ -235,7 +291,8 @@ class FastStep:
                 D, Dt = h_s.shape[-1], h_t.shape[-1]
                 loss = linear_kl_loss(
                     h_s.reshape(-1, D), self.student.lm_head.weight, h_t.reshape(-1, Dt), self.teacher.lm_head.weight,
-                    mask.reshape(-1), b_s=self.student.lm_head.bias, b_t=self.teacher.lm_head.bias,
+                    mask.reshape(-1), denominator=self._global_count(mask.sum()),
+                    b_s=self.student.lm_head.bias, b_t=self.teacher.lm_head.bias,
                     chunk_rows=self.chunk_rows, chunk_fn=self._kl,
                 )
             else:
@@ -245,9 +302,16 @@ class FastStep:
                 keep[:, :-1] = mask[:, 1:] & mask[:, :-1]
                 loss = linear_ce_loss(
                     h.reshape(-1, h.shape[-1]), self.student.lm_head.weight, tgt.reshape(-1), keep.reshape(-1),
-                    b=self.student.lm_head.bias, chunk_rows=self.chunk_rows, chunk_fn=self._ce,
+                    denominator=self._global_count(keep.sum()), b=self.student.lm_head.bias, chunk_rows=self.chunk_rows, chunk_fn=self._ce,
                 )
-        return loss, loss.detach().reshape(1)
+        return loss, self._global_logged(loss.detach().reshape(1))
+
+    def _global_count(self, n: Tensor) -> Optional[Tensor]:
+        """The global batch's count (a sum over ranks) with ``reduce``, else None (the local count)."""
+        return None if self.reduce is None else self.reduce(n.to(torch.float32).reshape(()).clone())
+
+    def _global_logged(self, logged: Tensor) -> Tensor:
+        return logged if self.reduce is None else self.reduce(logged.float().clone())
 
     def _stage1(self, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         t_inner = self.teacher.model
@@ -260,14 +324,20 @@ class FastStep:
                 hn, a, h = self._tio(layer, h, cos, sin)
                 io.append((hn, a))
         m = mask.to(torch.float32)[..., None]
-        per = [self._align(self._attn(s_layer.self_attn, hn, cos, sin), a, m)
-               for s_layer, (hn, a) in zip(self.student.model.layers, io)]
+        layers = self.student.model.layers
+        if self.reduce is None:
+            per = [self._align(self._attn(s_layer.self_attn, hn, cos, sin), a, m) for s_layer, (hn, a) in zip(layers, io)]
+        else:  # this rank's shares of the global batch's per-layer losses
+            with torch.no_grad():
+                n, var = _global_teacher_stats([a for _, a in io], m, self.reduce)
+            per = [self._align_global(self._attn(s_layer.self_attn, hn, cos, sin), a, m, n[i], var[i])
+                   for i, (s_layer, (hn, a)) in enumerate(zip(layers, io))]
         per_t = torch.stack(per)
         loss = per_t.mean()
         if self.layer_stats:
             with torch.no_grad():
                 self._stats = torch.stack([_teacher_stats(a, m) for _, a in io])
-        return loss, torch.cat([loss.detach().reshape(1), per_t.detach()])
+        return loss, self._global_logged(torch.cat([loss.detach().reshape(1), per_t.detach()]))
 
     @property
     def stats(self) -> Optional[Float[Tensor, "layer stat"]]:
@@ -280,8 +350,8 @@ class FastStep:
     def _eager(self, ids: Tensor, mask: Tensor) -> Tensor:
         for p in self.params:
             p.grad = None
-        loss, logged = self.loss(ids, mask)
-        loss.backward()
+        loss, logged = self._forward(ids, mask)
+        (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
         return logged
 
     def __call__(self, ids: Int[Tensor, "batch time"], mask: Bool[Tensor, "batch time"]) -> Tensor:

@@ -81,6 +81,39 @@ def broadcast_module(module: nn.Module, src: int = 0) -> None:
             dist.broadcast(t.data, src)
 
 
+class StepLoss(nn.Module):
+    """A stage's loss as a module whose parameters are the student's (the teacher stays outside it), so
+    that :class:`~torch.nn.parallel.DistributedDataParallel` wraps the whole forward of a step.
+
+    ``forward(ids, mask)`` returns ``loss_fn(ids, mask)`` (the loss and the logged values)."""
+
+    def __init__(self, student: nn.Module, loss_fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]):
+        super().__init__()
+        self.student = student
+        self._loss_fn = loss_fn
+
+    def forward(self, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        return self._loss_fn(ids, mask)
+
+
+def ddp_loss(student: nn.Module, loss_fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]) -> nn.Module:
+    """``loss_fn`` (ids, mask -> loss, logged) run through PyTorch's DistributedDataParallel around
+    ``student``: rank 0's parameters and buffers are copied to every rank when it is made, and the
+    gradients of the parameters that require one are averaged over ranks in buckets while the
+    backward runs. Call after ``trainable_parameters`` (DDP reduces the parameters that require a
+    gradient when it is made) and with an initialized process group (gloo on CPU, NCCL on GPU).
+
+    Every parameter that requires a gradient must get one in every step (``find_unused_parameters`` is
+    off); the gradients are views into DDP's buckets (``gradient_as_bucket_view``: no second copy)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    dev = next(student.parameters()).device
+    return DistributedDataParallel(
+        StepLoss(student, loss_fn), device_ids=[dev] if dev.type == "cuda" else None,
+        forward_sync_buffers=False, gradient_as_bucket_view=True,
+    )
+
+
 def shard_student(student: nn.Module, stage: int) -> None:
     """Shard ``student`` in place with FSDP2 over all ranks (see the module docstring for the units).
 

@@ -179,6 +179,48 @@ def loss_token_count(stage: int, mask: Bool[Tensor, "batch time"]) -> Int[Tensor
     raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
 
 
+def stage_loss_logged(
+    stage: int,
+    student: nn.Module,
+    teacher: Optional[nn.Module],
+    ids: Tensor,
+    mask: Tensor,
+    reduce: Optional[Callable[[Tensor], Tensor]] = None,
+) -> tuple[Float[Tensor, ""], Float[Tensor, "k"]]:
+    """:func:`stage_loss` with the logged values as one detached tensor (``[loss]``, or in stage 1
+    ``[loss, align_l0, ...]``; global values with ``reduce``), without a host sync.
+
+    Raises:
+        ValueError: a stage other than 1, 2, 3.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    if stage == 1:
+        loss, per = alignment_loss(student, teacher, ids, mask, reduce=reduce)
+        logged = torch.cat([loss.detach().reshape(1), per])
+    else:
+        if stage == 2:
+            with torch.no_grad():
+                t_logits = teacher(input_ids=ids, use_cache=False).logits
+        logits = student(input_ids=ids, use_cache=False).logits
+        denom = None if reduce is None else reduce(loss_token_count(stage, mask).to(device=logits.device, dtype=torch.float32))
+        loss = distillation_loss(logits, t_logits, mask, denominator=denom) if stage == 2 else \
+            lm_loss(logits, ids, mask, denominator=denom)
+        logged = loss.detach().reshape(1)
+    if reduce is not None:
+        logged = reduce(logged.float().clone())
+    return loss, logged
+
+
+def logged_scalars(stage: int, logged: Float[Tensor, "k"] | list[float]) -> dict[str, float]:
+    """The logged values as the log's columns: ``loss`` and, in stage 1, ``align_l{i}`` per layer."""
+    vals = logged.tolist() if isinstance(logged, Tensor) else list(logged)
+    out = {"loss": vals[0]}
+    if stage == 1:
+        out.update({f"align_l{i}": v for i, v in enumerate(vals[1:])})
+    return out
+
+
 def stage_loss(
     stage: int,
     student: nn.Module,
@@ -193,27 +235,9 @@ def stage_loss(
     ``reduce`` (data parallel, see :mod:`headscope.train.parallel`): the sum of a tensor over all
     ranks. The batch is then this rank's slice of the global batch, the returned loss is this rank's
     share (the shares sum to the global batch's loss) and the logged scalars are the global values.
+
+    Raises:
+        ValueError: a stage other than 1, 2, 3.
     """
-    if stage not in STAGES:
-        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
-    if stage == 1:
-        loss, per = alignment_loss(student, teacher, ids, mask, reduce=reduce)
-        logged = torch.cat([loss.detach().reshape(1), per])
-        if reduce is not None:
-            logged = reduce(logged.clone())
-        vals = logged.tolist()
-        return loss, {"loss": vals[0], **{f"align_l{i}": v for i, v in enumerate(vals[1:])}}
-    if stage == 2:
-        with torch.no_grad():
-            t_logits = teacher(input_ids=ids, use_cache=False).logits
-        s_logits = student(input_ids=ids, use_cache=False).logits
-        denom = None if reduce is None else reduce(loss_token_count(2, mask).to(device=s_logits.device, dtype=torch.float32))
-        loss = distillation_loss(s_logits, t_logits, mask, denominator=denom)
-    else:
-        logits = student(input_ids=ids, use_cache=False).logits
-        denom = None if reduce is None else reduce(loss_token_count(3, mask).to(device=logits.device, dtype=torch.float32))
-        loss = lm_loss(logits, ids, mask, denominator=denom)
-    logged = loss.detach().reshape(1)
-    if reduce is not None:
-        logged = reduce(logged.clone())
-    return loss, {"loss": float(logged[0])}
+    loss, logged = stage_loss_logged(stage, student, teacher, ids, mask, reduce=reduce)
+    return loss, logged_scalars(stage, logged)

@@ -32,14 +32,11 @@ and files. Two modes (:attr:`TrainConfig.data_parallel`):
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import csv
 import json
 import math
 import random
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -51,9 +48,9 @@ from torch import nn
 from ..errors import HeadscopeInputError, InputFileExistsError, InputFileNotFoundError
 from . import parallel
 from .data import Loader, TokenRows
-from .fast import FastStep
 from .replicate import GradReducer, count_weight, stage1_weights
-from .stages import stage_loss, trainable_parameters
+from .stages import logged_scalars, trainable_parameters
+from .step_plan import DATA_PARALLEL, build_step, resolve_step_plan
 
 
 @dataclass
@@ -123,9 +120,9 @@ class TrainConfig:
                 f"tokens ({self.tokens}), batch_size ({self.batch_size}) and lr ({self.lr}) must be > 0"
             )
         self.betas = tuple(self.betas)  # type: ignore[assignment]
-        if self.data_parallel not in (None, "replicate", "fsdp"):
+        if self.data_parallel not in (None, *DATA_PARALLEL):
             raise HeadscopeInputError(
-                f"data_parallel={self.data_parallel!r}: use 'replicate', 'fsdp' or None (replicate where the fast step works)"
+                f"data_parallel={self.data_parallel!r}: use 'ddp', 'fsdp' or None (ddp where the fast step works)"
             )
 
 
@@ -226,7 +223,6 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
         parallel.barrier()
         self.device = next(student.parameters()).device
-        self.bf16 = config.bf16 if config.bf16 is not None else self.device.type == "cuda"
         if teacher is not None:
             teacher.eval()
             for p in teacher.parameters():
@@ -235,41 +231,19 @@ class Trainer:
         self.loader = Loader(rows, config.batch_size, seed=config.seed)
         self.tokens_per_step = config.batch_size * rows.seq_len
         self.total_steps = max(1, math.ceil(config.tokens / self.tokens_per_step))
-        self.step_fn: Optional[FastStep] = None
-        on_cuda = self.device.type == "cuda"
-        # the fast step on CUDA was measured and checked with fla's GDN kernels (tilelang backward); without
-        # fla, its compiled + graphed path hit "misaligned address" on an H200 (tests/test_fast_train_gpu.py):
-        # the plain step there until that is understood
-        fast = (not on_cuda or importlib.util.find_spec("fla") is not None) if config.fast is None else config.fast
-        # data-parallel mode: None (one process), "replicate" or "fsdp"
-        self.dp_mode: Optional[str] = None
-        if self.parallel:
-            sharded = parallel.is_sharded(student)
-            if config.data_parallel == "replicate" and sharded:
-                raise HeadscopeInputError("data_parallel='replicate' needs an unsharded student; pass a fresh one "
-                                          "or use data_parallel='fsdp'")
-            self.dp_mode = config.data_parallel or ("fsdp" if sharded or not fast else "replicate")
+        sharded = parallel.is_sharded(student)
+        self.plan = resolve_step_plan(config, student, teacher, self.device, self.world if self.parallel else 1, sharded)
+        if self.plan.data_parallel in ("fsdp", "replicate") and not sharded:
+            parallel.broadcast_module(student)  # identical start on every rank (random GDN init); DDP copies rank 0's itself
+        if self.plan.data_parallel == "fsdp":
             if not sharded:
-                parallel.broadcast_module(student)  # identical start on every rank (random GDN init)
-        if fast and self.dp_mode in (None, "replicate"):
-            try:
-                self.step_fn = FastStep(
-                    config.stage, student, teacher, [p for _, p in self.params], bf16=self.bf16,
-                    compile=on_cuda if config.compile is None else config.compile,
-                    cuda_graph=on_cuda if config.cuda_graph is None else config.cuda_graph,
-                    chunk_rows=config.loss_chunk, layer_stats=self.dp_mode == "replicate",
-                )
-            except ValueError as e:  # not a Llama / Qwen3 structure: the plain step
-                if self.dp_mode == "replicate" and config.data_parallel is None:
-                    self.dp_mode = "fsdp"  # the default: the fast step or else FSDP2
-                warnings.warn(f"fast training step unavailable ({e}); using the plain step", RuntimeWarning, stacklevel=2)
-        if self.dp_mode == "fsdp":
-            if not parallel.is_sharded(student):
                 parallel.shard_student(student, config.stage)
             # FSDP2 replaced the parameters by sharded ones
             self.params = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
+        self.step_fn = build_step(self.plan, config.stage, student, teacher, [p for _, p in self.params],
+                                  config.loss_chunk, layer_stats=self.plan.data_parallel == "replicate")
         self.reducer: Optional[GradReducer] = None
-        if self.dp_mode == "replicate":
+        if self.plan.data_parallel == "replicate":
             from ..hybrid.modeling_hybrid import decoder_layers
 
             layer_of = {id(p): i for i, layer in enumerate(decoder_layers(student)) for p in layer.parameters()} \
@@ -277,13 +251,11 @@ class Trainer:
             self.reducer = GradReducer([p for _, p in self.params], [layer_of.get(id(p), 0) for _, p in self.params])
         decay = [p for n, p in self.params if p.dim() >= 2]
         other = [p for n, p in self.params if p.dim() < 2]
-        # fused AdamW (one kernel per parameter group) with the fast step on CUDA; else per parameter
-        fused = self.step_fn is not None and self.device.type == "cuda"
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": other, "weight_decay": 0.0}],
             lr=config.lr,
             betas=config.betas,
-            **({"fused": True} if fused else {"foreach": False}),
+            **({"fused": True} if self.plan.fused_adamw else {"foreach": False}),
         )
         warm = int(config.warmup * self.total_steps)
         from transformers import get_cosine_with_min_lr_schedule_with_warmup
@@ -331,6 +303,7 @@ class Trainer:
             "data": self.loader.state_dict(),
             "rng": _rng_state(),
             "world_size": self.world if self.parallel else 1,
+            "step_plan": self.plan.as_dict(),
             "seconds": round(self.seconds(), 3),
             "peak_memory_bytes": self.peak_memory()["bytes"],
         }
@@ -383,72 +356,28 @@ class Trainer:
         t0 = time.perf_counter()
         ids, mask = self.loader.next()
         global_mask = mask
-        reduce = None
         if self.parallel:  # this rank's slice of the global batch; losses normalized globally
             ids, mask = parallel.local_rows(ids, mask, self.rank, self.world)
-            reduce = parallel.all_sum
         local_mask = mask  # on the host: the replicated mode's weights need no device sync
-        ids, mask = ids.to(self.device), mask.to(self.device)
         self.student.train()
-        if self.step_fn is not None:
-            return self._fast_step(ids, mask, local_mask, global_mask, t0)
-        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
-        with ctx:
-            loss, scalars = stage_loss(self.cfg.stage, self.student, self.teacher, ids, mask, reduce=reduce)
-        self.opt.zero_grad(set_to_none=True)
-        if self.dp_mode == "fsdp":
-            # FSDP averages gradients over ranks; the shares sum to the global loss, so scale by the world size
-            (loss * self.world).backward()
-        else:
-            loss.backward()
-        if self.reducer is not None:  # replicated: the shares' gradients sum to the global gradient
-            self.reducer(1.0, torch.zeros(0, device=self.device))
-        params = [p for _, p in self.params]
-        if self.dp_mode == "fsdp":
-            gn = parallel.grad_norm(params, self.cfg.grad_clip)
-        elif self.cfg.grad_clip > 0:
-            gn = float(torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], self.cfg.grad_clip))
-        else:
-            gn = float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
-        lr = self.sched.get_last_lr()[0]
-        self.opt.step()
-        self.sched.step()
-        self.step += 1
-        row = {
-            "stage": self.cfg.stage,
-            "step": self.step,
-            "tokens": self.step * self.tokens_per_step,
-            **scalars,
-            "lr": lr,
-            "grad_norm": gn,
-            "seconds": round(time.perf_counter() - t0, 4),
-        }
-        self._log(row)
-        return row
-
-    def _fast_step(self, ids: torch.Tensor, mask: torch.Tensor, local_mask: torch.Tensor, global_mask: torch.Tensor,
-                   t0: float) -> dict[str, Any]:
-        logged = self.step_fn(ids, mask)  # forward + backward; the gradients are in .grad
+        # forward + backward; the gradients in .grad are the global batch's (reduced by DDP / FSDP2)
+        logged = self.step_fn(ids.to(self.device), mask.to(self.device))
         if self.reducer is not None:
             logged = self._replicate_reduce(logged, local_mask, global_mask)
         params = [p for _, p in self.params if p.grad is not None]
-        if self.cfg.grad_clip > 0:
-            gn = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
-        else:
-            gn = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+        gn = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
+        if hasattr(gn, "full_tensor"):  # FSDP2: a DTensor
+            gn = gn.full_tensor()
         lr = self.sched.get_last_lr()[0]
         self.opt.step()
         self.sched.step()
         self.step += 1
-        vals = torch.cat([logged.float(), gn.reshape(1).float()]).tolist()  # the step's one host sync
-        scalars = {"loss": vals[0]}
-        if self.cfg.stage == 1:
-            scalars.update({f"align_l{i}": v for i, v in enumerate(vals[1:-1])})
+        vals = torch.cat([logged.float().reshape(-1), gn.reshape(1).float().to(logged.device)]).tolist()  # one host sync
         row = {
             "stage": self.cfg.stage,
             "step": self.step,
             "tokens": self.step * self.tokens_per_step,
-            **scalars,
+            **logged_scalars(self.cfg.stage, vals[:-1]),
             "lr": lr,
             "grad_norm": vals[-1],
             "seconds": round(time.perf_counter() - t0, 4),
@@ -460,6 +389,9 @@ class Trainer:
         """Replicated data parallel: weight this rank's gradients and logged values to the global batch's
         normalization and sum both over ranks (:mod:`headscope.train.replicate`); returns the global
         logged values."""
+        if not self.plan.fast:  # the plain step normalized globally: the gradients only need summing
+            self.reducer(1.0, torch.zeros(0, device=self.device))
+            return logged
         params = [p for _, p in self.params]
         if self.cfg.stage == 1:
             w = stage1_weights(self.step_fn.stats).to(logged.device)  # a collective: every rank calls it
@@ -513,8 +445,7 @@ class Trainer:
             bar.close()
             if self.cfg.ckpt_on_exit and self.step > 0:
                 self.save_checkpoint()
-            if self.step_fn is not None:
-                self.step_fn.close()  # frees the captured graph's memory; a later run() captures again
+            self.step_fn.close()  # frees the captured graph's memory; a later run() captures again
             self.seconds_before, self._t_run = self.seconds(), None
         finished = self.step >= self.total_steps
         summary = {
@@ -528,8 +459,9 @@ class Trainer:
             "seconds": round(time.time() - t0, 2),
             "seconds_total": round(self.seconds(), 2),
             "peak_memory": self.peak_memory(),
-            "data_parallel": self.dp_mode,
-            "fast_step": self.step_fn is not None,
+            "data_parallel": self.plan.data_parallel,
+            "fast_step": self.plan.fast,
+            "step_plan": self.plan.as_dict(),
         }
         if finished:
             sd = parallel.full_state_dict(self.student) if self.cfg.save_student else None  # collective if sharded
