@@ -14,10 +14,10 @@ b. stage-2 distillation (global KL): SmolLM2-135M from --gguf (else a small rand
    of stage 2 on one GPU (bf16 autocast; and fp32, the bf16-noise control) and on two GPUs (FSDP2, bf16),
    the same global batch and rows; loss curves, relative loss differences (2 GPUs vs 1, fp32 vs bf16),
    tokens/s; then --tp-steps at a global batch of --tp-batch-size on one and two GPUs (throughput).
-   The same two runs on two GPUs in the replicated data-parallel mode (``TrainConfig.data_parallel =
-   "replicate"``: the one-GPU fast step on every rank, gradients summed over ranks) go to
-   ``b_stage2.replicate``: its loss curve against one GPU, tokens/s, and at the throughput batch
-   (default 64 x 512) one GPU's fast step vs two GPUs, ``replicate_throughput_ratio`` (a number).
+   The same two runs on two GPUs with DistributedDataParallel (``TrainConfig.data_parallel = "ddp"``:
+   the one-GPU fast step on every rank, gradients averaged over ranks by DDP) go to
+   ``b_stage2.ddp``: its loss curve against one GPU, tokens/s, and at the throughput batch
+   (default 64 x 512) one GPU's fast step vs two GPUs, ``ddp_throughput_ratio`` (a number).
 c. the Qwen3-shaped model spread over two GPUs (``device_map="balanced"``): one pair, exact
    receiver IE against the one-GPU result, peak memory per GPU against the one-GPU peak.
 
@@ -328,8 +328,8 @@ def part_b(args, tok, out: Path, res: dict) -> None:
     del t1
     if use_cuda:
         torch.cuda.empty_cache()
-    # two GPUs: FSDP2 (the curve run, then the throughput run), then the same two replicated, in one spawn
-    fsdp, rep = {"data_parallel": "fsdp"}, {"data_parallel": "replicate"}
+    # two GPUs: FSDP2 (the curve run, then the throughput run), then the same two with DDP, in one spawn
+    fsdp, rep = {"data_parallel": "fsdp"}, {"data_parallel": "ddp"}
     result = out / "b_two_gpu_result.json"
     result.unlink(missing_ok=True)
     t = time.perf_counter()
@@ -341,7 +341,7 @@ def part_b(args, tok, out: Path, res: dict) -> None:
                                   (replace(cfg, **rep), str(dirs["two_rep_bf16"])),
                                   (replace(cfg_tp, **rep), str(dirs["tp_two_rep"]))], str(result)),
             nprocs=2, join=True)
-    except Exception as e:  # the replicated runs come last: keep the FSDP2 results if they finished
+    except Exception as e:  # the DDP runs come last: keep the FSDP2 results if they finished
         traceback.print_exc()
         spawn_error = f"{type(e).__name__}: {e}"
     wall2 = time.perf_counter() - t
@@ -394,14 +394,14 @@ def part_b(args, tok, out: Path, res: dict) -> None:
         }
         rr["speedup_tokens_per_s"] = round(rr["two_gpu_tokens_per_s"] / r["one_gpu_tokens_per_s"], 3)
         rr["throughput"]["ratio"] = round(rr["throughput"]["two_gpu_tokens_per_s"] / tp["one_gpu_tokens_per_s"], 3)
-        r["replicate"] = rr
-        r["replicate_throughput_ratio"] = rr["throughput"]["ratio"]
+        r["ddp"] = rr
+        r["ddp_throughput_ratio"] = rr["throughput"]["ratio"]
     else:
-        r["replicate_error"] = spawn_error or f"only {len(done)} of 4 two-GPU runs finished"
+        r["ddp_error"] = spawn_error or f"only {len(done)} of 4 two-GPU runs finished"
     with open(out / "loss_curves.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step", "loss_1gpu_bf16", "loss_2gpu_bf16", "loss_1gpu_fp32", "grad_norm_1gpu", "grad_norm_2gpu",
-                    "seconds_1gpu", "seconds_2gpu", "loss_2gpu_replicate_bf16", "seconds_2gpu_replicate"])
+                    "seconds_1gpu", "seconds_2gpu", "loss_2gpu_ddp_bf16", "seconds_2gpu_ddp"])
         for i, (a, b, c) in enumerate(zip(runs["one_bf16"][1], two["log"], runs["one_fp32"][1])):
             e = rep_log[i] if rep_log is not None and i < len(rep_log) else {}
             w.writerow([a["step"], a["loss"], b["loss"], c["loss"], a["grad_norm"], b["grad_norm"], a["seconds"], b["seconds"],
@@ -410,15 +410,15 @@ def part_b(args, tok, out: Path, res: dict) -> None:
         f"rel diff 2 vs 1 mean {np.mean(d2):.2e} max {max(d2):.2e}, fp32 vs bf16 mean {np.mean(d32):.2e} max {max(d32):.2e}; "
         f"tokens/s {r['one_gpu_tokens_per_s']} vs {r['two_gpu_tokens_per_s']} ({r['speedup_tokens_per_s']}x); "
         f"batch {tp_batch}: {tp['one_gpu_tokens_per_s']} vs {tp['two_gpu_tokens_per_s']} ({tp['speedup']}x)")
-    if "replicate" in r:
-        rr = r["replicate"]
-        log(f"b: replicated fast step on 2 devices: loss {rr['first_loss']:.4f} -> {rr['last_loss']:.4f}, rel diff vs 1 "
+    if "ddp" in r:
+        rr = r["ddp"]
+        log(f"b: DDP fast step on 2 devices: loss {rr['first_loss']:.4f} -> {rr['last_loss']:.4f}, rel diff vs 1 "
             f"device max {rr['rel_loss_diff_2gpu_vs_1gpu']['max']:.2e}; tokens/s {rr['two_gpu_tokens_per_s']} "
             f"({rr['speedup_tokens_per_s']}x); batch {tp_batch} x {seq}: 1 device fast step "
             f"{rr['throughput']['one_gpu_fast_step_tokens_per_s']} vs 2 devices {rr['throughput']['two_gpu_tokens_per_s']} "
             f"({rr['throughput']['ratio']}x)")
     else:
-        log(f"b: replicated runs FAILED: {r['replicate_error']}")
+        log(f"b: DDP runs FAILED: {r['ddp_error']}")
 
 
 # ------------------------------------------------------------------------------ c: device_map

@@ -311,8 +311,8 @@ def convert(
     device: Optional[str] = typer.Option(None, help="cpu / cuda (default: cuda when available)"),
     devices: int = typer.Option(1, help="data-parallel training over this many local processes (one per GPU, or CPU/gloo)"),
     data_parallel: Optional[str] = typer.Option(
-        None, help="with --devices > 1: 'replicate' (the whole student on every device, the fast step, gradients summed) "
-                   "or 'fsdp' (FSDP2 shards, the plain step); default: replicate where the fast step works"),
+        None, help="with --devices > 1: 'ddp' (PyTorch DistributedDataParallel: the whole student on every device, the "
+                   "fast step) or 'fsdp' (FSDP2 shards, the plain step); default: ddp where the fast step works"),
     gdn_kernel: str = typer.Option("auto", help="GDN kernel of the student: auto, torch or fla"),
     plain_step: bool = typer.Option(
         False, "--plain-step",

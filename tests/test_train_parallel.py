@@ -1,4 +1,4 @@
-"""Data-parallel training on two gloo processes (the replicated fast step, the default, and FSDP2)
+"""Data-parallel training on two gloo processes (DDP with the fast step, the default, and FSDP2)
 reproduces the one-process run, and its checkpoints move between device counts
 (torch.distributed.checkpoint)."""
 
@@ -81,7 +81,7 @@ def test_two_gloo_ranks_train_like_one_process_and_checkpoints_move(setup, smol_
         b = _dir(root, "b", stage1, teacher, mask, smol_tokenizer)
         s = spawn_convert(2, str(root.parent / "teacher"), mask, 2, b, device="cpu", config=cfg, data=data, max_steps=2)
         assert s["steps"] == 2 and not s["finished"]
-        assert s["data_parallel"] == (mode or "replicate")
+        assert s["data_parallel"] == (mode or "ddp")
         meta = json.loads((b / "stage2" / "checkpoint" / "trainer.json").read_text())
         assert meta["world_size"] == 2 and meta["step"] == 2
         # ... and one process resumes it to the end
@@ -224,7 +224,7 @@ def test_convert_model_on_two_gloo_ranks_equals_one_process(setup, smol_tokenize
         torch.set_num_threads(n)
     two = spawn_convert_model(2, str(root.parent / "teacher"), mask, root / "two", device="cpu", recipe=recipe,
                               progress=False)
-    assert one["finished"] and two["finished"] and two["stages"][3]["data_parallel"] == "replicate"
+    assert one["finished"] and two["finished"] and two["stages"][3]["data_parallel"] == "ddp"
     a = load_file(str(root / "one" / "stage3" / "model.safetensors"))
     b = load_file(str(root / "two" / "stage3" / "model.safetensors"))
     assert sorted(a) == sorted(b)

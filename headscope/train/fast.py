@@ -20,9 +20,11 @@
 
 Every step, warm-up or replayed, computes the same function; the loss and the logged scalars come
 back as one device tensor (``[loss]``, or ``[loss, align_l0, ...]`` in stage 1), so the caller syncs
-once. Not for FSDP2-sharded training (the trainer uses the plain step there); replicated data
-parallelism (:mod:`headscope.train.replicate`) runs this step on every rank and sums the gradients
-outside the graph (after a replay, the gradients are the same tensors as after the capture).
+once. Not for FSDP2-sharded training (the trainer uses the plain step there); under DistributedDataParallel
+(``ddp``) every rank runs this step on its rows with losses normalized by the global batch (``reduce``) and
+DDP averages the gradients during the backward (inside the graph when it is captured: NCCL collectives are
+capturable; DDP is then made on a side stream and the step warms up 11 times first, as PyTorch's CUDA-graph
+notes ask).
 """
 
 from __future__ import annotations
@@ -86,16 +88,6 @@ def _global_teacher_stats(outs: Sequence[Tensor], m: Tensor, reduce: Callable[[T
     ss = reduce(torch.stack([(((a.float() - mu) * m) ** 2).sum() for a, mu in zip(outs, mean)]))
     n = (n_tok * d).clamp_min(1.0)
     return n, ss / n
-
-
-def _teacher_stats(y_t: Tensor, m: Tensor) -> Tensor:
-    """[n, q, s_0 .. s_{D-1}] of one layer's teacher output over the real tokens (m: [batch, time, 1]):
-    the token count, the sum of squared deviations from the mean (over channels too), the channel sums."""
-    y_t = y_t.float()
-    n = m.sum()
-    s = (y_t * m).sum((0, 1))
-    q = (((y_t - s / n.clamp_min(1.0)) * m) ** 2).sum()
-    return torch.cat([n.reshape(1), q.reshape(1), s])
 
 
 def has_llama_body(model: nn.Module) -> bool:
@@ -197,8 +189,6 @@ class FastStep:
         chunk_rows: rows per LM-head chunk.
         backend: the ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` for tests).
         warmup: eager steps before the capture (the first compiles).
-        layer_stats: stage 1: also keep the teacher statistics of each step in :attr:`stats` (for
-            replicated data parallelism, :mod:`headscope.train.replicate`).
         reduce: data parallel: the sum of a tensor over ranks (:func:`headscope.train.parallel.all_sum`).
             The batch is then this rank's slice of the global batch, the loss is normalized by the global
             batch's counts (stage 1: its teacher statistics too), so the ranks' losses are shares that sum
@@ -227,7 +217,6 @@ class FastStep:
         chunk_rows: int = CHUNK_ROWS,
         backend: str = "inductor",
         warmup: int = 2,
-        layer_stats: bool = False,
         reduce: Optional[Callable[[Tensor], Tensor]] = None,
         loss_scale: float = 1.0,
         ddp: bool = False,
@@ -247,8 +236,6 @@ class FastStep:
         self.graph_error: Optional[str] = None
         self._static: dict[str, Tensor] = {}
         self._prepared = False
-        self.layer_stats = bool(layer_stats) and stage == 1
-        self._stats: Optional[Tensor] = None
         self.reduce = reduce
         self.loss_scale = float(loss_scale)
         self._forward: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] = self.loss
@@ -334,17 +321,7 @@ class FastStep:
                    for i, (s_layer, (hn, a)) in enumerate(zip(layers, io))]
         per_t = torch.stack(per)
         loss = per_t.mean()
-        if self.layer_stats:
-            with torch.no_grad():
-                self._stats = torch.stack([_teacher_stats(a, m) for _, a in io])
         return loss, self._global_logged(torch.cat([loss.detach().reshape(1), per_t.detach()]))
-
-    @property
-    def stats(self) -> Optional[Float[Tensor, "layer stat"]]:
-        """Stage 1 with ``layer_stats``: the last step's teacher statistics per layer, ``[n, q, s_0 ..
-        s_{D-1}]`` (real-token count, sum of squared deviations of the attention output from its mean,
-        per-channel sums; float32, on the device); None otherwise or before the first step."""
-        return self._static.get("stats", self._stats) if self.graph is not None else self._stats
 
     # -------------------------------------------------------------------- the step
     def _eager(self, ids: Tensor, mask: Tensor) -> Tensor:
@@ -397,8 +374,6 @@ class FastStep:
             # the second queue trained ungraphed)
             with torch.cuda.device(self.device), torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
                 st["logged"] = self._eager(st["ids"], st["mask"])
-                if self._stats is not None and self.layer_stats:
-                    st["stats"] = self._stats
         except Exception as e:  # noqa: BLE001 - any capture failure: keep training without the graph
             self.graph_error = f"{type(e).__name__}: {e}"
             warnings.warn(f"CUDA graph capture of the training step failed ({self.graph_error}); "

@@ -136,6 +136,7 @@ def stage_record(stage: int, trainer: Trainer, summary: dict[str, Any], config: 
         "data_parallel": summary.get("data_parallel"),
         "world_size": trainer.world if trainer.parallel else 1,
         "fast_step": summary.get("fast_step"),
+        "step_plan": summary.get("step_plan"),
         "config": {"train": asdict(config), "hybrid": hybrid_options},
         "mask": {"n_fa": mask.n_fa, "n_heads": mask.n_layers * mask.n_heads,
                  "kv_cache_fraction": mask.kv_cache_fraction},
@@ -180,8 +181,8 @@ def convert_stage(
 
     Data parallel (a process group of more than one rank, e.g. from :func:`spawn_convert`): every
     rank calls this with the same arguments; rank 0 builds the rows first (sampled text is cached),
-    the student is replicated (the fast step on every rank; ``config.data_parallel="replicate"``, the
-    default where the fast step works) or sharded with FSDP2 (``"fsdp"``; the returned student then
+    the student is replicated (the fast step on every rank through DistributedDataParallel;
+    ``config.data_parallel="ddp"``, the default where the fast step works) or sharded with FSDP2 (``"fsdp"``; the returned student then
     holds this rank's shards).
 
     Returns:

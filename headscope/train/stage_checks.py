@@ -167,7 +167,7 @@ def check_convert_args(*, model: Any, mask: Any, stage: Any, out: Any, devices: 
     check_device(device, "--device")
     check_choice("--gdn-kernel", gdn_kernel, GDN_KERNELS)
     if data_parallel is not None:
-        check_choice("--data-parallel", data_parallel, ("replicate", "fsdp"))
+        check_choice("--data-parallel", data_parallel, ("ddp", "fsdp"))
     if gdn_kernel == "fla":
         import torch
 

@@ -31,7 +31,7 @@ from ..errors import HeadscopeInputError
 if TYPE_CHECKING:
     from .trainer import TrainConfig
 
-DATA_PARALLEL = ("ddp", "fsdp", "replicate")
+DATA_PARALLEL = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def resolve_step_plan(
       fused AdamW with the fast step on CUDA; bf16: ``config.bf16``, by default on CUDA.
 
     Raises:
-        HeadscopeInputError: ``data_parallel`` "ddp" / "replicate" for a student already sharded with FSDP2.
+        HeadscopeInputError: ``data_parallel="ddp"`` for a student already sharded with FSDP2.
     """
     from .fast import fast_step_problem
 
@@ -97,7 +97,7 @@ def resolve_step_plan(
     usable = want_fast and problem is None
     dp: Optional[str] = None
     if world > 1:
-        if config.data_parallel in ("ddp", "replicate") and sharded:
+        if config.data_parallel == "ddp" and sharded:
             raise HeadscopeInputError(f"data_parallel={config.data_parallel!r} needs an unsharded student; pass a fresh "
                                       "one or use data_parallel='fsdp'")
         dp = config.data_parallel or ("fsdp" if sharded or not usable else "ddp")
@@ -162,18 +162,17 @@ class PlainStep:
 
 
 def build_step(plan: StepPlan, stage: int, student: nn.Module, teacher: Optional[nn.Module], params: Sequence[Tensor],
-               loss_chunk: int, layer_stats: bool = False) -> Any:
+               loss_chunk: int) -> Any:
     """The step ``plan`` describes: a :class:`~headscope.train.fast.FastStep` or a :class:`PlainStep`,
     with the global normalization (``reduce``) and loss scale of its data parallelism and, for
     ``"ddp"``, the forward through DistributedDataParallel."""
     from . import parallel
 
-    replicate_plain = plan.data_parallel == "replicate" and not plan.fast
-    reduce = parallel.all_sum if plan.data_parallel in ("ddp", "fsdp") or replicate_plain else None
+    reduce = parallel.all_sum if plan.data_parallel in ("ddp", "fsdp") else None
     ddp = plan.data_parallel == "ddp"
     if plan.fast:
         from .fast import FastStep
 
         return FastStep(stage, student, teacher, params, bf16=plan.bf16, compile=plan.compile, cuda_graph=plan.cuda_graph,
-                        chunk_rows=loss_chunk, layer_stats=layer_stats, reduce=reduce, loss_scale=plan.loss_scale, ddp=ddp)
+                        chunk_rows=loss_chunk, reduce=reduce, loss_scale=plan.loss_scale, ddp=ddp)
     return PlainStep(stage, student, teacher, params, bf16=plan.bf16, reduce=reduce, loss_scale=plan.loss_scale, ddp=ddp)

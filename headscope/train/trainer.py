@@ -16,18 +16,21 @@ One :class:`Trainer` runs one stage. Layout of its output directory::
 Data parallel: when a ``torch.distributed`` process group with more than one rank is initialized
 (``headscope convert --devices N`` or torchrun), every rank trains on its slice of each global batch
 and the loss, gradient, logs and checkpoints are those of the one-process run; only rank 0 writes logs
-and files. Two modes (:attr:`TrainConfig.data_parallel`):
+and files. The losses are normalized by the global batch's counts (stage 1: its teacher statistics),
+and PyTorch's wrappers average the gradients over ranks (:mod:`headscope.train.step_plan`). Two modes
+(:attr:`TrainConfig.data_parallel`):
 
-* ``"replicate"`` (the default where the fast step is usable, all three stages): every rank holds the
-  whole student (broadcast from rank 0 at the start) and runs the one-process fast step
-  (:class:`~headscope.train.fast.FastStep`, CUDA-graphed on GPU) on its rows; the gradients are
-  weighted to the global batch's normalization and summed in flat buckets
-  (:mod:`headscope.train.replicate`); clipping and fused AdamW then run identically on every rank.
-  Stage 1 is exact too: the teacher-output variance of the global batch comes from per-rank
-  statistics, and each layer's gradients get their own weight. Without a usable fast step this mode
-  runs the plain step with globally normalized losses.
-* ``"fsdp"`` (the default otherwise): the student is sharded with FSDP2
+* ``"ddp"`` (the default where the fast step is usable, all three stages): every rank holds the whole
+  student (rank 0's copied to every rank by DistributedDataParallel) and runs the fast step
+  (:class:`~headscope.train.fast.FastStep`, CUDA-graphed on GPU) on its rows through
+  ``DistributedDataParallel``, which all-reduces the gradients in buckets during the backward;
+  clipping and AdamW then run identically on every rank.
+* ``"fsdp"`` (the default otherwise): the student is sharded with FSDP2 ``fully_shard``
   (:mod:`headscope.train.parallel`) and the plain step runs on the shards.
+
+How the step runs (data parallelism, fast or plain step, compile, CUDA graph, fused AdamW, bf16) is
+decided once, when the trainer is made, in a frozen :class:`~headscope.train.step_plan.StepPlan`
+(:attr:`Trainer.plan`), saved in the checkpoint's ``trainer.json`` and the run's summary.
 """
 
 from __future__ import annotations
@@ -48,7 +51,6 @@ from torch import nn
 from ..errors import HeadscopeInputError, InputFileExistsError, InputFileNotFoundError
 from . import parallel
 from .data import Loader, TokenRows
-from .replicate import GradReducer, count_weight, stage1_weights
 from .stages import logged_scalars, trainable_parameters
 from .step_plan import DATA_PARALLEL, build_step, resolve_step_plan
 
@@ -77,15 +79,16 @@ class TrainConfig:
             of forward + backward and fused AdamW). False: the plain step (:func:`stage_loss` on full
             logits, per-parameter AdamW). None (default): on CPU, and on CUDA where fla is installed
             (the measured configuration; without fla the plain step). Data parallel: the fast step
-            in the ``"replicate"`` mode, the plain step in the ``"fsdp"`` mode.
+            in the ``"ddp"`` mode, the plain step in the ``"fsdp"`` mode.
         compile: ``torch.compile`` in the fast step (None = on CUDA).
         cuda_graph: capture the fast step in a CUDA graph (None = on CUDA).
         loss_chunk: rows per LM-head chunk of the fast step.
-        data_parallel: with a process group of more than one rank: ``"replicate"`` (the whole student
-            on every rank, the fast step, gradients summed over ranks) or ``"fsdp"`` (the student
-            sharded with FSDP2, the plain step). None (default): ``"replicate"`` when the fast step
-            is usable (``fast`` and a Llama / Qwen3 structure), else ``"fsdp"``. Ignored in one
-            process. Both give the one-process run's losses and weights (to float rounding).
+        data_parallel: with a process group of more than one rank: ``"ddp"`` (PyTorch's
+            DistributedDataParallel: the whole student on every rank, the fast step, gradients
+            averaged over ranks during the backward) or ``"fsdp"`` (the student sharded with FSDP2,
+            the plain step). None (default): ``"ddp"`` when the fast step is usable (``fast`` and a
+            Llama / Qwen3 structure), else ``"fsdp"``. Ignored in one process. Both give the
+            one-process run's losses and weights (to float rounding; ``tests/test_train_ddp.py``).
     """
 
     stage: int
@@ -111,7 +114,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         """Raises HeadscopeInputError (a ValueError) for a stage other than 1-3, a count / rate <= 0 or a
-        ``data_parallel`` other than None, "replicate", "fsdp"."""
+        ``data_parallel`` other than None, "ddp", "fsdp"."""
         from .stage_checks import check_stage
 
         check_stage(self.stage)
@@ -188,15 +191,15 @@ class Trainer:
             RNG, step; written by any number of ranks); without it an existing checkpoint is an error.
         data_parallel: train data-parallel over the initialized process group (default: when one with
             more than one rank is initialized), in the mode :attr:`TrainConfig.data_parallel` (see the
-            module docstring; :attr:`dp_mode` tells which one runs). Every rank must build the same
+            module docstring; :attr:`plan` tells which one runs). Every rank must build the same
             ``rows``.
 
     Raises (all HeadscopeInputError, so ValueError; the first two also the built-in type named):
         InputFileExistsError: ``out_dir`` holds a checkpoint and ``resume`` is False.
         InputFileNotFoundError: ``resume`` is True but there is no checkpoint.
         HeadscopeInputError: the checkpoint is of another stage or data set; a global batch smaller
-            than the number of ranks; stage 1 or 2 without a teacher; ``data_parallel="replicate"``
-            for a student already sharded with FSDP2.
+            than the number of ranks; stage 1 or 2 without a teacher; ``data_parallel="ddp"`` for a
+            student already sharded with FSDP2.
     """
 
     def __init__(
@@ -233,22 +236,14 @@ class Trainer:
         self.total_steps = max(1, math.ceil(config.tokens / self.tokens_per_step))
         sharded = parallel.is_sharded(student)
         self.plan = resolve_step_plan(config, student, teacher, self.device, self.world if self.parallel else 1, sharded)
-        if self.plan.data_parallel in ("fsdp", "replicate") and not sharded:
+        if self.plan.data_parallel == "fsdp" and not sharded:
             parallel.broadcast_module(student)  # identical start on every rank (random GDN init); DDP copies rank 0's itself
         if self.plan.data_parallel == "fsdp":
             if not sharded:
                 parallel.shard_student(student, config.stage)
             # FSDP2 replaced the parameters by sharded ones
             self.params = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
-        self.step_fn = build_step(self.plan, config.stage, student, teacher, [p for _, p in self.params],
-                                  config.loss_chunk, layer_stats=self.plan.data_parallel == "replicate")
-        self.reducer: Optional[GradReducer] = None
-        if self.plan.data_parallel == "replicate":
-            from ..hybrid.modeling_hybrid import decoder_layers
-
-            layer_of = {id(p): i for i, layer in enumerate(decoder_layers(student)) for p in layer.parameters()} \
-                if config.stage == 1 else {}
-            self.reducer = GradReducer([p for _, p in self.params], [layer_of.get(id(p), 0) for _, p in self.params])
+        self.step_fn = build_step(self.plan, config.stage, student, teacher, [p for _, p in self.params], config.loss_chunk)
         decay = [p for n, p in self.params if p.dim() >= 2]
         other = [p for n, p in self.params if p.dim() < 2]
         self.opt = torch.optim.AdamW(
@@ -355,15 +350,11 @@ class Trainer:
         """One optimizer step on the next batch; returns the logged row."""
         t0 = time.perf_counter()
         ids, mask = self.loader.next()
-        global_mask = mask
         if self.parallel:  # this rank's slice of the global batch; losses normalized globally
             ids, mask = parallel.local_rows(ids, mask, self.rank, self.world)
-        local_mask = mask  # on the host: the replicated mode's weights need no device sync
         self.student.train()
         # forward + backward; the gradients in .grad are the global batch's (reduced by DDP / FSDP2)
         logged = self.step_fn(ids.to(self.device), mask.to(self.device))
-        if self.reducer is not None:
-            logged = self._replicate_reduce(logged, local_mask, global_mask)
         params = [p for _, p in self.params if p.grad is not None]
         gn = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
         if hasattr(gn, "full_tensor"):  # FSDP2: a DTensor
@@ -385,24 +376,6 @@ class Trainer:
         self._log(row)
         return row
 
-    def _replicate_reduce(self, logged: torch.Tensor, mask: torch.Tensor, global_mask: torch.Tensor) -> torch.Tensor:
-        """Replicated data parallel: weight this rank's gradients and logged values to the global batch's
-        normalization and sum both over ranks (:mod:`headscope.train.replicate`); returns the global
-        logged values."""
-        if not self.plan.fast:  # the plain step normalized globally: the gradients only need summing
-            self.reducer(1.0, torch.zeros(0, device=self.device))
-            return logged
-        params = [p for _, p in self.params]
-        if self.cfg.stage == 1:
-            w = stage1_weights(self.step_fn.stats).to(logged.device)  # a collective: every rank calls it
-            if not bool(mask.any()):  # no real token here: the local loss is 0/0; contribute nothing
-                torch._foreach_zero_([p.grad for p in params if p.grad is not None])
-                logged = torch.zeros_like(logged)
-            per = w * logged[1:].float()
-            return self.reducer(w, torch.cat([per.mean().reshape(1), per]))
-        w = count_weight(self.cfg.stage, mask, global_mask)
-        return self.reducer(w, logged.float() * w)
-
     def run(
         self,
         max_steps: Optional[int] = None,
@@ -414,7 +387,8 @@ class Trainer:
 
         ``on_step(trainer, row)`` is called after each step; raising :class:`StopTraining` in it stops
         the run cleanly. Returns a summary {stage, steps, tokens, final_loss, finished, seconds,
-        data_parallel (None in one process, else "replicate" or "fsdp"), fast_step (bool)}.
+        data_parallel (None in one process, else "ddp" or "fsdp"), fast_step (bool), step_plan (the
+        :class:`~headscope.train.step_plan.StepPlan` as a dict)}.
         """
         from tqdm.auto import tqdm
 
