@@ -578,6 +578,61 @@ def generate(
                f"{res['tokens_per_s']:.1f} tokens/s ({next(m.parameters()).device}, {dtype})", err=True)
 
 
+@app.command("plan-memory")
+def plan_memory_command(
+    model: str = typer.Option("qwen3-1.7b", help="a shape (qwen3-1.7b, llama-3.1-8b, smollm2-135m) or a local "
+                              "config.json / model directory; nothing is downloaded"),
+    mask: Optional[Path] = typer.Option(None, help="the FA heads (mask.json of `headscope rank`); default --fa-share"),
+    fa_share: float = typer.Option(0.125, help="without --mask: this share of each layer's heads kept FA (0.125 = 7:1)"),
+    stage: List[int] = typer.Option([1, 2, 3], help="the stages to plan (repeat the option)"),
+    batch_size: int = typer.Option(64, help="global rows per step of stages 1-2 (as `headscope convert`)"),
+    seq_len: int = typer.Option(512, help="tokens per row of stages 1-2"),
+    batch_long: int = typer.Option(16, help="global rows per step of stage 3"),
+    long_len: int = typer.Option(2048, help="tokens per row of stage 3"),
+    devices: int = typer.Option(1, help="GPUs training together (the rows are split over them)"),
+    data_parallel: str = typer.Option("fsdp", help="with --devices > 1: fsdp (shards) or ddp (full copies)"),
+    master: str = typer.Option("fp32", help="student weights and gradients: fp32 (the trainer's) or bf16"),
+    optimizer: str = typer.Option("fp32", help="AdamW states: fp32, bf16 or 8bit"),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="keep only layer inputs"),
+    new_params_only: bool = typer.Option(False, "--new-params-only", help="stage 1 trains only the new parameters"),
+    cpu_offload: bool = typer.Option(False, "--cpu-offload", help="FSDP2 CPU offload of the shards"),
+    as_json: bool = typer.Option(False, "--json", help="print the plans as JSON"),
+) -> None:
+    """Per-device memory of conversion stages, computed without loading a model: student parameters, gradients,
+    AdamW states, teacher weights, activations (an estimate), the loss chunk and FSDP2's gathered units, in GiB
+    (headscope/train/memory_plan.py; docs/conversion.md#memory-plan)."""
+    with user_errors():
+        import json
+        import math
+
+        from .train.memory_plan import MemoryOptions, plan_memory, plan_table, shape_of
+        from .train.stage_checks import check_stage
+
+        for s in stage:
+            check_stage(s)
+
+        opts = MemoryOptions(devices=devices, data_parallel=data_parallel, master=master, optimizer=optimizer,
+                             activation_checkpointing=activation_checkpointing, new_params_only=new_params_only,
+                             cpu_offload=cpu_offload)
+        shape = shape_of(model)
+        fa: Any = fa_share
+        if mask is not None:
+            from .masks import HeadMask
+
+            fa = HeadMask.from_json(mask)
+        for n in (batch_size, batch_long):
+            if n < devices:
+                raise HeadscopeInputError(f"a global batch of {n} rows cannot feed {devices} devices")
+        rows = {1: (math.ceil(batch_size / devices), seq_len), 2: (math.ceil(batch_size / devices), seq_len),
+                3: (math.ceil(batch_long / devices), long_len)}
+        stages = sorted(set(stage))
+        if as_json:
+            plans = [plan_memory(shape, s, *rows[s], fa=fa, options=opts).as_dict() for s in stages]
+            typer.echo(json.dumps({"shape": shape.name, "plans": plans}, default=str, indent=1))
+        else:
+            typer.echo(plan_table(shape, stages, rows, fa, opts))
+
+
 def run() -> None:  # pragma: no cover
     app(sys.argv[1:])
 
