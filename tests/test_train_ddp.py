@@ -76,11 +76,24 @@ def _grads_worker(tok, root: str) -> dict:
             step = build_step(StepPlan(world=world, data_parallel=mode, fast=fast), stage, student,
                               teacher if stage in (1, 2) else None, [p for _, p in params], loss_chunk=16)
             logged = step(ids, mask).tolist()
+            if mode == "fsdp" and stage in (1, 2):  # this rank's bytes after an AdamW step, for the memory plan
+                local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+                size = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
+                opt = torch.optim.AdamW([p for _, p in params], foreach=False)
+                opt.step()
+                moments = [t for st in opt.state.values() for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")]
+                out[("bytes", stage, rank)] = {"params": size(student.parameters()), "grads": size(p.grad for _, p in params),
+                                              "optimizer": size(moments)}
             grads = {}
             for n, p in params:
                 g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # a collective for FSDP2
                 grads[n] = g.detach().clone()
             out[(stage, mode, fast)] = (logged, grads)
+    if rank == 1:  # rank 0 returns: send rank 1's byte counts over
+        torch.save({k: v for k, v in out.items() if k[0] == "bytes"}, Path(root) / "bytes_r1.pt")
+    torch.distributed.barrier()
+    if rank == 0:
+        out.update(torch.load(Path(root) / "bytes_r1.pt"))
     return out
 
 
@@ -180,6 +193,30 @@ def test_ddp_and_fsdp2_gradients_equal_one_process(runs, smol_tokenizer, stage):
             err = float((grads[k].double() - g.double()).norm())
             assert err <= GRAD_REL * float(g.double().norm()) + 1e-9, (stage, mode, fast, k, err, float(g.norm()))
     assert any(float(g.abs().max()) > 0 for g in ref.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fsdp2_bytes_per_rank_match_the_memory_plan(runs, smol_tokenizer, stage):
+    """Each FSDP2 rank's local parameter, gradient and AdamW-moment bytes after a step equal the memory plan's
+    per-device figures up to FSDP2's uneven split of a first dimension (at most one row per sharded parameter);
+    stage 1 shards only the attention modules (the rest is replicated on both ranks)."""
+    from headscope.train.memory_plan import MemoryOptions, ModelShape, plan_memory
+
+    root, info, _ = runs
+    student, teacher = _models(smol_tokenizer, root)
+    plan = plan_memory(ModelShape.from_config(teacher.config), stage, 2, SEQ, fa=HMASK,
+                       options=MemoryOptions(devices=2, fa_gate=False))
+    sharded = [p for n, p in student.named_parameters() if stage == 2 or ".self_attn." in n]
+    slack = sum(4 * (p.numel() // p.shape[0]) for p in sharded)  # one row of each sharded parameter
+    got = [info["grads"][("bytes", stage, r)] for r in (0, 1)]
+    for part in ("params", "grads", "optimizer"):
+        k = 2 if part == "optimizer" else 1  # two moments per parameter
+        want = getattr(plan, part)
+        for g in got:
+            assert abs(g[part] - want) <= k * slack, (stage, part, g[part], want)
+        assert abs(sum(g[part] for g in got) - 2 * want) <= 4, (stage, part)  # the shards add up exactly
+    assert (got[0]["grads"] < got[0]["params"]) == (stage == 1)  # stage 1 trains the attention modules only
 
 
 @pytest.mark.slow
