@@ -74,7 +74,7 @@ def bench_families(names: list[str], shape: tuple[int, int, int, int], seq_len: 
 
     from headscope.arch.random_models import FAMILIES
     from headscope.models import random_family
-    from headscope.models import default_gguf_path
+    from headscope.model_specs import default_gguf_path
 
     from transformers import AutoTokenizer
 

@@ -95,7 +95,7 @@ def load_tokenizer(path: str | None):
     for p in [path, ".gpu/smol_tokenizer", "/work/main/.gpu/smol_tokenizer"]:
         if p and Path(p).is_dir():
             return AutoTokenizer.from_pretrained(p), p
-    from headscope.models import default_gguf_path
+    from headscope.model_specs import default_gguf_path
 
     g = default_gguf_path()
     return AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name), str(g)

@@ -508,7 +508,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
 
-    from headscope.models import default_gguf_path
+    from headscope.model_specs import default_gguf_path
 
     g = Path(args.gguf) if args.gguf else default_gguf_path()
     tok = AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name)

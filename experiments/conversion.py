@@ -292,7 +292,7 @@ def eval_teacher(out: Path, model: str, device: Optional[str]) -> bool:
                   cache_dir=out / "eval_pairs", partial=out / "teacher" / "eval.partial.json")
     if heldout is None:
         return False
-    from headscope.models import geometry_of
+    from headscope.model_specs import geometry_of
 
     g = geometry_of(teacher.config)
     ev.update({"mask": "teacher", "n_fa": g.n_layers * g.n_heads, "kv_cache_fraction": 1.0})
@@ -404,7 +404,7 @@ def run(
     s.update(tasks=list(task), eval_lengths=list(eval_lengths))
     s.pop("task")
     (out / "settings.json").write_text(json.dumps(s, indent=2, default=str))
-    from headscope.models import geometry_of
+    from headscope.model_specs import geometry_of
 
     if mask is not None:
         hydra: Any = HeadMask.from_json(mask)
@@ -564,7 +564,7 @@ def plan(
     """Write OUT/settings.json, OUT/masks/ and OUT/jobs/ for the comparison (hydrahead, layerwise3, layerwise,
     random, allgdn at ``tokens`` each) and the ablation (:data:`ABLATION` on the HydraHead mask at
     ``ablation_tokens``, evaluated on ``ablation_task`` × ``ablation_lengths``). Token budgets are whole steps (a step is batch × seq_len = batch_long × long_len here)."""
-    from headscope.models import geometry_of
+    from headscope.model_specs import geometry_of
 
     out.mkdir(parents=True, exist_ok=True)
     if abs(share1 + share2 + share3 - 1) > 1e-6:

@@ -34,8 +34,8 @@ _LAZY = {
     "kv_cache_report": "hybrid",
 }
 _SUBMODULES = (
-    "analysis", "api", "arch", "cli", "distributed", "errors", "evaluation", "generation", "hybrid", "masks", "models",
-    "patching", "plots", "plugin_registry", "rank_config", "readout", "runtime", "scores", "selectors", "tasks", "train",
+    "analysis", "api", "arch", "cli", "distributed", "errors", "evaluation", "generation", "hybrid", "masks", "model_specs",
+    "models", "patching", "plots", "plugin_registry", "rank_config", "readout", "runtime", "scores", "selectors", "tasks", "train",
     "validate",
 )
 

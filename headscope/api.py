@@ -11,7 +11,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .rank_config import RankConfig
-from .models import DEFAULT_MODEL, LoadedModel, load_model
+from .model_specs import DEFAULT_MODEL
+from .models import LoadedModel, load_model
 from .patching.receivers import receiver_patching
 from .readout import DEFAULT_LAMBDA, DEFAULT_MIN_GAP, Direction, Readout
 from .runtime import __version__

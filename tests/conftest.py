@@ -61,12 +61,10 @@ def rope_and_qk_norm(B: int, d: int, dtype, g: torch.Generator, rope: bool, qkn:
 
 @pytest.fixture(scope="session")
 def smol_tokenizer():
-    from transformers import AutoTokenizer
+    """SmolLM2's tokenizer (49,152 tokens), from its converted folder in headscope's cache (headscope/gguf_cache.py)."""
+    from headscope.models import load_tokenizer
 
-    from headscope.models import default_gguf_path
-
-    p = default_gguf_path()
-    return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    return load_tokenizer("smollm2-135m")
 
 
 def tiny_llama(tokenizer, seed: int = 0, n_layers: int = 2, n_heads: int = 4, n_kv: int = 2, d_model: int = 64):

@@ -275,7 +275,8 @@ def test_api_bad_input(case, files, no_model):
 def test_geometry_is_read_without_weights(tiny_dir):
     """The checks judge budgets, masks and context lengths from the config / GGUF metadata alone."""
     from headscope.models import check_model
-    from headscope.models import Geometry, load_model
+    from headscope.model_specs import Geometry
+    from headscope.models import load_model
 
     t0 = time.perf_counter()
     g = check_model("smollm2-135m")  # the GGUF header of SmolLM2-135M-Instruct

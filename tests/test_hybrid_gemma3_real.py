@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def gemma3():
-    from headscope.models import ModelSpecError, gemma3_gguf_path, load_model
+    from headscope.model_specs import ModelSpecError, gemma3_gguf_path
+    from headscope.models import load_model
 
     try:
         gemma3_gguf_path()

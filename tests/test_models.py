@@ -1,6 +1,7 @@
 import pytest
 
-from headscope.models import ModelSpecError, load_model
+from headscope.model_specs import ModelSpecError
+from headscope.models import load_model
 
 
 def test_unknown_specs_name_the_fix(tmp_path):

@@ -28,7 +28,8 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..arch import UnsupportedArchitecture
-from ..models import Geometry, LoadedModel
+from ..model_specs import Geometry
+from ..models import LoadedModel
 from .pass_plan import PassResult, Plan, Precision, RunCache
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,7 +48,7 @@ class PatchingEngine(Protocol):
 
     Attributes:
         path: ``"fast"``, ``"generic"`` or ``"hybrid"`` (recorded with results).
-        model: the :class:`~headscope.models.LoadedModel`; g: its :class:`~headscope.models.Geometry`;
+        model: the :class:`~headscope.models.LoadedModel`; g: its :class:`~headscope.model_specs.Geometry`;
         device, dtype: where and in what the model computes; resid_dtype: the dtype of the engine's residual
             stream (float32 for a low-precision model run with ``Precision("float32")``, else ``dtype``).
     """
