@@ -319,6 +319,10 @@ def convert(
         help="the plain training step (full logits, per-parameter AdamW) instead of the fast one (fused LM-head "
              "loss; on CUDA also torch.compile, a CUDA graph and fused AdamW)",
     ),
+    activation_checkpointing: bool = typer.Option(
+        False, "--activation-checkpointing",
+        help="keep only each student layer's input and recompute the layer in the backward: the same losses, less "
+             "memory, one more student forward (`headscope plan-memory` shows what it saves)"),
 ) -> None:
     import os
 
@@ -348,6 +352,8 @@ def convert(
         check_convert_dir(out, recipe, stages, resume, cli=True)
         hybrid = {"gdn_kernel": gdn_kernel} if gdn_kernel != "auto" else None
         train_options: dict[str, Any] = {"fast": False} if plain_step else {}
+        if activation_checkpointing:
+            train_options["activation_checkpointing"] = True
         if data_parallel is not None:
             train_options["data_parallel"] = data_parallel
 

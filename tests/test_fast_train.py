@@ -347,3 +347,45 @@ def test_sdpa_alignment_check_and_padded_fused_projection():
     assert not is_aligned(z[..., 3:19])  # offset 12 bytes
     assert not is_aligned(z[..., :64].view(2, 5, 4, 16)[..., ::2])  # last stride 2
     assert is_aligned(torch.zeros(1, 4, 1, 16)[..., :16])  # size-1 dims do not count
+
+
+@pytest.mark.parametrize("stage", fast_first([2, 1, 3]))
+def test_activation_checkpointing_same_gradients_fewer_saved_bytes(teacher, stage):
+    """Activation checkpointing (the fast step: every student layer, stage 1 every attention module; the plain step:
+    transformers' layer checkpointing, stages 2-3) gives the same loss and gradients (to 1e-6 of each gradient's
+    norm: the recomputation repeats the same float ops) while autograd keeps fewer bytes for the backward (the
+    tensors packed by saved-tensor hooks around the step, measured)."""
+    from headscope.train.step_plan import PlainStep
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (4, 24), generator=g)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, 17:] = False
+    makers = [("fast", lambda st, ps, on: FastStep(stage, st, teacher if stage < 3 else None, ps, activation_checkpointing=on))]
+    if stage != 1:
+        makers.append(("plain", lambda st, ps, on: PlainStep(stage, st, teacher if stage < 3 else None, ps,
+                                                              activation_checkpointing=on)))
+    for name, make in makers:
+        res = {}
+        for on in (False, True):
+            torch.manual_seed(0)
+            st = _student(teacher, "hybrid")
+            params = [p for _, p in trainable_parameters(st, stage)]
+            step = make(st, params, on)
+            saved = [0]
+
+            def pack(t):
+                saved[0] += t.numel() * t.element_size()
+                return t
+
+            st.train()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                logged = step(ids, mask)
+            res[on] = (logged.clone(), {n: p.grad.clone() for n, p in st.named_parameters() if p.grad is not None}, saved[0])
+            step.close()
+        (l0, g0, b0), (l1, g1, b1) = res[False], res[True]
+        assert torch.allclose(l0, l1, rtol=1e-6, atol=0), (name, l0, l1)
+        assert sorted(g0) == sorted(g1) and g0
+        for k in g0:
+            assert float((g0[k] - g1[k]).norm()) <= 1e-6 * float(g0[k].norm()) + 1e-12, (name, k)
+        assert b1 < 0.7 * b0, (name, b0, b1)

@@ -273,6 +273,14 @@ def test_cli_convert_one_stage_at_a_time(teacher_full_vocab, smol_tokenizer, tmp
     r = runner.invoke(app, [c if c != str(out) else str(tmp_path / "plain") for c in common] + ["--stage", "1", "--plain-step"])
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "plain" / "stage1" / "training.json").read_text())["config"]["train"]["fast"] is False
+    # --activation-checkpointing reaches the trainer (its plan is recorded) and leaves the losses as they were
+    r = runner.invoke(app, [c if c != str(out) else str(tmp_path / "ckpt") for c in common] + ["--stage", "1",
+                                                                                           "--activation-checkpointing"])
+    assert r.exit_code == 0, r.output
+    rec_ck = json.loads((tmp_path / "ckpt" / "stage1" / "training.json").read_text())
+    assert rec_ck["config"]["train"]["activation_checkpointing"] is True and rec_ck["step_plan"]["activation_checkpointing"]
+    losses = [[json.loads(x)["loss"] for x in (d / "stage1" / "log.jsonl").read_text().splitlines()] for d in (out, tmp_path / "ckpt")]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
     # resume a finished stage: nothing left to do, same weights
     before = load_model_folder(out / "stage3").state_dict()
     r = runner.invoke(app, common + ["--stage", "3", "--resume"])

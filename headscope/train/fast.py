@@ -196,6 +196,9 @@ class FastStep:
             ``reduce``, :func:`~headscope.train.stages.stage_loss`).
         loss_scale: the loss is multiplied by it before the backward (the world size under DDP, which
             averages the gradients over ranks: the average of ``world`` × the shares is their sum).
+        activation_checkpointing: keep only each student layer's input (stage 1: each attention module's)
+            and recompute the layer in the backward (``torch.utils.checkpoint``, non-reentrant): the same
+            loss and gradients for less memory (:mod:`headscope.train.memory_plan`) and one more forward.
         ddp: run the forward through :class:`torch.nn.parallel.DistributedDataParallel` wrapped around
             the student (:func:`headscope.train.parallel.ddp_loss`), so that the gradients are averaged
             over ranks during the backward; needs an initialized process group.
@@ -220,6 +223,7 @@ class FastStep:
         reduce: Optional[Callable[[Tensor], Tensor]] = None,
         loss_scale: float = 1.0,
         ddp: bool = False,
+        activation_checkpointing: bool = False,
     ):
         problem = fast_step_problem(stage, student, teacher)
         if problem is not None:
@@ -253,6 +257,14 @@ class FastStep:
             _raise_recompile_limit()
         self._layer = wrap(_layer_call)
         self._attn = wrap(_attn_call)
+        self.activation_checkpointing = bool(activation_checkpointing)
+        self._s_layer, self._s_attn = self._layer, self._attn  # the student's calls
+        if self.activation_checkpointing:
+            from torch.utils.checkpoint import checkpoint
+
+            layer_fn, attn_fn = self._layer, self._attn
+            self._s_layer = lambda *a: checkpoint(layer_fn, *a, use_reentrant=False)
+            self._s_attn = lambda *a: checkpoint(attn_fn, *a, use_reentrant=False)
         self._tio = wrap(_teacher_io)
         self._align = wrap(_align_term)
         self._align_global = wrap(_align_term_global)
@@ -274,7 +286,7 @@ class FastStep:
             if self.stage == 2:
                 with torch.no_grad():
                     h_t = model_body(self.teacher, ids, self._layer)
-                h_s = model_body(self.student, ids, self._layer)
+                h_s = model_body(self.student, ids, self._s_layer)
                 D, Dt = h_s.shape[-1], h_t.shape[-1]
                 loss = linear_kl_loss(
                     h_s.reshape(-1, D), self.student.lm_head.weight, h_t.reshape(-1, Dt), self.teacher.lm_head.weight,
@@ -283,7 +295,7 @@ class FastStep:
                     chunk_rows=self.chunk_rows, chunk_fn=self._kl,
                 )
             else:
-                h = model_body(self.student, ids, self._layer)
+                h = model_body(self.student, ids, self._s_layer)
                 tgt = ids.roll(-1, dims=1)  # row t predicts token t+1; the last row's target is masked out
                 keep = torch.zeros_like(mask)
                 keep[:, :-1] = mask[:, 1:] & mask[:, :-1]
@@ -313,11 +325,11 @@ class FastStep:
         m = mask.to(torch.float32)[..., None]
         layers = self.student.model.layers
         if self.reduce is None:
-            per = [self._align(self._attn(s_layer.self_attn, hn, cos, sin), a, m) for s_layer, (hn, a) in zip(layers, io)]
+            per = [self._align(self._s_attn(s_layer.self_attn, hn, cos, sin), a, m) for s_layer, (hn, a) in zip(layers, io)]
         else:  # this rank's shares of the global batch's per-layer losses
             with torch.no_grad():
                 n, var = _global_teacher_stats([a for _, a in io], m, self.reduce)
-            per = [self._align_global(self._attn(s_layer.self_attn, hn, cos, sin), a, m, n[i], var[i])
+            per = [self._align_global(self._s_attn(s_layer.self_attn, hn, cos, sin), a, m, n[i], var[i])
                    for i, (s_layer, (hn, a)) in enumerate(zip(layers, io))]
         per_t = torch.stack(per)
         loss = per_t.mean()

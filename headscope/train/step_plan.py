@@ -47,6 +47,9 @@ class StepPlan:
         cuda_graph: the fast step captured in a CUDA graph.
         fused_adamw: AdamW's fused kernel (the fast step on CUDA); else per parameter.
         bf16: bf16 autocast (master weights fp32).
+        activation_checkpointing: keep only each student layer's input, recompute it in the backward
+            (the fast step: every decoder layer, stage 1 every attention module; the plain step:
+            transformers' ``activation_checkpointing_enable`` on the decoder layers, stages 2-3).
         fast_unavailable: why the fast step was wanted and could not run (then ``fast`` is False).
     """
 
@@ -57,6 +60,7 @@ class StepPlan:
     cuda_graph: bool = False
     fused_adamw: bool = False
     bf16: bool = False
+    activation_checkpointing: bool = False
     fast_unavailable: Optional[str] = None
 
     @property
@@ -110,6 +114,7 @@ def resolve_step_plan(
         cuda_graph=fast and on_cuda and (config.cuda_graph is None or bool(config.cuda_graph)),
         fused_adamw=fast and on_cuda,
         bf16=on_cuda if config.bf16 is None else bool(config.bf16),
+        activation_checkpointing=bool(config.activation_checkpointing),
         fast_unavailable=problem,
     )
 
@@ -126,11 +131,14 @@ class PlainStep:
         reduce: data parallel: the sum over ranks (global normalization; see ``stage_loss``).
         loss_scale: multiplies the loss before the backward.
         ddp: wrap the forward in DistributedDataParallel (:func:`headscope.train.parallel.ddp_loss`).
+        activation_checkpointing: transformers' activation checkpointing of the student's decoder layers
+            (stages 2-3; stage 1 calls the attention modules directly and keeps their activations), turned
+            off again by :meth:`close`.
     """
 
     def __init__(self, stage: int, student: nn.Module, teacher: Optional[nn.Module], params: Sequence[Tensor],
                  bf16: bool = False, reduce: Optional[Callable[[Tensor], Tensor]] = None, loss_scale: float = 1.0,
-                 ddp: bool = False):
+                 ddp: bool = False, activation_checkpointing: bool = False):
         from .stages import stage_loss_logged
 
         self.stage, self.student, self.teacher, self.params = stage, student, teacher, list(params)
@@ -141,6 +149,9 @@ class PlainStep:
             return stage_loss_logged(stage, student, teacher, ids, mask, reduce=reduce)
 
         self._forward: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] = loss_fn
+        self.activation_checkpointing = bool(activation_checkpointing) and stage != 1
+        if self.activation_checkpointing:
+            student.activation_checkpointing_enable({"use_reentrant": False})
         if ddp:
             from .parallel import ddp_loss
 
@@ -158,7 +169,10 @@ class PlainStep:
         return logged
 
     def close(self) -> None:
-        """Nothing to free (the fast step's counterpart drops its CUDA graph)."""
+        """Turn the student's activation checkpointing off again (the fast step's counterpart drops its CUDA
+        graph)."""
+        if self.activation_checkpointing:
+            self.student.activation_checkpointing_disable()
 
 
 def build_step(plan: StepPlan, stage: int, student: nn.Module, teacher: Optional[nn.Module], params: Sequence[Tensor],
@@ -174,5 +188,7 @@ def build_step(plan: StepPlan, stage: int, student: nn.Module, teacher: Optional
         from .fast import FastStep
 
         return FastStep(stage, student, teacher, params, bf16=plan.bf16, compile=plan.compile, cuda_graph=plan.cuda_graph,
-                        chunk_rows=loss_chunk, reduce=reduce, loss_scale=plan.loss_scale, ddp=ddp)
-    return PlainStep(stage, student, teacher, params, bf16=plan.bf16, reduce=reduce, loss_scale=plan.loss_scale, ddp=ddp)
+                        chunk_rows=loss_chunk, reduce=reduce, loss_scale=plan.loss_scale, ddp=ddp,
+                        activation_checkpointing=plan.activation_checkpointing)
+    return PlainStep(stage, student, teacher, params, bf16=plan.bf16, reduce=reduce, loss_scale=plan.loss_scale, ddp=ddp,
+                     activation_checkpointing=plan.activation_checkpointing)

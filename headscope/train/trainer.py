@@ -83,6 +83,9 @@ class TrainConfig:
         compile: ``torch.compile`` in the fast step (None = on CUDA).
         cuda_graph: capture the fast step in a CUDA graph (None = on CUDA).
         loss_chunk: rows per LM-head chunk of the fast step.
+        activation_checkpointing: keep only each student layer's input and recompute the layer in the
+            backward (the same losses and gradients, less activation memory, one more student forward;
+            the plain step: stages 2-3 only). Plan the memory with ``headscope plan-memory``.
         data_parallel: with a process group of more than one rank: ``"ddp"`` (PyTorch's
             DistributedDataParallel: the whole student on every rank, the fast step, gradients
             averaged over ranks during the backward) or ``"fsdp"`` (the student sharded with FSDP2,
@@ -111,6 +114,7 @@ class TrainConfig:
     cuda_graph: Optional[bool] = None
     loss_chunk: int = 4096
     data_parallel: Optional[str] = None
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         """Raises HeadscopeInputError (a ValueError) for a stage other than 1-3, a count / rate <= 0 or a
