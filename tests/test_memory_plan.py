@@ -144,6 +144,8 @@ def test_qwen3_and_llama_plans_by_hand():
                                                                8 * 1_854_366_872, 2 * 1_720_574_976)
     # the loss chunk: 4,096 rows x 151,936 x fp32, student + teacher logits + gradient
     assert pq.loss_chunk == 4096 * 151936 * 4 * 3
+    # FSDP2 runs the plain step: the logits of every row at once (16 x 512 rows per device here)
+    assert plan_memory(q, 3, 16, 512, options=MemoryOptions(devices=4)).loss_chunk == 16 * 512 * 151936 * 4 * 2
     p8 = plan_memory(ll, 1, 64, 512)
     assert p8.counts["student"] == 8_910_166_656 and p8.counts["trained"] == 32 * (67_108_864 + 2_331_220)
     new_only = plan_memory(ll, 1, 64, 512, options=MemoryOptions(new_params_only=True, optimizer="8bit"))

@@ -243,13 +243,16 @@ class FastStep:
         self.reduce = reduce
         self.loss_scale = float(loss_scale)
         self._forward: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] = self.loss
+        # a graphed DDP step: DDP is made, warmed up and captured on one side stream (the stream its gradient
+        # hooks were made on must be the capture's); the one-process step keeps a fresh stream per warm-up
+        self._stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(self.device) if ddp and self.cuda_graph else None
         if ddp:
             from .parallel import ddp_loss
 
             # CUDA graphs of a DDP step: DDP built on a side stream, and 11 DDP-enabled eager steps before
             # the capture (PyTorch's CUDA-graph notes, "Usage with DistributedDataParallel")
             self.warmup = max(self.warmup, 11) if self.cuda_graph else self.warmup
-            side = torch.cuda.stream(torch.cuda.Stream(self.device)) if self.cuda_graph else contextlib.nullcontext()
+            side = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with side:
                 self._forward = ddp_loss(student, self.loss)
         wrap = (lambda f: torch.compile(f, backend=backend, dynamic=False)) if compile else (lambda f: f)
@@ -364,7 +367,7 @@ class FastStep:
             return st["logged"]
         if not self.cuda_graph or self.graph_error is not None or self.calls <= self.warmup:
             if self.cuda_graph and self.graph_error is None:  # warm-up on a side stream, as capture wants
-                s = torch.cuda.Stream(self.device)
+                s = self._stream or torch.cuda.Stream(self.device)
                 s.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(s):
                     logged = self._eager(ids, mask)
@@ -384,7 +387,7 @@ class FastStep:
             # made on the *current* device, so a step on cuda:1 in a process whose current device is cuda:0
             # launched its kernels outside the capture and invalidated it (seen on 2 × H200: every job of
             # the second queue trained ungraphed)
-            with torch.cuda.device(self.device), torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
+            with torch.cuda.device(self.device), torch.cuda.graph(graph, stream=self._stream or torch.cuda.Stream(self.device)):
                 st["logged"] = self._eager(st["ids"], st["mask"])
         except Exception as e:  # noqa: BLE001 - any capture failure: keep training without the graph
             self.graph_error = f"{type(e).__name__}: {e}"

@@ -20,7 +20,7 @@
   checkpointing only each layer's input plus one layer's activations during its recomputation;
 * **loss chunk**: the fast step's LM head + loss over ``loss_chunk`` rows at a time
   (:mod:`headscope.train.fused_loss`): fp32 logits of the chunk, the teacher's too in stage 2, and their
-  gradient;
+  gradient; under FSDP2, which runs the plain step, the same for every row of the batch at once;
 * **gathered** (FSDP2 over N devices): the full parameters and gradients of two decoder-layer units in
   flight (stage 1: attention modules) and, in stages 2–3, of the root (embeddings, final norm, LM head:
   FSDP2 keeps the root gathered from forward to backward), in ``master`` precision (the trainer sets no
@@ -309,7 +309,8 @@ def plan_memory(shape: ModelShape, stage: int, rows: int, seq_len: int, fa: Any 
     elif stage == 2:  # the teacher's final hidden states (bf16) for the KL chunks
         act += tokens * 2 * shape.hidden
     act += tokens * 4 * shape.hidden  # the embeddings' output / the final norm (fp32)
-    chunk = 0 if stage == 1 else min(o.loss_chunk, tokens) * shape.vocab * 4 * (3 if stage == 2 else 2)
+    plain = n > 1  # FSDP2 runs the plain step: the whole batch's logits at once
+    chunk = 0 if stage == 1 else (tokens if plain else min(o.loss_chunk, tokens)) * shape.vocab * 4 * (3 if stage == 2 else 2)
     # sharded state
     params, grads, optim = student * w, trained * w, math.ceil(trained * _OPTIM_BYTES[o.optimizer])
     gathered = 0
