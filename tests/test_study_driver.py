@@ -83,9 +83,18 @@ def test_keep_and_cli_rows_beside_the_studys(tmp_path):
     rows[list(EVAL_COLUMNS)].to_csv(ev / "retention.csv", index=False)
     records = tmp_path / "records"
     records.mkdir()
-    assert "1 cells" in run.keep(tmp_path / "out", records)
+    assert "1 cells and 0 stage records" in run.keep(tmp_path / "out", records)
+    assert not (records / "cli_training.jsonl.gz").exists()
     with gzip.open(records / "cli_cells.jsonl.gz", "rt") as fh:
         assert [json.loads(line) for line in fh] == [cell]
+    stage = tmp_path / "out" / "seed5" / "hydra-7to1_t12500000"
+    for k in (2, 1):
+        (stage / f"stage{k}").mkdir(parents=True)
+        (stage / f"stage{k}" / "training.json").write_text(json.dumps({"stage": k, "seconds": 10.0 * k}))
+    assert "2 stage records" in run.keep(tmp_path / "out", records)
+    with gzip.open(records / "cli_training.jsonl.gz", "rt") as fh:
+        assert [json.loads(line) for line in fh] == [{"run": "seed5/hydra-7to1_t12500000", "stage": k, "seconds": 10.0 * k}
+                                                     for k in (1, 2)]
     assert (records / "cli_retention.csv").read_bytes() == (ev / "retention.csv").read_bytes()
     table = tmp_path / "t"
     table.mkdir()

@@ -115,18 +115,28 @@ def run(cmds: list[list[str]], dry_run: bool) -> None:
                 raise SystemExit(r.returncode)
 
 
+def _write_jsonl_gz(path: Path, records: list) -> None:
+    lines = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
+    with open(path, "wb") as fh, gzip.GzipFile(filename="", mode="wb", fileobj=fh, mtime=0) as g:
+        g.write(lines.encode())
+
+
 def keep(out: Path, records: Path = TABLES.RECORDS) -> str:
-    """OUT/eval's results into the records: its retention.csv (source = cli) as ``cli_retention.csv`` and every
-    per-prompt cell record (OUT/eval/cells/NAME__sS__tT/*.json.gz) as one line of ``cli_cells.jsonl.gz``."""
+    """OUT/eval's results into the records: its retention.csv (source = cli) as ``cli_retention.csv``, every
+    per-prompt cell record (OUT/eval/cells/NAME__sS__tT/*.json.gz) as one line of ``cli_cells.jsonl.gz``, and every
+    conversion's stage record (OUT/seedS/LABEL_tT/stage{k}/training.json, with ``run`` = seedS/LABEL_tT) as one line
+    of ``cli_training.jsonl.gz`` (left as it is when OUT holds no conversion)."""
     ev = out / "eval"
     if not (ev / "retention.csv").exists():
         raise SystemExit(f"{ev}/retention.csv is not there: run the eval step first")
     shutil.copyfile(ev / "retention.csv", records / "cli_retention.csv")
     cells = sorted((ev / "cells").glob("*__s*__t*/*.json.gz"))
-    lines = "".join(json.dumps(json.loads(gzip.decompress(f.read_bytes())), separators=(",", ":")) + "\n" for f in cells)
-    with open(records / "cli_cells.jsonl.gz", "wb") as fh, gzip.GzipFile(filename="", mode="wb", fileobj=fh, mtime=0) as g:
-        g.write(lines.encode())
-    return f"kept {ev}/retention.csv and {len(cells)} cells in {records}"
+    _write_jsonl_gz(records / "cli_cells.jsonl.gz", [json.loads(gzip.decompress(f.read_bytes())) for f in cells])
+    stages = sorted(out.glob("seed*/*/stage[123]/training.json"))
+    if stages:
+        _write_jsonl_gz(records / "cli_training.jsonl.gz",
+                        [{"run": f"{f.parents[2].name}/{f.parents[1].name}", **json.loads(f.read_text())} for f in stages])
+    return f"kept {ev}/retention.csv, {len(cells)} cells and {len(stages)} stage records in {records}"
 
 
 def parser() -> argparse.ArgumentParser:
