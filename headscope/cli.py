@@ -555,7 +555,8 @@ def generate(
     seed: int = typer.Option(0, help="torch seed set before sampling"),
     chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the tokenizer's chat template (one user turn)"),
     device: Optional[str] = typer.Option(None, help="cpu / cuda / cuda:N (default: cuda when available)"),
-    dtype: str = typer.Option("float32", help="weights' dtype: float32, bfloat16 or float16"),
+    dtype: str = typer.Option("auto", help="weights' dtype: auto (bfloat16 on CUDA, float32 on a CPU), float32, "
+                              "bfloat16 or float16"),
 ) -> None:
     """Generate text from MODEL with transformers' generate: print the new text, then (on stderr) tokens per second.
 
@@ -564,10 +565,11 @@ def generate(
     with user_errors():
         import torch
 
-        from .generation import check_generate_args, generate_text
+        from .generation import check_generate_args, generate_text, resolve_dtype
         from .models import load_hf
 
         cfg = check_generate_args(model, prompt, file, max_new_tokens, temperature, top_p, seed, device, dtype, chat)
+        dtype = resolve_dtype(dtype, device, torch.cuda.is_available())
         if prompt is None:
             if file is not None:
                 prompt = file.read_text(encoding="utf-8", errors="replace")

@@ -56,11 +56,22 @@ def check_generate_args(model: str, prompt: Optional[str], file: Optional[str | 
     check_real("--temperature", temperature, lo=0.0)
     check_real("--top-p", top_p, lo=0.0, hi=1.0, lo_open=True)
     check_int("--seed", seed, lo=0)
-    check_choice("--dtype", dtype, ("float32", "bfloat16", "float16"))
+    check_choice("--dtype", dtype, ("auto", "float32", "bfloat16", "float16"))
     check_device(device, "--device")
     check_model(model, "MODEL")
     return GenerateConfig(max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p), seed=seed,
                           chat=chat)
+
+
+def resolve_dtype(dtype: str, device: Optional[str], cuda_available: bool) -> str:
+    """The weights' dtype ``generate`` loads the model in: ``"auto"`` is bfloat16 on a CUDA device (the dtype the
+    hybrid's fast paths are measured in, docs/performance.md) and float32 elsewhere; any other value is kept.
+
+    ``device`` None means CUDA when ``cuda_available``, as the model loader decides."""
+    if dtype != "auto":
+        return dtype
+    on_cuda = device.startswith("cuda") if device else cuda_available
+    return "bfloat16" if on_cuda else "float32"
 
 
 def prompt_ids(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:

@@ -59,7 +59,7 @@ def test_generate_greedy_equals_model_generate(converted, tmp_path):
     (["x", "--top-p", "1.5"], "--top-p=1.5 must lie in (0, 1]"),
     (["x", "--file", "/nonexistent/p.txt"], "give the prompt as an argument or with --file, not both"),
     (["--file", "/nonexistent/p.txt"], "--file /nonexistent/p.txt does not exist"),
-    (["x", "--dtype", "int4"], "--dtype='int4' is not one of float32, bfloat16, float16"),
+    (["x", "--dtype", "int4"], "--dtype='int4' is not one of auto, float32, bfloat16, float16"),
 ])
 def test_generate_refuses_bad_arguments_before_loading(converted, monkeypatch, extra, want):
     import headscope.models
@@ -69,3 +69,14 @@ def test_generate_refuses_bad_arguments_before_loading(converted, monkeypatch, e
     assert res.exit_code == 2 and res.output.startswith("error: ") and want in res.output, res.output
     res = CliRunner().invoke(app, ["generate", "/nonexistent/model", "x"])
     assert res.exit_code == 2 and "unknown model spec" in res.output
+
+
+def test_generate_dtype_auto_is_bfloat16_on_cuda_only():
+    from headscope.generation import resolve_dtype
+
+    assert resolve_dtype("auto", "cpu", cuda_available=True) == "float32"
+    assert resolve_dtype("auto", "cuda:1", cuda_available=False) == "bfloat16"  # the device asked for decides
+    assert resolve_dtype("auto", None, cuda_available=True) == "bfloat16"
+    assert resolve_dtype("auto", None, cuda_available=False) == "float32"
+    assert resolve_dtype("float16", "cuda", cuda_available=True) == "float16"
+
