@@ -10,13 +10,19 @@ two settings of transformers' ``generate``:
   automatic ``torch.compile`` of the decode forward, CUDA graphs through ``mode="reduce-overhead"``; the hybrid: a
   static ``HybridCache`` whose decode steps replay one captured CUDA graph, ``StaticDecoder.step_replayed``).
 
+``--family mistral`` / ``gemma3`` (issue 61): random weights of Mistral-7B's layer shape (sliding window 4096) at
+``--layers`` depth (default 8) or of Gemma 3 270M's config (18 layers, 5 sliding (window 512) : 1 full, head_dim 256),
+each with a random 7:1 mask (``mask_7to1``: one FA head per layer at least).
+
 ms per new token = (wall time of a call making 2N tokens − a call making N) / N, both after a warm-up call of the
 same shape (compilation, capture and prefill cancel out), the minimum over ``--reps`` repetitions; every call is
-forced to make all its tokens (``min_new_tokens``). The hybrid's tokens are checked first, on a short prompt, against
+forced to make all its tokens (``min_new_tokens``). ``first_call_ms``: the wall time of each model's first call of a
+cell (N tokens: compile, capture and autotune of that shape in this process, the prefill included). The hybrid's tokens are checked first, on a short prompt, against
 its cache-free forward teacher-forced on them, in the run's dtype and in fp32 (``check_tokens``). Writes one JSON
 with each cell, the ratio hybrid / teacher (< 1: the hybrid is faster), the InferenceConfig and versions.
 
     python benchmarks/bench_generate.py --out benchmarks/results/h200_generate_api.json
+    python benchmarks/bench_generate.py --family gemma3 --batches 1 --lengths 8192 --out gemma3_generate.json
     python benchmarks/bench_generate.py --smoke            # CPU, tiny shape, < 1 min
 """
 
@@ -32,11 +38,12 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_hybrid_model import hybrid_mask, smollm2_config  # noqa: E402
+from bench_hybrid_model import hybrid_mask, mask_7to1, smollm2_config  # noqa: E402
 
+from headscope.arch.random_models import hybrid_families  # noqa: E402
 from headscope.hybrid import hybridize  # noqa: E402
 from headscope.hybrid.inference import inference_config  # noqa: E402
 from headscope.masks import HeadMask  # noqa: E402
@@ -61,8 +68,12 @@ def ms_per_token(model, ids, n, setting, reps):
     dev = ids.device
     best = float("inf")
     walls = {}
-    for k in (n, 2 * n):
-        _gen(model, ids, k, setting)  # warm-up: compile / capture / autotune of this shape
+    for k in (n, 2 * n):  # warm-up: compile / capture / autotune of this shape (the first call timed)
+        _sync(dev)
+        t = time.perf_counter()
+        _gen(model, ids, k, setting)
+        _sync(dev)
+        walls.setdefault("first_call", (time.perf_counter() - t) * 1e3)
     for _ in range(reps):
         for k in (n, 2 * n):
             _sync(dev)
@@ -97,6 +108,27 @@ def check_tokens(model, ids, n):
     return res
 
 
+def family_config(family: str, layers: int) -> tuple:
+    """(config, 7:1 mask, description) of a ``--family`` on the GPU (random weights; sdpa attention)."""
+    if family == "smollm2":
+        return smollm2_config(), None, "SmolLM2-135M (30 x 9 heads, 3 KV, d 64)"
+    if family == "mistral":
+        cfg = MistralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+                            num_key_value_heads=8, head_dim=128, vocab_size=32000, sliding_window=4096,
+                            max_position_embeddings=1 << 17, rope_theta=10000.0)
+        what = f"Mistral-7B layer shape x {layers} layers (32 heads, 8 KV, d 128, sliding window 4096)"
+    else:
+        cfg = Gemma3TextConfig(hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+                               num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512,
+                               query_pre_attn_scalar=256, rope_theta=1e6, max_position_embeddings=1 << 17,
+                               layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                            for i in range(18)])
+        what = "Gemma 3 270M config (18 layers, 5 sliding (512) : 1 full, 4 heads, 1 KV, d 256)"
+    cfg._attn_implementation = "sdpa"
+    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+    return cfg, mask_7to1(cfg.num_hidden_layers, H, KV), what
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
@@ -105,30 +137,37 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--mask", default="hydrahead")
+    ap.add_argument("--family", default="smollm2", choices=["smollm2", "mistral", "gemma3"])
+    ap.add_argument("--layers", type=int, default=8, help="--family mistral: decoder layers")
     ap.add_argument("--smoke", action="store_true", help="CPU, 4-layer tiny shape, 64-token prompts")
     ap.add_argument("--out", default="h200_generate_api.json")
     args = ap.parse_args()
     if args.smoke:
-        dev, dtype = torch.device("cpu"), torch.float32
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=128, max_position_embeddings=4096)
-        cfg._attn_implementation = "sdpa"
-        mask = HeadMask(4, 4, 2, ((0,), (1,), (2, 3), (0,)))
+        dev, dtype, what = torch.device("cpu"), torch.float32, "tiny (smoke)"
+        if args.family == "smollm2":
+            cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=128, max_position_embeddings=4096)
+            cfg._attn_implementation = "sdpa"
+        else:  # the tests' tiny model of the family (Mistral: window 24; Gemma 3: window 8, 3 layers)
+            cfg = hybrid_families()[{"mistral": "mistral_sw"}.get(args.family, args.family)](128, 0).config
+        L, H, KV = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
+        mask = HeadMask(4, 4, 2, ((0,), (1,), (2, 3), (0,))) if args.family == "smollm2" else mask_7to1(L, H, KV)
         args.batches, args.lengths, args.new_tokens, args.reps = [1, 2], [64], 4, 1
     else:
         if not torch.cuda.is_available():
             sys.exit("bench_generate.py times CUDA generate: run it on a GPU host, or --smoke on the CPU")
         dev, dtype = torch.device("cuda"), torch.bfloat16
-        cfg = smollm2_config()
-        mask = hybrid_mask(args.mask)
+        cfg, mask, what = family_config(args.family, args.layers)
+        mask = mask or hybrid_mask(args.mask)
     torch.manual_seed(0)
-    teacher = LlamaForCausalLM(cfg).eval()
+    teacher = AutoModelForCausalLM.from_config(cfg).eval()
     hybrid = hybridize(teacher, mask).to(dev, dtype).eval()
     teacher = teacher.to(dev, dtype)
     g = torch.Generator().manual_seed(1)
     res = {"what": "transformers generate, ms per new token (2N - N tokens)/N, hybrid vs teacher, same arguments",
-           "shape": "SmolLM2-135M (30 x 9 heads, 3 KV, d 64)" if not args.smoke else "tiny (smoke)",
-           "mask": args.mask if not args.smoke else "tiny", "n_fa_heads": sum(len(h) for h in mask.fa_heads),
+           "shape": what, "family": args.family,
+           "mask": (args.mask if args.family == "smollm2" else "random 7:1") if not args.smoke else "tiny",
+           "n_fa_heads": sum(len(h) for h in mask.fa_heads),
            "dtype": str(dtype), "new_tokens": args.new_tokens, "reps": args.reps, "settings": SETTINGS,
            "inference_config": asdict(inference_config(hybrid)),
            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -139,7 +178,7 @@ def main() -> None:
     res["check_tokens"] = {str(dtype): check_tokens(hybrid, short, 8)}
     if dtype != torch.float32:  # the same check in fp32: the near-ties of bf16 rounding gone, every step must agree
         torch.manual_seed(0)
-        hybrid32 = hybridize(LlamaForCausalLM(cfg).eval(), mask).to(dev, torch.float32).eval()
+        hybrid32 = hybridize(AutoModelForCausalLM.from_config(cfg).eval(), mask).to(dev, torch.float32).eval()
         res["check_tokens"]["torch.float32"] = check_tokens(hybrid32, short, 8)
         del hybrid32
     print("generate vs the cache-free forward, teacher-forced:", res["check_tokens"], flush=True)
@@ -151,6 +190,7 @@ def main() -> None:
                 for name, m in (("teacher", teacher), ("hybrid", hybrid)):
                     ms, walls = ms_per_token(m, ids, args.new_tokens, setting, args.reps)
                     cell[f"{name}_ms_per_token"] = round(ms, 3)
+                    cell[f"{name}_first_call_ms"] = round(walls.pop("first_call"), 1)
                     cell[f"{name}_wall_ms"] = {str(k): round(v, 1) for k, v in walls.items()}
                 cell["hybrid_over_teacher"] = round(cell["hybrid_ms_per_token"] / cell["teacher_ms_per_token"], 3)
                 res["cells"].append(cell)

@@ -137,7 +137,8 @@ def test_registry_lists_backends_by_role_with_what_they_support():
                                                       ("captured_decode", "graph")}
     ref, lean = by[("prefill", "reference")], by[("prefill", "lean")]
     assert set(ref["features"]) >= {"window", "softcap", "partial_rotary", "biases", "qk_norm_teacher"}
-    assert lean["features"] == ["biases", "partial_rotary"] and lean["devices"] == ["cpu", "cuda"]
+    assert lean["features"] == ["biases", "logit_scale", "partial_rotary", "qk_norm_teacher", "softcap", "window"]
+    assert lean["devices"] == ["cpu", "cuda"] and "softcap" not in by[("decode", "lean")]["features"]
     assert "partial_rotary" not in by[("captured_decode", "graph")]["features"]
     json.dumps(rows)  # a result file can hold the listing
 
@@ -146,7 +147,7 @@ def test_auto_picks_the_fastest_that_applies_and_a_named_backend_that_does_not_i
     plain = Needs(frozenset({"biases"}), "bfloat16", "cuda")
     assert select("prefill", "auto", plain).name == "lean" and select("train", "auto", plain).name == "fused"
     assert select("prefill", "auto", replace(plain, device="cpu")).name == "reference"  # CPU: the reference
-    for feature in ("window", "softcap", "qk_norm_teacher", "nope_layer", "logit_scale", "short_conv"):
+    for feature in ("softcap", "nope_layer", "short_conv"):  # window, Gemma's QK-norm, logit scale: supported
         needs = replace(plain, features=frozenset({feature}))
         assert select("decode", "auto", needs).name == "reference"
         with pytest.raises(HeadscopeInputError, match=f"decode='lean' does not apply to layer 3: .*{feature}.*"

@@ -144,14 +144,21 @@ def _fake_flash_attn(calls):
     """A stand-in ``flash_attn`` package: records its calls and computes flash-attn's contract
     (layout [batch, time, head, d], GQA by head // r, bottom-right aligned causal) with the math."""
 
-    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **kw):
-        calls.append({"q": tuple(q.shape), "k": tuple(k.shape), "causal": causal, "scale": softmax_scale})
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                        **kw):
+        calls.append({"q": tuple(q.shape), "k": tuple(k.shape), "causal": causal, "scale": softmax_scale,
+                      "window_size": window_size, "softcap": softcap})
         T, S, r = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
         kk = k.repeat_interleave(r, dim=2).transpose(1, 2)
         vv = v.repeat_interleave(r, dim=2).transpose(1, 2)
         s = (q.transpose(1, 2).float() @ kk.float().transpose(-1, -2)) * softmax_scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
         if causal:
             s = s.masked_fill(~torch.ones(T, S, dtype=torch.bool).tril(S - T), float("-inf"))
+        if window_size[0] >= 0:  # key j visible iff j >= i + S - T - left (and, right = 0, causal)
+            i, j = torch.arange(T)[:, None] + S - T, torch.arange(S)[None]
+            s = s.masked_fill((j < i - window_size[0]) | (j > i + window_size[1]), float("-inf"))
         return (s.softmax(-1) @ vv.float()).to(q.dtype).transpose(1, 2)
 
     mod = types.ModuleType("flash_attn")
@@ -189,6 +196,15 @@ def test_fa_attention_dispatch(fake_flash):
         s = s.masked_fill(~torch.ones(T, S, dtype=torch.bool).tril(S - T), float("-inf"))
         brute = (s.softmax(-1) @ vv).transpose(1, 2)
         assert (out - brute).abs().max() < 1e-5 and (ref - brute).abs().max() < 1e-5
+    # a sliding window and a soft-cap go to flash-attn as window_size (w − 1, 0) and softcap, equal to SDPA's
+    for T, S in ((7, 7), (3, 10), (1, 12)):
+        q = torch.randn(B, T, Hq, d, generator=g)
+        k, v = torch.randn(B, Hk, S, d, generator=g), torch.randn(B, Hk, S, d, generator=g)
+        out = attn_mod.fa_attention(q, k, v, 0.3, kernel="auto", window=4, softcap=2.0)
+        assert fake_flash[-1]["window_size"] == (3, 0) and fake_flash[-1]["softcap"] == 2.0
+        ref = attn_mod.fa_attention(q, k, v, 0.3, kernel="sdpa", window=4, softcap=2.0)
+        full = attn_mod.fa_attention(q, k, v, 0.3, kernel="sdpa", softcap=2.0)
+        assert (out - ref).abs().max() < 1e-5 and (full - ref).abs().max() > 1e-2
     # an explicit (padding) mask always goes to SDPA
     n = len(fake_flash)
     attn_mod.fa_attention(q, k, v, 0.3, mask=torch.ones(B, 1, 1, 12, dtype=torch.bool), kernel="flash_attn")

@@ -100,7 +100,7 @@ def test_fa_head_of_sliding_layer_keeps_window_without_mask(name):
     assert (got - causal).abs().max().item() > 1e-2
 
 
-FAST = {"llama", "qwen2", "qwen3", "gpt_neox"}  # the lean backends apply to their layers (registry.py)
+FAST = {"llama", "qwen2", "qwen3", "mistral_sw", "gemma3", "gpt_neox"}  # the lean backends apply to their layers
 
 
 @pytest.mark.parametrize("name", NAMES)

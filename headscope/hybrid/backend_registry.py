@@ -78,7 +78,7 @@ class Backend:
         return getattr(importlib.import_module(mod, __package__), name)
 
 
-_FAST = frozenset({"biases", "partial_rotary"})  # Llama / Qwen2 / Qwen3 / GPT-NeoX layers (LayerSpec.plain)
+_FAST = frozenset({"biases", "partial_rotary", "window", "qk_norm_teacher", "logit_scale"})  # + Mistral, Gemma 3
 _REGISTRY: dict[tuple[str, str], Backend] = {}
 
 
@@ -98,9 +98,9 @@ def register(backend: Backend) -> Backend:
 for _role in ROLES:
     register(Backend("reference", _role, None, speed={"cpu": 1, "cuda": 0},
                      doc="the saved modeling code's forward (layer.py): every feature, any device"))
-register(Backend("fused", "train", ".inference.train_forward:fast_forward", Supports(_FAST), {"cpu": 0, "cuda": 10},
-                 "one input GEMM, no head permutation, all GDN heads in one kernel call"))
-register(Backend("lean", "prefill", ".inference.forward:prefill", Supports(_FAST), {"cpu": 0, "cuda": 10},
+register(Backend("fused", "train", ".inference.train_forward:fast_forward", Supports(_FAST | {"softcap",
+                 "nope_layer"}), {"cpu": 0, "cuda": 10}, "one input GEMM, no head permutation, all GDN heads in one kernel call"))
+register(Backend("lean", "prefill", ".inference.forward:prefill", Supports(_FAST | {"softcap"}), {"cpu": 0, "cuda": 10},
                  "fused projection, compiled glue, SDPA / flash-attn, GDN chunk forward in time blocks"))
 register(Backend("lean", "decode", ".inference.forward:decode_step", Supports(_FAST), {"cpu": 0, "cuda": 10},
                  "Triton decode kernels (one launch: FA prep + split-K, GDN step), else compiled PyTorch"))

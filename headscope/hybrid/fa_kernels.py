@@ -1,7 +1,8 @@
 """The FA heads' kernel choice beside the saved SDPA form (:mod:`.attn`): :func:`fa_attention` with ``kernel``
 (``HybridOptions.fa_kernel``) — ``"auto"``: flash-attn's ``flash_attn_func`` where it imports and applies (CUDA,
-fp16/bf16, no explicit mask, window or soft-cap), else SDPA; ``"sdpa"``; ``"flash_attn"`` (errors without it; masks,
-windows and soft-caps still go to SDPA). flash-attn is GQA-native and bottom-right causal, as :mod:`.attn` is.
+fp16/bf16, no explicit mask; a sliding window as its ``window_size``, a soft-cap as its ``softcap``), else SDPA;
+``"sdpa"``; ``"flash_attn"`` (errors without it; masks still go to SDPA). flash-attn is GQA-native and bottom-right
+causal, as :mod:`.attn` is.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def fa_attention(q: Float[Tensor, "batch time q_head d"], k: Float[Tensor, "batc
     """
     if kernel not in FA_KERNELS:
         raise ValueError(f"fa_kernel must be one of {FA_KERNELS}, got {kernel!r}")
-    use_flash = mask is None and window is None and softcap is None and (
-        kernel == "flash_attn" or (kernel == "auto" and flash_attn_usable(q) and flash_attn_available()))
+    use_flash = mask is None and (kernel == "flash_attn" or (
+        kernel == "auto" and flash_attn_usable(q) and flash_attn_available()))
     if not use_flash:
         return attn.fa_attention(q, k, v, scale, causal, mask, window, softcap)
     if not flash_attn_usable(q):
@@ -64,6 +65,7 @@ def fa_attention(q: Float[Tensor, "batch time q_head d"], k: Float[Tensor, "batc
                          "use fa_kernel='sdpa' or 'auto'")
     if q.shape[2] % k.shape[1]:
         raise ValueError(f"{q.shape[2]} query heads are not a multiple of {k.shape[1]} KV heads")
-    # flash-attn layout: [batch, time, head, d] for q, k and v; causal is bottom-right aligned
+    # flash-attn layout: [batch, time, head, d] for q, k and v; causal and the window (i − j ≤ w − 1) bottom-right
     return _flash_attn_func()(q, k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-                              causal=bool(causal and q.shape[1] > 1))
+                              causal=bool(causal and q.shape[1] > 1), softcap=float(softcap or 0.0),
+                              window_size=(int(window) - 1, 0) if window is not None else (-1, -1))

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .shapes import Float
+from .shapes import GdnGate, GdnOut, GdnQK, GdnState, GdnV
 
 GROUP_TOKENS = 1024  # gdn_chunked_torch: tokens whose chunk matrices are built at once (bounds memory)
 
@@ -32,16 +32,8 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
             raise ValueError(f"initial_state must be [batch, head, d_k, d_v] = {want}; got {tuple(initial_state.shape)}")
 
 
-def gdn_chunked_torch(
-    q: Float[Tensor, "batch time head dk"],
-    k: Float[Tensor, "batch time head dk"],
-    v: Float[Tensor, "batch time head dv"],
-    g: Float[Tensor, "batch time head"],
-    beta: Float[Tensor, "batch time head"],
-    scale: float | None = None,
-    initial_state: Optional[Float[Tensor, "batch head dk dv"]] = None,
-    chunk_size: int = 64,
-) -> tuple[Float[Tensor, "batch time head dv"], Float[Tensor, "batch head dk dv"]]:
+def gdn_chunked_torch(q: GdnQK, k: GdnQK, v: GdnV, g: GdnGate, beta: GdnGate, scale: float | None = None,
+                      initial_state: Optional[GdnState] = None, chunk_size: int = 64) -> GdnOut:
     """Exact chunked gated delta rule in PyTorch (fp32): what a saved hybrid runs with torch alone.
 
     Inside a chunk of C tokens with cumulative log decay G_t = Σ_{j≤t} g_j and Γ_t = exp(G_t), write

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .gdn import _check_shapes, gdn_chunked_torch
-from .shapes import Float
+from .shapes import GdnGate, GdnOut, GdnQK, GdnState, GdnV
 
 Kernel = Literal["auto", "torch", "fla"]
 _found: dict[str, bool] = {}
@@ -35,15 +35,8 @@ def fla_available() -> bool:
     return module_found("fla")
 
 
-def gdn_naive(
-    q: Float[Tensor, "batch time head dk"],
-    k: Float[Tensor, "batch time head dk"],
-    v: Float[Tensor, "batch time head dv"],
-    g: Float[Tensor, "batch time head"],
-    beta: Float[Tensor, "batch time head"],
-    scale: float | None = None,
-    initial_state: Optional[Float[Tensor, "batch head dk dv"]] = None,
-) -> tuple[Float[Tensor, "batch time head dv"], Float[Tensor, "batch head dk dv"]]:
+def gdn_naive(q: GdnQK, k: GdnQK, v: GdnV, g: GdnGate, beta: GdnGate, scale: float | None = None,
+              initial_state: Optional[GdnState] = None) -> GdnOut:
     """Token-by-token gated delta rule (eq. 7–8) in fp64, the brute-force reference: q, k (normalized beforehand if
     the model does), v, g (log decay, α_t = exp(g_t)), beta, scale (default d_k^-½), initial_state (S_0, zeros when
     None) -> (y, S_T) in v's dtype. Raises ValueError: inconsistent shapes."""
@@ -66,15 +59,8 @@ def gdn_naive(
     return y.to(v.dtype), S.to(v.dtype)
 
 
-def gdn_recurrent_torch(
-    q: Float[Tensor, "batch time head dk"],
-    k: Float[Tensor, "batch time head dk"],
-    v: Float[Tensor, "batch time head dv"],
-    g: Float[Tensor, "batch time head"],
-    beta: Float[Tensor, "batch time head"],
-    scale: float | None = None,
-    initial_state: Optional[Float[Tensor, "batch head dk dv"]] = None,
-) -> tuple[Float[Tensor, "batch time head dv"], Float[Tensor, "batch head dk dv"]]:
+def gdn_recurrent_torch(q: GdnQK, k: GdnQK, v: GdnV, g: GdnGate, beta: GdnGate, scale: float | None = None,
+                        initial_state: Optional[GdnState] = None) -> GdnOut:
     """Token-by-token gated delta rule (eq. 7–8) in fp32, for decoding a few tokens.
 
     Per token: S ← α S + k δᵀ with δ = β (v − α Sᵀ k) (= eq. 7: α (I − β k kᵀ) S + β k vᵀ), and
@@ -112,16 +98,8 @@ def _import_fla():
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
-def gdn_fla(
-    q: Float[Tensor, "batch time head dk"],
-    k: Float[Tensor, "batch time head dk"],
-    v: Float[Tensor, "batch time head dv"],
-    g: Float[Tensor, "batch time head"],
-    beta: Float[Tensor, "batch time head"],
-    scale: float | None = None,
-    initial_state: Optional[Float[Tensor, "batch head dk dv"]] = None,
-    recurrent: bool | None = None,
-) -> tuple[Float[Tensor, "batch time head dv"], Float[Tensor, "batch head dk dv"]]:
+def gdn_fla(q: GdnQK, k: GdnQK, v: GdnV, g: GdnGate, beta: GdnGate, scale: float | None = None,
+            initial_state: Optional[GdnState] = None, recurrent: bool | None = None) -> GdnOut:
     """flash-linear-attention kernels: ``chunk_gated_delta_rule``, or ``fused_recurrent_gated_delta_rule``
     for decoding (``recurrent=None`` picks it when time ≤ 8).
 
@@ -147,17 +125,9 @@ def gdn_fla(
     return y, S
 
 
-def gated_delta_rule(
-    q: Float[Tensor, "batch time head dk"],
-    k: Float[Tensor, "batch time head dk"],
-    v: Float[Tensor, "batch time head dv"],
-    g: Float[Tensor, "batch time head"],
-    beta: Float[Tensor, "batch time head"],
-    scale: float | None = None,
-    initial_state: Optional[Float[Tensor, "batch head dk dv"]] = None,
-    kernel: Kernel = "auto",
-    chunk_size: int = 64,
-) -> tuple[Float[Tensor, "batch time head dv"], Float[Tensor, "batch head dk dv"]]:
+def gated_delta_rule(q: GdnQK, k: GdnQK, v: GdnV, g: GdnGate, beta: GdnGate, scale: float | None = None,
+                     initial_state: Optional[GdnState] = None, kernel: Kernel = "auto",
+                     chunk_size: int = 64) -> GdnOut:
     """Dispatch the gated delta rule (eq. 7–8).
 
     ``kernel``: ``"fla"`` (CUDA only, errors elsewhere), ``"torch"`` (:func:`gdn_chunked_torch`; a

@@ -5,7 +5,9 @@ time, and transformers' import check skips imports inside ``try``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
+
+from torch import Tensor
 
 try:
     from jaxtyping import Float, Int
@@ -24,4 +26,8 @@ except ImportError:  # remote code without jaxtyping
         pass
 
 
-__all__ = ["Float", "Int"]
+# the gated delta rule's operands (gdn.py, gdn_kernels.py): q and k, v, the per-token log decay g and β, the state
+GdnQK, GdnV = Float[Tensor, "batch time head dk"], Float[Tensor, "batch time head dv"]
+GdnGate, GdnState = Float[Tensor, "batch time head"], Float[Tensor, "batch head dk dv"]
+GdnOut = tuple[GdnV, GdnState]  # (y, the final state)
+__all__ = ["Float", "Int", "GdnQK", "GdnV", "GdnGate", "GdnState", "GdnOut"]

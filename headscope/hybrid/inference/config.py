@@ -162,14 +162,30 @@ class LayerBackends:
         a layer whose ``o_proj`` has hooks runs the reference (the fast paths apply o_proj's weights directly)."""
         if layer.o_proj._forward_pre_hooks or layer.o_proj._forward_hooks:
             return None
-        if torch.is_grad_enabled() and cache is None and attention_mask is None and position_embeddings is not None:
-            fn = self.fn(layer, "train")  # the reference here: the inference check below
-            if fn is not None:
-                return fn(layer, x, *position_embeddings, position_ids)
-        if attention_mask is not None or not inference_call(layer, x):
-            return None
-        fn = self.fn(layer, "decode" if cache is not None and x.shape[1] == 1 else "prefill")
-        return None if fn is None else fn(layer, x, position_embeddings, position_ids, cache)
+        role = "train" if (torch.is_grad_enabled() and cache is None and position_embeddings is not None
+                           and self.fn(layer, "train") is not None) else None
+        if role is None and inference_call(layer, x):
+            role = "decode" if cache is not None and x.shape[1] == 1 else "prefill"
+        fn = self.fn(layer, role) if role is not None else None
+        if fn is None or (attention_mask is not None and not own_mask(layer, attention_mask, cache)):
+            return None  # the reference; a mask the layer would apply itself (own_mask) is left to the backend
+        if role == "train":
+            return fn(layer, x, *position_embeddings, position_ids)
+        return fn(layer, x, position_embeddings, position_ids, cache)
+
+
+def own_mask(layer: Any, mask: torch.Tensor, cache: Any) -> bool:
+    """Whether ``mask`` is the causal mask the layer applies without one — a 4-D bool [batch, 1, time, past + time]
+    that is causal and, for a sliding layer, its window (transformers builds it for a sliding layer's prompt longer
+    than the window), no padding — so a backend computes the call from ``LayerSpec.window`` (one comparison, a sync)."""
+    T, past = mask.shape[-2] if mask.dim() == 4 else 0, cache.length if cache is not None else 0
+    if mask.dim() != 4 or mask.dtype != torch.bool or mask.shape[1] != 1 or mask.shape[-1] != past + T:
+        return False
+    i = torch.arange(past, past + T, device=mask.device)[:, None]
+    j = torch.arange(past + T, device=mask.device)[None]
+    w, m = layer.spec.window, (mask[:1] if mask.stride(0) == 0 else mask)
+    want = (j <= i) & (i - j < w if w is not None else True)
+    return all(bool(want.eq(r).all()) for r in ([m] if m.numel() <= 1 << 24 else m.unbind(0)))  # bounded temporaries
 
 
 def inference_call(layer: Any, x: torch.Tensor) -> bool:

@@ -63,12 +63,12 @@ def fa_attend(layer: "HeadwiseHybridAttention", p: Plan, q: Tensor, k: Optional[
     write slot ``dp.pos`` and attend over the buffer up to it (the split-K length, or SDPA with a slot mask).
     ``prep``: q is already prepared and the token's K/V already in the cache (:func:`fa_decode_prep`); ``out``:
     the split-K kernel's ``out``/``gate``/``gamma``/``eps`` (the fused output)."""
-    T = q.shape[1]
-    splitk = T == 1 and cache is not None and _splitk_applies(q, layer)
+    T, lo = q.shape[1], window_start(p, past)
+    splitk = T == 1 and cache is not None and _splitk_applies(q, layer) and not (dp is not None and p.window)
     if splitk and prep:  # q prepared and K/V written into the cache by fa_decode_prep
         kc, vc, n_valid = cache.k, cache.v, None
         if dp is None:
-            kc, vc = kc[:, :, : past + 1], vc[:, :, : past + 1]
+            kc, vc = kc[:, :, lo: past + 1], vc[:, :, lo: past + 1]
         else:
             n_valid = dp.length()
         return decode_attention(q[:, 0], kc, vc, n_valid, layer.scaling,
@@ -79,17 +79,24 @@ def fa_attend(layer: "HeadwiseHybridAttention", p: Plan, q: Tensor, k: Optional[
         cache.v.index_copy_(2, dp.pos, v)
         k, v = cache.k, cache.v
         if not splitk:
-            valid = dp.valid if dp.valid is not None else torch.arange(cache.max_len, device=q.device) <= dp.pos
-            amask = valid[None, None, None]
+            slots = torch.arange(cache.max_len, device=q.device)
+            valid = dp.valid if dp.valid is not None else slots <= dp.pos
+            amask = (valid & (slots > dp.pos - p.window) if p.window else valid)[None, None, None]
     elif cache is not None:
         k, v = cache._write(k, v, past)
     if splitk:  # flash-decoding over the kept KV groups; the length from device memory with device positions
         n_valid = None if dp is None else dp.length()
-        return decode_attention(q[:, 0], k, v, n_valid, layer.scaling,
+        return decode_attention(q[:, 0], k[:, :, lo:], v[:, :, lo:], n_valid, layer.scaling,
                                 kv_index=None if layer._fa_gqa else p.fa_kv)[:, None]
     if not layer._fa_gqa:
         k, v = k.index_select(1, p.fa_kv), v.index_select(1, p.fa_kv)
-    return fa_attention(q, k, v, layer.scaling, causal=True, mask=amask, kernel=p.fa_kernel)
+    return fa_attention(q, k, v, layer.scaling, True, amask, p.fa_kernel, None if amask is not None else p.window,
+                        p.softcap)
+
+
+def window_start(p: Plan, past: int) -> int:
+    """The first cache slot a decode step at slot ``past`` attends to: past + 1 − w for a sliding layer, else 0."""
+    return max(0, past + 1 - p.window) if p.window else 0
 
 
 def gdn_decode(layer: "HeadwiseHybridAttention", p: Plan, qg: Tensor, kg: Tensor, vg: Tensor, a: Tensor,
@@ -102,7 +109,7 @@ def gdn_decode(layer: "HeadwiseHybridAttention", p: Plan, qg: Tensor, kg: Tensor
         return gdn_decode_step(**gdn_step_kw(layer, p, qg, kg, vg, a, b, cs, S, out, gamma))[:, None]
     q3, k3, v3 = (t.unflatten(-1, (ng, d)) for t in (qg, kg, vg))
     return glue("dec_gdn", (q3, k3, v3, a, b, *cs), (S, p.A_neg, p.dtb, p.qn, p.kn),
-                 inference_config(layer).compile_glue, eps=p.qk_eps, rope=p.gdn_rope, scale=float(layer.scaling))
+                 inference_config(layer).compile_glue, eps=p.qk_eps, rope=p.gdn_rope, scale=float(layer.gdn_scale))
 
 
 def gdn_step_kw(layer: "HeadwiseHybridAttention", p: Plan, qg: Tensor, kg: Tensor, vg: Tensor, a: Tensor,
@@ -112,7 +119,7 @@ def gdn_step_kw(layer: "HeadwiseHybridAttention", p: Plan, qg: Tensor, kg: Tenso
     ng, d = p.ng, p.d
     rope = p.gdn_rope and cs[0] is not None
     return dict(q=qg[:, 0].unflatten(-1, (ng, d)), k=kg[:, 0].unflatten(-1, (ng, d)), v=vg[:, 0].unflatten(-1, (ng, d)),
-                a=a[:, 0], b=b[:, 0], S=S, A_neg=p.A_neg, dt_bias=p.dtb, scale=float(layer.scaling),
+                a=a[:, 0], b=b[:, 0], S=S, A_neg=p.A_neg, dt_bias=p.dtb, scale=float(layer.gdn_scale),
                 cos=cs[0][:, 0] if rope else None, sin=cs[1][:, 0] if rope else None, q_norm=p.qn, k_norm=p.kn,
                 qk_eps=p.qk_eps, out=out, gamma=gamma, out_eps=p.eps)
 
@@ -163,9 +170,9 @@ def one_launch(layer: "HeadwiseHybridAttention", p: Plan, q: Tensor, k: Tensor, 
     y [B,ng,d] or None); with ``y_buf`` both write their fused outputs there. ``combine``: as
     :func:`hybrid_decode_step`'s; where it leaves the combination to the caller (``layer_tail.layer_tail``), the
     split-K namespace in place of o_fa."""
-    ng = p.ng
+    ng, lo = p.ng, window_start(p, past)
     if dp is None:
-        kc, vc, n_valid = cache.k[:, :, : past + 1], cache.v[:, :, : past + 1], None
+        kc, vc, n_valid = cache.k[:, :, lo: past + 1], cache.v[:, :, lo: past + 1], None
     else:
         kc, vc, n_valid = cache.k, cache.v, dp.length()
     gdn = None

@@ -147,7 +147,7 @@ def _gdn_prefill(layer: "HeadwiseHybridAttention", p: Plan, x: Tensor, st: dict,
         if st["free"]:  # the projection is no longer needed: free it before fla's intermediates
             st.update(z=None, free=False, gate=None if st["gate"] is None else st["gate"].clone())
         if ops is not None:
-            y, S = blocks.gdn_consume(ops, layer.scaling, S, p.gdn_kernel, layer.options.chunk_size, cfg.flash_qla)
+            y, S = blocks.gdn_consume(ops, layer.gdn_scale, S, p.gdn_kernel, layer.options.chunk_size, cfg.flash_qla)
         if y_g is None:
             y_g = y
         else:
@@ -187,7 +187,8 @@ def decode_step(layer: "HeadwiseHybridAttention", x: Tensor, position_embeddings
     z = z_in if z_in is not None else F.linear(x, p.W, p.b)
     S = cache.S if (past or dp is not None) else None
     q, k, v, gate = _fa_parts(p, z[..., : p.n_fa_rows]) if p.nf else (None,) * 4
-    prep = bool(p.nf) and (not p.fa_rope or full_rotary(cos, p.d)) and prep_applies(layer, q, 1, cache)
+    prep = (bool(p.nf) and (not p.fa_rope or full_rotary(cos, p.d)) and prep_applies(layer, q, 1, cache)
+            and not (dp is not None and p.window))  # a window at a device position: SDPA with the slot mask
     gdn_triton = not p.ng or (S is not None and (not p.gdn_rope or full_rotary(cos, p.d))
                               and gdn_step_applies(p.d, x.device))
     y_buf = g_out = None  # the fused output of the step: every head writes its fused output here
@@ -234,6 +235,6 @@ def _gdn_step(layer: "HeadwiseHybridAttention", p: Plan, z: Tensor, cos: Any, si
         qg, kg, vg, a, b = zg.split(p.g_sizes, dim=-1)
         return gdn_decode(layer, p, qg, kg, vg, a[..., : p.ng], b[..., : p.ng], cs, S, **(g_out or {}))
     ops = blocks.gdn_ops(blocks.gdn_cfg(layer, p, cs[0] is not None), zg, *cs, None, p.A_neg, p.dtb, p.qn, p.kn)
-    y, S = blocks.gdn_consume(ops, layer.scaling, None, p.gdn_kernel, layer.options.chunk_size, cfg.flash_qla)
+    y, S = blocks.gdn_consume(ops, layer.gdn_scale, None, p.gdn_kernel, layer.options.chunk_size, cfg.flash_qla)
     cache.S.copy_(S)
     return y

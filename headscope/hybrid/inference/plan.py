@@ -64,9 +64,10 @@ class Plan:
         self.Wo = layer.o_proj.weight.index_select(1, qrows(order)).contiguous()
         self.bo = layer.o_proj.bias
         self.gamma = layer.gamma.index_select(0, torch.tensor(order, device=dev)).float() if layer.gamma is not None else None
-        self.qn = layer.q_norm.weight.float() if layer.q_norm is not None else None
-        self.kn = layer.k_norm.weight.float() if layer.k_norm is not None else None
-        self.qk_eps = float(layer.q_norm.eps) if layer.q_norm is not None else 0.0
+        self.qk_eps = float(getattr(layer.q_norm, "eps", getattr(layer.q_norm, "variance_epsilon", 0.0)))
+        self.qn, self.kn = (None if n is None else _rms_weight(n, d, self.qk_eps, layer.spec.qk_norm == "teacher")
+                            for n in (layer.q_norm, layer.k_norm))
+        self.window, self.softcap = layer.spec.window, layer.spec.softcap
         if self.ng:
             self.A_neg = -layer.A_log.float().exp()
             self.dtb = layer.dt_bias.float()
@@ -80,6 +81,23 @@ class Plan:
         self.fa_kernel = "sdpa" if fk == "auto" and not flash_attn_available() else fk
         gk = opts.gdn_kernel
         self.gdn_kernel = ("fla" if dev.type == "cuda" and fla_available() else "torch") if gk == "auto" else gk
+
+
+def _rms_weight(norm: Any, d: int, eps: float, teacher: bool) -> Tensor:
+    """The fp32 weight w with which the per-head norm module computes x / RMS(x) · w: the hybrid's own weight (Qwen3's
+    form), or a teacher's (Gemma's (1 + w)) read off its output on a row of ones, then checked on random rows.
+
+    Raises:
+        ValueError: the module is not an RMSNorm over head_dim (the fix: prefill / decode ``"reference"``)."""
+    w = norm.weight
+    if teacher:
+        one = torch.ones(1, d, device=w.device)
+        w = norm(one).float().view(d) * math.sqrt(1.0 + eps)
+        x = torch.randn(4, d, device=w.device, generator=torch.Generator(w.device).manual_seed(0))
+        if not torch.allclose(norm(x).float(), rms_norm(x, w.float(), eps), rtol=1e-3, atol=1e-5):
+            raise ValueError(f"the layer's QK-norm {type(norm).__name__} is not x / RMS(x) · w over head_dim; use "
+                             "InferenceConfig(prefill='reference', decode='reference')")
+    return w.float()
 
 
 def plan(layer: "HeadwiseHybridAttention") -> Plan:

@@ -159,7 +159,7 @@ def gdn_cfg(layer: "HeadwiseHybridAttention", p: Plan, rope: bool) -> tuple:
     """The static configuration of a layer's GDN block: (column sizes of its projection rows, heads, d, QK-norm eps,
     RoPE, scale, kernel, chunk size, compiled glue, FlashQLA)."""
     cfg = inference_config(layer)
-    return (tuple(p.g_sizes), p.ng, p.d, p.qk_eps, p.gdn_rope and rope, float(layer.scaling), p.gdn_kernel,
+    return (tuple(p.g_sizes), p.ng, p.d, p.qk_eps, p.gdn_rope and rope, float(layer.gdn_scale), p.gdn_kernel,
             int(layer.options.chunk_size), cfg.compile_glue, cfg.flash_qla)
 
 

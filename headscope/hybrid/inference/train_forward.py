@@ -112,7 +112,7 @@ def fast_forward(
         outs.append(_fa_heads(layer, ix, x, q[:, :, :n_fa], z[i:], cos, sin, position_ids))
         i += 3 if layer.g_proj is not None else 2
     if n_gdn:  # GDN heads: one kernel call, here (a break inside a helper made Dynamo guard on `outs` per call)
-        yg = _gdn_call(*_gdn_inputs(layer, n_gdn, x, q[:, :, n_fa:], z[i:], cos, sin), layer.scaling,
+        yg = _gdn_call(*_gdn_inputs(layer, n_gdn, x, q[:, :, n_fa:], z[i:], cos, sin), layer.gdn_scale,
                        opts.gdn_kernel, opts.chunk_size)
         outs.append(yg.to(x.dtype))
 
@@ -140,13 +140,15 @@ def _fa_heads(layer: "HeadwiseHybridAttention", ix: TrainIndex, x: Tensor, q_fa:
     if layer.k_norm is not None:
         k = layer.k_norm(k)
     if opts.fa_pos == "rope":
-        q_fa, k = apply_rope(q_fa, cos, sin), apply_rope(k, cos, sin)
+        if layer.spec.rope:  # a NoPE layer of the teacher stays without positions
+            q_fa, k = apply_rope(q_fa, cos, sin), apply_rope(k, cos, sin)
     else:
         pos = position_ids if position_ids is not None else torch.arange(T, device=x.device)[None]
         q_fa = q_fa * nope_log_scale(pos.expand(B, T), opts.nope_a)[..., None, None].to(q_fa.dtype)
     if not layer._fa_gqa:
         k, v = k.index_select(2, ix.fa_kv), v.index_select(2, ix.fa_kv)
-    o = fa_attention(q_fa, k.transpose(1, 2), v.transpose(1, 2), layer.scaling, causal=True, kernel=ix.fa_kernel)
+    o = fa_attention(q_fa, k.transpose(1, 2), v.transpose(1, 2), layer.scaling, True, None, ix.fa_kernel,
+                     layer.spec.window, layer.spec.softcap)
     if layer.g_proj is not None:
         o = o * torch.sigmoid(z[2].view(B, T, n_fa, d))
     return o
@@ -160,7 +162,7 @@ def _gdn_inputs(layer: "HeadwiseHybridAttention", n_gdn: int, x: Tensor, qg: Ten
     kg, vg, a, b = z[0].view(B, T, n_gdn, d), z[1].view(B, T, n_gdn, d), z[2], z[3]
     if layer.k_norm is not None:
         kg = layer.k_norm(kg)
-    if layer.options.gdn_rope:
+    if layer.options.gdn_rope and layer.spec.rope:
         qg, kg = apply_rope(qg, cos, sin), apply_rope(kg, cos, sin)
     qg, kg = _l2norm(qg, x.dtype), _l2norm(kg, x.dtype)
     beta = torch.sigmoid(b.float())

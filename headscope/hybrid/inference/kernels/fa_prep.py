@@ -72,21 +72,13 @@ def glue_args(q: Tensor, cos: Optional[Tensor], sin: Optional[Tensor], positions
             sin.stride(0) if rope else 0, pos.stride(0) if nope and pos.shape[0] > 1 else 0, rope, qkn, nope)
 
 
-def fa_decode_prep_torch(
-    q: Float[Tensor, "batch fa_head d"],
-    k: Float[Tensor, "batch kv_group d"],
-    v: Float[Tensor, "batch kv_group d"],
-    k_cache: Float[Tensor, "batch kv_group slots d"],
-    v_cache: Float[Tensor, "batch kv_group slots d"],
-    slot: Union[int, Tensor],
-    cos: Optional[Float[Tensor, "batch d"]] = None,
-    sin: Optional[Float[Tensor, "batch d"]] = None,
-    positions: Optional[Tensor] = None,
-    nope_a: Optional[float] = None,
-    q_norm: Optional[Float[Tensor, " d"]] = None,
-    k_norm: Optional[Float[Tensor, " d"]] = None,
-    qk_eps: float = 0.0,
-) -> Float[Tensor, "batch fa_head d"]:
+def fa_decode_prep_torch(q: Float[Tensor, "batch fa_head d"], k: Float[Tensor, "batch kv_group d"],
+                         v: Float[Tensor, "batch kv_group d"], k_cache: Float[Tensor, "batch kv_group slots d"],
+                         v_cache: Float[Tensor, "batch kv_group slots d"], slot: Union[int, Tensor],
+                         cos: Optional[Float[Tensor, "batch d"]] = None, sin: Optional[Float[Tensor, "batch d"]] = None,
+                         positions: Optional[Tensor] = None, nope_a: Optional[float] = None,
+                         q_norm: Optional[Float[Tensor, " d"]] = None, k_norm: Optional[Float[Tensor, " d"]] = None,
+                         qk_eps: float = 0.0) -> Float[Tensor, "batch fa_head d"]:
     """The reference of :func:`fa_decode_prep` in PyTorch (same arguments; the caches written in place)."""
     check_args(q, k, v, k_cache, v_cache, cos, sin, q_norm, k_norm, nope_a)
     B = q.shape[0]
@@ -178,21 +170,13 @@ def _build() -> dict:
 applies = kernel_applies  # whether :func:`fa_decode_prep` runs here (see splitk.kernel_applies)
 
 
-def fa_decode_prep(
-    q: Float[Tensor, "batch fa_head d"],
-    k: Float[Tensor, "batch kv_group d"],
-    v: Float[Tensor, "batch kv_group d"],
-    k_cache: Float[Tensor, "batch kv_group slots d"],
-    v_cache: Float[Tensor, "batch kv_group slots d"],
-    slot: Union[int, Tensor],
-    cos: Optional[Float[Tensor, "batch d"]] = None,
-    sin: Optional[Float[Tensor, "batch d"]] = None,
-    positions: Optional[Tensor] = None,
-    nope_a: Optional[float] = None,
-    q_norm: Optional[Float[Tensor, " d"]] = None,
-    k_norm: Optional[Float[Tensor, " d"]] = None,
-    qk_eps: float = 0.0,
-) -> Float[Tensor, "batch fa_head d"]:
+def fa_decode_prep(q: Float[Tensor, "batch fa_head d"], k: Float[Tensor, "batch kv_group d"],
+                   v: Float[Tensor, "batch kv_group d"], k_cache: Float[Tensor, "batch kv_group slots d"],
+                   v_cache: Float[Tensor, "batch kv_group slots d"], slot: Union[int, Tensor],
+                   cos: Optional[Float[Tensor, "batch d"]] = None, sin: Optional[Float[Tensor, "batch d"]] = None,
+                   positions: Optional[Tensor] = None, nope_a: Optional[float] = None,
+                   q_norm: Optional[Float[Tensor, " d"]] = None, k_norm: Optional[Float[Tensor, " d"]] = None,
+                   qk_eps: float = 0.0) -> Float[Tensor, "batch fa_head d"]:
     """One decode token of the FA heads: the prepared queries, the key/value written into the cache.
 
     Per FA query head: QK-RMSNorm (``q_norm``), then RoPE (``cos``/``sin``) or the NoPE scale s_t = log(t + a) / log(a)

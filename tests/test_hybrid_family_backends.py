@@ -1,0 +1,193 @@
+"""The fast backends on the Mistral (sliding window 24) and Gemma 3 (sliding window 8 between full layers, a RoPE
+base per layer type, Gemma's QK-norm, scaled embedding) hybrids (issue 61 item 4): each role's fast backend against
+the reference forward of the same model — tiny random models of tests/families.py, CPU, fp32, prompts past every
+window; the decode kernels run through Triton's interpreter where tests/conftest.py sets it (else their PyTorch
+forms). GPU checks in bf16 against fp64: tests/test_hybrid_gpu_checks.py."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import masking_utils
+
+from headscope import HeadscopeInputError
+from headscope.hybrid import HybridCache, hybridize
+from headscope.hybrid.backend_registry import Needs, replace_all, select
+from headscope.hybrid.inference import DEFAULT, forward, model_step, train_forward, use_inference
+from headscope.hybrid.inference.config import own_mask
+from headscope.hybrid.modeling_hybrid import attention_name, decoder_layers
+from headscope.masks import HeadMask
+
+from families import FAMILIES
+
+V, T, T0 = 128, 40, 34  # prompts past every window; decode steps from T0 to T (one sequence: the interpreter)
+REF = replace_all(DEFAULT, "reference")
+# Gemma 3's decoder layer (sandwich norms) is not the Llama form the captured step computes: its reference
+FAST = {"mistral_sw": replace(DEFAULT, train="fused", prefill="lean", decode="lean", captured_decode="graph"),
+        "gemma3": replace(DEFAULT, train="fused", prefill="lean", decode="lean", captured_decode="reference")}
+
+
+@pytest.fixture(scope="module", params=sorted(FAST))
+def hybrid(request):
+    """(family, hybrid): FA heads l mod H (+ H − 1 on odd layers), GDN decay / β / γ moved off their initial values."""
+    t = FAMILIES[request.param](V, 0).float().eval()
+    c = t.config
+    L, H, KV = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
+    mask = HeadMask(L, H, KV, tuple(tuple(sorted({l % H} | ({H - 1} if l % 2 else set()))) for l in range(L)))
+    h = hybridize(t, mask, gdn_kernel="torch").eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in h.named_parameters():
+            if any(k in n for k in ("A_log", "a_proj", "b_proj", "gamma")):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return request.param, h
+
+
+def _ids(batch=2):
+    return torch.randint(0, V, (batch, T), generator=torch.Generator().manual_seed(0))
+
+
+def _counting(monkeypatch, module, name):
+    calls = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _train_step(h, cfg):
+    use_inference(h, cfg)
+    h.zero_grad()
+    logits = h(_ids(), use_cache=False).logits
+    logits.square().mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in h.named_parameters() if p.grad is not None}
+
+
+def test_fused_training_forward_equals_the_reference(hybrid, monkeypatch):
+    """Logits and every gradient of the fused train backend equal the reference's; it computes every layer, the
+    sliding ones too (transformers' causal-window mask recognized as the layer's own and left to the backend)."""
+    name, h = hybrid
+    want, g_want = _train_step(h, REF)
+    calls = _counting(monkeypatch, train_forward, "fast_forward")
+    got, g_got = _train_step(h, FAST[name])
+    assert len(calls) == len(decoder_layers(h))
+    assert want.abs().max() > 0.5 and (got - want).abs().max() < 2e-5
+    assert g_got.keys() == g_want.keys() and len(g_got) > 10
+    for n in g_want:
+        torch.testing.assert_close(g_got[n], g_want[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_lean_prefill_and_decode_equal_the_reference(hybrid, monkeypatch):
+    """The lean prefill's logits equal the reference forward's; decode steps into a HybridCache from T0 to T (past
+    every window: the FA heads of sliding layers attend to their last w slots) equal the reference forward's logits
+    at those positions; greedy generate gives the reference's tokens. Mistral's decode steps run as the captured
+    whole-model step (device positions; on CPU eagerly)."""
+    name, h = hybrid
+    ids = _ids()
+    with torch.no_grad():
+        use_inference(h, REF)
+        want = h(ids).logits
+        want_gen = h.generate(ids[:1, :T0], max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        pre, dec = _counting(monkeypatch, forward, "prefill"), _counting(monkeypatch, forward, "decode_step")
+        captured = []
+        real_step = model_step.model_forward
+        monkeypatch.setattr(model_step, "model_forward",
+                            lambda *a: (lambda out: captured.append(out is not None) or out)(real_step(*a)))
+        use_inference(h, FAST[name])
+        assert (h(ids).logits - want).abs().max() < 2e-5 and len(pre) == len(decoder_layers(h))
+        cache = HybridCache(h.config, max_len=64)
+        h(ids[:1, :T0], cache=cache, use_cache=True)
+        steps = torch.stack([h(ids[:1, t: t + 1], cache=cache, use_cache=True).logits[:, -1] for t in range(T0, T)], 1)
+        assert (steps - want[:1, T0:]).abs().max() < 2e-5
+        assert torch.equal(h.generate(ids[:1, :T0], max_new_tokens=6, min_new_tokens=6, do_sample=False), want_gen)
+    assert any(captured) == (name == "mistral_sw")  # Mistral: the captured step calls the lean step itself
+    assert len(dec) == (0 if name == "mistral_sw" else len(decoder_layers(h)) * (T - T0 + 5))  # Gemma 3: every layer
+
+
+def test_own_mask_is_only_the_unpadded_causal_window():
+    """transformers' sliding-window mask of an unpadded prompt is the layer's own (a backend may drop it); a padded
+    one, another window, or a full layer given a window's mask is not."""
+    t = FAMILIES["mistral_sw"](V, 0).float().eval()
+    h = hybridize(t, HeadMask(2, 4, 2, ((0,), (1,))), gdn_kernel="torch").eval()
+    layer = getattr(decoder_layers(h)[0], attention_name(decoder_layers(h)[0]))
+    emb = torch.zeros(2, T, 64)
+    pad = torch.ones(2, T, dtype=torch.long)
+    pad[1, :3] = 0
+    masks = {k: masking_utils.create_sliding_window_causal_mask(config=h.config, inputs_embeds=emb, attention_mask=m,
+                                                               cache=None, position_ids=torch.arange(T)[None])
+             for k, m in (("plain", None), ("padded", pad))}
+    assert own_mask(layer, masks["plain"], None) and not own_mask(layer, masks["padded"], None)
+    full = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    assert not own_mask(layer, full, None)  # a sliding layer given the full causal mask
+    layer.spec = replace(layer.spec, window=None)
+    try:
+        assert own_mask(layer, full, None) and not own_mask(layer, masks["plain"], None)
+    finally:
+        layer.spec = replace(layer.spec, window=24)
+
+
+def test_backends_say_what_they_lack():
+    """auto picks the fast backends for Mistral and Gemma 3 layers on CUDA; a backend named for a feature it lacks is
+    refused, the message naming the feature and the fix: the captured step for Gemma 3's decoder layer, the decode
+    kernels for a soft-capped layer (Gemma 2 style)."""
+    mistral, gemma = Needs(frozenset({"window"}), "bfloat16", "cuda"), Needs(
+        frozenset({"window", "qk_norm_teacher", "logit_scale"}), "bfloat16", "cuda")
+    for needs in (mistral, gemma):
+        assert [select(r, "auto", needs).name for r in ("train", "prefill", "decode")] == ["fused", "lean", "lean"]
+    assert select("captured_decode", "auto", mistral).name == "graph"
+    assert select("captured_decode", "auto", replace(gemma, features=gemma.features | {"other_decoder_layer"})
+                  ).name == "reference"
+    t = FAMILIES["gemma3"](V, 0).float().eval()
+    h = hybridize(t, HeadMask(3, 4, 2, ((0,), (1,), (2,))), gdn_kernel="torch").eval()
+    with pytest.raises(HeadscopeInputError, match="other_decoder_layer.*captured_decode='auto'"):
+        use_inference(h, replace(DEFAULT, captured_decode="graph"))
+    soft = Needs(frozenset({"softcap"}), "bfloat16", "cuda")
+    assert select("prefill", "lean", soft).name == "lean" and select("decode", "auto", soft).name == "reference"
+    with pytest.raises(HeadscopeInputError, match="lacks feature softcap; use decode='auto'"):
+        select("decode", "lean", soft, " to layer 0")
+
+
+# ------------------------------------------------------------------------------------------------- on the GPU
+def _rel(got, want):
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/recipes/gpu_tests.sh)")
+@pytest.mark.parametrize("name", sorted(FAST))
+def test_auto_backends_in_bf16_on_cuda_against_fp64(name):
+    """On CUDA in bf16 with the default InferenceConfig ("auto": fused / lean / lean, Mistral's decode steps as the
+    captured graph; the Triton decode kernels, fla and flash-attn where installed), head_dim 64: the training
+    forward's logits, the prefill's and decode steps' past every window, each against the fp64 reference forward of
+    the same weights (CPU), relative RMS error at most 2 × the bf16 reference forward's own + 0.01 (a wrong window,
+    norm or scale gives errors of order 1)."""
+    errs = _bf16_errors(name, "cuda")
+    for fast, ref in zip(errs["auto"], errs["reference"]):
+        assert fast <= 2 * ref + 0.01, errs
+
+
+def _bf16_errors(name, device):
+    """{"reference" | "auto": [train, prefill, decode] relative RMS errors of the bf16 model on ``device``}."""
+    from headscope.arch.random_models import hybrid_families
+
+    t = hybrid_families((3, 256, 4, 2))[name](V, 0).float().eval()
+    mask = HeadMask(3, 4, 2, ((0,), (1, 3), (2,)))
+    h64 = hybridize(t, mask).double().eval()
+    use_inference(h64, REF)
+    ids = torch.randint(0, V, (2, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = h64(ids).logits
+    errs = {}
+    for cfg_name, cfg in (("reference", REF), ("auto", DEFAULT)):
+        h = hybridize(t, mask).to(device, torch.bfloat16).eval()
+        h.load_state_dict({k: v.to(torch.bfloat16) for k, v in h64.state_dict().items()})
+        use_inference(h, cfg)
+        x = ids.to(device)
+        train = h(x, use_cache=False).logits.float().cpu()  # gradients on: the train role
+        with torch.no_grad():
+            full = h(x).logits.float().cpu()
+            cache = HybridCache(h.config, max_len=128)
+            h(x[:, :88], cache=cache, use_cache=True)
+            steps = torch.stack([h(x[:, t: t + 1], cache=cache, use_cache=True).logits[:, -1] for t in range(88, 96)], 1)
+        errs[cfg_name] = [_rel(train, want), _rel(full, want), _rel(steps.float().cpu(), want[:, 88:])]
+    print(name, "relative RMS error vs fp64 [train, prefill, decode]:", errs)
+    return errs
