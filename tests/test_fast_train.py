@@ -261,6 +261,33 @@ def test_fast_step_compiles_once_per_head_count(teacher):
     assert first <= 10, first
 
 
+@pytest.mark.parametrize("kind,stage", [("hybrid", 1), ("hybrid", 2), ("hybrid", 3), ("dense", 2), ("dense", 3)])
+def test_fast_step_equals_plain_step_on_mistral(kind, stage):
+    """A Mistral teacher with a sliding window (24) on 32-token rows: the fast step's loss, logged values and
+    gradients equal stage_loss + backward (the window mask given to the dense layers, the hybrid layers' fused
+    training backend applying their own window); without the mask the teacher would see every earlier token.
+    (Stage 1 aligns a hybrid's attention layers: no dense student.)"""
+    from families import FAMILIES
+    from headscope.train.fast import window_mask
+
+    t = FAMILIES["mistral_sw"](256, 0).float().eval()
+    st = FAMILIES["mistral_sw"](256, 1).float().eval() if kind == "dense" else hybridize(
+        t, HeadMask(2, 4, 2, ((0,), (1, 3))), gdn_kernel="torch")
+    params = [p for _, p in trainable_parameters(st, stage)]
+    ids, m = _batch(2, 32)
+    assert window_mask(t, 32, ids.device).sum() < 32 * 33 // 2 and window_mask(t, 24, ids.device) is None
+    st.zero_grad()
+    loss, scalars = stage_loss(stage, st, t, ids, m)
+    loss.backward()
+    g_ref = [p.grad.clone() for p in params]
+    fs = FastStep(stage, st, t, params, compile=False)
+    logged = fs(ids, m)
+    torch.testing.assert_close(logged, torch.tensor(list(scalars.values())), rtol=1e-5, atol=1e-6)
+    for p, g in zip(params, g_ref):
+        _close(p.grad, g)
+    fs.close()
+
+
 def test_fast_step_rejects_bad_input(teacher):
     st = _student(teacher, "hybrid")
     with pytest.raises(ValueError, match="stage"):
