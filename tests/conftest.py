@@ -67,6 +67,36 @@ def smol_tokenizer():
     return load_tokenizer("smollm2-135m")
 
 
+@pytest.fixture(scope="session")
+def small_tokenizer():
+    """A 2,048-token byte-level BPE built in-process (tests/small_vocab.py): for tiny models where SmolLM2's 49,152
+    tokens are not the point (their LM head would be most of the compute)."""
+    from small_vocab import small_tokenizer as build
+
+    return build()
+
+
+class Vocab:
+    """A stand-in tokenizer of ``n`` tokens where only the vocabulary's size matters (``tiny_llama`` reads
+    ``len(tokenizer)``): a 256-token embedding and LM head keep trainer tests fast."""
+
+    def __init__(self, n: int = 256):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-matmul tests: avoids OpenMP spin contention on a busy 2-core machine
+    (use with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny_llama(tokenizer, seed: int = 0, n_layers: int = 2, n_heads: int = 4, n_kv: int = 2, d_model: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -82,6 +112,18 @@ def tiny_llama(tokenizer, seed: int = 0, n_layers: int = 2, n_heads: int = 4, n_
         rope_theta=10000.0,
     )
     return LlamaForCausalLM(cfg).eval()
+
+
+def scaled_llama(tokenizer, seed: int = 7):
+    """``tiny_llama`` with its matrices (embeddings aside) redrawn at std 0.1 from ``seed``: niah pairs then have
+    clean-corrupted gaps of ~0.3 logits, not ~0.003."""
+    t = tiny_llama(tokenizer)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in t.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                torch.nn.init.normal_(p, std=0.1)
+    return t.eval()
 
 
 @pytest.fixture(scope="session")

@@ -27,12 +27,7 @@ from conftest import tiny_llama
 MASK = HeadMask(2, 4, 2, ((1,), (0, 3)))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def corpus_text(n_docs: int = 40, seed: int = 0) -> str:
@@ -47,11 +42,11 @@ def corpus_text(n_docs: int = 40, seed: int = 0) -> str:
 
 
 @pytest.fixture(scope="module")
-def setup(smol_tokenizer, tmp_path_factory):
+def setup(small_tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp("convert")
-    teacher = tiny_llama(smol_tokenizer, seed=3, d_model=32)  # the 49,152-token LM head is most of a step's cost
+    teacher = tiny_llama(small_tokenizer, seed=3, d_model=32)  # a 2,048-token LM head (not 49,152): the layers are the cost
     teacher.save_pretrained(root / "teacher")
-    smol_tokenizer.save_pretrained(root / "teacher")
+    small_tokenizer.save_pretrained(root / "teacher")
     (root / "corpus.txt").write_text(corpus_text())
     MASK.to_json(root / "mask.json")
     return root, teacher
@@ -63,15 +58,15 @@ def _recipe(root, **kw):
     return ConvertRecipe(**{**base, **kw})
 
 
-def _tok(smol_tokenizer):
-    if smol_tokenizer.pad_token_id is None:
-        smol_tokenizer.pad_token = smol_tokenizer.eos_token
-    return smol_tokenizer
+def _tok(small_tokenizer):
+    if small_tokenizer.pad_token_id is None:
+        small_tokenizer.pad_token = small_tokenizer.eos_token
+    return small_tokenizer
 
 
-def test_three_stages_write_model_folders_and_resume_exactly(setup, smol_tokenizer, tmp_path):
+def test_three_stages_write_model_folders_and_resume_exactly(setup, small_tokenizer, tmp_path):
     root, teacher = setup
-    tok = _tok(smol_tokenizer)
+    tok = _tok(small_tokenizer)
     recipe = _recipe(root)
     full = convert_model(teacher, tok, MASK, tmp_path / "full", recipe=recipe, progress=False)
     assert full["finished"] and full["folder"] == str(tmp_path / "full" / "stage3")
@@ -132,7 +127,7 @@ SUBPROCESS_LOAD = textwrap.dedent("""
 """)
 
 
-def test_cli_convert_final_folder_loads_without_headscope(setup, smol_tokenizer, tmp_path):
+def test_cli_convert_final_folder_loads_without_headscope(setup, small_tokenizer, tmp_path):
     root, _ = setup
     out = tmp_path / "conv"
     args = ["convert", "--model", str(root / "teacher"), "--mask", str(root / "mask.json"), "--out", str(out),
@@ -165,11 +160,11 @@ def test_cli_convert_final_folder_loads_without_headscope(setup, smol_tokenizer,
     assert r.exit_code == 2 and "stage1 is not a finished stage" in r.output, r.output
 
 
-def test_default_stage3_rows_share_no_3gram_with_the_evaluation(setup, smol_tokenizer):
+def test_default_stage3_rows_share_no_3gram_with_the_evaluation(setup, small_tokenizer):
     from headscope.tasks.formats import EVAL_FAMILIES, wording_ngrams, words, ngrams
 
     root, _ = setup
-    tok = _tok(smol_tokenizer)
+    tok = _tok(small_tokenizer)
     recipe = _recipe(root)
     assert ConvertRecipe().s3_seen_task is None and ConvertRecipe().s3_wordings == 6
     docs = [list(tok(t)["input_ids"]) for t in corpus_text().split("\n\n")]
@@ -195,7 +190,7 @@ class _Evil:
         return (os.system, ("echo pwned > /dev/null",))
 
 
-def test_checkpoint_that_would_run_code_is_refused(setup, smol_tokenizer, tmp_path):
+def test_checkpoint_that_would_run_code_is_refused(setup, small_tokenizer, tmp_path):
     """A checkpoint folder whose files are pickles (a foreign or old format) is refused, never unpickled."""
     from headscope.train.parallel import load_checkpoint, read_trainer_state
 
@@ -240,7 +235,7 @@ def test_cli_defaults_are_the_recipe():
     assert [parse_tokens(x) for x in ("12.5M", "200K", "200000", "1.5e6", "2G")] == [12_500_000, 200_000, 200_000, 1_500_000, 2 * 10**9]
 
 
-def test_sampled_documents_are_saved_per_shard_and_reused(setup, smol_tokenizer, tmp_path):
+def test_sampled_documents_are_saved_per_shard_and_reused(setup, small_tokenizer, tmp_path):
     """Without a corpus the teacher samples the documents in shards of sample_batch (shard k with seed 10,000 · seed
     + k), each saved as it finishes; a resumed run reads them instead of sampling again."""
     import headscope.train.data as data_mod
@@ -248,7 +243,7 @@ def test_sampled_documents_are_saved_per_shard_and_reused(setup, smol_tokenizer,
     from headscope.train.recipe import docs_sha256
 
     root, teacher = setup
-    tok = _tok(smol_tokenizer)
+    tok = _tok(small_tokenizer)
     recipe = ConvertRecipe(seq_len=32, long_len=64, batch_size=2, batch_long=2, docs=7, heldout_docs=0, doc_len=30,
                            sample_batch=3, s2_retrieval=0.0, s3_retrieval=0.0, stage_tokens=(64, 64, 128), seed=2)
     calls = []

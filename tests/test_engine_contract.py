@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import scaled_llama
 
 from headscope.masks import HeadMask
 from headscope.models import wrap
@@ -19,17 +19,6 @@ from headscope.patching.layer_ops import head_slice
 from headscope.patching.receivers import sequences
 from headscope.readout import logit_diff
 from headscope.tasks import niah_single
-
-
-def scaled_llama(tokenizer, seed: int = 7):
-    """The tiny 2-layer GQA Llama (4 heads, 2 KV heads) with weights of std 0.1: gaps of ~0.3 logits."""
-    t = tiny_llama(tokenizer)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in t.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                torch.nn.init.normal_(p, std=0.1)
-    return t.eval()
 
 
 @pytest.fixture(scope="module")

@@ -27,30 +27,20 @@ from headscope.train.fast import FastStep, flops_per_token, model_body
 from headscope.train.fused_loss import ce_chunk, kl_chunk, linear_ce_loss, linear_kl_loss
 from headscope.train.stages import _capture_attention_io
 
-from conftest import fast_first, tiny_llama
+from conftest import Vocab, fast_first, tiny_llama
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-class _Vocab:
-    def __len__(self):
-        return 256
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def teacher():
-    return tiny_llama(_Vocab(), seed=3, n_layers=2, n_heads=4, n_kv=2, d_model=64)
+    return tiny_llama(Vocab(), seed=3, n_layers=2, n_heads=4, n_kv=2, d_model=64)
 
 
 def _student(teacher, kind):
     if kind == "dense":
-        return tiny_llama(_Vocab(), seed=4, n_layers=2, n_heads=4, n_kv=2, d_model=64)
+        return tiny_llama(Vocab(), seed=4, n_layers=2, n_heads=4, n_kv=2, d_model=64)
     st = hybridize(teacher, HeadMask(2, 4, 2, ((0,), (1, 3))))
     with torch.no_grad():  # move the GDN gates off their exact initial values
         for n, p in st.named_parameters():
@@ -242,7 +232,7 @@ def test_fast_step_equals_plain_step(teacher, kind, stage, backend):
 @pytest.mark.slow
 def test_fast_step_compiles_once_per_head_count(teacher):
     """Layers with the same FA / GDN head counts share compiled graphs, whichever heads they are."""
-    t6 = tiny_llama(_Vocab(), seed=5, n_layers=6, n_heads=4, n_kv=2, d_model=64)
+    t6 = tiny_llama(Vocab(), seed=5, n_layers=6, n_heads=4, n_kv=2, d_model=64)
     st = hybridize(t6, HeadMask(6, 4, 2, ((0,), (1,), (2,), (3,), (0, 1), (2, 3))))
     n = {"graphs": 0}
 

@@ -13,7 +13,7 @@ from headscope.masks import HeadMask
 from headscope.train import TokenRows, TrainConfig, Trainer, stage_loss, trainable_parameters
 from headscope.train.fast import FastStep
 
-from conftest import tiny_llama
+from conftest import Vocab, tiny_llama
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,13 +23,8 @@ pytestmark = [
 ]
 
 
-class _Vocab:
-    def __len__(self):
-        return 256
-
-
 def _models(dtype=torch.float32):
-    teacher = tiny_llama(_Vocab(), seed=3, n_layers=2, n_heads=4, n_kv=2, d_model=64).cuda()
+    teacher = tiny_llama(Vocab(), seed=3, n_layers=2, n_heads=4, n_kv=2, d_model=64).cuda()
     student = hybridize(teacher, HeadMask(2, 4, 2, ((0,), (1, 3))))
     return teacher.to(dtype), student
 
@@ -110,7 +105,7 @@ def test_step_on_the_second_gpu_is_captured():
     """A step on cuda:1 while the current device is cuda:0 (a queue started with --device cuda:1) is
     captured on cuda:1's stream: before the fix its capture failed and the step ran ungraphed."""
     assert torch.cuda.current_device() == 0
-    teacher = tiny_llama(_Vocab(), seed=3, n_layers=2, n_heads=4, n_kv=2, d_model=64).to("cuda:1", torch.bfloat16)
+    teacher = tiny_llama(Vocab(), seed=3, n_layers=2, n_heads=4, n_kv=2, d_model=64).to("cuda:1", torch.bfloat16)
     st = hybridize(teacher, HeadMask(2, 4, 2, ((0,), (1, 3)))).to("cuda:1")
     params = [p for _, p in trainable_parameters(st, 2)]
     ids, mask = (t.to("cuda:1") for t in _batch())

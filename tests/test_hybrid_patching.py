@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import scaled_llama
 
 from headscope.masks import HeadMask
 from headscope.models import wrap
@@ -27,12 +27,7 @@ def tiny_hybrid(tokenizer, gdn_conv: int = 0, seed: int = 7):
     niah pairs have clean-corrupted gaps of ~0.3 logits, not ~0.003), the hybrid's new parameters perturbed."""
     import headscope
 
-    t = tiny_llama(tokenizer)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in t.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                torch.nn.init.normal_(p, std=0.1)
+    t = scaled_llama(tokenizer, seed)
     mask = HeadMask.from_heads(FA, 2, 4, 2)
     hy = headscope.hybridize(t, mask, fa_pos="nope", gdn_rope=True, fa_gate=True, gdn_kernel="torch",
                              gdn_conv=gdn_conv).eval()

@@ -110,7 +110,7 @@ def test_keep_and_cli_rows_beside_the_studys(tmp_path):
 
 
 @pytest.mark.slow
-def test_driver_end_to_end_on_a_tiny_model(smol_tokenizer, tmp_path):
+def test_driver_end_to_end_on_a_tiny_model(small_tokenizer, tmp_path):
     """convert (the three stages, baseline lever), eval (the teacher beside), generate, the anatomy (rank on the
     hybrid path + anatomy) and the tables through the package's commands on a tiny random Llama; the eval's rows land
     in the tables' retention.csv as source = cli."""
@@ -119,8 +119,8 @@ def test_driver_end_to_end_on_a_tiny_model(smol_tokenizer, tmp_path):
     from conftest import tiny_llama
 
     teacher = tmp_path / "teacher"
-    tiny_llama(smol_tokenizer, seed=3).save_pretrained(teacher)
-    smol_tokenizer.save_pretrained(teacher)
+    tiny_llama(small_tokenizer, seed=3).save_pretrained(teacher)  # 2,048 tokens: the LM head no longer dominates
+    small_tokenizer.save_pretrained(teacher)
     HeadMask(2, 4, 2, ((1,), (0, 3))).to_json(tmp_path / "mask.json")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"The sailor {w} walked to the harbour in the morning and the gulls followed him. " * 8

@@ -26,26 +26,15 @@ from headscope.train import (
     stage_loss,
 )
 
-from conftest import tiny_llama
+from conftest import Vocab, tiny_llama
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: one intra-op thread avoids OpenMP spin contention on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-class _Vocab:  # tiny_llama reads only len(tokenizer): a 256-token vocabulary keeps the trainer tests fast
-    def __len__(self):
-        return 256
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def teacher():
-    return tiny_llama(_Vocab(), seed=3, n_layers=2, n_heads=4, n_kv=2, d_model=64)
+    return tiny_llama(Vocab(), seed=3, n_layers=2, n_heads=4, n_kv=2, d_model=64)
 
 
 @pytest.fixture(scope="module")
