@@ -323,6 +323,10 @@ def convert(
         False, "--activation-checkpointing",
         help="keep only each student layer's input and recompute the layer in the backward: the same losses, less "
              "memory, one more student forward (`headscope plan-memory` shows what it saves)"),
+    grad_accum: int = typer.Option(
+        1, help="gradient accumulation in stages 2-3: each step's rows as K micro-batches, one after the other (the "
+                "same losses and gradients, a K-th of the activations; the batch sizes must be multiples of K). "
+                "Stage 1 runs whole batches (its loss uses the batch's teacher statistics)"),
 ) -> None:
     import os
 
@@ -354,6 +358,12 @@ def convert(
         train_options: dict[str, Any] = {"fast": False} if plain_step else {}
         if activation_checkpointing:
             train_options["activation_checkpointing"] = True
+        if grad_accum != 1:
+            if grad_accum < 1 or batch_size % (grad_accum * devices) or batch_long % (grad_accum * devices):
+                raise HeadscopeInputError(
+                    f"--grad-accum {grad_accum}: use K >= 1 with --batch-size {batch_size} and --batch-long {batch_long} "
+                    f"multiples of K x --devices ({max(grad_accum, 1) * devices})")
+            train_options["grad_accum"] = grad_accum
         if data_parallel is not None:
             train_options["data_parallel"] = data_parallel
 

@@ -224,6 +224,11 @@ class FastStep:
         ddp: run the forward through :class:`torch.nn.parallel.DistributedDataParallel` wrapped around
             the student (:func:`headscope.train.parallel.ddp_loss`), so that the gradients are averaged
             over ranks during the backward; needs an initialized process group.
+        grad_accum: gradient accumulation (stages 2-3): the batch is split into this many micro-batches
+            (``torch.tensor_split`` of the rows), each forward + backward in turn with its loss normalized by
+            the whole batch's count, so the gradients add up to the whole batch's; the logged loss is the sum
+            of the micro-batches' shares (the whole batch's loss). Under a CUDA graph all micro-batches are in
+            the one captured step.
 
     Raises:
         ValueError: a stage other than 1, 2, 3; stages 1, 2 without a teacher; a model without the
@@ -246,10 +251,14 @@ class FastStep:
         loss_scale: float = 1.0,
         ddp: bool = False,
         activation_checkpointing: bool = False,
+        grad_accum: int = 1,
     ):
         problem = fast_step_problem(stage, student, teacher)
         if problem is not None:
             raise ValueError(problem)
+        from .stage_checks import check_grad_accum
+
+        self.grad_accum = check_grad_accum(stage, grad_accum)
         self.stage, self.student, self.teacher = stage, student, teacher
         self.params = list(params)
         self.device = next(student.parameters()).device
@@ -302,9 +311,12 @@ class FastStep:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
 
-    def loss(self, ids: Int[Tensor, "batch time"], mask: Bool[Tensor, "batch time"]) -> tuple[Tensor, Tensor]:
+    def loss(self, ids: Int[Tensor, "batch time"], mask: Bool[Tensor, "batch time"],
+             denominator: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """(loss, logged) of the stage on a batch, without a backward and without a host sync;
-        ``logged`` is [loss] or, in stage 1, [loss, per-layer alignment losses...], detached."""
+        ``logged`` is [loss] or, in stage 1, [loss, per-layer alignment losses...], detached.
+        ``denominator`` (stages 2-3): the count the loss is divided by instead of this batch's (global with
+        ``reduce``): a micro-batch's share of the whole batch's loss."""
         with self._autocast():
             if self.stage == 1:
                 return self._stage1(ids, mask)
@@ -315,7 +327,7 @@ class FastStep:
                 D, Dt = h_s.shape[-1], h_t.shape[-1]
                 loss = linear_kl_loss(
                     h_s.reshape(-1, D), self.student.lm_head.weight, h_t.reshape(-1, Dt), self.teacher.lm_head.weight,
-                    mask.reshape(-1), denominator=self._global_count(mask.sum()),
+                    mask.reshape(-1), denominator=self._global_count(mask.sum()) if denominator is None else denominator,
                     b_s=self.student.lm_head.bias, b_t=self.teacher.lm_head.bias,
                     chunk_rows=self.chunk_rows, chunk_fn=self._kl,
                 )
@@ -326,7 +338,7 @@ class FastStep:
                 keep[:, :-1] = mask[:, 1:] & mask[:, :-1]
                 loss = linear_ce_loss(
                     h.reshape(-1, h.shape[-1]), self.student.lm_head.weight, tgt.reshape(-1), keep.reshape(-1),
-                    denominator=self._global_count(keep.sum()), b=self.student.lm_head.bias, chunk_rows=self.chunk_rows, chunk_fn=self._ce,
+                    denominator=self._global_count(keep.sum()) if denominator is None else denominator, b=self.student.lm_head.bias, chunk_rows=self.chunk_rows, chunk_fn=self._ce,
                 )
         return loss, self._global_logged(loss.detach().reshape(1))
 
@@ -367,9 +379,22 @@ class FastStep:
     def _eager(self, ids: Tensor, mask: Tensor) -> Tensor:
         for p in self.params:
             p.grad = None
-        loss, logged = self._forward(ids, mask)
-        (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
-        return logged
+        if self.grad_accum == 1:
+            loss, logged = self._forward(ids, mask)
+            (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+            return logged
+        from .stages import loss_token_count
+
+        denom = self._global_count(loss_token_count(self.stage, mask))
+        if denom is None:
+            denom = loss_token_count(self.stage, mask).to(torch.float32)
+        total: Optional[Tensor] = None
+        for ids_k, mask_k in zip(ids.tensor_split(self.grad_accum), mask.tensor_split(self.grad_accum)):
+            loss, logged = self._forward(ids_k, mask_k, denom)
+            (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()  # adds to .grad
+            total = logged if total is None else total + logged
+        assert total is not None
+        return total
 
     def __call__(self, ids: Int[Tensor, "batch time"], mask: Bool[Tensor, "batch time"]) -> Tensor:
         """Forward and backward on one batch; the gradients are in the parameters' ``.grad``.

@@ -85,15 +85,16 @@ class StepLoss(nn.Module):
     """A stage's loss as a module whose parameters are the student's (the teacher stays outside it), so
     that :class:`~torch.nn.parallel.DistributedDataParallel` wraps the whole forward of a step.
 
-    ``forward(ids, mask)`` returns ``loss_fn(ids, mask)`` (the loss and the logged values)."""
+    ``forward(ids, mask, *extra)`` returns ``loss_fn(ids, mask, *extra)`` (the loss and the logged values;
+    ``extra``: e.g. a micro-batch's denominator under gradient accumulation)."""
 
     def __init__(self, student: nn.Module, loss_fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]):
         super().__init__()
         self.student = student
         self._loss_fn = loss_fn
 
-    def forward(self, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        return self._loss_fn(ids, mask)
+    def forward(self, ids: Tensor, mask: Tensor, *extra: Any) -> tuple[Tensor, Tensor]:
+        return self._loss_fn(ids, mask, *extra)
 
 
 def ddp_loss(student: nn.Module, loss_fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]) -> nn.Module:

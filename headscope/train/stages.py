@@ -186,9 +186,14 @@ def stage_loss_logged(
     ids: Tensor,
     mask: Tensor,
     reduce: Optional[Callable[[Tensor], Tensor]] = None,
+    denominator: Optional[Tensor] = None,
 ) -> tuple[Float[Tensor, ""], Float[Tensor, "k"]]:
     """:func:`stage_loss` with the logged values as one detached tensor (``[loss]``, or in stage 1
     ``[loss, align_l0, ...]``; global values with ``reduce``), without a host sync.
+
+    ``denominator`` (stages 2-3): the count the loss is divided by instead of this batch's (or, with
+    ``reduce``, the global batch's): a micro-batch's share of a whole batch's loss under gradient
+    accumulation (the count of :func:`loss_token_count` on the whole batch, summed over ranks).
 
     Raises:
         ValueError: a stage other than 1, 2, 3.
@@ -203,7 +208,8 @@ def stage_loss_logged(
             with torch.no_grad():
                 t_logits = teacher(input_ids=ids, use_cache=False).logits
         logits = student(input_ids=ids, use_cache=False).logits
-        denom = None if reduce is None else reduce(loss_token_count(stage, mask).to(device=logits.device, dtype=torch.float32))
+        denom = denominator if denominator is not None else \
+            None if reduce is None else reduce(loss_token_count(stage, mask).to(device=logits.device, dtype=torch.float32))
         loss = distillation_loss(logits, t_logits, mask, denominator=denom) if stage == 2 else \
             lm_loss(logits, ids, mask, denominator=denom)
         logged = loss.detach().reshape(1)

@@ -50,6 +50,8 @@ class StepPlan:
         activation_checkpointing: keep only each student layer's input, recompute it in the backward
             (the fast step: every decoder layer, stage 1 every attention module; the plain step:
             transformers' ``activation_checkpointing_enable`` on the decoder layers, stages 2-3).
+        grad_accum: micro-batches per step (gradient accumulation, stages 2-3): each rank's rows are split into
+            this many, run forward + backward one after the other with the whole batch's normalization.
         fast_unavailable: why the fast step was wanted and could not run (then ``fast`` is False).
     """
 
@@ -61,6 +63,7 @@ class StepPlan:
     fused_adamw: bool = False
     bf16: bool = False
     activation_checkpointing: bool = False
+    grad_accum: int = 1
     fast_unavailable: Optional[str] = None
 
     @property
@@ -115,6 +118,7 @@ def resolve_step_plan(
         fused_adamw=fast and on_cuda,
         bf16=on_cuda if config.bf16 is None else bool(config.bf16),
         activation_checkpointing=bool(config.activation_checkpointing),
+        grad_accum=int(config.grad_accum),
         fast_unavailable=problem,
     )
 
@@ -134,19 +138,22 @@ class PlainStep:
         activation_checkpointing: transformers' activation checkpointing of the student's decoder layers
             (stages 2-3; stage 1 calls the attention modules directly and keeps their activations), turned
             off again by :meth:`close`.
+        grad_accum: micro-batches per step (stages 2-3), as :class:`~headscope.train.fast.FastStep`'s.
     """
 
     def __init__(self, stage: int, student: nn.Module, teacher: Optional[nn.Module], params: Sequence[Tensor],
                  bf16: bool = False, reduce: Optional[Callable[[Tensor], Tensor]] = None, loss_scale: float = 1.0,
-                 ddp: bool = False, activation_checkpointing: bool = False):
+                 ddp: bool = False, activation_checkpointing: bool = False, grad_accum: int = 1):
+        from .stage_checks import check_grad_accum
         from .stages import stage_loss_logged
 
+        self.grad_accum = check_grad_accum(stage, grad_accum)
         self.stage, self.student, self.teacher, self.params = stage, student, teacher, list(params)
         self.device = next(student.parameters()).device
         self.bf16, self.reduce, self.loss_scale = bool(bf16), reduce, float(loss_scale)
 
-        def loss_fn(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-            return stage_loss_logged(stage, student, teacher, ids, mask, reduce=reduce)
+        def loss_fn(ids: Tensor, mask: Tensor, denominator: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+            return stage_loss_logged(stage, student, teacher, ids, mask, reduce=reduce, denominator=denominator)
 
         self._forward: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] = loss_fn
         self.activation_checkpointing = bool(activation_checkpointing) and stage != 1
@@ -163,10 +170,23 @@ class PlainStep:
             p.grad = None
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 and self.device.type == "cuda" \
             else contextlib.nullcontext()
-        with ctx:
-            loss, logged = self._forward(ids, mask)
-        (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
-        return logged
+        if self.grad_accum == 1:
+            with ctx:
+                loss, logged = self._forward(ids, mask)
+            (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+            return logged
+        from .stages import loss_token_count
+
+        denom = loss_token_count(self.stage, mask).to(device=self.device, dtype=torch.float32)
+        denom = denom if self.reduce is None else self.reduce(denom)
+        total: Optional[Tensor] = None
+        for ids_k, mask_k in zip(ids.tensor_split(self.grad_accum), mask.tensor_split(self.grad_accum)):
+            with ctx:
+                loss, logged = self._forward(ids_k, mask_k, denom)
+            (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()  # adds to .grad
+            total = logged if total is None else total + logged
+        assert total is not None
+        return total
 
     def close(self) -> None:
         """Turn the student's activation checkpointing off again (the fast step's counterpart drops its CUDA
@@ -189,6 +209,6 @@ def build_step(plan: StepPlan, stage: int, student: nn.Module, teacher: Optional
 
         return FastStep(stage, student, teacher, params, bf16=plan.bf16, compile=plan.compile, cuda_graph=plan.cuda_graph,
                         chunk_rows=loss_chunk, reduce=reduce, loss_scale=plan.loss_scale, ddp=ddp,
-                        activation_checkpointing=plan.activation_checkpointing)
+                        activation_checkpointing=plan.activation_checkpointing, grad_accum=plan.grad_accum)
     return PlainStep(stage, student, teacher, params, bf16=plan.bf16, reduce=reduce, loss_scale=plan.loss_scale, ddp=ddp,
-                     activation_checkpointing=plan.activation_checkpointing)
+                     activation_checkpointing=plan.activation_checkpointing, grad_accum=plan.grad_accum)

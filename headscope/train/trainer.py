@@ -92,6 +92,12 @@ class TrainConfig:
             the plain step). None (default): ``"ddp"`` when the fast step is usable (``fast`` and a
             Llama / Qwen3 structure), else ``"fsdp"``. Ignored in one process. Both give the
             one-process run's losses and weights (to float rounding; ``tests/test_train_ddp.py``).
+        grad_accum: gradient accumulation (stages 2-3): each step's ``batch_size`` rows (each rank's share of
+            them) run as this many micro-batches, forward + backward one after the other, each loss normalized
+            by the whole batch's token count: the same loss and gradients as one pass over the batch (to float
+            rounding; ``tests/test_train_grad_accum.py``) with the activations of a micro-batch. ``batch_size``
+            must be a multiple of it (times the ranks, in data-parallel training). Stage 1 takes 1 only (its
+            loss is normalized by the whole batch's teacher statistics).
     """
 
     stage: int
@@ -115,13 +121,19 @@ class TrainConfig:
     loss_chunk: int = 4096
     data_parallel: Optional[str] = None
     activation_checkpointing: bool = False
+    grad_accum: int = 1
 
     def __post_init__(self) -> None:
-        """Raises HeadscopeInputError (a ValueError) for a stage other than 1-3, a count / rate <= 0 or a
-        ``data_parallel`` other than None, "ddp", "fsdp"."""
-        from .stage_checks import check_stage
+        """Raises HeadscopeInputError (a ValueError) for a stage other than 1-3, a count / rate <= 0, a
+        ``data_parallel`` other than None, "ddp", "fsdp", or a ``grad_accum`` < 1, > 1 in stage 1 or not
+        dividing ``batch_size``."""
+        from .stage_checks import check_grad_accum, check_stage
 
         check_stage(self.stage)
+        check_grad_accum(self.stage, self.grad_accum)
+        if self.batch_size % self.grad_accum:
+            raise HeadscopeInputError(f"batch_size={self.batch_size} does not split into grad_accum={self.grad_accum} "
+                                      "equal micro-batches; use a batch size that is a multiple of it")
         if self.tokens < 1 or self.batch_size < 1 or self.lr <= 0:
             raise HeadscopeInputError(
                 f"tokens ({self.tokens}), batch_size ({self.batch_size}) and lr ({self.lr}) must be > 0"
@@ -223,6 +235,10 @@ class Trainer:
             raise HeadscopeInputError(
                 f"batch_size={config.batch_size} cannot feed {self.world} ranks; use a batch size >= {self.world}"
             )
+        if self.parallel and config.batch_size % (self.world * config.grad_accum):
+            raise HeadscopeInputError(
+                f"batch_size={config.batch_size} does not split into {self.world} ranks x grad_accum={config.grad_accum} "
+                f"equal micro-batches; use a multiple of {self.world * config.grad_accum}")
         if config.stage in (1, 2) and teacher is None:
             raise HeadscopeInputError(f"stage {config.stage} needs the teacher model")
         self.out = Path(out_dir)
