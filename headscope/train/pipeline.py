@@ -398,15 +398,7 @@ def spawn_convert(n: int, model: str, mask: Any, stage: int, out_dir: str | Path
     Raises:
         HeadscopeInputError (a ValueError): ``n`` < 1.
     """
-    if n < 1:
-        raise HeadscopeInputError(f"--devices {n}: need at least one process")
-    from ..runtime import launch
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    kw = {**kwargs, "model": str(model), "mask": mask, "stage": stage, "out_dir": str(out)}
-    summary = launch(_convert_worker, n, (device, kw), device=device)
-    return summary
+    return _launch_convert(n, device, {**kwargs, "model": str(model), "mask": mask, "stage": stage}, out_dir)
 
 
 def spawn_convert_model(n: int, model: str, mask: Any, out_dir: str | Path, device: Optional[str] = None,
@@ -421,11 +413,20 @@ def spawn_convert_model(n: int, model: str, mask: Any, out_dir: str | Path, devi
     Raises:
         HeadscopeInputError (a ValueError): ``n`` < 1.
     """
+    return _launch_convert(n, device, {"stages": (1, 2, 3), **kwargs, "model": str(model), "mask": mask}, out_dir)
+
+
+def _launch_convert(n: int, device: Optional[str], kw: dict[str, Any], out_dir: str | Path) -> dict[str, Any]:
+    """:func:`_convert_worker` on ``n`` local processes (:func:`headscope.runtime.launch`), writing into ``out_dir``
+    (made here) -> rank 0's result.
+
+    Raises:
+        HeadscopeInputError (a ValueError): ``n`` < 1.
+    """
     if n < 1:
         raise HeadscopeInputError(f"--devices {n}: need at least one process")
     from ..runtime import launch
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    kw = {"stages": (1, 2, 3), **kwargs, "model": str(model), "mask": mask, "out_dir": str(out)}
-    return launch(_convert_worker, n, (device, kw), device=device)
+    return launch(_convert_worker, n, (device, {**kw, "out_dir": str(out)}), device=device)
