@@ -16,25 +16,14 @@ from headscope.train import StopTraining, TokenRows, TrainConfig, Trainer, stage
 from headscope.train.fast import FastStep
 from headscope.train.step_plan import PlainStep
 
-from conftest import fast_first, tiny_llama
+from conftest import Vocab, fast_first, tiny_llama
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-class _Vocab:
-    def __len__(self):
-        return 256
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def teacher():
-    return tiny_llama(_Vocab(), seed=3, n_layers=2, n_heads=4, n_kv=2, d_model=64)
+    return tiny_llama(Vocab(), seed=3, n_layers=2, n_heads=4, n_kv=2, d_model=64)
 
 
 def _student(teacher):

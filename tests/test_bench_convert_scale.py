@@ -1,0 +1,97 @@
+"""benchmarks/bench_convert_scale.py on the CPU at the tiny shape: the JSON it writes (cases, baseline, ratio, check),
+its counted FLOPs and MFU against numbers worked out by hand, the fast-vs-plain check agreeing in float32, and the
+equal-budget mask."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_convert_scale
+    finally:
+        sys.path.remove(str(BENCH))
+    return bench_convert_scale
+
+
+def test_tiny_run_writes_every_field_and_the_flops_worked_by_hand(bench, tmp_path):
+    out = tmp_path / "scale.json"
+    rep = bench.main(["--shape", "tiny", "--out", str(out), "--stages", "2", "--rows", "4,4,2", "--seq-len", "16,16,32",
+                      "--stage3-long", "", "--steps", "1", "--warmup", "1", "--grad-accum", "2", "--no-compile",
+                      "--check", "--check-rows", "2x16", "--check-steps", "2", "--device", "cpu"])
+    on_disk = json.loads(out.read_text())
+    assert on_disk["cases"].keys() == rep["cases"].keys() == {"stage2_4x16"} and not on_disk["errors"]
+    c = on_disk["cases"]["stage2_4x16"]
+    h, b = c["hybrid"], c["baseline"]
+    assert h["status"] == b["status"] == "done" and len(h["steps"]) == len(b["steps"]) == 2
+    assert c["grad_accum"] == 2 and c["micro_rows"] == 2 and h["step_plan"]["grad_accum"] == 2 and h["step_plan"]["fast"]
+    assert c["planned_gib"] > 0 and h["peak_memory"]["bytes"] > 0
+
+    # counted FLOPs per token at T = 16, by hand. Teacher (Qwen3, d = 64, 4 q / 2 kv heads of 16, MLP 128, 2 layers,
+    # vocabulary 512): linear weights per layer q 64·64 + k 64·32 + v 64·32 + o 64·64 + MLP 3·64·128 = 36,864, two
+    # layers + the LM head 512·64 = 106,496; F = 2·106,496 + 2·2·(16/2)·16 per head · 8 heads = 217,088.
+    F_t = 2 * 106_496 + 4 * 8 * 16 * 8
+    assert F_t == 217_088
+    # the student: equal-budget 7:1 of 4 heads -> 1 FA head per layer (2 FA, 6 GDN heads), its linear weights counted
+    import torch.nn as nn
+
+    cfg = bench.teacher_config("tiny")
+    mask = bench.equal_budget_mask(cfg)
+    assert [list(x) for x in mask.fa_heads] == [[0], [0]]
+    from headscope.train.pipeline import load_student
+
+    student = load_student(bench.build_teacher("tiny", torch.device("cpu"), torch.float32), mask)
+    W_s = sum(m.weight.numel() for m in student.modules() if isinstance(m, nn.Linear))
+    F_s = 2 * W_s + 4 * 8 * 16 * 2 + 2 * (5 * 64 * 16 + 3 * 16 * 16) * 6
+    assert h["flops_per_token"]["total"] == pytest.approx(F_t + 3 * F_s, rel=1e-12)
+    assert b["flops_per_token"]["total"] == pytest.approx(4 * F_t, rel=1e-12)  # 3 x dense + the teacher forward
+    for r in (h, b):
+        timed = sorted(s["seconds"] for s in r["steps"][1:])
+        sec = timed[len(timed) // 2]
+        assert r["ms_per_step"] == pytest.approx(1e3 * sec)
+        assert r["tokens_per_s"] == pytest.approx(64 / sec)
+        assert r["mfu"] == pytest.approx(r["flops_per_token"]["total"] * 64 / sec / 989.4e12)
+    assert c["ratio_tok_s"] == pytest.approx(h["tokens_per_s"] / b["tokens_per_s"])
+
+    # the check: in float32 on a CPU the fast step's loss and gradients are the plain step's to float rounding
+    ck = on_disk["check"]["stage2_2x16"]
+    assert len(ck["batches"]) == 2 and ck["bf16"] is False
+    assert ck["max"]["loss_rel_fast_vs_plain"] < 1e-5 and ck["max"]["grad_fast_vs_plain"] < 1e-5
+    assert ck["batches"][0]["loss_fast"] != ck["batches"][1]["loss_fast"]  # AdamW moved the weights between batches
+
+
+def test_rel_err_by_hand(bench):
+    a = [torch.tensor([3.0, 4.0]), torch.tensor([1.0])]
+    b = [torch.tensor([3.0, 0.0]), torch.tensor([2.0])]
+    r = bench.rel_err(a, b, ["x", "y"])
+    # ‖a − b‖ = √(16 + 1), ‖b‖ = √(9 + 4); per tensor 4/3 and 1/2
+    assert r["global"] == pytest.approx((17 / 13) ** 0.5)
+    assert r["worst"] == pytest.approx(4 / 3) and r["worst_parameter"] == "x"
+
+
+def test_stage1_counts_the_teacher_body_without_its_lm_head(bench):
+    from headscope.train.fast import flops_per_token
+    from headscope.train.pipeline import load_student
+
+    cfg = bench.teacher_config("tiny")
+    teacher = bench.build_teacher("tiny", torch.device("cpu"), torch.float32)
+    student = load_student(teacher, bench.equal_budget_mask(cfg))
+    f1 = bench.counted_flops(1, student, teacher, 32)
+    assert f1["teacher_forward"] == flops_per_token(teacher, 32, backward=False)["total"] - 2 * 512 * 64
+    assert f1["student_train"] == flops_per_token(student, 32, backward=True, attention_only=True)["total"]
+    assert bench.counted_flops(3, student, teacher, 32)["teacher_forward"] == 0.0
+    # the weights are bf16 values held in float32 (as a bf16 checkpoint loaded by `headscope convert`)
+    w = teacher.model.layers[0].mlp.up_proj.weight
+    assert w.dtype == torch.float32 and torch.equal(w, w.to(torch.bfloat16).float())
