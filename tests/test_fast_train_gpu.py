@@ -59,6 +59,31 @@ def test_graphed_compiled_step_equals_plain_step_fp32(stage):
     fs.close()
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_graphed_step_with_grad_accum_equals_the_whole_batch_fp32(stage, checkpointing):
+    """fp32: the compiled step captured with two micro-batches (and with activation checkpointing inside the graph)
+    gives stage_loss's whole-batch loss and gradients on a batch with padded rows."""
+    teacher, st = _models()
+    params = [p for _, p in trainable_parameters(st, stage)]
+    ids, mask = _batch()
+    mask[1, 40:] = False
+    mask[3, 9:] = False
+    st.zero_grad()
+    loss, _ = stage_loss(stage, st, teacher, ids, mask)
+    loss.backward()
+    g_ref = [p.grad.clone() for p in params]
+    fs = FastStep(stage, st, teacher, params, bf16=False, compile=True, cuda_graph=True, warmup=2, grad_accum=2,
+                  activation_checkpointing=checkpointing)
+    for _ in range(4):
+        logged = fs(ids, mask)
+    assert fs.graph is not None, fs.graph_error
+    assert abs(logged[0].item() - loss.item()) <= 1e-3 * abs(loss.item()) + 1e-6
+    for p, gr in zip(params, g_ref):
+        assert _rel(p.grad, gr) < 1e-2
+    fs.close()
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_graph_replay_equals_the_compiled_eager_step_bf16(stage):
     """bf16 autocast: replaying the captured step gives the eager compiled step's loss and gradients."""
