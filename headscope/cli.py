@@ -614,6 +614,10 @@ def plan_memory_command(
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="keep only layer inputs"),
     new_params_only: bool = typer.Option(False, "--new-params-only", help="stage 1 trains only the new parameters"),
     cpu_offload: bool = typer.Option(False, "--cpu-offload", help="FSDP2 CPU offload of the shards"),
+    grad_accum: int = typer.Option(1, help="gradient accumulation of stages 2-3 (`headscope convert --grad-accum`): "
+                                   "activations of one micro-batch, a K-th of the rows per device"),
+    teacher_dtype: str = typer.Option("bf16", help="the teacher's weights: bf16, or fp32 (what `headscope convert` "
+                                      "holds: it loads the teacher in float32)"),
     as_json: bool = typer.Option(False, "--json", help="print the plans as JSON"),
 ) -> None:
     """Per-device memory of conversion stages, computed without loading a model: student parameters, gradients,
@@ -631,7 +635,9 @@ def plan_memory_command(
 
         opts = MemoryOptions(devices=devices, data_parallel=data_parallel, master=master, optimizer=optimizer,
                              activation_checkpointing=activation_checkpointing, new_params_only=new_params_only,
-                             cpu_offload=cpu_offload)
+                             cpu_offload=cpu_offload, teacher_dtype=teacher_dtype)
+        if grad_accum < 1:
+            raise HeadscopeInputError(f"--grad-accum {grad_accum}: use 1 (none) or more micro-batches per step")
         shape = shape_of(model)
         fa: Any = fa_share
         if mask is not None:
@@ -641,8 +647,9 @@ def plan_memory_command(
         for n in (batch_size, batch_long):
             if n < devices:
                 raise HeadscopeInputError(f"a global batch of {n} rows cannot feed {devices} devices")
-        rows = {1: (math.ceil(batch_size / devices), seq_len), 2: (math.ceil(batch_size / devices), seq_len),
-                3: (math.ceil(batch_long / devices), long_len)}
+        # stage 1 runs whole batches (trainer: grad_accum is for stages 2-3)
+        rows = {1: (math.ceil(batch_size / devices), seq_len), 2: (math.ceil(batch_size / devices / grad_accum), seq_len),
+                3: (math.ceil(batch_long / devices / grad_accum), long_len)}
         stages = sorted(set(stage))
         if as_json:
             plans = [plan_memory(shape, s, *rows[s], fa=fa, options=opts).as_dict() for s in stages]
