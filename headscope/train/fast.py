@@ -3,7 +3,7 @@
 :class:`FastStep` computes the same losses as :func:`headscope.train.stages.stage_loss` with:
 
 - **the model body by hand**: embeddings, rotary tables, one call per decoder layer, final norm (the
-  Llama / Qwen3 / Mistral structure), so that each decoder layer can be compiled on its own ("regional"
+  Llama / Qwen3 / Mistral / Gemma 3 structure), so that each decoder layer can be compiled on its own ("regional"
   compilation: layers of the same shape share one compiled graph; a hybrid layer is compiled per
   distinct count of FA / GDN heads, and its GDN kernel call is a graph break);
 - **the hybrid layers' fast path** (:mod:`headscope.hybrid.inference.train_forward`: one input GEMM, no head
@@ -30,6 +30,7 @@ notes ask).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -53,9 +54,13 @@ def _attn_call(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, mask: Optio
 
 def _teacher_io(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor,
                 mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """One Llama / Qwen3 / Mistral decoder layer, returning (attention input, attention output, layer output)."""
+    """One Llama / Qwen3 / Mistral decoder layer, or Gemma 3's (sandwich norms), returning (attention input,
+    attention output, layer output)."""
     hn = layer.input_layernorm(h)
     a = layer.self_attn(hn, position_embeddings=(cos, sin), attention_mask=mask)[0]
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3
+        h = h + layer.post_attention_layernorm(a)
+        return hn, a, h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
     h = h + a
     return hn, a, h + layer.mlp(layer.post_attention_layernorm(h))
 
@@ -92,13 +97,17 @@ def _global_teacher_stats(outs: Sequence[Tensor], m: Tensor, reduce: Callable[[T
     return n, ss / n
 
 
+BODIES = ("llama", "qwen3", "mistral", "gemma3")  # model types whose body model_body computes (gemma3_text too)
+
+
 def has_llama_body(model: nn.Module) -> bool:
-    """True when ``model`` is a Llama / Qwen3 / Mistral causal LM (or its hybrid) whose ``model.model`` has the
-    parts the hand-written body uses (Mistral's sliding window: :func:`window_mask`). Other families with the same
-    attribute names (Gemma 3: scaled embedding, sandwich norms, RoPE per layer type) are refused: the body would not
-    be theirs."""
-    mtype = str(getattr(getattr(model, "config", None), "model_type", ""))
-    if mtype.removeprefix("headscope_hybrid_") not in ("llama", "qwen3", "mistral"):
+    """True when ``model`` is a Llama / Qwen3 / Mistral / Gemma 3 causal LM (or its hybrid) whose ``model.model`` has
+    the parts the hand-written body uses (sliding windows: :func:`layer_masks`; Gemma 3's RoPE per layer type:
+    :func:`layer_positions`; its scaled embedding is its embedding module's). Other families with the same attribute
+    names are refused (the body would not be theirs), as is a final logit soft-cap (the chunked loss has none)."""
+    cfg = getattr(model, "config", None)
+    mtype = str(getattr(cfg, "model_type", "")).removeprefix("headscope_hybrid_").removesuffix("_text")
+    if mtype not in BODIES or getattr(cfg, "final_logit_softcapping", None) is not None:
         return False
     inner = getattr(model, "model", None)
     return all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")) and hasattr(model, "lm_head")
@@ -111,16 +120,32 @@ def _decoder_parts_ok(model: nn.Module) -> bool:
     )
 
 
-def window_mask(model: nn.Module, T: int, device: torch.device) -> Optional[Bool[Tensor, "1 1 time time"]]:
-    """The causal sliding-window mask (key j visible to query i iff 0 ≤ i − j < w) that a Mistral model's dense
-    attention layers need for T > w tokens (SDPA applies no window of its own); None for other families, shorter
-    inputs, or no window. Hybrid layers apply their window themselves (:func:`_mask_for`)."""
-    cfg = getattr(model, "config", None)
+def _layer_types(cfg: Any) -> list[str]:
+    """Each decoder layer's attention type: the config's ``layer_types``, else all sliding where it has a window."""
+    kind = "sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"
+    return list(getattr(cfg, "layer_types", None) or [kind] * int(cfg.num_hidden_layers))
+
+
+def layer_masks(model: nn.Module, T: int, device: torch.device) -> list[Optional[Bool[Tensor, "1 1 time time"]]]:
+    """Per decoder layer, the causal sliding-window mask (key j visible to query i iff 0 ≤ i − j < w) that a dense
+    sliding layer (Mistral; Gemma 3's sliding layers) needs for T > w tokens — SDPA applies no window of its own —
+    else None. Hybrid layers apply their window themselves (:func:`_mask_for`)."""
+    cfg = model.config
     w = getattr(cfg, "sliding_window", None)
-    if str(getattr(cfg, "model_type", "")).removeprefix("headscope_hybrid_") != "mistral" or w is None or T <= w:
-        return None
-    i, j = torch.arange(T, device=device)[:, None], torch.arange(T, device=device)[None]
-    return ((j <= i) & (i - j < w))[None, None]
+    mask = None
+    if w is not None and T > w:
+        i, j = torch.arange(T, device=device)[:, None], torch.arange(T, device=device)[None]
+        mask = ((j <= i) & (i - j < w))[None, None]
+    return [mask if t == "sliding_attention" else None for t in _layer_types(cfg)]
+
+
+def layer_positions(model: nn.Module, h: Tensor, pos: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Per decoder layer, its rotary (cos, sin): the model's one table, or Gemma 3's table of the layer's type."""
+    rot, types = model.model.rotary_emb, _layer_types(model.config)
+    if "layer_type" not in inspect.signature(rot.forward).parameters:
+        return [rot(h, pos)] * len(types)
+    tables = {t: rot(h, pos, t) for t in set(types)}
+    return [tables[t] for t in types]
 
 
 def _mask_for(attn: nn.Module, mask: Optional[Tensor]) -> tuple:
@@ -132,15 +157,14 @@ def _mask_for(attn: nn.Module, mask: Optional[Tensor]) -> tuple:
 def model_body(
     model: nn.Module, ids: Int[Tensor, "batch time"], layer_fn: Callable = _layer_call
 ) -> Float[Tensor, "batch time hidden"]:
-    """Final hidden states of a Llama / Qwen3 / Mistral causal LM (after the final norm): the same numbers as
+    """Final hidden states of a Llama / Qwen3 / Mistral / Gemma 3 causal LM (after the final norm): the same numbers as
     ``model.model(input_ids=ids, use_cache=False).last_hidden_state`` without padding, one
     ``layer_fn(layer, h, cos, sin, position_ids[, window mask])`` call per decoder layer."""
     inner = model.model
     h = inner.embed_tokens(ids)
     pos = torch.arange(ids.shape[1], device=ids.device)[None]
-    cos, sin = inner.rotary_emb(h, pos)
-    mask = window_mask(model, ids.shape[1], ids.device)
-    for layer in inner.layers:
+    masks = layer_masks(model, ids.shape[1], ids.device)
+    for layer, (cos, sin), mask in zip(inner.layers, layer_positions(model, h, pos), masks):
         h = layer_fn(layer, h, cos, sin, pos, *_mask_for(layer.self_attn, mask))
     return inner.norm(h)
 
@@ -180,14 +204,14 @@ def _raise_recompile_limit(n: int = 64) -> None:
 
 def fast_step_problem(stage: int, student: nn.Module, teacher: Optional[nn.Module]) -> Optional[str]:
     """Why :class:`FastStep` cannot run ``stage`` on these models (a sentence), or None when it can: a
-    stage other than 1-3, stages 1-2 without a teacher, a model without the Llama / Qwen3 / Mistral structure."""
+    stage other than 1-3, stages 1-2 without a teacher, a model without the Llama / Qwen3 / Mistral / Gemma 3 structure."""
     if stage not in (1, 2, 3):
         return f"stage must be 1, 2 or 3, got {stage!r}"
     if stage in (1, 2) and teacher is None:
         return f"stage {stage} needs the teacher model"
     for name, m in (("student", student), ("teacher", teacher)):
         if m is not None and not has_llama_body(m):
-            return f"the fast step needs a Llama / Qwen3 / Mistral causal LM as {name}, got {type(m).__name__}"
+            return f"the fast step needs a Llama / Qwen3 / Mistral / Gemma 3 causal LM as {name}, got {type(m).__name__}"
     if stage == 1 and not _decoder_parts_ok(teacher):
         return ("stage 1's fast step needs decoder layers with input_layernorm, self_attn, "
                 "post_attention_layernorm and mlp")
@@ -200,7 +224,7 @@ class FastStep:
 
     Args:
         stage: 1, 2 or 3.
-        student: the hybrid (or any Llama / Qwen3 / Mistral) causal LM being trained.
+        student: the hybrid (or any Llama / Qwen3 / Mistral / Gemma 3) causal LM being trained.
         teacher: the frozen teacher (stages 1, 2).
         params: the trained parameters (``requires_grad`` set, as by
             :func:`~headscope.train.stages.trainable_parameters`).
@@ -232,7 +256,7 @@ class FastStep:
 
     Raises:
         ValueError: a stage other than 1, 2, 3; stages 1, 2 without a teacher; a model without the
-            Llama / Qwen3 / Mistral structure.
+            Llama / Qwen3 / Mistral / Gemma 3 structure.
     """
 
     def __init__(
@@ -354,21 +378,21 @@ class FastStep:
         with torch.no_grad():
             h = t_inner.embed_tokens(ids)
             pos = torch.arange(ids.shape[1], device=ids.device)[None]
-            cos, sin = t_inner.rotary_emb(h, pos)
-            wm, s_wm = window_mask(self.teacher, ids.shape[1], ids.device), window_mask(self.student, ids.shape[1], ids.device)
+            pe = layer_positions(self.teacher, h, pos)
+            wm, s_wm = layer_masks(self.teacher, ids.shape[1], ids.device), layer_masks(self.student, ids.shape[1], ids.device)
             io = []
-            for layer in t_inner.layers:
-                hn, a, h = self._tio(layer, h, cos, sin, *_mask_for(layer.self_attn, wm))
+            for layer, (cos, sin), w in zip(t_inner.layers, pe, wm):
+                hn, a, h = self._tio(layer, h, cos, sin, *_mask_for(layer.self_attn, w))
                 io.append((hn, a))
         m = mask.to(torch.float32)[..., None]
         layers = self.student.model.layers
         if self.reduce is None:
-            per = [self._align(self._s_attn(s_layer.self_attn, hn, cos, sin, *_mask_for(s_layer.self_attn, s_wm)), a, m)
-                   for s_layer, (hn, a) in zip(layers, io)]
+            per = [self._align(self._s_attn(s_layer.self_attn, hn, *pe[i], *_mask_for(s_layer.self_attn, s_wm[i])), a, m)
+                   for i, (s_layer, (hn, a)) in enumerate(zip(layers, io))]
         else:  # this rank's shares of the global batch's per-layer losses
             with torch.no_grad():
                 n, var = _global_teacher_stats([a for _, a in io], m, self.reduce)
-            per = [self._align_global(self._s_attn(s_layer.self_attn, hn, cos, sin, *_mask_for(s_layer.self_attn, s_wm)),
+            per = [self._align_global(self._s_attn(s_layer.self_attn, hn, *pe[i], *_mask_for(s_layer.self_attn, s_wm[i])),
                                       a, m, n[i], var[i])
                    for i, (s_layer, (hn, a)) in enumerate(zip(layers, io))]
         per_t = torch.stack(per)
