@@ -8,8 +8,8 @@ its γ calibrated on 8 rows) with an equal-budget 7:1 mask (``round(heads / 8)``
 the KV groups) or ``--mask mask.json`` (a ranking's). Rows are random tokens, all real.
 
 **Hybrid stage** (``hybrid``): ``headscope.train.convert_stage`` (what ``headscope convert`` runs per stage) with a
-:class:`~headscope.train.TrainConfig` of the given rows, ``--activation-checkpointing``, ``--grad-accum`` (stages
-2-3) and the product's defaults otherwise (the fast step where it applies: on CUDA with fla installed; torch.compile,
+:class:`~headscope.train.TrainConfig` of the given rows, ``--activation-checkpointing``, ``--grad-accum`` and the
+product's defaults otherwise (the fast step where it applies: on CUDA with fla installed; torch.compile,
 a CUDA graph and fused AdamW on CUDA), ``--warmup`` + ``--steps`` steps; the step time is the trainer's own per-step
 ``seconds`` (host-synced), the median over the timed steps. Peak memory: ``torch.cuda.max_memory_allocated`` since
 the stage started (teacher and student weights included; on a CPU the process's ``ru_maxrss``).
@@ -196,7 +196,7 @@ def run_hybrid(stage: int, teacher, student, mask, rows, B: int, T: int, args, d
     filled in (and saved) after every step."""
     from headscope.train import TrainConfig, convert_stage
 
-    k = args.grad_accum if stage > 1 else 1
+    k = args.grad_accum
     cfg = TrainConfig(stage=stage, tokens=B * T * (args.warmup + args.steps), batch_size=B, lr=STAGE_LR[stage],
                       progress=False, ckpt_every=0, ckpt_on_exit=False, seed=0, grad_accum=k,
                       activation_checkpointing=args.activation_checkpointing, fast=False if args.plain_step else None,
@@ -235,7 +235,7 @@ def run_baseline(stage: int, teacher, rows, B: int, T: int, args, dev, res: dict
     from headscope.train.stages import loss_token_count
 
     free(dev)
-    k = args.grad_accum if stage > 1 else 1
+    k = args.grad_accum
     cuda = dev.type == "cuda"
     dense = copy.deepcopy(teacher).float().train()
     for p in dense.parameters():
@@ -375,7 +375,7 @@ def parse_cases(args) -> list[tuple[int, int, int]]:
             b, t = (int(x) for x in args.stage3_long.lower().split("x"))
             cases.append((3, b, t))
     for s, b, t in cases:
-        k = args.grad_accum if s > 1 else 1
+        k = args.grad_accum
         if b % k:
             raise SystemExit(f"stage {s}: {b} rows do not split into --grad-accum {k} micro-batches")
     return cases
@@ -423,7 +423,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per case")
     ap.add_argument("--warmup", type=int, default=3, help="steps before timing (compile; the CUDA graph is captured in the 3rd)")
     ap.add_argument("--activation-checkpointing", action="store_true")
-    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step in stages 2-3")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (gradient accumulation)")
     ap.add_argument("--loss-chunk", type=int, default=4096, help="rows per LM-head chunk")
     ap.add_argument("--no-baseline", action="store_true", help="skip the dense baseline")
     ap.add_argument("--baseline-only", action="store_true", help="only the dense baseline of each case")
@@ -491,7 +491,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             report["errors"][key] = "skipped: --budget-s reached"
             save()
             continue
-        k = args.grad_accum if stage > 1 else 1
+        k = args.grad_accum
         case: dict[str, Any] = {"stage": stage, "rows": B, "seq_len": T, "tokens_per_step": B * T, "grad_accum": k,
                                 "micro_rows": B // k, "activation_checkpointing": args.activation_checkpointing,
                                 "planned_gib": planned_gib(args.shape, cfg, stage, B // k, T, mask, args)}

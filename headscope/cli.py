@@ -324,9 +324,8 @@ def convert(
         help="keep only each student layer's input and recompute the layer in the backward: the same losses, less "
              "memory, one more student forward (`headscope plan-memory` shows what it saves)"),
     grad_accum: int = typer.Option(
-        1, help="gradient accumulation in stages 2-3: each step's rows as K micro-batches, one after the other (the "
-                "same losses and gradients, a K-th of the activations; the batch sizes must be multiples of K). "
-                "Stage 1 runs whole batches (its loss uses the batch's teacher statistics)"),
+        1, help="gradient accumulation: each step's rows as K micro-batches, one after the other (the same losses and "
+                "gradients, a K-th of the activations; the batch sizes must be multiples of K)"),
 ) -> None:
     import os
 
@@ -614,8 +613,8 @@ def plan_memory_command(
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="keep only layer inputs"),
     new_params_only: bool = typer.Option(False, "--new-params-only", help="stage 1 trains only the new parameters"),
     cpu_offload: bool = typer.Option(False, "--cpu-offload", help="FSDP2 CPU offload of the shards"),
-    grad_accum: int = typer.Option(1, help="gradient accumulation of stages 2-3 (`headscope convert --grad-accum`): "
-                                   "activations of one micro-batch, a K-th of the rows per device"),
+    grad_accum: int = typer.Option(1, help="gradient accumulation (`headscope convert --grad-accum`): activations of "
+                                   "one micro-batch, a K-th of the rows per device"),
     teacher_dtype: str = typer.Option("bf16", help="the teacher's weights: bf16, or fp32 (what `headscope convert` "
                                       "holds: it loads the teacher in float32)"),
     as_json: bool = typer.Option(False, "--json", help="print the plans as JSON"),
@@ -647,8 +646,7 @@ def plan_memory_command(
         for n in (batch_size, batch_long):
             if n < devices:
                 raise HeadscopeInputError(f"a global batch of {n} rows cannot feed {devices} devices")
-        # stage 1 runs whole batches (trainer: grad_accum is for stages 2-3)
-        rows = {1: (math.ceil(batch_size / devices), seq_len), 2: (math.ceil(batch_size / devices / grad_accum), seq_len),
+        rows = {1: (math.ceil(batch_size / devices / grad_accum), seq_len), 2: (math.ceil(batch_size / devices / grad_accum), seq_len),
                 3: (math.ceil(batch_long / devices / grad_accum), long_len)}
         stages = sorted(set(stage))
         if as_json:

@@ -86,7 +86,7 @@ def test_graphed_compiled_step_with_sliding_windows_fp32(family, stage):
     fs.close()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_graphed_step_with_grad_accum_equals_the_whole_batch_fp32(stage, checkpointing):
     """fp32: the compiled step captured with two micro-batches (and with activation checkpointing inside the graph)

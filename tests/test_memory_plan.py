@@ -219,15 +219,15 @@ def test_plan_memory_command(tmp_path):
         KNOWN_SHAPES["llama-3.1-8b"].root_params()
     r = CliRunner().invoke(app, ["plan-memory", "--optimizer", "4bit"])
     assert r.exit_code == 2 and "error:" in r.output
-    # --grad-accum 4: stages 2-3 planned for a micro-batch of 64 / 4 rows, stage 1 for the whole batch;
+    # --grad-accum 4: every stage planned for a micro-batch of a quarter of the rows;
     # --teacher-dtype fp32 (what convert holds) doubles the teacher's bytes
     r = CliRunner().invoke(app, ["plan-memory", "--grad-accum", "4", "--teacher-dtype", "fp32", "--json"])
     assert r.exit_code == 0, r.output
     p1, p2, p3 = json.loads(r.output)["plans"]
     q = KNOWN_SHAPES["qwen3-1.7b"]
     o = MemoryOptions(teacher_dtype="fp32")
-    assert (p1["rows"], p2["rows"], p3["rows"]) == (64, 16, 4)
-    assert p2["total"] == plan_memory(q, 2, 16, 512, options=o).total and p1["total"] == plan_memory(q, 1, 64, 512, options=o).total
+    assert (p1["rows"], p2["rows"], p3["rows"]) == (16, 16, 4)
+    assert p2["total"] == plan_memory(q, 2, 16, 512, options=o).total and p1["total"] == plan_memory(q, 1, 16, 512, options=o).total
     assert p2["teacher"] == 2 * plan_memory(q, 2, 16, 512).teacher
     r = CliRunner().invoke(app, ["plan-memory", "--grad-accum", "0"])
     assert r.exit_code == 2 and "--grad-accum" in r.output

@@ -53,6 +53,7 @@ def _trainer(tok, root: Path, stage: int, out: Path, resume: bool = False, **kw)
 
 
 MODES = (("ddp", True), ("ddp", False), ("fsdp", False))  # (data_parallel, fast step)
+ACCUM_MODES = (("ddp", True), ("fsdp", False))  # the same with gradient accumulation over 2 micro-batches per rank
 
 
 def _grads_worker(tok, root: str) -> dict:
@@ -89,6 +90,18 @@ def _grads_worker(tok, root: str) -> dict:
                 g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # a collective for FSDP2
                 grads[n] = g.detach().clone()
             out[(stage, mode, fast)] = (logged, grads)
+        for mode, fast in ACCUM_MODES:  # one row per micro-batch on each rank
+            student, teacher = _models(tok, Path(root))
+            params = trainable_parameters(student, stage)
+            if mode == "fsdp":
+                shard_student(student, stage)
+                params = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
+            step = build_step(StepPlan(world=world, data_parallel=mode, fast=fast, grad_accum=2), stage, student,
+                              teacher if stage in (1, 2) else None, [p for _, p in params], loss_chunk=16)
+            logged = step(ids, mask).tolist()
+            grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+                     for n, p in params}
+            out[(stage, mode, fast, 2)] = (logged, grads)
     if rank == 1:  # rank 0 returns: send rank 1's byte counts over
         torch.save({k: v for k, v in out.items() if k[0] == "bytes"}, Path(root) / "bytes_r1.pt")
     torch.distributed.barrier()
@@ -181,12 +194,14 @@ def _whole_batch_grads(tok, root: Path, stage: int) -> tuple[list[float], dict]:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_ddp_and_fsdp2_gradients_equal_one_process(runs, smol_tokenizer, stage):
     """Two gloo ranks, each on its slice of a padded batch (33 and 20 real tokens), through DDP (fast and plain
-    step) and FSDP2 (plain step): the logged loss and every trained parameter's gradient equal the one-process
-    autograd gradient of the whole batch's plain loss, per tensor to ‖Δ‖ ≤ 1e-5 ‖g‖ (fp32)."""
+    step) and FSDP2 (plain step), and both with gradient accumulation over two micro-batches per rank: the logged
+    loss and every trained parameter's gradient equal the one-process autograd gradient of the whole batch's plain
+    loss, per tensor to ‖Δ‖ ≤ 1e-5 ‖g‖ (fp32)."""
     root, info, _ = runs
     ref_logged, ref = _whole_batch_grads(smol_tokenizer, root, stage)
-    for mode, fast in MODES:
-        logged, grads = info["grads"][(stage, mode, fast)]
+    for key in [(m, f) for m, f in MODES] + [(m, f, 2) for m, f in ACCUM_MODES]:
+        mode, fast = key[:2]
+        logged, grads = info["grads"][(stage, *key)]
         assert logged == pytest.approx(ref_logged, rel=1e-5), (mode, fast)
         assert sorted(grads) == sorted(ref), (mode, fast)
         for k, g in ref.items():

@@ -248,11 +248,12 @@ class FastStep:
         ddp: run the forward through :class:`torch.nn.parallel.DistributedDataParallel` wrapped around
             the student (:func:`headscope.train.parallel.ddp_loss`), so that the gradients are averaged
             over ranks during the backward; needs an initialized process group.
-        grad_accum: gradient accumulation (stages 2-3): the batch is split into this many micro-batches
-            (``torch.tensor_split`` of the rows), each forward + backward in turn with its loss normalized by
-            the whole batch's count, so the gradients add up to the whole batch's; the logged loss is the sum
-            of the micro-batches' shares (the whole batch's loss). Under a CUDA graph all micro-batches are in
-            the one captured step.
+        grad_accum: gradient accumulation: the batch is split into this many micro-batches (``torch.tensor_split``
+            of the rows), each forward + backward in turn. Stages 2-3: each loss normalized by the whole batch's
+            count, so the gradients add up to the whole batch's and the logged loss is the sum of the shares. Stage
+            1: the backward of each micro-batch's squared errors, then every layer's gradients scaled by the whole
+            batch's teacher statistics (:func:`~headscope.train.stages.accumulate_alignment`). Under a CUDA graph
+            all micro-batches are in the one captured step.
 
     Raises:
         ValueError: a stage other than 1, 2, 3; stages 1, 2 without a teacher; a model without the
@@ -281,8 +282,11 @@ class FastStep:
         if problem is not None:
             raise ValueError(problem)
         from .stage_checks import check_grad_accum
+        from .stages import attention_parameters
 
         self.grad_accum = check_grad_accum(stage, grad_accum)
+        # stage 1 under accumulation scales each layer's gradients by its own factor
+        self._layer_params = attention_parameters(student) if stage == 1 and self.grad_accum > 1 else []
         self.stage, self.student, self.teacher = stage, student, teacher
         self.params = list(params)
         self.device = next(student.parameters()).device
@@ -336,14 +340,16 @@ class FastStep:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
 
     def loss(self, ids: Int[Tensor, "batch time"], mask: Bool[Tensor, "batch time"],
-             denominator: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+             denominator: Optional[Tensor] = None, sums: bool = False) -> tuple[Tensor, Tensor]:
         """(loss, logged) of the stage on a batch, without a backward and without a host sync;
         ``logged`` is [loss] or, in stage 1, [loss, per-layer alignment losses...], detached.
         ``denominator`` (stages 2-3): the count the loss is divided by instead of this batch's (global with
-        ``reduce``): a micro-batch's share of the whole batch's loss."""
+        ``reduce``): a micro-batch's share of the whole batch's loss. ``sums`` (stage 1 under gradient accumulation):
+        (Σ_l SE_l, [SE_l..., teacher statistics]) of :func:`~headscope.train.stages.alignment_sums_of` instead, local
+        to this micro-batch and rank."""
         with self._autocast():
             if self.stage == 1:
-                return self._stage1(ids, mask)
+                return self._stage1(ids, mask, sums)
             if self.stage == 2:
                 with torch.no_grad():
                     h_t = model_body(self.teacher, ids, self._layer)
@@ -373,7 +379,7 @@ class FastStep:
     def _global_logged(self, logged: Tensor) -> Tensor:
         return logged if self.reduce is None else self.reduce(logged.float().clone())
 
-    def _stage1(self, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    def _stage1(self, ids: Tensor, mask: Tensor, sums: bool = False) -> tuple[Tensor, Tensor]:
         t_inner = self.teacher.model
         with torch.no_grad():
             h = t_inner.embed_tokens(ids)
@@ -386,6 +392,13 @@ class FastStep:
                 io.append((hn, a))
         m = mask.to(torch.float32)[..., None]
         layers = self.student.model.layers
+        if sums:
+            from .stages import alignment_sums_of
+
+            y_s = [self._s_attn(s_layer.self_attn, hn, cos, sin, *_mask_for(s_layer.self_attn, s_wm))
+                   for s_layer, (hn, _) in zip(layers, io)]
+            se, stats = alignment_sums_of(y_s, [a for _, a in io], m)
+            return se.sum(), torch.cat([se.detach(), stats])
         if self.reduce is None:
             per = [self._align(self._s_attn(s_layer.self_attn, hn, *pe[i], *_mask_for(s_layer.self_attn, s_wm[i])), a, m)
                    for i, (s_layer, (hn, a)) in enumerate(zip(layers, io))]
@@ -407,7 +420,11 @@ class FastStep:
             loss, logged = self._forward(ids, mask)
             (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
             return logged
-        from .stages import loss_token_count
+        from .stages import accumulate_alignment, attention_parameters, loss_token_count
+
+        if self.stage == 1:
+            return accumulate_alignment(lambda i, m: self._forward(i, m, None, True), ids, mask, self.grad_accum,
+                                        self._layer_params, self.loss_scale, self.reduce)
 
         denom = self._global_count(loss_token_count(self.stage, mask))
         if denom is None:

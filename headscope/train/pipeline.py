@@ -279,7 +279,7 @@ def convert_model(
         hybrid_options: hybrid options beside the recipe's (e.g. ``gdn_kernel``).
         train_options: :class:`~headscope.train.TrainConfig` fields beside the recipe's (``fast``,
             ``data_parallel``, ``progress``, ``compile``, ``cuda_graph``, ``bf16``, ``activation_checkpointing``,
-            ``grad_accum``: stages 2-3 only, stage 1 runs whole batches).
+            ``grad_accum``).
         teacher_name: the teacher's spec, for the record.
         on_step: called after every step (:meth:`Trainer.run`; raising :class:`StopTraining` stops the
             run with a checkpoint).
@@ -345,10 +345,7 @@ def convert_model(
 
                     atomic_write_text(f_info, json.dumps(row_info, indent=2))
             parallel.barrier()
-        opts = {"progress": progress, **(train_options or {})}
-        if k == 1:  # gradient accumulation is for stages 2-3 (stage 1 normalizes by the batch's teacher statistics)
-            opts.pop("grad_accum", None)
-        cfg = recipe.train_config(k, **opts)
+        cfg = recipe.train_config(k, **{"progress": progress, **(train_options or {})})
         resume_k = parallel.find_checkpoint(sd / "checkpoint") is not None
         if k == 1:
             torch.manual_seed(recipe.seed)  # the GDN heads' random initialization

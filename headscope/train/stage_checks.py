@@ -33,18 +33,14 @@ def check_stage(stage: Any, name: str = "stage") -> int:
 
 
 def check_grad_accum(stage: int, grad_accum: int) -> int:
-    """``grad_accum`` as an int after checking it: >= 1, and 1 in stage 1 (whose loss is normalized by the
-    whole batch's teacher statistics, which a micro-batch does not know).
+    """``grad_accum`` as an int after checking that it is >= 1 (``stage`` kept for the callers' symmetry).
 
     Raises:
-        HeadscopeInputError: a count < 1, or > 1 in stage 1.
+        HeadscopeInputError: a count < 1.
     """
     k = int(grad_accum)
     if k < 1:
         raise HeadscopeInputError(f"grad_accum={grad_accum}: use 1 (no accumulation) or more micro-batches per step")
-    if stage == 1 and k > 1:
-        raise HeadscopeInputError("grad_accum > 1 applies to stages 2-3: stage 1's loss is normalized by the whole "
-                                  "batch's teacher statistics (plan its memory with `headscope plan-memory --stage 1`)")
     return k
 
 

@@ -119,6 +119,96 @@ def alignment_loss(
     return per_t.mean(), per_t.detach()
 
 
+def alignment_sums_of(
+    y_s: list[Tensor], y_t: list[Tensor], m: Float[Tensor, "batch time 1"]
+) -> tuple[Float[Tensor, "layer"], Float[Tensor, "k"]]:
+    """The sums stage 1's loss is made of, for one micro-batch (gradient accumulation): per layer the squared error
+    SE_l = Σ_real (A_l(h_l) − y_l)² (with its gradient), and, detached and packed into one vector, the teacher
+    statistics [Σ_real y_l per channel (layer · D), Σ_real y_l² per layer (layer), real tokens (1)]. Summed over
+    micro-batches (and ranks) they give the whole batch's loss through :func:`alignment_from_sums`."""
+    se = torch.stack([(((a.float() - b.float()) * m) ** 2).sum() for a, b in zip(y_s, y_t)])
+    with torch.no_grad():
+        s1 = torch.stack([(b.float() * m).sum((0, 1)) for b in y_t])
+        s2 = torch.stack([((b.float() * m) ** 2).sum() for b in y_t])
+        stats = torch.cat([s1.reshape(-1), s2, m.sum().reshape(1).float()])
+    return se, stats
+
+
+def alignment_from_sums(
+    se: Float[Tensor, "layer"], stats: Float[Tensor, "k"], d: int
+) -> tuple[Float[Tensor, "layer"], Float[Tensor, "layer"]]:
+    """(per-layer loss, per-layer gradient factor) from the summed :func:`alignment_sums_of` of a whole batch: the
+    teacher variance var_l = (Σ y² − Σ_c (Σ y_c)² / n_tok) / (n_tok · D) (one pass, float32), the loss
+    SE_l / (n_tok · D · var_l) as :func:`alignment_loss`'s, and the factor 1 / (L · n_tok · D · var_l) that turns the
+    gradients of Σ_l SE_l into those of the mean over layers (each layer's parameters get only its own term)."""
+    L = se.shape[0]
+    s1 = stats[: L * d].reshape(L, d)
+    s2 = stats[L * d: L * d + L]
+    n_tok = stats[-1].clamp_min(1.0)
+    n = n_tok * d
+    var = ((s2 - (s1 ** 2).sum(-1) / n_tok) / n).clamp_min(1e-12)
+    return se / (n * var), 1.0 / (L * n * var)
+
+
+def scale_layer_gradients(layer_params: list[list[Tensor]], factor: Float[Tensor, "layer"]) -> None:
+    """Multiply the gradient of every parameter of layer l by ``factor[l]`` (in place; no host sync)."""
+    for ps, f in zip(layer_params, factor.unbind(0)):
+        for p in ps:
+            if p.grad is not None:
+                p.grad.mul_(f.to(p.grad.dtype))
+
+
+def alignment_sums(
+    student: nn.Module, teacher: nn.Module, ids: Int[Tensor, "batch time"], mask: Bool[Tensor, "batch time"]
+) -> tuple[Float[Tensor, "layer"], Float[Tensor, "k"]]:
+    """:func:`alignment_sums_of` of one micro-batch through the plain path (teacher hooks, the student's attention
+    modules as :func:`alignment_loss` calls them)."""
+    from ..hybrid.modeling_hybrid import attention_name, decoder_layers
+
+    rec = _capture_attention_io(teacher, ids, mask)
+    m = mask.to(ids.device)[..., None].float()
+    y_s = [getattr(layer, attention_name(layer))(r["h"], position_embeddings=r["pe"])[0]
+           for layer, r in zip(decoder_layers(student), rec)]
+    return alignment_sums_of(y_s, [r["out"] for r in rec], m)
+
+
+def accumulate_alignment(
+    forward: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+    ids: Int[Tensor, "batch time"],
+    mask: Bool[Tensor, "batch time"],
+    k: int,
+    layer_params: list[list[Tensor]],
+    loss_scale: float = 1.0,
+    reduce: Optional[Callable[[Tensor], Tensor]] = None,
+) -> Float[Tensor, "k"]:
+    """Stage 1 with gradient accumulation: ``forward(ids_k, mask_k)`` -> (Σ_l SE_l, [SE_l..., packed teacher
+    statistics]) (:func:`alignment_sums_of`) on each of ``k`` micro-batches, the backward of Σ SE after each (times
+    ``loss_scale``), then, from the summed statistics (over ranks too with ``reduce``), every layer's gradients
+    scaled to those of the whole batch's loss (:func:`alignment_from_sums`). Returns the logged values [loss,
+    align_l0, ...] of the whole batch, as :func:`stage_loss_logged`'s."""
+    L = len(layer_params)
+    tot: Optional[Tensor] = None
+    for ids_k, mask_k in zip(ids.tensor_split(k), mask.tensor_split(k)):
+        se_sum, packed = forward(ids_k, mask_k)
+        (se_sum * loss_scale if loss_scale != 1.0 else se_sum).backward()
+        tot = packed if tot is None else tot + packed
+    assert tot is not None
+    if reduce is not None:
+        tot = reduce(tot.clone())
+    d = (tot.numel() - 2 * L - 1) // L
+    per, factor = alignment_from_sums(tot[:L], tot[L:], d)
+    scale_layer_gradients(layer_params, factor)
+    return torch.cat([per.mean().reshape(1), per])
+
+
+def attention_parameters(student: nn.Module) -> list[list[Tensor]]:
+    """Per decoder layer, the trained parameters of its attention module (stage 1's, in layer order)."""
+    from ..hybrid.modeling_hybrid import attention_name, decoder_layers
+
+    return [[p for p in getattr(layer, attention_name(layer)).parameters() if p.requires_grad]
+            for layer in decoder_layers(student)]
+
+
 def distillation_loss(
     student_logits: Float[Tensor, "batch time vocab"],
     teacher_logits: Float[Tensor, "batch time vocab"],

@@ -50,8 +50,9 @@ class StepPlan:
         activation_checkpointing: keep only each student layer's input, recompute it in the backward
             (the fast step: every decoder layer, stage 1 every attention module; the plain step:
             transformers' ``activation_checkpointing_enable`` on the decoder layers, stages 2-3).
-        grad_accum: micro-batches per step (gradient accumulation, stages 2-3): each rank's rows are split into
-            this many, run forward + backward one after the other with the whole batch's normalization.
+        grad_accum: micro-batches per step (gradient accumulation): each rank's rows are split into this many, run
+            forward + backward one after the other with the whole batch's normalization (stage 1: its teacher
+            statistics, applied to each layer's gradients at the end).
         fast_unavailable: why the fast step was wanted and could not run (then ``fast`` is False).
     """
 
@@ -138,21 +139,25 @@ class PlainStep:
         activation_checkpointing: transformers' activation checkpointing of the student's decoder layers
             (stages 2-3; stage 1 calls the attention modules directly and keeps their activations), turned
             off again by :meth:`close`.
-        grad_accum: micro-batches per step (stages 2-3), as :class:`~headscope.train.fast.FastStep`'s.
+        grad_accum: micro-batches per step, as :class:`~headscope.train.fast.FastStep`'s.
     """
 
     def __init__(self, stage: int, student: nn.Module, teacher: Optional[nn.Module], params: Sequence[Tensor],
                  bf16: bool = False, reduce: Optional[Callable[[Tensor], Tensor]] = None, loss_scale: float = 1.0,
                  ddp: bool = False, activation_checkpointing: bool = False, grad_accum: int = 1):
         from .stage_checks import check_grad_accum
-        from .stages import stage_loss_logged
+        from .stages import alignment_sums, attention_parameters, stage_loss_logged
 
         self.grad_accum = check_grad_accum(stage, grad_accum)
+        self._layer_params = attention_parameters(student) if stage == 1 and self.grad_accum > 1 else []
         self.stage, self.student, self.teacher, self.params = stage, student, teacher, list(params)
         self.device = next(student.parameters()).device
         self.bf16, self.reduce, self.loss_scale = bool(bf16), reduce, float(loss_scale)
 
-        def loss_fn(ids: Tensor, mask: Tensor, denominator: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        def loss_fn(ids: Tensor, mask: Tensor, denominator: Optional[Tensor] = None, sums: bool = False) -> tuple[Tensor, Tensor]:
+            if sums:  # stage 1 under gradient accumulation: this micro-batch's sums (stages.accumulate_alignment)
+                se, stats = alignment_sums(student, teacher, ids, mask)
+                return se.sum(), torch.cat([se.detach(), stats])
             return stage_loss_logged(stage, student, teacher, ids, mask, reduce=reduce, denominator=denominator)
 
         self._forward: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] = loss_fn
@@ -175,8 +180,14 @@ class PlainStep:
                 loss, logged = self._forward(ids, mask)
             (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
             return logged
-        from .stages import loss_token_count
+        from .stages import accumulate_alignment, loss_token_count
 
+        if self.stage == 1:
+            def sums(i: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+                with ctx:
+                    return self._forward(i, m, None, True)
+
+            return accumulate_alignment(sums, ids, mask, self.grad_accum, self._layer_params, self.loss_scale, self.reduce)
         denom = loss_token_count(self.stage, mask).to(device=self.device, dtype=torch.float32)
         denom = denom if self.reduce is None else self.reduce(denom)
         total: Optional[Tensor] = None

@@ -92,12 +92,12 @@ class TrainConfig:
             the plain step). None (default): ``"ddp"`` when the fast step is usable (``fast`` and a
             Llama / Qwen3 structure), else ``"fsdp"``. Ignored in one process. Both give the
             one-process run's losses and weights (to float rounding; ``tests/test_train_ddp.py``).
-        grad_accum: gradient accumulation (stages 2-3): each step's ``batch_size`` rows (each rank's share of
-            them) run as this many micro-batches, forward + backward one after the other, each loss normalized
-            by the whole batch's token count: the same loss and gradients as one pass over the batch (to float
-            rounding; ``tests/test_train_grad_accum.py``) with the activations of a micro-batch. ``batch_size``
-            must be a multiple of it (times the ranks, in data-parallel training). Stage 1 takes 1 only (its
-            loss is normalized by the whole batch's teacher statistics).
+        grad_accum: gradient accumulation: each step's ``batch_size`` rows (each rank's share of them) run as
+            this many micro-batches, forward + backward one after the other, normalized by the whole batch's token
+            count (stage 1: its teacher statistics, applied to each layer's gradients once all micro-batches ran):
+            the same loss and gradients as one pass over the batch (to float rounding;
+            ``tests/test_train_grad_accum.py``) with the activations of a micro-batch. ``batch_size`` must be a
+            multiple of it (times the ranks, in data-parallel training).
     """
 
     stage: int
@@ -125,8 +125,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         """Raises HeadscopeInputError (a ValueError) for a stage other than 1-3, a count / rate <= 0, a
-        ``data_parallel`` other than None, "ddp", "fsdp", or a ``grad_accum`` < 1, > 1 in stage 1 or not
-        dividing ``batch_size``."""
+        ``data_parallel`` other than None, "ddp", "fsdp", or a ``grad_accum`` < 1 or not dividing ``batch_size``."""
         from .stage_checks import check_grad_accum, check_stage
 
         check_stage(self.stage)
