@@ -257,7 +257,8 @@ def test_fast_step_equals_plain_step_with_sliding_windows(family, kind, stage):
     """A Mistral teacher (sliding window 24) and a Gemma 3 one (window 8 between full layers, RoPE per layer type,
     sandwich norms, scaled embedding) on 32-token rows: the fast step's loss, logged values and gradients equal
     stage_loss + backward (the window masks given to the dense sliding layers, the hybrid layers' fused training
-    backend applying their own windows). (Stage 1 aligns a hybrid's attention layers: no dense student.)"""
+    backend applying their own windows), with and without gradient accumulation. (Stage 1 aligns a hybrid's
+    attention layers: no dense student.)"""
     from families import FAMILIES
     from headscope.train.fast import layer_masks
 
@@ -274,12 +275,13 @@ def test_fast_step_equals_plain_step_with_sliding_windows(family, kind, stage):
     loss, scalars = stage_loss(stage, st, t, ids, m)
     loss.backward()
     g_ref = [p.grad.clone() for p in params]
-    fs = FastStep(stage, st, t, params, compile=False)
-    logged = fs(ids, m)
-    torch.testing.assert_close(logged, torch.tensor(list(scalars.values())), rtol=1e-5, atol=1e-6)
-    for p, g in zip(params, g_ref):  # fp32 summation order (with Gemma 3's scaled embedding up to 4e-5 relative)
-        _close(p.grad, g, tol=1e-4)
-    fs.close()
+    for k in (1, 2):  # and with gradient accumulation over two one-row micro-batches
+        fs = FastStep(stage, st, t, params, compile=False, grad_accum=k)
+        logged = fs(ids, m)
+        torch.testing.assert_close(logged, torch.tensor(list(scalars.values())), rtol=1e-5, atol=1e-6)
+        for p, g in zip(params, g_ref):  # fp32 summation order (with Gemma 3's scaled embedding up to 4e-5 relative)
+            _close(p.grad, g, tol=1e-4)
+        fs.close()
 
 
 def test_fast_step_rejects_bad_input(teacher):

@@ -395,8 +395,8 @@ class FastStep:
         if sums:
             from .stages import alignment_sums_of
 
-            y_s = [self._s_attn(s_layer.self_attn, hn, cos, sin, *_mask_for(s_layer.self_attn, s_wm))
-                   for s_layer, (hn, _) in zip(layers, io)]
+            y_s = [self._s_attn(s_layer.self_attn, hn, *pe[i], *_mask_for(s_layer.self_attn, s_wm[i]))
+                   for i, (s_layer, (hn, _)) in enumerate(zip(layers, io))]
             se, stats = alignment_sums_of(y_s, [a for _, a in io], m)
             return se.sum(), torch.cat([se.detach(), stats])
         if self.reduce is None:
