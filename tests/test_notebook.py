@@ -48,7 +48,8 @@ def test_notebook_runs_and_exports_png(tmp_path, monkeypatch):
     out = tmp_path / "out"
     monkeypatch.setenv("HEADSCOPE_NB_OUT", str(out))
     monkeypatch.setenv("HEADSCOPE_NB_BOOT", "50")
-    monkeypatch.setenv("HEADSCOPE_NB_SEQ_LEN", "96")  # 3 pairs of 96 tokens (gaps 7.9-9.0 logits): the ranking at 3/4 of the default's cost
+    # 3 pairs of 58-59 tokens: the needle and the question without filler (a+ - a- 4.6-5.5 logits)
+    monkeypatch.setenv("HEADSCOPE_NB_SEQ_LEN", "64")
     nb = nbformat.read(NB, as_version=4)
     NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     # every figure was exported as a real PNG

@@ -57,7 +57,7 @@ def test_quickstart_runs(tmp_path, monkeypatch):
     from headscope.scores import Ranking
 
     out = tmp_path / "out"
-    for k, v in {"HEADSCOPE_QS_OUT": str(out), "HEADSCOPE_QS_PAIRS": "2", "HEADSCOPE_QS_SEQ_LEN": "96",
+    for k, v in {"HEADSCOPE_QS_OUT": str(out), "HEADSCOPE_QS_PAIRS": "2", "HEADSCOPE_QS_SEQ_LEN": "64",
                  "HEADSCOPE_QS_EVAL": "4", "HEADSCOPE_QS_K": "3"}.items():
         monkeypatch.setenv(k, v)
     nb = nbformat.read(NB, as_version=4)
