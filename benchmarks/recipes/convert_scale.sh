@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The conversion stages at Qwen3-1.7B shape on one GPU against the teacher's compiled dense step (issue 63 items 1, 5),
-# each command under 10 minutes on one H100 / H200 (the first one compiles from scratch: about 4 minutes of it), each
+# each command under 10 minutes on one H100 / H200 (the first compiles from scratch: 4 minutes at the SmolLM2 shape), each
 # writing its JSON after every step. Needs fla (the fast step on CUDA runs with it): `source tools/device/device_env.sh`.
 # Usage: bash benchmarks/recipes/convert_scale.sh [OUT_DIR] [PART ...]   (run from the repository root on the GPU host;
 #        PART: s2 s3_8k s3_2k s1_check s2_accum llama8b_s1, default the first four; on the `device` tool give the
 #        same lines to tools/device/chain.sh start)
 # Memory (headscope plan-memory's model with the float32 teacher `headscope convert` holds; stage 3 keeps the teacher
-# resident too, +6.4 GiB over the plan's figure): s2 51.7 GiB, s3_8k 42.9 (+6.4), s3_2k 42.9 (+6.4), s1 60.7,
+# resident too, +6.4 GiB over the plan's figure): s2 51.7 GiB, s3_8k 42.9 (+6.4), s3_2k 42.9 (+6.4), s1 39.7 (two
+# 32-row micro-batches; whole 64-row batches plan 60.7, and the plan was 0.83x of stage 1's measured peak at SmolLM2),
 # check (4 x 512, no checkpointing) about 43 + 14 (two gradient copies) + logits, s2_accum 64.6 (16-row micro-batches),
 # llama8b_s1 96.7 (H200 only). Stored results: <gpu>_convert_scale_qwen3_*.json.
 set -euo pipefail
@@ -22,7 +23,7 @@ for part in $PARTS; do
                  --out "$OUT/convert_scale_qwen3_s3_8k_ckpt.json" --log "$OUT/s3_8k.log" ;;
     s3_2k)     $B --stages 3 --stage3-long '' --activation-checkpointing --out "$OUT/convert_scale_qwen3_s3_2k_ckpt.json" \
                  --log "$OUT/s3_2k.log" ;;
-    s1_check)  $B --stages 1 --no-baseline --check --check-stages 2 --check-rows 4x512 --check-steps 3 \
+    s1_check)  $B --stages 1 --grad-accum 2 --no-baseline --check --check-stages 2 --check-rows 4x512 --check-steps 3 \
                  --out "$OUT/convert_scale_qwen3_s1_check.json" --log "$OUT/s1_check.log" ;;
     s2_accum)  $B --stages 2 --grad-accum 4 --no-baseline --out "$OUT/convert_scale_qwen3_s2_accum4.json" --log "$OUT/s2_accum.log" ;;
     llama8b_s1) python benchmarks/bench_convert_scale.py --shape llama-3.1-8b --budget-s 480 --stages 1 --rows 16,8,1 \
