@@ -251,7 +251,7 @@ over five seeds); the stage-2 retrieval mix lifted seed 4 from 0.98 / 0.91 / 0.8
 docs/conversion.md gives each default with its figure.
 
 On a CPU use a small budget, e.g. `--tokens 10K --seq-len 128 --long-len 256 --batch-size 4
---batch-long 2 --docs 16 --doc-len 64` (a few minutes; one thread per process on a shared machine). Every argument, the mask against the teacher's config, the
+--batch-long 2 --docs 16 --doc-len 64` with `OMP_NUM_THREADS=1` in the environment (about 12 minutes' wall time on 2 cores; 23 without it on a busy machine). Every argument, the mask against the teacher's config, the
 conversion folder (its recipe.json, finished stages, checkpoints) are checked before the teacher loads
 (errors: one line, exit code 2). Data parallel: --devices N (or torchrun)."""
 
@@ -510,7 +510,8 @@ conversion study's haystack; --corpus builtin: the package's filler sentences (f
 The seen cells use the built-in filler and the RULER templates.
 
 Writes OUT/retention.csv (model, seed, tokens, task, formats, length, n, hits, accuracy, teacher_accuracy, agreement,
-source=cli), OUT/retention_summary.csv (intervals, retention), OUT/report.md, OUT/report.html and the per-prompt
+source=cli), OUT/retention_summary.csv (intervals, retention), OUT/retention_seeds.csv (per cell over seeds),
+OUT/report.md, OUT/report.html, OUT/eval.json (the run's settings), OUT/prompts/ (the prompt sets) and the per-prompt
 records OUT/cells/NAME__sSEED__tTOKENS/TASK.FORMATS.LENGTH.json.gz. Resumable per cell: a rerun skips the cells
 already stored with the same settings; several models evaluated into one OUT share the teacher's cells and the
 prompts and appear in one table. Every argument is checked before a model loads (errors: one line, exit code 2)."""

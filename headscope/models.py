@@ -113,12 +113,17 @@ def check_model(spec: Any, name: str = "model") -> Geometry | None:
     if kw.get("local_files_only"):
         cfg = cached_hub_config(path)
         if cfg is None:
-            raise ModelSpecError(
-                f"{str(spec)!r} is not in the local Hugging Face cache and headscope never downloads: download it "
-                "yourself (huggingface-cli download ...) or pass a local model directory / .gguf path"
-            )
+            raise not_cached(spec)
         return config_geometry(cfg)
     return config_geometry(Path(path) / "config.json")
+
+
+def not_cached(spec: Any) -> ModelSpecError:
+    """The error for a spec read as a hub id that the local cache lacks (a typo in a folder path reads the same)."""
+    return ModelSpecError(
+        f"{str(spec)!r} is no local directory and not in the local Hugging Face cache (headscope never downloads): "
+        "check the path, download the hub id yourself (huggingface-cli download ...), or pass a .gguf path"
+    )
 
 
 def is_hybrid(spec: Any) -> bool:
@@ -208,10 +213,7 @@ def load_hf(
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw, **placed)
     except OSError as e:
         if kw.get("local_files_only"):
-            raise ModelSpecError(
-                f"{spec!r} is not in the local Hugging Face cache and headscope never downloads: download it "
-                "yourself (huggingface-cli download ...) or pass a local model directory / .gguf path"
-            ) from e
+            raise not_cached(spec) from e
         raise ModelSpecError(f"could not load {spec!r}: {e}") from e
     model.eval()
     if hybrid:
