@@ -35,6 +35,10 @@ fast step (compiled, no CUDA graph) against the plain step in bf16 and against t
 gradient relative errors (‖g_a − g_b‖ / ‖g_b‖ over all trained parameters, and the worst parameter), then one AdamW
 step on the fast step's gradients so the next batch sees moved weights.
 
+**Resume at scale** (``--resume-check 2``): ``--resume-steps`` steps of ``--resume-rows`` uninterrupted (twice: the
+kernels' run-to-run differences), and cut after half of them (exit checkpoint written, its size recorded) then resumed
+in a new trainer; the final weights against the uninterrupted run's.
+
 The JSON (``--out``) is rewritten after every timed step, every finished case and every checked batch, so a crash or
 a cut loses nothing measured; progress goes to stdout (flushed) and ``--log``. Runnable detached
 (``tools/device/chain.sh``).
@@ -359,6 +363,65 @@ def check_fast_vs_plain(stage: int, teacher, student, rows, B: int, steps: int, 
     free(dev)
 
 
+# ------------------------------------------------------------------------------------------ resume
+def resume_check(stage: int, teacher, student, mask, rows, B: int, steps: int, cut: int, args, dev, work: Path,
+                 out: dict, save) -> None:
+    """Issue 63 item 5's other half: ``steps`` steps of ``stage`` through ``convert_stage`` uninterrupted (twice: run
+    to run differences of the device's kernels), and stopped after ``cut`` steps (the exit checkpoint written, timed)
+    then resumed from it in a new trainer; the final weights compared with the uninterrupted run's (largest absolute
+    difference, relative to what training moved the weights, and how many tensors are bit for bit equal)."""
+    from headscope.train import StopTraining, TrainConfig, convert_stage
+
+    start = {k: v.detach().to("cpu", copy=True) for k, v in student.state_dict().items()}
+
+    def cfg() -> Any:
+        return TrainConfig(stage=stage, tokens=B * rows.seq_len * steps, batch_size=B, lr=STAGE_LR[stage], progress=False,
+                           ckpt_every=0, seed=0, grad_accum=args.grad_accum, activation_checkpointing=args.activation_checkpointing,
+                           fast=False if args.plain_step else None, compile=False if args.no_compile else None,
+                           loss_chunk=args.loss_chunk)
+
+    def run(name: str, resume: bool = False, stop: Optional[int] = None) -> dict[str, Any]:
+        if not resume:
+            student.load_state_dict(start)
+        losses: list[float] = []
+
+        def on_step(tr, row):
+            losses.append(row["loss"])
+            if stop is not None and tr.step == stop:
+                raise StopTraining
+
+        t0 = time.time()
+        _, summ = convert_stage(teacher, None, mask, stage, work / f"resume_{name}", config=cfg(), rows=rows,
+                                student=student, save_folder=False, on_step=on_step, record={}, resume=resume)
+        free(dev)
+        return {"losses": losses, "steps": summ["steps"], "seconds": time.time() - t0}
+
+    out.update({"stage": stage, "rows": B, "seq_len": rows.seq_len, "steps": steps, "cut_after": cut})
+    a = run("a")
+    ref = {k: v.detach().to("cpu", copy=True) for k, v in student.state_dict().items()}
+    a2 = run("a2")
+    again = {k: v.detach().to("cpu", copy=True) for k, v in student.state_dict().items()}
+    b1 = run("b", stop=cut)
+    ckpt = work / f"resume_b/stage{stage}/checkpoint"
+    size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) if ckpt.exists() else 0
+    b2 = run("b", resume=True)
+    got = {k: v.detach().to("cpu") for k, v in student.state_dict().items()}
+
+    def compare(x: dict, y: dict) -> dict[str, Any]:
+        moved = max(float((y[k].double() - start[k].double()).abs().max()) for k in y)
+        diff = max(float((x[k].double() - y[k].double()).abs().max()) for k in y)
+        return {"max_abs_diff": diff, "max_moved": moved, "diff_over_moved": diff / max(moved, 1e-30),
+                "tensors_bitwise_equal": sum(bool(torch.equal(x[k], y[k])) for k in y), "tensors": len(y)}
+
+    out.update({"uninterrupted": a, "uninterrupted_again": a2, "cut": b1, "resumed": b2, "checkpoint_bytes": size,
+                "resumed_vs_uninterrupted": compare(got, ref), "run_to_run": compare(again, ref),
+                "losses_equal": b1["losses"] + b2["losses"] == a["losses"]})
+    log(f"  resume stage {stage}: resumed vs uninterrupted {out['resumed_vs_uninterrupted']}, run to run "
+        f"{out['run_to_run']}, checkpoint {size / 2**30:.2f} GiB, cut run {b1['seconds']:.1f} s")
+    save()
+    student.load_state_dict(start)
+
+
 # ------------------------------------------------------------------------------------------ main
 def parse_cases(args) -> list[tuple[int, int, int]]:
     """(stage, rows, seq_len) per case from --stages, --rows, --seq-len and --stage3-long."""
@@ -436,6 +499,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap.add_argument("--check-stages", default="2", help="stages of the check")
     ap.add_argument("--check-rows", default="4x512", help="ROWSxLEN of the check's batches")
     ap.add_argument("--check-steps", type=int, default=3)
+    ap.add_argument("--resume-check", default="", help="stages whose kill-and-resume is checked, e.g. 2 ('' = none)")
+    ap.add_argument("--resume-rows", default="8x512", help="ROWSxLEN of the resume check's steps")
+    ap.add_argument("--resume-steps", type=int, default=4, help="steps of the resume check (cut after half of them)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     args = ap.parse_args(argv)
@@ -475,7 +541,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                           "stage 1: F(teacher) − 2·V·D + 3·F(student attention modules); stage 2: F(teacher) + "
                           "3·F(student); stage 3: 3·F(student); baseline: 3·F(teacher) (+ F(teacher) in stage 2); "
                           "recomputation not counted; MFU = FLOPs/step ÷ s/step ÷ peak_bf16_flops"),
-        "cases": {}, "check": {}, "errors": {},
+        "cases": {}, "check": {}, "resume": {}, "errors": {},
     }
 
     def save() -> None:
@@ -547,6 +613,24 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001
                 report["errors"][f"check/{key}"] = f"{type(e).__name__}: {e}"
                 log(f"check {key} FAILED: {e}\n{traceback.format_exc()[-3000:]}")
+            save()
+    if args.resume_check:
+        rb, rt = (int(x) for x in args.resume_rows.lower().split("x"))
+        for s in (int(x) for x in args.resume_check.split(",") if x):
+            key = f"stage{s}_{rb}x{rt}"
+            if time.time() - T0 > args.budget_s:
+                report["errors"][f"resume/{key}"] = "skipped: --budget-s reached"
+                continue
+            entry = {}
+            report["resume"][key] = entry
+            try:
+                student.to(dev)
+                rows = random_rows(cfg.vocab_size, rb, rt, args.resume_steps, seed=200 + s)
+                resume_check(s, teacher, student, mask, rows, rb, args.resume_steps, max(1, args.resume_steps // 2), args,
+                             dev, work, entry, save)
+            except Exception as e:  # noqa: BLE001
+                report["errors"][f"resume/{key}"] = f"{type(e).__name__}: {e}"
+                log(f"resume {key} FAILED: {e}\n{traceback.format_exc()[-3000:]}")
             save()
     report["seconds"] = round(time.time() - T0, 1)
     save()

@@ -95,3 +95,18 @@ def test_stage1_counts_the_teacher_body_without_its_lm_head(bench):
     # the weights are bf16 values held in float32 (as a bf16 checkpoint loaded by `headscope convert`)
     w = teacher.model.layers[0].mlp.up_proj.weight
     assert w.dtype == torch.float32 and torch.equal(w, w.to(torch.bfloat16).float())
+
+
+def test_resume_check_on_cpu_is_bit_exact(bench, tmp_path):
+    """--resume-check: cut after 1 of 2 steps (exit checkpoint), resumed in a new trainer: on a CPU the final weights
+    equal the uninterrupted run's bit for bit, the losses too, and the record says what training moved."""
+    out = tmp_path / "resume.json"
+    bench.main(["--shape", "tiny", "--out", str(out), "--stages", "", "--resume-check", "2", "--resume-rows", "2x16",
+                "--resume-steps", "2", "--no-compile", "--device", "cpu"])
+    r = json.loads(out.read_text())
+    assert not r["errors"]
+    e = r["resume"]["stage2_2x16"]
+    assert e["cut"]["steps"] == 1 and e["resumed"]["steps"] == 2 and e["losses_equal"]
+    assert e["checkpoint_bytes"] > 0
+    c = e["resumed_vs_uninterrupted"]
+    assert c["max_abs_diff"] == 0.0 and c["tensors_bitwise_equal"] == c["tensors"] > 0 and c["max_moved"] > 0

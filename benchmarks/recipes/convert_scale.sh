@@ -3,12 +3,13 @@
 # each command under 10 minutes on one H100 / H200 (the first compiles from scratch: 4 minutes at the SmolLM2 shape), each
 # writing its JSON after every step. Needs fla (the fast step on CUDA runs with it): `source tools/device/device_env.sh`.
 # Usage: bash benchmarks/recipes/convert_scale.sh [OUT_DIR] [PART ...]   (run from the repository root on the GPU host;
-#        PART: s2 s3_8k s3_2k s1_check s2_accum llama8b_s1, default the first four; on the `device` tool give the
+#        PART: s2 s3_8k s3_2k s1_check resume s2_accum llama8b_s1, default the first four; on the `device` tool give the
 #        same lines to tools/device/chain.sh start)
 # Memory (headscope plan-memory's model with the float32 teacher `headscope convert` holds; stage 3 keeps the teacher
 # resident too, +6.4 GiB over the plan's figure): s2 51.7 GiB, s3_8k 42.9 (+6.4), s3_2k 42.9 (+6.4), s1 39.7 (two
 # 32-row micro-batches; whole 64-row batches plan 60.7, and the plan was 0.83x of stage 1's measured peak at SmolLM2),
-# check (4 x 512, no checkpointing) about 43 + 14 (two gradient copies) + logits, s2_accum 64.6 (16-row micro-batches),
+# check (4 x 512, no checkpointing) about 43 + 14 (two gradient copies) + logits, resume 8 x 512 about 45 (and a
+# 21 GiB checkpoint on disk: 1.85B fp32 weights + AdamW's two moments), s2_accum 64.6 (16-row micro-batches),
 # llama8b_s1 96.7 (H200 only). Stored results: <gpu>_convert_scale_qwen3_*.json.
 set -euo pipefail
 OUT=${1:-/tmp/bench/convert_scale}
@@ -25,6 +26,8 @@ for part in $PARTS; do
                  --log "$OUT/s3_2k.log" ;;
     s1_check)  $B --stages 1 --grad-accum 2 --no-baseline --check --check-stages 2 --check-rows 4x512 --check-steps 3 \
                  --out "$OUT/convert_scale_qwen3_s1_check.json" --log "$OUT/s1_check.log" ;;
+    resume)    $B --stages '' --resume-check 2 --resume-rows 8x512 --resume-steps 4 \
+                 --out "$OUT/convert_scale_qwen3_resume.json" --log "$OUT/resume.log" ;;
     s2_accum)  $B --stages 2 --grad-accum 4 --no-baseline --out "$OUT/convert_scale_qwen3_s2_accum4.json" --log "$OUT/s2_accum.log" ;;
     llama8b_s1) python benchmarks/bench_convert_scale.py --shape llama-3.1-8b --budget-s 480 --stages 1 --rows 16,8,1 \
                  --activation-checkpointing --no-baseline --out "$OUT/convert_scale_llama8b_s1.json" --log "$OUT/llama8b_s1.log" ;;
