@@ -106,13 +106,13 @@ def install_hybrid_attention(model: PreTrainedModel) -> None:
 def hybrid_cache_for(model: PreTrainedModel, cache: Any, use_cache: bool, initial_len: int = 0) -> Any:
     """The cache a hybrid model's layers get in place of the one transformers made or was given: None with
     ``use_cache`` or an empty ``DynamicCache`` → a growing :class:`HybridCache` (first allocation ≥ ``initial_len``);
-    an empty ``StaticCache`` → ``HybridCache(max_len=its length, static=True)``; anything else as it is."""
+    an empty ``StaticCache`` → ``HybridCache(max_len=max(its length, initial_len), static=True)``; anything else as it is."""
     if cache is None:
         return HybridCache(model.config, initial_len=initial_len) if use_cache else None
     if type(cache) is DynamicCache and cache.get_seq_length() == 0:
         return HybridCache(model.config, initial_len=initial_len)
     if type(cache) is StaticCache and int(cache.get_seq_length()) == 0:
-        return HybridCache(model.config, max_len=int(cache.get_max_length()), static=True)
+        return HybridCache(model.config, max_len=max(int(cache.get_max_length()), initial_len), static=True)
     return cache
 
 
