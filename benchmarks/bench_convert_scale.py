@@ -16,7 +16,7 @@ the stage started (teacher and student weights included; on a CPU the process's 
 
 **Baseline** (``baseline``, ``--no-baseline`` skips it): the teacher's architecture as a plain transformers model
 (a float32 copy of the teacher's weights), its decoder ``torch.compile``-d whole, trained with the stage's loss on the
-same rows, the same micro-batches and checkpointing (transformers' ``gradient_checkpointing_enable``), bf16 autocast,
+same rows, the same micro-batches and checkpointing (transformers' ``activation_checkpointing_enable``), bf16 autocast,
 the LM head + loss in the same row chunks as the fast step (``headscope.train.fused_loss``), gradient clipping and
 fused AdamW: stage 2 distils from the teacher (its compiled forward included: the dense roof of
 ``bench_train.py``), stages 1 and 3 train next-token cross-entropy (stage 1 has no dense counterpart: the
@@ -245,7 +245,8 @@ def run_baseline(stage: int, teacher, rows, B: int, T: int, args, dev, res: dict
     for p in dense.parameters():
         p.requires_grad_(True)
     if args.activation_checkpointing:
-        dense.gradient_checkpointing_enable({"use_reentrant": False})
+        enable = getattr(dense, "activation_checkpointing_enable", None) or dense.gradient_checkpointing_enable  # older name
+        enable({"use_reentrant": False})
     compile_on = not args.no_compile
     wrap = (lambda m: torch.compile(m)) if compile_on else (lambda m: m)
     body, t_body = wrap(dense.model), (wrap(teacher.model) if stage == 2 else None)
