@@ -23,11 +23,11 @@ STEPS, BATCH, SEQ = 4, 4, 32
 
 
 @pytest.fixture(scope="module")
-def setup(smol_tokenizer, tmp_path_factory):
+def setup(small_tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp("dp")
-    teacher = tiny_llama(smol_tokenizer, seed=3)
+    teacher = tiny_llama(small_tokenizer, seed=3)
     teacher.save_pretrained(root / "teacher")
-    smol_tokenizer.save_pretrained(root / "teacher")
+    small_tokenizer.save_pretrained(root / "teacher")
     rng = random.Random(0)
     words = "alpha beta gamma delta river stone cloud seven green quiet north lamp".split()
     (root / "corpus.txt").write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(12)))
@@ -66,7 +66,7 @@ def _weights(d):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [None, "fsdp"])
-def test_two_gloo_ranks_train_like_one_process_and_checkpoints_move(setup, smol_tokenizer, mode):
+def test_two_gloo_ranks_train_like_one_process_and_checkpoints_move(setup, small_tokenizer, mode):
     root, teacher, mask, stage1 = setup
     root = root / str(mode)
     cfg, data = _cfg(mode)
@@ -75,20 +75,20 @@ def test_two_gloo_ranks_train_like_one_process_and_checkpoints_move(setup, smol_
     torch.set_num_threads(1)  # each rank runs one intra-op thread too
     try:
         # A: one process, uninterrupted
-        a = _dir(root, "a", stage1, teacher, mask, smol_tokenizer)
-        convert_stage(teacher, smol_tokenizer, mask, 2, a, config=cfg, data=data)
+        a = _dir(root, "a", stage1, teacher, mask, small_tokenizer)
+        convert_stage(teacher, small_tokenizer, mask, 2, a, config=cfg, data=data)
         # B: two ranks stop after 2 steps (checkpoint written by 2 processes) ...
-        b = _dir(root, "b", stage1, teacher, mask, smol_tokenizer)
+        b = _dir(root, "b", stage1, teacher, mask, small_tokenizer)
         s = spawn_convert(2, str(root.parent / "teacher"), mask, 2, b, device="cpu", config=cfg, data=data, max_steps=2)
         assert s["steps"] == 2 and not s["finished"]
         assert s["data_parallel"] == (mode or "ddp")
         meta = json.loads((b / "stage2" / "checkpoint" / "trainer.json").read_text())
         assert meta["world_size"] == 2 and meta["step"] == 2
         # ... and one process resumes it to the end
-        convert_stage(teacher, smol_tokenizer, mask, 2, b, config=cfg, data=data, resume=True)
+        convert_stage(teacher, small_tokenizer, mask, 2, b, config=cfg, data=data, resume=True)
         # C: one process stops after 2 steps, two ranks resume it to the end
-        c = _dir(root, "c", stage1, teacher, mask, smol_tokenizer)
-        convert_stage(teacher, smol_tokenizer, mask, 2, c, config=cfg, data=data, max_steps=2)
+        c = _dir(root, "c", stage1, teacher, mask, small_tokenizer)
+        convert_stage(teacher, small_tokenizer, mask, 2, c, config=cfg, data=data, max_steps=2)
     finally:
         torch.set_num_threads(n)
     s = spawn_convert(2, str(root.parent / "teacher"), mask, 2, c, device="cpu", config=cfg, data=data, resume=True)
@@ -199,7 +199,7 @@ def test_single_process_checkpoint_round_trips(tmp_path):
 
 
 @pytest.mark.slow
-def test_convert_model_on_two_gloo_ranks_equals_one_process(setup, smol_tokenizer):
+def test_convert_model_on_two_gloo_ranks_equals_one_process(setup, small_tokenizer):
     """All three stages of a recipe on two ranks (rank 0 builds the documents and rows, the others read them)
     end where the one-process conversion ends."""
     from safetensors.torch import load_file
@@ -214,12 +214,12 @@ def test_convert_model_on_two_gloo_ranks_equals_one_process(setup, smol_tokenize
     (root / "corpus.txt").write_text("\n\n".join(f"{words} {words}" for _ in range(40)))
     recipe = ConvertRecipe(seq_len=128, long_len=256, batch_size=4, batch_long=2, stage_tokens=(1024, 1024, 1024),
                            corpus=str(root / "corpus.txt"))
-    if smol_tokenizer.pad_token_id is None:
-        smol_tokenizer.pad_token = smol_tokenizer.eos_token
+    if small_tokenizer.pad_token_id is None:
+        small_tokenizer.pad_token = small_tokenizer.eos_token
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one = convert_model(teacher, smol_tokenizer, mask, root / "one", recipe=recipe, progress=False)
+        one = convert_model(teacher, small_tokenizer, mask, root / "one", recipe=recipe, progress=False)
     finally:
         torch.set_num_threads(n)
     two = spawn_convert_model(2, str(root.parent / "teacher"), mask, root / "two", device="cpu", recipe=recipe,
