@@ -139,7 +139,7 @@ def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, smol_tokenizer):
+def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, small_tokenizer):
     """experiments/gpu_conversion.sh with both "devices" on the CPU and tiny settings: plan, two sampling
     shards, the teacher's cells beside them, pack, three queues (main masks, teacher, ablation) and the report; a
     second run does nothing. Smallest settings: each shard is one sampling batch (SAMPLE_BATCH 24 >= its
@@ -152,8 +152,8 @@ def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, smol_tokenizer):
     from conftest import tiny_llama
 
     model = tmp_path / "tiny"
-    tiny_llama(smol_tokenizer).save_pretrained(model)
-    smol_tokenizer.save_pretrained(model)
+    tiny_llama(small_tokenizer).save_pretrained(model)  # 2,048 tokens: sampling and training are the layers' cost
+    small_tokenizer.save_pretrained(model)
     HeadMask.from_heads([(0, 0), (1, 2)], 2, 4, 2).to_json(tmp_path / "mask.json")
     out = tmp_path / "conv"
     env = {**os.environ, "MODEL": str(model), "CONV_OUT": str(out), "MASK": str(tmp_path / "mask.json"),
