@@ -20,13 +20,13 @@ FAMS = ["gpt2", "gpt_neox", "gemma3"]
 
 
 @pytest.fixture(scope="module")
-def pairs(smol_tokenizer):
-    return niah_single(smol_tokenizer, n_pairs=2, seq_len=64, depth=[0.3, 0.6], seed=3)
+def pairs(small_tokenizer):
+    return niah_single(small_tokenizer, n_pairs=2, seq_len=64, depth=[0.3, 0.6], seed=3)
 
 
 @pytest.mark.parametrize("family", fast_first(FAMS))
-def test_screen_auto_top_equals_exact(family, smol_tokenizer, pairs):
-    lm = tiny_family(family, smol_tokenizer)
+def test_screen_auto_top_equals_exact(family, small_tokenizer, pairs):
+    lm = tiny_family(family, small_tokenizer)
     exact = receiver_patching(lm, pairs, min_gap=0.0, progress=False)
     mean_ex = exact.ie[exact.used].mean(0).flatten()
     # fp32 probes: the matmul_dtype engine path with exact arithmetic, so the stopping rule's premise holds
@@ -41,8 +41,8 @@ def test_screen_auto_top_equals_exact(family, smol_tokenizer, pairs):
 
 
 @pytest.mark.parametrize("family", fast_first(FAMS))
-def test_sender_patching_runs_and_no_path_is_zero(family, smol_tokenizer, pairs):
-    lm = tiny_family(family, smol_tokenizer)
+def test_sender_patching_runs_and_no_path_is_zero(family, small_tokenizer, pairs):
+    lm = tiny_family(family, small_tokenizer)
     g = lm.geometry
     top = g.n_layers - 1
     res = sender_patching(lm, pairs[:1], receivers=[(top, 0)], min_gap=0.0, progress=False)
@@ -53,8 +53,8 @@ def test_sender_patching_runs_and_no_path_is_zero(family, smol_tokenizer, pairs)
 
 
 @pytest.mark.parametrize("family", fast_first(FAMS))
-def test_dla_adds_up_and_cosine_runs(family, smol_tokenizer, pairs):
-    lm = tiny_family(family, smol_tokenizer)
+def test_dla_adds_up_and_cosine_runs(family, small_tokenizer, pairs):
+    lm = tiny_family(family, small_tokenizer)
     d = an.direct_logit_attribution(lm, pairs, lam=0.9)
     parts = d.heads.sum((1, 2)) + d.other.sum(1)
     assert torch.allclose(parts, d.total, atol=1e-4)
@@ -66,8 +66,8 @@ def test_dla_adds_up_and_cosine_runs(family, smol_tokenizer, pairs):
 
 @pytest.mark.parametrize("family", fast_first(FAMS))
 @pytest.mark.parametrize("method", ["retrieval_score", "duo_gates", "flashmorph_gates", "rope_dependence"])
-def test_selectors_run(family, method, smol_tokenizer):
-    lm = tiny_family(family, smol_tokenizer)
+def test_selectors_run(family, method, small_tokenizer):
+    lm = tiny_family(family, small_tokenizer)
     kw = dict(n_prompts=1, seq_lens=64)
     if method in ("duo_gates", "flashmorph_gates"):
         kw["steps"] = 2
