@@ -13,7 +13,8 @@ Later loads read these folders (about 0.3 s) and give the same weights bit for b
 the tokenizer's and the config's ``name_or_path`` stay the GGUF's folder, as a direct load gives. ``key`` hashes
 the GGUF's resolved path, size and modification time and the transformers version, so a reinstalled package or
 another converter writes a new folder. Each folder is written beside its place and renamed into it, so a crash or
-two processes loading at once never leave half a folder. Reading the folders runs no code (JSON and safetensors).
+two processes loading at once never leave half a folder; where the cache cannot be written (read-only, full),
+the GGUF is read directly, as without the cache. Reading the folders runs no code (JSON and safetensors).
 A ``.gguf`` path given by the user is read directly each time (no copy of an arbitrary model is written).
 """
 
@@ -71,7 +72,7 @@ def cached_tokenizer(gguf: str | os.PathLike) -> Any:
     """The tokenizer of a GGUF file, from its converted folder (written on the first call).
 
     Raises:
-        OSError: the GGUF cannot be read, or the cache folder cannot be written.
+        OSError: the GGUF cannot be read.
     """
     from transformers import AutoTokenizer
 
@@ -80,7 +81,10 @@ def cached_tokenizer(gguf: str | os.PathLike) -> Any:
     def write(tmp: Path) -> None:
         AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name).save_pretrained(tmp)
 
-    folder = _written(gguf_folder(g) / "tokenizer", write)
+    try:
+        folder = _written(gguf_folder(g) / "tokenizer", write)
+    except OSError:  # the cache cannot be written (read-only, full): the GGUF read directly
+        return AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name)
     return _origin(AutoTokenizer.from_pretrained(folder), g)
 
 
@@ -89,7 +93,7 @@ def cached_model(gguf: str | os.PathLike, **from_pretrained: Any) -> Any:
     ``from_pretrained``'s keywords (``dtype``, ``device_map``).
 
     Raises:
-        OSError: the GGUF cannot be read, or the cache folder cannot be written.
+        OSError: the GGUF cannot be read.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -103,5 +107,8 @@ def cached_model(gguf: str | os.PathLike, **from_pretrained: Any) -> Any:
             del model.config.quantization_config
         model.save_pretrained(tmp)
 
-    folder = _written(gguf_folder(g) / "model", write)
+    try:
+        folder = _written(gguf_folder(g) / "model", write)
+    except OSError:  # the cache cannot be written (read-only, full): the GGUF read directly
+        return AutoModelForCausalLM.from_pretrained(g.parent, gguf_file=g.name, **from_pretrained)
     return _origin(AutoModelForCausalLM.from_pretrained(folder, **from_pretrained), g)

@@ -63,6 +63,28 @@ def test_folder_written_whole_once(tmp_path):
     assert sorted(p.name for p in got.iterdir()) == ["theirs"] and [p.name for p in got.parent.iterdir()] == ["model"]
 
 
+def test_unwritable_cache_reads_the_gguf_directly(tmp_path, monkeypatch):
+    import transformers
+
+    g = tmp_path / "m.gguf"
+    g.write_bytes(b"GGUF")
+    calls = []
+
+    def unwritable(target, write):
+        raise PermissionError(13, "Permission denied", str(target))
+
+    def from_pretrained(path, **kw):
+        calls.append((str(path), kw))
+        return object()
+
+    monkeypatch.setattr(gguf_cache, "_written", unwritable)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    gguf_cache.cached_tokenizer(g)
+    gguf_cache.cached_model(g, dtype=torch.bfloat16)
+    assert calls == [(str(tmp_path), {"gguf_file": "m.gguf"}), (str(tmp_path), {"gguf_file": "m.gguf", "dtype": torch.bfloat16})]
+
+
 @pytest.mark.slow
 def test_packaged_model_equals_the_direct_gguf_load(monkeypatch):
     """fp32 and bf16 weights equal transformers' direct GGUF load bit for bit, token ids and the chat template are
