@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import experiment_module
+from conftest import experiment_module, tiny_llama
 from headscope.masks import HeadMask
 from headscope.evaluation.accuracy import wilson_interval
 
@@ -57,8 +57,18 @@ def test_retrieval_hits_equal_greedy_generation(smol_tokenizer):
         assert not retrieval_hits(model, wrong, pad, batch_size=4, pad_multiple=pm).any()
 
 
+@pytest.fixture(scope="module")
+def small_dir(small_tokenizer, tmp_path_factory):
+    """The tiny Llama on the 2,048-token small_tokenizer, saved as a model directory (its sampling and training are
+    the layers' cost, not a 49,152-token LM head's)."""
+    d = tmp_path_factory.mktemp("tiny-small-vocab")
+    tiny_llama(small_tokenizer).save_pretrained(d)
+    small_tokenizer.save_pretrained(d)
+    return d
+
+
 @pytest.mark.slow
-def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
+def test_plan_sample_pack_queue_report(small_dir, tmp_path):
     from typer.testing import CliRunner
 
     conv = experiment_module("conversion")
@@ -72,7 +82,7 @@ def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
         assert res.exit_code == 0, res.output + repr(res.exception)
         return res.output
 
-    call("plan", "--out", out, "--mask", tmp_path / "mask.json", "--model", tiny_dir, "--budget", "2",
+    call("plan", "--out", out, "--mask", tmp_path / "mask.json", "--model", small_dir, "--budget", "2",
          "--tokens", 4096, "--ablation-tokens", 2048, "--seq-len", 32, "--long-len", 512, "--batch", 2, "--batch-long", 1,
          "--task", "niah_single", "--task", "variable_tracking", "--eval-lengths", 256, "--eval-n", 4, "--eval-batch", 2,
          "--curve-n", 2, "--curve-lengths", 256, "--ablation-task", "niah_single", "--ablation-lengths", 128, "--pieces", "1,2,2", "--ckpt-every", 0, "--gdn-kernel", "torch",
@@ -83,12 +93,12 @@ def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
     assert sorted(p.stem for p in (out / "masks").glob("*.json")) == ["allgdn", "hydrahead", "layerwise", "layerwise3", "random"]
     assert json.loads((out / "jobs" / "abl1_fa_nope.json").read_text())["options"] == {"fa_pos": "nope", "gdn_rope": False, "fa_gate": False}
 
-    call("sample", "--out", out, "--model", tiny_dir, "--device", "cpu", "--batch", 8, "--doc-len", 40, "--max-docs", 24,
+    call("sample", "--out", out, "--model", small_dir, "--device", "cpu", "--batch", 8, "--doc-len", 40, "--max-docs", 24,
          "--seconds", 1e9)
     blob = torch.load(out / "data" / "docs_0.pt")
     assert len(blob["docs"]) == 24 and all(len(d) == 41 for d in blob["docs"])
     torch.save(blob, out / "data" / "docs_1.pt")  # a shard that repeats shard 0: every document is a duplicate
-    info = json.loads(call("pack", "--out", out, "--model", tiny_dir, "--heldout-docs", 4).strip().splitlines()[-1])
+    info = json.loads(call("pack", "--out", out, "--model", small_dir, "--heldout-docs", 4).strip().splitlines()[-1])
     assert info["docs"] == 48 and info["duplicates_dropped"] >= 24 and info["heldout_docs"] == 4
     assert info["docs_per_shard"] == [24, 24] and len(info["docs_sha256"]) == 64
     assert info["text_docs"] == 48 - info["duplicates_dropped"] - 4
@@ -97,7 +107,7 @@ def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
     assert info["long_retrieval_rows"] == 2 * max(1, n_ret // 2)
     assert len(torch.load(out / "data" / "long.pt")["ids"]) == info["long_text_rows"] + info["long_retrieval_rows"]
 
-    call("queue", "--out", out, "--jobs", "hydrahead,abl0_base,teacher", "--model", tiny_dir, "--device", "cpu")
+    call("queue", "--out", out, "--jobs", "hydrahead,abl0_base,teacher", "--model", small_dir, "--device", "cpu")
     ev = json.loads((out / "hydrahead" / "eval.json").read_text())
     assert [ev["train"][str(k)]["tokens"] for k in (1, 2, 3)] == [s["tokens1"], s["tokens2"], s["tokens3"]]
     assert ev["options"]["fa_pos"] == "nope" and ev["options"]["fa_gate"] is True
@@ -117,7 +127,7 @@ def test_plan_sample_pack_queue_report(tiny_dir, tmp_path):
     log = out / "hydrahead" / "stage3" / "log.csv"
     n_rows = len(pd.read_csv(log))
     (out / "hydrahead" / "eval.json").unlink()
-    call("queue", "--out", out, "--jobs", "hydrahead", "--model", tiny_dir, "--device", "cpu")
+    call("queue", "--out", out, "--jobs", "hydrahead", "--model", small_dir, "--device", "cpu")
     again = json.loads((out / "hydrahead" / "eval.json").read_text())
     assert len(pd.read_csv(log)) == n_rows and again["ppl"] == pytest.approx(ev["ppl"], rel=1e-6)
     assert again["niah_single@256"]["hits"] == ev["niah_single@256"]["hits"]
