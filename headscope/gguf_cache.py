@@ -60,7 +60,8 @@ def _written(target: Path, write: Callable[[Path], None]) -> Path:
 
 
 def _origin(obj: Any, gguf: Path) -> Any:
-    """``obj`` (a tokenizer or a model) named as a direct load of ``gguf`` names it (its folder)."""
+    """``obj`` (a tokenizer or a model) named as a direct load of ``gguf`` names it (its folder, the path as the caller
+    gave it, not resolved: a venv behind a symbolic link keeps its own name, the cache key is the resolved file's)."""
     if hasattr(obj, "config"):
         obj.config.name_or_path = str(gguf.parent)
     else:
@@ -85,7 +86,7 @@ def cached_tokenizer(gguf: str | os.PathLike) -> Any:
         folder = _written(gguf_folder(g) / "tokenizer", write)
     except OSError:  # the cache cannot be written (read-only, full): the GGUF read directly
         return AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name)
-    return _origin(AutoTokenizer.from_pretrained(folder), g)
+    return _origin(AutoTokenizer.from_pretrained(folder), Path(gguf))  # as given: a direct load's name
 
 
 def cached_model(gguf: str | os.PathLike, **from_pretrained: Any) -> Any:
@@ -111,4 +112,4 @@ def cached_model(gguf: str | os.PathLike, **from_pretrained: Any) -> Any:
         folder = _written(gguf_folder(g) / "model", write)
     except OSError:  # the cache cannot be written (read-only, full): the GGUF read directly
         return AutoModelForCausalLM.from_pretrained(g.parent, gguf_file=g.name, **from_pretrained)
-    return _origin(AutoModelForCausalLM.from_pretrained(folder, **from_pretrained), g)
+    return _origin(AutoModelForCausalLM.from_pretrained(folder, **from_pretrained), Path(gguf))
