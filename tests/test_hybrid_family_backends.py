@@ -14,7 +14,7 @@ from headscope import HeadscopeInputError
 from headscope.hybrid import HybridCache, hybridize
 from headscope.hybrid.backend_registry import Needs, replace_all, select
 from headscope.hybrid.inference import DEFAULT, forward, model_step, train_forward, use_inference
-from headscope.hybrid.inference.config import own_mask
+from headscope.hybrid.inference.inference_config import own_mask
 from headscope.hybrid.modeling_hybrid import attention_name, decoder_layers
 from headscope.masks import HeadMask
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 
 from headscope.hybrid import (HybridOptions, fla_available, flash_attn_available, hybrid_spec, hybridize, load,
                               register_auto_classes)
-from headscope.hybrid.inference.config import LayerBackends, ModelBackends, runnable_options
+from headscope.hybrid.inference.inference_config import LayerBackends, ModelBackends, runnable_options
 from headscope.masks import HeadMask
 
 L, H, KV, D = 2, 4, 2, 8

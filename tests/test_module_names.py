@@ -1,8 +1,6 @@
 """Every module of ``headscope`` has a file name of its own (issue 64, item 3: a name says its role and appears once).
 
-``__init__.py`` and ``base.py`` (a sub-package's shared base) may repeat. :data:`KNOWN_IN_HYBRID` names the
-duplicates inside ``headscope/hybrid/`` that exist while that package is being restructured; any other repeated
-name — a new one anywhere, or one of those spreading outside ``hybrid/`` — fails.
+``__init__.py`` and ``base.py`` (a sub-package's shared base) may repeat; any other repeated name fails.
 """
 
 from __future__ import annotations
@@ -12,9 +10,6 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "headscope"
 ALLOWED = {"__init__.py", "base.py"}
-#: repeated inside hybrid/ today: hybrid/config.py (the hybrid's options) and hybrid/inference/config.py (the
-#: fast paths' InferenceConfig). Remove the entry when hybrid/ renames one of them.
-KNOWN_IN_HYBRID = {"config.py": {"hybrid/config.py", "hybrid/inference/config.py"}}
 
 
 def repeated_names(root: Path) -> dict[str, set[str]]:
@@ -35,5 +30,4 @@ def test_the_finder_sees_a_repeat(tmp_path):
 
 def test_no_two_modules_share_a_name():
     found = {n: p for n, p in repeated_names(PACKAGE).items() if n not in ALLOWED}
-    unexpected = {n: sorted(p) for n, p in found.items() if not p <= KNOWN_IN_HYBRID.get(n, set())}
-    assert not unexpected, f"modules sharing a file name (rename one so its name says its role): {unexpected}"
+    assert not found, f"modules sharing a file name (rename one so its name says its role): {found}"

@@ -24,7 +24,7 @@ from ..validate import check_int
 from .config import HybridOptions, LayerSpec
 from .modeling_hybrid import CONFIG_KEY, FAMILY_BASES, attention_name, decoder_layers, family_classes
 from .layer import _HeadRMSNorm
-from .inference.config import DEFAULT, InferenceConfig, use_inference
+from .inference.inference_config import DEFAULT, InferenceConfig, use_inference
 
 
 def register_auto_classes() -> None:

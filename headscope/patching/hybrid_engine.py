@@ -24,7 +24,7 @@ replace ``hook_z`` rows) and on the decoder layers, and two shortcuts that chang
 * logits at the read positions only (``logits_to_keep``), many patched rows per forward.
 
 A hook on ``o_proj`` sends its layer to the reference forward (the fast inference paths apply ``o_proj``'s weights
-directly; :class:`headscope.hybrid.inference.config.LayerBackends`): every pass of this engine hooks every layer,
+directly; :class:`headscope.hybrid.inference.inference_config.LayerBackends`): every pass of this engine hooks every layer,
 so clean, corrupted and patched runs take the same path.
 
 Checks (:meth:`HybridEngine.check_patches`, on the first pair of every new prompt length): two patched rows (the

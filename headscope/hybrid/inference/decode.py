@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..fa_kernels import fa_attention
-from .config import inference_config
+from .inference_config import inference_config
 from .kernels.fa_prep import applies as fa_prep_applies, fa_decode_prep
 from .kernels.gdn_step import applies as gdn_step_applies, full_rotary, gdn_decode_step
 from .kernels.one_launch import hybrid_decode_step

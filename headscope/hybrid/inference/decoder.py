@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .graphs import capture as _capture
-from .config import InferenceConfig, inference_config, use_inference
+from .inference_config import InferenceConfig, inference_config, use_inference
 from .forward import DeferredOutput, DevicePosition, applies as _lean_applies, decode_step, plan as _plan
 from .kernels.layer_tail import MAX_ROWS as _TAIL_ROWS, applies as _tail_applies, layer_tail
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import prefill as blocks
-from .config import inference_call, inference_config
+from .inference_config import inference_call, inference_config
 from .decode import (DeferredOutput, DevicePosition, fa_attend, fa_fused_out, gdn_decode, one_launch, prep_applies,
                      prep_attend)
 from .kernels.gdn_step import applies as gdn_step_applies, full_rotary

@@ -13,7 +13,7 @@ from torch import Tensor
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import forward
-from .config import inference_config
+from .inference_config import inference_config
 from .decoder import StaticDecoder
 
 _OUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"

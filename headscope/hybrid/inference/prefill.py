@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..gdn_kernels import gated_delta_rule
 from ..shapes import Float
-from .config import InferenceConfig, inference_config
+from .inference_config import InferenceConfig, inference_config
 from .graphs import ShapeGraphs, recording as _graph_recording
 from .plan import Plan, glue, plan
 
