@@ -17,6 +17,8 @@ warm-up, with ``torch.cuda.synchronize`` around; tokens/s = batch · seq_len / s
 - ``hybrid_fast_eager`` (fused LM head + loss, fused AdamW, the hybrid layers' fast path, no compile,
   no graph), ``hybrid_fast_compile`` (+ regional ``torch.compile``), ``hybrid_fast`` (+ a CUDA graph of
   forward + backward: the trainer's default on CUDA): the levers one at a time.
+- ``hybrid_fast_det``: ``hybrid_fast`` with ``TrainConfig(deterministic=True)`` under
+  :func:`headscope.train.determinism.deterministic_mode` (``headscope convert --deterministic``): its cost.
 
 Each result holds tokens/s, seconds per step, MFU (model FLOPs / time / 989.4 TFLOP/s, the H100/H200
 SXM dense bf16 datasheet rate; :func:`headscope.train.fast.flops_per_token`), peak memory
@@ -51,6 +53,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from headscope.hybrid import hybridize, inference_config
 from headscope.masks import HeadMask
 from headscope.train import TokenRows, TrainConfig, Trainer
+from headscope.train.determinism import deterministic_mode
 from headscope.train.fast import flops_per_token
 from headscope.train.stages import distillation_loss
 
@@ -145,13 +148,14 @@ def run_trainer(stage, student0, teacher, rows, batch, steps, warm, dev, out_dir
     reset_mem(dev)
     tr = Trainer(student, teacher, rows, cfg, out_dir)
     losses, times = [], []
-    for _ in range(warm + steps):
-        sync(dev)
-        t0 = time.perf_counter()
-        row = tr.train_step()
-        sync(dev)
-        times.append(time.perf_counter() - t0)
-        losses.append(row["loss"])
+    with deterministic_mode(cfg.deterministic):  # as Trainer.run (the steps are called one by one here)
+        for _ in range(warm + steps):
+            sync(dev)
+            t0 = time.perf_counter()
+            row = tr.train_step()
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+            losses.append(row["loss"])
     fs = tr.step_fn if tr.plan.fast else None
     res = {"losses": losses, "warmup_s": times[:warm], "step_times": times[warm:], "peak_gib": peak_gib(dev),
            "cuda_graph": None if fs is None else fs.graph is not None,
@@ -276,7 +280,7 @@ def main() -> None:
                 kw = {"hybrid_old": dict(fast=False),
                       "hybrid_fast_eager": dict(compile=False, cuda_graph=False),
                       "hybrid_fast_compile": dict(cuda_graph=False),
-                      "hybrid_fast": {}, "dense_fast": {}}[v]
+                      "hybrid_fast": {}, "hybrid_fast_det": dict(deterministic=True), "dense_fast": {}}[v]
                 if args.smoke and v not in ("hybrid_old",):
                     kw.setdefault("compile", False)
                 res = run_trainer(stage, student0, teacher, rows, b, args.steps, warm, dev, tmp / f"{key}_{v}", **kw)
@@ -292,10 +296,12 @@ def main() -> None:
         # ratios and loss agreement so far
         r = report["results"].get(key, {})
         rat = {}
-        for num in ("hybrid_fast", "hybrid_fast_compile", "hybrid_fast_eager", "hybrid_old", "dense_fast"):
+        for num in ("hybrid_fast", "hybrid_fast_det", "hybrid_fast_compile", "hybrid_fast_eager", "hybrid_old", "dense_fast"):
             for den in ("dense_compiled", "dense_fast", "dense_eager"):
                 if num in r and den in r and num != den:
                     rat[f"{num}/{den}"] = r[num]["tok_s"] / r[den]["tok_s"]
+        if "hybrid_fast_det" in r and "hybrid_fast" in r:  # the deterministic setting's speed, same process
+            rat["hybrid_fast_det/hybrid_fast"] = r["hybrid_fast_det"]["tok_s"] / r["hybrid_fast"]["tok_s"]
         report["ratios"][key] = rat
         if "hybrid_old" in r:
             la = {}

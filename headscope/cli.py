@@ -21,6 +21,7 @@ import typer
 
 from .cli_convert import CONVERT_HELP, convert, plan_memory_command
 from .cli_errors import user_errors
+from .cli_mask import MASK_HELP, mask_command
 from .errors import HeadscopeInputError
 
 app = typer.Typer(add_completion=False, rich_markup_mode="markdown",
@@ -387,6 +388,7 @@ def generate(
 
 app.command(help=CONVERT_HELP)(convert)
 app.command("plan-memory")(plan_memory_command)
+app.command("mask", help=MASK_HELP)(mask_command)
 
 
 def run() -> None:  # pragma: no cover

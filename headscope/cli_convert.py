@@ -107,6 +107,12 @@ def convert(
     grad_accum: int = typer.Option(
         1, help="gradient accumulation: each step's rows as K micro-batches, one after the other (the same losses and "
                 "gradients, a K-th of the activations; the batch sizes must be multiples of K)"),
+    deterministic: bool = typer.Option(
+        False, "--deterministic",
+        help="PyTorch's deterministic algorithms (an op without one raises), CUBLAS_WORKSPACE_CONFIG=:4096:8 and "
+             "deterministic cuDNN for the sampling and every step: two runs on one machine give the same weights; the "
+             "parts outside PyTorch's switch (fla's Triton GDN kernels' tuned block sizes, several ranks' all-reduce) "
+             "are listed in training.json's step_plan.nondeterministic (docs/conversion.md#deterministic-training)"),
 ) -> None:
     import os
 
@@ -146,6 +152,12 @@ def convert(
             train_options["grad_accum"] = grad_accum
         if data_parallel is not None:
             train_options["data_parallel"] = data_parallel
+        if deterministic:
+            from .train.determinism import CUBLAS_WORKSPACE, check_environment
+
+            check_environment()
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)  # before the process's first GEMM
+            train_options["deterministic"] = True
 
         from .runtime import init_from_env, rank_device
         from .models import load_hf

@@ -44,12 +44,23 @@ def test_levers_are_the_studys_options_under_its_labels(tmp_path):
     conv = _commands("convert", "--seed", "5", "--lever", "baseline", "--out", out)[0]
     rd = tmp_path / "seed5" / "hydra-7to1_t12500000"
     assert conv == ["convert", "--model", "smollm2-135m", "--mask", str(STUDY / "records" / "masks" / "hydra-7to1.json"),
-                    "--out", str(rd), "--seed", "5", "--tokens", "12.5M", "--s2-retrieval", "0", "--s3-wordings", "3"]
+                    "--out", str(rd), "--seed", "5", "--tokens", "12.5M", "--s2-retrieval", "0", "--s3-wordings", "3",
+                    "--deterministic"]  # the study converts deterministically (issue 62 item 5)
+    assert "--deterministic" not in _commands("convert", "--seed", "5", "--out", out, "--nondeterministic")[0]
+    # the stage-3 length lever: 8K rows at the same tokens per step, under its own label; another teacher's arm by --name
+    s3 = _commands("convert", "--seed", "1", "--lever", "s3len8k", "--out", out)[0]
+    assert s3[s3.index("--out") + 1] == str(tmp_path / "seed1" / "hydra-7to1+s2_retrieval=0.25+s3_wordings=6+long_len=8192_t12500000")
+    assert s3[s3.index("--long-len") + 1] == "8192" and s3[s3.index("--batch-long") + 1] == "4"
+    gem = _commands("eval", "--model", "gemma3-270m", "--mask", str(tmp_path / "m.json"), "--name", "gemma-head-L3",
+                    "--out", out)[0]
+    assert gem[1] == str(tmp_path / "seed0" / "gemma-head-L3+s2_retrieval=0.25+s3_wordings=6_t12500000" / "stage3")
+    assert gem[gem.index("--name") + 1] == "gemma-head-L3+s2_retrieval=0.25+s3_wordings=6"
     # the package's defaults are the winning recipe: no option; a second run resumes
     rd2 = tmp_path / "seed5" / "hydra-7to1+s2_retrieval=0.25+s3_wordings=6_t12500000"
     rd2.mkdir(parents=True)
     (rd2 / "recipe.json").write_text("{}")
-    assert _commands("convert", "--seed", "5", "--out", out)[0][-5:] == ["--seed", "5", "--tokens", "12.5M", "--resume"]
+    assert _commands("convert", "--seed", "5", "--out", out)[0][-6:] == ["--seed", "5", "--tokens", "12.5M", "--deterministic",
+                                                                         "--resume"]
     ev = _commands("eval", "--seed", "5", "--lever", "s2", "--out", out)[0]
     assert ev == ["eval", str(tmp_path / "seed5" / "hydra-7to1+s2_retrieval=0.25_t12500000" / "stage3"), "--teacher",
                   "smollm2-135m", "--formats", "unseen", "--lengths", "1K,2K,4K", "--name", "hydra-7to1+s2_retrieval=0.25",

@@ -3,13 +3,15 @@
 and ``headscope anatomy`` on the converted folder; the study's tables come from its committed records (tables.py).
 
     python experiments/conversion-generalization/run.py convert --seed 5                  # hydra-7to1, the package's defaults
+    python experiments/conversion-generalization/run.py convert --seed 5 --lever s3len8k  # + stage-3 rows of 8K
     python experiments/conversion-generalization/run.py eval --seed 5                     # unseen cells 1K-4K, the teacher beside
     python experiments/conversion-generalization/run.py all --seed 5 --lever baseline     # convert, eval, generate
     python experiments/conversion-generalization/run.py anatomy --seed 5                  # the student's heads ranked
     python experiments/conversion-generalization/run.py tables --write-to experiments/conversion-generalization
     python experiments/conversion-generalization/run.py keep                              # OUT/eval's rows into records/
 
-Every step prints the command it runs (``--dry-run``: prints only); arguments after ``--`` go to each of the step's
+Every conversion runs with ``headscope convert --deterministic`` (``--nondeterministic``: without). Every step prints
+the command it runs (``--dry-run``: prints only); arguments after ``--`` go to each of the step's
 package commands as they are (e.g. ``-- --batch-size 4 --device cpu``; anatomy: to its ranking). A step resumes where it stopped when run again
 (``headscope convert --resume``, ``headscope eval`` per cell). Folders: OUT/seedS/LABEL_tTOKENS/ (the conversion:
 stage1..3/ are model folders), OUT/eval/ (every model's cells, retention.csv, report.md / .html), OUT/anatomy/,
@@ -54,6 +56,9 @@ LEVERS = {
     "s2": ("+s2_retrieval=0.25", ["--s3-wordings", "3"]),
     "s3": ("+s3_wordings=6", ["--s2-retrieval", "0"]),
     "rope": ("+fa_pos=rope", ["--s2-retrieval", "0", "--s3-wordings", "3", "--fa-pos", "rope"]),
+    # issue 62's length lever on the package's defaults: stage-3 rows of 4K / 8K at the same tokens per step (16 x 2K)
+    "s3len4k": ("+s2_retrieval=0.25+s3_wordings=6+long_len=4096", ["--long-len", "4096", "--batch-long", "8"]),
+    "s3len8k": ("+s2_retrieval=0.25+s3_wordings=6+long_len=8192", ["--long-len", "8192", "--batch-long", "4"]),
 }
 #: the anatomy's ranking: the student's heads (FA and GDN) by receiver IE on single-needle pairs at 4K, as the study's
 ANATOMY = ["--task", "niah_single", "--pairs", "6", "--seq-len", "4096"]
@@ -67,7 +72,7 @@ def label(arm: str, lever: str) -> str:
 
 def run_dir(a: argparse.Namespace) -> Path:
     """OUT/seedS/LABEL_tTOKENS: the conversion folder of the arm, lever, seed and budget."""
-    return a.out / f"seed{a.seed}" / f"{label(a.arm, a.lever)}_t{TABLES.parse_tokens(a.tokens)}"
+    return a.out / f"seed{a.seed}" / f"{label(a.name or a.arm, a.lever)}_t{TABLES.parse_tokens(a.tokens)}"
 
 
 def headscope(*args: str) -> list[str]:
@@ -88,12 +93,13 @@ def commands(step: str, a: argparse.Namespace) -> list[list[str]]:
         return [headscope("rank", "--model", a.model, "--budget", a.budget, "--out", a.out / "rank", *extra)]
     if step == "convert":
         resume = ["--resume"] if (rd / "recipe.json").exists() else []
+        det = [] if a.nondeterministic else ["--deterministic"]  # the study's default: evidence that holds still
         return [headscope("convert", "--model", a.model, "--mask", mask_of(a), "--out", rd, "--seed", a.seed,
-                          "--tokens", a.tokens, *LEVERS[a.lever][1], *resume, *extra)]
+                          "--tokens", a.tokens, *LEVERS[a.lever][1], *det, *resume, *extra)]
     if step == "eval":
         corpus = ["--corpus", a.corpus] if a.corpus else []
         return [headscope("eval", rd / "stage3", "--teacher", a.model, "--formats", "unseen", "--lengths", a.lengths,
-                          "--name", label(a.arm, a.lever),
+                          "--name", label(a.name or a.arm, a.lever),
                           "--out", a.out / "eval", *corpus, *extra)]
     if step == "generate":
         return [headscope("generate", rd / "stage3", PROMPT, "--max-new-tokens", "8", *extra)]
@@ -147,12 +153,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="the teacher")
     p.add_argument("--arm", default="hydra-7to1", choices=[*sorted(f.stem for f in MASKS.glob("*.json")), "ranked"],
                    help="the mask: a committed arm's, or 'ranked' (OUT/rank/mask.json of the rank step)")
-    p.add_argument("--mask", type=Path, default=None, help="any mask.json instead (the label still names --arm)")
+    p.add_argument("--mask", type=Path, default=None, help="any mask.json instead (the label still names --arm, or --name)")
+    p.add_argument("--name", default=None, help="the arm's name in the labels instead of --arm (e.g. gemma3-headwise-L3 "
+                   "for a `headscope mask` arm of another teacher)")
     p.add_argument("--lever", default="both", choices=list(LEVERS),
                    help="both: the package's defaults (both data levers); baseline: the study's first setting")
     p.add_argument("--seed", type=int, default=0, help="the conversion's seed (documents, rows, initialization)")
     p.add_argument("--tokens", default="12.5M", help="the conversion's token budget")
     p.add_argument("--budget", default="7:1", help="rank: the FA budget of OUT/rank/mask.json")
+    p.add_argument("--nondeterministic", action="store_true",
+                   help="convert without --deterministic (the study passes it: PyTorch's deterministic kernels)")
     p.add_argument("--lengths", default="1K,2K,4K", help="eval: prompt lengths of the unseen cells (the goal's 1K-4K)")
     p.add_argument("--corpus", default=None, help="eval: haystack text file or 'builtin' (default: sampled from the teacher)")
     p.add_argument("--write-to", type=Path, default=None, help="tables: also copy them here (the study's folder)")

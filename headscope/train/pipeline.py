@@ -279,7 +279,9 @@ def convert_model(
         hybrid_options: hybrid options beside the recipe's (e.g. ``gdn_kernel``).
         train_options: :class:`~headscope.train.TrainConfig` fields beside the recipe's (``fast``,
             ``data_parallel``, ``progress``, ``compile``, ``cuda_graph``, ``bf16``, ``activation_checkpointing``,
-            ``grad_accum``).
+            ``grad_accum``, ``deterministic``: also the documents' sampling under PyTorch's deterministic settings,
+            and on CUDA the FA heads trained with SDPA where flash-attn would run,
+            :func:`~headscope.train.determinism.fa_kernel_override`).
         teacher_name: the teacher's spec, for the record.
         on_step: called after every step (:meth:`Trainer.run`; raising :class:`StopTraining` stops the
             run with a checkpoint).
@@ -294,6 +296,7 @@ def convert_model(
         stage folder or checkpoint without ``resume``, ``resume`` with nothing to continue, a stage
         whose previous stage is not finished, a checkpoint of another plan.
     """
+    from .determinism import deterministic_mode, fa_kernel_override
     from .model_folder import is_model_folder
     from .recipe import ConvertRecipe, DOC_SEED, S2_SEED, S3_SEED, check_convert_dir, recipe_documents, recipe_rows
 
@@ -306,57 +309,61 @@ def convert_model(
         from ..runtime import atomic_write_text
 
         atomic_write_text(out / RECIPE_FILE, json.dumps(recipe.to_dict(), indent=2))
-    todo = [k for k in stages if not is_model_folder(out / f"stage{k}")]
-    data_dir = out / "data"
-    docs_info: dict[str, Any] = {}
-    train_docs: list = []
-    texts: list = []
-    if todo:
-        # rank 0 samples (and caches) the documents and builds the rows first; the other ranks read them
-        for turn in (0, 1):
-            if (rank == 0) == (turn == 0):
-                train_docs, held, docs_info = recipe_documents(teacher, tokenizer, recipe, data_dir, progress=progress)
-                if rank == 0 and held and not (data_dir / "heldout.pt").exists():
-                    from .data import pack
+    det = bool((train_options or {}).get("deterministic"))
+    hybrid = fa_kernel_override(det, {**recipe.hybrid_options(), **(hybrid_options or {})},
+                                next(teacher.parameters()).device)
+    # the documents' sampling and every stage under the setting (headscope.train.determinism)
+    with deterministic_mode(det):
+        todo = [k for k in stages if not is_model_folder(out / f"stage{k}")]
+        data_dir = out / "data"
+        docs_info: dict[str, Any] = {}
+        train_docs: list = []
+        texts: list = []
+        if todo:
+            # rank 0 samples (and caches) the documents and builds the rows first; the other ranks read them
+            for turn in (0, 1):
+                if (rank == 0) == (turn == 0):
+                    train_docs, held, docs_info = recipe_documents(teacher, tokenizer, recipe, data_dir, progress=progress)
+                    if rank == 0 and held and not (data_dir / "heldout.pt").exists():
+                        from .data import pack
 
-                    pack(held, recipe.seq_len, tokenizer.eos_token_id).save(data_dir / "heldout.pt")
-            parallel.barrier()
-    summaries: dict[int, Any] = {}
-    hybrid = {**recipe.hybrid_options(), **(hybrid_options or {})}
-    seeds = {"documents": [DOC_SEED * recipe.seed + k for k in range(docs_info.get("shards", 0))],
-             "row_order": recipe.seed, "mix": recipe.seed, "student_init": recipe.seed,
-             "s2_retrieval": 10 * recipe.seed + S2_SEED, "s3_retrieval": 10 * recipe.seed + S3_SEED}
-    for k in stages:
-        sd = out / f"stage{k}"
-        if is_model_folder(sd):
-            summaries[k] = {"stage": k, "finished": True, "skipped": "already finished", "folder": str(sd)}
-            continue
-        f_rows, f_info = data_dir / f"stage{k}_rows.pt", data_dir / f"stage{k}_rows.json"
-        for turn in (0, 1):
-            if (rank == 0) == (turn == 0):
-                if f_rows.exists() and f_info.exists():
-                    rows, row_info = TokenRows.load(f_rows), json.loads(f_info.read_text())
-                else:
-                    if not texts and (k == 2 and recipe.s2_retrieval > 0 or k == 3 and recipe.s3_seen_task is None):
-                        texts = [tokenizer.decode(d, skip_special_tokens=True) for d in train_docs]
-                    rows, row_info = recipe_rows(tokenizer, recipe, train_docs, k, texts=texts or None)
-                    rows.save(f_rows)
-                    from ..runtime import atomic_write_text
+                        pack(held, recipe.seq_len, tokenizer.eos_token_id).save(data_dir / "heldout.pt")
+                parallel.barrier()
+        summaries: dict[int, Any] = {}
+        seeds = {"documents": [DOC_SEED * recipe.seed + k for k in range(docs_info.get("shards", 0))],
+                 "row_order": recipe.seed, "mix": recipe.seed, "student_init": recipe.seed,
+                 "s2_retrieval": 10 * recipe.seed + S2_SEED, "s3_retrieval": 10 * recipe.seed + S3_SEED}
+        for k in stages:
+            sd = out / f"stage{k}"
+            if is_model_folder(sd):
+                summaries[k] = {"stage": k, "finished": True, "skipped": "already finished", "folder": str(sd)}
+                continue
+            f_rows, f_info = data_dir / f"stage{k}_rows.pt", data_dir / f"stage{k}_rows.json"
+            for turn in (0, 1):
+                if (rank == 0) == (turn == 0):
+                    if f_rows.exists() and f_info.exists():
+                        rows, row_info = TokenRows.load(f_rows), json.loads(f_info.read_text())
+                    else:
+                        if not texts and (k == 2 and recipe.s2_retrieval > 0 or k == 3 and recipe.s3_seen_task is None):
+                            texts = [tokenizer.decode(d, skip_special_tokens=True) for d in train_docs]
+                        rows, row_info = recipe_rows(tokenizer, recipe, train_docs, k, texts=texts or None)
+                        rows.save(f_rows)
+                        from ..runtime import atomic_write_text
 
-                    atomic_write_text(f_info, json.dumps(row_info, indent=2))
-            parallel.barrier()
-        cfg = recipe.train_config(k, **{"progress": progress, **(train_options or {})})
-        resume_k = parallel.find_checkpoint(sd / "checkpoint") is not None
-        if k == 1:
-            torch.manual_seed(recipe.seed)  # the GDN heads' random initialization
-        record = {"recipe": recipe.to_dict(), "teacher": teacher_name, "seeds": {**seeds, "train": recipe.seed},
-                  "data": {**docs_info, **row_info}, "previous": str(out / f"stage{k - 1}") if k > 1 else None,
-                  "config": {"train_options": train_options or {}}}
-        _, summ = convert_stage(teacher, tokenizer, mask, k, out, config=cfg, resume=resume_k, hybrid_options=hybrid,
-                                rows=rows, on_step=on_step, record=record)
-        summaries[k] = summ
-        if not summ["finished"]:
-            break
+                        atomic_write_text(f_info, json.dumps(row_info, indent=2))
+                parallel.barrier()
+            cfg = recipe.train_config(k, **{"progress": progress, **(train_options or {})})
+            resume_k = parallel.find_checkpoint(sd / "checkpoint") is not None
+            if k == 1:
+                torch.manual_seed(recipe.seed)  # the GDN heads' random initialization
+            record = {"recipe": recipe.to_dict(), "teacher": teacher_name, "seeds": {**seeds, "train": recipe.seed},
+                      "data": {**docs_info, **row_info}, "previous": str(out / f"stage{k - 1}") if k > 1 else None,
+                      "config": {"train_options": train_options or {}}}
+            _, summ = convert_stage(teacher, tokenizer, mask, k, out, config=cfg, resume=resume_k, hybrid_options=hybrid,
+                                    rows=rows, on_step=on_step, record=record)
+            summaries[k] = summ
+            if not summ["finished"]:
+                break
     last = out / f"stage{stages[-1]}"
     done = is_model_folder(last)
     return {"stages": summaries, "folder": str(last) if done else None, "finished": done}

@@ -54,6 +54,9 @@ class StepPlan:
             forward + backward one after the other with the whole batch's normalization (stage 1: its teacher
             statistics, applied to each layer's gradients at the end).
         fast_unavailable: why the fast step was wanted and could not run (then ``fast`` is False).
+        deterministic: PyTorch's deterministic settings during the stage (:mod:`headscope.train.determinism`).
+        nondeterministic: with ``deterministic``, the parts of the step outside PyTorch's switch, each with why
+            (:func:`~headscope.train.determinism.nondeterministic_parts`; empty: none known).
     """
 
     world: int = 1
@@ -66,6 +69,8 @@ class StepPlan:
     activation_checkpointing: bool = False
     grad_accum: int = 1
     fast_unavailable: Optional[str] = None
+    deterministic: bool = False
+    nondeterministic: tuple[str, ...] = ()
 
     @property
     def loss_scale(self) -> float:
@@ -74,7 +79,8 @@ class StepPlan:
         return float(self.world) if self.data_parallel in ("ddp", "fsdp") else 1.0
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The plan as JSON values (as it reads back from ``trainer.json`` / ``done.json``)."""
+        return {**asdict(self), "nondeterministic": list(self.nondeterministic)}
 
 
 def resolve_step_plan(
@@ -89,7 +95,8 @@ def resolve_step_plan(
     * data parallel (``world`` > 1): ``config.data_parallel``, or by default ``"ddp"`` where the fast step
       runs and ``"fsdp"`` otherwise or for an already sharded student;
     * compile / CUDA graph: ``config.compile`` / ``config.cuda_graph``, by default on CUDA, fast step only;
-      fused AdamW with the fast step on CUDA; bf16: ``config.bf16``, by default on CUDA.
+      fused AdamW with the fast step on CUDA; bf16: ``config.bf16``, by default on CUDA;
+    * deterministic: ``config.deterministic``, with the parts it leaves nondeterministic.
 
     Raises:
         HeadscopeInputError: ``data_parallel="ddp"`` for a student already sharded with FSDP2.
@@ -110,17 +117,25 @@ def resolve_step_plan(
                                       "one or use data_parallel='fsdp'")
         dp = config.data_parallel or ("fsdp" if sharded or not usable else "ddp")
     fast = usable and dp != "fsdp"
+    compiled = fast and (on_cuda if config.compile is None else bool(config.compile))
+    nondet: tuple[str, ...] = ()
+    if config.deterministic:
+        from .determinism import nondeterministic_parts
+
+        nondet = nondeterministic_parts(student, device, world, compiled=compiled)
     return StepPlan(
         world=world,
         data_parallel=dp,
         fast=fast,
-        compile=fast and (on_cuda if config.compile is None else bool(config.compile)),
+        compile=compiled,
         cuda_graph=fast and on_cuda and (config.cuda_graph is None or bool(config.cuda_graph)),
         fused_adamw=fast and on_cuda,
         bf16=on_cuda if config.bf16 is None else bool(config.bf16),
         activation_checkpointing=bool(config.activation_checkpointing),
         grad_accum=int(config.grad_accum),
         fast_unavailable=problem,
+        deterministic=bool(config.deterministic),
+        nondeterministic=nondet,
     )
 
 

@@ -98,6 +98,11 @@ class TrainConfig:
             the same loss and gradients as one pass over the batch (to float rounding;
             ``tests/test_train_grad_accum.py``) with the activations of a micro-batch. ``batch_size`` must be a
             multiple of it (times the ranks, in data-parallel training).
+        deterministic: PyTorch's deterministic algorithms (``warn_only=False``: an op without a deterministic
+            version raises), deterministic cuBLAS and cuDNN during :meth:`Trainer.run`
+            (:mod:`headscope.train.determinism`); the parts outside PyTorch's switch (fla's Triton kernels, the
+            all-reduce of several ranks) are listed in the :class:`~headscope.train.step_plan.StepPlan`'s
+            ``nondeterministic``. A checkpoint resumes only with the same setting.
     """
 
     stage: int
@@ -122,6 +127,7 @@ class TrainConfig:
     data_parallel: Optional[str] = None
     activation_checkpointing: bool = False
     grad_accum: int = 1
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         """Raises HeadscopeInputError (a ValueError) for a stage other than 1-3, a count / rate <= 0, a
@@ -331,6 +337,13 @@ class Trainer:
                 f"checkpoint planned {st.get('total_steps')} steps, this run {self.total_steps}: resume with the same "
                 "--tokens, batch size and sequence length"
             )
+        was = bool((st.get("config") or {}).get("deterministic", False))
+        if was != self.cfg.deterministic:
+            flag = "with" if was else "without"
+            raise HeadscopeInputError(
+                f"{where} was written {flag} --deterministic (deterministic={was}); resume {flag} it, so that the "
+                "stage runs under one setting"
+            )
 
     def _restore(self, st: dict[str, Any]) -> None:
         self.sched.load_state_dict(st["scheduler"])
@@ -411,6 +424,8 @@ class Trainer:
         """
         from tqdm.auto import tqdm
 
+        from .determinism import deterministic_mode
+
         end = self.total_steps if max_steps is None else min(self.total_steps, max_steps)
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"stage {self.cfg.stage}",
                    disable=not self.cfg.progress or self.rank != 0)
@@ -418,28 +433,30 @@ class Trainer:
         self._t_run = t0
         last: dict[str, Any] = {}
         stopped = "finished"
-        try:
-            while self.step < end:
-                # every rank must take the same decision (collectives follow)
-                late = deadline is not None and time.time() > deadline
-                if parallel.any_rank(late, self.device) if self.parallel else late:
-                    stopped = "deadline"
-                    break
-                last = self.train_step()
-                bar.update(1)
-                bar.set_postfix(loss=f"{last['loss']:.4g}")
-                if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
+        # compiles and CUDA-graph captures happen inside the steps, under the setting
+        with deterministic_mode(self.plan.deterministic):
+            try:
+                while self.step < end:
+                    # every rank must take the same decision (collectives follow)
+                    late = deadline is not None and time.time() > deadline
+                    if parallel.any_rank(late, self.device) if self.parallel else late:
+                        stopped = "deadline"
+                        break
+                    last = self.train_step()
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{last['loss']:.4g}")
+                    if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
+                        self.save_checkpoint()
+                    if on_step is not None:
+                        on_step(self, last)
+            except (StopTraining, KeyboardInterrupt):
+                stopped = "interrupted"
+            finally:
+                bar.close()
+                if self.cfg.ckpt_on_exit and self.step > 0:
                     self.save_checkpoint()
-                if on_step is not None:
-                    on_step(self, last)
-        except (StopTraining, KeyboardInterrupt):
-            stopped = "interrupted"
-        finally:
-            bar.close()
-            if self.cfg.ckpt_on_exit and self.step > 0:
-                self.save_checkpoint()
-            self.step_fn.close()  # frees the captured graph's memory; a later run() captures again
-            self.seconds_before, self._t_run = self.seconds(), None
+                self.step_fn.close()  # frees the captured graph's memory; a later run() captures again
+                self.seconds_before, self._t_run = self.seconds(), None
         finished = self.step >= self.total_steps
         summary = {
             "stage": self.cfg.stage,
