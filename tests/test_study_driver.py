@@ -80,6 +80,31 @@ def test_levers_are_the_studys_options_under_its_labels(tmp_path):
     assert not (tmp_path / "seed0").exists()
 
 
+def test_a_stage3_lever_reuses_stages_1_2_of_the_default(tmp_path):
+    """--reuse-from both: the s3len8k arm starts from the default arm's finished stages 1-2 and their data (documents,
+    stage-1/2 rows), not its stage-3 rows; a lever that changes stages 1-2 is refused, as a source without stage 2."""
+    run = _driver()
+    a = run.parser().parse_args(["convert", "--seed", "1", "--lever", "s3len8k", "--reuse-from", "both", "--out", str(tmp_path)])
+    a.extra, a.out = [], tmp_path
+    with pytest.raises(SystemExit, match="stage2 is not a finished stage"):
+        run.commands("convert", a)
+    src = tmp_path / "seed1" / "hydra-7to1+s2_retrieval=0.25+s3_wordings=6_t12500000"
+    for f in ("stage1/training.json", "stage2/training.json", "data/docs/shard_0.pt", "data/stage1_rows.pt",
+              "data/stage2_rows.json", "data/heldout.pt", "data/stage3_rows.pt", "recipe.json"):
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        (src / f).write_text(f)
+    cmds = run.commands("convert", a)
+    assert [c[0] for c in cmds[:3]] == ["mkdir", "cp", "cp"] and cmds[3][-2:] == ["--deterministic", "--resume"]
+    run.run(cmds[:3], dry_run=False)
+    dst = tmp_path / "seed1" / "hydra-7to1+s2_retrieval=0.25+s3_wordings=6+long_len=8192_t12500000"
+    assert sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file()) == [
+        "data/docs/shard_0.pt", "data/heldout.pt", "data/stage1_rows.pt", "data/stage2_rows.json",
+        "stage1/training.json", "stage2/training.json"]  # no recipe.json, no stage-3 rows: convert writes its own
+    a.lever = "baseline"
+    with pytest.raises(SystemExit, match="differs from it in .*--s2-retrieval"):
+        run.reuse_commands(a, dst)
+
+
 def test_keep_and_cli_rows_beside_the_studys(tmp_path):
     """keep: OUT/eval's retention.csv and per-prompt cells into the records; add_cli_rows appends those rows to a
     retention.csv whose own rows stay byte for byte, the later source winning for the same cell."""

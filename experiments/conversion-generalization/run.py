@@ -3,7 +3,7 @@
 and ``headscope anatomy`` on the converted folder; the study's tables come from its committed records (tables.py).
 
     python experiments/conversion-generalization/run.py convert --seed 5                  # hydra-7to1, the package's defaults
-    python experiments/conversion-generalization/run.py convert --seed 5 --lever s3len8k  # + stage-3 rows of 8K
+    python experiments/conversion-generalization/run.py convert --seed 5 --lever s3len8k --reuse-from both  # stage 3 at 8K
     python experiments/conversion-generalization/run.py eval --seed 5                     # unseen cells 1K-4K, the teacher beside
     python experiments/conversion-generalization/run.py all --seed 5 --lever baseline     # convert, eval, generate
     python experiments/conversion-generalization/run.py anatomy --seed 5                  # the student's heads ranked
@@ -86,16 +86,46 @@ def mask_of(a: argparse.Namespace) -> Path:
     return a.out / "rank" / "mask.json" if a.arm == "ranked" else MASKS / f"{a.arm}.json"
 
 
+#: options that change only stage 3's rows: a lever made of these trains stages 1-2 as the lever it reuses them from
+STAGE3_OPTIONS = {"--long-len", "--batch-long", "--s3-retrieval", "--s3-wordings", "--s3-seen-task"}
+
+
+def reuse_commands(a: argparse.Namespace, rd: Path) -> list[list[str]]:
+    """``--reuse-from LEVER``: copy that lever's finished stages 1-2 and their data (documents, stage-1/2 rows,
+    held-out rows) of the same arm, seed and tokens into ``rd``, so that only stage 3 trains (on the same documents).
+
+    Raises:
+        SystemExit: the levers differ in more than stage-3 options, or the source has no finished stage 2.
+    """
+    def opts(lever: str) -> dict[str, str]:
+        o = LEVERS[lever][1]
+        return dict(zip(o[::2], o[1::2]))
+
+    mine, theirs = opts(a.lever), opts(a.reuse_from)
+    diff = {k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
+    if diff - STAGE3_OPTIONS:
+        raise SystemExit(f"--reuse-from {a.reuse_from}: lever {a.lever} differs from it in {sorted(diff - STAGE3_OPTIONS)}, "
+                         "which change stages 1-2; convert it from the start")
+    src = a.out / f"seed{a.seed}" / f"{label(a.name or a.arm, a.reuse_from)}_t{TABLES.parse_tokens(a.tokens)}"
+    if not (src / "stage2" / "training.json").exists():
+        raise SystemExit(f"--reuse-from {a.reuse_from}: {src}/stage2 is not a finished stage; convert --lever "
+                         f"{a.reuse_from} first")
+    data = [src / "data" / "docs"] + sorted(f for f in (src / "data").glob("*") if f.name.startswith(("stage1_", "stage2_", "heldout")))
+    return [["mkdir", "-p", str(rd / "data")], ["cp", "-r", str(src / "stage1"), str(src / "stage2"), str(rd)],
+            ["cp", "-r", *map(str, data), str(rd / "data")]]
+
+
 def commands(step: str, a: argparse.Namespace) -> list[list[str]]:
     """The package's commands of one step, in order."""
     rd, extra = run_dir(a), list(a.extra)
     if step == "rank":  # a new HydraHead-style mask from the teacher's ranking (the committed one: --arm hydra-7to1)
         return [headscope("rank", "--model", a.model, "--budget", a.budget, "--out", a.out / "rank", *extra)]
     if step == "convert":
-        resume = ["--resume"] if (rd / "recipe.json").exists() else []
+        copy = reuse_commands(a, rd) if a.reuse_from and not (rd / "recipe.json").exists() else []
+        resume = ["--resume"] if (rd / "recipe.json").exists() or copy else []
         det = [] if a.nondeterministic else ["--deterministic"]  # the study's default: evidence that holds still
-        return [headscope("convert", "--model", a.model, "--mask", mask_of(a), "--out", rd, "--seed", a.seed,
-                          "--tokens", a.tokens, *LEVERS[a.lever][1], *det, *resume, *extra)]
+        return copy + [headscope("convert", "--model", a.model, "--mask", mask_of(a), "--out", rd, "--seed", a.seed,
+                                 "--tokens", a.tokens, *LEVERS[a.lever][1], *det, *resume, *extra)]
     if step == "eval":
         corpus = ["--corpus", a.corpus] if a.corpus else []
         return [headscope("eval", rd / "stage3", "--teacher", a.model, "--formats", "unseen", "--lengths", a.lengths,
@@ -161,6 +191,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="the conversion's seed (documents, rows, initialization)")
     p.add_argument("--tokens", default="12.5M", help="the conversion's token budget")
     p.add_argument("--budget", default="7:1", help="rank: the FA budget of OUT/rank/mask.json")
+    p.add_argument("--reuse-from", default=None, choices=list(LEVERS),
+                   help="convert: start from this lever's finished stages 1-2 (same arm, seed, tokens, documents) when "
+                        "--lever changes only stage 3 (s3len4k / s3len8k from both)")
     p.add_argument("--nondeterministic", action="store_true",
                    help="convert without --deterministic (the study passes it: PyTorch's deterministic kernels)")
     p.add_argument("--lengths", default="1K,2K,4K", help="eval: prompt lengths of the unseen cells (the goal's 1K-4K)")
