@@ -264,7 +264,8 @@ class HeadMask:
                 f"this head-wise mask keeps every KV group of its {sum(1 for hs in self.fa_heads if hs)} FA "
                 f"layer(s) and saves no KV cache (only softmax-attention compute). A layer-wise mask saves KV "
                 f"cache: e.g. {n} whole FA layer(s) ({n * self.n_heads} heads, about the budget of {k}) keep "
-                f"{n}/{self.n_layers} = {n / self.n_layers:.1%} of it (min_per_layer=0; the layerwise selector)"
+                f"{n}/{self.n_layers} = {n / self.n_layers:.1%} of it (min_per_layer=0; the layerwise selector); "
+                f"`headscope mask RUN_DIR --kv-layers {n}` puts the head-wise FA heads into {n} layer(s) too"
             )
         return (
             "every KV group of every layer has an FA query head, so this mask keeps the whole KV cache; FA heads "

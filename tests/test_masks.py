@@ -107,6 +107,7 @@ def test_budget_raised_to_fit_min_per_layer():
     # a layer-wise mask of about the requested 9 heads: round(9 / 4) = 2 whole layers, 2/18 of the KV cache
     assert "one KV head per layer" in kv_note and "saves no KV cache" in kv_note
     assert "2 whole FA layer(s) (8 heads" in kv_note and "2/18 = 11.1%" in kv_note
+    assert "`headscope mask RUN_DIR --kv-layers 2`" in kv_note  # the head-wise arm at that KV share
     d = HeadMask.from_dict(m.to_dict())
     assert d.summary()["notes"] == summ["notes"]
     # the layer-wise alternative: min_per_layer=0, whole layers -> KV cache kept 2/18, no note

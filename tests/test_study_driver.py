@@ -175,6 +175,8 @@ def test_driver_end_to_end_on_a_tiny_model(small_tokenizer, tmp_path):
         "--batch-size", "2", "--batch-long", "2", "--gdn-kernel", "torch")
     rd = out / "seed0" / "hydra-7to1_t3000"
     assert all((rd / f"stage{k}" / "config.json").exists() for k in (1, 2, 3))
+    rec = json.loads((rd / "stage3" / "training.json").read_text())  # the driver converts with --deterministic
+    assert rec["config"]["train"]["deterministic"] is True and rec["step_plan"]["nondeterministic"] == []
     run("eval", *common, "--lengths", "256", "--corpus", "builtin", "--", "--device", "cpu", "--n", "2",
         "--tasks", "niah_single", "--gen-n", "1")
     ev = pd.read_csv(out / "eval" / "retention.csv")
