@@ -128,3 +128,38 @@ def test_mask_command_writes_both_arms_at_the_same_kv_share(tmp_path):
                       (["--kv-layers", "2"], "--budget"), (["--kv-layers", "2", "--budget", "4", "--layerwise", "odd"], "--layerwise")):
         r = CliRunner().invoke(app, ["mask", str(tmp_path / "rank"), *args])
         assert r.exit_code == 2 and msg in r.output, (args, r.output)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_both_arms_convert_a_tiny_mqa_gemma3_and_hold_the_same_kv_cache(small_tokenizer, tmp_path):
+    """A tiny Gemma 3 with one KV head per layer (4 layers, sliding and full): the head-wise arm (3 FA heads in at most
+    2 layers) and the layer-wise arm (2 whole layers) convert with the product path (`convert_model`,
+    --deterministic), and the trained students' own caches after a forward hold the K/V of 2 layers each."""
+    import torch
+
+    from headscope.arch.random_models import _families
+    from headscope.train import ConvertRecipe, convert_model
+    from headscope.train.model_folder import load_model_folder
+
+    from test_convert import corpus_text
+
+    tok = small_tokenizer
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    teacher = _families(4, 64, 4, 1)["gemma3"](len(tok), 2)
+    (tmp_path / "c.txt").write_text(corpus_text())
+    recipe = ConvertRecipe(seq_len=128, long_len=256, batch_size=2, batch_long=2, corpus=str(tmp_path / "c.txt"),
+                           stage_tokens=(256, 512, 512), ckpt_every=0)
+    s = np.random.default_rng(0).random((4, 4))
+    ids = torch.tensor([tok("The sailor walked to the harbour in the morning.").input_ids])
+    for name, m in (("head", select_in_kv_budget(s, 1, 2, budget=3)), ("layer", layerwise_at(s, 1, 2))):
+        assert len(m.meta["layers"]) <= 2 and m.kv_cache_fraction <= 2 / 4
+        res = convert_model(teacher, tok, m, tmp_path / name, recipe=recipe, progress=False,
+                            train_options={"deterministic": True})
+        assert res["finished"]
+        student = load_model_folder(tmp_path / name / "stage3").eval()
+        with torch.no_grad():
+            caches = student(ids, use_cache=True).past_key_values.decode_caches
+        held = [i for i, c in enumerate(caches) if c is not None and c.k is not None]
+        assert held == [i for i, hs in enumerate(m.fa_heads) if hs] and len(held) == round(4 * m.kv_cache_fraction)
+        assert all(caches[i].k.shape[1] == 1 for i in held)  # the layer's one KV head, whole
