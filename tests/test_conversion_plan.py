@@ -152,7 +152,8 @@ def test_plan_sample_pack_queue_report(small_dir, tmp_path):
 def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, small_tokenizer):
     """experiments/gpu_conversion.sh with both "devices" on the CPU and tiny settings: plan, two sampling
     shards, the teacher's cells beside them, pack, three queues (main masks, teacher, ablation) and the report; a
-    second run does nothing. Smallest settings: each shard is one sampling batch (SAMPLE_BATCH 24 >= its
+    second run does nothing. Each process keeps to one intra-op thread (OMP_NUM_THREADS=1): up to four run at once on
+a 2-core machine, where two threads each spin against each other (queues 21 -> 13 s). Smallest settings: each shard is one sampling batch (SAMPLE_BATCH 24 >= its
     documents), and the main models' budget is the smallest whose stage 3 is still one step (1,024 tokens: 2 + 9 + 1
     steps)."""
     import os
@@ -169,7 +170,7 @@ def test_gpu_conversion_script_end_to_end_on_cpu(tmp_path, small_tokenizer):
     env = {**os.environ, "MODEL": str(model), "CONV_OUT": str(out), "MASK": str(tmp_path / "mask.json"),
            "DEV0": "cpu", "DEV1": "cpu", "TOKENS": "1024", "ABL_TOKENS": "1024", "EVAL_N": "2", "SAMPLE_S": "1000",
            "SAMPLE_BATCH": "24", "SAMPLE_MAX_DOCS": "16,24", "HELDOUT_DOCS": "4", "WARMUP": "", "PYTHON": sys.executable,
-           "SAMPLE_ARGS": "--doc-len 40", "EARLY_TEACHER": "1", "DEV2": "cpu",
+           "SAMPLE_ARGS": "--doc-len 40", "EARLY_TEACHER": "1", "DEV2": "cpu", "OMP_NUM_THREADS": "1",
            "JOBS0": "hydrahead,layerwise3,abl0_base", "JOBS1": "layerwise,random,teacher,abl1_fa_nope",
            "JOBS2": "abl2_gdn_rope,abl3_fa_gate",
            "EXTRA_PLAN": "--seq-len 32 --long-len 512 --batch 2 --batch-long 1 --task niah_single --eval-lengths 192 "
