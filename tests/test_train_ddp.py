@@ -156,20 +156,20 @@ def _check_weights(ref: dict, got: dict, start: dict, what) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(smol_tokenizer, tmp_path_factory):
+def runs(small_tokenizer, tmp_path_factory):
     from headscope.runtime import launch
 
     root = tmp_path_factory.mktemp("ddp")
-    teacher = tiny_llama(smol_tokenizer, seed=3)
+    teacher = tiny_llama(small_tokenizer, seed=3)
     torch.manual_seed(7)
     torch.save(hybridize(teacher, HMASK).state_dict(), root / "student0.pt")
-    info = launch(_train_worker, 2, (smol_tokenizer, str(root)), device="cpu")
+    info = launch(_train_worker, 2, (small_tokenizer, str(root)), device="cpu")
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank
     try:
         ref = {}
         for stage in (1, 2, 3):
-            tr = _trainer(smol_tokenizer, root, stage, root / f"one_s{stage}", ckpt_on_exit=False)
+            tr = _trainer(small_tokenizer, root, stage, root / f"one_s{stage}", ckpt_on_exit=False)
             assert tr.plan.data_parallel is None and tr.plan.fast
             tr.run()
             ref[stage] = {k: v.detach().clone() for k, v in tr.student.state_dict().items()}
@@ -192,13 +192,13 @@ def _whole_batch_grads(tok, root: Path, stage: int) -> tuple[list[float], dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_ddp_and_fsdp2_gradients_equal_one_process(runs, smol_tokenizer, stage):
+def test_ddp_and_fsdp2_gradients_equal_one_process(runs, small_tokenizer, stage):
     """Two gloo ranks, each on its slice of a padded batch (33 and 20 real tokens), through DDP (fast and plain
     step) and FSDP2 (plain step), and both with gradient accumulation over two micro-batches per rank: the logged
     loss and every trained parameter's gradient equal the one-process autograd gradient of the whole batch's plain
     loss, per tensor to ‖Δ‖ ≤ 1e-5 ‖g‖ (fp32)."""
     root, info, _ = runs
-    ref_logged, ref = _whole_batch_grads(smol_tokenizer, root, stage)
+    ref_logged, ref = _whole_batch_grads(small_tokenizer, root, stage)
     for key in [(m, f) for m, f in MODES] + [(m, f, 2) for m, f in ACCUM_MODES]:
         mode, fast = key[:2]
         logged, grads = info["grads"][(stage, *key)]
@@ -212,14 +212,14 @@ def test_ddp_and_fsdp2_gradients_equal_one_process(runs, smol_tokenizer, stage):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
-def test_fsdp2_bytes_per_rank_match_the_memory_plan(runs, smol_tokenizer, stage):
+def test_fsdp2_bytes_per_rank_match_the_memory_plan(runs, small_tokenizer, stage):
     """Each FSDP2 rank's local parameter, gradient and AdamW-moment bytes after a step equal the memory plan's
     per-device figures up to FSDP2's uneven split of a first dimension (at most one row per sharded parameter);
     stage 1 shards only the attention modules (the rest is replicated on both ranks)."""
     from headscope.train.memory_plan import MemoryOptions, ModelShape, plan_memory
 
     root, info, _ = runs
-    student, teacher = _models(smol_tokenizer, root)
+    student, teacher = _models(small_tokenizer, root)
     plan = plan_memory(ModelShape.from_config(teacher.config), stage, 2, SEQ, fa=HMASK,
                        options=MemoryOptions(devices=2, fa_gate=False))
     sharded = [p for n, p in student.named_parameters() if stage == 2 or ".self_attn." in n]
@@ -260,7 +260,7 @@ def test_two_ddp_ranks_train_like_one_process(runs, stage):
 
 
 @pytest.mark.slow
-def test_checkpoint_of_two_ddp_ranks_resumes_in_one_process(runs, smol_tokenizer):
+def test_checkpoint_of_two_ddp_ranks_resumes_in_one_process(runs, small_tokenizer):
     root, info, ref = runs
     assert info["default_mode"] == "ddp"  # the default where the fast step works
     meta = json.loads((root / "ckpt" / "checkpoint" / "trainer.json").read_text())
@@ -268,7 +268,7 @@ def test_checkpoint_of_two_ddp_ranks_resumes_in_one_process(runs, smol_tokenizer
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        tr = _trainer(smol_tokenizer, root, 2, root / "ckpt", resume=True)
+        tr = _trainer(small_tokenizer, root, 2, root / "ckpt", resume=True)
         assert tr.step == 2
         tr.run()
     finally:
@@ -296,14 +296,14 @@ def test_rows_split_unevenly_across_ranks():
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_fast_step_shares_sum_to_the_whole_batch(smol_tokenizer, stage):
+def test_fast_step_shares_sum_to_the_whole_batch(small_tokenizer, stage):
     """The fast step with ``reduce`` (what DDP runs on each rank), on two row slices as two threads with a summing
     reducer: the loss shares sum to the whole batch's loss, the gradients to its gradient (to 1e-5 of the norm), and
     both threads log the global values."""
     from headscope.train.fast import FastStep
     from headscope.train.stages import trainable_parameters
 
-    teacher = tiny_llama(smol_tokenizer, seed=3)
+    teacher = tiny_llama(small_tokenizer, seed=3)
     torch.manual_seed(7)
     base = hybridize(teacher, HMASK)
     rows = _rows(GRAD_LENGTHS)
@@ -345,14 +345,14 @@ def test_fast_step_shares_sum_to_the_whole_batch(smol_tokenizer, stage):
         assert float((total - p.grad).norm()) <= 1e-5 * float(p.grad.norm()) + 1e-9, (stage, k)
 
 
-def test_step_plan_resolves_and_is_recorded(smol_tokenizer, tmp_path):
+def test_step_plan_resolves_and_is_recorded(small_tokenizer, tmp_path):
     """One process: no data parallelism, the fast step on CPU, no compile / graph / fused AdamW; the plan is
     frozen and saved whole in the checkpoint and the summary."""
     import dataclasses
 
     from headscope.train.step_plan import StepPlan, resolve_step_plan
 
-    teacher = tiny_llama(smol_tokenizer, seed=3)
+    teacher = tiny_llama(small_tokenizer, seed=3)
     student = hybridize(teacher, HMASK)
     cpu = torch.device("cpu")
     plan = resolve_step_plan(_cfg(2), student, teacher, cpu, world=1)
