@@ -10,6 +10,10 @@ import torch
 
 if not torch.cuda.is_available():  # Triton kernels (headscope.hybrid.inference.kernels.splitk) run in Triton's CPU interpreter;
     os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads this when first imported, so set it first
+if os.environ.get("TRITON_INTERPRET") == "1":  # its jit helpers re-patch triton.language on every call: once per launch
+    from triton_interpreter import patch_once_per_launch
+
+    patch_once_per_launch()
 
 import pytest  # noqa: E402
 from _pytest.mark import ParameterSet  # noqa: E402
