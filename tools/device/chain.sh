@@ -4,7 +4,7 @@
 # short calls. On a GPU machine of your own, run the commands in sequence instead (benchmarks/recipes/).
 # From the repository root on the GPU machine, after `source tools/device/device_env.sh` in the calls that carry wheels:
 #   bash tools/device/chain.sh start "COMMAND" ["COMMAND" ...]
-#       copy the code (headscope/, experiments/, benchmarks/, tools/) to CODE_DIR (every call sends the working tree
+#       copy the code (headscope/, experiments/, benchmarks/, tools/, tests/) to CODE_DIR (every call sends the working tree
 #       again; a command importing from it while it was copied failed, H200, 2026-12-03) and run each COMMAND there in
 #       turn with bash, in a new process session: a failing command up to TRIES times, the chain stopped at one that
 #       still fails (later commands need its output); "wait FILE" instead of a command waits up to CHAIN_WAIT_S s for
@@ -52,7 +52,8 @@ case $cmd in
       exit 1
     fi
     rm -rf "$code" && mkdir -p "$code"
-    for d in headscope experiments benchmarks tools; do [ -d "$repo/$d" ] && cp -r "$repo/$d" "$code/"; done
+    for d in headscope experiments benchmarks tools tests; do [ -d "$repo/$d" ] && cp -r "$repo/$d" "$code/"; done
+    [ -f "$repo/pyproject.toml" ] && cp "$repo/pyproject.toml" "$code/"  # pytest's markers and settings, for tests run by a chain
     kc=${KERNEL_CACHE:-}
     if [ -n "$kc" ] && [ -f "$kc" ]; then
       mkdir -p "$TRITON_CACHE_DIR" && tar -xzf "$kc" -C "$TRITON_CACHE_DIR" \
