@@ -35,6 +35,11 @@ fast step (compiled, no CUDA graph) against the plain step in bf16 and against t
 gradient relative errors (‖g_a − g_b‖ / ‖g_b‖ over all trained parameters, and the worst parameter), then one AdamW
 step on the fast step's gradients so the next batch sees moved weights.
 
+**Where the step's time goes** (``--profile K``): K more steps of each variant after the timed ones, under
+``torch.profiler``: wall ms per step, the device's busy ms per step (the sum of the operators' self device time) and
+its share of the wall time, and the 25 operators with the most self device time (ms and calls per step). Profiled
+steps are not in the timing.
+
 **Resume at scale** (``--resume-check 2``): ``--resume-steps`` steps of ``--resume-rows`` uninterrupted (twice: the
 kernels' run-to-run differences), and cut after half of them (exit checkpoint written, its size recorded) then resumed
 in a new trainer; the final weights against the uninterrupted run's.
@@ -193,6 +198,40 @@ def timing(step_s: list[float], tokens_per_step: int, flops_per_step: float) -> 
             "tflops": flops_per_step / sec / 1e12}
 
 
+class StepProfile:
+    """``--profile K``: K more steps after the timed ones under ``torch.profiler`` (CPU and CUDA activity); the
+    summary says how busy the GPU was (kernel time per step against the step's wall time) and which operators took
+    the device time (self device time, top 25, ms per step). Profiled steps are not in the timing."""
+
+    def __init__(self, n_steps: int, dev: torch.device):
+        self.n, self.dev, self.prof, self.t0 = n_steps, dev, None, 0.0
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dev.type == "cuda" else [])
+        sync(self.dev)
+        self.prof = profile(activities=acts)
+        self.prof.__enter__()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> dict[str, Any]:
+        sync(self.dev)
+        wall = (time.perf_counter() - self.t0) / self.n
+        self.prof.__exit__(None, None, None)
+        cuda = self.dev.type == "cuda"
+        rows = []
+        for e in self.prof.key_averages():
+            t = (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3 / self.n  # ms per step
+            if t > 0:
+                rows.append({"name": e.key[:120], "ms_per_step": t, "calls_per_step": e.count / self.n})
+        rows.sort(key=lambda r: -r["ms_per_step"])
+        busy = sum(r["ms_per_step"] for r in rows)
+        return {"steps": self.n, "wall_ms_per_step": 1e3 * wall, "device_busy_ms_per_step": busy,
+                "busy_share": busy / (1e3 * wall) if wall > 0 else None, "time": "self device" if cuda else "self CPU",
+                "top": rows[:25]}
+
+
 # ------------------------------------------------------------------------------------------ the hybrid stage
 def run_hybrid(stage: int, teacher, student, mask, rows, B: int, T: int, args, dev, work: Path, report_case: dict,
                save) -> dict[str, Any]:
@@ -201,7 +240,9 @@ def run_hybrid(stage: int, teacher, student, mask, rows, B: int, T: int, args, d
     from headscope.train import TrainConfig, convert_stage
 
     k = args.grad_accum
-    cfg = TrainConfig(stage=stage, tokens=B * T * (args.warmup + args.steps), batch_size=B, lr=STAGE_LR[stage],
+    n_run = args.warmup + args.steps
+    prof = StepProfile(args.profile, dev) if args.profile else None
+    cfg = TrainConfig(stage=stage, tokens=B * T * (n_run + args.profile), batch_size=B, lr=STAGE_LR[stage],
                       progress=False, ckpt_every=0, ckpt_on_exit=False, seed=0, grad_accum=k,
                       activation_checkpointing=args.activation_checkpointing, fast=False if args.plain_step else None,
                       compile=False if args.no_compile else None, loss_chunk=args.loss_chunk)
@@ -218,9 +259,13 @@ def run_hybrid(stage: int, teacher, student, mask, rows, B: int, T: int, args, d
         if tr.plan.fast:
             res["cuda_graph"] = tr.step_fn.graph is not None
             res["graph_error"] = tr.step_fn.graph_error
-        res.update(timing([s["seconds"] for s in res["steps"][args.warmup:]], B * T, res["flops_per_step"]))
+        res.update(timing([s["seconds"] for s in res["steps"][args.warmup:n_run]], B * T, res["flops_per_step"]))
         log(f"  stage {stage} {B}x{T} step {row['step']}: {row['seconds'] * 1e3:.0f} ms, loss {row['loss']:.4g}, "
             f"peak {res['steps'][-1]['peak_gib']} GiB")
+        if prof is not None and row["step"] == n_run:
+            prof.start()
+        elif prof is not None and row["step"] == n_run + args.profile:
+            res["profile"] = prof.stop()
         save()
 
     free(dev)
@@ -258,7 +303,11 @@ def run_baseline(stage: int, teacher, rows, B: int, T: int, args, dev, res: dict
                 "kind": "distillation from the teacher (KL)" if stage == 2 else "next-token cross-entropy",
                 "compiled": compile_on, "grad_accum": k, "activation_checkpointing": args.activation_checkpointing})
     ac = torch.autocast(dev.type, dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
-    for i in range(args.warmup + args.steps):
+    n_run = args.warmup + args.steps
+    prof = StepProfile(args.profile, dev) if args.profile else None
+    for i in range(n_run + args.profile):
+        if prof is not None and i == n_run:
+            prof.start()
         ids = rows.ids[i * B:(i + 1) * B].to(dev)
         mask = rows.mask[i * B:(i + 1) * B].to(dev)
         sync(dev)
@@ -289,8 +338,10 @@ def run_baseline(stage: int, teacher, rows, B: int, T: int, args, dev, res: dict
         sync(dev)
         sec = time.perf_counter() - t0
         res["steps"].append({"step": i + 1, "seconds": sec, "loss": lv, "peak_gib": peak_gib(dev)})
-        res.update(timing([s["seconds"] for s in res["steps"][args.warmup:]], B * T, res["flops_per_step"]))
+        res.update(timing([s["seconds"] for s in res["steps"][args.warmup:n_run]], B * T, res["flops_per_step"]))
         log(f"  baseline stage {stage} {B}x{T} step {i + 1}: {sec * 1e3:.0f} ms, loss {lv:.4g}, peak {peak_gib(dev)} GiB")
+        if prof is not None and i + 1 == n_run + args.profile:
+            res["profile"] = prof.stop()
         save()
     res.update({"status": "done", "warmup_s": [s["seconds"] for s in res["steps"][:args.warmup]], "peak_gib": peak_gib(dev)})
     del dense, opt, body, t_body
@@ -485,6 +536,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap.add_argument("--seq-len", default="512,512,2048", help="row length of stages 1, 2, 3 (the recipe's)")
     ap.add_argument("--stage3-long", default="4x8192", help="a second stage-3 case ROWSxLEN ('' = none)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per case")
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="K more steps per variant under torch.profiler, not timed: GPU busy share and the top operators")
     ap.add_argument("--warmup", type=int, default=3, help="steps before timing (compile; the CUDA graph is captured in the 3rd)")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (gradient accumulation)")
@@ -563,7 +616,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                                 "micro_rows": B // k, "activation_checkpointing": args.activation_checkpointing,
                                 "planned_gib": planned_gib(args.shape, cfg, stage, B // k, T, mask, args)}
         report["cases"][key] = case
-        rows = random_rows(cfg.vocab_size, B, T, args.warmup + args.steps, seed=stage)
+        rows = random_rows(cfg.vocab_size, B, T, args.warmup + args.steps + args.profile, seed=stage)
         log(f"{key}: {B} x {T}, grad_accum {k}, checkpointing {args.activation_checkpointing}, plan {case['planned_gib']} GiB")
         if not args.baseline_only:
             try:

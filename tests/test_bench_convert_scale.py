@@ -30,12 +30,18 @@ def test_tiny_run_writes_every_field_and_the_flops_worked_by_hand(bench, tmp_pat
     out = tmp_path / "scale.json"
     rep = bench.main(["--shape", "tiny", "--out", str(out), "--stages", "2", "--rows", "4,4,2", "--seq-len", "16,16,32",
                       "--stage3-long", "", "--steps", "1", "--warmup", "1", "--grad-accum", "2", "--no-compile",
-                      "--check", "--check-rows", "2x16", "--check-steps", "2", "--device", "cpu"])
+                      "--check", "--check-rows", "2x16", "--check-steps", "2", "--profile", "1", "--device", "cpu"])
     on_disk = json.loads(out.read_text())
     assert on_disk["cases"].keys() == rep["cases"].keys() == {"stage2_4x16"} and not on_disk["errors"]
     c = on_disk["cases"]["stage2_4x16"]
     h, b = c["hybrid"], c["baseline"]
-    assert h["status"] == b["status"] == "done" and len(h["steps"]) == len(b["steps"]) == 2
+    # one warm-up step, one timed step, one profiled step (not timed)
+    assert h["status"] == b["status"] == "done" and len(h["steps"]) == len(b["steps"]) == 3
+    for r in (h, b):
+        pr = r["profile"]
+        assert r["timed_steps"] == 1 and pr["steps"] == 1 and pr["wall_ms_per_step"] > 0 and pr["time"] == "self CPU"
+        top = [x["ms_per_step"] for x in pr["top"]]
+        assert top and min(top) > 0 and top == sorted(top, reverse=True) and pr["device_busy_ms_per_step"] >= sum(top)
     assert c["grad_accum"] == 2 and c["micro_rows"] == 2 and h["step_plan"]["grad_accum"] == 2 and h["step_plan"]["fast"]
     assert c["planned_gib"] > 0 and h["peak_memory"]["bytes"] > 0
 
@@ -58,7 +64,7 @@ def test_tiny_run_writes_every_field_and_the_flops_worked_by_hand(bench, tmp_pat
     assert h["flops_per_token"]["total"] == pytest.approx(F_t + 3 * F_s, rel=1e-12)
     assert b["flops_per_token"]["total"] == pytest.approx(4 * F_t, rel=1e-12)  # 3 x dense + the teacher forward
     for r in (h, b):
-        timed = sorted(s["seconds"] for s in r["steps"][1:])
+        timed = sorted(s["seconds"] for s in r["steps"][1:2])
         sec = timed[len(timed) // 2]
         assert r["ms_per_step"] == pytest.approx(1e3 * sec)
         assert r["tokens_per_s"] == pytest.approx(64 / sec)

@@ -10,7 +10,10 @@
 # 32-row micro-batches; whole 64-row batches plan 60.7, and the plan was 0.83x of stage 1's measured peak at SmolLM2),
 # check (4 x 512, no checkpointing) about 43 + 14 (two gradient copies) + logits, resume 8 x 512 about 45 (and a
 # 21 GiB checkpoint on disk: 1.85B fp32 weights + AdamW's two moments), s2_accum 64.6 (16-row micro-batches),
-# llama8b_s1 96.7 (H200 only). Stored results: <gpu>_convert_scale_qwen3_*.json.
+# llama8b_s1 96.7 (H200 only). Stored results: <gpu>_convert_scale_qwen3_*.json. Measured on one H100 (docs/performance.md):
+# s2_accum peaked at 73.0 GiB with its baseline at 60.7 (ran, 0.67x); s3_8k without checkpointing ran out of memory;
+# --activation-checkpointing with the fast step failed on CUDA (s2, s3_8k, s3_2k need it). s2 and s2_accum
+# also profile 2 steps per variant (--profile: the GPU's busy share and top kernels, for the MFU gap).
 set -euo pipefail
 OUT=${1:-/tmp/bench/convert_scale}
 shift || true
@@ -19,7 +22,7 @@ mkdir -p "$OUT"
 B="python benchmarks/bench_convert_scale.py --shape qwen3-1.7b --budget-s 480"
 for part in $PARTS; do
   case $part in
-    s2)        $B --stages 2 --activation-checkpointing --out "$OUT/convert_scale_qwen3_s2_ckpt.json" --log "$OUT/s2.log" ;;
+    s2)        $B --stages 2 --activation-checkpointing --profile 2 --out "$OUT/convert_scale_qwen3_s2_ckpt.json" --log "$OUT/s2.log" ;;
     s3_8k)     $B --stages 3 --rows 64,64,4 --seq-len 512,512,8192 --stage3-long '' --activation-checkpointing \
                  --out "$OUT/convert_scale_qwen3_s3_8k_ckpt.json" --log "$OUT/s3_8k.log" ;;
     s3_2k)     $B --stages 3 --stage3-long '' --activation-checkpointing --out "$OUT/convert_scale_qwen3_s3_2k_ckpt.json" \
@@ -28,7 +31,7 @@ for part in $PARTS; do
                  --out "$OUT/convert_scale_qwen3_s1_check.json" --log "$OUT/s1_check.log" ;;
     resume)    $B --stages '' --resume-check 2 --resume-rows 8x512 --resume-steps 4 \
                  --out "$OUT/convert_scale_qwen3_resume.json" --log "$OUT/resume.log" ;;
-    s2_accum)  $B --stages 2 --grad-accum 4 --no-baseline --out "$OUT/convert_scale_qwen3_s2_accum4.json" --log "$OUT/s2_accum.log" ;;
+    s2_accum)  $B --stages 2 --grad-accum 4 --profile 2 --out "$OUT/convert_scale_qwen3_s2_accum4.json" --log "$OUT/s2_accum.log" ;;
     llama8b_s1) python benchmarks/bench_convert_scale.py --shape llama-3.1-8b --budget-s 480 --stages 1 --rows 16,8,1 \
                  --activation-checkpointing --no-baseline --out "$OUT/convert_scale_llama8b_s1.json" --log "$OUT/llama8b_s1.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
