@@ -3,7 +3,7 @@
 # each command under 10 minutes on one H100 / H200 (the first compiles from scratch: 4 minutes at the SmolLM2 shape), each
 # writing its JSON after every step. Needs fla (the fast step on CUDA runs with it): `source tools/device/device_env.sh`.
 # Usage: bash benchmarks/recipes/convert_scale.sh [OUT_DIR] [PART ...]   (run from the repository root on the GPU host;
-#        PART: s2 s3_8k s3_2k s1_check resume s2_accum llama8b_s1, default the first four; on the `device` tool give the
+#        PART: s2 s3_8k s3_2k s1 check resume s2_accum llama8b_s1, default the first five; on the `device` tool give the
 #        same lines to tools/device/chain.sh start)
 # Memory (headscope plan-memory's model with the float32 teacher `headscope convert` holds; stage 3 keeps the teacher
 # resident too, +6.4 GiB over the plan's figure): s2 51.7 GiB, s3_8k 42.9 (+6.4), s3_2k 42.9 (+6.4), s1 39.7 (two
@@ -17,7 +17,7 @@
 set -euo pipefail
 OUT=${1:-/tmp/bench/convert_scale}
 shift || true
-PARTS=${*:-s2 s3_8k s3_2k s1_check}
+PARTS=${*:-s2 s3_8k s3_2k s1 check}
 mkdir -p "$OUT"
 B="python benchmarks/bench_convert_scale.py --shape qwen3-1.7b --budget-s 480"
 for part in $PARTS; do
@@ -27,8 +27,10 @@ for part in $PARTS; do
                  --out "$OUT/convert_scale_qwen3_s3_8k_ckpt.json" --log "$OUT/s3_8k.log" ;;
     s3_2k)     $B --stages 3 --stage3-long '' --activation-checkpointing --out "$OUT/convert_scale_qwen3_s3_2k_ckpt.json" \
                  --log "$OUT/s3_2k.log" ;;
-    s1_check)  $B --stages 1 --grad-accum 2 --no-baseline --check --check-stages 2 --check-rows 4x512 --check-steps 3 \
-                 --out "$OUT/convert_scale_qwen3_s1_check.json" --log "$OUT/s1_check.log" ;;
+    s1)        $B --stages 1 --grad-accum 2 --no-baseline --out "$OUT/convert_scale_qwen3_s1.json" --log "$OUT/s1.log" ;;
+    check)     $B --stages '' --check --check-stages 2 --check-rows 4x512 --check-steps 3 \
+                 --out "$OUT/convert_scale_qwen3_check.json" --log "$OUT/check.log" ;;  # a process of its own: after
+                 # stage 1's case in the same process it ran out of memory (H100)
     resume)    $B --stages '' --resume-check 2 --resume-rows 8x512 --resume-steps 4 \
                  --out "$OUT/convert_scale_qwen3_resume.json" --log "$OUT/resume.log" ;;
     s2_accum)  $B --stages 2 --grad-accum 4 --profile 2 --out "$OUT/convert_scale_qwen3_s2_accum4.json" --log "$OUT/s2_accum.log" ;;
