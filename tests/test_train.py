@@ -276,3 +276,34 @@ def test_cli_convert_one_stage_at_a_time(teacher_full_vocab, smol_tokenizer, tmp
     assert r.exit_code == 0 and "already finished" in r.output, r.output
     after = load_model_folder(out / "stage3").state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _stage3_teachers(teacher, tmp_path, device):
+    """convert_stage's stage 3 from `student` (no folder): the teacher the trainer sees and where the teacher's
+    weights are at each step."""
+    from headscope.train import convert_stage
+
+    t = teacher.to(device)
+    student = hybridize(t, _mask(((1,), (0, 3))))
+    before = {k: v.detach().clone() for k, v in t.state_dict().items()}
+    seen = []
+    cfg = TrainConfig(stage=3, tokens=2 * 4 * 32, batch_size=4, lr=1e-3, progress=False, ckpt_on_exit=False)
+    _, summ = convert_stage(t, None, _mask(((1,), (0, 3))), 3, tmp_path, config=cfg, rows=_rows(n=4, T=32),
+                            student=student.to(device), save_folder=False,
+                            on_step=lambda tr, row: seen.append((tr.teacher, next(t.parameters()).device.type)))
+    assert summ["finished"] and len(seen) == 2
+    assert all(torch.equal(v, t.state_dict()[k].to(v.device)) for k, v in before.items())  # weights untouched
+    return seen, next(t.parameters()).device.type
+
+
+def test_stage3_trains_without_the_teacher(teacher, tmp_path):
+    seen, after = _stage3_teachers(teacher, tmp_path, "cpu")
+    assert [s[0] for s in seen] == [None, None] and after == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_stage3_parks_a_gpu_teacher_in_host_memory(teacher, tmp_path):
+    import copy
+
+    seen, after = _stage3_teachers(copy.deepcopy(teacher), tmp_path, "cuda")
+    assert [s for s in seen] == [(None, "cpu"), (None, "cpu")] and after == "cuda"

@@ -5,8 +5,8 @@
 # Usage: bash benchmarks/recipes/convert_scale.sh [OUT_DIR] [PART ...]   (run from the repository root on the GPU host;
 #        PART: s2 s3_8k s3_2k s1 check resume s2_accum llama8b_s1, default the first five; on the `device` tool give the
 #        same lines to tools/device/chain.sh start)
-# Memory (headscope plan-memory's model with the float32 teacher `headscope convert` holds; stage 3 keeps the teacher
-# resident too, +6.4 GiB over the plan's figure): s2 51.7 GiB, s3_8k 42.9 (+6.4), s3_2k 42.9 (+6.4), s1 39.7 (two
+# Memory (headscope plan-memory's model with the float32 teacher `headscope convert` holds; stage 3 parks the teacher in
+# host memory since 2026-12-06, before that it stayed resident, +6.4 GiB): s2 51.7 GiB, s3_8k 42.9, s3_2k 42.9, s1 39.7 (two
 # 32-row micro-batches; whole 64-row batches plan 60.7, and the plan was 0.83x of stage 1's measured peak at SmolLM2),
 # check (4 x 512, no checkpointing) about 43 + 14 (two gradient copies) + logits, resume 8 x 512 about 45 (and a
 # 21 GiB checkpoint on disk: 1.85B fp32 weights + AdamW's two moments), s2_accum 64.6 (16-row micro-batches),
