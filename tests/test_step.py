@@ -201,3 +201,33 @@ def test_one_launch_at_decode_sizes_in_bf16(B, Hq, Hk, ng, L, length):
     if gdn:  # the GDN output to 2 ulp (bf16; other warps sum in another order), its fp32 state to rounding
         assert ((y1.float() - y3.float()).abs() <= y3.float().abs() * 2 ** -6 + 1e-3).all()
         assert (g1["S"] - g3["S"]).abs().max() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="the compiled kernels (CUDA): the shared memory of a 256-wide head")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_launch_at_gemma3_head_dim_256(dtype):
+    """Gemma 3 270M's decode shapes (head_dim 256, one KV head, QK-norm, RoPE; B 2, an 8K cache, 3 GDN heads): the
+    one-launch step loads on an H100 / H200 — fp32 asked 282,688 B of shared memory with 64-slot tiles, above the
+    232,448 B limit (splitk.tile_slots now: 32) — and equals the separate kernels and the PyTorch references."""
+    g = torch.Generator().manual_seed(3)
+    B, Hq, d, L, ng = 2, 1, 256, 8192, 3
+    (q, k, v, kc, vc), kw = _fa_inputs(B, Hq, 1, d, L, dtype, g, True, True)
+    gdn = _gdn_inputs(B, ng, d, dtype, g, {k_: kw[k_] for k_ in ("cos", "sin", "q_norm", "k_norm", "qk_eps")})
+    ln = torch.tensor([5001, 8192], device=DEV)
+    fa_kw = {k_: (t.to(DEV) if isinstance(t, torch.Tensor) else t) for k_, t in kw.items()}
+    q, k, v = q.to(DEV), k.to(DEV), v.to(DEV)
+    kc3, vc3, kc1, vc1 = kc.to(DEV), vc.to(DEV), kc.to(DEV), vc.to(DEV)
+    qp = fa_decode_prep(q, k, v, kc3, vc3, ln - 1, **fa_kw)
+    o3 = decode_attention(qp, kc3, vc3, ln, d ** -0.5)
+    g3, g1, gr = _to(gdn), _to(gdn), _to(gdn)
+    y3 = gdn_decode_step(**g3)
+    o1, y1 = step.hybrid_decode_step(q, k, v, kc1, vc1, ln, d ** -0.5, gdn=g1, **fa_kw)
+    ref = decode_attention_torch(qp, kc3, vc3, ln, d ** -0.5).float()
+    y_ref = gdn_decode_step_torch(**gr).float()
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    assert (o1.float() - o3.float()).abs().max() <= tol * o3.float().abs().max()
+    assert (o1.float() - ref).abs().max() <= tol * ref.abs().max()
+    assert (y1.float() - y3.float()).abs().max() <= tol * y3.float().abs().max()
+    assert (y1.float() - y_ref).abs().max() <= 2 * tol * y_ref.abs().max()
+    assert torch.equal(vc1, vc3) and (kc1.float() - kc3.float()).abs().max() <= tol * kc3.float().abs().max()

@@ -207,6 +207,19 @@ def test_kernel_in_bf16_at_the_smollm2_shape_and_in_a_graph():
 
 
 @gpu
+@pytest.mark.gpu
+def test_kernel_in_fp32_at_the_mistral_shape():
+    """Mistral-7B's layer sizes in fp32 (hidden 4096, o_proj input 4096, MLP 14336, the next input projection): the
+    launch loads (with 25 pipeline stages it asked 305,152 B of shared memory, above the H100's 232,448; fp32 now takes
+    12, layer_tail._stages) and equals the reference."""
+    g = torch.Generator().manual_seed(1)
+    w = _weights(4096, 4096, 14336, torch.float32, g, n_in=4608)
+    y, h = (torch.randn(2, 4096, generator=g).to(DEV) for _ in range(2))
+    for r, o in zip(layer_tail_torch(y, h, **w), layer_tail(y, h, **w)):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4)
+
+
+@gpu
 def test_graphed_greedy_decoding_with_the_tail_kernel(monkeypatch):
     """StaticDecoder with InferenceConfig.tail_kernel on CUDA (fp32: exact products): the greedy tokens of its graphed
     steps (step_replayed, what transformers' generate replays) equal the compiled tail's, one step's logits agree

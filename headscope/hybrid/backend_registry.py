@@ -101,7 +101,8 @@ for _role in ROLES:
 register(Backend("fused", "train", ".inference.train_forward:fast_forward", Supports(_FAST | {"softcap",
                  "nope_layer"}), {"cpu": 0, "cuda": 10}, "one input GEMM, no head permutation, all GDN heads in one kernel call"))
 register(Backend("lean", "prefill", ".inference.forward:prefill", Supports(_FAST | {"softcap"}), {"cpu": 0, "cuda": 10},
-                 "fused projection, compiled glue, SDPA / flash-attn, GDN chunk forward in time blocks"))
+                 "fused projection, compiled glue, SDPA / flash-attn, GDN chunk forward in time blocks (FlashQLA at "
+                 "head_dim 128 with an even number of GDN heads or one: prefill.flash_qla_shape; else fla)"))
 register(Backend("lean", "decode", ".inference.forward:decode_step", Supports(_FAST), {"cpu": 0, "cuda": 10},
                  "Triton decode kernels (one launch: FA prep + split-K, GDN step), else compiled PyTorch"))
 register(Backend("graph", "captured_decode", ".inference.model_step:model_forward",

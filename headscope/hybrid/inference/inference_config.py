@@ -42,7 +42,7 @@ class InferenceConfig:
             graphs: ``"cuda"`` (CUDA, fla), ``"always"`` (also on CPU, without graphs: tests), ``"never"``;
             ``eager_graph_tokens`` per block (a shorter prefill: a power of two ≥ ``eager_graph_min``), at most
             ``eager_graph_max`` block shapes held.
-        flash_qla: FlashQLA's GDN chunk forward (head_dim 128, bf16/fp16, CUDA, installed) instead of fla's.
+        flash_qla: FlashQLA's GDN chunk forward instead of fla's where it applies (prefill.flash_qla_applies).
         fused_out_max_d: a decode step folds the output fusion (gate, RMSNorm, γ) into its kernels up to this d.
         tail_backend, tail_mode: ``torch.compile`` backend and mode of StaticDecoder's compiled layer tails;
             ``fused_gate_up_max_bytes``: its fused tail's one gate/up GEMM up to this size per layer;

@@ -1,6 +1,7 @@
 """A hybrid layer's prefill on the inference path: all GDN heads in one kernel call per time block.
 
-- the chunk forward: FlashQLA (head_dim 128, bf16/fp16, CUDA, when installed and ``InferenceConfig.flash_qla``),
+- the chunk forward: FlashQLA (head_dim 128, an even number of heads or one, bf16/fp16, CUDA, when installed and
+  ``InferenceConfig.flash_qla``: :func:`flash_qla_applies`),
   else fla's ``chunk_gated_delta_rule`` forward called below its autograd wrapper and stage by stage, each
   intermediate freed when no later stage reads it (the same kernels and output as fla's one call), else
   headscope's PyTorch forms (``gated_delta_rule``);
@@ -47,11 +48,16 @@ def _flash_qla_fwd():
     return chunk_gated_delta_rule_fwd
 
 
+def flash_qla_shape(n: int, d: int, dv: int) -> bool:
+    """Whether FlashQLA 0.1.3 compiles a GDN call of ``n`` heads, head_dim d, values dv: d = dv = 128, n even or 1 (its
+    gate cumsum fails tilelang 0.1.15's LayoutInference at every odd n ≥ 3: lowered for sm_90 at n = 1..40)."""
+    return d == dv == 128 and (n == 1 or n % 2 == 0)
+
+
 def flash_qla_applies(q: Tensor, v: Tensor, on: bool = True) -> bool:
-    """Whether a GDN call goes to FlashQLA (``on``: InferenceConfig.flash_qla; CUDA, bf16/fp16, head_dim 128,
-    installed)."""
-    return (on and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == 128
-            and v.shape[-1] == 128 and _flash_qla_fwd() is not None)
+    """Whether a GDN call (q, v [B,T,n,d]) goes to FlashQLA: ``on``, CUDA, 16-bit, :func:`flash_qla_shape`, installed."""
+    return (on and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and flash_qla_shape(q.shape[-2], q.shape[-1], v.shape[-1]) and _flash_qla_fwd() is not None)
 
 
 @functools.cache

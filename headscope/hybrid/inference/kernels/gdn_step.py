@@ -245,10 +245,8 @@ def setup(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, S: Tensor, A_ne
         raise ValueError(f"gamma must have shape {(N, d)} (one γ_h per GDN head); got {tuple(gamma.shape)}")
     y = torch.empty(B, N, d, dtype=v.dtype, device=v.device) if out is None else out
     rope, qkn = cos is not None, q_norm is not None
-    cos_t = cos if rope else y
-    sin_t = sin if rope else y
-    qn = q_norm.float().contiguous() if qkn else A_neg
-    kn = k_norm.float().contiguous() if qkn else A_neg
+    cos_t, sin_t = (cos, sin) if rope else (y, y)
+    qn, kn = (q_norm.float().contiguous(), k_norm.float().contiguous()) if qkn else (A_neg, A_neg)
     gm = gamma.float().contiguous() if gamma is not None else A_neg
     args = (q, k, v, a, b, cos_t, sin_t, qn, kn, A_neg.float().contiguous(), dt_bias.float().contiguous(), S, y, gm,
             float(scale), float(qk_eps), float(out_eps),

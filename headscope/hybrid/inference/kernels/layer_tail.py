@@ -249,7 +249,8 @@ def _build() -> dict:
     return splitk.build_kernels(_kernels, _make)
 
 
-MAX_STAGES = 25  # the deepest software pipeline of a work item's reduction (shared memory: ≤ 25 × 4 KB)
+MAX_STAGES = 25  # the deepest pipeline of a reduction in 16-bit (≤ 25 × 4 KB of shared memory; fp32 Mistral-7B
+# sizes at 25 stages asked 305,152 B, H100/H200 have 232,448: tests/test_triton_hopper_smem.py)
 DOWN_PIECE = 512  # the longest piece of the down projection's reduction per work item (phase 3)
 
 
@@ -258,9 +259,9 @@ def _chunk(k: int) -> int:
     return next((c for c in (64, 32, 16) if k % c == 0), 0)
 
 
-def _stages(k: int) -> int:
-    """Pipeline depth of a k-long reduction: every chunk in flight at once, up to :data:`MAX_STAGES`."""
-    return max(2, min(MAX_STAGES, k // _chunk(k) + 1))
+def _stages(k: int, itemsize: int = 2) -> int:
+    """Pipeline depth of a k-long reduction: every chunk in flight, ≤ :data:`MAX_STAGES` · 2 / itemsize (fp32: 12)."""
+    return max(2, min(MAX_STAGES * 2 // itemsize, k // _chunk(k) + 1))
 
 
 def down_pieces(inter: int) -> int:
@@ -337,10 +338,10 @@ def layer_tail(
 
     p2 = lambda n: 1 << max(0, (max(1, n) - 1).bit_length())  # noqa: E731
     meta = dict(HID=hid, KO=k_o, INTER=inter, NIN=w_in.shape[0] if nxt == 2 else 0, **cmeta, BN=BN,
-                KCO=_chunk(k_o), KCH=_chunk(hid), KCI=_chunk(inter // DS), DS=DS, NSTO=_stages(k_o),
-                NSTH=_stages(hid), NSTI=_stages(inter // DS), TP=p2(hid // BN), HAS_BO=b_o is not None,
-                HAS_BGU=b_gu is not None, HAS_BD=b_down is not None, HAS_BIN=b_in is not None, NEXT=nxt,
-                PREC="ieee" if h.dtype == torch.float32 else "tf32", NP=NP)
+                KCO=_chunk(k_o), KCH=_chunk(hid), KCI=_chunk(inter // DS), DS=DS, NSTO=_stages(k_o, h.element_size()),
+                NSTH=_stages(hid, h.element_size()), NSTI=_stages(inter // DS, h.element_size()), TP=p2(hid // BN),
+                HAS_BO=b_o is not None, HAS_BGU=b_gu is not None, HAS_BD=b_down is not None, HAS_BIN=b_in is not None,
+                NEXT=nxt, PREC="ieee" if h.dtype == torch.float32 else "tf32", NP=NP)
     kern = _build()["tail"]
     with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
         if interp:  # programs run one after another: one launch per phase

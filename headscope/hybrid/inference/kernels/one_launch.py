@@ -136,15 +136,13 @@ def hybrid_decode_step(
     NGP, NCB, gargs, gmeta, y = _gdn_programs(gdn, d)
     sp = splitk.setup(q, k_cache, v_cache, length, kv_index, None, n_splits, out, gate, gamma, reserved=NGP)
     if not gargs:  # dummies of the right kinds: never read without GDN programs
-        f = sp.ml
-        gargs = (q, q, q, q, q, f, f, f, f, f, f, f, q, f, 0.0, 0.0, 0.0) + (0,) * 12
+        gargs = (q,) * 5 + (sp.ml,) * 7 + (q, sp.ml, 0.0, 0.0, 0.0) + (0,) * 12
     cos_t, sin_t, qn, kn, pos, inv_log_a, a, scb, ssb, pos_stride, rope, qkn, nope = glue_args(
         q, cos, sin, positions, nope_a, q_norm, k_norm, sp.ml)
     fa_args = (k, v, cos_t, sin_t, qn, kn, pos, float(qk_eps), inv_log_a, a, k.stride(0), k.stride(1), v.stride(0),
                v.stride(1), scb, ssb, pos_stride)
     mode = _combine_where(combine, sp.G)
-    o = sp.o
-    rows = sp.B * sp.Hk
+    o, rows = sp.o, sp.B * sp.Hk
     comb = (o, gate if gate is not None else o, gamma.float().contiguous() if gamma is not None else sp.ml,
             o.stride(0), o.stride(1), gate.stride(0) if gate is not None else 0,
             gate.stride(1) if gate is not None else 0, float(eps),
@@ -163,10 +161,8 @@ def hybrid_decode_step(
 def _gdn_programs(gdn: Optional[dict], d: int) -> tuple:
     """(GDN programs, their column blocks, launch arguments, meta-parameters, output y or None) of
     :func:`hybrid_decode_step`'s ``gdn`` (nothing without GDN heads)."""
-    NGP = NCB = 0
-    gargs: tuple = ()
+    NGP, NCB, gargs, y = 0, 0, (), None
     gmeta: dict = dict(N=1, BV=16, GROPE=False, GQKN=False, NORM=False)
-    y = None
     if gdn is not None:
         extra = {"block_v"} & set(gdn)
         if extra:
@@ -183,12 +179,8 @@ def _gdn_programs(gdn: Optional[dict], d: int) -> tuple:
 def _combine_where(combine: Any, G: int) -> Any:
     """Where :func:`hybrid_decode_step`'s split-K combination runs for ``combine`` and rows of G query heads:
     ``"launch"``, ``"kernel"`` or False (the caller). Raises ValueError for another ``combine``."""
-    if combine is True:
-        mode = combine_mode(G)
-    elif combine == "defer":
-        mode = "launch" if combine_mode(G) == "launch" else False
-    else:
-        mode = combine
+    auto = combine_mode(G)
+    mode = auto if combine is True else (auto == "launch" and "launch") if combine == "defer" else combine
     if mode not in ("launch", "kernel", False):
         raise ValueError(f"combine must be True, False, 'launch', 'kernel' or 'defer', got {combine!r}")
     return mode

@@ -114,7 +114,8 @@ MAX_SPLITS = 256  # the combine kernel holds every split's partials of a column 
 # CUDA): slots per tile, warps per program, software-pipelining stages, thread blocks per SM that the split
 # count aims for, and the fewest slots per split. ``benchmarks/bench_splitk.py`` sweeps them against SDPA and
 # the bandwidth roof.
-BLOCK = 64
+BLOCK = 64  # at most; fewer where a K or V tile would pass TILE_BYTES (tile_slots)
+TILE_BYTES = 32 << 10  # fp32 at d 256: 32 slots (64 asked 282,688 B of shared memory, H100/H200 have 232,448)
 NUM_WARPS = 4
 NUM_STAGES = 3
 BLOCKS_PER_SM = 4  # was 2; with 4 the all-FA teacher's decode step was 6-8 % faster on the H200, the hybrid's equal (profile_decode.py)
@@ -122,6 +123,12 @@ MIN_SPLIT = 256
 _sms: dict = {}
 _counters: dict = {}
 _LAUNCH = ("block", "num_warps", "num_stages", "blocks_per_sm", "min_split")
+
+
+def tile_slots(d: int, itemsize: int) -> int:
+    """Slots per tile by default: :data:`BLOCK`, fewer (≥ 16) where a K or V tile's bytes would pass :data:`TILE_BYTES`
+    (the pipelined tiles set the kernels' shared memory: tests/test_triton_hopper_smem.py)."""
+    return max(16, min(BLOCK, TILE_BYTES // (d * itemsize)))
 
 
 def launch_defaults() -> dict:
@@ -461,18 +468,16 @@ def setup(q: Tensor, k: Tensor, v: Tensor, length: Optional[Tensor], kv_index: O
         raise ValueError(f"split-K decode needs a head_dim that is a power of two ≥ 16, got {d}; "
                          "use decode_attention_torch")
     require_kernel("decode_attention", "decode_attention_torch", q, plural=True)
-    if not q.is_cuda:
-        if q.dtype == torch.bfloat16:
-            raise ValueError("Triton's CPU interpreter computes bf16 tl.dot wrongly (Triton 3.9): use fp32/fp16 "
-                             "tensors there, or decode_attention_torch")
+    if not q.is_cuda and q.dtype == torch.bfloat16:
+        raise ValueError("Triton's CPU interpreter computes bf16 tl.dot wrongly (Triton 3.9): use fp32/fp16 "
+                         "tensors there, or decode_attention_torch")
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("q, k and v need unit stride in their last dimension")
-    block = BLOCK if block is None else block
+    block = tile_slots(d, q.element_size()) if block is None else block
     if block < 16 or block & (block - 1):
         raise ValueError(f"block (slots per tile) must be a power of two ≥ 16, got {block}")
-    if kv_index is not None:
-        Hk = Hq  # one program (per split) per query head
+    Hk = Hq if kv_index is not None else Hk  # with kv_index: one program (per split) per query head
     G = Hq // Hk
     NS = n_splits or n_splits_for(B * Hk, L, block, sms=_sm_count(q.device), reserved=reserved)
     split_len = -(-L // NS)
@@ -485,8 +490,7 @@ def setup(q: Tensor, k: Tensor, v: Tensor, length: Optional[Tensor], kv_index: O
         raise ValueError(f"gate must have shape {(B, Hq, d)} and unit stride in d; got {tuple(gate.shape)}")
     if gamma is not None and gamma.shape != (Hq, d):
         raise ValueError(f"gamma must have shape {(Hq, d)} (one γ_h per query head); got {tuple(gamma.shape)}")
-    o = torch.empty(B, Hq, d, dtype=q.dtype, device=q.device) if out is None else out
-    has_len = length is not None
+    o, has_len = torch.empty(B, Hq, d, dtype=q.dtype, device=q.device) if out is None else out, length is not None
     return SimpleNamespace(
         B=B, Hq=Hq, Hk=Hk, L=L, d=d, G=G, NS=NS, split_len=split_len, o=o, has_len=has_len,
         acc=torch.empty(B * Hk * NS * G * d, dtype=torch.float32, device=q.device),
