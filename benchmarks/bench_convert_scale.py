@@ -2,8 +2,11 @@
 against the teacher's own compiled dense training step in the same run (issue 63 items 1, 2 and 5).
 
 The teacher is built here from a shape name (``--shape``; nothing is downloaded) with random weights rounded to
-bf16 and held as ``headscope convert`` holds it: float32 (``load_hf``'s default; ``--teacher-dtype bf16`` keeps a
-bf16 teacher and a float32 student made from it). The student is ``load_student(teacher, mask)`` (the hybrid with
+bf16 and held as ``headscope convert`` holds it: float32 by default, bf16 with ``--teacher-dtype bf16`` (the same
+trainer setting as ``headscope convert --teacher-dtype``: ``TrainConfig.teacher_dtype``, recorded in the step plan;
+the teacher's parameters cast, its rotary buffers kept in fp32). ``--new-params-only``: stage 1 trains only the
+parameters the hybrid adds (``TrainConfig.new_params_only``, as ``headscope convert --new-params-only``). The student
+is ``load_student(teacher, mask, dtype=float32)`` (fp32 master weights whatever the teacher's dtype; the hybrid with
 its γ calibrated on 8 rows) with an equal-budget 7:1 mask (``round(heads / 8)`` FA heads in every layer, spread over
 the KV groups) or ``--mask mask.json`` (a ranking's). Rows are random tokens, all real.
 
@@ -124,7 +127,10 @@ def build_teacher(shape: str, device: torch.device, dtype: torch.dtype, seed: in
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16))
-    model = model.to(dtype).eval()
+    from headscope.train.step_plan import dtype_name
+    from headscope.train.trainer import hold_teacher
+
+    model = hold_teacher(model, dtype_name(dtype)).eval()  # parameters only: the rotary inv_freq stays fp32
     for p in model.parameters():
         p.requires_grad_(False)
     return model
@@ -245,7 +251,8 @@ def run_hybrid(stage: int, teacher, student, mask, rows, B: int, T: int, args, d
     cfg = TrainConfig(stage=stage, tokens=B * T * (n_run + args.profile), batch_size=B, lr=STAGE_LR[stage],
                       progress=False, ckpt_every=0, ckpt_on_exit=False, seed=0, grad_accum=k,
                       activation_checkpointing=args.activation_checkpointing, fast=False if args.plain_step else None,
-                      compile=False if args.no_compile else None, loss_chunk=args.loss_chunk)
+                      compile=False if args.no_compile else None, loss_chunk=args.loss_chunk,
+                      teacher_dtype=args.teacher_dtype, new_params_only=args.new_params_only and stage == 1)
     fl = counted_flops(stage, student, teacher, T)
     res: dict[str, Any] = {"status": "running", "steps": [], "flops_per_token": fl, "flops_per_step": fl["total"] * B * T}
     report_case["hybrid"] = res
@@ -369,7 +376,7 @@ def check_fast_vs_plain(stage: int, teacher, student, rows, B: int, steps: int, 
 
     cuda = dev.type == "cuda"
     tch = teacher if stage < 3 else None
-    named = trainable_parameters(student, stage)
+    named = trainable_parameters(student, stage, args.new_params_only and stage == 1)
     names, ps = [n for n, _ in named], [p for _, p in named]
     opt = torch.optim.AdamW(ps, lr=STAGE_LR[stage], **({"fused": True} if cuda else {"foreach": False}))
     fast = FastStep(stage, student, tch, ps, bf16=cuda, compile=cuda and not args.no_compile, cuda_graph=False,
@@ -430,7 +437,8 @@ def resume_check(stage: int, teacher, student, mask, rows, B: int, steps: int, c
         return TrainConfig(stage=stage, tokens=B * rows.seq_len * steps, batch_size=B, lr=STAGE_LR[stage], progress=False,
                            ckpt_every=0, seed=0, grad_accum=args.grad_accum, activation_checkpointing=args.activation_checkpointing,
                            fast=False if args.plain_step else None, compile=False if args.no_compile else None,
-                           loss_chunk=args.loss_chunk)
+                           loss_chunk=args.loss_chunk, teacher_dtype=args.teacher_dtype,
+                           new_params_only=args.new_params_only and stage == 1)
 
     def run(name: str, resume: bool = False, stop: Optional[int] = None) -> dict[str, Any]:
         if not resume:
@@ -517,8 +525,9 @@ def planned_gib(shape_name: str, cfg: Any, stage: int, rows: int, seq_len: int, 
         from headscope.train.memory_plan import KNOWN_SHAPES, MemoryOptions, ModelShape, plan_memory
 
         shape = KNOWN_SHAPES.get(shape_name) or ModelShape.from_config(cfg, name=shape_name)
-        opts = MemoryOptions(activation_checkpointing=args.activation_checkpointing,
-                             teacher_dtype="bf16" if args.teacher_dtype == "bf16" else "fp32", loss_chunk=args.loss_chunk)
+        opts = MemoryOptions(activation_checkpointing=args.activation_checkpointing, teacher_dtype=args.teacher_dtype,
+                             new_params_only=args.new_params_only, loss_chunk=args.loss_chunk,
+                             fa_gate=False)  # load_student's hybrid: HybridOptions' defaults (convert's recipe adds the gate)
         return plan_memory(shape, stage, rows, seq_len, fa=mask, options=opts).total / 2**30
     except Exception as e:  # noqa: BLE001 - the plan is context, not the measurement
         log(f"memory plan unavailable: {e}")
@@ -547,7 +556,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap.add_argument("--plain-step", action="store_true", help="the trainer's plain step instead of the fast one")
     ap.add_argument("--no-compile", action="store_true", help="no torch.compile (fast step and baseline)")
     ap.add_argument("--teacher-dtype", default="fp32", choices=("fp32", "bf16"),
-                    help="fp32: as `headscope convert` loads it; bf16: a bf16 teacher, the student made float32")
+                    help="the teacher's weights (TrainConfig.teacher_dtype, `headscope convert --teacher-dtype`); the "
+                         "student is float32 either way")
+    ap.add_argument("--new-params-only", action="store_true",
+                    help="stage 1 trains only the parameters the hybrid adds (TrainConfig.new_params_only)")
     ap.add_argument("--mask", default=None, help="a HeadMask JSON (a ranking's) instead of the equal-budget 7:1 mask")
     ap.add_argument("--check", action="store_true", help="fast step vs plain step (loss, gradients; bf16 and fp32)")
     ap.add_argument("--check-stages", default="2", help="stages of the check")
@@ -576,7 +588,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     mask = HeadMask.from_json(args.mask) if args.mask else equal_budget_mask(cfg)
     calib = random_rows(cfg.vocab_size, 8, 128, 1, seed=7).ids.to(dev)
     t_build = time.time()
-    student = load_student(teacher, mask, calibration_ids=calib).float()
+    student = load_student(teacher, mask, calibration_ids=calib, dtype=torch.float32)
     log(f"student built in {time.time() - t_build:.1f} s")
     report: dict[str, Any] = {
         "script": "benchmarks/bench_convert_scale.py", "argv": sys.argv[1:] if argv is None else list(argv),
@@ -587,6 +599,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "teacher_dtype": args.teacher_dtype,
         "mask": {"source": args.mask or "equal budget 7:1", "n_fa": mask.n_fa, "fa_per_layer": [len(h) for h in mask.fa_heads]},
         "settings": {"activation_checkpointing": args.activation_checkpointing, "grad_accum": args.grad_accum,
+                     "new_params_only": args.new_params_only,
                      "loss_chunk": args.loss_chunk, "warmup": args.warmup, "steps": args.steps,
                      "plain_step": args.plain_step, "compile": not args.no_compile},
         "peak_bf16_flops": PEAK_BF16,

@@ -113,6 +113,14 @@ def convert(
              "deterministic cuDNN for the sampling and every step: two runs on one machine give the same weights; the "
              "parts outside PyTorch's switch (fla's Triton GDN kernels' tuned block sizes, several ranks' all-reduce) "
              "are listed in training.json's step_plan.nondeterministic (docs/conversion.md#deterministic-training)"),
+    new_params_only: bool = typer.Option(
+        False, "--new-params-only",
+        help="stage 1 trains only the parameters the hybrid adds (GDN decay a_proj / A_log / dt_bias, beta b_proj, FA gate, "
+             "short convolution, fusion gamma); q/k/v/o and the GDN heads' k/v rows stay the teacher's: fewer gradients "
+             "and AdamW states (`headscope plan-memory --new-params-only`); needs stage 1"),
+    teacher_dtype: str = typer.Option(
+        "fp32", help="the teacher's weights while converting: fp32 (as loaded so far) or bf16 (half the bytes; the "
+                     "student's master weights stay fp32; `headscope plan-memory --teacher-dtype`)"),
 ) -> None:
     import os
 
@@ -122,6 +130,13 @@ def convert(
 
         hm = check_convert_args(model=model, mask=mask, stage=stage, out=out, devices=devices, device=device,
                                 gdn_kernel=gdn_kernel, data_parallel=data_parallel)
+        from .train.step_plan import TEACHER_DTYPES
+        from .validate import check_choice
+
+        check_choice("--teacher-dtype", teacher_dtype, tuple(TEACHER_DTYPES))
+        if new_params_only and stage not in (None, 1):
+            raise HeadscopeInputError(f"--new-params-only applies to stage 1; --stage {stage} trains the whole student "
+                                      "(drop the flag, or run --stage 1)")
         st = None
         if stage_tokens is not None:
             parts = [x for x in stage_tokens.split(",")]
@@ -152,6 +167,10 @@ def convert(
             train_options["grad_accum"] = grad_accum
         if data_parallel is not None:
             train_options["data_parallel"] = data_parallel
+        if new_params_only:
+            train_options["new_params_only"] = True
+        if teacher_dtype != "fp32":
+            train_options["teacher_dtype"] = teacher_dtype
         if deterministic:
             from .train.determinism import CUBLAS_WORKSPACE, check_environment
 
@@ -180,7 +199,7 @@ def convert(
                     import torch
 
                     torch.cuda.set_device(device)
-            teacher, tok, _ = load_hf(model, device=device)
+            teacher, tok, _ = load_hf(model, device=device, dtype=TEACHER_DTYPES[teacher_dtype])
             if tok.pad_token_id is None:
                 tok.pad_token = tok.eos_token
             result = convert_model(teacher, tok, hm, out, **kw)
@@ -226,15 +245,18 @@ def plan_memory_command(
     long_len: int = typer.Option(2048, help="tokens per row of stage 3"),
     devices: int = typer.Option(1, help="GPUs training together (the rows are split over them)"),
     data_parallel: str = typer.Option("fsdp", help="with --devices > 1: fsdp (shards) or ddp (full copies)"),
-    master: str = typer.Option("fp32", help="student weights and gradients: fp32 (the trainer's) or bf16"),
-    optimizer: str = typer.Option("fp32", help="AdamW states: fp32, bf16 or 8bit"),
-    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="keep only layer inputs"),
-    new_params_only: bool = typer.Option(False, "--new-params-only", help="stage 1 trains only the new parameters"),
-    cpu_offload: bool = typer.Option(False, "--cpu-offload", help="FSDP2 CPU offload of the shards"),
+    master: str = typer.Option("fp32", help="student weights and gradients: fp32 (the trainer's) or bf16 (planned only: "
+                               "`headscope convert` trains fp32 master weights)"),
+    optimizer: str = typer.Option("fp32", help="AdamW states: fp32 (the trainer's), bf16 or 8bit (planned only)"),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing",
+                                                  help="keep only layer inputs (as `headscope convert --activation-checkpointing`)"),
+    new_params_only: bool = typer.Option(False, "--new-params-only", help="stage 1 trains only the parameters the hybrid "
+                                         "adds (as `headscope convert --new-params-only`)"),
+    cpu_offload: bool = typer.Option(False, "--cpu-offload", help="FSDP2 CPU offload of the shards (planned only)"),
     grad_accum: int = typer.Option(1, help="gradient accumulation (`headscope convert --grad-accum`): activations of "
                                    "one micro-batch, a K-th of the rows per device"),
-    teacher_dtype: str = typer.Option("bf16", help="the teacher's weights: bf16, or fp32 (what `headscope convert` "
-                                      "holds: it loads the teacher in float32)"),
+    teacher_dtype: str = typer.Option("fp32", help="the teacher's weights: fp32 or bf16 (as `headscope convert "
+                                      "--teacher-dtype`, whose default is fp32 too)"),
     as_json: bool = typer.Option(False, "--json", help="print the plans as JSON"),
 ) -> None:
     """Per-device memory of conversion stages, computed without loading a model: student parameters, gradients,

@@ -116,3 +116,22 @@ def test_resume_check_on_cpu_is_bit_exact(bench, tmp_path):
     assert e["checkpoint_bytes"] > 0
     c = e["resumed_vs_uninterrupted"]
     assert c["max_abs_diff"] == 0.0 and c["tensors_bitwise_equal"] == c["tensors"] > 0 and c["max_moved"] > 0
+
+
+def test_teacher_dtype_and_new_params_only_are_the_trainer_settings(bench, tmp_path):
+    """--teacher-dtype bf16 --new-params-only reach the trainer (TrainConfig fields, recorded in the step plan): stage 1
+    trains exactly the parameters the hybrid adds (their count is the memory plan's ``new``), the teacher held in
+    bf16, the student in fp32."""
+    from headscope.train.memory_plan import MemoryOptions, ModelShape, plan_memory
+
+    rep = bench.main(["--shape", "tiny", "--out", str(tmp_path / "s.json"), "--stages", "1", "--rows", "2,2,2",
+                      "--seq-len", "16,16,32", "--stage3-long", "", "--steps", "1", "--warmup", "1", "--no-compile",
+                      "--no-baseline", "--teacher-dtype", "bf16", "--new-params-only", "--device", "cpu"])
+    assert not rep["errors"] and rep["teacher_dtype"] == "bf16" and rep["settings"]["new_params_only"]
+    h = rep["cases"]["stage1_2x16"]["hybrid"]
+    assert h["step_plan"]["teacher_dtype"] == "bf16" and h["step_plan"]["new_params_only"] is True
+    cfg = bench.teacher_config("tiny")
+    # the bench's student is load_student's hybrid: HybridOptions' defaults, no FA gate
+    plan = plan_memory(ModelShape.from_config(cfg), 1, 2, 16, fa=bench.equal_budget_mask(cfg),
+                       options=MemoryOptions(new_params_only=True, fa_gate=False))
+    assert h["trained_parameters"] == plan.counts["new"] > 0

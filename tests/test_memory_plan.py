@@ -208,8 +208,10 @@ def test_plan_memory_command(tmp_path):
     r = CliRunner().invoke(app, ["plan-memory", "--model", "llama-3.1-8b", "--devices", "8", "--stage", "2", "--json"])
     assert r.exit_code == 0, r.output
     plan = json.loads(r.output)["plans"][0]
+    # the command's --teacher-dtype default is `headscope convert`'s: fp32
     assert plan["rows"] == 8 and plan["total"] == plan_memory(KNOWN_SHAPES["llama-3.1-8b"], 2, 8, 512,
-                                                             options=MemoryOptions(devices=8)).total
+                                                             options=MemoryOptions(devices=8, teacher_dtype="fp32")).total
+    assert plan["options"]["teacher_dtype"] == "fp32"
     r = CliRunner().invoke(app, ["plan-memory"])
     assert r.exit_code == 0 and "total per device" in r.output and "stage 3 (16 x 2048)" in r.output
     _llama_cfg(num_hidden_layers=2).save_pretrained(tmp_path)

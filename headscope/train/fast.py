@@ -290,6 +290,7 @@ class FastStep:
         self.stage, self.student, self.teacher = stage, student, teacher
         self.params = list(params)
         self.device = next(student.parameters()).device
+        self._student_dtype = next(p.dtype for p in student.parameters() if p.is_floating_point())
         self.bf16 = bool(bf16)
         self.chunk_rows = int(chunk_rows)
         self.cuda_graph = bool(cuda_graph) and self.device.type == "cuda"
@@ -389,7 +390,8 @@ class FastStep:
             io = []
             for layer, (cos, sin), w in zip(t_inner.layers, pe, wm):
                 hn, a, h = self._tio(layer, h, cos, sin, *_mask_for(layer.self_attn, w))
-                io.append((hn, a))
+                io.append((hn.to(self._student_dtype), a))  # a bf16 teacher (TrainConfig.teacher_dtype) feeds fp32
+            pe = [(cos.to(self._student_dtype), sin.to(self._student_dtype)) for cos, sin in pe]
         m = mask.to(torch.float32)[..., None]
         layers = self.student.model.layers
         if sums:

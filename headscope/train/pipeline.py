@@ -74,18 +74,19 @@ def build_rows(teacher: nn.Module, tokenizer: Any, data: DataConfig, cache_dir: 
 
 
 def load_student(
-    teacher: nn.Module, mask: Any, init: Optional[str | Path] = None, calibration_ids: Optional[torch.Tensor] = None, **options: Any
+    teacher: nn.Module, mask: Any, init: Optional[str | Path] = None, calibration_ids: Optional[torch.Tensor] = None,
+    dtype: Optional[torch.dtype] = None, **options: Any
 ) -> nn.Module:
-    """A hybrid student: :func:`headscope.hybridize` (γ calibrated on ``calibration_ids``), then the weights
-    of ``init`` if given: a finished stage's model folder (``OUT/stage{k}/``, its weights) or a bare
-    state-dict file of an earlier format (read with ``weights_only=True``).
+    """A hybrid student: :func:`headscope.hybridize` (γ calibrated on ``calibration_ids``; in ``dtype``, default the
+    teacher's), then the weights of ``init`` if given: a finished stage's model folder (``OUT/stage{k}/``, its
+    weights) or a bare state-dict file of an earlier format (read with ``weights_only=True``).
 
     Raises:
         InputFileNotFoundError (a FileNotFoundError and HeadscopeInputError): ``init`` does not exist.
     """
     from ..hybrid import hybridize
 
-    student = hybridize(teacher, mask, calibration_ids=calibration_ids if init is None else None, **options)
+    student = hybridize(teacher, mask, calibration_ids=calibration_ids if init is None else None, dtype=dtype, **options)
     if init is not None:
         p = Path(init)
         if not p.exists():
@@ -172,7 +173,7 @@ def convert_stage(
 
     The student is ``student`` if given, else built from the teacher and ``mask`` (stage 1; γ calibrated
     on the first 8 rows) or read from the previous stage's folder ``out_dir/stage{stage-1}/`` (stages 2,
-    3). ``rows`` replaces the data built from ``data`` (sampled teacher text is then cached under
+    3), in float32 or the teacher's dtype where that is wider (fp32 master weights of a bf16 teacher). ``rows`` replaces the data built from ``data`` (sampled teacher text is then cached under
     ``out_dir/data/``). ``deadline`` (a ``time.time()`` value) stops the stage early, with a checkpoint,
     when reached; so does ``max_steps`` (steps in total); ``on_step`` goes to :meth:`Trainer.run`.
     ``record``: entries merged into the stage's ``training.json`` (:func:`stage_record`).
@@ -207,6 +208,9 @@ def convert_stage(
     data = data or DataConfig()
     rank, world = parallel.world_info()
     check_stage_inputs(out, stage, config, data, resume, need_student=student is None, world=world, rows=rows)
+    from .trainer import hold_teacher
+
+    hold_teacher(teacher, config.teacher_dtype)  # first: the teacher that samples, calibrates γ and trains
     # what the record says of the data: the caller's (e.g. the recipe's), else the DataConfig the rows came from
     extra = record if record is not None else ({} if rows is not None else {"config": {"data": asdict(data)}})
     if rows is None:
@@ -219,7 +223,9 @@ def convert_stage(
     opts = dict(hybrid_options or {})
     if student is None:
         init = None if stage == 1 else out / f"stage{stage - 1}"
-        student = load_student(teacher, mask, init=init, calibration_ids=rows.ids[:8].to(next(teacher.parameters()).device), **opts)
+        t0 = next(teacher.parameters())
+        student = load_student(teacher, mask, init=init, calibration_ids=rows.ids[:8].to(t0.device),
+                               dtype=torch.promote_types(t0.dtype, torch.float32), **opts)
     sd = out / f"stage{stage}"
     if rank == 0:
         sd.mkdir(parents=True, exist_ok=True)
@@ -294,7 +300,9 @@ def convert_model(
             ``data_parallel``, ``progress``, ``compile``, ``cuda_graph``, ``bf16``, ``activation_checkpointing``,
             ``grad_accum``, ``deterministic``: also the documents' sampling under PyTorch's deterministic settings,
             and on CUDA the FA heads trained with SDPA where flash-attn would run,
-            :func:`~headscope.train.determinism.fa_kernel_override`).
+            :func:`~headscope.train.determinism.fa_kernel_override`; ``new_params_only``: stage 1's only, the later
+            stages' configs do without it; ``teacher_dtype``: the teacher is cast to it in place before the documents
+            are sampled, so every stage sees one teacher).
         teacher_name: the teacher's spec, for the record.
         on_step: called after every step (:meth:`Trainer.run`; raising :class:`StopTraining` stops the
             run with a checkpoint).
@@ -322,6 +330,9 @@ def convert_model(
         from ..runtime import atomic_write_text
 
         atomic_write_text(out / RECIPE_FILE, json.dumps(recipe.to_dict(), indent=2))
+    from .trainer import hold_teacher
+
+    hold_teacher(teacher, (train_options or {}).get("teacher_dtype"))
     det = bool((train_options or {}).get("deterministic"))
     hybrid = fa_kernel_override(det, {**recipe.hybrid_options(), **(hybrid_options or {})},
                                 next(teacher.parameters()).device)
@@ -365,7 +376,8 @@ def convert_model(
 
                         atomic_write_text(f_info, json.dumps(row_info, indent=2))
                 parallel.barrier()
-            cfg = recipe.train_config(k, **{"progress": progress, **(train_options or {})})
+            stage_options = {x: v for x, v in (train_options or {}).items() if k == 1 or x != "new_params_only"}
+            cfg = recipe.train_config(k, **{"progress": progress, **stage_options})
             resume_k = parallel.find_checkpoint(sd / "checkpoint") is not None
             if k == 1:
                 torch.manual_seed(recipe.seed)  # the GDN heads' random initialization
@@ -389,8 +401,11 @@ def _convert_worker(device: Optional[str], kwargs: dict[str, Any]) -> dict[str, 
     from ..runtime import local_rank, rank_device
 
     kw = dict(kwargs)
+    from .step_plan import TEACHER_DTYPES
+
+    held = (kw.get("train_options") or {}).get("teacher_dtype") or getattr(kw.get("config"), "teacher_dtype", None)
     teacher, tok, _ = load_hf(kw.pop("model"), device=rank_device(device, local_rank()),
-                              dtype=kw.pop("dtype", torch.float32))
+                              dtype=kw.pop("dtype", TEACHER_DTYPES[held or "fp32"]))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     mask = kw.pop("mask")

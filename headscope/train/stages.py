@@ -24,26 +24,42 @@ from torch import Tensor, nn
 STAGES = (1, 2, 3)
 
 
-def trainable_parameters(student: nn.Module, stage: int) -> list[tuple[str, nn.Parameter]]:
+def trainable_parameters(student: nn.Module, stage: int, new_params_only: bool = False) -> list[tuple[str, nn.Parameter]]:
     """Set ``requires_grad`` for ``stage`` and return the (name, parameter) pairs it trains.
 
     Stage 1 trains every parameter of every decoder layer's attention module (``self_attn``; GPT-NeoX:
     ``attention``: migrated Q/K/V/O, GDN projections, decay, β, gates, γ) and freezes the rest; stages
-    2 and 3 train everything.
+    2 and 3 train everything. ``new_params_only`` (stage 1): only the parameters the hybrid layer initializes
+    itself (:data:`headscope.hybrid.layer.NEW_PARAMETERS`: the GDN heads' ``a_proj`` (decay input), ``A_log``,
+    ``dt_bias``, ``b_proj`` (β, weight and bias), the FA gate ``g_proj``, the short convolution ``gdn_conv`` where on,
+    the fusion's ``gamma``); the copied ones (``q_proj``, ``o_proj``, the FA heads' ``k_proj`` / ``v_proj``, the GDN
+    heads' ``gdn_k_proj`` / ``gdn_v_proj``, q / k norms) stay the teacher's.
 
     Raises:
         ValueError: a stage other than 1, 2, 3.
+        HeadscopeInputError (a ValueError): ``new_params_only`` outside stage 1, or a student whose attention modules
+            have no new parameter (every head FA, no gate, no γ).
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    from ..errors import HeadscopeInputError
+    from ..hybrid.layer import NEW_PARAMETERS
     from ..hybrid.modeling_hybrid import ATTENTION_NAMES
 
+    if new_params_only and stage != 1:
+        raise HeadscopeInputError(f"new_params_only applies to stage 1; stage {stage} trains the whole student")
+    new = tuple(f".{a}.{n}" for a in ATTENTION_NAMES for n in NEW_PARAMETERS)
     out = []
     for name, p in student.named_parameters():
         on = stage != 1 or any(f".{a}." in name for a in ATTENTION_NAMES)
+        if on and new_params_only:
+            on = any(f"{x}." in name or name.endswith(x) for x in new)
         p.requires_grad_(on)
         if on:
             out.append((name, p))
+    if new_params_only and not out:
+        raise HeadscopeInputError("new_params_only: the student's attention modules have no new parameter (every head FA, "
+                                  "no FA gate, no fusion γ); train without it")
     return out
 
 
@@ -66,6 +82,18 @@ def _capture_attention_io(teacher: nn.Module, ids: Tensor, mask: Tensor) -> list
     finally:
         for h in hooks:
             h.remove()
+    return rec
+
+
+def _as_student_inputs(rec: list[dict[str, Any]], student: nn.Module) -> list[dict[str, Any]]:
+    """The teacher's attention inputs (hidden states, position embeddings) in the student's floating-point dtype (a
+    bf16 teacher, ``TrainConfig.teacher_dtype``, feeds an fp32 student); outputs (targets) are kept as they are."""
+    dt = next(p.dtype for p in student.parameters() if p.is_floating_point())
+    cast = lambda t: t.to(dt) if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
+    for r in rec:
+        r["h"] = cast(r["h"])
+        if isinstance(r.get("pe"), tuple):
+            r["pe"] = tuple(cast(t) for t in r["pe"])
     return rec
 
 
@@ -92,7 +120,7 @@ def alignment_loss(
     Returns:
         (total loss, per-layer losses [n_layers], detached).
     """
-    rec = _capture_attention_io(teacher, ids, mask)
+    rec = _as_student_inputs(_capture_attention_io(teacher, ids, mask), student)
     m = mask.to(ids.device)[..., None]
     if reduce is None:
         n_tok = m.sum()
@@ -165,7 +193,7 @@ def alignment_sums(
     modules as :func:`alignment_loss` calls them)."""
     from ..hybrid.modeling_hybrid import attention_name, decoder_layers
 
-    rec = _capture_attention_io(teacher, ids, mask)
+    rec = _as_student_inputs(_capture_attention_io(teacher, ids, mask), student)
     m = mask.to(ids.device)[..., None].float()
     y_s = [getattr(layer, attention_name(layer))(r["h"], position_embeddings=r["pe"])[0]
            for layer, r in zip(decoder_layers(student), rec)]

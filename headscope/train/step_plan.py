@@ -32,6 +32,12 @@ if TYPE_CHECKING:
     from .trainer import TrainConfig
 
 DATA_PARALLEL = ("ddp", "fsdp")
+TEACHER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # TrainConfig.teacher_dtype's choices
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"fp32"`` / ``"bf16"`` for those two dtypes, else the torch name (``"float16"``)."""
+    return next((k for k, v in TEACHER_DTYPES.items() if v == dtype), str(dtype).replace("torch.", ""))
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,10 @@ class StepPlan:
         deterministic: PyTorch's deterministic settings during the stage (:mod:`headscope.train.determinism`).
         nondeterministic: with ``deterministic``, the parts of the step outside PyTorch's switch, each with why
             (:func:`~headscope.train.determinism.nondeterministic_parts`; empty: none known).
+        new_params_only: stage 1 trains only the parameters the hybrid initializes itself
+            (:attr:`~headscope.train.trainer.TrainConfig.new_params_only`).
+        teacher_dtype: the precision of the teacher's weights during the stage (``"fp32"``, ``"bf16"``; None without
+            a teacher), after :attr:`~headscope.train.trainer.TrainConfig.teacher_dtype` was applied.
     """
 
     world: int = 1
@@ -71,6 +81,8 @@ class StepPlan:
     fast_unavailable: Optional[str] = None
     deterministic: bool = False
     nondeterministic: tuple[str, ...] = ()
+    new_params_only: bool = False
+    teacher_dtype: Optional[str] = None
 
     @property
     def loss_scale(self) -> float:
@@ -96,7 +108,8 @@ def resolve_step_plan(
       runs and ``"fsdp"`` otherwise or for an already sharded student;
     * compile / CUDA graph: ``config.compile`` / ``config.cuda_graph``, by default on CUDA, fast step only;
       fused AdamW with the fast step on CUDA; bf16: ``config.bf16``, by default on CUDA;
-    * deterministic: ``config.deterministic``, with the parts it leaves nondeterministic.
+    * deterministic: ``config.deterministic``, with the parts it leaves nondeterministic;
+    * new_params_only: ``config.new_params_only``; teacher_dtype: the teacher's parameters' precision as it is held.
 
     Raises:
         HeadscopeInputError: ``data_parallel="ddp"`` for a student already sharded with FSDP2.
@@ -136,7 +149,18 @@ def resolve_step_plan(
         fast_unavailable=problem,
         deterministic=bool(config.deterministic),
         nondeterministic=nondet,
+        new_params_only=bool(config.new_params_only),
+        teacher_dtype=_teacher_dtype(teacher),
     )
+
+
+def _teacher_dtype(teacher: Optional[nn.Module]) -> Optional[str]:
+    """The teacher's floating-point parameter dtype as ``"fp32"`` / ``"bf16"`` (another dtype by its torch name; mixed
+    dtypes joined by ``+``), None without a teacher."""
+    if teacher is None:
+        return None
+    names = sorted({dtype_name(p.dtype) for p in teacher.parameters() if p.is_floating_point()})
+    return "+".join(names) or None
 
 
 class PlainStep:

@@ -52,7 +52,7 @@ from ..errors import HeadscopeInputError, InputFileExistsError, InputFileNotFoun
 from . import parallel
 from .data import Loader, TokenRows
 from .stages import logged_scalars, trainable_parameters
-from .step_plan import DATA_PARALLEL, build_step, resolve_step_plan
+from .step_plan import DATA_PARALLEL, TEACHER_DTYPES, build_step, resolve_step_plan
 
 
 @dataclass
@@ -103,6 +103,15 @@ class TrainConfig:
             (:mod:`headscope.train.determinism`); the parts outside PyTorch's switch (fla's Triton kernels, the
             all-reduce of several ranks) are listed in the :class:`~headscope.train.step_plan.StepPlan`'s
             ``nondeterministic``. A checkpoint resumes only with the same setting.
+        new_params_only: stage 1 trains only the parameters the hybrid initializes itself (the GDN heads' a_proj,
+            A_log, dt_bias, b_proj; the FA gate; the short convolution; γ: :data:`headscope.hybrid.layer.NEW_PARAMETERS`,
+            :func:`~headscope.train.stages.trainable_parameters`); the copied q / k / v / o (and the GDN heads' k / v
+            rows) stay the teacher's, get no gradient and no AdamW state. Stage 1 only. A checkpoint resumes only
+            with the same setting.
+        teacher_dtype: the precision the teacher's weights are held in during the stage: ``"fp32"``, ``"bf16"`` (half
+            the bytes; on a CPU its forward then runs in bf16, on CUDA under autocast its residual stream and norms
+            too) or None (default: as passed). The trainer casts the teacher's parameters in place (buffers such as
+            the rotary frequencies keep their precision); the student's master weights stay as they are (fp32).
     """
 
     stage: int
@@ -128,13 +137,20 @@ class TrainConfig:
     activation_checkpointing: bool = False
     grad_accum: int = 1
     deterministic: bool = False
+    new_params_only: bool = False
+    teacher_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
         """Raises HeadscopeInputError (a ValueError) for a stage other than 1-3, a count / rate <= 0, a
-        ``data_parallel`` other than None, "ddp", "fsdp", or a ``grad_accum`` < 1 or not dividing ``batch_size``."""
+        ``data_parallel`` other than None, "ddp", "fsdp", a ``grad_accum`` < 1 or not dividing ``batch_size``,
+        ``new_params_only`` outside stage 1, a ``teacher_dtype`` other than None, "fp32", "bf16"."""
         from .stage_checks import check_grad_accum, check_stage
 
         check_stage(self.stage)
+        if self.new_params_only and self.stage != 1:
+            raise HeadscopeInputError(f"new_params_only applies to stage 1; stage {self.stage} trains the whole student")
+        if self.teacher_dtype not in (None, *TEACHER_DTYPES):
+            raise HeadscopeInputError(f"teacher_dtype={self.teacher_dtype!r}: use 'fp32', 'bf16' or None (as passed)")
         check_grad_accum(self.stage, self.grad_accum)
         if self.batch_size % self.grad_accum:
             raise HeadscopeInputError(f"batch_size={self.batch_size} does not split into grad_accum={self.grad_accum} "
@@ -148,6 +164,19 @@ class TrainConfig:
             raise HeadscopeInputError(
                 f"data_parallel={self.data_parallel!r}: use 'ddp', 'fsdp' or None (ddp where the fast step works)"
             )
+
+
+def hold_teacher(teacher: Optional[nn.Module], dtype: Optional[str]) -> Optional[nn.Module]:
+    """Cast the teacher's floating-point parameters to ``dtype`` (``"fp32"`` / ``"bf16"``; None: leave it) in place and
+    return it. Buffers keep their precision: the rotary ``inv_freq`` rounded to bf16 would turn the angle at position
+    t by up to t · 2⁻⁹ radians (transformers' own bf16 loading keeps it in fp32 too)."""
+    if dtype is None or teacher is None:
+        return teacher
+    dt = TEACHER_DTYPES[dtype]
+    for p in teacher.parameters():
+        if p.is_floating_point() and p.dtype != dt:
+            p.data = p.data.to(dt)
+    return teacher
 
 
 class StopTraining(Exception):
@@ -253,9 +282,10 @@ class Trainer:
         self.device = next(student.parameters()).device
         if teacher is not None:
             teacher.eval()
+            hold_teacher(teacher, config.teacher_dtype)
             for p in teacher.parameters():
                 p.requires_grad_(False)
-        self.params = trainable_parameters(student, config.stage)
+        self.params = trainable_parameters(student, config.stage, config.new_params_only)
         self.loader = Loader(rows, config.batch_size, seed=config.seed)
         self.tokens_per_step = config.batch_size * rows.seq_len
         self.total_steps = max(1, math.ceil(config.tokens / self.tokens_per_step))
@@ -337,6 +367,11 @@ class Trainer:
                 f"checkpoint planned {st.get('total_steps')} steps, this run {self.total_steps}: resume with the same "
                 "--tokens, batch size and sequence length"
             )
+        was_new = bool((st.get("config") or {}).get("new_params_only", False))
+        if was_new != self.cfg.new_params_only:
+            flag = "with" if was_new else "without"
+            raise HeadscopeInputError(f"{where} was written {flag} --new-params-only; resume {flag} it (the optimizer holds "
+                                      "states for the parameters it trained)")
         was = bool((st.get("config") or {}).get("deterministic", False))
         if was != self.cfg.deterministic:
             flag = "with" if was else "without"
