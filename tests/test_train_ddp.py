@@ -357,7 +357,7 @@ def test_step_plan_resolves_and_is_recorded(small_tokenizer, tmp_path):
     cpu = torch.device("cpu")
     plan = resolve_step_plan(_cfg(2), student, teacher, cpu, world=1)
     assert plan == StepPlan(world=1, data_parallel=None, fast=True, compile=False, cuda_graph=False, fused_adamw=False,
-                            bf16=False)
+                            bf16=False, teacher_dtype="fp32")
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.fast = False  # type: ignore[misc]
     two = resolve_step_plan(_cfg(2), student, teacher, cpu, world=2)

@@ -263,3 +263,46 @@ def test_cli_refuses_before_the_teacher_loads(tmp_path, monkeypatch):
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "--new-params-only applies to stage 1" in r.output, r.output
     r = CliRunner().invoke(app, base + ["--teacher-dtype", "fp16"])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "fp16" in r.output and "bf16" in r.output, r.output
+
+
+@pytest.mark.slow  # two CLI stages: ~20 s on a busy 2-core machine
+def test_cli_convert_records_the_settings(small_tokenizer, tmp_path):
+    """`headscope convert --stage 1 --new-params-only --teacher-dtype bf16`, then `--stage 2 --teacher-dtype bf16`:
+    training.json records both settings (config.train, config.train_options, step_plan); stage 1's folder holds the
+    teacher's q/k/v/o as the bf16 teacher has them (bit for bit, in fp32) and new parameters that moved; stage 2 trains
+    everything against the bf16 teacher."""
+    from headscope.train.model_folder import load_model_folder
+    from test_convert import corpus_text
+
+    teacher = tiny_llama(small_tokenizer, seed=3, d_model=32)
+    teacher.save_pretrained(tmp_path / "teacher")
+    small_tokenizer.save_pretrained(tmp_path / "teacher")
+    (tmp_path / "corpus.txt").write_text(corpus_text())
+    MASK.to_json(tmp_path / "mask.json")
+    out = tmp_path / "conv"
+    args = ["convert", "--model", str(tmp_path / "teacher"), "--mask", str(tmp_path / "mask.json"), "--out", str(out),
+            "--device", "cpu", "--corpus", str(tmp_path / "corpus.txt"), "--seq-len", "128", "--long-len", "256",
+            "--batch-size", "2", "--batch-long", "2", "--stage-tokens", "512,256,512", "--gdn-kernel", "torch",
+            "--teacher-dtype", "bf16"]
+    r = CliRunner().invoke(app, args + ["--stage", "1", "--new-params-only"])
+    assert r.exit_code == 0, r.output
+    rec = json.loads((out / "stage1" / "training.json").read_text())
+    assert rec["config"]["train"]["new_params_only"] is True and rec["config"]["train"]["teacher_dtype"] == "bf16"
+    assert rec["config"]["train_options"] == {"new_params_only": True, "teacher_dtype": "bf16"}
+    assert rec["step_plan"]["new_params_only"] is True and rec["step_plan"]["teacher_dtype"] == "bf16"
+    s1 = load_model_folder(out / "stage1")
+    t16 = hold_teacher(copy.deepcopy(teacher), "bf16")
+    for name in ("q_proj", "o_proj", "k_proj", "v_proj"):
+        for i in range(2):
+            attn = s1.model.layers[i].self_attn
+            got, want = getattr(attn, name).weight, getattr(t16.model.layers[i].self_attn, name).weight
+            if name in ("k_proj", "v_proj"):  # the rows of the FA heads' KV groups
+                d = attn.head_dim
+                want = torch.cat([want[g * d:(g + 1) * d] for g in attn.kv_keep])
+            assert got.dtype == torch.float32 and torch.equal(got, want.float()), (name, i)
+    assert s1.model.layers[0].self_attn.a_proj.weight.abs().max() > 0  # zero at the start
+    r = CliRunner().invoke(app, args + ["--stage", "2"])
+    assert r.exit_code == 0, r.output
+    rec2 = json.loads((out / "stage2" / "training.json").read_text())
+    assert rec2["step_plan"]["teacher_dtype"] == "bf16" and rec2["step_plan"]["new_params_only"] is False
+    assert rec2["config"]["train"]["new_params_only"] is False and rec2["config"]["train_options"] == {"teacher_dtype": "bf16"}
