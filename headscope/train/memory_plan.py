@@ -8,7 +8,8 @@
   KV groups, per GDN head its own k / v rows, a, β (with bias), decay and dt; γ per head; q/k norms where
   the teacher has them; the FA gate and the GDN short convolution when on), stored in ``master`` precision;
 * **gradients** of the trained parameters (stage 1: the attention modules, or with ``new_params_only``
-  the parameters the hybrid initializes instead of copying: a, β, decay, dt, γ, FA gate, convolution),
+  the parameters the hybrid initializes instead of copying: a, β, decay, dt, γ, FA gate, convolution:
+  :data:`headscope.hybrid.layer.NEW_PARAMETERS`, what ``TrainConfig.new_params_only`` trains),
   in ``master`` precision;
 * **optimizer states**: AdamW's two moments per trained parameter, fp32 (4 + 4 bytes), bf16 (2 + 2)
   or 8-bit (1 + 1, plus a 4-byte scale per 2,048-value block of each);
@@ -28,6 +29,11 @@
   Stage 1 shards only the attention modules; the rest of the student is replicated.
   With ``cpu_offload`` (FSDP2's ``CPUOffloadPolicy``) the shards live in host memory (``host``) and the
   device holds what is gathered.
+
+Of the options, ``activation_checkpointing``, ``new_params_only``, ``teacher_dtype``, ``devices`` /
+``data_parallel`` and fp32 ``master`` / ``optimizer`` are what :class:`~headscope.train.TrainConfig` runs (``headscope
+convert``'s flags of the same names); bf16 master weights, bf16 or 8-bit AdamW states and CPU offload are planned only
+(docs/conversion.md#memory-plan says why).
 
 Parameter, gradient and optimizer bytes are exact for one device (checked against a trained tiny
 model's tensors, ``tests/test_memory_plan.py``); shards are counted as 1/N of the total (FSDP2 pads each

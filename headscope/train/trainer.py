@@ -169,7 +169,7 @@ class TrainConfig:
 def hold_teacher(teacher: Optional[nn.Module], dtype: Optional[str]) -> Optional[nn.Module]:
     """Cast the teacher's floating-point parameters to ``dtype`` (``"fp32"`` / ``"bf16"``; None: leave it) in place and
     return it. Buffers keep their precision: the rotary ``inv_freq`` rounded to bf16 would turn the angle at position
-    t by up to t · 2⁻⁹ radians (transformers' own bf16 loading keeps it in fp32 too)."""
+    t by up to t · 2⁻⁸ radians (transformers' own bf16 loading keeps it in fp32 too)."""
     if dtype is None or teacher is None:
         return teacher
     dt = TEACHER_DTYPES[dtype]
