@@ -306,3 +306,45 @@ def test_cli_convert_records_the_settings(small_tokenizer, tmp_path):
     rec2 = json.loads((out / "stage2" / "training.json").read_text())
     assert rec2["step_plan"]["teacher_dtype"] == "bf16" and rec2["step_plan"]["new_params_only"] is False
     assert rec2["config"]["train"]["new_params_only"] is False and rec2["config"]["train_options"] == {"teacher_dtype": "bf16"}
+
+
+def _new_params_dp_worker(tok, root: str) -> dict:
+    """One gloo rank: stage 1 with new_params_only through DDP (fast step) and FSDP2 (plain step); the full weights."""
+    from pathlib import Path
+
+    from headscope.train.parallel import full_state_dict, is_sharded
+    from test_train_ddp import _trainer
+
+    out = {}
+    for mode, fast in (("ddp", True), ("fsdp", False)):
+        tr = _trainer(tok, Path(root), 1, Path(root) / mode, ckpt_on_exit=False, data_parallel=mode, fast=fast,
+                      new_params_only=True)
+        tr.run()
+        sd = full_state_dict(tr.student) if is_sharded(tr.student) else tr.student.state_dict()
+        out[mode] = {k: v.detach().clone() for k, v in sd.items()}
+    return out
+
+
+@pytest.mark.slow
+def test_new_params_only_under_ddp_and_fsdp2(small_tokenizer, tmp_path):
+    """Two gloo ranks, stage 1 with new_params_only through DDP and FSDP2 (whose units then mix frozen and trained
+    parameters): the copied weights stay bit-identical and the new ones end where one process puts them (1e-6)."""
+    from headscope.runtime import launch
+    from test_train_ddp import HMASK, _trainer
+
+    teacher = tiny_llama(small_tokenizer, seed=3)
+    torch.manual_seed(7)
+    start = hybridize(teacher, HMASK).state_dict()
+    torch.save(start, tmp_path / "student0.pt")
+    info = launch(_new_params_dp_worker, 2, (small_tokenizer, str(tmp_path)), device="cpu")
+    tr = _trainer(small_tokenizer, tmp_path, 1, tmp_path / "one", ckpt_on_exit=False, new_params_only=True)
+    tr.run()
+    ref = tr.student.state_dict()
+    for mode in ("ddp", "fsdp"):
+        got = info[mode]
+        assert sorted(got) == sorted(ref)
+        for k in ref:
+            if _is_new(k):
+                assert not torch.equal(ref[k], start[k]) and (got[k] - ref[k]).abs().max() <= 1e-6, (mode, k)
+            else:
+                assert torch.equal(got[k], start[k]), (mode, k)
