@@ -127,6 +127,23 @@ def test_new_params_only_resumes_only_with_the_same_setting(teacher, tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_a_checkpoint_resumes_only_against_the_same_teacher_dtype(teacher, tmp_path):
+    from headscope.train import StopTraining
+
+    def trainer(dt, resume=False):
+        torch.manual_seed(0)
+        cfg = TrainConfig(stage=2, tokens=3 * 4 * 32, batch_size=4, progress=False, teacher_dtype=dt)
+        return Trainer(hybridize(teacher, MASK), copy.deepcopy(teacher), _rows(n=8), cfg, tmp_path, resume=resume)
+
+    def stop(t, row):
+        raise StopTraining
+
+    trainer("bf16").run(on_step=stop)
+    with pytest.raises(HeadscopeInputError, match="resume with --teacher-dtype bf16"):
+        trainer("fp32", resume=True)
+    assert trainer("bf16", resume=True).step == 1
+
+
 def _first_loss(teacher, student, fast, teacher_dtype, out):
     cfg = TrainConfig(stage=2, tokens=4 * 32, batch_size=4, lr=1e-3, progress=False, ckpt_on_exit=False, fast=fast,
                       teacher_dtype=teacher_dtype)

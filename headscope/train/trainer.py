@@ -111,7 +111,8 @@ class TrainConfig:
         teacher_dtype: the precision the teacher's weights are held in during the stage: ``"fp32"``, ``"bf16"`` (half
             the bytes; on a CPU its forward then runs in bf16, on CUDA under autocast its residual stream and norms
             too) or None (default: as passed). The trainer casts the teacher's parameters in place (buffers such as
-            the rotary frequencies keep their precision); the student's master weights stay as they are (fp32).
+            the rotary frequencies keep their precision); the student's master weights stay as they are (fp32). A
+            checkpoint resumes only against a teacher held as it was (the StepPlan's ``teacher_dtype``).
     """
 
     stage: int
@@ -372,6 +373,10 @@ class Trainer:
             flag = "with" if was_new else "without"
             raise HeadscopeInputError(f"{where} was written {flag} --new-params-only; resume {flag} it (the optimizer holds "
                                       "states for the parameters it trained)")
+        held = (st.get("step_plan") or {}).get("teacher_dtype")
+        if held is not None and self.plan.teacher_dtype is not None and held != self.plan.teacher_dtype:
+            raise HeadscopeInputError(f"{where} trained against a {held} teacher, this run holds it in "
+                                      f"{self.plan.teacher_dtype}: resume with --teacher-dtype {held}")
         was = bool((st.get("config") or {}).get("deterministic", False))
         if was != self.cfg.deterministic:
             flag = "with" if was else "without"
