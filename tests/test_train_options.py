@@ -242,6 +242,22 @@ def test_bf16_teacher_stage1_trains_on_its_inputs(teacher, tmp_path, fast):
     assert other == pytest.approx(losses["bf16"], rel=1e-5)
 
 
+def test_bf16_teacher_stage1_under_autocast_keeps_its_inputs_bf16(teacher, tmp_path):
+    """Under bf16 autocast (here the CPU's, ``bf16=True``: the fast step autocasts on any device) the bf16 teacher's
+    attention inputs reach the student uncast (autocast casts the student's matrix products); the loss is the
+    no-autocast one's to bf16 precision (2 %)."""
+    torch.manual_seed(1)
+    student = hybridize(teacher, MASK)
+    losses = []
+    for bf16 in (True, False):
+        cfg = TrainConfig(stage=1, tokens=4 * 32, batch_size=4, progress=False, ckpt_on_exit=False, bf16=bf16,
+                          teacher_dtype="bf16")
+        tr = Trainer(copy.deepcopy(student), copy.deepcopy(teacher), _rows(), cfg, tmp_path / str(bf16))
+        assert tr.plan.fast and tr.plan.bf16 == bf16
+        losses.append(tr.train_step()["loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=2e-2) and losses[0] != losses[1]
+
+
 def test_hold_teacher_casts_parameters_only(teacher):
     t = hold_teacher(copy.deepcopy(teacher), "bf16")
     assert {p.dtype for p in t.parameters()} == {torch.bfloat16}

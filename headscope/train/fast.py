@@ -390,8 +390,8 @@ class FastStep:
             io = []
             for layer, (cos, sin), w in zip(t_inner.layers, pe, wm):
                 hn, a, h = self._tio(layer, h, cos, sin, *_mask_for(layer.self_attn, w))
-                io.append((hn.to(self._student_dtype), a))  # a bf16 teacher (TrainConfig.teacher_dtype) feeds fp32
-            pe = [(cos.to(self._student_dtype), sin.to(self._student_dtype)) for cos, sin in pe]
+                io.append((self._as_student(hn), a))
+            pe = [(self._as_student(cos), self._as_student(sin)) for cos, sin in pe]
         m = mask.to(torch.float32)[..., None]
         layers = self.student.model.layers
         if sums:
@@ -413,6 +413,11 @@ class FastStep:
         per_t = torch.stack(per)
         loss = per_t.mean()
         return loss, self._global_logged(torch.cat([loss.detach().reshape(1), per_t.detach()]))
+
+    def _as_student(self, t: Tensor) -> Tensor:
+        """A bf16 teacher's tensor (TrainConfig.teacher_dtype) as the fp32 student's input where no autocast casts it
+        (a CPU, or bf16 off); under bf16 autocast it stays bf16 (half the bytes of every layer's kept input)."""
+        return t if self.bf16 else t.to(self._student_dtype)
 
     # -------------------------------------------------------------------- the step
     def _eager(self, ids: Tensor, mask: Tensor) -> Tensor:

@@ -87,8 +87,12 @@ def _capture_attention_io(teacher: nn.Module, ids: Tensor, mask: Tensor) -> list
 
 def _as_student_inputs(rec: list[dict[str, Any]], student: nn.Module) -> list[dict[str, Any]]:
     """The teacher's attention inputs (hidden states, position embeddings) in the student's floating-point dtype (a
-    bf16 teacher, ``TrainConfig.teacher_dtype``, feeds an fp32 student); outputs (targets) are kept as they are."""
-    dt = next(p.dtype for p in student.parameters() if p.is_floating_point())
+    bf16 teacher, ``TrainConfig.teacher_dtype``, feeds an fp32 student) where no autocast casts them; under autocast
+    they stay as they are (half the bytes when bf16); outputs (targets) are kept as they are."""
+    p0 = next(p for p in student.parameters() if p.is_floating_point())
+    if torch.is_autocast_enabled(p0.device.type):
+        return rec
+    dt = p0.dtype
     cast = lambda t: t.to(dt) if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
     for r in rec:
         r["h"] = cast(r["h"])
