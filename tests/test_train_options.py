@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from headscope.cli import app
 from headscope.errors import HeadscopeInputError
 from headscope.hybrid import hybridize
-from headscope.hybrid.layer import NEW_PARAMETERS
+from headscope.train.stages import NEW_PARAMETERS
 from headscope.masks import HeadMask
 from headscope.train import TokenRows, TrainConfig, Trainer, distillation_loss, trainable_parameters
 from headscope.train.memory_plan import MemoryOptions, ModelShape, plan_memory
@@ -87,6 +87,25 @@ def test_new_params_only_keeps_the_copied_weights(teacher, tmp_path, fast):
     Trainer(full, teacher, _rows(), cfg_all, tmp_path / "all").run()
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(dict(full.named_parameters())[q], before[q])
+
+
+def test_new_parameters_are_what_reset_new_parameters_sets():
+    """NEW_PARAMETERS against the layer itself: with every option that adds a parameter (FA gate, short convolution,
+    γ), each parameter perturbed, reset_new_parameters() puts back exactly the ones listed (and all of them)."""
+    from headscope.hybrid import HeadwiseHybridAttention, HybridOptions
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    layer = HeadwiseHybridAttention(cfg, 0, (1,), HybridOptions(fa_gate=True, gdn_conv=4))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.5)
+        before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+        layer.reset_new_parameters()
+    reset = {n.split(".")[0] for n, p in layer.named_parameters() if not torch.equal(p, before[n])}
+    kept = {n.split(".")[0] for n, p in layer.named_parameters() if torch.equal(p, before[n])}
+    assert reset == set(NEW_PARAMETERS) and not kept & reset
+    assert kept == {"q_proj", "o_proj", "k_proj", "v_proj", "gdn_k_proj", "gdn_v_proj"}
 
 
 def test_new_params_only_is_refused_where_it_does_not_apply(teacher):

@@ -186,8 +186,7 @@ def hybridize(
     *,
     min_per_layer: Optional[int] = None,
     calibration_ids: Optional[Int[Tensor, "batch time"]] = None,
-    calibration_mask: Optional[Tensor] = None,
-    dtype: Optional[torch.dtype] = None,
+    calibration_mask: Optional[Tensor] = None, dtype: Optional[torch.dtype] = None,
     **options: Any,
 ) -> PreTrainedModel:
     """Convert a causal LM into a head-wise FA/GDN hybrid (SPEC.md §8, section 4.2).
@@ -199,16 +198,12 @@ def hybridize(
         min_per_layer: least FA heads per layer; default the mask's ``meta["min_per_layer"]``, else 0.
         calibration_ids, calibration_mask: a token batch (and its padding mask) on which γ_h is set to the teacher
             head's output RMS (:func:`head_output_rms`); without it γ_h = 1.
-        dtype: the hybrid's floating-point dtype (default: the teacher's). The hybrid is built in float32 and the
-            teacher's weights are copied into it (cast), so a float32 hybrid of a bf16 teacher holds the teacher's
-            values exactly and its own new parameters unrounded (the trainer's fp32 master weights of a bf16 teacher,
-            :func:`headscope.train.pipeline.load_student`).
         **options: fields of :class:`HybridOptions`.
 
     Returns:
-        A new hybrid (the teacher's device, dtype (or ``dtype``) and mode; the default backends attached, ``use_inference``) whose
-        ``config.headscope_hybrid`` holds the mask, options and layer specs. An FA head keeps its layer's sliding
-        window, logit scale and soft-cap; GDN heads have none.
+        A new hybrid (the teacher's device and mode, ``dtype`` or the teacher's; the default backends attached,
+        ``use_inference``) whose ``config.headscope_hybrid`` holds the mask, options and layer specs. An FA head keeps
+        its layer's sliding window, logit scale and soft-cap; GDN heads have none.
 
     Raises (checked first, :func:`check_hybridize_args`):
         InputTypeError: an unsupported family (what is missing named) or mask type.

@@ -28,12 +28,6 @@ from .gdn import gdn_chunked_torch
 from .shapes import Float
 
 BLOCK = 8192  # tokens per block of the in-place elementwise stages (no gradient needed)
-# the parameters the layer initializes itself (reset_new_parameters) instead of copying them from the teacher: the GDN
-# heads' decay input (a_proj), β (b_proj, with its bias), A_log and dt_bias, the FA output gate (g_proj), the short
-# convolution (gdn_conv) and the fusion's γ; every other parameter (q / o, the FA heads' k / v, the GDN heads' k / v
-# rows, q / k norms) starts as the teacher's (headscope.hybrid.convert.migrate). Stage 1 of the conversion trains only
-# these with TrainConfig(new_params_only=True) (headscope.train.stages.trainable_parameters).
-NEW_PARAMETERS = ("a_proj", "b_proj", "A_log", "dt_bias", "g_proj", "gdn_conv", "gamma")
 
 
 def _inplace_ok(*ts: Tensor) -> bool:

@@ -9,7 +9,7 @@
   the teacher has them; the FA gate and the GDN short convolution when on), stored in ``master`` precision;
 * **gradients** of the trained parameters (stage 1: the attention modules, or with ``new_params_only``
   the parameters the hybrid initializes instead of copying: a, β, decay, dt, γ, FA gate, convolution:
-  :data:`headscope.hybrid.layer.NEW_PARAMETERS`, what ``TrainConfig.new_params_only`` trains),
+  :data:`headscope.train.stages.NEW_PARAMETERS`, what ``TrainConfig.new_params_only`` trains),
   in ``master`` precision;
 * **optimizer states**: AdamW's two moments per trained parameter, fp32 (4 + 4 bytes), bf16 (2 + 2)
   or 8-bit (1 + 1, plus a 4-byte scale per 2,048-value block of each);

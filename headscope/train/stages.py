@@ -22,6 +22,12 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 STAGES = (1, 2, 3)
+# the parameters of a hybrid attention layer that it initializes itself (HeadwiseHybridAttention.reset_new_parameters)
+# instead of copying them from the teacher: the GDN heads' decay input a_proj, A_log and dt_bias, β's b_proj (weight
+# and bias), the FA heads' output gate g_proj, the short convolution gdn_conv, the fusion's gamma. Every other
+# parameter (q / o, the FA heads' k / v, the GDN heads' k / v rows, q / k norms) starts as the teacher's
+# (headscope.hybrid.convert.migrate). TrainConfig(new_params_only=True) trains only these in stage 1.
+NEW_PARAMETERS = ("a_proj", "b_proj", "A_log", "dt_bias", "g_proj", "gdn_conv", "gamma")
 
 
 def trainable_parameters(student: nn.Module, stage: int, new_params_only: bool = False) -> list[tuple[str, nn.Parameter]]:
@@ -30,7 +36,7 @@ def trainable_parameters(student: nn.Module, stage: int, new_params_only: bool =
     Stage 1 trains every parameter of every decoder layer's attention module (``self_attn``; GPT-NeoX:
     ``attention``: migrated Q/K/V/O, GDN projections, decay, β, gates, γ) and freezes the rest; stages
     2 and 3 train everything. ``new_params_only`` (stage 1): only the parameters the hybrid layer initializes
-    itself (:data:`headscope.hybrid.layer.NEW_PARAMETERS`: the GDN heads' ``a_proj`` (decay input), ``A_log``,
+    itself (:data:`NEW_PARAMETERS`: the GDN heads' ``a_proj`` (decay input), ``A_log``,
     ``dt_bias``, ``b_proj`` (β, weight and bias), the FA gate ``g_proj``, the short convolution ``gdn_conv`` where on,
     the fusion's ``gamma``); the copied ones (``q_proj``, ``o_proj``, the FA heads' ``k_proj`` / ``v_proj``, the GDN
     heads' ``gdn_k_proj`` / ``gdn_v_proj``, q / k norms) stay the teacher's.
@@ -43,7 +49,6 @@ def trainable_parameters(student: nn.Module, stage: int, new_params_only: bool =
     if stage not in STAGES:
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
     from ..errors import HeadscopeInputError
-    from ..hybrid.layer import NEW_PARAMETERS
     from ..hybrid.modeling_hybrid import ATTENTION_NAMES
 
     if new_params_only and stage != 1:

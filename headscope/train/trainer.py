@@ -104,7 +104,7 @@ class TrainConfig:
             all-reduce of several ranks) are listed in the :class:`~headscope.train.step_plan.StepPlan`'s
             ``nondeterministic``. A checkpoint resumes only with the same setting.
         new_params_only: stage 1 trains only the parameters the hybrid initializes itself (the GDN heads' a_proj,
-            A_log, dt_bias, b_proj; the FA gate; the short convolution; γ: :data:`headscope.hybrid.layer.NEW_PARAMETERS`,
+            A_log, dt_bias, b_proj; the FA gate; the short convolution; γ: :data:`headscope.train.stages.NEW_PARAMETERS`,
             :func:`~headscope.train.stages.trainable_parameters`); the copied q / k / v / o (and the GDN heads' k / v
             rows) stay the teacher's, get no gradient and no AdamW state. Stage 1 only. A checkpoint resumes only
             with the same setting.
