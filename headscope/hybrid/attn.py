@@ -23,11 +23,17 @@ def sdpa_aligned(t: Tensor, align_bytes: int = 16) -> Tensor:
     PyTorch's fused SDPA kernels on CUDA load rows with vector loads and do not check that a strided
     view starts and steps on aligned addresses: a view into a fused projection whose row width is not
     a multiple of 16 bytes (e.g. 64 + 3 + 3 fp32 columns) raised "CUDA error: misaligned address" on an
-    H200 (torch 2.11; issue 16). CPU tensors are returned unchanged.
+    H200 (torch 2.11; issue 16). CPU tensors are returned unchanged, as is any tensor while torch.compile traces
+    (``storage_offset()`` is a graph break there; Inductor aligns SDPA's inputs itself, ``sdpa_constraint``).
     """
-    if t.device.type != "cuda" or is_aligned(t, align_bytes):
+    if not needs_alignment(t) or torch.compiler.is_compiling() or is_aligned(t, align_bytes):
         return t
     return t.contiguous()
+
+
+def needs_alignment(t: Tensor) -> bool:
+    """Whether SDPA reads ``t`` with vector loads that need aligned rows: on CUDA (a test emulates it on the CPU)."""
+    return t.device.type == "cuda"
 
 
 def is_aligned(t: Tensor, align_bytes: int = 16) -> bool:
@@ -35,20 +41,13 @@ def is_aligned(t: Tensor, align_bytes: int = 16) -> bool:
     ``align_bytes``, with unit stride in the last dimension."""
     el = t.element_size()
     return t.stride(-1) == 1 and (t.storage_offset() * el) % align_bytes == 0 and all(
-        (s * el) % align_bytes == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1
-    )
+        (s * el) % align_bytes == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
 
 
-def fa_attention(
-    q: Float[Tensor, "batch time q_head d"],
-    k: Float[Tensor, "batch kv_head kv_time d"],
-    v: Float[Tensor, "batch kv_head kv_time d"],
-    scale: float,
-    causal: bool = True,
-    mask: Optional[Tensor] = None,
-    window: Optional[int] = None,
-    softcap: Optional[float] = None,
-) -> Float[Tensor, "batch time q_head d"]:
+def fa_attention(q: Float[Tensor, "batch time q_head d"], k: Float[Tensor, "batch kv_head kv_time d"],
+                 v: Float[Tensor, "batch kv_head kv_time d"], scale: float, causal: bool = True,
+                 mask: Optional[Tensor] = None, window: Optional[int] = None,
+                 softcap: Optional[float] = None) -> Float[Tensor, "batch time q_head d"]:
     """softmax(scale · q kᵀ + mask) v per query head -> [batch, time, q_head, d] in q's dtype (SDPA, GQA-native).
 
     ``mask``: bool (True = attend) or additive, broadcastable to [batch, q_head, time, kv_time] (else ``causal``);
@@ -66,12 +65,9 @@ def fa_attention(
         mask = (j <= i) & (i - j < window)
     if softcap is not None:
         return _softcapped_attention(q, k, v, scale, mask, softcap, causal)
-    is_causal = False
-    if mask is None and causal and T > 1:
-        if T == S:
-            is_causal = True
-        else:
-            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    is_causal = mask is None and causal and T > 1 and T == S
+    if mask is None and causal and T > 1 and T != S:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     o = F.scaled_dot_product_attention(sdpa_aligned(q.transpose(1, 2)), sdpa_aligned(k), sdpa_aligned(v),
                                        attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=Hq != Hk)
     return o.transpose(1, 2)

@@ -27,15 +27,18 @@ def flash_attn_available() -> bool:
     return module_found("flash_attn")
 
 
-def _flash_attn_func():
-    try:
-        mod = importlib.import_module("flash_attn")
-    except ImportError as e:
-        raise ImportError(
-            "fa_kernel='flash_attn' needs the flash-attn package (pip install flash-attn), "
-            "or use fa_kernel='sdpa' / 'auto'"
-        ) from e
-    return mod.flash_attn_func
+_FLASH: dict = {}  # flash_attn_func once imported (train_index imports it first: an import is a graph break)
+
+
+def flash_attn_function():
+    """flash-attn's ``flash_attn_func``, imported once. Raises ImportError: flash-attn not installed."""
+    if not _FLASH:
+        try:
+            _FLASH["f"] = importlib.import_module("flash_attn").flash_attn_func
+        except ImportError as e:
+            raise ImportError("fa_kernel='flash_attn' needs the flash-attn package (pip install flash-attn), "
+                              "or use fa_kernel='sdpa' / 'auto'") from e
+    return _FLASH["f"]
 
 
 def flash_attn_usable(q: Tensor) -> bool:
@@ -66,6 +69,6 @@ def fa_attention(q: Float[Tensor, "batch time q_head d"], k: Float[Tensor, "batc
     if q.shape[2] % k.shape[1]:
         raise ValueError(f"{q.shape[2]} query heads are not a multiple of {k.shape[1]} KV heads")
     # flash-attn layout: [batch, time, head, d] for q, k and v; causal and the window (i − j ≤ w − 1) bottom-right
-    return _flash_attn_func()(q, k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+    return flash_attn_function()(q, k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
                               causal=bool(causal and q.shape[1] > 1), softcap=float(softcap or 0.0),
                               window_size=(int(window) - 1, 0) if window is not None else (-1, -1))

@@ -1,8 +1,8 @@
 """The gated delta rule's kernels and references beside the saved form (:mod:`.gdn`), and their dispatch:
 :func:`gdn_naive` (fp64 token recurrence: the one brute-force reference every other form is tested against),
 :func:`gdn_recurrent_torch` (fp32, capturable; the torch decode step), :func:`gdn_fla` (flash-linear-attention,
-CUDA, extra ``gdn``) and :func:`gated_delta_rule` (``HybridOptions.gdn_kernel``: the reference forward's GDN call
-once headscope attached its backends).
+CUDA, extra ``gdn``), :func:`gated_delta_rule` (``HybridOptions.gdn_kernel``: the reference forward's GDN call
+once headscope attached its backends) and :func:`gdn_op` (it as one operator, for the compiled training step).
 """
 
 from __future__ import annotations
@@ -91,10 +91,8 @@ def _import_fla():
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "gdn_kernel='fla' needs flash-linear-attention: pip install 'headscope[gdn]' "
-            "(fla-core and triton), or use gdn_kernel='torch'"
-        ) from e
+        raise ImportError("gdn_kernel='fla' needs flash-linear-attention: pip install 'headscope[gdn]' "
+                          "(fla-core and triton), or use gdn_kernel='torch'") from e
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
@@ -108,10 +106,8 @@ def gdn_fla(q: GdnQK, k: GdnQK, v: GdnV, g: GdnGate, beta: GdnGate, scale: float
     """
     _check_shapes(q, k, v, g, beta, initial_state)
     if q.device.type != "cuda":
-        raise ValueError(
-            f"gdn_kernel='fla' runs on CUDA only but the tensors are on {q.device}; "
-            "use gdn_kernel='torch' (or 'auto') on this device"
-        )
+        raise ValueError(f"gdn_kernel='fla' runs on CUDA only but the tensors are on {q.device}; "
+                         "use gdn_kernel='torch' (or 'auto') on this device")
     chunk_fn, rec_fn = _import_fla()
     if recurrent is None:
         recurrent = q.shape[1] <= 8
@@ -147,3 +143,37 @@ def gated_delta_rule(q: GdnQK, k: GdnQK, v: GdnV, g: GdnGate, beta: GdnGate, sca
     if q.dim() == 4 and q.shape[1] == 1:
         return gdn_recurrent_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     return gdn_chunked_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
+
+
+@torch.library.custom_op("headscope::gated_delta_rule", mutates_args=())
+def gdn_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, kernel: str, chunk_size: int
+           ) -> Tensor:
+    """:func:`gated_delta_rule`'s y [B, T, H, dv] (contiguous, v's dtype; zero initial state, autocast off) from q, k
+    [B, T, H, dk], v, g, beta [B, T, H] as one operator: torch.compile keeps the GDN call in its graph (fla's kernels
+    cannot be traced) instead of breaking the graph there. Its backward (:func:`gdn_op_grads`) recomputes y under
+    autograd: the kernel's own gradients for one more forward of it."""
+    with torch.autocast(q.device.type, enabled=False):
+        return gated_delta_rule(q, k, v, g, beta, scale=scale, kernel=kernel, chunk_size=chunk_size)[0].contiguous()
+
+
+@torch.library.custom_op("headscope::gated_delta_rule_grads", mutates_args=())
+def gdn_op_grads(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, dy: Tensor, scale: float, kernel: str,
+                 chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (q, k, v, g, beta; contiguous) of ⟨dy, :func:`gdn_op`⟩: the kernel's forward differentiated."""
+    xs = [t.detach().requires_grad_() for t in (q, k, v, g, beta)]
+    # an operator's kernel runs below autograd (its dispatch keys excluded): autograd records here again
+    below = torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False)
+    with below, torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
+        y = gated_delta_rule(*xs, scale=scale, kernel=kernel, chunk_size=chunk_size)[0]
+        return tuple(d.contiguous() for d in torch.autograd.grad(y, xs, dy))
+
+
+def _gdn_op_save(ctx, inputs: tuple, output: Tensor) -> None:
+    ctx.save_for_backward(*inputs[:5])
+    ctx.args = inputs[5:]
+
+
+gdn_op.register_fake(lambda q, k, v, *_: v.new_empty(v.shape))
+gdn_op_grads.register_fake(lambda *a: tuple(t.new_empty(t.shape) for t in a[:5]))
+gdn_op.register_autograd(lambda ctx, dy: (*gdn_op_grads(*ctx.saved_tensors, dy, *ctx.args), None, None, None),
+                         setup_context=_gdn_op_save)

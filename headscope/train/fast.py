@@ -5,7 +5,8 @@
 - **the model body by hand**: embeddings, rotary tables, one call per decoder layer, final norm (the
   Llama / Qwen3 / Mistral / Gemma 3 structure), so that each decoder layer can be compiled on its own ("regional"
   compilation: layers of the same shape share one compiled graph; a hybrid layer is compiled per
-  distinct count of FA / GDN heads, and its GDN kernel call is a graph break);
+  distinct count of FA / GDN heads; every region is compiled whole (``fullgraph``: the GDN kernel call is one
+  operator, :func:`~headscope.hybrid.gdn_kernels.gdn_op`), so a graph break raises instead of slowing the step);
 - **the hybrid layers' fast path** (:mod:`headscope.hybrid.inference.train_forward`: one input GEMM, no head
   permutation of activations, all GDN heads in one kernel call);
 - **LM head + loss in row chunks** (:mod:`headscope.train.fused_loss`): the [rows, vocab] logits of
@@ -243,8 +244,9 @@ class FastStep:
         loss_scale: the loss is multiplied by it before the backward (the world size under DDP, which
             averages the gradients over ranks: the average of ``world`` × the shares is their sum).
         activation_checkpointing: keep only each student layer's input (stage 1: each attention module's)
-            and recompute the layer in the backward (``torch.utils.checkpoint``, non-reentrant): the same
-            loss and gradients for less memory (:mod:`headscope.train.memory_plan`) and one more forward.
+            and recompute the layer in the backward (``torch.utils.checkpoint``, non-reentrant, around the compiled
+            layer: the recomputation replays the forward's graph): the same loss and gradients for less memory
+            (:mod:`headscope.train.memory_plan`) and one more forward.
         ddp: run the forward through :class:`torch.nn.parallel.DistributedDataParallel` wrapped around
             the student (:func:`headscope.train.parallel.ddp_loss`), so that the gradients are averaged
             over ranks during the backward; needs an initialized process group.
@@ -258,6 +260,9 @@ class FastStep:
     Raises:
         ValueError: a stage other than 1, 2, 3; stages 1, 2 without a teacher; a model without the
             Llama / Qwen3 / Mistral / Gemma 3 structure.
+        torch._dynamo.exc.Unsupported / FailOnRecompileLimitHit (on a step, with ``compile``): a graph break in a
+            compiled region / Dynamo's recompile limit reached (both fell back to eager code silently before; under
+            activation checkpointing the recomputation then differed from the forward, issue 63).
     """
 
     def __init__(
@@ -315,7 +320,9 @@ class FastStep:
             side = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with side:
                 self._forward = ddp_loss(student, self.loss)
-        wrap = (lambda f: torch.compile(f, backend=backend, dynamic=False)) if compile else (lambda f: f)
+        # fullgraph: a graph break raises at the first step instead of splitting a layer into graphs whose resume
+        # functions recompiled on every call up to Dynamo's limit, then ran eagerly (issue 63)
+        wrap = (lambda f: torch.compile(f, backend=backend, dynamic=False, fullgraph=True)) if compile else (lambda f: f)
         if compile:
             _raise_recompile_limit()
         self._layer = wrap(_layer_call)

@@ -1,9 +1,7 @@
-"""The ``fused`` backend of the ``train`` role: the training-time forward of
-:class:`~headscope.hybrid.HeadwiseHybridAttention` with one input GEMM, no head permutation of activations and all
-GDN heads in one kernel call; taken where InferenceConfig chooses it (``train="fused"``, or ``"auto"`` on CUDA) with
-gradients, no cache and no mask. Equal to the reference up to the fused GEMM's summation order. Design:
-docs/hybrid.md, "How the kernels work: Fused training forward".
-"""
+"""The ``fused`` backend of the ``train`` role: the training-time forward of a HeadwiseHybridAttention with one input
+GEMM, no head permutation of activations and all GDN heads in one operator (``gdn_op``: no graph break under
+torch.compile); taken where InferenceConfig chooses it (``train="fused"``, or ``"auto"`` on CUDA) with gradients, no
+cache and no mask. Equal to the reference up to summation order. Design: docs/hybrid.md, "Fused training forward"."""
 
 from __future__ import annotations
 
@@ -14,19 +12,13 @@ import torch.nn.functional as F
 from ..shapes import Float
 from torch import Tensor
 
-from ..fa_kernels import fa_attention, flash_attn_available
+from ..fa_kernels import fa_attention, flash_attn_available, flash_attn_function
 from .projections import stack_projections
-from ..gdn_kernels import gated_delta_rule
+from ..gdn_kernels import gated_delta_rule, gdn_op
 from ..rope import apply_rope, nope_log_scale
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..layer import HeadwiseHybridAttention
-
-
-@torch.compiler.disable
-def _gdn_call(q, k, v, g, beta, scale, kernel, chunk_size):
-    """The GDN kernel, outside any compiled graph (fla's kernels are opaque to Dynamo anyway)."""
-    return gated_delta_rule(q, k, v, g, beta, scale=scale, kernel=kernel, chunk_size=chunk_size)[0]
 
 
 class TrainIndex:
@@ -45,6 +37,8 @@ class TrainIndex:
         self.counts = (len(layer.fa_heads), len(layer.gdn_heads), len(layer.kv_keep))
         fa = layer.options.fa_kernel
         self.fa_kernel = "sdpa" if fa == "auto" and not flash_attn_available() else fa
+        if self.fa_kernel != "sdpa" and flash_attn_available():
+            flash_attn_function()  # imported here, not while torch.compile traces fa_attention
 
 
 def train_index(layer: "HeadwiseHybridAttention", device: Optional[torch.device] = None) -> TrainIndex:
@@ -111,9 +105,10 @@ def fast_forward(
     if n_fa:  # FA heads: softmax attention over their kept KV groups (GQA-native)
         outs.append(_fa_heads(layer, ix, x, q[:, :, :n_fa], z[i:], cos, sin, position_ids))
         i += 3 if layer.g_proj is not None else 2
-    if n_gdn:  # GDN heads: one kernel call, here (a break inside a helper made Dynamo guard on `outs` per call)
-        yg = _gdn_call(*_gdn_inputs(layer, n_gdn, x, q[:, :, n_fa:], z[i:], cos, sin), layer.gdn_scale,
-                       opts.gdn_kernel, opts.chunk_size)
+    if n_gdn:  # GDN heads: one kernel call; compiled: one operator (gdn_op: no graph break), eager: its own autograd
+        a = (*_gdn_inputs(layer, n_gdn, x, q[:, :, n_fa:], z[i:], cos, sin), layer.gdn_scale, opts.gdn_kernel,
+             opts.chunk_size)
+        yg = gdn_op(*a) if torch.compiler.is_compiling() else gated_delta_rule(*a[:6], None, *a[6:])[0]
         outs.append(yg.to(x.dtype))
 
     # ---- fusion (eq. 13–14) with γ in (FA, GDN) order, then o_proj with permuted input columns
