@@ -47,20 +47,11 @@ def l2_normalize(x: Tensor) -> Tensor:
 
 
 def gdn_decode_step_torch(
-    q: Float[Tensor, "batch head d"],
-    k: Float[Tensor, "batch head d"],
-    v: Float[Tensor, "batch head d"],
-    a: Float[Tensor, "batch head"],
-    b: Float[Tensor, "batch head"],
-    S: Float[Tensor, "batch head d d"],
-    A_neg: Float[Tensor, " head"],
-    dt_bias: Float[Tensor, " head"],
-    scale: float,
-    cos: Optional[Float[Tensor, "batch d"]] = None,
-    sin: Optional[Float[Tensor, "batch d"]] = None,
-    q_norm: Optional[Float[Tensor, " d"]] = None,
-    k_norm: Optional[Float[Tensor, " d"]] = None,
-    qk_eps: float = 0.0,
+    q: Float[Tensor, "batch head d"], k: Float[Tensor, "batch head d"], v: Float[Tensor, "batch head d"],
+    a: Float[Tensor, "batch head"], b: Float[Tensor, "batch head"], S: Float[Tensor, "batch head d d"],
+    A_neg: Float[Tensor, " head"], dt_bias: Float[Tensor, " head"], scale: float,
+    cos: Optional[Float[Tensor, "batch d"]] = None, sin: Optional[Float[Tensor, "batch d"]] = None,
+    q_norm: Optional[Float[Tensor, " d"]] = None, k_norm: Optional[Float[Tensor, " d"]] = None, qk_eps: float = 0.0,
 ) -> Float[Tensor, "batch head d"]:
     """The reference of :func:`gdn_decode_step` in PyTorch (same arguments; S updated in place)."""
     dt = v.dtype
@@ -176,23 +167,12 @@ applies = kernel_applies  # whether :func:`gdn_decode_step` runs here (see split
 
 
 def gdn_decode_step(
-    q: Float[Tensor, "batch head d"],
-    k: Float[Tensor, "batch head d"],
-    v: Float[Tensor, "batch head d"],
-    a: Float[Tensor, "batch head"],
-    b: Float[Tensor, "batch head"],
-    S: Float[Tensor, "batch head d d"],
-    A_neg: Float[Tensor, " head"],
-    dt_bias: Float[Tensor, " head"],
-    scale: float,
-    cos: Optional[Float[Tensor, "batch d"]] = None,
-    sin: Optional[Float[Tensor, "batch d"]] = None,
-    q_norm: Optional[Float[Tensor, " d"]] = None,
-    k_norm: Optional[Float[Tensor, " d"]] = None,
-    qk_eps: float = 0.0,
-    block_v: int = 32,
-    out: Optional[Tensor] = None,
-    gamma: Optional[Float[Tensor, "head d"]] = None,
+    q: Float[Tensor, "batch head d"], k: Float[Tensor, "batch head d"], v: Float[Tensor, "batch head d"],
+    a: Float[Tensor, "batch head"], b: Float[Tensor, "batch head"], S: Float[Tensor, "batch head d d"],
+    A_neg: Float[Tensor, " head"], dt_bias: Float[Tensor, " head"], scale: float,
+    cos: Optional[Float[Tensor, "batch d"]] = None, sin: Optional[Float[Tensor, "batch d"]] = None,
+    q_norm: Optional[Float[Tensor, " d"]] = None, k_norm: Optional[Float[Tensor, " d"]] = None, qk_eps: float = 0.0,
+    block_v: int = 32, out: Optional[Tensor] = None, gamma: Optional[Float[Tensor, "head d"]] = None,
     out_eps: float = 1e-6,
 ) -> Float[Tensor, "batch head d"]:
     """One token of every GDN head (eq. 7–8 with the layer's q/k glue) in one Triton kernel.
