@@ -232,6 +232,22 @@ def test_fa_attention_dispatch_without_cuda_or_package(monkeypatch):
         HybridOptions(fa_kernel="xformers")
 
 
+def test_fused_train_forward_with_flash_attn_compiles_without_a_graph_break(fake_flash):
+    """The fused training forward with flash-attn traces whole under ``torch.compile(fullgraph=True)``, as FastStep
+    compiles it: the package is imported when the layer's TrainIndex is built, not while Dynamo traces (an import
+    inside the graph is a graph break: issue 63); the compiled output equals the eager one."""
+    from headscope.hybrid.inference import DEFAULT
+
+    layer, _, cfg = _layer((0, 1), fa_kernel="flash_attn")
+    use_inference(layer, dataclasses.replace(DEFAULT, train="fused"))
+    x, cos, sin = _inputs(cfg, 2, 12)
+    ref = layer(x, position_embeddings=(cos, sin))[0]
+    assert len(fake_flash) == 1 and fake_flash[0]["q"] == (2, 12, 2, D)
+    f = torch.compile(lambda x: layer(x, position_embeddings=(cos, sin))[0], backend="eager", fullgraph=True)
+    torch.testing.assert_close(f(x), ref)
+    assert len(fake_flash) == 2
+
+
 def test_hybrid_layer_with_flash_attn_equals_sdpa(fake_flash):
     layer, _, cfg = _layer((0, 1, 3), gdn_conv=4, fa_gate=True)  # uneven groups: K/V expanded per FA head
     layer2, _, _ = _layer((0, 1), fa_pos="nope")  # 2 FA heads in one group: GQA-native

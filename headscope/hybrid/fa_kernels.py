@@ -8,7 +8,7 @@ causal, as :mod:`.attn` is.
 from __future__ import annotations
 
 import importlib
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -27,18 +27,14 @@ def flash_attn_available() -> bool:
     return module_found("flash_attn")
 
 
-_FLASH: dict = {}  # flash_attn_func once imported (train_index imports it first: an import is a graph break)
-
-
 def flash_attn_function():
-    """flash-attn's ``flash_attn_func``, imported once. Raises ImportError: flash-attn not installed."""
-    if not _FLASH:
-        try:
-            _FLASH["f"] = importlib.import_module("flash_attn").flash_attn_func
-        except ImportError as e:
-            raise ImportError("fa_kernel='flash_attn' needs the flash-attn package (pip install flash-attn), "
-                              "or use fa_kernel='sdpa' / 'auto'") from e
-    return _FLASH["f"]
+    """flash-attn's ``flash_attn_func`` (an import: a compiled caller resolves it beforehand and passes it to
+    :func:`fa_attention` as ``flash_fn``). Raises ImportError: flash-attn not installed."""
+    try:
+        return importlib.import_module("flash_attn").flash_attn_func
+    except ImportError as e:
+        raise ImportError("fa_kernel='flash_attn' needs the flash-attn package (pip install flash-attn), "
+                          "or use fa_kernel='sdpa' / 'auto'") from e
 
 
 def flash_attn_usable(q: Tensor) -> bool:
@@ -49,8 +45,9 @@ def flash_attn_usable(q: Tensor) -> bool:
 def fa_attention(q: Float[Tensor, "batch time q_head d"], k: Float[Tensor, "batch kv_head kv_time d"],
                  v: Float[Tensor, "batch kv_head kv_time d"], scale: float, causal: bool = True,
                  mask: Optional[Tensor] = None, kernel: FAKernel = "auto", window: Optional[int] = None,
-                 softcap: Optional[float] = None) -> Float[Tensor, "batch time q_head d"]:
-    """:func:`.attn.fa_attention` (same arguments, layouts and result) with the kernel choice of the module docstring.
+                 softcap: Optional[float] = None, flash_fn: Any = None) -> Float[Tensor, "batch time q_head d"]:
+    """:func:`.attn.fa_attention` (same arguments, layouts and result) with the kernel choice of the module docstring;
+    ``flash_fn``: :func:`flash_attn_function` resolved beforehand (a compiled caller: an import breaks the graph).
 
     Raises:
         ValueError: unknown kernel, q heads not a multiple of KV heads, or ``"flash_attn"`` on a non-CUDA /
@@ -69,6 +66,6 @@ def fa_attention(q: Float[Tensor, "batch time q_head d"], k: Float[Tensor, "batc
     if q.shape[2] % k.shape[1]:
         raise ValueError(f"{q.shape[2]} query heads are not a multiple of {k.shape[1]} KV heads")
     # flash-attn layout: [batch, time, head, d] for q, k and v; causal and the window (i − j ≤ w − 1) bottom-right
-    return flash_attn_function()(q, k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-                              causal=bool(causal and q.shape[1] > 1), softcap=float(softcap or 0.0),
-                              window_size=(int(window) - 1, 0) if window is not None else (-1, -1))
+    return (flash_fn or flash_attn_function())(q, k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                                               causal=bool(causal and q.shape[1] > 1), softcap=float(softcap or 0.0),
+                                               window_size=(int(window) - 1, 0) if window is not None else (-1, -1))

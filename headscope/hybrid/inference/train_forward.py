@@ -26,7 +26,7 @@ class TrainIndex:
     ``rows`` (Long[H·d]: q_proj rows / o_proj columns in (FA, GDN) head order), ``heads`` (Long[H]: the head order,
     for γ), ``fa_kv`` (Long[n_fa]: kept KV group of each FA head; used only when the FA heads are spread unevenly
     over their groups), ``counts`` (n_fa, n_gdn, n_keep as plain ints: Dynamo guards on their values only, not on
-    which heads) and ``fa_kernel``."""
+    which heads), ``fa_kernel`` and ``flash_fn`` (flash-attn's function where it applies, else None)."""
 
     def __init__(self, layer: "HeadwiseHybridAttention", device: torch.device):
         d = layer.head_dim
@@ -37,8 +37,8 @@ class TrainIndex:
         self.counts = (len(layer.fa_heads), len(layer.gdn_heads), len(layer.kv_keep))
         fa = layer.options.fa_kernel
         self.fa_kernel = "sdpa" if fa == "auto" and not flash_attn_available() else fa
-        if self.fa_kernel != "sdpa" and flash_attn_available():
-            flash_attn_function()  # imported here, not while torch.compile traces fa_attention
+        # flash-attn imported here, not while torch.compile traces fa_attention (an import breaks the graph)
+        self.flash_fn = flash_attn_function() if self.fa_kernel != "sdpa" and flash_attn_available() else None
 
 
 def train_index(layer: "HeadwiseHybridAttention", device: Optional[torch.device] = None) -> TrainIndex:
@@ -143,7 +143,7 @@ def _fa_heads(layer: "HeadwiseHybridAttention", ix: TrainIndex, x: Tensor, q_fa:
     if not layer._fa_gqa:
         k, v = k.index_select(2, ix.fa_kv), v.index_select(2, ix.fa_kv)
     o = fa_attention(q_fa, k.transpose(1, 2), v.transpose(1, 2), layer.scaling, True, None, ix.fa_kernel,
-                     layer.spec.window, layer.spec.softcap)
+                     layer.spec.window, layer.spec.softcap, ix.flash_fn)
     if layer.g_proj is not None:
         o = o * torch.sigmoid(z[2].view(B, T, n_fa, d))
     return o
