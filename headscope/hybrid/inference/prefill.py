@@ -50,7 +50,7 @@ def _flash_qla_fwd():
 
 def flash_qla_shape(n: int, d: int, dv: int) -> bool:
     """Whether FlashQLA 0.1.3 compiles a GDN call of ``n`` heads, head_dim d, values dv: d = dv = 128, n even or 1 (its
-    gate cumsum fails tilelang 0.1.15's LayoutInference at every odd n ≥ 3: lowered for sm_90 at n = 1..40)."""
+    gate cumsum fails tilelang 0.1.15's LayoutInference at every odd n ≥ 3: benchmarks/flash_qla_layouts.py)."""
     return d == dv == 128 and (n == 1 or n % 2 == 0)
 
 
