@@ -167,6 +167,13 @@ def test_qwen3_and_llama_plans_by_hand():
     assert activation_bytes_per_token(q, LayerHeads(2, 2)) == 40_572 + 69_636
     a1, a2 = plan_memory(q, 3, 1, 2048), plan_memory(q, 3, 2, 2048)
     assert a1.activations == 2048 * (28 * 110_208 + 4 * 2048) and a2.activations == 2 * a1.activations
+    # stage 1 keeps every teacher layer's attention input (the teacher's dtype) and output (bf16); stage 2 the
+    # teacher's final hidden states (its dtype): an fp32 teacher adds 2 bytes per token and channel to each
+    b1, f1 = (plan_memory(q, 1, 1, 512, options=MemoryOptions(teacher_dtype=d)) for d in ("bf16", "fp32"))
+    assert b1.activations == 512 * (28 * 40_572 + 28 * (2 + 2) * 2048 + 4 * 2048)
+    assert f1.activations - b1.activations == 512 * 28 * 2 * 2048
+    b2, f2 = (plan_memory(q, 2, 1, 512, options=MemoryOptions(teacher_dtype=d)) for d in ("bf16", "fp32"))
+    assert f2.activations - b2.activations == 512 * 2 * 2048
     # checkpointing keeps each layer's fp32 input and one layer's activations during its recomputation
     ck = plan_memory(q, 3, 1, 8192, options=MemoryOptions(activation_checkpointing=True))
     assert ck.activations == 8192 * (28 * 4 * 2048 + 110_208 + 4 * 2048)

@@ -18,7 +18,9 @@
 * **activations**: an estimate, per token and layer, of what autograd keeps for the backward in bf16
   training with flash attention and fla's chunked GDN kernel (no T² score matrix, no per-chunk d × d
   state), the residual stream in fp32 (:func:`activation_bytes_per_token`); with activation
-  checkpointing only each layer's input plus one layer's activations during its recomputation;
+  checkpointing only each layer's input plus one layer's activations during its recomputation; stage 1
+  adds every teacher layer's attention input (normalized, in ``teacher_dtype``: an RMSNorm is no autocast
+  op) and output (bf16), stage 2 the teacher's final hidden states (``teacher_dtype``);
 * **loss chunk**: the fast step's LM head + loss over ``loss_chunk`` rows at a time
   (:mod:`headscope.train.fused_loss`): fp32 logits of the chunk, the teacher's too in stage 2, and their
   gradient; under FSDP2, which runs the plain step, the same for every row of the batch at once;
@@ -310,10 +312,11 @@ def plan_memory(shape: ModelShape, stage: int, rows: int, seq_len: int, fa: Any 
         act = tokens * (shape.layers * 4 * shape.hidden + max(body))
     else:
         act = tokens * sum(body)
-    if stage == 1:  # the teacher's attention inputs and outputs of every layer (bf16), kept for the student
-        act += tokens * shape.layers * 2 * 2 * shape.hidden
-    elif stage == 2:  # the teacher's final hidden states (bf16) for the KL chunks
-        act += tokens * 2 * shape.hidden
+    t_bytes = _DTYPE_BYTES[o.teacher_dtype]  # the teacher's normalized hidden states are in its own dtype
+    if stage == 1:  # the teacher's attention inputs (its dtype) and outputs (bf16 under autocast) of every layer
+        act += tokens * shape.layers * (t_bytes + 2) * shape.hidden
+    elif stage == 2:  # the teacher's final hidden states (its dtype) for the KL chunks
+        act += tokens * t_bytes * shape.hidden
     act += tokens * 4 * shape.hidden  # the embeddings' output / the final norm (fp32)
     plain = n > 1  # FSDP2 runs the plain step: the whole batch's logits at once
     chunk = 0 if stage == 1 else (tokens if plain else min(o.loss_chunk, tokens)) * shape.vocab * 4 * (3 if stage == 2 else 2)
