@@ -6,8 +6,9 @@ bf16 and held as ``headscope convert`` holds it: float32 by default, bf16 with `
 trainer setting as ``headscope convert --teacher-dtype``: ``TrainConfig.teacher_dtype``, recorded in the step plan;
 the teacher's parameters cast, its rotary buffers kept in fp32). ``--new-params-only``: stage 1 trains only the
 parameters the hybrid adds (``TrainConfig.new_params_only``, as ``headscope convert --new-params-only``). The student
-is ``load_student(teacher, mask, dtype=float32)`` (fp32 master weights whatever the teacher's dtype; the hybrid with
-its γ calibrated on 8 rows) with an equal-budget 7:1 mask (``round(heads / 8)`` FA heads in every layer, spread over
+is ``load_student(teacher, mask, dtype=float32, **ConvertRecipe().hybrid_options())`` (fp32 master weights whatever the
+teacher's dtype; the hybrid `headscope convert` trains: FA heads NoPE with the log-length query scale and an output gate,
+GDN heads with RoPE; γ calibrated on 8 rows) with an equal-budget 7:1 mask (``round(heads / 8)`` FA heads in every layer, spread over
 the KV groups) or ``--mask mask.json`` (a ranking's). Rows are random tokens, all real.
 
 **Hybrid stage** (``hybrid``): ``headscope.train.convert_stage`` (what ``headscope convert`` runs per stage) with a
@@ -74,7 +75,12 @@ from typing import Any, Optional
 
 import torch
 
+from headscope.train.recipe import ConvertRecipe
+
 PEAK_BF16 = 989.4e12  # H100 / H200 SXM dense bf16 FLOP/s (datasheet)
+# the student `headscope convert` trains (its recipe's hybrid options: FA heads NoPE with the log-length query scale,
+# the FA output gate, RoPE on the GDN heads); the H100 figures of 2026-12-06 were of HybridOptions' defaults instead
+STUDENT_OPTIONS = ConvertRecipe().hybrid_options()
 STAGE_LR = {1: 1e-3, 2: 2e-4, 3: 1e-4}  # the recipe's
 T0 = time.time()
 _LOG: Optional[Path] = None
@@ -527,7 +533,7 @@ def planned_gib(shape_name: str, cfg: Any, stage: int, rows: int, seq_len: int, 
         shape = KNOWN_SHAPES.get(shape_name) or ModelShape.from_config(cfg, name=shape_name)
         opts = MemoryOptions(activation_checkpointing=args.activation_checkpointing, teacher_dtype=args.teacher_dtype,
                              new_params_only=args.new_params_only, loss_chunk=args.loss_chunk,
-                             fa_gate=False)  # load_student's hybrid: HybridOptions' defaults (convert's recipe adds the gate)
+                             fa_gate=STUDENT_OPTIONS["fa_gate"])  # the student of `headscope convert`'s recipe
         return plan_memory(shape, stage, rows, seq_len, fa=mask, options=opts).total / 2**30
     except Exception as e:  # noqa: BLE001 - the plan is context, not the measurement
         log(f"memory plan unavailable: {e}")
@@ -588,7 +594,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     mask = HeadMask.from_json(args.mask) if args.mask else equal_budget_mask(cfg)
     calib = random_rows(cfg.vocab_size, 8, 128, 1, seed=7).ids.to(dev)
     t_build = time.time()
-    student = load_student(teacher, mask, calibration_ids=calib, dtype=torch.float32)
+    student = load_student(teacher, mask, calibration_ids=calib, dtype=torch.float32, **STUDENT_OPTIONS)
     log(f"student built in {time.time() - t_build:.1f} s")
     report: dict[str, Any] = {
         "script": "benchmarks/bench_convert_scale.py", "argv": sys.argv[1:] if argv is None else list(argv),

@@ -58,7 +58,9 @@ def test_tiny_run_writes_every_field_and_the_flops_worked_by_hand(bench, tmp_pat
     assert [list(x) for x in mask.fa_heads] == [[0], [0]]
     from headscope.train.pipeline import load_student
 
-    student = load_student(bench.build_teacher("tiny", torch.device("cpu"), torch.float32), mask)
+    # the student of `headscope convert`'s recipe (its FA output gate g_proj is a linear map too)
+    student = load_student(bench.build_teacher("tiny", torch.device("cpu"), torch.float32), mask, **bench.STUDENT_OPTIONS)
+    assert bench.STUDENT_OPTIONS["fa_gate"] and any(n.endswith("g_proj.weight") for n, _ in student.named_parameters())
     W_s = sum(m.weight.numel() for m in student.modules() if isinstance(m, nn.Linear))
     F_s = 2 * W_s + 4 * 8 * 16 * 2 + 2 * (5 * 64 * 16 + 3 * 16 * 16) * 6
     assert h["flops_per_token"]["total"] == pytest.approx(F_t + 3 * F_s, rel=1e-12)
@@ -131,7 +133,7 @@ def test_teacher_dtype_and_new_params_only_are_the_trainer_settings(bench, tmp_p
     h = rep["cases"]["stage1_2x16"]["hybrid"]
     assert h["step_plan"]["teacher_dtype"] == "bf16" and h["step_plan"]["new_params_only"] is True
     cfg = bench.teacher_config("tiny")
-    # the bench's student is load_student's hybrid: HybridOptions' defaults, no FA gate
+    # the bench's student is `headscope convert`'s: its recipe's hybrid options, the FA output gate included
     plan = plan_memory(ModelShape.from_config(cfg), 1, 2, 16, fa=bench.equal_budget_mask(cfg),
-                       options=MemoryOptions(new_params_only=True, fa_gate=False))
+                       options=MemoryOptions(new_params_only=True, fa_gate=bench.STUDENT_OPTIONS["fa_gate"]))
     assert h["trained_parameters"] == plan.counts["new"] > 0
