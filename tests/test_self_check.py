@@ -336,7 +336,7 @@ def test_smollm2_bf16_ranked_on_cpu(tmp_path):
     """The real SmolLM2-135M in bfloat16 on CPU. Along the engine's own residual stream its 12-token build
     check differed by 6.38e-2 > 8·eps = 6.25e-2 (layer 9's output), so ``headscope rank --dtype bfloat16``
     was refused before it started; teacher-forced the largest difference is a fraction of that, on the build
-    prompt and on a 256-token ranking prompt, and the CLI ranks a pair on the fast path (128 tokens: the check at
+    prompt and on a 256-token ranking prompt, and the CLI ranks a pair on the fast path (64 tokens: the check at
     256 is the one above; the CLI's own run needs only a new length to check)."""
     from typer.testing import CliRunner
 
@@ -357,7 +357,7 @@ def test_smollm2_bf16_ranked_on_cpu(tmp_path):
     assert eng.self_check(ids=sequences(pair)[0]) <= tol / 2  # measured 0.011 at 253 tokens
     out = tmp_path / "rank"
     run = CliRunner().invoke(app, ["rank", "--model", "smollm2-135m", "--dtype", "bfloat16", "--device", "cpu",
-                                   "--pairs", "1", "--seq-len", "128", "--out", str(out)])
+                                   "--pairs", "1", "--seq-len", "64", "--out", str(out)])
     assert run.exit_code == 0, (run.output, run.exception)
     assert "fast path" in run.output and (out / "mask.json").exists()
 
