@@ -23,7 +23,7 @@ def _env(tmp_path: Path, **extra: str) -> dict:
     return {**os.environ, "OUT_DIR": str(tmp_path / "out"), "SESSION_DIR": str(tmp_path / "sd"),
             "CODE_DIR": str(tmp_path / "code"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
             "COMPILE_CACHE": str(tmp_path / "no_cc"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-            **extra}
+            "CHAIN_POLL_S": "1", "CHAIN_RETRY_S": "0", **extra}  # a waited file is looked for every second, no retry pause
 
 
 def _wait_done(sd: Path, n: int = 1) -> list[str]:
@@ -93,13 +93,13 @@ def test_chain_retries_waits_stops_and_poll_returns_out_without_weights(tmp_path
 def test_chain_wait_that_times_out_stops_the_chain_and_two_chains_run_side_by_side(tmp_path):
     calls = tmp_path / "calls.txt"
     missing = tmp_path / "never_written"
-    a = _env(tmp_path, CHAIN_WAIT_S="5")
+    a = _env(tmp_path, CHAIN_WAIT_S="2")
     b = _env(tmp_path, SESSION_DIR=str(tmp_path / "sd2"), CODE_DIR=str(tmp_path / "code2"))
     r1 = subprocess.run(["bash", str(SCRIPT), "start", f"echo a >> {calls}", f"wait {missing}", f"echo b >> {calls}"],
                         env=a, capture_output=True, text=True, cwd=ROOT)
     r2 = subprocess.run(["bash", str(SCRIPT), "start", f"echo c >> {calls}"], env=b, capture_output=True, text=True, cwd=ROOT)
     assert r1.returncode == 0 and r2.returncode == 0, r1.stderr + r2.stderr
-    assert _wait_done(tmp_path / "sd") == [f"echo a >> {calls}: rc=0 (try 1)", f"wait {missing}: not here after 5 s",
+    assert _wait_done(tmp_path / "sd") == [f"echo a >> {calls}: rc=0 (try 1)", f"wait {missing}: not here after 2 s",
                                            f"chain stopped: {missing} did not come; later commands not run", "chain done"]
     assert _wait_done(tmp_path / "sd2") == [f"echo c >> {calls}: rc=0 (try 1)", "chain done"]
     assert sorted(calls.read_text().split()) == ["a", "c"]

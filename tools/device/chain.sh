@@ -24,6 +24,8 @@
 #       COMPILE_CACHE (default runs/state/compile_cache) in a later session's `start`, which restores them
 # Several chains may run at once (two trainings on one GPU): give each its own SESSION_DIR and CODE_DIR.
 # env: OUT_DIR (/tmp/out), SESSION_DIR (/tmp/hs_chain), CODE_DIR (/tmp/hs_code), TRIES (3), CHAIN_WAIT_S (1200),
+#      CHAIN_POLL_S (seconds between two looks for a waited file or a polled status, 5), CHAIN_RETRY_S (pause before
+#      a retry, 2),
 #      PACK_EXCLUDE (more tar --exclude patterns, space-separated), TRITON_CACHE_DIR (/tmp/hs_triton), KERNEL_CACHE,
 #      TORCHINDUCTOR_CACHE_DIR (/tmp/torchinductor_USER), TILELANG_CACHE_DIR (~/.tilelang/cache), COMPILE_CACHE
 set -uo pipefail
@@ -83,7 +85,7 @@ case $cmd in
     while IFS= read -r line; do
       if [[ $line == wait\ * ]]; then
         f=${line#wait }
-        for _ in $(seq $(( ${CHAIN_WAIT_S:-1200} / 5 ))); do [ -e "$f" ] && break; sleep 5; done
+        for _ in $(seq $(( ${CHAIN_WAIT_S:-1200} / ${CHAIN_POLL_S:-5} ))); do [ -e "$f" ] && break; sleep "${CHAIN_POLL_S:-5}"; done
         if [ -e "$f" ]; then st "$line: here"; continue; fi
         st "$line: not here after ${CHAIN_WAIT_S:-1200} s"
         st "chain stopped: $f did not come; later commands not run"
@@ -95,7 +97,7 @@ case $cmd in
         bash -c "$line" < /dev/null; rc=$?
         st "$line: rc=$rc (try $k)"
         [ $rc = 0 ] && { ok=1; break; }
-        sleep 2
+        sleep "${CHAIN_RETRY_S:-2}"
       done
       [ $ok = 1 ] || { st "chain stopped: $line did not finish; later commands not run"; break; }
     done < "$sd/commands"
@@ -106,7 +108,7 @@ case $cmd in
     mkdir -p "$sd" "$ret"
     wait_s=${2:-0}
     pat=${3:-chain done}
-    for _ in $(seq $(( wait_s / 5 ))); do grep -qE "$pat" "$sd/status" 2>/dev/null && break; sleep 5; done
+    for _ in $(seq $(( wait_s / ${CHAIN_POLL_S:-5} ))); do grep -qE "$pat" "$sd/status" 2>/dev/null && break; sleep "${CHAIN_POLL_S:-5}"; done
     cat "$sd/status" 2>/dev/null; echo "--- log (end)"; tail -n 15 "$sd/log" 2>/dev/null | tr '\r' '\n' | tail -n 15
     if [ -d "$out" ]; then
       ex=(--exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' --exclude='checkpoint')
