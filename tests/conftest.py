@@ -19,11 +19,31 @@ import pytest  # noqa: E402
 from _pytest.mark import ParameterSet  # noqa: E402
 
 
+ALL_THREADS = torch.get_num_threads()  # torch's intra-op threads at start (the machine's cores)
+REAL_MODEL_FIXTURES = ("smol", "smollm2")  # the real SmolLM2-135M, loaded in this process
+
+
 def pytest_collection_modifyitems(config, items):
-    """A test that loads the real default model (the ``smol`` fixture) belongs to the slow tier."""
+    """A test that loads the real default model (the ``smol`` fixture) belongs to the slow tier; one that computes
+    with a real model in this process (``REAL_MODEL_FIXTURES``) runs on all intra-op threads (``all_threads``)."""
     for item in items:
-        if "smol" in getattr(item, "fixturenames", ()):
+        names = getattr(item, "fixturenames", ())
+        if "smol" in names:
             item.add_marker(pytest.mark.slow)
+        if any(f in names for f in REAL_MODEL_FIXTURES):
+            item.add_marker(pytest.mark.all_threads)
+
+
+@pytest.fixture(autouse=True)
+def intra_op_threads(request):
+    """One intra-op thread for each test, all of them (``ALL_THREADS``) for a test marked ``all_threads`` (a real model
+    in this process: its 576-wide matmuls gain from two cores). The tests' tiny models gain nothing from a second
+    thread, and on a machine shared with other work two OpenMP threads spin against it: test_hybrid_lean.py took
+    7.5-22.6 s with two threads, 3.7 s with one, back to back on a busy 2-core host. Subprocesses keep their own
+    default (this sets no environment variable); a test that compares its own sums bitwise with a subprocess's sets the
+    threads it needs itself (see test_distributed.py) or carries ``all_threads``."""
+    torch.set_num_threads(ALL_THREADS if request.node.get_closest_marker("all_threads") else 1)
+    yield
 
 
 def fast_first(cases, keep: int = 1, one_arg: bool = False):

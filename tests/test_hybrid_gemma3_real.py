@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.all_threads]
 
 
 @pytest.fixture(scope="module")
