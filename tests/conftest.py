@@ -35,14 +35,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def intra_op_threads(request):
-    """One intra-op thread for each test, all of them (``ALL_THREADS``) for a test marked ``all_threads`` (a real model
-    in this process: its 576-wide matmuls gain from two cores). The tests' tiny models gain nothing from a second
+def intra_op_threads(request, monkeypatch):
+    """One intra-op thread for each test and the processes it starts (``OMP_NUM_THREADS=1``), all of them
+    (``ALL_THREADS``, the environment as it was) for a test marked ``all_threads`` (a real model, in this process or a
+    notebook's kernel: its 576-wide matmuls gain from two cores). The tests' tiny models gain nothing from a second
     thread, and on a machine shared with other work two OpenMP threads spin against it: test_hybrid_lean.py took
-    7.5-22.6 s with two threads, 3.7 s with one, back to back on a busy 2-core host. Subprocesses keep their own
-    default (this sets no environment variable); a test that compares its own sums bitwise with a subprocess's sets the
-    threads it needs itself (see test_distributed.py) or carries ``all_threads``."""
-    torch.set_num_threads(ALL_THREADS if request.node.get_closest_marker("all_threads") else 1)
+    7.5-22.6 s with two threads, 3.7 s with one, back to back on a busy 2-core host. A test that compares its sums
+    bitwise with another thread count's sets the threads it needs itself (see test_distributed.py)."""
+    if request.node.get_closest_marker("all_threads"):
+        torch.set_num_threads(ALL_THREADS)
+    else:
+        torch.set_num_threads(1)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
     yield
 
 

@@ -41,6 +41,7 @@ def test_committed_outputs_are_the_readme_anatomy_run():
 
 
 @pytest.mark.slow
+@pytest.mark.all_threads  # the real model in the notebook's kernel
 def test_notebook_runs_and_exports_png(tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient

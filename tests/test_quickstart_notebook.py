@@ -50,6 +50,7 @@ def test_quickstart_committed_with_outputs():
 
 
 @pytest.mark.slow
+@pytest.mark.all_threads  # the real model in the notebook's kernel
 def test_quickstart_runs(tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
