@@ -24,9 +24,10 @@ HOPPER_SHARED_LIMIT = 232_448  # bytes per thread block on the H100 / H200 (227 
 KERNEL_MODULES = ("splitk", "gdn_step", "fa_prep", "one_launch", "layer_tail")
 
 
-def run_clean(module: str, function: str) -> Any:
-    """``module.function()`` (a module of tests/, returning JSON data) in a fresh Python process whose environment
-    lacks ``TRITON_INTERPRET`` -> its result."""
+def run_clean(module: str, function: str, *calls: tuple) -> Any:
+    """``module.function(*args)`` (a module of tests/, returning JSON data) in a fresh Python process whose environment
+    lacks ``TRITON_INTERPRET`` -> its result. With ``calls`` (argument tuples of JSON values): one process per tuple,
+    all at once (compiling is single-threaded: the CPU's other cores take the other calls) -> their results in order."""
     import json
     import subprocess
     import sys
@@ -35,12 +36,20 @@ def run_clean(module: str, function: str) -> Any:
     tests = Path(__file__).resolve().parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(tests.parent), str(tests), env.get("PYTHONPATH", "")])
-    code = f"import json, {module} as m; print('RESULT ' + json.dumps(m.{function}()))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tests, capture_output=True, text=True, timeout=1800)
-    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-    if out.returncode or not lines:
-        raise RuntimeError(f"{module}.{function} failed in its process:\n{out.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    procs = []
+    for args in calls or ((),):
+        code = (f"import json, {module} as m; "
+                f"print('RESULT ' + json.dumps(m.{function}(*json.loads({json.dumps(json.dumps(list(args)))}))))")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tests, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=1800)
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        if p.returncode or not lines:
+            raise RuntimeError(f"{module}.{function} failed in its process:\n{err[-4000:]}")
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    return results if calls else results[0]
 
 
 @dataclasses.dataclass
