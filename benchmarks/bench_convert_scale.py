@@ -272,6 +272,7 @@ def run_hybrid(stage: int, teacher, student, mask, rows, B: int, T: int, args, d
         if tr.plan.fast:
             res["cuda_graph"] = tr.step_fn.graph is not None
             res["graph_error"] = tr.step_fn.graph_error
+            res["graph_breaks"] = list(getattr(tr.step_fn, "graph_breaks", []))
         res.update(timing([s["seconds"] for s in res["steps"][args.warmup:n_run]], B * T, res["flops_per_step"]))
         log(f"  stage {stage} {B}x{T} step {row['step']}: {row['seconds'] * 1e3:.0f} ms, loss {row['loss']:.4g}, "
             f"peak {res['steps'][-1]['peak_gib']} GiB")

@@ -203,6 +203,33 @@ def _raise_recompile_limit(n: int = 64) -> None:
         cfg.accumulated_recompile_limit = 4 * n
 
 
+def _compiled_whole(f: Callable, backend: str, breaks_ok: bool, breaks: list[str]) -> Callable:
+    """``torch.compile(f, fullgraph=True)``; at a graph break (``torch._dynamo.exc.Unsupported`` at a call's compile)
+    with ``breaks_ok``, ``f`` is compiled again allowing breaks, the reason appended to ``breaks`` and warned; without
+    ``breaks_ok`` the break raises, naming the fix."""
+    whole = torch.compile(f, backend=backend, dynamic=False, fullgraph=True)
+    current = [whole]
+
+    def call(*args: Any) -> Any:
+        try:
+            return current[0](*args)
+        except torch._dynamo.exc.Unsupported as e:
+            if current[0] is not whole:
+                raise
+            reason = f"{getattr(f, '__name__', f)}: {str(e).strip().splitlines()[0][:300]}"
+            if not breaks_ok:
+                raise RuntimeError(f"a graph break in the compiled training step ({reason}): with activation checkpointing "
+                                   "the recomputation could differ from the forward; train without "
+                                   "--activation-checkpointing (--grad-accum K for memory) or with the plain step") from e
+            breaks.append(reason)
+            warnings.warn(f"headscope: a graph break in the compiled training step ({reason}); compiled again with "
+                          "breaks allowed (slower, same values)")
+            current[0] = torch.compile(f, backend=backend, dynamic=False)
+            return current[0](*args)
+
+    return call
+
+
 def fast_step_problem(stage: int, student: nn.Module, teacher: Optional[nn.Module]) -> Optional[str]:
     """Why :class:`FastStep` cannot run ``stage`` on these models (a sentence), or None when it can: a
     stage other than 1-3, stages 1-2 without a teacher, a model without the Llama / Qwen3 / Mistral / Gemma 3 structure."""
@@ -320,14 +347,18 @@ class FastStep:
             side = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
             with side:
                 self._forward = ddp_loss(student, self.loss)
-        # fullgraph: a graph break raises at the first step instead of splitting a layer into graphs whose resume
-        # functions recompiled on every call up to Dynamo's limit, then ran eagerly (issue 63)
-        wrap = (lambda f: torch.compile(f, backend=backend, dynamic=False, fullgraph=True)) if compile else (lambda f: f)
+        # fullgraph: a graph break shows at the first step instead of splitting a layer into graphs whose resume
+        # functions recompiled on every call up to Dynamo's limit, then ran eagerly (issue 63); without activation
+        # checkpointing a region with a break still computes the same (slower): it is compiled again allowing breaks,
+        # warned and listed in graph_breaks; with checkpointing it raises (the recomputation could differ)
+        self.activation_checkpointing = bool(activation_checkpointing)
+        self.graph_breaks: list[str] = []
+        wrap = ((lambda f: _compiled_whole(f, backend, not self.activation_checkpointing, self.graph_breaks))
+                if compile else (lambda f: f))
         if compile:
             _raise_recompile_limit()
         self._layer = wrap(_layer_call)
         self._attn = wrap(_attn_call)
-        self.activation_checkpointing = bool(activation_checkpointing)
         self._s_layer, self._s_attn = self._layer, self._attn  # the student's calls
         if self.activation_checkpointing:
             from torch.utils.checkpoint import checkpoint

@@ -137,6 +137,8 @@ def stage_record(stage: int, trainer: Trainer, summary: dict[str, Any], config: 
         "data_parallel": summary.get("data_parallel"),
         "world_size": trainer.world if trainer.parallel else 1,
         "fast_step": summary.get("fast_step"),
+        "graph_breaks": summary.get("graph_breaks"),
+        "graph_error": summary.get("graph_error"),
         "step_plan": summary.get("step_plan"),
         "config": {"train": asdict(config), "hybrid": hybrid_options},
         "mask": {"n_fa": mask.n_fa, "n_heads": mask.n_layers * mask.n_heads,

@@ -512,6 +512,9 @@ class Trainer:
             "data_parallel": self.plan.data_parallel,
             "fast_step": self.plan.fast,
             "step_plan": self.plan.as_dict(),
+            # what the compiled fast step could not keep whole (FastStep.graph_breaks) and a failed CUDA-graph capture
+            "graph_breaks": list(getattr(self.step_fn, "graph_breaks", [])),
+            "graph_error": getattr(self.step_fn, "graph_error", None),
         }
         if finished:
             sd = parallel.full_state_dict(self.student) if self.cfg.save_student else None  # collective if sharded
