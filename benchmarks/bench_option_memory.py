@@ -16,10 +16,8 @@ tokenizer — cancels in the difference).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -28,24 +26,12 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_deterministic import corpus, tokenizer  # noqa: E402  (the same tiny tokenizer and corpus)
+
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"defaults": [], "new_params_only": ["--new-params-only"], "teacher_bf16": ["--teacher-dtype", "bf16"],
             "both": ["--new-params-only", "--teacher-dtype", "bf16"]}
-
-
-def tokenizer():
-    spec = importlib.util.spec_from_file_location("small_vocab", ROOT / "tests" / "small_vocab.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    tok = mod.small_tokenizer()
-    tok.pad_token = tok.pad_token or tok.eos_token
-    return tok
-
-
-def corpus(n_docs: int = 60, seed: int = 0) -> str:
-    rng = random.Random(seed)
-    words = "the a farmer painter sailor walked looked talked harbour garden square barn road morning rain care".split()
-    return "\n\n".join(" ".join(" ".join(rng.choice(words) for _ in range(9)) + "." for _ in range(12)) for _ in range(n_docs))
 
 
 def main() -> None:
@@ -69,7 +55,7 @@ def main() -> None:
     tok.save_pretrained(work / "teacher")
     mask = HeadMask(a.layers, 16, 8, tuple((0, 8) for _ in range(a.layers)))  # 7:1, two KV groups a layer
     mask.to_json(work / "mask.json")
-    (work / "corpus.txt").write_text(corpus())
+    (work / "corpus.txt").write_text(corpus(n_docs=60))
     shape = ModelShape.from_config(cfg, "bench")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     report: dict = {"script": "benchmarks/bench_option_memory.py", "argv": sys.argv[1:], "shape": shape.__dict__,
