@@ -10,9 +10,10 @@ two settings of transformers' ``generate``:
   automatic ``torch.compile`` of the decode forward, CUDA graphs through ``mode="reduce-overhead"``; the hybrid: a
   static ``HybridCache`` whose decode steps replay one captured CUDA graph, ``StaticDecoder.step_replayed``).
 
-``--family mistral`` / ``gemma3`` (issue 61): random weights of Mistral-7B's layer shape (sliding window 4096) at
-``--layers`` depth (default 8) or of Gemma 3 270M's config (18 layers, 5 sliding (window 512) : 1 full, head_dim 256),
-each with a random 7:1 mask (``mask_7to1``: one FA head per layer at least).
+``--family mistral`` / ``gemma3`` / ``gpt-neox`` (issue 61): random weights of Mistral-7B's layer shape (sliding window
+4096) at ``--layers`` depth (default 8), of Gemma 3 270M's config (18 layers, 5 sliding (window 512) : 1 full, head_dim
+256) or of Pythia-160M's (12 layers, 12 heads, head_dim 64, rotary on a quarter of each head, parallel residual), each
+with a random 7:1 mask (``mask_7to1``: one FA head per layer at least).
 
 ms per new token = (wall time of a call making 2N tokens − a call making N) / N, both after a warm-up call of the
 same shape (compilation, capture and prefill cancel out), the minimum over ``--reps`` repetitions; every call is
@@ -23,6 +24,7 @@ with each cell, the ratio hybrid / teacher (< 1: the hybrid is faster), the Infe
 
     python benchmarks/bench_generate.py --out benchmarks/results/h200_generate_api.json
     python benchmarks/bench_generate.py --family gemma3 --batches 1 --lengths 8192 --out gemma3_generate.json
+    python benchmarks/bench_generate.py --family gpt-neox --out gpt_neox_generate.json
     python benchmarks/bench_generate.py --smoke            # CPU, tiny shape, < 1 min
 """
 
@@ -38,7 +40,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, MistralConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hybrid_model import hybrid_mask, mask_7to1, smollm2_config  # noqa: E402
@@ -117,6 +119,11 @@ def family_config(family: str, layers: int) -> tuple:
                             num_key_value_heads=8, head_dim=128, vocab_size=32000, sliding_window=4096,
                             max_position_embeddings=1 << 17, rope_theta=10000.0)
         what = f"Mistral-7B layer shape x {layers} layers (32 heads, 8 KV, d 128, sliding window 4096)"
+    elif family == "gpt-neox":
+        cfg = GPTNeoXConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                            vocab_size=50304, rotary_pct=0.25, rotary_emb_base=10000, use_parallel_residual=True,
+                            max_position_embeddings=1 << 17, bos_token_id=0, eos_token_id=0)
+        what = "Pythia-160M config (12 layers, 12 heads, d 64, rotary 0.25, parallel residual)"
     else:
         cfg = Gemma3TextConfig(hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
                                num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512,
@@ -125,7 +132,8 @@ def family_config(family: str, layers: int) -> tuple:
                                             for i in range(18)])
         what = "Gemma 3 270M config (18 layers, 5 sliding (512) : 1 full, 4 heads, 1 KV, d 256)"
     cfg._attn_implementation = "sdpa"
-    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+    H = cfg.num_attention_heads
+    KV = getattr(cfg, "num_key_value_heads", None) or H
     return cfg, mask_7to1(cfg.num_hidden_layers, H, KV), what
 
 
@@ -137,7 +145,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--mask", default="hydrahead")
-    ap.add_argument("--family", default="smollm2", choices=["smollm2", "mistral", "gemma3"])
+    ap.add_argument("--family", default="smollm2", choices=["smollm2", "mistral", "gemma3", "gpt-neox"])
     ap.add_argument("--layers", type=int, default=8, help="--family mistral: decoder layers")
     ap.add_argument("--smoke", action="store_true", help="CPU, 4-layer tiny shape, 64-token prompts")
     ap.add_argument("--out", default="h200_generate_api.json")
@@ -149,8 +157,10 @@ def main() -> None:
                               num_key_value_heads=2, vocab_size=128, max_position_embeddings=4096)
             cfg._attn_implementation = "sdpa"
         else:  # the tests' tiny model of the family (Mistral: window 24; Gemma 3: window 8, 3 layers)
-            cfg = hybrid_families()[{"mistral": "mistral_sw"}.get(args.family, args.family)](128, 0).config
-        L, H, KV = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
+            cfg = hybrid_families()[{"mistral": "mistral_sw", "gpt-neox": "gpt_neox"}.get(args.family, args.family)](
+                128, 0).config
+        L, H = cfg.num_hidden_layers, cfg.num_attention_heads
+        KV = getattr(cfg, "num_key_value_heads", None) or H
         mask = HeadMask(4, 4, 2, ((0,), (1,), (2, 3), (0,))) if args.family == "smollm2" else mask_7to1(L, H, KV)
         args.batches, args.lengths, args.new_tokens, args.reps = [1, 2], [64], 4, 1
     else:

@@ -1,5 +1,6 @@
-"""The fast backends on the Mistral (sliding window 24) and Gemma 3 (sliding window 8 between full layers, a RoPE
-base per layer type, Gemma's QK-norm, scaled embedding) hybrids (issue 61 item 4): each role's fast backend against
+"""The fast backends on the Mistral (sliding window 24), Gemma 3 (sliding window 8 between full layers, a RoPE
+base per layer type, Gemma's QK-norm, scaled embedding, sandwich norms, here a final-logit soft-cap) and GPT-NeoX
+(partial rotary, parallel residual, biases) hybrids (issue 61 item 4): each role's fast backend against
 the reference forward of the same model — tiny random models of tests/families.py, CPU, fp32, prompts past every
 window; the decode kernels run through Triton's interpreter where tests/conftest.py sets it (else their PyTorch
 forms). GPU checks in bf16 against fp64: tests/test_hybrid_gpu_checks.py."""
@@ -22,17 +23,20 @@ from families import FAMILIES
 
 V, T, T0 = 128, 40, 34  # prompts past every window; decode steps from T0 to T (one sequence: the interpreter)
 REF = replace_all(DEFAULT, "reference")
-# Gemma 3's decoder layer (sandwich norms) is not the Llama form the captured step computes: its reference
-FAST = {"mistral_sw": replace(DEFAULT, train="fused", prefill="lean", decode="lean", captured_decode="graph"),
-        "gemma3": replace(DEFAULT, train="fused", prefill="lean", decode="lean", captured_decode="reference")}
+ON = replace(DEFAULT, train="fused", prefill="lean", decode="lean", captured_decode="graph")
+FAST = {"mistral_sw": ON, "gemma3": ON, "gpt_neox": ON}
 
 
 @pytest.fixture(scope="module", params=sorted(FAST))
 def hybrid(request):
-    """(family, hybrid): FA heads l mod H (+ H − 1 on odd layers), GDN decay / β / γ moved off their initial values."""
+    """(family, hybrid): FA heads l mod H (+ H − 1 on odd layers), GDN decay / β / γ moved off their initial values;
+    Gemma 3's logits soft-capped at 2 (its real checkpoints have none; Gemma 2's 30 is the form)."""
     t = FAMILIES[request.param](V, 0).float().eval()
     c = t.config
-    L, H, KV = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
+    if request.param == "gemma3":
+        c.final_logit_softcapping = 2.0
+    L, H = c.num_hidden_layers, c.num_attention_heads
+    KV = getattr(c, "num_key_value_heads", None) or H
     mask = HeadMask(L, H, KV, tuple(tuple(sorted({l % H} | ({H - 1} if l % 2 else set()))) for l in range(L)))
     h = hybridize(t, mask, gdn_kernel="torch").eval()
     g = torch.Generator().manual_seed(1)
@@ -79,8 +83,9 @@ def test_fused_training_forward_equals_the_reference(hybrid, monkeypatch):
 def test_lean_prefill_and_decode_equal_the_reference(hybrid, monkeypatch):
     """The lean prefill's logits equal the reference forward's; decode steps into a HybridCache from T0 to T (past
     every window: the FA heads of sliding layers attend to their last w slots) equal the reference forward's logits
-    at those positions; greedy generate gives the reference's tokens. Mistral's decode steps run as the captured
-    whole-model step (device positions; on CPU eagerly)."""
+    at those positions; greedy generate (the default and the static cache) gives the reference's tokens. Every decode
+    step runs as the captured whole-model step (``StaticDecoder.step_replayed``: device positions; on CPU eagerly),
+    which calls the lean step itself, never the module."""
     name, h = hybrid
     ids = _ids()
     with torch.no_grad():
@@ -97,12 +102,11 @@ def test_lean_prefill_and_decode_equal_the_reference(hybrid, monkeypatch):
         cache = HybridCache(h.config, max_len=64)
         h(ids[:1, :T0], cache=cache, use_cache=True)
         steps = torch.stack([h(ids[:1, t: t + 1], cache=cache, use_cache=True).logits[:, -1] for t in range(T0, T)], 1)
-        assert (steps - want[:1, T0:]).abs().max() < 2e-5
+        assert (steps - want[:1, T0:]).abs().max() < 2e-5 and want.abs().max() > 0.5
         for kw in ({}, {"cache_implementation": "static"}):  # Mistral's StaticCache holds only the window: not ours
             assert torch.equal(h.generate(ids[:1, :T0], max_new_tokens=6, min_new_tokens=6, do_sample=False, **kw),
                                want_gen), kw
-    assert any(captured) == (name == "mistral_sw")  # Mistral: the captured step calls the lean step itself
-    assert len(dec) == (0 if name == "mistral_sw" else len(decoder_layers(h)) * (T - T0 + 10))  # Gemma 3: every layer
+    assert sum(captured) == T - T0 + 10 and len(dec) == 0  # every decode step: 6 here, 5 per generate
 
 
 def test_own_mask_is_only_the_unpadded_causal_window():
@@ -128,19 +132,30 @@ def test_own_mask_is_only_the_unpadded_causal_window():
 
 
 def test_backends_say_what_they_lack():
-    """auto picks the fast backends for Mistral and Gemma 3 layers on CUDA; a backend named for a feature it lacks is
-    refused, the message naming the feature and the fix: the captured step for Gemma 3's decoder layer, the decode
+    """auto picks the fast backends of every role for Mistral, Gemma 3 and GPT-NeoX on CUDA (the captured step from the
+    hybrid models' own features); a backend named for a feature it lacks is refused, the message naming the feature
+    and the fix: the captured step for a decoder layer of another form and for an attention soft-cap, the decode
     kernels for a soft-capped layer (Gemma 2 style)."""
-    mistral, gemma = Needs(frozenset({"window"}), "bfloat16", "cuda"), Needs(
-        frozenset({"window", "qk_norm_teacher", "logit_scale"}), "bfloat16", "cuda")
-    for needs in (mistral, gemma):
-        assert [select(r, "auto", needs).name for r in ("train", "prefill", "decode")] == ["fused", "lean", "lean"]
-    assert select("captured_decode", "auto", mistral).name == "graph"
-    assert select("captured_decode", "auto", replace(gemma, features=gemma.features | {"other_decoder_layer"})
-                  ).name == "reference"
+    mistral, gemma, neox = (Needs(frozenset(f), "bfloat16", "cuda") for f in (
+        {"window"}, {"window", "qk_norm_teacher", "logit_scale"}, {"biases", "partial_rotary"}))
+    for needs in (mistral, gemma, neox):
+        assert [select(r, "auto", needs).name for r in ("train", "prefill", "decode", "captured_decode")] == [
+            "fused", "lean", "lean", "graph"]
+    for name in ("gemma3", "gpt_neox"):
+        t = FAMILIES[name](V, 0).float().eval()
+        L, H = t.config.num_hidden_layers, t.config.num_attention_heads
+        h = hybridize(t, HeadMask(L, H, getattr(t.config, "num_key_value_heads", None) or H,
+                                  tuple((i % H,) for i in range(L))), gdn_kernel="torch").eval()
+        assert select("captured_decode", "auto", replace(gemma, features=h.backends.features)).name == "graph", name
+    layer = decoder_layers(h)[0]  # GPT-NeoX: a decoder layer of a class the captured step does not know
+    layer.__class__ = type("OtherLayer", (type(layer),), {})
+    with pytest.raises(HeadscopeInputError, match="lacks feature other_decoder_layer; use captured_decode='auto'"):
+        use_inference(h, replace(DEFAULT, captured_decode="graph"))
     t = FAMILIES["gemma3"](V, 0).float().eval()
     h = hybridize(t, HeadMask(3, 4, 2, ((0,), (1,), (2,))), gdn_kernel="torch").eval()
-    with pytest.raises(HeadscopeInputError, match="other_decoder_layer.*captured_decode='auto'"):
+    attn = getattr(decoder_layers(h)[1], attention_name(decoder_layers(h)[1]))
+    attn.spec = replace(attn.spec, softcap=5.0)
+    with pytest.raises(HeadscopeInputError, match="lacks feature softcap; use captured_decode='auto'"):
         use_inference(h, replace(DEFAULT, captured_decode="graph"))
     soft = Needs(frozenset({"softcap"}), "bfloat16", "cuda")
     assert select("prefill", "lean", soft).name == "lean" and select("decode", "auto", soft).name == "reference"
@@ -157,7 +172,7 @@ def _rel(got, want):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/recipes/gpu_tests.sh)")
 @pytest.mark.parametrize("name", sorted(FAST))
 def test_auto_backends_in_bf16_on_cuda_against_fp64(name):
-    """On CUDA in bf16 with the default InferenceConfig ("auto": fused / lean / lean, Mistral's decode steps as the
+    """On CUDA in bf16 with the default InferenceConfig ("auto": fused / lean / lean, the decode steps as the
     captured graph; the Triton decode kernels, fla and flash-attn where installed), head_dim 64: the training
     forward's logits, the prefill's and decode steps' past every window, each against the fp64 reference forward of
     the same weights (CPU), relative RMS error at most 2 × the bf16 reference forward's own + 0.01 (a wrong window,
@@ -172,7 +187,7 @@ def _bf16_errors(name, device):
     from headscope.arch.random_models import hybrid_families
 
     t = hybrid_families((3, 256, 4, 2))[name](V, 0).float().eval()
-    mask = HeadMask(3, 4, 2, ((0,), (1, 3), (2,)))
+    mask = HeadMask(3, 4, getattr(t.config, "num_key_value_heads", None) or 4, ((0,), (1, 3), (2,)))
     h64 = hybridize(t, mask).double().eval()
     use_inference(h64, REF)
     ids = torch.randint(0, V, (2, 96), generator=torch.Generator().manual_seed(0))

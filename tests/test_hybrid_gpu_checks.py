@@ -608,11 +608,10 @@ def test_greedy_tokens_agree_bf16_cuda(gdn_conv):
 
 
 @gpu
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gpt_neox"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral_sw", "gemma3", "gpt_neox"])
 def test_family_decode_on_cuda_matches_the_reference(name):
     """Each family whose layers take the fast paths, on CUDA in bf16: a prefill and 5 decode steps through the
-    HybridCache on the fast paths (lean prefill, the Triton decode kernels, for Llama-form layers the replayed
-    whole-model step) against the reference forward (every role ``"reference"``) on the same tokens: within bf16 rounding,
+    HybridCache on the fast paths (lean prefill, the Triton decode kernels, the replayed whole-model step) against the reference forward (every role ``"reference"``) on the same tokens: within bf16 rounding,
     max |Δlogit| ≤ 3 % of the largest logit (GPT-NeoX's partial-rotary heads once decoded with errors ~ the logits)."""
     from headscope.arch.random_models import hybrid_families
     from headscope.hybrid.backend_registry import replace_all

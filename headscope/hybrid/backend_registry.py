@@ -106,8 +106,8 @@ register(Backend("lean", "prefill", ".inference.forward:prefill", Supports(_FAST
 register(Backend("lean", "decode", ".inference.forward:decode_step", Supports(_FAST), {"cpu": 0, "cuda": 10},
                  "Triton decode kernels (one launch: FA prep + split-K, GDN step), else compiled PyTorch"))
 register(Backend("graph", "captured_decode", ".inference.model_step:model_forward",
-                 Supports(_FAST - {"partial_rotary"}), {"cpu": 0, "cuda": 10},
-                 "the whole decode step replayed from one CUDA graph (Llama-form decoder layers)"))
+                 Supports(_FAST), {"cpu": 0, "cuda": 10}, "the whole decode step replayed from one CUDA graph "
+                 "(decoder layers of Llama's form, Gemma 3's or GPT-NeoX's)"))
 
 
 def backends() -> list[dict[str, Any]]:

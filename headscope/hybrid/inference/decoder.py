@@ -1,4 +1,5 @@
-"""Whole-model prefill and decode steps of a hybrid (Llama-form) model through its per-layer caches.
+"""Whole-model prefill and decode steps of a hybrid model (Llama-form, Gemma 3 or GPT-NeoX decoder layers) through
+its per-layer caches.
 
 :class:`StaticDecoder` runs the decoder layers itself, every attention layer on the lean backends; ``generate``'s
 decode steps replay its :meth:`StaticDecoder.step_replayed` (the ``graph`` backend, ``model_step.py``). Driven
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..modeling_hybrid import attention_name
 from .graphs import capture as _capture
 from .inference_config import InferenceConfig, inference_config, use_inference
 from .forward import DeferredOutput, DevicePosition, applies as _lean_applies, decode_step, plan as _plan
@@ -32,17 +34,30 @@ def _pre(layer: Any, h: Tensor) -> Tensor:
 
 
 def _embed(base: Any, ids: Tensor, pos: Tensor) -> tuple:
-    """A step's start: the tokens' embeddings [batch, T, hidden] and the rotary embedding's (cos, sin)."""
-    h = base.embed_tokens(ids)
-    return h, base.rotary_emb(h, pos)
+    """A step's start: the tokens' embeddings [batch, T, hidden] (the module's own scale: Gemma 3's √hidden) and the
+    rotary embedding's (cos, sin), or per layer type a dict of them (Gemma 3: a RoPE base per layer type)."""
+    h, rot = base.get_input_embeddings()(ids), base.rotary_emb
+    types = getattr(rot, "layer_types", None)
+    return h, ({t: rot(h, pos, t) for t in types} if types else rot(h, pos))
 
 
 def _head(model: Any, h: Tensor) -> Tensor:
-    """A step's end: logits [batch, T, vocab] = lm_head(norm(h))."""
-    return model.lm_head(model.model.norm(h))
+    """A step's end: logits [batch, T, vocab] = lm_head(final norm(h)), soft-capped as the model's
+    ``final_logit_softcapping`` says (Gemma: c · tanh(logits / c))."""
+    base = model.base_model
+    logits = model.lm_head((base.norm if hasattr(base, "norm") else base.final_layer_norm)(h))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def _post(layer: Any, h: Tensor, a: Tensor) -> Tensor:
+    """A decoder layer after its attention output a: Llama's residual, norm, MLP, residual; Gemma 3's with its
+    sandwich norms; GPT-NeoX's parallel residual h + a + MLP(norm(h)) (its sequential form: Llama's)."""
+    if hasattr(layer, "pre_feedforward_layernorm"):
+        h = h + layer.post_attention_layernorm(a)
+        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+    if getattr(layer, "use_parallel_residual", False):
+        return layer.mlp(layer.post_attention_layernorm(h)) + a + h
     h = h + a
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
@@ -93,13 +108,15 @@ def _gated_mlp(layer: Any) -> bool:
     (Llama / Qwen3 / Mistral ``*MLP``: linear gate_proj, up_proj, down_proj and an act_fn); checked numerically
     against the module's own forward before use (:meth:`StaticDecoder._fused_tail_ok`)."""
     m = getattr(layer, "mlp", None)
-    return (m is not None and all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+    return (m is not None and not hasattr(layer, "pre_feedforward_layernorm")  # Gemma 3's sandwich norms: not this
+            and all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
             and callable(getattr(m, "act_fn", None)) and hasattr(layer, "post_attention_layernorm")
             and hasattr(layer, "input_layernorm"))
 
 
 class StaticDecoder:
-    """Prefill / decode a hybrid model (``model.model.layers[i].self_attn`` a HeadwiseHybridAttention).
+    """Prefill / decode a hybrid model (every decoder layer's attention a HeadwiseHybridAttention): Llama-form
+    decoder layers (Llama, Qwen2, Qwen3, Mistral), Gemma 3's and GPT-NeoX's (``_post``, ``_embed``, ``_head``).
 
     Args:
         model: a hybrid causal LM (an all-FA mask with ``fusion="none"`` gives the teacher's function).
@@ -120,37 +137,29 @@ class StaticDecoder:
 
     def __init__(self, model: Any, batch: int, max_len: int, compile_tail: bool = False,
                  config: Optional[InferenceConfig] = None, caches: Optional[list] = None):
-        self.model = model
-        self.base = model.model
-        for i, layer in enumerate(self.base.layers):
-            if not hasattr(layer.self_attn, "new_decode_cache"):
+        self.model, self.base = model, model.base_model
+        self.layers = layers = self.base.layers
+        self.attns = [getattr(layer, attention_name(layer)) for layer in layers]
+        self.types = getattr(model.config, "layer_types", None)  # per layer: its (cos, sin) in a dict of _embed's
+        for i, attn in enumerate(self.attns):
+            if not hasattr(attn, "new_decode_cache"):
                 raise ValueError(f"layer {i} is not a hybrid attention layer; hybridize the model first")
         if config is not None and config is not inference_config(model):
             use_inference(model, config)
-        self.config = inference_config(model)
-        cfg = self.config
-        if caches is not None and (len(caches) != len(self.base.layers) or any(
-                c is None or c.max_len != max_len for c in caches)):
-            raise ValueError(f"caches must be one HybridDecodeCache of max_len {max_len} per layer "
-                             f"({len(self.base.layers)})")
-        self.caches = caches if caches is not None else [
-            layer.self_attn.new_decode_cache(batch, max_len) for layer in self.base.layers]
+        self.config = cfg = inference_config(model)
+        if caches is not None and (len(caches) != len(layers) or any(c is None or c.max_len != max_len for c in caches)):
+            raise ValueError(f"caches must be one HybridDecodeCache of max_len {max_len} per layer ({len(layers)})")
+        self.caches = caches if caches is not None else [a.new_decode_cache(batch, max_len) for a in self.attns]
         self._dstep: Optional[tuple] = None  # step_replayed's inputs (token, position, slots, valid, n_valid)
         self._dp: Optional[DevicePosition] = None  # the replayed step's device position (None: cache.length)
         self._dgraph: Optional[tuple] = None  # its (graph, static logits), captured on first use on CUDA
         self.batch, self.max_len = batch, max_len
-        self._graph: Optional[torch.cuda.CUDAGraph] = None
-        self._pf_graph: Optional[torch.cuda.CUDAGraph] = None
-        self._pf_ids: Optional[Tensor] = None
-        self._pre, self._post, self._fused = _pre, _post, None
-        self._embed, self._head = _embed, _head
-        self._gu: list = [None] * len(self.base.layers)  # per layer: (weight versions, W_gu, b_gu)
+        self._graph = self._pf_graph = self._pf_ids = None  # capture()'s graph; capture_prefill()'s graph and ids
+        self._pre, self._post, self._fused, self._embed, self._head = _pre, _post, None, _embed, _head
+        self._gu: list = [None] * len(layers)  # per layer: (weight versions, W_gu, b_gu)
         self._tk: Optional[list] = None  # per layer: the norms' (weight, ε) of layer_tail.layer_tail, where it applies
         if compile_tail:
-            self._pre = _compile(_pre, cfg)
-            self._post = _compile(_post, cfg)
-            self._embed, self._head = _compile(_embed, cfg), _compile(_head, cfg)
-            layers = self.base.layers
+            self._pre, self._post, self._embed, self._head = (_compile(f, cfg) for f in (_pre, _post, _embed, _head))
             if all(_gated_mlp(layer) for layer in layers):
                 if any(_hooked(layer) for layer in layers):
                     warnings.warn("StaticDecoder: forward hooks on the layers' norms or MLPs; the fused layer tail "
@@ -164,7 +173,7 @@ class StaticDecoder:
         """Layer i's [gate; up] weight (and bias), concatenated once and again when either changes; (None, None)
         above ``config.fused_gate_up_max_bytes`` (the two projections are used). A captured CUDA graph keeps the
         copy it was captured with: capture again after editing the weights (as for the lean path's projections)."""
-        m = self.base.layers[i].mlp
+        m = self.layers[i].mlp
         ps = (m.gate_proj.weight, m.up_proj.weight, m.gate_proj.bias, m.up_proj.bias)
         if (ps[0].numel() + ps[1].numel()) * ps[0].element_size() > self.config.fused_gate_up_max_bytes:
             return None, None
@@ -184,7 +193,7 @@ class StaticDecoder:
         """The fused tail (eager) against the layers' own modules on random hidden states, for every layer: False
         (with a warning) when they differ by more than ``tol`` relative to the largest value (default 1e-4 in
         fp32, 3e-2 in 16-bit types: one GEMM of concatenated rows may round differently)."""
-        layers = self.base.layers
+        layers = self.layers
         i = self._differs_from_modules(lambda i, h, a: _post_fused(layers[i], layers[i + 1] if i + 1 < len(layers)
                                                                    else None, h, a, *self._gate_up(i)), (2, 3), 0, tol)
         if i is not None:
@@ -199,7 +208,7 @@ class StaticDecoder:
         """The first layer whose ``tail(i, h, a) -> (h', next layer's input or None)`` differs from the layers' own
         modules (``_post``, then ``_pre`` of the next layer) on random h, a [*rows, hidden] by more than ``tol``
         relative to the largest value (default 1e-4 in fp32, 3e-2 in 16-bit types); None when none does."""
-        layers = self.base.layers
+        layers = self.layers
         w = layers[0].mlp.gate_proj.weight
         if tol is None:
             tol = 1e-4 if w.dtype in (torch.float32, torch.float64) else 3e-2
@@ -220,7 +229,7 @@ class StaticDecoder:
         :func:`~headscope.hybrid.inference.kernels.layer_tail.layer_tail`; None where it does not apply here (device, sizes, a norm
         without an ε attribute, the gate/up weights not concatenated) or differs from the layers' modules on random
         inputs (warned). The check feeds the attention output through an identity o_proj (exact in any dtype)."""
-        layers = self.base.layers
+        layers = self.layers
         w = layers[0].mlp.gate_proj.weight
         rows = min(self.batch, _TAIL_ROWS)
         inter, hidden = w.shape
@@ -249,7 +258,7 @@ class StaticDecoder:
         input [rows, k_o]; ``params`` from :meth:`_tail_kernel_params`) -> (h, next layer's input or None); with
         ``proj`` (the next layer's lean plan) the second is that layer's input projection."""
         (wp, ep), pre = params[i]
-        mlp = self.base.layers[i].mlp
+        mlp = self.layers[i].mlp
         W_gu, b_gu = self._gate_up(i)
         return layer_tail(y, h, w_o, b_o, wp, ep, W_gu, b_gu, mlp.down_proj.weight, mlp.down_proj.bias,
                           *(pre if pre is not None else (None, 0.0)), w_in=proj.W if proj is not None else None,
@@ -258,26 +267,25 @@ class StaticDecoder:
     def _projects(self, i: int, h: Tensor) -> Optional[Any]:
         """The lean plan of layer i + 1 when the tail kernel of layer i can compute its input projection
         (the layer takes the lean path for this step, its rows a multiple of 16)."""
-        layers = self.base.layers
-        if i + 1 >= len(layers):
+        if i + 1 >= len(self.layers):
             return None
-        attn = layers[i + 1].self_attn
+        attn = self.attns[i + 1]
         if not _lean_applies(attn, h):
             return None
         p = _plan(attn)
         return p if p.W.shape[0] % 16 == 0 else None
 
     def _layers(self, h: Tensor, pe: Any, pos: Tensor) -> Tensor:
-        """The decoder layers over hidden states h [batch, T, hidden] (attention through the caches)."""
-        layers = self.base.layers
+        """The decoder layers over hidden states h [batch, T, hidden] (attention through the caches; pe: _embed's)."""
+        layers, pes = self.layers, [pe[t] for t in self.types] if isinstance(pe, dict) else [pe] * len(self.layers)
         if self._fused is not None:
             rows = h.shape[0] * h.shape[1]
             tk = self._tk if (self._tk is not None and h.shape[1] == 1 and rows <= _TAIL_ROWS) else None
             x = self._tail(0, layers[0], h)
             z = None  # the layer's input projection, when the tail kernel before computed it
-            for i, (layer, dc) in enumerate(zip(layers, self.caches)):
+            for i, (layer, attn, pe, dc) in enumerate(zip(layers, self.attns, pes, self.caches)):
                 if tk is not None:
-                    a = self._attend(layer.self_attn, x if z is None else h, pe, dc, pos, defer=True, z_in=z)
+                    a = self._attend(attn, x if z is None else h, pe, dc, pos, defer=True, z_in=z)
                     z = None
                     if isinstance(a, DeferredOutput) and not _tail_applies(
                             rows, h.shape[-1], a.y.shape[1], layer.mlp.down_proj.weight.shape[1], h.device):
@@ -292,12 +300,12 @@ class StaticDecoder:
                             x = nxt.view_as(h) if nxt is not None else None
                         continue
                 else:
-                    a = self._attend(layer.self_attn, x, pe, dc, pos)
+                    a = self._attend(attn, x, pe, dc, pos)
                 h, x = self._tail(2, layer, layers[i + 1] if i + 1 < len(layers) else None, h, a, *self._gate_up(i))
             return h
-        for layer, dc in zip(layers, self.caches):
+        for layer, attn, pe, dc in zip(layers, self.attns, pes, self.caches):
             x = self._tail(0, layer, h)
-            a = self._attend(layer.self_attn, x, pe, dc, pos)
+            a = self._attend(attn, x, pe, dc, pos)
             h = self._tail(1, layer, h, a)
         return h
 

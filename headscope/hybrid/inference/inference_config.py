@@ -31,7 +31,7 @@ class InferenceConfig:
     Attributes:
         train, prefill, decode, captured_decode: each role's backend (``headscope.hybrid.backends()``): a name, or
             ``"auto"`` — the fastest that applies on the call's device (CUDA: ``fused`` / ``lean`` / ``lean`` /
-            ``graph`` for Llama, Qwen2, Qwen3, GPT-NeoX layers; CPU: ``"reference"``, the saved code's forward). A
+            ``graph`` for the six families' layers; CPU: ``"reference"``, the saved code's forward). A
             named backend that does not apply raises HeadscopeInputError (``use_inference``, or a first call on
             another device / dtype).
         compile_glue: ``torch.compile`` the lean backends' elementwise glue on CUDA (eager elsewhere).
@@ -228,15 +228,17 @@ def _partial_rotary(config: Any) -> bool:
     return any(float(getattr(config, k, None) or 1.0) < 1.0 for k in ("rotary_pct", "partial_rotary_factor"))
 
 
-def _llama_form(model: Any) -> bool:
-    """Whether the model's decoder layers are Llama-form (input norm → attention → residual → norm → MLP →
-    residual; what ``StaticDecoder`` computes)."""
-    base = getattr(model, "model", None)
+# the decoder layers whose function StaticDecoder computes (decoder._post): Llama's form, Gemma 3's, GPT-NeoX's
+_STEP_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer",
+                "Gemma3DecoderLayer", "GPTNeoXLayer")
+
+
+def _step_layers(model: Any) -> bool:
+    """Whether every decoder layer of the model is one of :data:`_STEP_LAYERS` around a hybrid attention layer."""
+    base = getattr(model, "base_model", None)
     layers = getattr(base, "layers", None)
-    if layers is None or not all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "norm")):
-        return False
-    return all(hasattr(getattr(l, "self_attn", None), "new_decode_cache") and not hasattr(l, "pre_feedforward_layernorm")
-               and all(hasattr(l, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp")) for l in layers)
+    return layers is not None and hasattr(base, "rotary_emb") and all(type(l).__name__ in _STEP_LAYERS and any(
+        hasattr(getattr(l, n, None), "new_decode_cache") for n in ("self_attn", "attention")) for l in layers)
 
 
 def runnable_options(options: Any, warned: Optional[set] = None) -> Any:
@@ -283,7 +285,7 @@ def use_inference(model: Any, config: InferenceConfig = DEFAULT) -> InferenceCon
     step = None
     if "backends" in getattr(model, "__dict__", {}) and not hasattr(model, "new_decode_cache"):
         feats = frozenset().union(*(b.features for b in attached)) | (
-            frozenset() if _llama_form(model) else {"other_decoder_layer"})
+            frozenset() if _step_layers(model) else {"other_decoder_layer"})
         step = ModelBackends(config, feats)
         step.backend(next(model.parameters()))
     for m, b in zip(layers, attached):

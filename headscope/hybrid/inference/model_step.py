@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..modeling_hybrid import attention_name, decoder_layers
 from . import forward
 from .inference_config import inference_config
 from .decoder import StaticDecoder
@@ -24,7 +25,7 @@ _IGNORED = {"use_cache", "cache", "past_key_values", "position_ids", "cache_posi
 
 def _lean_layers(model: Any, x: Tensor) -> bool:
     """Whether every layer's decode role takes the lean backend for a call on x (what ``StaticDecoder`` runs)."""
-    return all(forward.applies(l.self_attn, x) for l in model.model.layers)
+    return all(forward.applies(getattr(l, attention_name(l)), x) for l in decoder_layers(model))
 
 
 def _user_hooks(m: Any) -> bool:
@@ -53,16 +54,14 @@ def model_forward(model: Any, input_ids: Optional[Tensor], cache: Any, kwargs: d
         return None
     if not getattr(cache, "headscope_unpadded", False):
         return None
-    if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1 or torch.is_grad_enabled():
-        return None
-    if torch.is_autocast_enabled(input_ids.device.type):  # the lean path (and so the replayed step) runs without it
+    if (input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1 or torch.is_grad_enabled()
+            or torch.is_autocast_enabled(input_ids.device.type)):  # the lean path (so the replayed step): no autocast
         return None
     if any(v is not None and v is not False for k, v in kwargs.items() if k not in _IGNORED):
         return None  # inputs_embeds, labels, output_attentions / hidden_states, ...: the model's own forward
     cfg = inference_config(model)
-    if cfg.decode_graphs == "never" or (cfg.decode_graphs == "static" and not cache.static):
-        return None
-    if model.training or any(_user_hooks(m) for m in model.modules()):
+    if (cfg.decode_graphs == "never" or (cfg.decode_graphs == "static" and not cache.static) or model.training
+            or any(_user_hooks(m) for m in model.modules())):
         return None
     dec = getattr(cache, "headscope_decoder", None)
     caches = cache.decode_caches
