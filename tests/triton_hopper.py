@@ -113,16 +113,16 @@ def recorded_launches() -> Iterator[list]:
             m._kernels.clear()
 
 
-def compile_for_hopper(launch: Launch, capability: int = 90) -> dict:
-    """Compile one recorded launch for CUDA ``capability`` (90: H100 / H200) -> the compiled kernel's metadata as a
-    dict (``shared``, ``num_warps``, ``num_stages``, ``name``). fp16 tensors are compiled as bf16 (the interpreter
-    refuses bf16 dots; both are 2 bytes) and ``SYNC`` (the in-launch barriers on CUDA) set True."""
+def _source(launch: Launch, capability: int) -> tuple:
+    """(ASTSource, target, backend, options) of one recorded launch for CUDA ``capability``, bound as Triton binds a
+    launch: fp16 pointers as bf16 (the interpreter refuses bf16 dots; both are 2 bytes), ``SYNC`` (the in-launch
+    barriers on CUDA) True and ``PHASES`` all in one launch."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile, make_backend
+    from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
     if not _clean_import():
-        raise RuntimeError("compile_for_hopper needs a process that imported triton without TRITON_INTERPRET=1 "
+        raise RuntimeError("compiling for Hopper needs a process that imported triton without TRITON_INTERPRET=1 "
                            "(run_clean)")
     kern = launch.kernel
     target = GPUTarget("cuda", capability, 32)
@@ -134,6 +134,53 @@ def compile_for_hopper(launch: Launch, capability: int = 90) -> dict:
     bound, spec, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = kern._pack_args(backend, kwargs, bound, spec, options)
     signature = {k: (v.replace("fp16", "bf16") if isinstance(v, str) else v) for k, v in signature.items()}
-    compiled = compile(ASTSource(kern, signature, constexprs, attrs), target=target, options=options.__dict__)
-    md = compiled.metadata
+    return ASTSource(kern, signature, constexprs, attrs), target, backend, options
+
+
+def compile_for_hopper(launch: Launch, capability: int = 90) -> dict:
+    """Compile one recorded launch for CUDA ``capability`` (90: H100 / H200) down to the cubin (ptxas) -> the
+    compiled kernel's metadata as a dict (``shared``, ``num_warps``, ``num_stages``, ``name``); arguments bound as
+    :func:`_source` says."""
+    from triton.compiler import compile
+
+    src, target, _, options = _source(launch, capability)
+    md = compile(src, target=target, options=options.__dict__).metadata
     return {"name": launch.name, "shared": md.shared, "num_warps": md.num_warps, "num_stages": md.num_stages}
+
+
+_SHARED: dict = {}  # the compile key of a launch -> its shared memory (launches of one key compile once)
+
+
+def shared_for_hopper(launch: Launch, capability: int = 90) -> int:
+    """Bytes of dynamic shared memory per program of one recorded launch compiled for CUDA ``capability``: the
+    figure of :func:`compile_for_hopper`'s metadata (Triton sets it in its ``make_llir`` stage, from the
+    ``ttg.shared`` attribute that its shared-memory allocation pass writes), read after Triton's own ``make_ttir``
+    and ``make_ttgir`` stages and ``make_llir``'s passes up to that allocation — without the LLVM lowering and -O3,
+    the PTX and ptxas, two thirds of a compile's time (tests/test_triton_hopper_smem.py checks both give the same
+    figures). Launches of one compile key (kernel, signature, constexprs, specialization, options) compile once."""
+    from triton._C.libtriton import ir, nvidia, passes
+    from triton.backends.nvidia.compiler import get_ptx_version_from_options
+
+    src, target, backend, options = _source(launch, capability)
+    options = backend.parse_options(options.__dict__)
+    key = (src.hash(), options.hash(), capability)  # as in Triton's compile cache key
+    if key not in _SHARED:
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        mod = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                          context)
+        metadata = {"hash": "", "target": target, **options.__dict__}
+        stages: dict = {}
+        backend.add_stages(stages, options, src.language)
+        mod = stages["ttgir"](stages["ttir"](mod, metadata), metadata)
+        pm = ir.pass_manager(mod.context)  # make_llir's passes up to the shared-memory allocation (Triton 3.9)
+        passes.ttgpuir.add_combine_tensor_select_and_if(pm)
+        passes.ttgpuir.add_allocate_warp_groups(pm, False)
+        passes.convert.add_scf_to_cf(pm)
+        passes.gluon.add_inliner(pm)
+        nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(pm, capability,
+                                                            get_ptx_version_from_options(options, target.arch))
+        pm.run(mod, "allocate_shared_memory")
+        _SHARED[key] = mod.get_int_attr("ttg.shared")
+    return _SHARED[key]
