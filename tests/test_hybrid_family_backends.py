@@ -109,6 +109,27 @@ def test_lean_prefill_and_decode_equal_the_reference(hybrid, monkeypatch):
     assert sum(captured) == T - T0 + 10 and len(dec) == 0  # every decode step: 6 here, 5 per generate
 
 
+def test_static_decoder_with_compiled_tails_equals_the_reference(hybrid):
+    """StaticDecoder driven directly (the benchmarks' tool), its step's ends and layer tails compiled whole
+    (``fullgraph``, Dynamo's eager backend: no C++ compiler needed) as ``generate`` with the static cache compiles them
+    on CUDA: a prefill to T0 and steps to T give the reference forward's logits (2e-5, fp32) — Gemma 3's per-type
+    RoPE, sandwich norms and soft-cap, GPT-NeoX's parallel residual — with no compile failure (it would warn)."""
+    import warnings
+
+    from headscope.hybrid.inference.decoder import StaticDecoder
+
+    name, h = hybrid
+    ids = _ids()
+    with torch.no_grad():
+        use_inference(h, REF)
+        want = h(ids).logits
+        dec = StaticDecoder(h, 2, 64, compile_tail=True, config=replace(FAST[name], tail_backend="eager"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = torch.stack([dec.prefill(ids[:, :T0])] + [dec.step(ids[:, t: t + 1]) for t in range(T0, T - 1)], 1)
+    assert dec.length == T - 1 and (got - want[:, T0 - 1: T - 1]).abs().max() < 2e-5
+
+
 def test_own_mask_is_only_the_unpadded_causal_window():
     """transformers' sliding-window mask of an unpadded prompt is the layer's own (a backend may drop it); a padded
     one, another window, or a full layer given a window's mask is not."""
