@@ -210,10 +210,55 @@ def timing(step_s: list[float], tokens_per_step: int, flops_per_step: float) -> 
             "tflops": flops_per_step / sec / 1e12}
 
 
+# CUPTI's own records, not kernels: seen on an H100 (2026-12-06) as 1.2 s per 1.3-s step, which made the busy share 1.94
+PROFILER_MARKERS = ("Command Buffer Full", "Activity Buffer Request", "Lazy Function Loading")
+
+
+def busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``intervals`` ((start, end) in µs), in ms: time the device ran at least one kernel
+    (kernels on concurrent streams counted once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e3
+
+
+def profile_summary(events, n_steps: int, wall_s: float, device_kernels: bool) -> dict[str, Any]:
+    """Summary of ``n_steps`` profiled steps from ``torch.profiler``'s ``events()``: with ``device_kernels`` only the
+    device's kernel records count (the operators that launched them, which ``key_averages`` also lists with their
+    kernels' time, would count it twice; CUPTI's markers ``PROFILER_MARKERS`` are not kernels): ``busy_share`` =
+    union of the kernels' intervals ÷ wall time, ``top`` = the 25 kernels of most summed time (ms per step); on the
+    CPU the operators' self CPU time."""
+    from torch.autograd import DeviceType
+
+    per: dict[str, list[float]] = {}
+    spans = []
+    for e in events:
+        on_device = e.device_type != DeviceType.CPU
+        if on_device != device_kernels or e.name in PROFILER_MARKERS:
+            continue
+        t = (e.time_range.end - e.time_range.start) if device_kernels else e.self_cpu_time_total
+        if t <= 0:
+            continue
+        spans.append((e.time_range.start, e.time_range.end))
+        acc = per.setdefault(e.name[:120], [0.0, 0])
+        acc[0] += t
+        acc[1] += 1
+    rows = sorted(({"name": k, "ms_per_step": v[0] / 1e3 / n_steps, "calls_per_step": v[1] / n_steps}
+                   for k, v in per.items()), key=lambda r: -r["ms_per_step"])
+    busy = (busy_ms(spans) if device_kernels else sum(r["ms_per_step"] for r in rows) * n_steps) / n_steps
+    wall_ms = 1e3 * wall_s / n_steps
+    return {"steps": n_steps, "wall_ms_per_step": wall_ms, "device_busy_ms_per_step": busy,
+            "busy_share": busy / wall_ms if wall_ms > 0 else None,
+            "time": "device kernels (union of intervals)" if device_kernels else "self CPU", "top": rows[:25]}
+
+
 class StepProfile:
     """``--profile K``: K more steps after the timed ones under ``torch.profiler`` (CPU and CUDA activity); the
-    summary says how busy the GPU was (kernel time per step against the step's wall time) and which operators took
-    the device time (self device time, top 25, ms per step). Profiled steps are not in the timing."""
+    summary (``profile_summary``) says how busy the GPU was (kernel time per step against the step's wall time) and
+    which kernels took it (top 25, ms per step). Profiled steps are not in the timing."""
 
     def __init__(self, n_steps: int, dev: torch.device):
         self.n, self.dev, self.prof, self.t0 = n_steps, dev, None, 0.0
@@ -229,19 +274,9 @@ class StepProfile:
 
     def stop(self) -> dict[str, Any]:
         sync(self.dev)
-        wall = (time.perf_counter() - self.t0) / self.n
+        wall = time.perf_counter() - self.t0
         self.prof.__exit__(None, None, None)
-        cuda = self.dev.type == "cuda"
-        rows = []
-        for e in self.prof.key_averages():
-            t = (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3 / self.n  # ms per step
-            if t > 0:
-                rows.append({"name": e.key[:120], "ms_per_step": t, "calls_per_step": e.count / self.n})
-        rows.sort(key=lambda r: -r["ms_per_step"])
-        busy = sum(r["ms_per_step"] for r in rows)
-        return {"steps": self.n, "wall_ms_per_step": 1e3 * wall, "device_busy_ms_per_step": busy,
-                "busy_share": busy / (1e3 * wall) if wall > 0 else None, "time": "self device" if cuda else "self CPU",
-                "top": rows[:25]}
+        return profile_summary(self.prof.events(), self.n, wall, device_kernels=self.dev.type == "cuda")
 
 
 # ------------------------------------------------------------------------------------------ the hybrid stage

@@ -137,3 +137,26 @@ def test_teacher_dtype_and_new_params_only_are_the_trainer_settings(bench, tmp_p
     plan = plan_memory(ModelShape.from_config(cfg), 1, 2, 16, fa=bench.equal_budget_mask(cfg),
                        options=MemoryOptions(new_params_only=True, fa_gate=bench.STUDENT_OPTIONS["fa_gate"]))
     assert h["trained_parameters"] == plan.counts["new"] > 0
+
+
+def test_profile_summary_counts_each_kernel_once_and_no_cupti_marker(bench):
+    """The H100 profile of 2026-12-06 summed the launching operators' time with their kernels' and CUPTI's
+    'Command Buffer Full' records (busy share 1.94 and 3.08). Hand-made events: kernels A [0, 100] µs and B [50, 150]
+    µs on two streams (union 150 µs), A again [400, 500]; a marker over [0, 1000]; a CPU operator [0, 600]."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    def ev(name, a, b, dev=DeviceType.CUDA, cpu=0.0):
+        return NS(name=name, device_type=dev, time_range=NS(start=a, end=b), self_cpu_time_total=cpu)
+
+    events = [ev("A", 0, 100), ev("B", 50, 150), ev("A", 400, 500), ev("Command Buffer Full", 0, 1000),
+              ev("aten::mm", 0, 600, DeviceType.CPU, cpu=600.0)]
+    s = bench.profile_summary(events, n_steps=2, wall_s=1e-3, device_kernels=True)
+    assert s["wall_ms_per_step"] == pytest.approx(0.5)
+    assert s["device_busy_ms_per_step"] == pytest.approx(0.250 / 2)  # (150 + 100) µs over 2 steps
+    assert s["busy_share"] == pytest.approx(0.25)
+    assert [(r["name"], r["ms_per_step"], r["calls_per_step"]) for r in s["top"]] == [
+        ("A", pytest.approx(0.1), 1.0), ("B", pytest.approx(0.05), 0.5)]
+    c = bench.profile_summary(events, n_steps=1, wall_s=1e-3, device_kernels=False)
+    assert [r["name"] for r in c["top"]] == ["aten::mm"] and c["device_busy_ms_per_step"] == pytest.approx(0.6)
