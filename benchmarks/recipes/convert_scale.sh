@@ -3,7 +3,7 @@
 # each command under 10 minutes on one H100 / H200 (the first compiles from scratch: 4 minutes at the SmolLM2 shape), each
 # writing its JSON after every step. Needs fla (the fast step on CUDA runs with it): `source tools/device/device_env.sh`.
 # Usage: bash benchmarks/recipes/convert_scale.sh [OUT_DIR] [PART ...]   (run from the repository root on the GPU host;
-#        PART: s2 s3_8k s3_2k s1 check resume s2_accum llama8b_s1 llama8b_s1_fp32, default the first five; on the `device` tool give the
+#        PART: s2 s2_bf16t s3_8k s3_2k s1 check resume s2_accum llama8b_s1 llama8b_s1_fp32, default the first five; on the `device` tool give the
 #        same lines to tools/device/chain.sh start)
 # Memory (headscope plan-memory's model with the float32 teacher `headscope convert` holds; stage 3 parks the teacher in
 # host memory since 2026-12-06, before that it stayed resident, +6.4 GiB): s2 51.7 GiB, s3_8k 42.9, s3_2k 42.9, s1 39.7 (two
@@ -24,6 +24,8 @@ B="python benchmarks/bench_convert_scale.py --shape qwen3-1.7b --budget-s 480"
 for part in $PARTS; do
   case $part in
     s2)        $B --stages 2 --activation-checkpointing --profile 2 --out "$OUT/convert_scale_qwen3_s2_ckpt.json" --log "$OUT/s2.log" ;;
+    s2_bf16t)  $B --stages 2 --activation-checkpointing --teacher-dtype bf16 --profile 2 \
+                 --out "$OUT/convert_scale_qwen3_s2_ckpt_bf16t.json" --log "$OUT/s2_bf16t.log" ;;
     s3_8k)     $B --stages 3 --rows 64,64,4 --seq-len 512,512,8192 --stage3-long '' --activation-checkpointing \
                  --out "$OUT/convert_scale_qwen3_s3_8k_ckpt.json" --log "$OUT/s3_8k.log" ;;
     s3_2k)     $B --stages 3 --stage3-long '' --activation-checkpointing --out "$OUT/convert_scale_qwen3_s3_2k_ckpt.json" \
