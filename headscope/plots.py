@@ -207,8 +207,10 @@ def save_figures(figs: dict[str, go.Figure], directory: Any, formats: Any = ("ht
             fig.write_html(str(d / f"{name}.html"), include_plotlyjs="cdn", div_id=f"headscope-{name}")
     if static:
         try:
-            if _kaleido_batches():
-                pio.write_images([fig for fig, _ in static], [str(p) for _, p in static], scale=scale)
+            if _kaleido_batches():  # each figure's own layout size: write_images alone would draw every one at 700 x 500
+                pio.write_images([fig for fig, _ in static], [str(p) for _, p in static], scale=scale,
+                                 width=[fig.layout.width for fig, _ in static],
+                                 height=[fig.layout.height for fig, _ in static])
             else:
                 for fig, p in static:
                     fig.write_image(str(p), scale=scale)

@@ -48,6 +48,14 @@ def test_levers_are_the_studys_options_under_its_labels(tmp_path):
                     "--deterministic"]  # the study converts deterministically (issue 62 item 5)
     assert "--deterministic" not in _commands("convert", "--seed", "5", "--out", out, "--nondeterministic")[0]
     # the stage-3 length lever: 8K rows at the same tokens per step, under its own label; another teacher's arm by --name
+    # issue 62's stage-3 tokens lever: twice the default's stage-3 budget (1,867,776 / 6,881,280 / 3,735,552 tokens)
+    s3x = _commands("convert", "--seed", "1", "--lever", "s3tok2x", "--out", out)[0]
+    assert s3x[s3x.index("--stage-tokens") + 1] == "1867776,6881280,7471104" and s3x[s3x.index("--tokens") + 1] == "12.5M"
+    assert s3x[s3x.index("--out") + 1].endswith("+s2_retrieval=0.25+s3_wordings=6+s3_tokens=2x_t12500000")
+    d = subprocess.run([sys.executable, str(STUDY / "run.py"), "dir", "--out", out, "--seed", "2", "--name", "headwise-7to1"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert d.stdout.rstrip("\n").split("\t") == [str(tmp_path / "seed2" / "headwise-7to1+s2_retrieval=0.25+s3_wordings=6_t12500000"),
+                                                "headwise-7to1+s2_retrieval=0.25+s3_wordings=6"]
     s3 = _commands("convert", "--seed", "1", "--lever", "s3len8k", "--out", out)[0]
     assert s3[s3.index("--out") + 1] == str(tmp_path / "seed1" / "hydra-7to1+s2_retrieval=0.25+s3_wordings=6+long_len=8192_t12500000")
     assert s3[s3.index("--long-len") + 1] == "8192" and s3[s3.index("--batch-long") + 1] == "4"
@@ -100,6 +108,8 @@ def test_a_stage3_lever_reuses_stages_1_2_of_the_default(tmp_path):
     assert sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file()) == [
         "data/docs/shard_0.pt", "data/heldout.pt", "data/stage1_rows.pt", "data/stage2_rows.json",
         "stage1/training.json", "stage2/training.json"]  # no recipe.json, no stage-3 rows: convert writes its own
+    a.lever = "s3tok2x"  # issue 62's stage-3 tokens lever changes stage 3 only: it reuses the default's stages 1-2
+    assert [c[0] for c in run.reuse_commands(a, tmp_path / "s3tok")] == ["mkdir", "cp", "cp"]
     a.lever = "baseline"
     with pytest.raises(SystemExit, match="differs from it in .*--s2-retrieval"):
         run.reuse_commands(a, dst)
@@ -122,16 +132,24 @@ def test_keep_and_cli_rows_beside_the_studys(tmp_path):
     assert "1 cells and 0 stage records" in run.keep(tmp_path / "out", records)
     assert not (records / "cli_training.jsonl.gz").exists()
     with gzip.open(records / "cli_cells.jsonl.gz", "rt") as fh:
-        assert [json.loads(line) for line in fh] == [cell]
+        assert [json.loads(line) for line in fh] == [{**cell, "source": "cli"}]
     stage = tmp_path / "out" / "seed5" / "hydra-7to1_t12500000"
     for k in (2, 1):
         (stage / f"stage{k}").mkdir(parents=True)
         (stage / f"stage{k}" / "training.json").write_text(json.dumps({"stage": k, "seconds": 10.0 * k}))
     assert "2 stage records" in run.keep(tmp_path / "out", records)
     with gzip.open(records / "cli_training.jsonl.gz", "rt") as fh:
-        assert [json.loads(line) for line in fh] == [{"run": "seed5/hydra-7to1_t12500000", "stage": k, "seconds": 10.0 * k}
-                                                     for k in (1, 2)]
+        assert [json.loads(line) for line in fh] == [{"run": "seed5/hydra-7to1_t12500000", "stage": k, "seconds": 10.0 * k,
+                                                      "source": "cli"} for k in (1, 2)]
+    # keep merges: the records' rows are the eval's (kept twice: once); a row kept from another eval stays
     assert (records / "cli_retention.csv").read_bytes() == (ev / "retention.csv").read_bytes()
+    other = tmp_path / "other"
+    (other / "eval").mkdir(parents=True)
+    rows.iloc[:1].assign(length=512)[list(EVAL_COLUMNS)].to_csv(other / "eval" / "retention.csv", index=False)
+    (tmp_path / "records2").mkdir()
+    run.keep(other, tmp_path / "records2")
+    run.keep(tmp_path / "out", tmp_path / "records2")
+    assert sorted(pd.read_csv(tmp_path / "records2" / "cli_retention.csv").length) == [512, 1024, 2048]
     table = tmp_path / "t"
     table.mkdir()
     study = (STUDY / "retention.csv").read_bytes()

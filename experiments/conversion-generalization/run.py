@@ -8,7 +8,8 @@ and ``headscope anatomy`` on the converted folder; the study's tables come from 
     python experiments/conversion-generalization/run.py all --seed 5 --lever baseline     # convert, eval, generate
     python experiments/conversion-generalization/run.py anatomy --seed 5                  # the student's heads ranked
     python experiments/conversion-generalization/run.py tables --write-to experiments/conversion-generalization
-    python experiments/conversion-generalization/run.py keep                              # OUT/eval's rows into records/
+    python experiments/conversion-generalization/run.py keep [--tag T]                    # OUT's rows merged into records/
+    python experiments/conversion-generalization/run.py figures                           # figures.py on retention.csv
 
 Every conversion runs with ``headscope convert --deterministic`` (``--nondeterministic``: without). Every step prints
 the command it runs (``--dry-run``: prints only); arguments after ``--`` go to each of the step's
@@ -22,9 +23,7 @@ the names the committed records use.
 from __future__ import annotations
 
 import argparse
-import gzip
 import importlib.util
-import json
 import shlex
 import shutil
 import subprocess
@@ -59,6 +58,9 @@ LEVERS = {
     # issue 62's length lever on the package's defaults: stage-3 rows of 4K / 8K at the same tokens per step (16 x 2K)
     "s3len4k": ("+s2_retrieval=0.25+s3_wordings=6+long_len=4096", ["--long-len", "4096", "--batch-long", "8"]),
     "s3len8k": ("+s2_retrieval=0.25+s3_wordings=6+long_len=8192", ["--long-len", "8192", "--batch-long", "4"]),
+    # issue 62's stage-3 tokens lever: twice the default's stage-3 budget, stages 1-2 as the default's (--stage-tokens
+    # computed by stage_tokens(); with --reuse-from both only stage 3 trains)
+    "s3tok2x": ("+s2_retrieval=0.25+s3_wordings=6+s3_tokens=2x", ["--stage-tokens", "S3X2"]),
 }
 #: the anatomy's ranking: the student's heads (FA and GDN) by receiver IE on single-needle pairs at 4K, as the study's
 ANATOMY = ["--task", "niah_single", "--pairs", "6", "--seq-len", "4096"]
@@ -86,8 +88,20 @@ def mask_of(a: argparse.Namespace) -> Path:
     return a.out / "rank" / "mask.json" if a.arm == "ranked" else MASKS / f"{a.arm}.json"
 
 
-#: options that change only stage 3's rows: a lever made of these trains stages 1-2 as the lever it reuses them from
-STAGE3_OPTIONS = {"--long-len", "--batch-long", "--s3-retrieval", "--s3-wordings", "--s3-seen-task"}
+#: options that change only stage 3: a lever made of these trains stages 1-2 as the lever it reuses them from
+#: (--stage-tokens: only as the s3tok2x lever sets it, stages 1-2 at the default's budgets)
+STAGE3_OPTIONS = {"--long-len", "--batch-long", "--s3-retrieval", "--s3-wordings", "--s3-seen-task", "--stage-tokens"}
+
+
+def stage_tokens(a: argparse.Namespace, s3_factor: int = 2) -> str:
+    """--stage-tokens of the s3tok lever: the default recipe's stage budgets at --tokens (with the row options of
+    the extra arguments, e.g. a CPU try's --batch-size), stage 3's times ``s3_factor``: '1867776,6881280,7471104'."""
+    from headscope.train.recipe import ConvertRecipe
+
+    names = {"--seq-len": "seq_len", "--long-len": "long_len", "--batch-size": "batch_size", "--batch-long": "batch_long"}
+    kw = {names[k]: int(v) for k, v in zip(a.extra, a.extra[1:]) if k in names}
+    r = ConvertRecipe(tokens=TABLES.parse_tokens(a.tokens), **kw)
+    return ",".join(str(r.stage_budget(k) * (s3_factor if k == 3 else 1)) for k in (1, 2, 3))
 
 
 def reuse_commands(a: argparse.Namespace, rd: Path) -> list[list[str]]:
@@ -124,8 +138,9 @@ def commands(step: str, a: argparse.Namespace) -> list[list[str]]:
         copy = reuse_commands(a, rd) if a.reuse_from and not (rd / "recipe.json").exists() else []
         resume = ["--resume"] if (rd / "recipe.json").exists() or copy else []
         det = [] if a.nondeterministic else ["--deterministic"]  # the study's default: evidence that holds still
+        opts = [stage_tokens(a) if o == "S3X2" else o for o in LEVERS[a.lever][1]]
         return copy + [headscope("convert", "--model", a.model, "--mask", mask_of(a), "--out", rd, "--seed", a.seed,
-                                 "--tokens", a.tokens, *LEVERS[a.lever][1], *det, *resume, *extra)]
+                                 "--tokens", a.tokens, *opts, *det, *resume, *extra)]
     if step == "eval":
         corpus = ["--corpus", a.corpus] if a.corpus else []
         return [headscope("eval", rd / "stage3", "--teacher", a.model, "--formats", "unseen", "--lengths", a.lengths,
@@ -151,34 +166,28 @@ def run(cmds: list[list[str]], dry_run: bool) -> None:
                 raise SystemExit(r.returncode)
 
 
-def _write_jsonl_gz(path: Path, records: list) -> None:
-    lines = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
-    with open(path, "wb") as fh, gzip.GzipFile(filename="", mode="wb", fileobj=fh, mtime=0) as g:
-        g.write(lines.encode())
+def _beside(name: str):
+    """A module of this folder loaded by path (sessions.py: the state between GPU sessions; figures.py)."""
+    spec = importlib.util.spec_from_file_location(f"conversion_study_{name}", HERE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def keep(out: Path, records: Path = TABLES.RECORDS) -> str:
-    """OUT/eval's results into the records: its retention.csv (source = cli) as ``cli_retention.csv``, every
-    per-prompt cell record (OUT/eval/cells/NAME__sS__tT/*.json.gz) as one line of ``cli_cells.jsonl.gz``, and every
-    conversion's stage record (OUT/seedS/LABEL_tT/stage{k}/training.json, with ``run`` = seedS/LABEL_tT) as one line
-    of ``cli_training.jsonl.gz`` (left as it is when OUT holds no conversion)."""
-    ev = out / "eval"
-    if not (ev / "retention.csv").exists():
-        raise SystemExit(f"{ev}/retention.csv is not there: run the eval step first")
-    shutil.copyfile(ev / "retention.csv", records / "cli_retention.csv")
-    cells = sorted((ev / "cells").glob("*__s*__t*/*.json.gz"))
-    _write_jsonl_gz(records / "cli_cells.jsonl.gz", [json.loads(gzip.decompress(f.read_bytes())) for f in cells])
-    stages = sorted(out.glob("seed*/*/stage[123]/training.json"))
-    if stages:
-        _write_jsonl_gz(records / "cli_training.jsonl.gz",
-                        [{"run": f"{f.parents[2].name}/{f.parents[1].name}", **json.loads(f.read_text())} for f in stages])
-    return f"kept {ev}/retention.csv, {len(cells)} cells and {len(stages)} stage records in {records}"
+def keep(out: Path, records: Path = TABLES.RECORDS, tag: Optional[str] = None) -> str:
+    """OUT's results merged into the records (sessions.py ``merge``): OUT/eval's retention.csv rows into
+    ``cli_retention.csv`` (source ``cli``, or ``cli:TAG``), its per-prompt cells into ``cli_cells.jsonl.gz``, every
+    conversion's stage records (OUT/seedS/LABEL_tT/stage{k}/training*.json, ``run`` = seedS/LABEL_tT) into
+    ``cli_training.jsonl.gz``; what the records held stays unless a merged row of the same key replaces it."""
+    return _beside("sessions").merge(out, records, tag)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("step", choices=["rank", "convert", "eval", "generate", "anatomy", "all", "tables", "keep"],
-                   help="all: convert, eval and generate in turn")
+    p.add_argument("step", choices=["rank", "convert", "eval", "generate", "anatomy", "all", "tables", "keep",
+                                         "figures", "dir"],
+                   help="all: convert, eval and generate in turn; figures: figures.py on OUT/tables/retention.csv (else "
+                        "the study's); dir: print the conversion folder and the model label")
     p.add_argument("--out", type=Path, default=Path("runs/gen"), help="the study's run folder")
     p.add_argument("--model", default="smollm2-135m", help="the teacher")
     p.add_argument("--arm", default="hydra-7to1", choices=[*sorted(f.stem for f in MASKS.glob("*.json")), "ranked"],
@@ -199,6 +208,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="1K,2K,4K", help="eval: prompt lengths of the unseen cells (the goal's 1K-4K)")
     p.add_argument("--corpus", default=None, help="eval: haystack text file or 'builtin' (default: sampled from the teacher)")
     p.add_argument("--write-to", type=Path, default=None, help="tables: also copy them here (the study's folder)")
+    p.add_argument("--tag", default=None, help="keep: source = cli:TAG for the merged rows (one eval folder's name)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     return p
 
@@ -224,7 +234,16 @@ def main(argv: Optional[list[str]] = None) -> None:
                     shutil.copyfile(a.out / "tables" / t, a.write_to / t)
         return
     if a.step == "keep":
-        print(keep(a.out), flush=True)
+        print(keep(a.out, tag=a.tag), flush=True)
+        return
+    if a.step == "dir":
+        print(f"{run_dir(a)}\t{label(a.name or a.arm, a.lever)}", flush=True)
+        return
+    if a.step == "figures":
+        t = a.out / "tables" / "retention.csv"
+        _beside("figures").main(["--retention", str(t if t.exists() else HERE / "retention.csv"),
+                                 "--cells", str(TABLES.RECORDS / "cli_cells.jsonl.gz"),
+                                 "--out", str(a.write_to or a.out / "figures")])
         return
     for step in (("convert", "eval", "generate") if a.step == "all" else (a.step,)):
         run(commands(step, a), a.dry_run)

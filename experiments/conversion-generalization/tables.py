@@ -596,8 +596,9 @@ def table_lengths(out: Path) -> list[int]:
 
 def add_cli_rows(out: Path, sources: Sequence[Path]) -> int:
     """Append to OUT/retention.csv the rows ``headscope eval`` made (its retention.csv: the same columns, ``source`` =
-    cli) from each of ``sources`` that exists (a later source's row replaces an earlier one's with the same model, seed,
-    tokens, task, formats and length). The study's rows stay as they were written. Returns the rows appended."""
+    cli, or cli:TAG for an eval folder merged by run.py keep --tag) from each of ``sources`` that exists (a later
+    source's row replaces an earlier one's with the same source, model, seed, tokens, task, formats and length: two eval
+    folders' teachers on one cell are two rows). The study's rows stay as they were written. Returns the rows appended."""
     import pandas as pd
 
     from headscope.evaluation.retention import EVAL_COLUMNS
@@ -606,7 +607,7 @@ def add_cli_rows(out: Path, sources: Sequence[Path]) -> int:
     if not frames:
         return 0
     key = ["model", "seed", "tokens", "task", "formats", "length"]
-    cli = pd.concat(frames, ignore_index=True).drop_duplicates(key, keep="last").sort_values(key)
+    cli = pd.concat(frames, ignore_index=True).drop_duplicates(["source", *key], keep="last").sort_values([*key, "source"])
     with open(out / "retention.csv", "a", encoding="utf-8") as fh:
         fh.write(cli[list(EVAL_COLUMNS)].to_csv(index=False, header=False))
     return len(cli)
