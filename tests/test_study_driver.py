@@ -164,10 +164,10 @@ def test_keep_and_cli_rows_beside_the_studys(tmp_path):
 
 
 @pytest.mark.slow
-def test_driver_end_to_end_on_a_tiny_model(small_tokenizer, tmp_path):
+def test_driver_end_to_end_on_a_tiny_model(small_tokenizer, tmp_path, request):
     """convert (the three stages, baseline lever), eval (the teacher beside), generate, the anatomy (rank on the
     hybrid path + anatomy) and the tables through the package's commands on a tiny random Llama; the eval's rows land
-    in the tables' retention.csv as source = cli."""
+    in the tables' retention.csv as source = cli. The steps after convert run at once (the tables after eval)."""
     from headscope.masks import HeadMask
 
     from conftest import tiny_llama
@@ -184,10 +184,24 @@ def test_driver_end_to_end_on_a_tiny_model(small_tokenizer, tmp_path):
     common = ["--model", str(teacher), "--mask", str(tmp_path / "mask.json"), "--lever", "baseline", "--tokens", "3K",
               "--out", str(out)]
 
+    started: dict[subprocess.Popen, Path] = {}  # each command's process and its log (stdout and stderr)
+    request.addfinalizer(lambda: [p.kill() for p in started if p.poll() is None])  # a failed assertion stops the rest
+
+    def start(step: str, *args: str) -> subprocess.Popen:  # output to a file: no pipe fills while another runs
+        log = tmp_path / f"{step}.log"
+        with open(log, "w") as fh:
+            p = subprocess.Popen([*base, step, *args], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
+        started[p] = log
+        return p
+
+    def finish(p: subprocess.Popen) -> str:
+        p.wait(timeout=900)
+        text = started[p].read_text()
+        assert p.returncode == 0, text[-5000:]
+        return text
+
     def run(*args: str) -> str:
-        r = subprocess.run([*base, *args], capture_output=True, text=True, cwd=ROOT, timeout=900)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-        return r.stdout + r.stderr
+        return finish(start(*args))
 
     run("convert", *common, "--", "--device", "cpu", "--corpus", str(corpus), "--seq-len", "128", "--long-len", "256",
         "--batch-size", "2", "--batch-long", "2", "--gdn-kernel", "torch")
@@ -195,20 +209,24 @@ def test_driver_end_to_end_on_a_tiny_model(small_tokenizer, tmp_path):
     assert all((rd / f"stage{k}" / "config.json").exists() for k in (1, 2, 3))
     rec = json.loads((rd / "stage3" / "training.json").read_text())  # the driver converts with --deterministic
     assert rec["config"]["train"]["deterministic"] is True and rec["step_plan"]["nondeterministic"] == []
+    # eval (then the tables), generate and the anatomy read the converted student only: they run at once (one
+    # intra-op thread each, tests/conftest.py), as the study runs its steps on separate devices
+    anatomy = start("anatomy", *common, "--", "--seq-len", "256", "--pairs", "2", "--device", "cpu", "--min-gap", "0")
+    generate = start("generate", *common, "--", "--device", "cpu")
     run("eval", *common, "--lengths", "256", "--corpus", "builtin", "--", "--device", "cpu", "--n", "2",
         "--tasks", "niah_single", "--gen-n", "1")
     ev = pd.read_csv(out / "eval" / "retention.csv")
     assert set(ev.model) == {"hydra-7to1", "teacher"} and (ev.source == "cli").all() and (ev.n == 2).all()
     assert set(ev[ev.model == "hydra-7to1"].seed) == {0} and set(ev[ev.model == "hydra-7to1"].tokens) == {3000}
-    assert "tokens/s" in run("generate", *common, "--", "--device", "cpu")
-    # the anatomy: the student's FA and GDN heads ranked on the hybrid path, then summarized
-    run("anatomy", *common, "--", "--seq-len", "256", "--pairs", "2", "--device", "cpu", "--min-gap", "0")
-    heads = pd.read_csv(out / "anatomy" / "hydra-7to1_t3000_s0" / "scores.csv")
-    assert len(heads) == 8 and set(heads["kind"]) == {"fa", "gdn"} and (heads["kind"] == "fa").sum() == 3
-    assert (out / "anatomy" / "hydra-7to1_t3000_s0" / "anatomy" / "anatomy.json").exists()
     run("tables", "--out", str(out))
     t = pd.read_csv(out / "tables" / "retention.csv")
     committed = pd.read_csv(STUDY / "retention.csv")  # the study's rows and the cli rows kept in records/
     assert len(t) == len(committed) + len(ev)
     assert (t.source == "cli").sum() == (committed.source == "cli").sum() + len(ev) and (t.source == "study").sum() == 232
     assert (out / "tables" / "levers.md").read_bytes() == (STUDY / "levers.md").read_bytes()
+    assert "tokens/s" in finish(generate)
+    # the anatomy: the student's FA and GDN heads ranked on the hybrid path, then summarized
+    finish(anatomy)
+    heads = pd.read_csv(out / "anatomy" / "hydra-7to1_t3000_s0" / "scores.csv")
+    assert len(heads) == 8 and set(heads["kind"]) == {"fa", "gdn"} and (heads["kind"] == "fa").sum() == 3
+    assert (out / "anatomy" / "hydra-7to1_t3000_s0" / "anatomy" / "anatomy.json").exists()
