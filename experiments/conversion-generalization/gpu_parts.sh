@@ -20,8 +20,9 @@
 # ~8 min alone, of which sampling the 12,288 documents ~5 (~7 with a second conversion beside it) and training ~3
 # with the first step's ~2 min compile; ~4 min from carried documents; an eval cell with the 20-prompt generation
 # check ~20 s at 1K-4K, ~10 s at 8K, ~15 s at 16K; 32K and 64K, not yet measured, scaled by attention FLOPs: teacher
-# ~25 s and ~80 s a cell, a 7:1 student ~10 s and ~20 s; prompt sets built on 8 CPU workers, ~2 min up to 16K and ~4
-# min with 32K and 64K, beside the conversion; every cell records its seconds, so the first run corrects these):
+# ~25 s and ~80 s a cell, a 7:1 student ~10 s and ~20 s; the prompt sets, built beside the conversion on 8 CPU
+# workers: ~1 min for 8K-64K (measured on one core of the 2-core CPU: 0.03 / 0.15 / 0.6 s a prompt at 4K / 16K / 64K);
+# every cell records its seconds, so the first run corrects these):
 #   long_teacher        (a) the teacher, all four tasks at 8K/16K/32K/64K, n = 100                         ~13 min
 #   long_s0, long_s1    (a) the default student (hydra-7to1, the package's defaults), seed S, the same 16 cells:
 #                       convert (samples seed S's documents first if STATE has none: +5 min) + 16 cells       ~7 / ~12
