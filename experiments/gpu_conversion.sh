@@ -64,15 +64,16 @@ fi
 
 stamp "queues"
 # the main comparison first on both devices, then the teacher, then the ablation; a queue set to '' (e.g. JOBS1=)
-# does not run
+# does not run, nor one whose jobs have all finished (eval.json: the queue would skip each of them)
 J0=${JOBS0-hydrahead,layerwise3,abl0_base,abl2_gdn_rope}
 J1=${JOBS1-layerwise,random,teacher,abl1_fa_nope,abl3_fa_gate}
-[ -n "$J0" ] && $PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "$DEV0" \
+unfinished() { local j; for j in ${1//,/ }; do [ -f "$OUTD/$j/eval.json" ] || return 0; done; return 1; }
+unfinished "$J0" && $PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "$DEV0" \
   --jobs "$J0" >> "$L/queue0.log" 2>&1 &
-[ -n "$J1" ] && $PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "$DEV1" \
+unfinished "$J1" && $PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "$DEV1" \
   --jobs "$J1" >> "$L/queue1.log" 2>&1 &
 # an optional third queue (DEV2); on one H200 three training queues ran out of memory once (2026-12-01): two per GPU
-if [ -n "${JOBS2:-}" ]; then
+if unfinished "${JOBS2:-}"; then
   $PY experiments/conversion.py queue --out "$OUTD" --model "$M" --device "${DEV2:-$DEV0}" \
     --jobs "$JOBS2" >> "$L/queue2.log" 2>&1 &
 fi

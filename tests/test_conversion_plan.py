@@ -177,10 +177,13 @@ a 2-core machine, where two threads each spin against each other (queues 21 -> 1
                          "--curve-n 0 --ablation-task niah_single --ablation-lengths 192 --gdn-kernel torch --budget 2 "
                          "--eval-batch 2 --pieces 1,1,1"}
     root = Path(__file__).resolve().parents[1]
-    for _ in range(2):
+    for n in range(2):
         res = subprocess.run(["bash", "experiments/gpu_conversion.sh"], cwd=root, env=env, capture_output=True, text=True,
                              timeout=900)
         assert res.returncode == 0, res.stdout + res.stderr
+        if n == 0:  # the second run starts no queue: every job finished (the queue's own skip: the test below)
+            queue_logs = {p.name: p.read_text() for p in (out / "logs").glob("queue*.log")}
+    assert len(queue_logs) == 3 and queue_logs == {p.name: p.read_text() for p in (out / "logs").glob("queue*.log")}
     steps = (out / "logs" / "steps.log").read_text().splitlines()
     assert [x.split("] ")[1] for x in steps].count("done") == 2 and sum("sample on" in x for x in steps) == 1
     info = json.loads((out / "data" / "info.json").read_text())
@@ -221,6 +224,8 @@ def test_queue_goes_on_after_a_failed_job_and_retries_it(tmp_path, monkeypatch):
     conv.queue(out=tmp_path, jobs="a,b,c", model="m", device=None, retries=1)
     assert calls == ["a", "b", "c", "b"] and (tmp_path / "b" / "eval.json").exists()
     calls.clear()
+    conv.queue(out=tmp_path, jobs="a,b,c", model="m", device=None, retries=1)  # finished jobs (eval.json) are skipped
+    assert calls == []
     with pytest.raises(typer.Exit) as e:  # a job that keeps failing: the others still run, exit status 1
         conv.queue(out=tmp_path, jobs="d,e", model="m", device=None, retries=2)
     assert e.value.exit_code == 1 and calls == ["d", "e", "d", "d"]
