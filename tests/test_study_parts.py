@@ -107,6 +107,19 @@ def test_a_student_whose_cells_came_back_is_not_converted(tmp_path):
     (d / "variable_tracking.unseen.65536.json.gz").unlink()
     r = _parts(tmp_path / "o2", "long_s0", STATE=str(state), DRY_RUN="1")
     assert r.returncode == 0 and "convert and score its missing cells" in r.stdout
+    # the stage-3 tokens lever and its reference with all their cells: neither converted (nor the reference for the
+    # lever's stages 1-2)
+    for label in (LABEL, LABEL + "+s3_tokens=2x"):
+        d = state / "smollm2" / "eval" / "cells" / f"{label}__s1__t12500000"
+        d.mkdir(parents=True)
+        cells = [(t, L) for t in ALL.split(",") for L in (1024, 2048, 4096, 8192)] + [("niah_multikey", 16384),
+                                                                                      ("niah_multikey", 32768)]
+        for t, L in cells:
+            (d / f"{t}.unseen.{L}.json.gz").write_bytes(gzip.compress(b"{}"))
+    r = _parts(tmp_path / "o3", "levers_s1_s3tok", STATE=str(state))
+    assert r.returncode == 0, r.stderr
+    assert f"{LABEL} seed 1: every cell is there" in r.stdout and f"{LABEL}+s3_tokens=2x seed 1: every cell is there" \
+        in r.stdout and "+ " not in r.stdout
 
 
 def test_missing_cells_and_kv_layers(tmp_path):

@@ -164,15 +164,24 @@ todo() {  # KEY LABEL SEED TASKS LENGTH: the student's tasks without a cell at L
   sess missing "$W/$1/eval" "$2" "$3" "$TOKENS" "$4" "$5"
 }
 
-student() {  # KEY SEED "TASKS@L1+L2 ..." DRIVER_ARGS...: convert if a cell is missing, then score the missing cells
-  local key=$1 seed=$2 want=$3 rd lab tpid="" need=0 w L m p ls
+needs() {  # KEY SEED "TASKS@L1+L2 ..." DRIVER_ARGS...: whether the student lacks a cell (always, in a dry run)
+  local key=$1 seed=$2 want=$3 lab w L ls
   shift 3
-  read -r rd lab < <("$PY" "$HERE/run.py" dir --out "$W/$key" --tokens "$TOKENS" --seed "$seed" "$@" | tr '\t' ' ')
+  [ -z "$DRY" ] || return 0
+  lab=$("$PY" "$HERE/run.py" dir --out "$W/$key" --tokens "$TOKENS" --seed "$seed" "$@" | cut -f2)
   for w in $want; do
     ls=${w#*@}
-    for L in ${ls//+/ }; do [ -z "$(todo "$key" "$lab" "$seed" "${w%@*}" "$L")" ] || need=1; done
+    for L in ${ls//+/ }; do [ -z "$(todo "$key" "$lab" "$seed" "${w%@*}" "$L")" ] || return 0; done
   done
-  if [ $need = 0 ] && [ -z "$DRY" ]; then log "$lab seed $seed: every cell is there"; return 0; fi
+  log "$lab seed $seed: every cell is there"
+  return 1
+}
+
+student() {  # KEY SEED "TASKS@L1+L2 ..." DRIVER_ARGS...: convert if a cell is missing, then score the missing cells
+  local key=$1 seed=$2 want=$3 rd lab tpid="" w L m p ls
+  shift 3
+  read -r rd lab < <("$PY" "$HERE/run.py" dir --out "$W/$key" --tokens "$TOKENS" --seed "$seed" "$@" | tr '\t' ' ')
+  needs "$key" "$seed" "$want" "$@" || return 0
   log "$lab seed $seed: convert and score its missing cells"
   for w in $want; do  # the teacher's cells and every prompt set, beside the conversion (the GPU's idle while it builds)
     ls=${w#*@}
@@ -248,14 +257,16 @@ part() {
     levers_s[0-9]*_s3tok)
       s=${p#levers_s}; s=${s%_s3tok}
       prepare smollm2
-      student smollm2 "$s" "$(want "$ALL" "$SUITE") $(want niah_multikey "$MK_LONG")" "${DEF[@]}"
-      local rd
-      read -r rd _ < <("$PY" "$HERE/run.py" dir --out "$W/smollm2" --tokens "$TOKENS" --seed "$s" | tr '\t' ' ')
-      if [ -z "$DRY" ] && [ ! -f "$rd/stage2/training.json" ]; then  # the lever needs the default's stages 1-2 here
+      local rd cells
+      cells="$(want "$ALL" "$SUITE") $(want niah_multikey "$MK_LONG")"
+      student smollm2 "$s" "$cells" "${DEF[@]}"
+      rd=$("$PY" "$HERE/run.py" dir --out "$W/smollm2" --tokens "$TOKENS" --seed "$s" | cut -f1)
+      # the lever starts from the default's stages 1-2: convert the default here if the lever has cells to score
+      if [ -z "$DRY" ] && [ ! -f "$rd/stage2/training.json" ] \
+         && needs smollm2 "$s" "$cells" --lever s3tok2x --reuse-from both "${DEF[@]}"; then
         convert smollm2 "$s" "$rd" "${DEF[@]}"
       fi
-      student smollm2 "$s" "$(want "$ALL" "$SUITE") $(want niah_multikey "$MK_LONG")" --lever s3tok2x --reuse-from both \
-        "${DEF[@]}" ;;
+      student smollm2 "$s" "$cells" --lever s3tok2x --reuse-from both "${DEF[@]}" ;;
     gemma_rank) prepare gemma3; gemma_rank ;;
     gemma_s[0-9]*_head|gemma_s[0-9]*_layer)
       s=${p#gemma_s}; local arm=${s#*_}; s=${s%_*}
