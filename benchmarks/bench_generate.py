@@ -10,22 +10,29 @@ two settings of transformers' ``generate``:
   automatic ``torch.compile`` of the decode forward, CUDA graphs through ``mode="reduce-overhead"``; the hybrid: a
   static ``HybridCache`` whose decode steps replay one captured CUDA graph, ``StaticDecoder.step_replayed``).
 
-``--family mistral`` / ``gemma3`` / ``gpt-neox`` (issue 61): random weights of Mistral-7B's layer shape (sliding window
-4096) at ``--layers`` depth (default 8), of Gemma 3 270M's config (18 layers, 5 sliding (window 512) : 1 full, head_dim
-256) or of Pythia-160M's (12 layers, 12 heads, head_dim 64, rotary on a quarter of each head, parallel residual), each
-with a random 7:1 mask (``mask_7to1``: one FA head per layer at least).
+``--family`` (issue 61; the table in ``benchmarks/family_configs.py``, shared with ``bench_train.py``,
+``bench_first_call.py``): random weights of SmolLM2-135M, Qwen2.5-0.5B (q/k/v biases), Qwen3-0.6B, Mistral-7B's layer
+shape (sliding window 4096) at ``--layers`` depth (default 8), Gemma 3 270M (18 layers, 5 sliding (window 512) : 1
+full, head_dim 256) or Pythia-160M (GPT-NeoX: rotary on a quarter of each head, parallel residual); every family but
+SmolLM2 with a random 7:1 mask (``mask_7to1``: one FA head per layer at least). ``--cells 1x8192,16x32768``: only these
+batch x prompt cells (issue 61's acceptance cells) instead of every batch x length. A model that runs out of memory in
+a cell leaves ``error`` there and the run goes on. Each result records the backend each role resolved to
+(``backends``) beside the InferenceConfig.
 
 ms per new token = (wall time of a call making 2N tokens − a call making N) / N, both after a warm-up call of the
 same shape (compilation, capture and prefill cancel out), the minimum over ``--reps`` repetitions; every call is
 forced to make all its tokens (``min_new_tokens``). ``first_call_ms``: the wall time of each model's first call of a
-cell (N tokens: compile, capture and autotune of that shape in this process, the prefill included). The hybrid's tokens are checked first, on a short prompt, against
-its cache-free forward teacher-forced on them, in the run's dtype and in fp32 (``check_tokens``). Writes one JSON
-with each cell, the ratio hybrid / teacher (< 1: the hybrid is faster), the InferenceConfig and versions.
+cell (N tokens: compile, capture and autotune of that shape in this process, the prefill included): in the first cell
+the first ``generate`` of the process (the CUDA context and cuBLAS handle made before the clock), in a later cell the
+first call of a new shape (issue 61 item 5); ``*_peak_gib``: ``max_memory_allocated`` over a model's calls of the cell.
+After the cells the hybrid's tokens are checked on a short prompt against its cache-free forward teacher-forced on
+them, in the run's dtype and in fp32 (``check_tokens``, the settings measured). Writes one JSON with each cell, the ratio hybrid / teacher (< 1: the hybrid is faster), the
+InferenceConfig and versions.
 
     python benchmarks/bench_generate.py --out benchmarks/results/h200_generate_api.json
     python benchmarks/bench_generate.py --family gemma3 --batches 1 --lengths 8192 --out gemma3_generate.json
-    python benchmarks/bench_generate.py --family gpt-neox --out gpt_neox_generate.json
-    python benchmarks/bench_generate.py --smoke            # CPU, tiny shape, < 1 min
+    python benchmarks/bench_generate.py --family qwen3 --settings default --cells 1x8192,16x32768 --out qwen3.json
+    python benchmarks/bench_generate.py --smoke [--family gemma3]   # CPU, tiny shape, < 1 min
 """
 
 from __future__ import annotations
@@ -40,15 +47,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, MistralConfig
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_hybrid_model import hybrid_mask, mask_7to1, smollm2_config  # noqa: E402
+from family_configs import FAMILIES, chosen_backends, family_config, smoke_config  # noqa: E402
 
-from headscope.arch.random_models import hybrid_families  # noqa: E402
 from headscope.hybrid import hybridize  # noqa: E402
 from headscope.hybrid.inference import inference_config  # noqa: E402
-from headscope.masks import HeadMask  # noqa: E402
 
 SETTINGS = {"default": {}, "static": {"cache_implementation": "static"}}
 
@@ -89,18 +94,19 @@ def ms_per_token(model, ids, n, setting, reps):
 
 
 @torch.no_grad()
-def check_tokens(model, ids, n):
+def check_tokens(model, ids, n, settings=tuple(SETTINGS)):
     """The hybrid's generate (each setting) against its own cache-free forward, teacher-forced on what it generated.
 
     For every generated token the cache-free forward (``use_cache=False``, the reference path) is run on the
     generated sequence; a step *differs* when its argmax is not the generated token (teacher-forced, so one flip
     does not cascade into the later steps). ``max_margin`` is the largest (max logit − logit of the generated
     token) of the cache-free forward over all steps: 0 where every step agrees, and at a differing step the size
-    of the near-tie it fell on (in logits). Returns ``{setting: {"steps": k, "differing": d, "max_margin": m}}``.
+    of the near-tie it fell on (in logits). Returns ``{setting: {"steps": k, "differing": d, "max_margin": m}}`` for
+    each of ``settings``.
     """
     T = ids.shape[1]
     res = {}
-    for s in SETTINGS:
+    for s in settings:
         gen = _gen(model, ids, n, s)
         logits = model(gen[:, :-1], use_cache=False).logits[:, T - 1:].float()  # [B, n, V]: predicts gen[:, T:]
         got = gen[:, T:]
@@ -110,65 +116,77 @@ def check_tokens(model, ids, n):
     return res
 
 
-def family_config(family: str, layers: int) -> tuple:
-    """(config, 7:1 mask, description) of a ``--family`` on the GPU (random weights; sdpa attention)."""
-    if family == "smollm2":
-        return smollm2_config(), None, "SmolLM2-135M (30 x 9 heads, 3 KV, d 64)"
-    if family == "mistral":
-        cfg = MistralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
-                            num_key_value_heads=8, head_dim=128, vocab_size=32000, sliding_window=4096,
-                            max_position_embeddings=1 << 17, rope_theta=10000.0)
-        what = f"Mistral-7B layer shape x {layers} layers (32 heads, 8 KV, d 128, sliding window 4096)"
-    elif family == "gpt-neox":
-        cfg = GPTNeoXConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                            vocab_size=50304, rotary_pct=0.25, rotary_emb_base=10000, use_parallel_residual=True,
-                            max_position_embeddings=1 << 17, bos_token_id=0, eos_token_id=0)
-        what = "Pythia-160M config (12 layers, 12 heads, d 64, rotary 0.25, parallel residual)"
-    else:
-        cfg = Gemma3TextConfig(hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
-                               num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512,
-                               query_pre_attn_scalar=256, rope_theta=1e6, max_position_embeddings=1 << 17,
-                               layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                                            for i in range(18)])
-        what = "Gemma 3 270M config (18 layers, 5 sliding (512) : 1 full, 4 heads, 1 KV, d 256)"
-    cfg._attn_implementation = "sdpa"
-    H = cfg.num_attention_heads
-    KV = getattr(cfg, "num_key_value_heads", None) or H
-    return cfg, mask_7to1(cfg.num_hidden_layers, H, KV), what
+def parse_cells(text: str) -> list[tuple[int, int]]:
+    """``"1x8192,16x32768"`` -> [(1, 8192), (16, 32768)] (batch x prompt tokens).
+
+    Raises:
+        ValueError: an item that is not BxT with positive integers."""
+    cells = []
+    for item in (x for x in text.split(",") if x.strip()):
+        b, sep, t = item.strip().partition("x")
+        if not (sep and b.isdigit() and t.isdigit() and int(b) > 0 and int(t) > 0):
+            raise ValueError(f"--cells item {item!r} is not BATCHxPROMPT, e.g. 1x8192,16x32768")
+        cells.append((int(b), int(t)))
+    return cells
+
+
+def _peak_gib(dev: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None
+
+
+def measure_cell(teacher, hybrid, ids, setting: str, args) -> dict:
+    """One (setting, batch, prompt) cell: each model's ms per token, first call, walls and peak memory, the ratio; a
+    model that runs out of memory leaves ``error`` in the cell (the other cells still run)."""
+    dev = ids.device
+    B, T = ids.shape
+    cell = {"setting": setting, "batch": B, "prompt": T}
+    for name, m in (("teacher", teacher), ("hybrid", hybrid)):
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+        try:
+            ms, walls = ms_per_token(m, ids, args.new_tokens, setting, args.reps)
+        except torch.OutOfMemoryError as e:
+            cell.setdefault("error", {})[name] = f"OutOfMemoryError: {str(e).splitlines()[0][:300]}"
+            cell[f"{name}_peak_gib"] = _peak_gib(dev)
+            continue
+        cell[f"{name}_ms_per_token"] = round(ms, 3)
+        cell[f"{name}_first_call_ms"] = round(walls.pop("first_call"), 1)
+        cell[f"{name}_wall_ms"] = {str(k): round(v, 1) for k, v in walls.items()}
+        cell[f"{name}_peak_gib"] = _peak_gib(dev)
+    if "error" not in cell:
+        cell["hybrid_over_teacher"] = round(cell["hybrid_ms_per_token"] / cell["teacher_ms_per_token"], 3)
+    return cell
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--cells", default=None, help="BxT list instead of every batch x length, e.g. 1x8192,16x32768")
     ap.add_argument("--new-tokens", type=int, default=32, help="N: calls of N and 2N new tokens")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    ap.add_argument("--mask", default="hydrahead")
-    ap.add_argument("--family", default="smollm2", choices=["smollm2", "mistral", "gemma3", "gpt-neox"])
+    ap.add_argument("--mask", default="hydrahead", help="--family smollm2: hydrahead, random or a HeadMask JSON")
+    ap.add_argument("--family", default="smollm2", choices=FAMILIES)
     ap.add_argument("--layers", type=int, default=8, help="--family mistral: decoder layers")
-    ap.add_argument("--smoke", action="store_true", help="CPU, 4-layer tiny shape, 64-token prompts")
+    ap.add_argument("--smoke", action="store_true", help="CPU, the family's tiny model, 64-token prompts")
     ap.add_argument("--out", default="h200_generate_api.json")
     args = ap.parse_args()
+    try:
+        cells = parse_cells(args.cells) if args.cells else None
+    except ValueError as e:
+        ap.error(str(e))
     if args.smoke:
-        dev, dtype, what = torch.device("cpu"), torch.float32, "tiny (smoke)"
-        if args.family == "smollm2":
-            cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                              num_key_value_heads=2, vocab_size=128, max_position_embeddings=4096)
-            cfg._attn_implementation = "sdpa"
-        else:  # the tests' tiny model of the family (Mistral: window 24; Gemma 3: window 8, 3 layers)
-            cfg = hybrid_families()[{"mistral": "mistral_sw", "gpt-neox": "gpt_neox"}.get(args.family, args.family)](
-                128, 0).config
-        L, H = cfg.num_hidden_layers, cfg.num_attention_heads
-        KV = getattr(cfg, "num_key_value_heads", None) or H
-        mask = HeadMask(4, 4, 2, ((0,), (1,), (2, 3), (0,))) if args.family == "smollm2" else mask_7to1(L, H, KV)
+        dev, dtype = torch.device("cpu"), torch.float32
+        cfg, mask, what = smoke_config(args.family)
         args.batches, args.lengths, args.new_tokens, args.reps = [1, 2], [64], 4, 1
     else:
         if not torch.cuda.is_available():
             sys.exit("bench_generate.py times CUDA generate: run it on a GPU host, or --smoke on the CPU")
         dev, dtype = torch.device("cuda"), torch.bfloat16
-        cfg, mask, what = family_config(args.family, args.layers)
-        mask = mask or hybrid_mask(args.mask)
+        cfg, mask, what = family_config(args.family, args.layers, args.mask)
+    cells = cells or [(B, T) for T in sorted(args.lengths) for B in args.batches]
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(cfg).eval()
     hybrid = hybridize(teacher, mask).to(dev, dtype).eval()
@@ -178,36 +196,35 @@ def main() -> None:
            "shape": what, "family": args.family,
            "mask": (args.mask if args.family == "smollm2" else "random 7:1") if not args.smoke else "tiny",
            "n_fa_heads": sum(len(h) for h in mask.fa_heads),
-           "dtype": str(dtype), "new_tokens": args.new_tokens, "reps": args.reps, "settings": SETTINGS,
+           "dtype": str(dtype), "new_tokens": args.new_tokens, "reps": args.reps,
+           "settings": {s: SETTINGS[s] for s in args.settings},
            "inference_config": asdict(inference_config(hybrid)),
            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "python": platform.python_version(),
                         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()},
            "cells": []}
     short = torch.randint(1, cfg.vocab_size, (2, 48), generator=g).to(dev)
-    res["check_tokens"] = {str(dtype): check_tokens(hybrid, short, 8)}
+    if dev.type == "cuda":  # CUDA context and cuBLAS handle before the clock: neither model's first call pays them
+        x = torch.ones(64, 64, device=dev, dtype=dtype)
+        (x @ x).sum().item()
+    for setting in args.settings:  # the timed cells first: the first cell's first calls are the process's first
+        for B, T in cells:
+            ids = torch.randint(1, cfg.vocab_size, (B, T), generator=g).to(dev)
+            cell = measure_cell(teacher, hybrid, ids, setting, args)
+            res["cells"].append(cell)
+            print(json.dumps(cell), flush=True)
+            Path(args.out).write_text(json.dumps(res, indent=1))  # saved as it goes
+    res["backends"] = chosen_backends(hybrid)
+    del teacher
+    res["check_tokens"] = {str(dtype): check_tokens(hybrid, short, 8, args.settings)}
     if dtype != torch.float32:  # the same check in fp32: the near-ties of bf16 rounding gone, every step must agree
+        del hybrid
         torch.manual_seed(0)
         hybrid32 = hybridize(AutoModelForCausalLM.from_config(cfg).eval(), mask).to(dev, torch.float32).eval()
-        res["check_tokens"]["torch.float32"] = check_tokens(hybrid32, short, 8)
+        res["check_tokens"]["torch.float32"] = check_tokens(hybrid32, short, 8, args.settings)
         del hybrid32
-    print("generate vs the cache-free forward, teacher-forced:", res["check_tokens"], flush=True)
-    for setting in args.settings:
-        for T in sorted(args.lengths):
-            for B in args.batches:
-                ids = torch.randint(1, cfg.vocab_size, (B, T), generator=g).to(dev)
-                cell = {"setting": setting, "batch": B, "prompt": T}
-                for name, m in (("teacher", teacher), ("hybrid", hybrid)):
-                    ms, walls = ms_per_token(m, ids, args.new_tokens, setting, args.reps)
-                    cell[f"{name}_ms_per_token"] = round(ms, 3)
-                    cell[f"{name}_first_call_ms"] = round(walls.pop("first_call"), 1)
-                    cell[f"{name}_wall_ms"] = {str(k): round(v, 1) for k, v in walls.items()}
-                cell["hybrid_over_teacher"] = round(cell["hybrid_ms_per_token"] / cell["teacher_ms_per_token"], 3)
-                res["cells"].append(cell)
-                print(json.dumps(cell), flush=True)
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-                Path(args.out).write_text(json.dumps(res, indent=1))  # saved as it goes
+    print("generate vs the cache-free forward, teacher-forced:", res["check_tokens"], "backends:", res["backends"],
+          flush=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print("wrote", args.out)
 

@@ -27,8 +27,18 @@ captured. ``loss_agreement``: first-step losses of the fast and the old step fro
 the same batch. ``ratios``: hybrid / dense step speed per shape and stage. The JSON is rewritten after
 every variant.
 
+``--family F`` (issue 61's per-family table; the models of ``benchmarks/family_configs.py``, which
+``bench_generate.py`` and ``bench_first_call.py`` share: random weights of the family's config, its 7:1
+mask): by default only what the acceptance asks — stage 2 at the family's ``TRAIN_SHAPE`` (64 x 512 where
+it fits one 80 GB GPU, fewer rows for the large vocabularies and Mistral's layers), ``dense_compiled`` and
+``hybrid_fast`` — with the students kept on the CPU between variants (each variant's peak memory is its
+own); ``hybrid_fast`` records whether the trainer took the fast step (``fast_step``; GPT-NeoX: the plain
+step, ``fast_unavailable`` says why) and the backend each role resolved to. ``--smoke --family F``: the
+family's tiny model on the CPU, the dense roof compiled by Dynamo without Inductor.
+
     python benchmarks/bench_train.py --out benchmarks/results/h200_train.json
-    python benchmarks/bench_train.py --smoke --out /tmp/bench_train_smoke.json   # CPU, tiny: checks the script
+    python benchmarks/bench_train.py --family qwen3 --out train_qwen3.json
+    python benchmarks/bench_train.py --smoke [--family gemma3] --out /tmp/bench_train_smoke.json   # CPU, tiny
 """
 
 from __future__ import annotations
@@ -48,7 +58,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from family_configs import FAMILIES, TRAIN_SHAPE, chosen_backends, family_config, geometry, smoke_config  # noqa: E402
 
 from headscope.hybrid import hybridize, inference_config
 from headscope.masks import HeadMask
@@ -118,12 +131,12 @@ def roof_step(student, teacher, ids, mask, opt, chunk=4096):
     return loss.detach()
 
 
-def run_roof(name, student0, teacher, rows, batch, steps, warm, dev, compiled):
-    student = copy.deepcopy(student0)
+def run_roof(name, student0, teacher, rows, batch, steps, warm, dev, compiled, backend="inductor"):
+    student = copy.deepcopy(student0).to(dev)
     opt = torch.optim.AdamW(student.parameters(), lr=1e-4, **({"fused": True} if dev.type == "cuda" else {}))
     s_fn, t_fn = student, teacher
     if compiled:
-        s_fn, t_fn = torch.compile(student), torch.compile(teacher)
+        s_fn, t_fn = torch.compile(student, backend=backend), torch.compile(teacher, backend=backend)
     reset_mem(dev)
     losses, times = [], []
     for i in range(warm + steps):
@@ -142,7 +155,7 @@ def run_roof(name, student0, teacher, rows, batch, steps, warm, dev, compiled):
 
 # ------------------------------------------------------------------------------------ trainer variants
 def run_trainer(stage, student0, teacher, rows, batch, steps, warm, dev, out_dir, **cfg_kw):
-    student = copy.deepcopy(student0)
+    student = copy.deepcopy(student0).to(dev)
     cfg = TrainConfig(stage=stage, tokens=rows.ids.numel(), batch_size=batch, lr=1e-4, progress=False,
                       ckpt_on_exit=False, save_student=False, bf16=dev.type == "cuda", **cfg_kw)
     reset_mem(dev)
@@ -159,7 +172,9 @@ def run_trainer(stage, student0, teacher, rows, batch, steps, warm, dev, out_dir
     fs = tr.step_fn if tr.plan.fast else None
     res = {"losses": losses, "warmup_s": times[:warm], "step_times": times[warm:], "peak_gib": peak_gib(dev),
            "cuda_graph": None if fs is None else fs.graph is not None,
-           "graph_error": None if fs is None else fs.graph_error}
+           "graph_error": None if fs is None else fs.graph_error,
+           "fast_step": tr.plan.fast, "fast_unavailable": tr.plan.fast_unavailable,
+           "backends": chosen_backends(student)}
     tr.step_fn.close()
     del tr, student
     return res
@@ -169,8 +184,8 @@ def summarize(res, tokens_per_step, flops_per_step):
     st = np.array(res["step_times"])
     sec = float(np.median(st))
     res.update({"step_s": sec, "step_s_min": float(st.min()), "step_s_max": float(st.max()),
-                "tok_s": tokens_per_step / sec, "mfu": flops_per_step / sec / PEAK_BF16,
-                "tflops": flops_per_step / sec / 1e12})
+                "tok_s": tokens_per_step / sec, "mfu": flops_per_step / sec / PEAK_BF16 if flops_per_step else None,
+                "tflops": flops_per_step / sec / 1e12 if flops_per_step else None})
     return res
 
 
@@ -182,7 +197,8 @@ def acceptance(report: dict) -> dict:
             continue
         h = r["hybrid_fast"]
         row = {"hybrid_tok_s": h["tok_s"], "hybrid_mfu": h["mfu"], "hybrid_peak_gib": h["peak_gib"],
-               "hybrid_cuda_graph": h.get("cuda_graph")}
+               "hybrid_cuda_graph": h.get("cuda_graph"), "hybrid_fast_step": h.get("fast_step"),
+               "hybrid_fast_unavailable": h.get("fast_unavailable")}
         for den in ("dense_compiled", "dense_fast", "dense_eager"):
             if den in r:
                 row.update({f"{den}_tok_s": r[den]["tok_s"], f"{den}_mfu": r[den]["mfu"],
@@ -194,36 +210,70 @@ def acceptance(report: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------ main
+OLD_DEFAULTS = {"shapes": "64x512,16x2048", "stages13": "64x512",
+                "variants": "dense_compiled,hybrid_fast,hybrid_old,dense_eager,dense_fast", "ladder": "64x512"}
+
+
+def family_models(family: str, smoke: bool, gdn_kernel: str):
+    """``--family``: (config, description, teacher, dense student, hybrid student, mask) from
+    ``benchmarks/family_configs.py``, built on the CPU (fp32; the students stay there and each variant copies its own
+    to the device, so a variant's peak memory is its own)."""
+    cfg, mask, what = smoke_config(family) if smoke else family_config(family)
+    torch.manual_seed(0)
+    teacher = AutoModelForCausalLM.from_config(cfg).eval()
+    dense0 = AutoModelForCausalLM.from_config(cfg)  # another random draw
+    return cfg, what, teacher, dense0, hybridize(teacher, mask, gdn_kernel=gdn_kernel), mask
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the script)")
-    ap.add_argument("--shapes", default="64x512,16x2048", help="stage-2 batch x seq_len list")
-    ap.add_argument("--stages13", default="64x512", help="shape for stages 1 and 3 ('' = skip)")
-    ap.add_argument("--variants", default="dense_compiled,hybrid_fast,hybrid_old,dense_eager,dense_fast",
-                    help="stage-2 variants at every shape")
+    ap.add_argument("--family", default=None, choices=FAMILIES,
+                    help="a family of benchmarks/family_configs.py: by default only stage 2 at its TRAIN_SHAPE, "
+                         "dense_compiled and hybrid_fast (without: SmolLM2-135M's shape and every variant)")
+    ap.add_argument("--shapes", default=None, help=f"stage-2 batch x seq_len list (default {OLD_DEFAULTS['shapes']})")
+    ap.add_argument("--stages13", default=None,
+                    help=f"shape for stages 1 and 3 ('' = skip; default {OLD_DEFAULTS['stages13']})")
+    ap.add_argument("--variants", default=None, help=f"stage-2 variants at every shape (default {OLD_DEFAULTS['variants']})")
     ap.add_argument("--variants13", default="hybrid_fast,dense_fast,hybrid_old", help="stage 1 and 3 variants")
-    ap.add_argument("--ladder", default="64x512", help="shape for the remaining levers (fast without graph / compile)")
+    ap.add_argument("--ladder", default=None,
+                    help=f"shape for the remaining levers (fast without graph / compile; default {OLD_DEFAULTS['ladder']})")
     ap.add_argument("--ladder-variants", default="hybrid_fast_compile,hybrid_fast_eager")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--gdn-kernel", default="auto")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip variants once this many seconds have passed")
     args = ap.parse_args()
 
+    if args.family and not args.smoke and not torch.cuda.is_available():
+        sys.exit("bench_train.py --family times CUDA training steps: run it on a GPU host, or with --smoke on the CPU")
     dev = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    if args.smoke:
+    fam = {"shapes": "2x32" if args.smoke else TRAIN_SHAPE.get(args.family), "stages13": "", "ladder": "",
+           "variants": "dense_compiled,hybrid_fast"}
+    for k, v in (fam if args.family else OLD_DEFAULTS).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    compile_backend = "inductor"
+    if args.smoke and args.family:  # the dense roof through Dynamo without Inductor (minutes on 2 CPU cores)
+        args.steps, compile_backend = 2, "eager"
+    elif args.smoke:
         args.shapes, args.stages13, args.ladder, args.steps = "2x32,1x64", "2x32", "2x32", 2
         args.variants = args.variants.replace("dense_compiled,", "")  # inductor on 2 CPU cores: minutes
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    cfg = smollm2_config(args.smoke)
-    torch.manual_seed(0)
-    teacher = LlamaForCausalLM(cfg).to(dev).eval()
-    dense0 = LlamaForCausalLM(cfg).to(dev)  # another random draw
-    scores = np.random.default_rng(0).random((cfg.num_hidden_layers, cfg.num_attention_heads))
-    mask = HeadMask.select(scores, "2:1" if args.smoke else "7:1", cfg.num_key_value_heads, min_per_layer=1)
-    hybrid0 = hybridize(teacher, mask, gdn_kernel=args.gdn_kernel)
-    teacher = teacher.to(torch.bfloat16) if dev.type == "cuda" else teacher
+    if args.family:
+        cfg, what, teacher, dense0, hybrid0, mask = family_models(args.family, args.smoke, args.gdn_kernel)
+        teacher = teacher.to(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    else:
+        cfg = smollm2_config(args.smoke)
+        what = "SmolLM2-135M shape" if not args.smoke else "tiny (smoke)"
+        torch.manual_seed(0)
+        teacher = LlamaForCausalLM(cfg).to(dev).eval()
+        dense0 = LlamaForCausalLM(cfg).to(dev)  # another random draw
+        scores = np.random.default_rng(0).random((cfg.num_hidden_layers, cfg.num_attention_heads))
+        mask = HeadMask.select(scores, "2:1" if args.smoke else "7:1", cfg.num_key_value_heads, min_per_layer=1)
+        hybrid0 = hybridize(teacher, mask, gdn_kernel=args.gdn_kernel)
+        teacher = teacher.to(torch.bfloat16) if dev.type == "cuda" else teacher
     for p in teacher.parameters():
         p.requires_grad_(False)
     vers = {"torch": torch.__version__}
@@ -232,12 +282,13 @@ def main() -> None:
             vers[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001
             vers[mod] = None
+    L, H, KV = geometry(cfg)
     report = {
+        "family": args.family or "smollm2", "shape": what,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "versions": vers, "gdn_kernel": args.gdn_kernel, "steps_timed": args.steps,
         "inference_config": asdict(inference_config(hybrid0)),  # the fast inference paths' (training: train_forward)
-        "model": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
-                  "kv_heads": cfg.num_key_value_heads, "vocab": cfg.vocab_size,
+        "model": {"layers": L, "hidden": cfg.hidden_size, "heads": H, "kv_heads": KV, "vocab": cfg.vocab_size,
                   "dense_params": sum(p.numel() for p in dense0.parameters()),
                   "hybrid_params": sum(p.numel() for p in hybrid0.parameters())},
         "mask": {"n_fa": mask.n_fa, "fa_per_layer": [len(h) for h in mask.fa_heads],
@@ -275,7 +326,8 @@ def main() -> None:
             if v in ("dense_eager", "dense_compiled"):
                 if stage != 2:
                     continue
-                res = run_roof(v, dense0, teacher, rows, b, args.steps, warm, dev, compiled=v == "dense_compiled")
+                res = run_roof(v, dense0, teacher, rows, b, args.steps, warm, dev, compiled=v == "dense_compiled",
+                               backend=compile_backend)
             else:
                 kw = {"hybrid_old": dict(fast=False),
                       "hybrid_fast_eager": dict(compile=False, cuda_graph=False),

@@ -285,6 +285,54 @@ def test_fast_step_equals_plain_step_with_sliding_windows(family, kind, stage):
         fs.close()
 
 
+@pytest.mark.parametrize("kind,stage", [("hybrid", 1), ("hybrid", 2), ("hybrid", 3), ("dense", 2)])
+def test_fast_step_equals_plain_step_for_qwen2_biases(kind, stage):
+    """Qwen2 (q/k/v biases) takes the fast step (its decoder body is Llama's): loss, logged values and gradients equal
+    stage_loss + backward on 32-token rows; GPT-NeoX (another body) is refused by name."""
+    from headscope.arch.random_models import hybrid_families
+    from headscope.train.fast import fast_step_problem
+
+    fam = hybrid_families()
+    t = fam["qwen2"](256, 0).float().eval()
+    assert t.model.layers[0].self_attn.q_proj.bias is not None
+    st = fam["qwen2"](256, 1).float() if kind == "dense" else hybridize(t, HeadMask(2, 4, 2, ((0,), (1, 3))),
+                                                                         gdn_kernel="torch")
+    assert fast_step_problem(stage, st, t) is None
+    neox = fam["gpt_neox"](256, 0)
+    assert "GPTNeoXForCausalLM" in fast_step_problem(2, neox, neox)
+    named = trainable_parameters(st, stage)
+    params = [p for _, p in named]
+    ids, m = _batch(2, 32)
+    st.zero_grad()
+    loss, scalars = stage_loss(stage, st, t, ids, m)
+    loss.backward()
+    g_ref = [p.grad.clone() for p in params]
+    st.zero_grad()
+    fs = FastStep(stage, st, t, params, compile=False)
+    logged = fs(ids, m)
+    torch.testing.assert_close(logged, torch.tensor(list(scalars.values())), rtol=1e-5, atol=1e-6)
+    biases = [p for n, p in named if n.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))]
+    assert len(biases) >= 6 and all(p.grad.abs().max() > 0 for p in biases)  # the biases train through the fast step
+    for p, g in zip(params, g_ref):
+        _close(p.grad, g, tol=1e-4)
+    fs.close()
+
+
+def test_flops_per_token_of_gpt_neox():
+    """GPT-NeoX's layers (``gpt_neox.layers``, attention ``attention``): 2 FLOPs per weight of every linear map, 2·2·(T/2)·d
+    per FA head; its hybrid counts GDN heads; attention only: the fused q/k/v and dense maps of each layer."""
+    from headscope.arch.random_models import hybrid_families
+
+    neox = hybrid_families()["gpt_neox"](256, 0)  # 2 layers x 4 heads of 16, width 64, MLP 128
+    f = flops_per_token(neox, 20, backward=False)
+    lin = sum(m.weight.numel() for m in neox.modules() if isinstance(m, torch.nn.Linear))
+    assert f["linear"] == 2 * lin and f["gdn"] == 0 and f["attention"] == 2 * 2 * 10 * 16 * 4 * 2
+    a = flops_per_token(neox, 20, backward=False, attention_only=True)
+    assert a["linear"] == 2 * 2 * (64 * 3 * 64 + 64 * 64)  # per layer: query_key_value 64 -> 192, dense 64 -> 64
+    h = flops_per_token(hybridize(neox, HeadMask(2, 4, 4, ((0,), (1, 3)))), 20)
+    assert h["gdn"] == 2 * (5 * 64 * 16 + 3 * 16 * 16) * 5 * 3 and h["attention"] == 2 * 2 * 10 * 16 * 3 * 3
+
+
 def test_fast_step_rejects_bad_input(teacher):
     st = _student(teacher, "hybrid")
     with pytest.raises(ValueError, match="stage"):

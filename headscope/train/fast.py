@@ -3,7 +3,7 @@
 :class:`FastStep` computes the same losses as :func:`headscope.train.stages.stage_loss` with:
 
 - **the model body by hand**: embeddings, rotary tables, one call per decoder layer, final norm (the
-  Llama / Qwen3 / Mistral / Gemma 3 structure), so that each decoder layer can be compiled on its own ("regional"
+  Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 structure), so that each decoder layer can be compiled on its own ("regional"
   compilation: layers of the same shape share one compiled graph; a hybrid layer is compiled per
   distinct count of FA / GDN heads; every region is compiled whole (``fullgraph``: the GDN kernel call is one
   operator, :func:`~headscope.hybrid.gdn_kernels.gdn_op`), so a graph break raises instead of slowing the step);
@@ -55,7 +55,7 @@ def _attn_call(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, mask: Optio
 
 def _teacher_io(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor,
                 mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """One Llama / Qwen3 / Mistral decoder layer, or Gemma 3's (sandwich norms), returning (attention input,
+    """One Llama / Qwen2 / Qwen3 / Mistral decoder layer, or Gemma 3's (sandwich norms), returning (attention input,
     attention output, layer output)."""
     hn = layer.input_layernorm(h)
     a = layer.self_attn(hn, position_embeddings=(cos, sin), attention_mask=mask)[0]
@@ -98,11 +98,11 @@ def _global_teacher_stats(outs: Sequence[Tensor], m: Tensor, reduce: Callable[[T
     return n, ss / n
 
 
-BODIES = ("llama", "qwen3", "mistral", "gemma3")  # model types whose body model_body computes (gemma3_text too)
+BODIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")  # model types whose body model_body computes (gemma3_text too)
 
 
 def has_llama_body(model: nn.Module) -> bool:
-    """True when ``model`` is a Llama / Qwen3 / Mistral / Gemma 3 causal LM (or its hybrid) whose ``model.model`` has
+    """True when ``model`` is a Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 causal LM (or its hybrid) whose ``model.model`` has
     the parts the hand-written body uses (sliding windows: :func:`layer_masks`; Gemma 3's RoPE per layer type:
     :func:`layer_positions`; its scaled embedding is its embedding module's). Other families with the same attribute
     names are refused (the body would not be theirs), as is a final logit soft-cap (the chunked loss has none)."""
@@ -158,7 +158,7 @@ def _mask_for(attn: nn.Module, mask: Optional[Tensor]) -> tuple:
 def model_body(
     model: nn.Module, ids: Int[Tensor, "batch time"], layer_fn: Callable = _layer_call
 ) -> Float[Tensor, "batch time hidden"]:
-    """Final hidden states of a Llama / Qwen3 / Mistral / Gemma 3 causal LM (after the final norm): the same numbers as
+    """Final hidden states of a Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 causal LM (after the final norm): the same numbers as
     ``model.model(input_ids=ids, use_cache=False).last_hidden_state`` without padding, one
     ``layer_fn(layer, h, cos, sin, position_ids[, window mask])`` call per decoder layer."""
     inner = model.model
@@ -232,14 +232,14 @@ def _compiled_whole(f: Callable, backend: str, breaks_ok: bool, breaks: list[str
 
 def fast_step_problem(stage: int, student: nn.Module, teacher: Optional[nn.Module]) -> Optional[str]:
     """Why :class:`FastStep` cannot run ``stage`` on these models (a sentence), or None when it can: a
-    stage other than 1-3, stages 1-2 without a teacher, a model without the Llama / Qwen3 / Mistral / Gemma 3 structure."""
+    stage other than 1-3, stages 1-2 without a teacher, a model without the Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 structure."""
     if stage not in (1, 2, 3):
         return f"stage must be 1, 2 or 3, got {stage!r}"
     if stage in (1, 2) and teacher is None:
         return f"stage {stage} needs the teacher model"
     for name, m in (("student", student), ("teacher", teacher)):
         if m is not None and not has_llama_body(m):
-            return f"the fast step needs a Llama / Qwen3 / Mistral / Gemma 3 causal LM as {name}, got {type(m).__name__}"
+            return f"the fast step needs a Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 causal LM as {name}, got {type(m).__name__}"
     if stage == 1 and not _decoder_parts_ok(teacher):
         return ("stage 1's fast step needs decoder layers with input_layernorm, self_attn, "
                 "post_attention_layernorm and mlp")
@@ -252,7 +252,7 @@ class FastStep:
 
     Args:
         stage: 1, 2 or 3.
-        student: the hybrid (or any Llama / Qwen3 / Mistral / Gemma 3) causal LM being trained.
+        student: the hybrid (or any Llama / Qwen2 / Qwen3 / Mistral / Gemma 3) causal LM being trained.
         teacher: the frozen teacher (stages 1, 2).
         params: the trained parameters (``requires_grad`` set, as by
             :func:`~headscope.train.stages.trainable_parameters`).
@@ -286,7 +286,7 @@ class FastStep:
 
     Raises:
         ValueError: a stage other than 1, 2, 3; stages 1, 2 without a teacher; a model without the
-            Llama / Qwen3 / Mistral / Gemma 3 structure.
+            Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 structure.
         torch._dynamo.exc.Unsupported / FailOnRecompileLimitHit (on a step, with ``compile``): a graph break in a
             compiled region / Dynamo's recompile limit reached (both fell back to eager code silently before; under
             activation checkpointing the recomputation then differed from the forward, issue 63).
@@ -549,25 +549,27 @@ class FastStep:
 
 def flops_per_token(model: nn.Module, seq_len: int, backward: bool = True, attention_only: bool = False) -> dict[str, float]:
     """Model FLOPs per token of a forward (and, with ``backward``, backward: 2× forward) pass of a
-    Llama / Qwen3 model or a head-wise hybrid, the usual MFU accounting: 2 per weight of every linear
+    decoder-only model or a head-wise hybrid, the usual MFU accounting: 2 per weight of every linear
     map (the LM head included, the embedding lookup not), causal softmax attention 2 · 2 · (T/2) · d
     per FA head, and a chunked GDN head 2 · (5 · C · d + 3 · d²) with C = 64 (K Kᵀ, Q Kᵀ, the two
-    triangular solves and the intra-chunk output; the state read, update and output maps).
+    triangular solves and the intra-chunk output; the state read, update and output maps). Any family
+    :func:`headscope.hybrid.hybridize` converts (GPT-NeoX's layers under ``gpt_neox``, its attention ``attention``).
     ``attention_only``: only the attention modules' linear maps (stage 1 trains nothing else).
 
     Returns:
         {"linear", "attention", "gdn", "total"} in FLOPs per token.
     """
     from ..hybrid.layer import HeadwiseHybridAttention
+    from ..hybrid.modeling_hybrid import attention_name, decoder_layers
 
-    root = nn.ModuleList([layer.self_attn for layer in model.model.layers]) if attention_only else model
+    attns = [getattr(layer, attention_name(layer)) for layer in decoder_layers(model)]
+    root = nn.ModuleList(attns) if attention_only else model
     lin = sum(m.weight.numel() for m in root.modules() if isinstance(m, nn.Linear))
     cfg = model.config
     H = cfg.num_attention_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
     n_fa = n_gdn = 0
-    for layer in model.model.layers:
-        a = layer.self_attn
+    for a in attns:
         if isinstance(a, HeadwiseHybridAttention):
             n_fa += len(a.fa_heads)
             n_gdn += len(a.gdn_heads)
