@@ -23,8 +23,9 @@ ms per new token = (wall time of a call making 2N tokens − a call making N) / 
 same shape (compilation, capture and prefill cancel out), the minimum over ``--reps`` repetitions; every call is
 forced to make all its tokens (``min_new_tokens``). ``first_call_ms``: the wall time of each model's first call of a
 cell (N tokens: compile, capture and autotune of that shape in this process, the prefill included): in the first cell
-the first ``generate`` of the process (the CUDA context and cuBLAS handle made before the clock), in a later cell the
-first call of a new shape (issue 61 item 5); ``*_peak_gib``: ``max_memory_allocated`` over a model's calls of the cell.
+the first ``generate`` of the process (the CUDA context and cuBLAS handle made before the clock; the compile caches on
+disk as the machine has them, named in ``compile_caches``: ``bench_first_call.py`` starts from empty ones), in a later
+cell the first call of a new shape (issue 61 item 5); ``*_peak_gib``: ``max_memory_allocated`` over a model's calls of the cell.
 After the cells the hybrid's tokens are checked on a short prompt against its cache-free forward teacher-forced on
 them, in the run's dtype and in fp32 (``check_tokens``, the settings measured). Writes one JSON with each cell, the ratio hybrid / teacher (< 1: the hybrid is faster), the
 InferenceConfig and versions.
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -199,6 +201,8 @@ def main() -> None:
            "dtype": str(dtype), "new_tokens": args.new_tokens, "reps": args.reps,
            "settings": {s: SETTINGS[s] for s in args.settings},
            "inference_config": asdict(inference_config(hybrid)),
+           "compile_caches": {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                                                             "TILELANG_CACHE_DIR")},
            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "python": platform.python_version(),
                         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()},

@@ -14,8 +14,9 @@ one markdown row per family with each goal of the issue marked met or missed:
   second process with the compile caches kept ("cached") beside it;
 - greedy tokens of the fast and reference paths equal on the real checkpoint (every prompt, dtype and setting).
 
-A file that is not there reads "not measured"; a cell that ran out of memory or failed says so (missed). Below the
-table: the devices the files name (one expected) and how many rows met each goal.
+A file that is not there reads "not measured"; a cell where the hybrid ran out of memory or failed says so (missed);
+one where only the teacher did gives the hybrid's figure and counts for neither. Below the table: the devices the
+files name (one expected) and how many measured rows met each goal.
 """
 
 from __future__ import annotations
@@ -49,19 +50,24 @@ def _cell(gen: dict, B: int, T: int) -> Optional[dict]:
                  and c["prompt"] == T), None)
 
 
+def _kind(cell: dict) -> str:
+    return "out of memory" if all("OutOfMemory" in v for v in cell["error"].values()) else "failed"
+
+
 def _failed(cell: dict) -> str:
-    err = cell["error"]
-    what = "out of memory" if all("OutOfMemory" in v for v in err.values()) else "failed"
-    return f"{what} ({', '.join(sorted(err))}): **missed**"
+    return f"{_kind(cell)} ({', '.join(sorted(cell['error']))})"
 
 
 def generate_ratio(gen: Optional[dict], B: int, T: int) -> tuple[str, Optional[bool]]:
-    """(text, met) of the hybrid ÷ teacher ms per token at one cell; met None where not measured."""
+    """(text, met) of the hybrid ÷ teacher ms per token at one cell; met None where not measured or where only the
+    teacher failed (nothing to compare with), False where the hybrid failed."""
     c = _cell(gen, B, T) if gen else None
     if c is None:
         return "not measured", None
     if "error" in c:
-        return _failed(c), False
+        if "hybrid" in c["error"]:
+            return f"{_failed(c)}: **missed**", False
+        return f"teacher {_kind(c)}; hybrid {c['hybrid_ms_per_token']:.2f} ms", None
     r = c["hybrid_over_teacher"]
     return f"{_ratio(r)} ({c['hybrid_ms_per_token']:.2f} / {c['teacher_ms_per_token']:.2f} ms): {_mark(r <= GEN_GOAL)}", \
         r <= GEN_GOAL
@@ -70,9 +76,14 @@ def generate_ratio(gen: Optional[dict], B: int, T: int) -> tuple[str, Optional[b
 def first_call(gen: Optional[dict], first: Optional[dict], B: int, T: int) -> tuple[str, Optional[bool]]:
     """(text, met): the hybrid's and the teacher's first call of the cell in seconds; the cached-caches process."""
     c = _cell(gen, B, T) if gen else None
-    if c is None or "hybrid_first_call_ms" not in c or "teacher_first_call_ms" not in c:
-        return ("failed: **missed**", False) if c is not None and "error" in c else ("not measured", None)
-    h, t = c["hybrid_first_call_ms"] / 1e3, c["teacher_first_call_ms"] / 1e3
+    if c is None:
+        return "not measured", None
+    if "hybrid_first_call_ms" not in c:
+        return f"{_failed(c)}: **missed**", False
+    h = c["hybrid_first_call_ms"] / 1e3
+    if "teacher_first_call_ms" not in c:
+        return f"{h:.1f} s / teacher {_kind(c)}", None
+    t = c["teacher_first_call_ms"] / 1e3
     ok = h <= t + FIRST_CALL_SLACK_S
     text = f"{h:.1f} / {t:.1f} s: {_mark(ok)}"
     fc = next((x for x in (first or {}).get("cells", []) if x["batch"] == B and x["prompt"] == T), None)

@@ -296,7 +296,10 @@ def test_families_table_from_hand_made_result_files(tmp_path):
     files = {
         "generate_qwen3": {"versions": {"device": H100}, "cells": [
             cell(1, 8192, h=5.0, t=20.0, fh=2100.0, ft=400.0),  # 0.25 met; 2.1 s <= 0.4 + 2 met
-            cell(16, 32768, error={"teacher": "OutOfMemoryError: CUDA out of memory"})]},
+            {**cell(16, 32768, error={"teacher": "OutOfMemoryError: CUDA out of memory"}),  # no teacher: not counted
+             "hybrid_ms_per_token": 3.0, "hybrid_first_call_ms": 5000.0}]},
+        "generate_mistral": {"versions": {"device": H100}, "cells": [
+            cell(1, 8192, error={"hybrid": "OutOfMemoryError: CUDA out of memory", "teacher": "RuntimeError: x"})]},
         "train_qwen3": {"device": H100, "acceptance": {"stage2_16x512": {
             "ratio_vs_dense_compiled": 0.85, "hybrid_tok_s": 85000.0, "dense_compiled_tok_s": 100000.0,
             "hybrid_fast_step": True}}, "errors": {}},
@@ -321,9 +324,9 @@ def test_families_table_from_hand_made_result_files(tmp_path):
     rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in text.splitlines()[2:8]}
     L = "[{0}](R/h100_{1}.json)"
     assert rows["Qwen3-0.6B"] == [
-        "0.25 (5.00 / 20.00 ms): met", "out of memory (teacher): **missed**",
+        "0.25 (5.00 / 20.00 ms): met", "teacher out of memory; hybrid 3.00 ms",
         "0.85 (85.0K / 100.0K tok/s, 16 × 512): **missed**", "2.1 / 0.4 s: met (caches kept: 0.9 s)",
-        "failed: **missed**", "no checkpoint installed",
+        "5.0 s / teacher out of memory", "no checkpoint installed",
         " ".join(L.format(k, f) for k, f in (("generate", "generate_qwen3"), ("train", "train_qwen3"),
                                               ("first call", "first_call_qwen3"))) + " |"]
     assert rows["Gemma 3 270M"][:6] == [
@@ -332,9 +335,12 @@ def test_families_table_from_hand_made_result_files(tmp_path):
         "differ in 1 of 4 (bfloat16 prompt 0 from step 5, reference margin 0.0078; 2 prompts × 32 tokens, "
         "bfloat16 + float32): **missed**"]
     assert rows["SmolLM2-135M"][:6] == ["not measured"] * 5 + ["equal (1 prompts × 32 tokens, bfloat16): met"]
+    assert rows["Mistral-7B layer shape, 8 layers"][:5] == [
+        "failed (hybrid, teacher): **missed**", "not measured", "not measured", "failed (hybrid, teacher): **missed**",
+        "not measured"]
     assert rows["Pythia-160M (GPT-NeoX)"][2] == "0.50 (50.0K / 100.0K tok/s, 32 × 512, plain step): **missed**"
     assert rows["Qwen2.5-0.5B config (biases)"] == ["not measured"] * 5 + ["no checkpoint installed", "— |"]
     assert text.splitlines()[-2] == f"Devices: {H100}."
     assert text.splitlines()[-1] == (
-        "Goals met: generate B1·8K 1 of 2; generate B16·32K 1 of 2; training step 0 of 3; first call B1·8K 1 of 2; "
-        "first call B16·32K 1 of 2; greedy tokens 1 of 2.")
+        "Goals met: generate B1·8K 1 of 3; generate B16·32K 1 of 1; training step 0 of 3; first call B1·8K 1 of 3; "
+        "first call B16·32K 1 of 1; greedy tokens 1 of 2.")
