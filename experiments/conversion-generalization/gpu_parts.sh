@@ -7,7 +7,8 @@
 #   OUT/bring/   what comes back (< 16 MiB a file; no weights, no prompt sets): per teacher KEY (smollm2, gemma3) the
 #                eval folder (cells with per-prompt outcomes, haystack, retention.csv), each conversion's recipe.json and
 #                stageK/training.json, masks and rankings; docs/KEY_sS.tar.gz: seed S's sampled documents, packed as
-#                soon as they are sampled. Written after every step, so a session cut short keeps what finished.
+#                soon as they are sampled. Written after every step and every minute, so a session cut short keeps
+#                what finished.
 #   STATE=DIR    (env, absolute path) the bring/ folders of earlier sessions, merged into one carried folder: restored
 #                into OUT/work before a part runs, so a part resumes where it stopped (cells already scored are not
 #                scored again; a student whose cells are all there is not converted; seed S's documents come from
@@ -55,7 +56,7 @@
 #      WORKERS (8), LONG, BUDGET_LENGTHS, SUITE, MK_LONG, GEMMA_LENGTHS (the lengths above), RANKING
 #      (experiments/fused-smollm2/focus), GEMMA_KV (3), RANK_SET (--pairs 6 --seq-len 512), CONVERT_ARGS, EVAL_ARGS,
 #      RANK_ARGS (extra arguments, e.g. a CPU try's --device cpu ...), DEFAULT_MASK (the default student's mask instead of
-#      records/masks/hydra-7to1.json), STATE, PYTHON (python), POLL (5 s),
+#      records/masks/hydra-7to1.json), STATE, PYTHON (python), POLL (5 s), COLLECT_S (60 s),
 #      DRY_RUN=1 (print the package's commands, run none).
 set -euo pipefail
 usage() { sed -n '2,3p' "$0" | sed 's/^# //'; }
@@ -194,14 +195,21 @@ student() {  # KEY SEED "TASKS@L1+L2 ..." DRIVER_ARGS...: convert if a cell is m
   convert "$key" "$seed" "$rd" "$@"
   collect "$key"
   for p in $tpid; do wait "$p"; done
+  # one headscope eval per set of missing tasks, over every length that misses exactly those (one model load each;
+  # the collector below returns each cell within a minute of its being scored)
+  local -A lens=()
+  local sets=()
   for w in $want; do
     ls=${w#*@}
     for L in ${ls//+/ }; do
       if [ -n "$DRY" ]; then m=${w%@*}; else m=$(todo "$key" "$lab" "$seed" "${w%@*}" "$L"); fi
       [ -z "$m" ] && continue
-      D "$key" eval --seed "$seed" --lengths "$L" "$@" -- --tasks "$m" "${EVAL_SET[@]}" "${EVAL_X[@]}"
-      collect "$key"
+      if [ -z "${lens[$m]+x}" ]; then sets+=("$m"); lens[$m]=$L; else lens[$m]="${lens[$m]},$L"; fi
     done
+  done
+  for m in "${sets[@]}"; do
+    D "$key" eval --seed "$seed" --lengths "${lens[$m]}" "$@" -- --tasks "$m" "${EVAL_SET[@]}" "${EVAL_X[@]}"
+    collect "$key"
   done
 }
 
@@ -280,4 +288,11 @@ part() {
   log "part $p done"
 }
 
+collector() {  # the eval folders into OUT/bring every COLLECT_S seconds while the parts run
+  while sleep "${COLLECT_S:-60}"; do
+    for k in smollm2 gemma3; do [ ! -d "$W/$k/eval" ] || sess collect "$W/$k" "$B/$k" --eval-only > /dev/null 2>&1 || true; done
+  done
+}
+# (its output to /dev/null: a sleep left after the kill must not hold the caller's pipe open)
+if [ -z "$DRY" ]; then collector > /dev/null 2>&1 & CPID=$!; trap 'kill $CPID 2> /dev/null || true' EXIT; fi
 for p in "$@"; do part "$p"; done
