@@ -107,3 +107,30 @@ def test_evaluate_saves_each_cell_and_resumes(smol_tokenizer, tmp_path, monkeypa
     with pytest.warns(UserWarning, match="other settings"):
         again = ev_mod.evaluate(model, smol_tokenizer, None, **{**kw, "n": 3}, partial=pf)
     assert calls == [96, 128] and again["niah_single@96"]["n"] == 3
+
+
+@pytest.mark.parametrize("seq_len", [700, 1500])
+def test_fit_filler_fills_when_the_first_guess_is_short(smol_tokenizer, seq_len):
+    """The first 20 sentences of the draw are long, the rest short: the guess from them undershoots (the conversion
+    study's haystack gave 56,177 tokens asked 65,536 that way). The fit must still be the longest prefix that fits,
+    found here one sentence at a time from none."""
+    seed, n_sent = 3, 400
+    start = random.Random(seed).randrange(n_sent)
+    long_s = "The old harbour keeper walked along the grey wall and counted every boat that came back in the evening."
+    short = ["Rain fell.", "Birds sang.", "Wind rose."]
+    ring = [long_s if i < 20 else short[i % 3] for i in range(n_sent)]
+    filler = Filler.from_texts([" ".join(ring[(i - start) % n_sent] for i in range(n_sent))], source="test")
+    assert filler.take(21, random.Random(seed))[19:] == [long_s, short[20 % 3]]
+
+    def make_text(s):
+        return "Story: " + " ".join(s) + "\nWhat is the code?"
+
+    got = _fit_filler(smol_tokenizer, make_text, filler, seq_len, seed)
+    k = 0
+    while len(_ids(smol_tokenizer, make_text(filler.take(k + 1, random.Random(seed))))) <= seq_len:
+        k += 1
+    assert got == filler.take(k, random.Random(seed)) and k > 20
+    per_long = (len(_ids(smol_tokenizer, make_text(filler.take(20, random.Random(seed)))))
+                - len(_ids(smol_tokenizer, make_text([])))) / 20
+    assert k > int(seq_len / per_long) + 2  # the first guess alone would have been short
+    assert seq_len - len(_ids(smol_tokenizer, make_text(got))) < 10

@@ -104,7 +104,9 @@ def _fit_filler(
     rng_seed: int,
     max_sentences: int = 100_000,
 ) -> list[str]:
-    """Most filler sentences such that ``make_text(sentences)`` stays within ``seq_len`` tokens."""
+    """Most filler sentences such that ``make_text(sentences)`` stays within ``seq_len`` tokens: a first guess from
+    20 sentences' tokens, then galloping up (a guess that fits: more sentences are drawn, the draw's prefix unchanged)
+    or down, then bisection; the result fits and one sentence more would not."""
     base = len(_ids(tokenizer, make_text([])))
     if base > seq_len:
         raise HeadscopeInputError(f"seq_len={seq_len} is shorter than the task's fixed text ({base} tokens); raise seq_len")
@@ -116,15 +118,24 @@ def _fit_filler(
     def fits(k: int) -> bool:
         return len(_ids(tokenizer, make_text(sentences[:k]))) <= seq_len
 
-    # the longest prefix that fits (the token count grows with the sentences): gallop down from the
-    # estimate, then bisect, ~2·log2(overshoot) tokenizations of the whole prompt instead of one per
-    # sentence removed
+    # the longest prefix that fits (the token count grows with the sentences): gallop from the estimate, up while
+    # it fits or down while it does not, then bisect: ~2·log2(miss) tokenizations of the whole prompt instead of
+    # one per sentence
     if fits(n):
-        return sentences
-    hi, step = n, 1  # not fits(hi)
-    while hi - step > 0 and not fits(hi - step):
-        hi, step = hi - step, step * 2
-    lo = max(0, hi - step)  # fits(lo): the last probe, or 0 (base <= seq_len)
+        lo, step = n, max(1, n // 32)
+        while True:  # fits(lo)
+            if lo >= max_sentences:
+                return sentences[:lo]
+            hi = min(max_sentences, lo + step)
+            sentences = filler.take(hi, random.Random(rng_seed))  # the same draw, longer
+            if not fits(hi):
+                break
+            lo, step = hi, step * 2
+    else:
+        hi, step = n, 1  # not fits(hi)
+        while hi - step > 0 and not fits(hi - step):
+            hi, step = hi - step, step * 2
+        lo = max(0, hi - step)  # fits(lo): the last probe, or 0 (base <= seq_len)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
