@@ -37,8 +37,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def intra_op_threads(request, monkeypatch):
     """One intra-op thread for each test and the processes it starts (``OMP_NUM_THREADS=1``), all of them
-    (``ALL_THREADS``, the environment as it was) for a test marked ``all_threads`` (a real model, in this process or a
-    notebook's kernel: its 576-wide matmuls gain from two cores). The tests' tiny models gain nothing from a second
+    (``ALL_THREADS``, the environment as it was) for a test marked ``all_threads`` (a real model in this process: its
+    576-wide matmuls gain from two cores; the notebooks' kernels share them out: ``notebook_runs``). The tests' tiny models gain nothing from a second
     thread, and on a machine shared with other work two OpenMP threads spin against it: test_hybrid_lean.py took
     7.5-22.6 s with two threads, 3.7 s with one, back to back on a busy 2-core host. A test that compares its sums
     bitwise with another thread count's sets the threads it needs itself (see test_distributed.py)."""
@@ -180,6 +180,19 @@ def tiny_qwen3(smol_tokenizer):
         max_position_embeddings=1024,
     )
     return wrap(Qwen3ForCausalLM(cfg).eval(), smol_tokenizer, name="tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def notebook_runs(request, tmp_path_factory):
+    """{notebook: a future of its output folder} for the notebooks whose slow tests are selected, all started at once
+    when the first of those tests asks (tests/notebook_runs.py); the session waits for them at its end."""
+    from notebook_runs import RUNS, start
+
+    selected = {item.originalname for item in request.session.items}
+    pool, runs = start([n for n, r in RUNS.items() if r.test in selected], tmp_path_factory.mktemp("notebooks"),
+                       ALL_THREADS)
+    yield runs
+    pool.shutdown(wait=True)
 
 
 @pytest.fixture(scope="session")

@@ -41,18 +41,10 @@ def test_committed_outputs_are_the_readme_anatomy_run():
 
 
 @pytest.mark.slow
-@pytest.mark.all_threads  # the real model in the notebook's kernel
-def test_notebook_runs_and_exports_png(tmp_path, monkeypatch):
-    import nbformat
-    from nbclient import NotebookClient
-
-    out = tmp_path / "out"
-    monkeypatch.setenv("HEADSCOPE_NB_OUT", str(out))
-    monkeypatch.setenv("HEADSCOPE_NB_BOOT", "50")
-    # 3 pairs of 58-59 tokens: the needle and the question without filler (a+ - a- 4.6-5.5 logits)
-    monkeypatch.setenv("HEADSCOPE_NB_SEQ_LEN", "64")
-    nb = nbformat.read(NB, as_version=4)
-    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+def test_notebook_runs_and_exports_png(notebook_runs):
+    """The notebook top to bottom on the real default model, ranking 3 pairs of 64 tokens itself (beside the
+    quickstart's run: tests/notebook_runs.py): every figure exported as a PNG, anatomy.json agrees with the ranking."""
+    out = notebook_runs["head_anatomy"].result()
     # every figure was exported as a real PNG
     for name in ("heatmap_ie", "heatmap_dla", "gini", "stability", "cosine"):
         png = out / "anatomy" / f"{name}.png"

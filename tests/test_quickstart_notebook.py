@@ -50,19 +50,12 @@ def test_quickstart_committed_with_outputs():
 
 
 @pytest.mark.slow
-@pytest.mark.all_threads  # the real model in the notebook's kernel
-def test_quickstart_runs(tmp_path, monkeypatch):
-    import nbformat
-    from nbclient import NotebookClient
-
+def test_quickstart_runs(notebook_runs):
+    """The notebook top to bottom on the real default model at small settings (2 ranking pairs of 64 tokens, 4
+    evaluation pairs, K = 3; beside the anatomy notebook's run: tests/notebook_runs.py)."""
     from headscope.scores import Ranking
 
-    out = tmp_path / "out"
-    for k, v in {"HEADSCOPE_QS_OUT": str(out), "HEADSCOPE_QS_PAIRS": "2", "HEADSCOPE_QS_SEQ_LEN": "64",
-                 "HEADSCOPE_QS_EVAL": "4", "HEADSCOPE_QS_K": "3"}.items():
-        monkeypatch.setenv(k, v)
-    nb = nbformat.read(NB, as_version=4)
-    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    out = notebook_runs["quickstart"].result()
     s = json.loads((out / "quickstart.json").read_text())
     ranking = Ranking.load(out / "ranking")
     assert [tuple(h) for h in s["top_k"]] == [(int(r.layer), int(r.head)) for r in ranking.top(3).itertuples()]
