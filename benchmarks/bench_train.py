@@ -32,8 +32,8 @@ every variant.
 mask): by default only what the acceptance asks — stage 2 at the family's ``TRAIN_SHAPE`` (64 x 512 where
 it fits one 80 GB GPU, fewer rows for the large vocabularies and Mistral's layers), ``dense_compiled`` and
 ``hybrid_fast`` — with the students kept on the CPU between variants (each variant's peak memory is its
-own); ``hybrid_fast`` records whether the trainer took the fast step (``fast_step``; GPT-NeoX: the plain
-step, ``fast_unavailable`` says why) and the backend each role resolved to. ``--smoke --family F``: the
+own); ``hybrid_fast`` records whether the trainer took the fast step (``fast_step``; where it did not,
+``fast_unavailable`` says why) and the backend each role resolved to. ``--smoke --family F``: the
 family's tiny model on the CPU, the dense roof compiled by Dynamo without Inductor.
 
     python benchmarks/bench_train.py --out benchmarks/results/h200_train.json

@@ -38,10 +38,11 @@ LONG = 1 << 17  # max_position_embeddings: room for 32K prompts and the tokens g
 # (full teacher and student logits: ~26 B per logit element at SmolLM2, 43.9 GiB at 64 x 512 x 49,152 on the H200,
 # benchmarks/results/h200_train.json) or the model states (fp32 master + gradient + AdamW: 16 B per parameter) would not
 # fit: vocabulary 151,936 (Qwen) ~32 GiB of logits at 16 rows, 262,144 (Gemma 3) ~55 GiB at 16 rows, Mistral's 8 layers
-# 2.0B parameters (32 GiB of states) + ~9 GiB of activations at 16 rows; GPT-NeoX trains on the plain step (the fast
-# step has no GPT-NeoX body), whose full logits and per-parameter AdamW peaked at 83 GiB at SmolLM2's 64 x 512: 32 rows.
+# 2.0B parameters (32 GiB of states) + ~9 GiB of activations at 16 rows; GPT-NeoX (vocabulary 50,304, SmolLM2's 49,152)
+# at SmolLM2's 64 x 512 now that its hybrid takes the fast step (32 x 512 while it trained on the plain step, whose full
+# logits and per-parameter AdamW peaked at 83 GiB at SmolLM2's 64 x 512).
 TRAIN_SHAPE = {"smollm2": "64x512", "qwen2": "16x512", "qwen3": "16x512", "mistral": "16x512", "gemma3": "16x512",
-               "gpt-neox": "32x512"}
+               "gpt-neox": "64x512"}
 _TINY = {"smollm2": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral_sw", "gemma3": "gemma3",
          "gpt-neox": "gpt_neox"}
 

@@ -288,8 +288,8 @@ def test_fast_step_equals_plain_step_with_sliding_windows(family, kind, stage):
 @pytest.mark.parametrize("kind,stage", [("hybrid", 1), ("hybrid", 2), ("hybrid", 3), ("dense", 2)])
 def test_fast_step_equals_plain_step_for_qwen2_biases(kind, stage):
     """Qwen2 (q/k/v biases) takes the fast step (its decoder body is Llama's): loss, logged values and gradients equal
-    stage_loss + backward on 32-token rows; GPT-NeoX (another body) is refused by name."""
-    from headscope.arch.random_models import hybrid_families
+    stage_loss + backward on 32-token rows; Phi-3 (Llama's attribute names, another body) is refused by name."""
+    from headscope.arch.random_models import FAMILIES, hybrid_families
     from headscope.train.fast import fast_step_problem
 
     fam = hybrid_families()
@@ -298,8 +298,8 @@ def test_fast_step_equals_plain_step_for_qwen2_biases(kind, stage):
     st = fam["qwen2"](256, 1).float() if kind == "dense" else hybridize(t, HeadMask(2, 4, 2, ((0,), (1, 3))),
                                                                          gdn_kernel="torch")
     assert fast_step_problem(stage, st, t) is None
-    neox = fam["gpt_neox"](256, 0)
-    assert "GPTNeoXForCausalLM" in fast_step_problem(2, neox, neox)
+    phi3 = FAMILIES["phi3"](256, 0)
+    assert "Phi3ForCausalLM" in fast_step_problem(2, phi3, phi3)
     named = trainable_parameters(st, stage)
     params = [p for _, p in named]
     ids, m = _batch(2, 32)
@@ -316,6 +316,131 @@ def test_fast_step_equals_plain_step_for_qwen2_biases(kind, stage):
     for p, g in zip(params, g_ref):
         _close(p.grad, g, tol=1e-4)
     fs.close()
+
+
+def _neox(parallel, seed):
+    """The tests' tiny GPT-NeoX (2 layers x 4 heads of 16, fused q/k/v with biases, rotary on a quarter of each head,
+    untied LM head) with the parallel or the sequential residual, every parameter moved off its initial value
+    (LayerNorm weights off 1, biases off 0: they change the numbers)."""
+    from headscope.arch.random_models import hybrid_families
+
+    m = hybrid_families()["gpt_neox"](256, seed).float()
+    m.config.use_parallel_residual = parallel
+    for layer in m.gpt_neox.layers:
+        layer.use_parallel_residual = parallel
+    g = torch.Generator().manual_seed(seed + 10)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def _neox_student(t, kind, seed=1):
+    if kind == "dense":
+        return _neox(t.config.use_parallel_residual, seed)
+    st = hybridize(t, HeadMask(2, 4, 4, ((0,), (1, 3))), gdn_kernel="torch")
+    with torch.no_grad():  # the new parameters off their initial values too
+        for n, p in st.named_parameters():
+            if any(k in n for k in ("A_log", "a_proj", "b_proj", "gamma")):
+                p.add_(0.1 * torch.randn_like(p))
+    return st
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_model_body_and_teacher_io_of_gpt_neox(parallel):
+    """GPT-NeoX's body by hand (embed_in, partial-rotary tables, parallel or sequential residual, final LayerNorm, the
+    untied head) gives the model's own final hidden states and logits, and the teacher's per-layer attention input and
+    output equal what the plain step's hooks record."""
+    from headscope.train.fast import _teacher_io, layer_positions
+    from headscope.train.fast_body import output_head
+
+    t = _neox(parallel, 0)
+    ids, _ = _batch(2, 16)
+    with torch.no_grad():
+        ref = t.gpt_neox(input_ids=ids, use_cache=False).last_hidden_state
+        got = model_body(t, ids)
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(output_head(t)(got), t(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
+        assert output_head(t).weight.data_ptr() != t.gpt_neox.embed_in.weight.data_ptr()
+        rec = _capture_attention_io(t, ids, torch.ones_like(ids, dtype=torch.bool))
+        h = t.gpt_neox.embed_in(ids)
+        pe = layer_positions(t, h, torch.arange(16)[None])
+        assert pe[0][0].shape[-1] == 4  # rotary on 4 of 16 features
+        for layer, r, (cos, sin) in zip(t.gpt_neox.layers, rec, pe):
+            hn, a, h = _teacher_io(layer, h, cos, sin)
+            torch.testing.assert_close(hn, r["h"])
+            torch.testing.assert_close(a, r["out"])
+        torch.testing.assert_close(t.gpt_neox.final_layer_norm(h), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,stage", [("hybrid", 1), ("hybrid", 2), ("hybrid", 3), ("dense", 2), ("dense", 3)])
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "sequential"])
+def test_fast_step_equals_plain_step_for_gpt_neox(parallel, kind, stage, monkeypatch):
+    """GPT-NeoX (Pythia) takes the fast step, parallel and sequential residual: loss, logged values and gradients equal
+    stage_loss + backward on 32-token rows (LayerNorm and q/k/v/o biases, partial rotary, untied head), with and
+    without activation checkpointing; every hybrid layer goes through the fused train backend (once per layer and
+    forward, twice with checkpointing: the recomputation) and its biases get gradients."""
+    import headscope.hybrid.inference.train_forward as tf
+
+    calls = [0]
+    fused = tf.fast_forward
+    monkeypatch.setattr(tf, "fast_forward", lambda *a: calls.__setitem__(0, calls[0] + 1) or fused(*a))
+    t = _neox(parallel, 0)
+    st = _neox_student(t, kind)
+    from headscope.train.fast import fast_step_problem
+
+    assert fast_step_problem(stage, st, t) is None
+    named = trainable_parameters(st, stage)
+    params = [p for _, p in named]
+    ids, m = _batch(2, 32)
+    st.zero_grad()
+    loss, scalars = stage_loss(stage, st, t, ids, m)
+    loss.backward()
+    g_ref = [p.grad.clone() for p in params]
+    biases = [p for n, p in named if n.endswith("bias")]
+    assert len(biases) >= 4
+    for ckpt in (False, True):
+        calls[0] = 0
+        fs = FastStep(stage, st, t if stage < 3 else None, params, compile=False, activation_checkpointing=ckpt)
+        logged = fs(ids, m)
+        torch.testing.assert_close(logged, torch.tensor(list(scalars.values())), rtol=1e-5, atol=1e-6)
+        for p, g in zip(params, g_ref):
+            _close(p.grad, g, tol=1e-4)
+        assert all(p.grad.abs().max() > 0 for p in biases)
+        assert calls[0] == (0 if kind == "dense" else (4 if ckpt else 2)), (ckpt, calls)
+        fs.close()
+
+
+def test_compiled_fast_step_of_gpt_neox_compiles_once():
+    """The compiled GPT-NeoX step (aot_eager, fullgraph, activation checkpointing; stage 2: the teacher's dense layers
+    and the hybrid's) over 3 steps: no graph break, no graph compiled after the first step, at most 4 (the teacher's
+    layer, the two FA/GDN head-count configurations, the chunk loss), and the loss and gradients of the plain step."""
+    t = _neox(True, 0)
+    st = _neox_student(t, "hybrid")
+    params = [p for _, p in trainable_parameters(st, 2)]
+    ids, m = _batch(2, 24)
+    st.zero_grad()
+    loss, _ = stage_loss(2, st, t, ids, m)
+    loss.backward()
+    g_ref = [p.grad.clone() for p in params]
+    torch._dynamo.reset()
+    n = [0]
+
+    def backend(gm, example_inputs):
+        n[0] += 1
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    fs = FastStep(2, st, t, params, compile=True, backend=backend, activation_checkpointing=True)
+    graphs = []
+    for _ in range(3):
+        logged = fs(ids, m)
+        graphs.append(n[0])
+    assert graphs == [graphs[0]] * 3 and 2 <= graphs[0] <= 4 and not fs.graph_breaks, (graphs, fs.graph_breaks)
+    assert float(logged[0]) == pytest.approx(float(loss), rel=1e-5)
+    for p, g in zip(params, g_ref):
+        _close(p.grad, g, tol=1e-4)
+    fs.close()
+    torch._dynamo.reset()
 
 
 def test_flops_per_token_of_gpt_neox():

@@ -13,16 +13,16 @@
 #       the training step's first compile: the dense teacher's torch.compile 80-190 s, the hybrid's fast step
 #       45-230 s cold, h200_train_ratio_api.json and h100_convert_scale_qwen3_*.json):
 #   gen_smollm2 2.5   gen_qwen2 2.5   gen_qwen3 4   gen_mistral 4.5   gen_gemma3 3   gen_gpt-neox 2.5   (all: 19)
-#   train_smollm2 5.5 train_qwen2 4.5 train_qwen3 5.5 train_mistral 6.5 train_gemma3 4.5 train_gpt-neox 3 (all: 29.5)
+#   train_smollm2 5.5 train_qwen2 4.5 train_qwen3 5.5 train_mistral 6.5 train_gemma3 4.5 train_gpt-neox 4 (all: 30.5)
 #   greedy_smollm2 1.5 (needs the SmolLM2 GGUF: .gpu/m1..m3 carried)
 #   greedy_gemma3 2    (needs /tmp/g/gemma3-270m.gguf: .gpu/g1..g6 carried, make_carry.sh --gemma; or GEMMA3_GGUF)
 #   first_F (optional, item 5's cross-process figures: bench_first_call.py cold, cached, warm_up at B1·8K) 2-4 each
-# Order (the whole table is ~52 minutes of parts: two or three lent sessions of 30 device-minutes, ~25 of them for
+# Order (the whole table is ~53 minutes of parts: two or three lent sessions of 30 device-minutes, ~25 of them for
 # a chain once the wheels are in):
 #   session 1: gen_smollm2 gen_qwen2 gen_gpt-neox gen_gemma3 gen_qwen3 gen_mistral, then greedy_smollm2 and
 #              greedy_gemma3 once their GGUFs have come (chain.sh "wait FILE" lines)            ~22.5 min
 #   session 2: train_mistral train_gemma3 train_qwen2 train_qwen3 (the families made fast)      ~21 min
-#   session 3: train_smollm2 train_gpt-neox, then first_F where time is left                  ~8.5 min + 2-4 each
+#   session 3: train_smollm2 train_gpt-neox, then first_F where time is left                  ~9.5 min + 2-4 each
 # First calls (gen_F): the process's first generate with the compile caches on disk as earlier parts left them (the
 # chain's TRITON_CACHE_DIR, Inductor's /tmp/torchinductor_USER, TileLang's ~/.tilelang/cache); first_F's cold mode
 # starts from empty caches.
@@ -31,8 +31,7 @@
 # Memory (H100, 80 GB): gen_qwen3's teacher at B16·32K holds a 60 GiB DynamicCache (28 layers x 8 KV heads x 128 x
 # 524,288 tokens, bf16); Mistral's and Gemma 3's teachers at B16·32K go through transformers' sliding-window mask in
 # SDPA (16 x 32K x 32K); a model that runs out of memory in a cell is recorded as such and the part goes on. Training
-# shapes: family_configs.TRAIN_SHAPE (64 x 512; 16 x 512 for the Qwen vocabularies, Gemma 3 and Mistral; 32 x 512 for
-# GPT-NeoX, whose hybrid trains on the plain step: the fast step has no GPT-NeoX body).
+# shapes: family_configs.TRAIN_SHAPE (64 x 512; 16 x 512 for the Qwen vocabularies, Gemma 3 and Mistral).
 # env: PART_TIMEOUT_S (600: a part that hangs is killed, its JSON kept as far as written), GEMMA3_GGUF, PYTHON.
 set -uo pipefail
 OUT=${1:?OUT_DIR}

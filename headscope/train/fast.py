@@ -2,11 +2,12 @@
 
 :class:`FastStep` computes the same losses as :func:`headscope.train.stages.stage_loss` with:
 
-- **the model body by hand**: embeddings, rotary tables, one call per decoder layer, final norm (the
-  Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 structure), so that each decoder layer can be compiled on its own ("regional"
-  compilation: layers of the same shape share one compiled graph; a hybrid layer is compiled per
-  distinct count of FA / GDN heads; every region is compiled whole (``fullgraph``: the GDN kernel call is one
-  operator, :func:`~headscope.hybrid.gdn_kernels.gdn_op`), so a graph break raises instead of slowing the step);
+- **the model body by hand** (:mod:`headscope.train.fast_body`): embeddings, rotary tables, one call per decoder
+  layer, final norm (the Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 structure, or GPT-NeoX's), so that each decoder
+  layer can be compiled on its own ("regional" compilation: layers of the same shape share one compiled graph; a
+  hybrid layer is compiled per distinct count of FA / GDN heads; every region is compiled whole (``fullgraph``: the
+  GDN kernel call is one operator, :func:`~headscope.hybrid.gdn_kernels.gdn_op`), so a graph break raises instead of
+  slowing the step);
 - **the hybrid layers' fast path** (:mod:`headscope.hybrid.inference.train_forward`: one input GEMM, no head
   permutation of activations, all GDN heads in one kernel call);
 - **LM head + loss in row chunks** (:mod:`headscope.train.fused_loss`): the [rows, vocab] logits of
@@ -31,41 +32,21 @@ notes ask).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Bool, Int
 from torch import Tensor, nn
 
+from .fast_body import (NAMES, _attn_call, _layer_call, _teacher_io, attention_of, decoder_parts_ok, embed,
+                        has_fast_body, inner_model, layer_masks, layer_positions, mask_for, model_body, output_head)
 from .fused_loss import CHUNK_ROWS, ce_chunk, kl_chunk, linear_ce_loss, linear_kl_loss
+
+__all__ = ["FastStep", "fast_step_problem", "flops_per_token", "layer_masks", "layer_positions", "model_body"]
 
 
 # ---------------------------------------------------------------------------------------- pieces
-def _layer_call(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, pos: Tensor,
-                mask: Optional[Tensor] = None) -> Tensor:
-    out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin), use_cache=False)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _attn_call(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-    return attn(h, position_embeddings=(cos, sin), attention_mask=mask)[0]
-
-
-def _teacher_io(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor,
-                mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """One Llama / Qwen2 / Qwen3 / Mistral decoder layer, or Gemma 3's (sandwich norms), returning (attention input,
-    attention output, layer output)."""
-    hn = layer.input_layernorm(h)
-    a = layer.self_attn(hn, position_embeddings=(cos, sin), attention_mask=mask)[0]
-    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3
-        h = h + layer.post_attention_layernorm(a)
-        return hn, a, h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
-    h = h + a
-    return hn, a, h + layer.mlp(layer.post_attention_layernorm(h))
-
-
 def _align_term(y_s: Tensor, y_t: Tensor, m: Tensor) -> Tensor:
     """One layer's alignment loss (as :func:`headscope.train.stages.alignment_loss`); m: [batch, time, 1]."""
     y_t = y_t.float()
@@ -96,78 +77,6 @@ def _global_teacher_stats(outs: Sequence[Tensor], m: Tensor, reduce: Callable[[T
     ss = reduce(torch.stack([(((a.float() - mu) * m) ** 2).sum() for a, mu in zip(outs, mean)]))
     n = (n_tok * d).clamp_min(1.0)
     return n, ss / n
-
-
-BODIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")  # model types whose body model_body computes (gemma3_text too)
-
-
-def has_llama_body(model: nn.Module) -> bool:
-    """True when ``model`` is a Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 causal LM (or its hybrid) whose ``model.model`` has
-    the parts the hand-written body uses (sliding windows: :func:`layer_masks`; Gemma 3's RoPE per layer type:
-    :func:`layer_positions`; its scaled embedding is its embedding module's). Other families with the same attribute
-    names are refused (the body would not be theirs), as is a final logit soft-cap (the chunked loss has none)."""
-    cfg = getattr(model, "config", None)
-    mtype = str(getattr(cfg, "model_type", "")).removeprefix("headscope_hybrid_").removesuffix("_text")
-    if mtype not in BODIES or getattr(cfg, "final_logit_softcapping", None) is not None:
-        return False
-    inner = getattr(model, "model", None)
-    return all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")) and hasattr(model, "lm_head")
-
-
-def _decoder_parts_ok(model: nn.Module) -> bool:
-    return all(
-        all(hasattr(layer, a) for a in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"))
-        for layer in model.model.layers
-    )
-
-
-def _layer_types(cfg: Any) -> list[str]:
-    """Each decoder layer's attention type: the config's ``layer_types``, else all sliding where it has a window."""
-    kind = "sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"
-    return list(getattr(cfg, "layer_types", None) or [kind] * int(cfg.num_hidden_layers))
-
-
-def layer_masks(model: nn.Module, T: int, device: torch.device) -> list[Optional[Bool[Tensor, "1 1 time time"]]]:
-    """Per decoder layer, the causal sliding-window mask (key j visible to query i iff 0 ≤ i − j < w) that a dense
-    sliding layer (Mistral; Gemma 3's sliding layers) needs for T > w tokens — SDPA applies no window of its own —
-    else None. Hybrid layers apply their window themselves (:func:`_mask_for`)."""
-    cfg = model.config
-    w = getattr(cfg, "sliding_window", None)
-    mask = None
-    if w is not None and T > w:
-        i, j = torch.arange(T, device=device)[:, None], torch.arange(T, device=device)[None]
-        mask = ((j <= i) & (i - j < w))[None, None]
-    return [mask if t == "sliding_attention" else None for t in _layer_types(cfg)]
-
-
-def layer_positions(model: nn.Module, h: Tensor, pos: Tensor) -> list[tuple[Tensor, Tensor]]:
-    """Per decoder layer, its rotary (cos, sin): the model's one table, or Gemma 3's table of the layer's type."""
-    rot, types = model.model.rotary_emb, _layer_types(model.config)
-    if "layer_type" not in inspect.signature(rot.forward).parameters:
-        return [rot(h, pos)] * len(types)
-    tables = {t: rot(h, pos, t) for t in set(types)}
-    return [tables[t] for t in types]
-
-
-def _mask_for(attn: nn.Module, mask: Optional[Tensor]) -> tuple:
-    """The extra argument of a layer / attention call: (mask,) for a dense layer under a window, else () (a hybrid
-    layer keeps its window in its LayerSpec: no mask, so its fused training backend takes the call)."""
-    return () if mask is None or hasattr(attn, "new_decode_cache") else (mask,)
-
-
-def model_body(
-    model: nn.Module, ids: Int[Tensor, "batch time"], layer_fn: Callable = _layer_call
-) -> Float[Tensor, "batch time hidden"]:
-    """Final hidden states of a Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 causal LM (after the final norm): the same numbers as
-    ``model.model(input_ids=ids, use_cache=False).last_hidden_state`` without padding, one
-    ``layer_fn(layer, h, cos, sin, position_ids[, window mask])`` call per decoder layer."""
-    inner = model.model
-    h = inner.embed_tokens(ids)
-    pos = torch.arange(ids.shape[1], device=ids.device)[None]
-    masks = layer_masks(model, ids.shape[1], ids.device)
-    for layer, (cos, sin), mask in zip(inner.layers, layer_positions(model, h, pos), masks):
-        h = layer_fn(layer, h, cos, sin, pos, *_mask_for(layer.self_attn, mask))
-    return inner.norm(h)
 
 
 def _prepare_hybrid(model: nn.Module) -> Any:
@@ -232,16 +141,17 @@ def _compiled_whole(f: Callable, backend: str, breaks_ok: bool, breaks: list[str
 
 def fast_step_problem(stage: int, student: nn.Module, teacher: Optional[nn.Module]) -> Optional[str]:
     """Why :class:`FastStep` cannot run ``stage`` on these models (a sentence), or None when it can: a
-    stage other than 1-3, stages 1-2 without a teacher, a model without the Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 structure."""
+    stage other than 1-3, stages 1-2 without a teacher, a model without the structure of a family of
+    :data:`~headscope.train.fast_body.BODIES`."""
     if stage not in (1, 2, 3):
         return f"stage must be 1, 2 or 3, got {stage!r}"
     if stage in (1, 2) and teacher is None:
         return f"stage {stage} needs the teacher model"
     for name, m in (("student", student), ("teacher", teacher)):
-        if m is not None and not has_llama_body(m):
-            return f"the fast step needs a Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 causal LM as {name}, got {type(m).__name__}"
-    if stage == 1 and not _decoder_parts_ok(teacher):
-        return ("stage 1's fast step needs decoder layers with input_layernorm, self_attn, "
+        if m is not None and not has_fast_body(m):
+            return f"the fast step needs a {NAMES} causal LM as {name}, got {type(m).__name__}"
+    if stage == 1 and not decoder_parts_ok(teacher):
+        return ("stage 1's fast step needs decoder layers with input_layernorm, self_attn (or attention), "
                 "post_attention_layernorm and mlp")
     return None
 
@@ -252,7 +162,7 @@ class FastStep:
 
     Args:
         stage: 1, 2 or 3.
-        student: the hybrid (or any Llama / Qwen2 / Qwen3 / Mistral / Gemma 3) causal LM being trained.
+        student: the hybrid (or any Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 / GPT-NeoX) causal LM being trained.
         teacher: the frozen teacher (stages 1, 2).
         params: the trained parameters (``requires_grad`` set, as by
             :func:`~headscope.train.stages.trainable_parameters`).
@@ -286,7 +196,7 @@ class FastStep:
 
     Raises:
         ValueError: a stage other than 1, 2, 3; stages 1, 2 without a teacher; a model without the
-            Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 structure.
+            Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 / GPT-NeoX structure.
         torch._dynamo.exc.Unsupported / FailOnRecompileLimitHit (on a step, with ``compile``): a graph break in a
             compiled region / Dynamo's recompile limit reached (both fell back to eager code silently before; under
             activation checkpointing the recomputation then differed from the forward, issue 63).
@@ -394,10 +304,11 @@ class FastStep:
                     h_t = model_body(self.teacher, ids, self._layer)
                 h_s = model_body(self.student, ids, self._s_layer)
                 D, Dt = h_s.shape[-1], h_t.shape[-1]
+                hs, ht = output_head(self.student), output_head(self.teacher)
                 loss = linear_kl_loss(
-                    h_s.reshape(-1, D), self.student.lm_head.weight, h_t.reshape(-1, Dt), self.teacher.lm_head.weight,
+                    h_s.reshape(-1, D), hs.weight, h_t.reshape(-1, Dt), ht.weight,
                     mask.reshape(-1), denominator=self._global_count(mask.sum()) if denominator is None else denominator,
-                    b_s=self.student.lm_head.bias, b_t=self.teacher.lm_head.bias,
+                    b_s=hs.bias, b_t=ht.bias,
                     chunk_rows=self.chunk_rows, chunk_fn=self._kl,
                 )
             else:
@@ -405,9 +316,11 @@ class FastStep:
                 tgt = ids.roll(-1, dims=1)  # row t predicts token t+1; the last row's target is masked out
                 keep = torch.zeros_like(mask)
                 keep[:, :-1] = mask[:, 1:] & mask[:, :-1]
+                head = output_head(self.student)
                 loss = linear_ce_loss(
-                    h.reshape(-1, h.shape[-1]), self.student.lm_head.weight, tgt.reshape(-1), keep.reshape(-1),
-                    denominator=self._global_count(keep.sum()) if denominator is None else denominator, b=self.student.lm_head.bias, chunk_rows=self.chunk_rows, chunk_fn=self._ce,
+                    h.reshape(-1, h.shape[-1]), head.weight, tgt.reshape(-1), keep.reshape(-1),
+                    denominator=self._global_count(keep.sum()) if denominator is None else denominator, b=head.bias,
+                    chunk_rows=self.chunk_rows, chunk_fn=self._ce,
                 )
         return loss, self._global_logged(loss.detach().reshape(1))
 
@@ -419,35 +332,35 @@ class FastStep:
         return logged if self.reduce is None else self.reduce(logged.float().clone())
 
     def _stage1(self, ids: Tensor, mask: Tensor, sums: bool = False) -> tuple[Tensor, Tensor]:
-        t_inner = self.teacher.model
+        t_inner = inner_model(self.teacher)
         with torch.no_grad():
-            h = t_inner.embed_tokens(ids)
+            h = embed(self.teacher, ids)
             pos = torch.arange(ids.shape[1], device=ids.device)[None]
             pe = layer_positions(self.teacher, h, pos)
             wm, s_wm = layer_masks(self.teacher, ids.shape[1], ids.device), layer_masks(self.student, ids.shape[1], ids.device)
             io = []
             for layer, (cos, sin), w in zip(t_inner.layers, pe, wm):
-                hn, a, h = self._tio(layer, h, cos, sin, *_mask_for(layer.self_attn, w))
+                hn, a, h = self._tio(layer, h, cos, sin, *mask_for(attention_of(layer), w))
                 io.append((self._as_student(hn), a))
             pe = [(self._as_student(cos), self._as_student(sin)) for cos, sin in pe]
         m = mask.to(torch.float32)[..., None]
-        layers = self.student.model.layers
+        attns = [attention_of(layer) for layer in inner_model(self.student).layers]
         if sums:
             from .stages import alignment_sums_of
 
-            y_s = [self._s_attn(s_layer.self_attn, hn, *pe[i], *_mask_for(s_layer.self_attn, s_wm[i]))
-                   for i, (s_layer, (hn, _)) in enumerate(zip(layers, io))]
+            y_s = [self._s_attn(s_attn, hn, *pe[i], *mask_for(s_attn, s_wm[i]))
+                   for i, (s_attn, (hn, _)) in enumerate(zip(attns, io))]
             se, stats = alignment_sums_of(y_s, [a for _, a in io], m)
             return se.sum(), torch.cat([se.detach(), stats])
         if self.reduce is None:
-            per = [self._align(self._s_attn(s_layer.self_attn, hn, *pe[i], *_mask_for(s_layer.self_attn, s_wm[i])), a, m)
-                   for i, (s_layer, (hn, a)) in enumerate(zip(layers, io))]
+            per = [self._align(self._s_attn(s_attn, hn, *pe[i], *mask_for(s_attn, s_wm[i])), a, m)
+                   for i, (s_attn, (hn, a)) in enumerate(zip(attns, io))]
         else:  # this rank's shares of the global batch's per-layer losses
             with torch.no_grad():
                 n, var = _global_teacher_stats([a for _, a in io], m, self.reduce)
-            per = [self._align_global(self._s_attn(s_layer.self_attn, hn, *pe[i], *_mask_for(s_layer.self_attn, s_wm[i])),
+            per = [self._align_global(self._s_attn(s_attn, hn, *pe[i], *mask_for(s_attn, s_wm[i])),
                                       a, m, n[i], var[i])
-                   for i, (s_layer, (hn, a)) in enumerate(zip(layers, io))]
+                   for i, (s_attn, (hn, a)) in enumerate(zip(attns, io))]
         per_t = torch.stack(per)
         loss = per_t.mean()
         return loss, self._global_logged(torch.cat([loss.detach().reshape(1), per_t.detach()]))

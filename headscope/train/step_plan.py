@@ -103,7 +103,7 @@ def resolve_step_plan(
 
     * fast step: ``config.fast``, or by default on CPU, and on CUDA where fla is installed (the measured
       configuration); not with FSDP2 (the fast step calls the layers by hand, past FSDP2's hooks), and not
-      for a model without the Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 structure (a warning names why; :attr:`StepPlan.fast_unavailable`);
+      for a model without the Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 / GPT-NeoX structure (a warning names why; :attr:`StepPlan.fast_unavailable`);
     * data parallel (``world`` > 1): ``config.data_parallel``, or by default ``"ddp"`` where the fast step
       runs and ``"fsdp"`` otherwise or for an already sharded student;
     * compile / CUDA graph: ``config.compile`` / ``config.cuda_graph``, by default on CUDA, fast step only;

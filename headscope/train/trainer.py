@@ -90,7 +90,7 @@ class TrainConfig:
             DistributedDataParallel: the whole student on every rank, the fast step, gradients
             averaged over ranks during the backward) or ``"fsdp"`` (the student sharded with FSDP2,
             the plain step). None (default): ``"ddp"`` when the fast step is usable (``fast`` and a
-            Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 structure), else ``"fsdp"``. Ignored in one process. Both give the
+            Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 / GPT-NeoX structure), else ``"fsdp"``. Ignored in one process. Both give the
             one-process run's losses and weights (to float rounding; ``tests/test_train_ddp.py``).
         grad_accum: gradient accumulation: each step's ``batch_size`` rows (each rank's share of them) run as
             this many micro-batches, forward + backward one after the other, normalized by the whole batch's token
