@@ -263,9 +263,8 @@ def _tiny_env(tmp_path: Path) -> dict[str, str]:
 def test_parts_run_and_resume_at_tiny_scale(tmp_path):
     """Session 1: long_s0 (the teacher's cells beside the conversion; the student samples seed 0's documents, packs
     them as soon as they exist, trains, and is scored length by length). Session 2, from session 1's returned folder: long_s0 does nothing, the
-    budget part's two arms and the lever part's two ranked masks (rankings on one and on four tasks) train on the carried
-    documents (the same SHA-256), the stage-3 lever part converts the default arm
-    again for its stages 1-2 and trains the s3tok2x arm's stage 3 on twice the tokens, the Gemma-like part ranks, masks
+    stage-3 lever part converts the default arm again for its stages 1-2 on the carried documents (the same SHA-256)
+    and trains the s3tok2x arm's stage 3 on twice the tokens, the Gemma-like part ranks, masks
     within one layer's KV cache, converts and scores with its teacher. Nothing returned is a weight, a prompt set or
     HTML; the merged rows carry source cli:TAG."""
     env = _tiny_env(tmp_path)
@@ -278,7 +277,10 @@ def test_parts_run_and_resume_at_tiny_scale(tmp_path):
     assert len(list((cells / "teacher__s0__t0").glob("*.json.gz"))) == 4
     assert len(list((cells / f"{LABEL}__s0__t3000").glob("*.json.gz"))) == 4
     o2 = tmp_path / "s2"
-    r = _parts(o2, "long_s0", "budget_s0_3", "levers_s0_masks", "levers_s0_s3tok", "gemma_s0_head", STATE=str(b1), **env)
+    # budget_s0_3 and levers_s0_masks (two conversions each) are left to their dry runs
+    # (test_every_part_prints_its_package_commands): their steps are the Gemma part's (mask, convert on the carried
+    # documents, score), and running them here cost ~100 s of CI's 10-minute suite
+    r = _parts(o2, "long_s0", "levers_s0_s3tok", "gemma_s0_head", STATE=str(b1), **env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"{LABEL} seed 0: every cell is there" in r.stdout
     b2 = o2 / "bring"
@@ -287,13 +289,7 @@ def test_parts_run_and_resume_at_tiny_scale(tmp_path):
            for f in [*(b1 / "smollm2").glob("seed0/*/stage1/training.json"), *(b2 / "smollm2").glob("seed0/*/stage1/training.json")]}
     assert len(sha) == 1  # every SmolLM2 arm of seed 0, in both sessions, on the same documents
     runs = {p.parent.parent.name for p in (b2 / "smollm2").glob("seed0/*/stage3/training.json")}
-    assert runs == {f"{a}+s2_retrieval=0.25+s3_wordings=6_t3000" for a in ("headwise-3to1", "layerwise-3to1", "rank1-7to1",
-                                                                           "rank4-7to1")} | {f"{LABEL}_t3000",
-                                                                                             f"{LABEL}+s3_tokens=2x_t3000"}
-    for name, tasks in (("single", ["niah_single"]), ("fused4", ALL.split(","))):  # the lever masks' rankings came back
-        assert json.loads((b2 / "smollm2" / "rank" / name / "ranking.json").read_text())["provenance"]["tasks"] == tasks
-    mk = b2 / "smollm2" / "eval" / "cells" / "rank4-7to1+s2_retrieval=0.25+s3_wordings=6__s0__t3000"
-    assert sorted(p.name for p in mk.glob("*")) == sorted(f"{t}.unseen.256.json.gz" for t in ALL.split(","))
+    assert runs == {f"{LABEL}_t3000", f"{LABEL}+s3_tokens=2x_t3000"}
     s3 = {n: json.loads((b2 / "smollm2" / "seed0" / f"{n}_t3000" / "stage3" / "training.json").read_text())["tokens"]
           for n in (LABEL, f"{LABEL}+s3_tokens=2x")}
     assert s3[f"{LABEL}+s3_tokens=2x"] == 2 * s3[LABEL]
