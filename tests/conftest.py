@@ -10,10 +10,12 @@ import torch
 
 if not torch.cuda.is_available():  # Triton kernels (headscope.hybrid.inference.kernels.splitk) run in Triton's CPU interpreter;
     os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads this when first imported, so set it first
-if os.environ.get("TRITON_INTERPRET") == "1":  # its jit helpers re-patch triton.language on every call: once per launch
-    from triton_interpreter import patch_once_per_launch
+if os.environ.get("TRITON_INTERPRET") == "1":  # its jit helpers re-patch triton.language on every call: once per
+    # launch; and it builds overflow checks that it never asserts: none (tests/triton_interpreter.py)
+    from triton_interpreter import patch_once_per_launch, skip_unasserted_overflow_checks
 
     patch_once_per_launch()
+    skip_unasserted_overflow_checks()
 
 import pytest  # noqa: E402
 from _pytest.mark import ParameterSet  # noqa: E402
@@ -38,10 +40,11 @@ def pytest_collection_modifyitems(config, items):
 def intra_op_threads(request, monkeypatch):
     """One intra-op thread for each test and the processes it starts (``OMP_NUM_THREADS=1``), all of them
     (``ALL_THREADS``, the environment as it was) for a test marked ``all_threads`` (a real model in this process: its
-    576-wide matmuls gain from two cores; the notebooks' kernels share them out: ``notebook_runs``). The tests' tiny models gain nothing from a second
-    thread, and on a machine shared with other work two OpenMP threads spin against it: test_hybrid_lean.py took
-    7.5-22.6 s with two threads, 3.7 s with one, back to back on a busy 2-core host. A test that compares its sums
-    bitwise with another thread count's sets the threads it needs itself (see test_distributed.py)."""
+    576-wide matmuls gain from two cores; the notebooks' kernels share them out: ``notebook_runs``). The tests' tiny
+    models gain nothing from a second thread, and on a machine shared with other work two OpenMP threads spin against
+    it: test_hybrid_lean.py took 7.5-22.6 s with two threads, 3.7 s with one, back to back on a busy 2-core host. A
+    test that compares its sums bitwise with another thread count's sets the threads it needs itself (see
+    test_distributed.py)."""
     if request.node.get_closest_marker("all_threads"):
         torch.set_num_threads(ALL_THREADS)
     else:

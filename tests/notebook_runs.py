@@ -41,7 +41,8 @@ def execute(run: NotebookRun, folder: Path, env: dict[str, str]) -> Path:
     from nbclient import NotebookClient
 
     nb = nbformat.read(NOTEBOOKS / run.notebook, as_version=4)
-    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(folder)}}).execute(env=env)
+    client = NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(folder)}})
+    client.execute(env=env)
     return Path(env[run.out_var])
 
 
