@@ -94,7 +94,7 @@ def test_graphed_prefill_on_the_second_gpu():
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
 
-@pytest.mark.slow  # 54 one-launch decode steps in Triton's interpreter: 17 s a case on 2 cores
+@pytest.mark.slow  # 54 one-launch decode steps in Triton's interpreter: ~11 s a case on 2 cores
 @pytest.mark.parametrize("opts", [{}, {"fa_pos": "rope", "gdn_rope": False, "fa_gate": False}])
 def test_device_position_decoding_equals_eager_steps(opts, monkeypatch):
     """transformers' greedy generate (growing and static cache), whose decode steps take the device-position step
