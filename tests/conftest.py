@@ -213,3 +213,26 @@ def tiny_dir(smol_tokenizer, tmp_path_factory):
     tiny_llama(smol_tokenizer).save_pretrained(d)
     smol_tokenizer.save_pretrained(d)
     return d
+
+
+def plain_step_grads(stage: int, student, teacher, params, ids, mask):
+    """The reference the fast-step tests compare against: ``stage_loss`` + ``backward`` on one batch from zeroed
+    gradients; returns (loss, logged scalars, a copy of each parameter's gradient)."""
+    from headscope.train import stage_loss
+
+    student.zero_grad()
+    loss, scalars = stage_loss(stage, student, teacher, ids, mask)
+    loss.backward()
+    return loss, scalars, [p.grad.clone() for p in params]
+
+
+def counting_backend(compile_fn):
+    """A ``torch.compile`` backend that counts the graphs it is given (``counter[0]``) and compiles each with
+    ``compile_fn(gm, example_inputs)``; returns (backend, counter)."""
+    counter = [0]
+
+    def backend(gm, example_inputs):
+        counter[0] += 1
+        return compile_fn(gm, example_inputs)
+
+    return backend, counter

@@ -23,12 +23,12 @@ def prepare_fast(layer):
 def unprepare_fast(layer):
     use_inference(layer, replace(DEFAULT, train="reference"))
 from headscope.masks import HeadMask
-from headscope.train import TokenRows, TrainConfig, Trainer, distillation_loss, lm_loss, stage_loss, trainable_parameters
+from headscope.train import TokenRows, TrainConfig, Trainer, distillation_loss, lm_loss, trainable_parameters
 from headscope.train.fast import FastStep, flops_per_token, model_body
 from headscope.train.fused_loss import ce_chunk, kl_chunk, linear_ce_loss, linear_kl_loss
 from headscope.train.stages import _capture_attention_io
 
-from conftest import Vocab, fast_first, tiny_llama
+from conftest import Vocab, counting_backend, fast_first, plain_step_grads, tiny_llama
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -216,10 +216,7 @@ def test_fast_step_equals_plain_step(teacher, kind, stage, backend):
     st = _student(teacher, kind)
     params = [p for _, p in trainable_parameters(st, stage)]
     ids, m = _batch()
-    st.zero_grad()
-    loss, scalars = stage_loss(stage, st, teacher, ids, m)
-    loss.backward()
-    g_ref = [p.grad.clone() for p in params]
+    loss, scalars, g_ref = plain_step_grads(stage, st, teacher, params, ids, m)
     fs = FastStep(stage, st, teacher, params, compile=backend is not None, backend=backend or "inductor")
     logged = fs(ids, m)
     torch.testing.assert_close(logged, torch.tensor(list(scalars.values())), rtol=1e-5, atol=1e-6)
@@ -272,10 +269,7 @@ def test_fast_step_equals_plain_step_with_sliding_windows(family, kind, stage):
     masks = layer_masks(t, 32, ids.device)
     assert [x is None for x in masks] == {"mistral_sw": [False, False], "gemma3": [False, True, False]}[family]
     assert masks[0].sum() < 32 * 33 // 2 and layer_masks(t, 8, ids.device) == [None] * L
-    st.zero_grad()
-    loss, scalars = stage_loss(stage, st, t, ids, m)
-    loss.backward()
-    g_ref = [p.grad.clone() for p in params]
+    loss, scalars, g_ref = plain_step_grads(stage, st, t, params, ids, m)
     for k in (1, 2):  # and with gradient accumulation over two one-row micro-batches
         fs = FastStep(stage, st, t, params, compile=False, grad_accum=k)
         logged = fs(ids, m)
@@ -303,10 +297,7 @@ def test_fast_step_equals_plain_step_for_qwen2_biases(kind, stage):
     named = trainable_parameters(st, stage)
     params = [p for _, p in named]
     ids, m = _batch(2, 32)
-    st.zero_grad()
-    loss, scalars = stage_loss(stage, st, t, ids, m)
-    loss.backward()
-    g_ref = [p.grad.clone() for p in params]
+    loss, scalars, g_ref = plain_step_grads(stage, st, t, params, ids, m)
     st.zero_grad()
     fs = FastStep(stage, st, t, params, compile=False)
     logged = fs(ids, m)
@@ -393,10 +384,7 @@ def test_fast_step_equals_plain_step_for_gpt_neox(parallel, kind, stage, monkeyp
     named = trainable_parameters(st, stage)
     params = [p for _, p in named]
     ids, m = _batch(2, 32)
-    st.zero_grad()
-    loss, scalars = stage_loss(stage, st, t, ids, m)
-    loss.backward()
-    g_ref = [p.grad.clone() for p in params]
+    loss, scalars, g_ref = plain_step_grads(stage, st, t, params, ids, m)
     biases = [p for n, p in named if n.endswith("bias")]
     assert len(biases) >= 4
     for ckpt in (False, True):
@@ -419,16 +407,9 @@ def test_compiled_fast_step_of_gpt_neox_compiles_once():
     st = _neox_student(t, "hybrid")
     params = [p for _, p in trainable_parameters(st, 2)]
     ids, m = _batch(2, 24)
-    st.zero_grad()
-    loss, _ = stage_loss(2, st, t, ids, m)
-    loss.backward()
-    g_ref = [p.grad.clone() for p in params]
+    loss, _, g_ref = plain_step_grads(2, st, t, params, ids, m)
     torch._dynamo.reset()
-    n = [0]
-
-    def backend(gm, example_inputs):
-        n[0] += 1
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    backend, n = counting_backend(torch._dynamo.lookup_backend("aot_eager"))
 
     fs = FastStep(2, st, t, params, compile=True, backend=backend, activation_checkpointing=True)
     graphs = []
@@ -623,11 +604,7 @@ def test_checkpointed_compiled_step_compiles_once_and_equals_the_step_without(te
     res = {}
     for on in (False, True):
         torch._dynamo.reset()
-        n = [0]
-
-        def backend(gm, example_inputs):
-            n[0] += 1
-            return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        backend, n = counting_backend(torch._dynamo.lookup_backend("aot_eager"))
 
         torch.manual_seed(0)
         st = _student(teacher, "hybrid")

@@ -13,7 +13,7 @@ from headscope.masks import HeadMask
 from headscope.train import TokenRows, TrainConfig, Trainer, stage_loss, trainable_parameters
 from headscope.train.fast import FastStep
 
-from conftest import Vocab, tiny_llama
+from conftest import Vocab, counting_backend, tiny_llama
 
 pytestmark = [
     pytest.mark.gpu,
@@ -146,11 +146,7 @@ def test_graphed_step_with_checkpointing_equals_the_step_without(stage, bf16):
     res = {}
     for on in (False, True):
         torch._dynamo.reset()
-        n = [0]
-
-        def backend(gm, example_inputs):
-            n[0] += 1
-            return compile_fx(gm, example_inputs)
+        backend, n = counting_backend(compile_fx)
 
         torch.manual_seed(0)
         teacher, st = _models(torch.bfloat16 if bf16 else torch.float32)
