@@ -22,6 +22,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
+from ..arch.residual import after_attention
+
 # model types whose body model_body computes, without "_" ("gpt_neox", a hybrid's "headscope_hybrid_gptneox")
 BODIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gptneox")
 NAMES = "Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 / GPT-NeoX"
@@ -48,16 +50,7 @@ def _teacher_io(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor,
     attention output, layer output), in transformers' order of additions."""
     hn = layer.input_layernorm(h)
     a = attention_of(layer)(hn, position_embeddings=(cos, sin), attention_mask=mask)[0]
-    if hasattr(layer, "use_parallel_residual"):  # GPT-NeoX
-        if layer.use_parallel_residual:
-            return hn, a, layer.mlp(layer.post_attention_layernorm(h)) + a + h
-        h = a + h
-        return hn, a, layer.mlp(layer.post_attention_layernorm(h)) + h
-    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3
-        h = h + layer.post_attention_layernorm(a)
-        return hn, a, h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
-    h = h + a
-    return hn, a, h + layer.mlp(layer.post_attention_layernorm(h))
+    return hn, a, after_attention(layer, h, a)
 
 
 def inner_model(model: nn.Module) -> nn.Module:

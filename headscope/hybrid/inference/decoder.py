@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...arch.residual import after_attention as _post
 from ..modeling_hybrid import attention_name
 from .graphs import capture as _capture
 from .inference_config import InferenceConfig, inference_config, use_inference
@@ -48,18 +49,6 @@ def _head(model: Any, h: Tensor) -> Tensor:
     logits = model.lm_head((base.norm if hasattr(base, "norm") else base.final_layer_norm)(h))
     cap = getattr(model.config, "final_logit_softcapping", None)
     return logits if cap is None else torch.tanh(logits / cap) * cap
-
-
-def _post(layer: Any, h: Tensor, a: Tensor) -> Tensor:
-    """A decoder layer after its attention output a: Llama's residual, norm, MLP, residual; Gemma 3's with its
-    sandwich norms; GPT-NeoX's parallel residual h + a + MLP(norm(h)) (its sequential form: Llama's)."""
-    if hasattr(layer, "pre_feedforward_layernorm"):
-        h = h + layer.post_attention_layernorm(a)
-        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
-    if getattr(layer, "use_parallel_residual", False):
-        return layer.mlp(layer.post_attention_layernorm(h)) + a + h
-    h = h + a
-    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def _post_fused(layer: Any, nxt: Any, h: Tensor, a: Tensor, W_gu: Optional[Tensor], b_gu: Optional[Tensor]) -> tuple:
