@@ -21,7 +21,10 @@ import pytest  # noqa: E402
 from _pytest.mark import ParameterSet  # noqa: E402
 
 
-ALL_THREADS = torch.get_num_threads()  # torch's intra-op threads at start (the machine's cores)
+# torch's intra-op threads at start (the machine's cores), shared out between pytest-xdist's workers: two OpenMP threads
+# on a core that the other worker also computes on spin against it (tests/test_smollm2.py with the other core busy,
+# 2-core host: 109.6 s on two threads, 59.1 s on one)
+ALL_THREADS = max(1, torch.get_num_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 REAL_MODEL_FIXTURES = ("smol", "smollm2")  # the real SmolLM2-135M, loaded in this process
 
 
