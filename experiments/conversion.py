@@ -37,7 +37,12 @@ import time
 from pathlib import Path
 from typing import Any, List, Optional
 
-import numpy as np
+from headscope.runtime import lean_gc
+
+if __name__ == "__main__":  # a command process: collections tuned before the heavy imports (runtime.lean_gc)
+    lean_gc()
+
+import numpy as np  # noqa: E402
 import pandas as pd
 import torch
 import typer

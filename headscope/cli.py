@@ -17,7 +17,12 @@ import typing
 from pathlib import Path
 from typing import Any, Iterator, List, Optional
 
-import typer
+from .runtime import lean_gc
+
+if __name__ == "__main__":  # a command process: collections tuned before the heavy imports (runtime.lean_gc)
+    lean_gc()
+
+import typer  # noqa: E402
 
 from .cli_convert import CONVERT_HELP, convert, plan_memory_command
 from .cli_errors import user_errors
