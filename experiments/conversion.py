@@ -48,7 +48,7 @@ import torch
 import typer
 
 from headscope.masks import HeadMask, parse_budget
-from headscope.models import load_hf
+from headscope.models import check_model, load_hf, load_tokenizer
 from headscope.train import (
     TokenRows,
     TrainConfig,
@@ -588,9 +588,7 @@ def plan(
     t = split(tokens)
     s.update(tokens1=t[0], tokens2=t[1], tokens3=t[2])
     (out / "settings.json").write_text(json.dumps(s, indent=2))
-    teacher, _, _ = load_hf(model, device="cpu")
-    g = geometry_of(teacher.config)
-    del teacher
+    g = check_model(model) or geometry_of(load_hf(model, device="cpu")[0].config)  # its config, else the loaded model's
     masks = build_masks(g.n_layers, g.n_heads, g.n_kv_heads, HeadMask.from_json(mask), budget, min_per_layer, seed)
     for name, m in masks.items():
         m.to_json(out / "masks" / f"{name}.json")
@@ -701,7 +699,7 @@ def pairs_cmd(out: Path = typer.Option(...), model: str = typer.Option("smollm2-
 
     global _POOL_TOK, _POOL_DIR
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _, _POOL_TOK, _ = load_hf(model, device="cpu")
+    _POOL_TOK = load_tokenizer(model)
     _POOL_DIR = out / "eval_pairs"
     cells = eval_cells(out)
     n = workers or max(1, (os.cpu_count() or 2) // 2)
@@ -715,7 +713,7 @@ def pairs_cmd(out: Path = typer.Option(...), model: str = typer.Option("smollm2-
 @app.command("pack")
 def pack_cmd(out: Path = typer.Option(...), model: str = typer.Option("smollm2-135m"), heldout_docs: int = typer.Option(256)) -> None:
     """Build the training / held-out rows from the sampled shards (see :func:`pack_shards`)."""
-    _, tok, _ = load_hf(model, device="cpu")
+    tok = load_tokenizer(model)
     print(json.dumps(pack_shards(out, tok, _settings(out), heldout_docs)), flush=True)
 
 
