@@ -36,6 +36,23 @@ def _parts(out: Path, *parts: str, **env: str) -> subprocess.CompletedProcess:
                           timeout=1200)
 
 
+def _chains(out: Path, logs: Path, *chains: tuple[str, ...], **env: str) -> list[tuple[int, str]]:
+    """Parts in chains side by side on one OUT (gpu_parts.sh run once per chain, as two chains share a session on the
+    GPU); each chain's exit status and output (stdout then stderr, from a file: no pipe fills while the other runs)."""
+    e = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "POLL": "1", **env}
+    procs = []
+    for k, parts in enumerate(chains):
+        log = logs / f"chain{k}.log"
+        with open(log, "w") as out_fh, open(log.with_suffix(".err"), "w") as err_fh:
+            procs.append((subprocess.Popen(["bash", str(PARTS), str(out), *parts], stdout=out_fh, stderr=err_fh,
+                                           text=True, cwd=ROOT, env=e), log))
+    got = []
+    for p, log in procs:
+        p.wait(timeout=1200)
+        got.append((p.returncode, log.read_text() + log.with_suffix(".err").read_text()))
+    return got
+
+
 def _commands(stdout: str) -> list[str]:
     """The printed commands, "python -m headscope.cli X" as "headscope X", the driver as "run.py X"."""
     out = []
@@ -141,12 +158,13 @@ def test_missing_cells_and_kv_layers(tmp_path):
 
 
 def test_collect_and_restore_carry_what_a_session_needs(tmp_path):
-    """collect: the eval folder without prompt sets or HTML, masks, rankings without tensors, each conversion's recipe
+    """collect: the eval folder without prompt sets, HTML or a file being written (.NAME.PID.tmp), masks, rankings without tensors, each conversion's recipe
     and stage records without weights; a re-conversion's training.json replaces B's and keeps it as training.1.json.
     restore: eval, masks and rankings into W (no file replaced), the stage records only into B."""
     s = _sessions()
     w, b = tmp_path / "w", tmp_path / "b"
     files = {"eval/cells/m__s0__t1/niah_single.unseen.1024.json.gz": "c", "eval/retention.csv": "r",
+             "eval/cells/m__s0__t1/.niah_single.unseen.2048.json.gz.77.tmp": "a cell being written",
              "eval/haystack/docs.json.gz": "h", "eval/prompts/unseen_x.json.gz": "p", "eval/report.html": "big",
              "masks/kv_7to1/headwise.json": "m", "rank/single/scores.csv": "s", "rank/single/ie.pt": "t",
              "rank/single/heatmap.html": "big", "seed0/a_t1/recipe.json": "{}", "seed0/a_t1/stage1/training.json": "v1",
@@ -261,18 +279,24 @@ def _tiny_env(tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_parts_run_and_resume_at_tiny_scale(tmp_path):
-    """Session 1: long_s0 (the teacher's cells beside the conversion; the student samples seed 0's documents, packs
-    them as soon as they exist, trains, and is scored length by length). Session 2, from session 1's returned folder: long_s0 does nothing, the
-    stage-3 lever part converts the default arm again for its stages 1-2 on the carried documents (the same SHA-256)
-    and trains the s3tok2x arm's stage 3 on twice the tokens, the Gemma-like part ranks, masks
-    within one layer's KV cache, converts and scores with its teacher. Nothing returned is a weight, a prompt set or
+    """Each session runs two chains of parts side by side on one OUT, as a GPU session does. Session 1: long_s0 (the
+    teacher's cells beside the conversion; the student samples seed 0's documents, packs them as soon as they exist,
+    trains, and is scored length by length) | gemma_rank (the Gemma-like teacher ranked, masks within one layer's KV
+    cache). Session 2, from session 1's returned folder: long_s0 does nothing, then the stage-3 lever part converts the
+    default arm again for its stages 1-2 on the carried documents (the same SHA-256) and trains the s3tok2x arm's
+    stage 3 on twice the tokens | the Gemma-like part converts with the carried mask (sampling its own documents) and
+    scores with its teacher. Nothing returned is a weight, a prompt set or
     HTML; the merged rows carry source cli:TAG."""
     env = _tiny_env(tmp_path)
     o1 = tmp_path / "s1"
-    r = _parts(o1, "long_s0", **env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # each session runs two chains side by side on one OUT, as a GPU session does: here long_s0 | gemma_rank
+    (tmp_path / "logs1").mkdir()
+    (rc, text), (rc_g, text_g) = _chains(o1, tmp_path / "logs1", ("long_s0",), ("gemma_rank",), **env)
+    assert rc == 0 and rc_g == 0, text[-3000:] + text_g[-3000:]
     b1 = o1 / "bring"
     assert (b1 / "docs" / "smollm2_s0.tar.gz").exists()
+    assert (b1 / "gemma3" / "rank" / "fused2" / "ranking.json").exists()  # the ranking and masks come back
+    assert (b1 / "gemma3" / "masks" / "kv_L1" / "headwise.json").exists()
     cells = b1 / "smollm2" / "eval" / "cells"
     assert len(list((cells / "teacher__s0__t0").glob("*.json.gz"))) == 4
     assert len(list((cells / f"{LABEL}__s0__t3000").glob("*.json.gz"))) == 4
@@ -280,9 +304,13 @@ def test_parts_run_and_resume_at_tiny_scale(tmp_path):
     # budget_s0_3 and levers_s0_masks (two conversions each) are left to their dry runs
     # (test_every_part_prints_its_package_commands): their steps are the Gemma part's (mask, convert on the carried
     # documents, score), and running them here cost ~100 s of CI's 10-minute suite
-    r = _parts(o2, "long_s0", "levers_s0_s3tok", "gemma_s0_head", STATE=str(b1), **env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"{LABEL} seed 0: every cell is there" in r.stdout
+    # the SmolLM2 parts | the Gemma-like part, on the ranking and masks carried from session 1
+    (tmp_path / "logs2").mkdir()
+    (rc, text), (rc_g, text_g) = _chains(o2, tmp_path / "logs2", ("long_s0", "levers_s0_s3tok"), ("gemma_s0_head",),
+                                          STATE=str(b1), **env)
+    assert rc == 0 and rc_g == 0, text[-3000:] + text_g[-3000:]
+    assert f"{LABEL} seed 0: every cell is there" in text
+    assert "headscope.cli rank" not in text_g and "headscope.cli mask" not in text_g  # session 1's, carried
     b2 = o2 / "bring"
     assert not (b2 / "docs" / "smollm2_s0.tar.gz").exists() and (b2 / "docs" / "gemma3_s0.tar.gz").exists()
     sha = {json.loads(f.read_text())["data"]["docs_sha256"]

@@ -178,14 +178,23 @@ needs() {  # KEY SEED "TASKS@L1+L2 ..." DRIVER_ARGS...: whether the student lack
   return 1
 }
 
+fresh() {  # "TASKS@L1+L2": whether the block has a (task, length) that no earlier block of this student() asked for
+  # (marking its cells in student's `asked`); blocks overlap only where a tiny try sets two of the lengths alike
+  local tasks=${1%@*} ls=${1#*@} t L old=1
+  for L in ${ls//+/ }; do for t in ${tasks//,/ }; do [ -n "${asked[$t@$L]+x}" ] || old=0; asked[$t@$L]=1; done; done
+  return $old
+}
+
 student() {  # KEY SEED "TASKS@L1+L2 ..." DRIVER_ARGS...: convert if a cell is missing, then score the missing cells
-  local key=$1 seed=$2 want=$3 rd lab tpid="" w L m p ls
+  local key=$1 seed=$2 want=$3 rd lab tpid="" w L m p ls t k
+  local -A asked=()
   shift 3
   read -r rd lab < <("$PY" "$HERE/run.py" dir --out "$W/$key" --tokens "$TOKENS" --seed "$seed" "$@" | tr '\t' ' ')
   needs "$key" "$seed" "$want" "$@" || return 0
   log "$lab seed $seed: convert and score its missing cells"
   for w in $want; do  # the teacher's cells and every prompt set, beside the conversion (the GPU's idle while it builds)
     ls=${w#*@}
+    fresh "$w" || continue
     if [ -n "$DRY" ]; then
       teacher_cells "$key" "${w%@*}" "${ls//+/,}"
     else
@@ -197,12 +206,15 @@ student() {  # KEY SEED "TASKS@L1+L2 ..." DRIVER_ARGS...: convert if a cell is m
   for p in $tpid; do wait "$p"; done
   # one headscope eval per set of missing tasks, over every length that misses exactly those (one model load each;
   # the collector below returns each cell within a minute of its being scored)
-  local -A lens=()
+  local -A lens=() scored=()
   local sets=()
   for w in $want; do
     ls=${w#*@}
     for L in ${ls//+/ }; do
       if [ -n "$DRY" ]; then m=${w%@*}; else m=$(todo "$key" "$lab" "$seed" "${w%@*}" "$L"); fi
+      k=""  # without the tasks an earlier block scores at this length
+      for t in ${m//,/ }; do [ -n "${scored[$t@$L]+x}" ] || k=${k:+$k,}$t; scored[$t@$L]=1; done
+      m=$k
       [ -z "$m" ] && continue
       if [ -z "${lens[$m]+x}" ]; then sets+=("$m"); lens[$m]=$L; else lens[$m]="${lens[$m]},$L"; fi
     done

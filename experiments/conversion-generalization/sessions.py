@@ -45,7 +45,11 @@ ROW_KEY = ["source", "model", "seed", "tokens", "task", "formats", "length"]
 
 
 def _kept(rel: Path) -> bool:
-    return not (set(rel.parts[:-1]) & SKIP_DIRS or rel.name.endswith(SKIP_SUFFIXES))
+    """Whether a file comes back: not in SKIP_DIRS, not of SKIP_SUFFIXES, and not a write in flight (``.NAME.PID.tmp``,
+    :func:`headscope.runtime.atomic_write_bytes`' and :func:`_copy`'s: a collector running beside ``headscope eval``
+    would carry it, and it would stay in B after the rename)."""
+    in_flight = rel.name.startswith(".") and rel.name.endswith(".tmp")
+    return not (set(rel.parts[:-1]) & SKIP_DIRS or rel.name.endswith(SKIP_SUFFIXES) or in_flight)
 
 
 def _copy_tree(src: Path, dst: Path, clobber: bool) -> int:
