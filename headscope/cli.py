@@ -396,9 +396,5 @@ app.command("plan-memory")(plan_memory_command)
 app.command("mask", help=MASK_HELP)(mask_command)
 
 
-def run() -> None:  # pragma: no cover
-    app(sys.argv[1:])
-
-
 if __name__ == "__main__":  # pragma: no cover
     app()

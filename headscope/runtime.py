@@ -27,19 +27,17 @@ __version__ = "0.1.0"
 
 # ---------------------------------------------------------------------------------------- command processes
 def lean_gc() -> None:
-    """Garbage collection tuned for a command-line process (``python -m headscope.cli``, the experiment scripts),
-    called before its heavy imports: young collections every 10,000 allocations instead of 700 (the older
-    generations' ratios unchanged), and at exit every object moved to the permanent generation, so that the
-    interpreter's final collections skip them. Importing torch and transformers and loading a model make millions of
-    long-lived objects that the default thresholds traverse again and again, and again at exit: a ``headscope eval``
-    of a tiny model took 6.6-7.2 s with the defaults and 4.3-4.9 s so, on a 2-core CPU. Nothing else changes:
-    objects are still freed by reference count, cycles by a collection (gen0 every 10,000 allocations, a full one
-    every 1,000,000), and every exit handler and finalizer runs."""
-    import atexit
+    """Garbage collection tuned for a command-line process (the ``headscope`` command, ``python -m headscope.cli``,
+    the experiment scripts), called before its heavy imports: young collections every 10,000 allocations instead of
+    700 (the older generations' ratios unchanged). Importing torch and transformers and loading a model make millions
+    of long-lived objects that the default thresholds traverse again and again: ``python -m headscope.cli rank`` up
+    to its first check, three runs each on a 2-core CPU, 3.6-4.1 s with the defaults, 3.2-3.6 s so. Objects are
+    still freed by reference count and cycles by a collection (gen0 every 10,000 allocations, a full one every
+    1,000,000). Not done: freezing every object at exit (a further ~1 s), which leaves Triton's nanobind objects
+    uncollected, and nanobind then prints ~30 lines of "leaked instance" after the command's own output."""
     import gc
 
     gc.set_threshold(10_000, 10, 10)
-    atexit.register(gc.freeze)
 
 
 # ---------------------------------------------------------------------------------------- devices

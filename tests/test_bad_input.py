@@ -327,3 +327,9 @@ def test_subprocess_prints_one_line_without_traceback(files):
     assert "Traceback" not in p.stdout + p.stderr
     assert p.stderr.strip().splitlines() == [f"error: --out {files['file']} is a file, not a directory; pass a directory "
                                              "path (created when missing)"]
+    # the installed command's entry (headscope.__main__, its garbage collection tuned): after Triton is imported,
+    # still one line (freezing every object at exit made nanobind print ~30 lines of "leaked instance" after it)
+    p = subprocess.run([sys.executable, "-m", "headscope", "rank", "--pairs", "0"], capture_output=True, text=True,
+                       timeout=300, cwd=Path(headscope.__file__).parent.parent)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == ["error: --pairs=0: need at least one calibration pair per task"]
