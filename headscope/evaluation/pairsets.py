@@ -3,8 +3,8 @@
 A cell's prompts (:class:`headscope.tasks.Pair` objects) are built once and kept for every model
 scored on them. The file holds ``{"format": "headscope.PairSet/1", "ident": {...}, "pairs":
 [Pair.to_dict(), ...]}`` gzip-compressed (token ids as JSON integers); reading it parses JSON only, so
-a file from elsewhere can carry no code (a pickle, unlike the ``torch.load(..., weights_only=False)``
-files this replaced, cannot run on load: it is refused as not a pair-set file).
+a file from elsewhere can carry no code (a pickle, which the unrestricted ``torch.load`` of the files this replaced
+would have run, is refused as not a pair-set file).
 """
 
 from __future__ import annotations
