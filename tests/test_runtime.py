@@ -62,6 +62,16 @@ def test_schedule_shards_resumes_and_records(tmp_path):
     s.close()
 
 
+def test_schedule_bar_leaves_the_base_passes_out_of_its_rate():
+    """The bar's clock starts again after the pairs' base passes (0.3 s here): elapsed time and rate count patches."""
+    import time
+
+    s = Schedule(2, {0: [0, 1]}, progress=True)
+    s.load_bases(lambda i: (time.sleep(0.15), {"m_clean": 1.0, "m_corrupt": 0.0})[1])
+    assert time.time() - s.bar.start_t < 0.1  # without: >= 0.3
+    s.close()
+
+
 def test_config_diff_names_nested_settings():
     from headscope.runtime import config_diff
 

@@ -294,6 +294,7 @@ def receiver_patching(
         st = state(i)
         # a few patched rows against hooked forwards, once per new length
         engine.check_patches(st.base_ids, st.base, st.src, st.start, st.read)
+        sched.leave_out_time()
         if store is not None:
             save_records(model.hf_model, store)
         bs = batch_size or _auto_batch(model, st.total - st.start, st.total, mem_bytes,
