@@ -128,6 +128,8 @@ def _report(r: Any, cfg: Any, budget: str, min_per_layer: int, out: Path, top: i
     if fused:
         cols = ["rank", "layer", "head", "kv_group", "ie_recv", "ie_send", "kappa"]
         cols += [c for c in r.scores.columns if c.startswith("s_")] + ["score"]
+        if r.scores["ie_send"].isna().all():  # senders not patched (no --senders): no column of NaN
+            cols.remove("ie_send")
     if "kind" in r.scores.columns:  # a converted model: each head's kind, FA or GDN
         cols.insert(cols.index("kv_group") + 1, "kind")
     typer.echo(f"top {top} heads by {'fused score S' if fused else 'receiver IE'}:")
