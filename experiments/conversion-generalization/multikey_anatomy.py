@@ -22,15 +22,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from headscope.masks import HeadMask
+
 HERE = Path(__file__).resolve().parent
 MASK = HERE / "records" / "masks" / "hydra-7to1.json"
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
-
-
-def fa_heads(mask: Path) -> set[tuple[int, int]]:
-    """The (layer, head) pairs a saved HeadMask keeps as FA."""
-    m = json.loads(mask.read_text())
-    return {(int(layer), int(h)) for layer, hs in m["fa_heads"].items() for h in hs}
 
 
 def gdn_left(fused: Path, out: Path, fa: set[tuple[int, int]]) -> pd.DataFrame:
@@ -54,7 +50,7 @@ def main(out: Path) -> None:
         subprocess.run([py, "-m", "headscope.cli", "rank", "--model", "smollm2-135m", *tasks, "--pairs", "6",
                         "--seq-len", "512", "--budget", "7:1", "--min-per-layer", "1", "--device", "cpu",
                         "--out", str(fused)], check=True)
-    fa = fa_heads(MASK)
+    fa = set(HeadMask.from_json(MASK).heads())
     d = gdn_left(fused, out / "gdn_left", fa)
     pos = d["ie_recv_niah_multikey"].clip(lower=0)
     on_fa = sum(p for p, lay, h in zip(pos, d["layer"], d["head"]) if (lay, h) in fa)
