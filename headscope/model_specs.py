@@ -217,16 +217,76 @@ def resolve_spec(spec: str | os.PathLike) -> tuple[str, dict[str, Any], str]:
         return str(p.parent), {"gguf_file": p.name}, p.stem
     if p.is_dir():
         if not (p / "config.json").exists():
-            raise ModelSpecError(f"{p} is a directory without config.json; pass a Hugging Face model directory")
+            raise ModelSpecError(_no_config(p))
         return str(p), {}, p.name
     if p.exists():
         raise ModelSpecError(f"{p} is a file but not a .gguf; pass a .gguf file or a model directory")
     if s.count("/") == 1 and not s.startswith((".", "/", "~")):
         return s, {"local_files_only": True}, s
+    if looks_like_path(s):
+        raise ModelSpecError(missing_path(p))
     raise ModelSpecError(
         f"unknown model spec {s!r}: pass 'smollm2-135m', 'gemma3-270m', a local HF model directory, a .gguf file path, "
         "or a hub id 'org/name' that is already in the local Hugging Face cache"
     )
+
+
+def looks_like_path(spec: str) -> bool:
+    """Whether a spec string reads as a file system path: it holds a path separator or starts with '.', '~' or '/'."""
+    return any(c in spec for c in {"/", os.sep}) or spec.startswith((".", "~", "/"))
+
+
+def _stage_dirs(folder: Path) -> list[Path]:
+    """The finished stages of a ``headscope convert`` output folder: its ``stageK/`` with a config.json, K ascending."""
+    found = [(int(d.name[5:]), d) for d in folder.glob("stage*")
+             if d.name[5:].isdigit() and (d / "config.json").is_file()]
+    return [d for _, d in sorted(found)]
+
+
+def _no_config(p: Path) -> str:
+    """The error for a directory without config.json: a conversion folder names its last finished stage."""
+    stages = _stage_dirs(p)
+    if stages:
+        return f"{p} is a `headscope convert` output folder: pass its last stage, {stages[-1]}"
+    if (p / "recipe.json").is_file() or any(d.is_dir() and d.name[5:].isdigit() for d in p.glob("stage*")):
+        return (f"{p} is a `headscope convert` output folder without a finished stage (no stageK/config.json yet): "
+                "pass a stage folder once the conversion has written one")
+    return f"{p} is a directory without config.json; pass a Hugging Face model directory"
+
+
+def _model_entries(folder: Path) -> list[str]:
+    """Names of the model folders (with a config.json) and .gguf files directly in ``folder``, sorted."""
+    try:
+        return sorted(c.name for c in folder.iterdir()
+                      if (c.is_dir() and (c / "config.json").is_file()) or (c.is_file() and c.suffix == ".gguf"))
+    except OSError:
+        return []
+
+
+def missing_path(p: Path) -> str:
+    """The error for a spec that reads as a path that does not exist: its parent's model folders, or the closest
+    name, where the parent exists."""
+    import difflib
+
+    msg = f"{p} does not exist"
+    parent = p.parent
+    where = "the current folder" if str(parent) == "." else str(parent)
+    if not parent.is_dir():
+        return f"{msg} (nor does its folder {parent}); check the path"
+    models = _model_entries(parent)
+    if not models:
+        try:
+            names = sorted(c.name for c in parent.iterdir())
+        except OSError:
+            names = []
+        close = difflib.get_close_matches(p.name, names, n=1)
+        hint = f"; did you mean {parent / close[0]}?" if close else ""
+        return f"{msg}{hint} ({where} holds no model folder with a config.json nor a .gguf file)"
+    if len(models) <= 8:
+        return f"{msg}; the model folders in {where}: {', '.join(models)}"
+    close = difflib.get_close_matches(p.name, models, n=1)
+    return (f"{msg}; {where} holds {len(models)} model folders" +
+            (f", the closest name is {parent / close[0]}" if close else f": {', '.join(models[:8])}, ..."))
 
 
 # ---- the geometry of a model spec, read without loading weights (checks before a load) --------------

@@ -36,6 +36,7 @@ from .model_specs import (  # noqa: F401  (re-exported: headscope.models is wher
     geometry_of,
     gguf_geometry,
     join_chunks,
+    missing_path,
     packaged,
     resolve_spec,
 )
@@ -119,7 +120,11 @@ def check_model(spec: Any, name: str = "model") -> Geometry | None:
 
 
 def not_cached(spec: Any) -> ModelSpecError:
-    """The error for a spec read as a hub id that the local cache lacks (a typo in a folder path reads the same)."""
+    """The error for a spec read as a hub id that the local cache lacks; where its first part is a local folder it
+    was a path with a typo: the path's error (:func:`headscope.model_specs.missing_path`)."""
+    p = Path(str(spec)).expanduser()
+    if p.parent.is_dir() and str(p.parent) not in ("", "."):
+        return ModelSpecError(missing_path(p))
     return ModelSpecError(
         f"{str(spec)!r} is no local directory and not in the local Hugging Face cache (headscope never downloads): "
         "check the path, download the hub id yourself (huggingface-cli download ...), or pass a .gguf path"

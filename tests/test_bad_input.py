@@ -10,6 +10,7 @@ loaders are patched to fail) and that the error came within a few seconds.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -160,6 +161,19 @@ CLI_CASES = [
     ("convert-too-little-text", lambda f: _conv(f, "--stage", "1", "--docs", "1", "--doc-len", "8"), "make 0 row(s)"),
     ("convert-out-is-a-file", lambda f: _conv(f, "--stage", "1", out="a_file.txt"), "is a file, not a directory"),
     ("convert-cuda-without-cuda", lambda f: _conv(f, "--stage", "1", "--device", "cuda"), "use --device cpu"),
+    # ---- a model spec that reads as a path (eval / generate)
+    ("eval-mistyped-stage", lambda f: ["eval", str(f["root"] / "conv_plan" / "stage4"), "--out", str(f["root"] / "ev")],
+     "stage4 does not exist; the model folders in {root}{sep}conv_plan: stage1"),
+    ("generate-mistyped-stage", lambda f: ["generate", str(f["root"] / "conv_s1" / "stage9"), "hi"],
+     "stage9 does not exist; the model folders in {root}{sep}conv_s1: stage1"),
+    ("eval-missing-parent", lambda f: ["eval", str(f["root"] / "nowhere" / "stage1"), "--out", str(f["root"] / "ev")],
+     "nowhere{sep}stage1 does not exist (nor does its folder {root}{sep}nowhere); check the path"),
+    ("eval-relative-typo", lambda f: ["eval", "./no-such-model-dir", "--out", str(f["root"] / "ev")],
+     "no-such-model-dir does not exist"),
+    ("eval-conversion-folder", lambda f: ["eval", str(f["root"] / "conv_plan"), "--out", str(f["root"] / "ev")],
+     "conv_plan is a `headscope convert` output folder: pass its last stage, {root}{sep}conv_plan{sep}stage1"),
+    ("generate-conversion-folder-unfinished", lambda f: ["generate", str(f["root"] / "conv_ckpt"), "hi"],
+     "conv_ckpt is a `headscope convert` output folder without a finished stage"),
     # ---- headscope anatomy
     ("anatomy-missing-run", lambda f: ["anatomy", str(f["root"] / "nothing")], "is missing (no such directory)"),
     ("anatomy-run-is-a-file", lambda f: ["anatomy", str(f["file"])], "is a file, not a run directory"),
@@ -189,7 +203,7 @@ def _check_fast_cli(argv, want, files):
 @pytest.mark.parametrize("case", CLI_CASES, ids=[c[0] for c in CLI_CASES])
 def test_cli_bad_input(case, files, no_model):
     _, argv, want = case
-    _check_fast_cli(argv(files), want, files)
+    _check_fast_cli(argv(files), want.replace("{root}", str(files["root"])).replace("{sep}", os.sep), files)
 
 
 def test_the_table_is_large_enough():
@@ -333,3 +347,18 @@ def test_subprocess_prints_one_line_without_traceback(files):
                        timeout=300, cwd=Path(headscope.__file__).parent.parent)
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip().splitlines() == ["error: --pairs=0: need at least one calibration pair per task"]
+
+
+def test_one_slash_path_typo_is_a_path_error(tmp_path, monkeypatch):
+    """'runs/stage9' reads as a hub id 'org/name'; where ./runs is a local folder it was a path with a typo: the error
+    names the folder's model folders instead of the Hugging Face cache."""
+    from headscope.models import ModelSpecError, check_model
+
+    for name in ("stage1", "stage2"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelSpecError, match=r"^runs.stage9 does not exist; the model folders in runs: stage1, stage2$"):
+        check_model("runs/stage9")
+    with pytest.raises(ModelSpecError, match="not in the local Hugging Face cache"):  # no local folder 'someorg'
+        check_model("someorg/stage9")
