@@ -140,7 +140,7 @@ def test_eval_refuses_bad_arguments_before_loading(folders, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("model, want", [
-    ("/nonexistent/model_dir", "unknown model spec"),
+    ("/nonexistent/model_dir", "/nonexistent/model_dir does not exist (nor does its folder /nonexistent); check the path"),
     ("nobody/not-a-cached-model", "is no local directory and not in the local Hugging Face cache"),
 ])
 def test_eval_refuses_a_model_it_cannot_load(tmp_path, monkeypatch, model, want):

@@ -68,7 +68,7 @@ def test_generate_refuses_bad_arguments_before_loading(converted, monkeypatch, e
     res = CliRunner().invoke(app, ["generate", str(converted), *extra])
     assert res.exit_code == 2 and res.output.startswith("error: ") and want in res.output, res.output
     res = CliRunner().invoke(app, ["generate", "/nonexistent/model", "x"])
-    assert res.exit_code == 2 and "unknown model spec" in res.output
+    assert res.exit_code == 2 and "/nonexistent/model does not exist (nor does its folder /nonexistent)" in res.output
 
 
 def test_generate_dtype_auto_is_bfloat16_on_cuda_only():
