@@ -32,6 +32,27 @@ from .errors import HeadscopeInputError
 app = typer.Typer(add_completion=False, rich_markup_mode="markdown",
                   help="Find retrieval-critical attention heads by causal intervention.")
 
+#: columns of the help off a terminal (piped, redirected): rich's 80 cut option names and defaults with an ellipsis
+HELP_WIDTH = 120
+
+
+def help_width(on_terminal: bool, environ: typing.Mapping[str, str]) -> Optional[int]:
+    """The width typer renders help at (``typer.rich_utils.MAX_WIDTH``): None (the terminal's own, or what
+    TERMINAL_WIDTH / COLUMNS say) on a terminal or where the user set a width, else :data:`HELP_WIDTH`."""
+    if on_terminal or environ.get("TERMINAL_WIDTH") or environ.get("COLUMNS"):
+        return None
+    return HELP_WIDTH
+
+
+def _set_help_width() -> None:
+    import typer.rich_utils
+
+    if typer.rich_utils.MAX_WIDTH is None:  # typer read no TERMINAL_WIDTH
+        typer.rich_utils.MAX_WIDTH = help_width(bool(sys.stdout and sys.stdout.isatty()), os.environ)
+
+
+_set_help_width()
+
 
 @app.callback()
 def main() -> None:
@@ -84,9 +105,8 @@ def flag_names() -> Iterator[None]:
 def rank(**values: Any) -> None:
     """Rank every head; write OUT/scores.csv, OUT/mask.json and OUT/heatmap.html.
 
-    Every argument is checked before the model loads (errors: one line, exit code 2): the command's own options
-    here, the ranking's settings when its config is made (:class:`headscope.rank_config.RankConfig`), the call (model,
-    output folder, shards, store, budget) once by the API (:func:`headscope.api.check_call`)."""
+    Every argument is checked before the model loads (errors: one line, exit code 2): the command's own options, the
+    ranking's settings, then the call as a whole (model, output folder, shards, store, budget)."""
     out: Path = values["out"]
     budget, min_per_layer, top = values["budget"], values["min_per_layer"], values["top"]
     with user_errors(), flag_names():
