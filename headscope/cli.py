@@ -392,7 +392,7 @@ def generate(
     with user_errors():
         import torch
 
-        from .generation import check_generate_args, generate_text, resolve_dtype
+        from .generation import check_generate_args, generate_text, resolve_dtype, summary
         from .models import load_hf
 
         cfg = check_generate_args(model, prompt, file, max_new_tokens, temperature, top_p, seed, device, dtype, chat)
@@ -409,8 +409,7 @@ def generate(
         m, tok, _ = load_hf(model, device=device, dtype=getattr(torch, dtype))
         res = generate_text(m, tok, prompt, cfg)
     typer.echo(res["text"])
-    typer.echo(f"{res['new_tokens']} new tokens after {res['prompt_tokens']} prompt tokens in {res['seconds']:.2f} s: "
-               f"{res['tokens_per_s']:.1f} tokens/s ({next(m.parameters()).device}, {dtype})", err=True)
+    typer.echo(summary(res, next(m.parameters()).device, dtype), err=True)
 
 
 app.command(help=CONVERT_HELP)(convert)

@@ -97,7 +97,7 @@ def generate_text(model: Any, tokenizer: Any, prompt: str, cfg: GenerateConfig) 
 
     Returns:
         {"text": the new text (special tokens skipped), "ids": the new token ids, "prompt_tokens", "new_tokens",
-        "seconds": wall time of ``generate`` (prefill and decode; CUDA synchronized), "tokens_per_s": new tokens /
+        "stop": why it stopped (:func:`stop_reason`), "seconds": wall time of ``generate`` (prefill and decode; CUDA synchronized), "tokens_per_s": new tokens /
         seconds}.
     """
     import torch
@@ -120,4 +120,37 @@ def generate_text(model: Any, tokenizer: Any, prompt: str, cfg: GenerateConfig) 
     dt = time.perf_counter() - t0
     new = out[0, ids.shape[1]:].tolist()
     return {"text": tokenizer.decode(new, skip_special_tokens=True), "ids": new, "prompt_tokens": int(ids.shape[1]),
-            "new_tokens": len(new), "seconds": dt, "tokens_per_s": len(new) / dt if dt > 0 else float("inf")}
+            "new_tokens": len(new), "stop": stop_reason(new, eos_ids(model, tokenizer), cfg.max_new_tokens),
+            "seconds": dt, "tokens_per_s": len(new) / dt if dt > 0 else float("inf")}
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The token ids ``generate`` stops at: the model's generation config's ``eos_token_id`` (an id or a list), and
+    the tokenizer's."""
+    ids: set[int] = set()
+    for v in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer.eos_token_id):
+        ids.update(int(i) for i in (v if isinstance(v, (list, tuple)) else [v]) if i is not None)
+    return ids
+
+
+def stop_reason(new: list[int], eos: set[int], max_new_tokens: int) -> str:
+    """Why generation stopped: ``"eos"`` (the last new token is an end-of-sequence token), ``"max_new_tokens"`` (the
+    limit reached), else ``"other"`` (a stopping criterion of the model's generation config)."""
+    if new and new[-1] in eos:
+        return "eos"
+    return "max_new_tokens" if len(new) >= max_new_tokens else "other"
+
+
+_STOPS = {"eos": "stopped at the end-of-sequence token", "max_new_tokens": "--max-new-tokens reached",
+          "other": "stopped by the model's generation config"}
+
+
+def summary(res: dict[str, Any], device: Any, dtype: str) -> str:
+    """The line ``headscope generate`` prints on stderr: new tokens, why generation stopped, prompt tokens, speed,
+    e.g. ``1 new token (stopped at the end-of-sequence token) after 37 prompt tokens in 0.12 s: ...``."""
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}{'' if n == 1 else 's'}"
+
+    return (f"{count(res['new_tokens'], 'new token')} ({_STOPS[res['stop']]}) after "
+            f"{count(res['prompt_tokens'], 'prompt token')} in {res['seconds']:.2f} s: {res['tokens_per_s']:.1f} "
+            f"tokens/s ({device}, {dtype})")

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from conftest import tiny_llama
 from headscope.cli import app
-from headscope.generation import GenerateConfig, generate_text
+from headscope.generation import GenerateConfig, generate_text, stop_reason
 
 PROMPT = "The lanterns were lit one by one, and the"
 
@@ -45,12 +45,34 @@ def test_generate_greedy_equals_model_generate(converted, tmp_path):
         res = CliRunner().invoke(app, ["generate", *argv, "--max-new-tokens", "12", "--device", "cpu"], input=stdin)
         assert res.exit_code == 0, (res.output, res.exception)
         assert res.stdout == want + "\n"
-        assert "12 new tokens after" in res.stderr and "tokens/s (cpu, float32)" in res.stderr
+        assert f"12 new tokens (--max-new-tokens reached) after {ids.shape[1]} prompt tokens in" in res.stderr
+        assert "tokens/s (cpu, float32)" in res.stderr
     # sampling: the same seed gives the same tokens, another seed (almost surely) others
     cfg = GenerateConfig(max_new_tokens=12, temperature=1.0, top_p=0.95, seed=3)
     a, b = generate_text(model, tok, PROMPT, cfg), generate_text(model, tok, PROMPT, cfg)
     c = generate_text(model, tok, PROMPT, GenerateConfig(max_new_tokens=12, temperature=1.0, top_p=0.95, seed=4))
     assert a["ids"] == b["ids"] and a["ids"] != c["ids"]
+
+
+def test_generate_says_why_it_stopped(converted, tmp_path):
+    """A student whose first greedy token is its end-of-sequence token: one new token, and the line says so (it printed
+    "1 new tokens after 37 prompt tokens" after an empty line)."""
+    import json
+    import shutil
+
+    from headscope.models import load_hf
+
+    model, tok, _ = load_hf(converted, device="cpu")
+    first = generate_text(model, tok, PROMPT, GenerateConfig(max_new_tokens=1))
+    assert first["new_tokens"] == 1 and first["stop"] == ("eos" if first["ids"][0] == tok.eos_token_id else "max_new_tokens")
+    d = tmp_path / "stops_at_once"
+    shutil.copytree(converted, d)
+    gen = json.loads((d / "generation_config.json").read_text()) if (d / "generation_config.json").exists() else {}
+    (d / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": first["ids"][0]}))
+    res = CliRunner().invoke(app, ["generate", str(d), PROMPT, "--max-new-tokens", "8", "--device", "cpu"])
+    assert res.exit_code == 0, (res.output, res.exception)
+    n_prompt = first["prompt_tokens"]
+    assert res.stderr.startswith(f"1 new token (stopped at the end-of-sequence token) after {n_prompt} prompt tokens in ")
 
 
 @pytest.mark.parametrize("extra, want", [
@@ -80,3 +102,9 @@ def test_generate_dtype_auto_is_bfloat16_on_cuda_only():
     assert resolve_dtype("auto", None, cuda_available=False) == "float32"
     assert resolve_dtype("float16", "cuda", cuda_available=True) == "float16"
 
+
+
+def test_stop_reason():
+    assert stop_reason([5, 2], {2}, 8) == "eos" and stop_reason([5, 2], {2}, 2) == "eos"  # EOS as the last allowed token
+    assert stop_reason([5, 6], {2}, 2) == "max_new_tokens" and stop_reason([5], {2}, 8) == "other"
+    assert stop_reason([], {2}, 8) == "other"
