@@ -186,8 +186,12 @@ def convert(
         if shard is None or shard[0] == 0:
             for p in recipe.plan():
                 if p["stage"] in stages:
-                    typer.echo(f"stage {p['stage']}: {p['tokens']:,} tokens = {p['steps']} steps of {p['rows_per_step']} x "
+                    steps = f"{p['steps']} step{'' if p['steps'] == 1 else 's'}"
+                    typer.echo(f"stage {p['stage']}: {p['tokens']:,} tokens = {steps} of {p['rows_per_step']} x "
                                f"{p['row_len']}, lr {p['lr']:g}", err=True)
+            note = recipe.rounding_note(stages)
+            if note:
+                typer.echo(note, err=True)
         kw = dict(recipe=recipe, stages=stages, resume=resume, hybrid_options=hybrid, train_options=train_options,
                   teacher_name=model)
         if devices > 1 and shard is None:

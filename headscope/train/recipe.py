@@ -182,6 +182,20 @@ class ConvertRecipe:
         return [{"stage": k, "tokens": self.stage_budget(k), "steps": self.steps(k), "rows_per_step": self.rows_per_step(k),
                  "row_len": self.row_len(k), "lr": self.lr[k - 1]} for k in (1, 2, 3)]
 
+    def rounding_note(self, stages: Sequence[int] = (1, 2, 3), tolerance: float = 0.10) -> Optional[str]:
+        """A one-line note when whole steps (rows per step x row length, at least one a stage) raise the tokens of
+        ``stages`` more than ``tolerance`` above those asked for (``tokens`` x ``shares``, or ``stage_tokens``),
+        else None; e.g. ``--tokens 1K`` at 4 x 128 and 2 x 256 trains 3 x 512 = 1,536 tokens."""
+        asked = sum(self.stage_tokens[k - 1] if self.stage_tokens is not None else self.tokens * self.shares[k - 1]
+                    for k in stages)
+        trained = sum(self.steps(k) * self.rows_per_step(k) * self.row_len(k) for k in stages)
+        if trained <= asked * (1 + tolerance):
+            return None
+        steps = ", ".join(f"stage {k}: {self.rows_per_step(k)} x {self.row_len(k)}" for k in stages)
+        return (f"note: {trained:,} tokens will be trained, {trained / asked - 1:.0%} more than the {round(asked):,} "
+                f"asked for: each stage trains whole steps of rows x row length, at least one ({steps}); lower "
+                "--batch-size / --batch-long or --seq-len / --long-len for a finer budget")
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
