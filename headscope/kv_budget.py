@@ -61,7 +61,8 @@ def check_kv_budget(n_layers: int, n_heads: int, n_kv_heads: int, kv_layers: int
             ``heads_per_group`` outside 1..(query heads per KV group); a head budget that does not fit the KV budget.
     """
     n = (lambda f: "--" + f.replace("_", "-")) if cli else (lambda f: f)
-    check_int(n("kv_layers"), kv_layers, lo=1, hi=n_layers, fix="the KV cache of this many whole layers")
+    check_int(n("kv_layers"), kv_layers, lo=1, hi=n_layers,
+              fix=f"the KV budget counts whole layers' caches and the model has {n_layers} layers")
     if (budget is None) == (heads_per_group is None):
         raise HeadscopeInputError(f"give a head budget ({n('budget')}: a count, fraction or 'LA:FA' ratio) or "
                                   f"{n('heads_per_group')}, one of the two")
@@ -160,7 +161,8 @@ def layerwise_at(scores: np.ndarray, n_kv_heads: int, kv_layers: int, by: Litera
 
     s = np.asarray(scores, dtype=float)
     n_layers, n_heads = s.shape
-    check_int("kv_layers", kv_layers, lo=1, hi=n_layers, fix="the KV cache of this many whole layers")
+    check_int("kv_layers", kv_layers, lo=1, hi=n_layers,
+              fix=f"the KV budget counts whole layers' caches and the model has {n_layers} layers")
     check_choice("by", by, ("even", "score"))
     if by == "even":
         layers = even_layers(n_layers, kv_layers)

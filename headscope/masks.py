@@ -78,7 +78,8 @@ def parse_budget(budget: Budget, n_total: int) -> int:
         try:
             budget = float(s) if "." in s else int(s)
         except ValueError:
-            raise HeadscopeInputError(f"budget {budget!r} is not a count, a fraction or an 'LA:FA' ratio") from None
+            raise HeadscopeInputError(f"budget {budget!r} is not a count, a fraction or an 'LA:FA' ratio; write e.g. "
+                                      "34 (FA heads), 0.125 (a fraction of the heads) or 7:1 (LA:FA)") from None
     if isinstance(budget, (int, np.integer)):
         if budget < 1 or budget > n_total:
             raise HeadscopeInputError(

@@ -106,6 +106,9 @@ CLI_CASES = [
     ("rank-budget-7:0", lambda f: ["rank", "--budget", "7:0"], "leaves no FA head"),
     ("rank-budget-300", lambda f: ["rank", "--budget", "300"], "outside 1..270 (the model has 270 heads)"),
     ("rank-budget-lots", lambda f: ["rank", "--budget", "lots"], "'lots' is not a count, a fraction or an 'LA:FA' ratio"),
+    ("rank-budget-7-1", lambda f: ["rank", "--budget", "7-1"],
+     "budget '7-1' is not a count, a fraction or an 'LA:FA' ratio; write e.g. 34 (FA heads), 0.125 (a fraction of the "
+     "heads) or 7:1 (LA:FA)"),
     ("rank-weights-sum", lambda f: ["rank", "--task", "niah_single", "--task", "niah_multikey", "--weight", "0.5",
                                     "--weight", "0.6"], "sum to 1.1, not 1; rescale them"),
     ("rank-bad-mode", lambda f: ["rank", "--mode", "fast"], "--mode='fast' is not one of exact, screen"),
@@ -174,6 +177,9 @@ CLI_CASES = [
      "conv_plan is a `headscope convert` output folder: pass its last stage, {root}{sep}conv_plan{sep}stage1"),
     ("generate-conversion-folder-unfinished", lambda f: ["generate", str(f["root"] / "conv_ckpt"), "hi"],
      "conv_ckpt is a `headscope convert` output folder without a finished stage"),
+    # ---- headscope mask
+    ("mask-kv-layers-99", lambda f: ["mask", str(f["root"] / "run"), "--kv-layers", "99", "--budget", "7:1"],
+     "--kv-layers=99 must be in 1..2; the KV budget counts whole layers' caches and the model has 2 layers"),
     # ---- headscope anatomy
     ("anatomy-missing-run", lambda f: ["anatomy", str(f["root"] / "nothing")], "is missing (no such directory)"),
     ("anatomy-run-is-a-file", lambda f: ["anatomy", str(f["file"])], "is a file, not a run directory"),
