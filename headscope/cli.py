@@ -253,12 +253,14 @@ def anatomy(
     use_model: bool = typer.Option(
         True, "--model/--no-model", help="load the run's model and re-generate its pairs for DLA and layer cosine"
     ),
-    fmt: List[str] = typer.Option(["html", "png"], "--format", help="figure formats (repeatable): html, png"),
+    fmt: List[str] = typer.Option(["html", "png"], "--format",
+                                  help="figure formats (repeatable): html, png, svg, pdf (png, svg and pdf need kaleido "
+                                       "and Chromium)"),
     device: Optional[str] = typer.Option(None, help="cpu / cuda, for DLA and cosine"),
 ) -> None:
     """Head anatomy of a saved run: write OUT/anatomy.json and the figures (SPEC.md §7).
 
-    The run directory, the formats (png needs kaleido and Chromium) and, with --model, the run's model
+    The run directory, the formats (png, svg and pdf need kaleido and Chromium) and, with --model, the run's model
     spec and task settings are checked before the model loads (errors: one line, exit code 2)."""
     out = out or run_dir / "anatomy"
     with user_errors():

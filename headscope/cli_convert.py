@@ -212,6 +212,17 @@ def convert(
     _convert_report(result, out)
 
 
+def _memory(peak: Optional[dict[str, Any]]) -> str:
+    """The memory part of a stage's summary line: on CUDA the stage's peak allocation; on a CPU the process's maximum
+    resident set size so far (``ru_maxrss``: it never goes down, so a later stage's includes the earlier ones')."""
+    mem = (peak or {}).get("bytes")
+    if not mem:
+        return ""
+    if str(peak.get("kind", "")).startswith("ru_maxrss"):  # type: ignore[union-attr]
+        return f", process max RSS so far {mem / 2**30:.2f} GiB"
+    return f", peak memory {mem / 2**30:.2f} GiB"
+
+
 def _convert_report(result: dict[str, Any], out: Path) -> None:
     """One line per stage, then where the converted model is (or how to continue)."""
     import json
@@ -220,10 +231,9 @@ def _convert_report(result: dict[str, Any], out: Path) -> None:
         if s.get("skipped"):
             typer.echo(f"stage {k}: {s['skipped']} ({s['folder']})")
             continue
-        mem = (s.get("peak_memory") or {}).get("bytes")
         typer.echo(f"stage {k}: {s['steps']}/{s['total_steps']} steps, {s['tokens']:,} tokens, final loss "
                    f"{s['final_loss'] if s['final_loss'] is None else round(s['final_loss'], 4)}, "
-                   f"{s.get('seconds_total', s['seconds'])} s" + (f", peak memory {mem / 2**30:.2f} GiB" if mem else "")
+                   f"{s.get('seconds_total', s['seconds'])} s" + _memory(s.get("peak_memory"))
                    + (f" -> {s['folder']}" if s.get("folder") else ""))
     typer.echo(json.dumps({k: {x: v for x, v in s.items() if x in ("steps", "tokens", "final_loss", "finished", "folder")}
                            for k, s in result["stages"].items()}))

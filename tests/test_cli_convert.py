@@ -3,6 +3,8 @@ one-line note (``--tokens 1K`` at the CPU sizes trained 1,536 tokens without a w
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -55,3 +57,18 @@ def test_rounding_note_per_stage_and_with_stage_tokens():
     assert r.rounding_note((1, 3)) is None  # whole steps already
     assert r.rounding_note((2,)).startswith("note: 1,024 tokens will be trained, 97% more than the 520 asked for")
     assert r.rounding_note().startswith("note: 2,048 tokens will be trained, 33% more than the 1,544 asked for")
+
+
+def test_summary_labels_cpu_memory_as_the_process_max_rss(capsys):
+    """On a CPU the recorded peak is ru_maxrss, the process's maximum so far (stage 3's includes stage 2's): the summary
+    says so; on CUDA it is the stage's peak allocation."""
+    from headscope.cli_convert import _convert_report
+
+    stage = {"steps": 3, "total_steps": 3, "tokens": 1536, "final_loss": 1.23456, "seconds": 7, "folder": "o/stage1"}
+    result = {"finished": True, "folder": "o/stage2", "stages": {
+        1: {**stage, "peak_memory": {"bytes": 3 * 2**30, "kind": "ru_maxrss (process)"}},
+        2: {**stage, "folder": "o/stage2", "peak_memory": {"bytes": 2**29, "kind": "torch.cuda.max_memory_allocated"}}}}
+    _convert_report(result, Path("o"))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "stage 1: 3/3 steps, 1,536 tokens, final loss 1.2346, 7 s, process max RSS so far 3.00 GiB -> o/stage1"
+    assert lines[1] == "stage 2: 3/3 steps, 1,536 tokens, final loss 1.2346, 7 s, peak memory 0.50 GiB -> o/stage2"

@@ -78,3 +78,23 @@ ROLES = re.compile(r":(class|func|mod|attr|meth|data|exc|obj):`?")  # rendered m
 def test_help_has_no_developer_markup(command, monkeypatch):
     text = _help(command, monkeypatch)
     assert not ROLES.search(text), ROLES.findall(text)
+
+
+def test_anatomy_help_lists_every_figure_format(monkeypatch):
+    from headscope.analysis.anatomy import FIGURE_FORMATS
+
+    text = re.sub(r"[\s│]+", " ", _help(["anatomy"], monkeypatch))
+    assert f"figure formats (repeatable): {', '.join(FIGURE_FORMATS)} " in text and FIGURE_FORMATS[-1] == "pdf"
+
+
+def test_setup_descriptions_match_setup_sh():
+    """setup.sh installs torch as pip resolves it (no CPU index): its header and the README's layout line must not
+    promise the CPU build."""
+    setup = (ROOT / "setup.sh").read_text()
+    code = [ln for ln in setup.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    torch_line = next(ln for ln in code if "pip install" in ln and "torch==" in ln)
+    assert "download.pytorch.org/whl/cpu" not in torch_line
+    header = "\n".join(ln for ln in setup.splitlines()[1:8] if ln.startswith("#"))
+    layout = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.strip().startswith("setup.sh "))
+    for text in (header, layout):
+        assert "CPU build of PyTorch" not in text and "PyTorch" in text, text

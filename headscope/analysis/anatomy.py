@@ -272,7 +272,7 @@ class Anatomy:
         return figs
 
     def save(self, directory: str | Path, formats: Sequence[str] = ("html", "png")) -> dict[str, list[Path]]:
-        """Write anatomy.json and every figure (``formats``: html and/or png) into ``directory``.
+        """Write anatomy.json and every figure (``formats``: any of html, png, svg, pdf) into ``directory``.
 
         Returns {"json": [path], figure name: [paths]}.
         """
@@ -377,13 +377,13 @@ def check_figure_formats(formats: Sequence[str]) -> None:
     """
     formats = list(formats)
     if not formats:
-        raise HeadscopeInputError("--format: give at least one of html, png")
+        raise HeadscopeInputError(f"--format: give at least one of {', '.join(FIGURE_FORMATS)}")
     for fmt in formats:
         check_choice("--format", fmt, FIGURE_FORMATS)
     if any(fmt != "html" for fmt in formats):
         fix = "or write html only (--format html)"
         if importlib.util.find_spec("kaleido") is None:
-            raise HeadscopeInputError(f"static figures (png) need kaleido: pip install kaleido, {fix}")
+            raise HeadscopeInputError(f"static figures (png, svg, pdf) need kaleido: pip install kaleido, {fix}")
         try:
             from choreographer.browsers.chromium import Chromium
 
@@ -392,7 +392,7 @@ def check_figure_formats(formats: Sequence[str]) -> None:
             return
         if not found:
             raise HeadscopeInputError(
-                f"static figures (png) need Chrome or Chromium: `apt-get install chromium` or `plotly_get_chrome`, {fix}"
+                f"static figures (png, svg, pdf) need Chrome or Chromium: `apt-get install chromium` or `plotly_get_chrome`, {fix}"
             )
 
 
