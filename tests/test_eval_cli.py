@@ -103,19 +103,59 @@ def test_eval_writes_cells_checked_by_brute_force_and_resumes(folders, tmp_path,
     again = _eval(folders, out)
     assert again.exit_code == 0, (again.output, again.exception)
     pd.testing.assert_frame_equal(pd.read_csv(out / "retention.csv"), df)
-    # a second model into the same folder: the teacher's stored cells are reused, only the new model loads
+    # the same weights under a second name into the same folder: the teacher's stored cells are skipped and the
+    # model's are copied from conv-stage3's (same fingerprint and settings), nothing loads
     monkeypatch.undo()
     calls = []
     real = headscope.models.load_hf
     monkeypatch.setattr(headscope.models, "load_hf", lambda spec, **k: (calls.append(str(spec)), real(spec, **k))[1])
     second = _eval(folders, out, "--name", "conv-b")
     assert second.exit_code == 0, (second.output, second.exception)
-    assert calls == [str(folders / "conv" / "stage3")]
+    assert calls == [] and "conv-b: 1 cell(s) reused from conv-stage3__s4__t12500000" in second.stderr
     both = pd.read_csv(out / "retention.csv")
     assert sorted(both.model.unique()) == ["conv-b", "conv-stage3", "teacher"] and len(both) == 3
     b = both[both.model == "conv-b"].set_index("task")
     a = both[both.model == "conv-stage3"].set_index("task")
     assert (b.hits == a.hits).all() and (b.teacher_accuracy == a.teacher_accuracy).all()  # same weights, same prompts
+
+
+def test_a_teacher_scored_alone_before_is_not_scored_again(folders, tmp_path, monkeypatch):
+    """The teacher evaluated alone into OUT (as 'ref'), then a student with --teacher (the same folder) into OUT: the
+    teacher's cells are copied from ref's (same weights' fingerprint and settings), only the student loads."""
+    import gzip
+
+    import headscope.models
+
+    out = tmp_path / "out"
+    def alone(name, lengths):  # the teacher's folder evaluated by itself
+        return CliRunner().invoke(app, ["eval", str(folders / "teacher"), "--name", name, "--corpus",
+                                        str(folders / "corpus.txt"), "--tasks", "niah_single", "--lengths", lengths,
+                                        "--n", "3", "--gen-n", "2", "--device", "cpu", "--no-progress", "--out", str(out)])
+
+    first = alone("ref", "128")
+    assert first.exit_code == 0, (first.output, first.exception)
+    calls = []
+    real = headscope.models.load_hf
+    monkeypatch.setattr(headscope.models, "load_hf", lambda spec, **k: (calls.append(str(spec)), real(spec, **k))[1])
+    res = _eval(folders, out, "--lengths", "128")  # lengths 256 (_eval's) and 128: 128 was scored as ref, 256 not
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert "teacher: 1 cell(s) reused from ref__s0__t0 (the same model, weights and settings)" in res.stderr
+    assert calls == [str(folders / "teacher"), str(folders / "conv" / "stage3")]  # the teacher loads for 256 only
+    cell = "niah_single.unseen.128.json.gz"
+    ref = json.loads(gzip.decompress((out / "cells" / "ref__s0__t0" / cell).read_bytes()))
+    tea = json.loads(gzip.decompress((out / "cells" / "teacher__s0__t0" / cell).read_bytes()))
+    assert tea["model"] == "teacher" and tea["reused_from"] == "ref__s0__t0"
+    assert tea["correct"] == ref["correct"] and tea["config"] == ref["config"] and tea["seconds"] == ref["seconds"]
+    assert "reused_from" not in json.loads(gzip.decompress((out / "cells" / "teacher__s0__t0" /
+                                                            "niah_single.unseen.256.json.gz").read_bytes()))
+    df = pd.read_csv(out / "retention.csv")
+    row = df[(df.model == "conv-stage3") & (df.length == 128)].iloc[0]
+    assert row.teacher_accuracy == pytest.approx(ref["hits"] / 3)
+    # the other way: the teacher's folder alone again, under a new name, at 256 (scored as the teacher): nothing loads
+    calls.clear()
+    again = alone("ref2", "256")
+    assert again.exit_code == 0, (again.output, again.exception)
+    assert calls == [] and "ref2: 1 cell(s) reused from teacher__s0__t0" in again.stderr
 
 
 @pytest.mark.parametrize("extra, want", [

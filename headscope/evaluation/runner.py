@@ -8,7 +8,8 @@ batches of ``batch_tokens`` tokens, free greedy generation of the first ``gen_n`
 
 * ``OUT/cells/NAME__sSEED__tTOKENS/TASK.FORMATS.LENGTH.json.gz``: one cell's record with its per-prompt outcomes
   (``correct``, ``prompt_len``, ``evidence_distance``, ``gen_exact``) and the suite settings; a rerun skips the
-  cells stored with the same settings (resumable per cell);
+  cells stored with the same settings (resumable per cell), and a model already scored in OUT under another name
+  (the teacher evaluated alone, then as ``--teacher``) has its cells copied, not scored again (:func:`reuse_cells`);
 * ``OUT/retention.csv`` (:data:`~headscope.evaluation.retention.EVAL_COLUMNS`), ``retention_summary.csv`` (intervals),
   ``retention_seeds.csv``, ``report.md`` and ``report.html`` (:mod:`headscope.evaluation.report`), over every model
   stored under OUT (two students evaluated into one folder share the teacher's cells and the prompts);
@@ -251,6 +252,38 @@ def _stored(out: Path, name: str, seed: int, tokens: int, suite: Any, extra: dic
     return True
 
 
+def reuse_cells(out: Path, name: str, seed: int, tokens: int, suite: Any, extra: dict[str, Any]) -> dict[str, int]:
+    """Copy into this model's folder the cells that another folder of ``out``/cells holds with the same config (the same
+    model spec and weights' fingerprint, haystack, vocabulary, dtype and suite settings): the teacher evaluated alone
+    before (``headscope eval smollm2-135m``), then beside a student (``--teacher smollm2-135m``), is not scored again.
+    A copy keeps its record, renamed (``model``, ``seed``, ``tokens``) and with ``reused_from``.
+
+    Returns:
+        {source folder name: cells copied from it}.
+    """
+    from .retention import cell_dir, cell_identity, read_cell, write_cell
+
+    conf = json.loads(json.dumps({**cell_identity(suite), **extra}))
+    d = cell_dir(out / "cells", name, seed, tokens)
+    others = sorted(x for x in (out / "cells").glob("*__s*__t*") if x.is_dir() and x != d)
+    copied: dict[str, int] = {}
+    for task, fmt, L in suite.cells():
+        old = read_cell(d, task, fmt, L)
+        if old is not None and old.get("config") == conf:
+            continue
+        for src in others:
+            rec = read_cell(src, task, fmt, L)
+            if rec is not None and rec.get("config") == conf:
+                d.mkdir(parents=True, exist_ok=True)
+                for stale in (d / f"{task}.{fmt}.{L}.json", d / f"{task}.{fmt}.{L}.json.gz"):
+                    stale.unlink(missing_ok=True)  # a cell of another config
+                write_cell(d / f"{task}.{fmt}.{L}.json.gz", {**rec, "model": name, "seed": int(seed),
+                                                               "tokens": int(tokens), "reused_from": src.name})
+                copied[src.name] = copied.get(src.name, 0) + 1
+                break
+    return copied
+
+
 def run_eval(cfg: EvalConfig, progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Score ``cfg.model`` (and ``cfg.teacher``) on every cell of ``cfg.suite`` into ``cfg.out`` (see the module
     docstring) and write the tables and the report.
@@ -316,6 +349,8 @@ def run_eval(cfg: EvalConfig, progress: bool = True, log: Callable[[str], None] 
     try:
         for name, seed, tokens, spec in runs:
             extra = {**ident, "model": spec, "weights": weights_fingerprint(spec)}
+            for src, k in reuse_cells(out, name, seed, tokens, cfg.suite, extra).items():
+                log(f"{name}: {k} cell(s) reused from {src} (the same model, weights and settings)")
             if _stored(out, name, seed, tokens, cfg.suite, extra):
                 bar.update(n_cells * cfg.suite.n)
                 stored[name] = n_cells
