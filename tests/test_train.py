@@ -4,6 +4,8 @@ resume, tiny end-to-end run of all three stages (CLI)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -210,6 +212,79 @@ def test_resume_equals_uninterrupted(teacher, tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]
     with pytest.raises(FileExistsError, match="resume"):
         _trainer(teacher, tmp_path / "a")
+
+
+class _SigintDuringStep:
+    """The trainer's step with ``signals`` SIGINTs sent to this process in the middle of step ``at`` (after the
+    batch was taken from the loader, before the gradients): what a user's Ctrl-C does during a step."""
+
+    def __init__(self, trainer, at, signals):
+        self.inner, self.trainer, self.at, self.signals = trainer.step_fn, trainer, at, signals
+
+    def __call__(self, ids, mask):
+        if self.trainer.step + 1 == self.at:
+            for _ in range(self.signals):
+                os.kill(os.getpid(), signal.SIGINT)
+        return self.inner(ids, mask)
+
+    def close(self):
+        self.inner.close()
+
+
+def _uninterrupted(teacher, out):
+    tr = _trainer(teacher, out)
+    assert tr.run()["finished"]
+    return tr.student.state_dict()
+
+
+def test_ctrl_c_in_a_step_stops_after_it_and_resumes_exactly(teacher, tmp_path):
+    """One Ctrl-C in step 3 finishes step 3, writes its checkpoint and stops; the resumed run's weights equal the
+    uninterrupted run's bit for bit; the SIGINT handler in place before run() is back after it."""
+    want = _uninterrupted(teacher, tmp_path / "full")
+    before = signal.getsignal(signal.SIGINT)
+    a = _trainer(teacher, tmp_path / "a")
+    a.step_fn = _SigintDuringStep(a, at=3, signals=1)
+    s = a.run()
+    assert (s["steps"], s["stopped"], s["exit_checkpoint"]) == (3, "interrupted", True)
+    assert signal.getsignal(signal.SIGINT) is before
+    a2 = _trainer(teacher, tmp_path / "a", resume=True)
+    assert a2.step == 3
+    a2.run()
+    got = a2.student.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("cut", ["second_ctrl_c", "error"])
+def test_a_step_cut_in_the_middle_keeps_the_last_complete_checkpoint(teacher, tmp_path, cut):
+    """A second Ctrl-C (KeyboardInterrupt at once) or an error inside step 3, after its batch was taken: no exit
+    checkpoint is written, the step-2 checkpoint stays, and resuming from it gives the uninterrupted weights.
+    (Before this, the exit checkpoint said step 2 with the loader already past step 3's batch: resume skipped it.)"""
+    want = _uninterrupted(teacher, tmp_path / "full")
+    b = _trainer(teacher, tmp_path / "b", ckpt_every=2)
+    if cut == "second_ctrl_c":
+        b.step_fn = _SigintDuringStep(b, at=3, signals=2)
+        s = b.run()
+        assert (s["steps"], s["stopped"], s["exit_checkpoint"]) == (2, "interrupted", False)
+    else:
+        inner = b.step_fn
+
+        class Failing:
+            def __call__(self, ids, mask):
+                if b.step + 1 == 3:
+                    raise RuntimeError("CUDA out of memory (simulated)")
+                return inner(ids, mask)
+
+            def close(self):
+                inner.close()
+
+        b.step_fn = Failing()
+        with pytest.raises(RuntimeError, match="simulated"):
+            b.run()
+    b2 = _trainer(teacher, tmp_path / "b", ckpt_every=2, resume=True)
+    assert b2.step == 2
+    b2.run()
+    got = b2.student.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_stage1_trains_only_attention_and_lowers_the_loss(teacher, tmp_path):

@@ -51,6 +51,7 @@ from torch import nn
 from ..errors import HeadscopeInputError, InputFileExistsError, InputFileNotFoundError
 from . import parallel
 from .data import Loader, TokenRows
+from .interrupt import StopAtStepBoundary
 from .stages import logged_scalars, trainable_parameters
 from .step_plan import DATA_PARALLEL, TEACHER_DTYPES, build_step, resolve_step_plan
 
@@ -329,6 +330,7 @@ class Trainer:
             )
         self._fields: Optional[list[str]] = None
         self._t_run: Optional[float] = None  # time.time() at the start of the current run()
+        self._in_step = False  # between taking a batch and logging its step: the state is not a step's
 
     def seconds(self) -> float:
         """Training seconds of this stage so far, over every run that resumed it."""
@@ -421,6 +423,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step on the next batch; returns the logged row."""
         t0 = time.perf_counter()
+        self._in_step = True  # until the row is logged, an exception leaves a half-done step (run() then saves nothing)
         ids, mask = self.loader.next()
         if self.parallel:  # this rank's slice of the global batch; losses normalized globally
             ids, mask = parallel.local_rows(ids, mask, self.rank, self.world)
@@ -446,6 +449,7 @@ class Trainer:
             "seconds": round(time.perf_counter() - t0, 4),
         }
         self._log(row)
+        self._in_step = False
         return row
 
     def run(
@@ -458,9 +462,13 @@ class Trainer:
         ``time.time()`` value); checkpoint every ``ckpt_every`` steps and on exit.
 
         ``on_step(trainer, row)`` is called after each step; raising :class:`StopTraining` in it stops
-        the run cleanly. Returns a summary {stage, steps, tokens, final_loss, finished, seconds,
-        data_parallel (None in one process, else "ddp" or "fsdp"), fast_step (bool), step_plan (the
-        :class:`~headscope.train.step_plan.StepPlan` as a dict)}.
+        the run cleanly. Ctrl-C (SIGINT, in the main thread) stops after the current step
+        (:class:`~headscope.train.interrupt.StopAtStepBoundary`), so the exit checkpoint is that step's; a second
+        Ctrl-C, or any error, inside a step writes no exit checkpoint (the last complete one stays, and resuming
+        replays from it). Returns a summary {stage, steps, tokens, final_loss, finished, stopped ("finished",
+        "deadline", "interrupted"), exit_checkpoint (bool), seconds, data_parallel (None in one process, else
+        "ddp" or "fsdp"), fast_step (bool), step_plan (the :class:`~headscope.train.step_plan.StepPlan` as a
+        dict)}.
         """
         from tqdm.auto import tqdm
 
@@ -474,13 +482,14 @@ class Trainer:
         last: dict[str, Any] = {}
         stopped = "finished"
         # compiles and CUDA-graph captures happen inside the steps, under the setting
-        with deterministic_mode(self.plan.deterministic):
+        with deterministic_mode(self.plan.deterministic), StopAtStepBoundary() as ctrl_c:
             try:
                 while self.step < end:
                     # every rank must take the same decision (collectives follow)
                     late = deadline is not None and time.time() > deadline
-                    if parallel.any_rank(late, self.device) if self.parallel else late:
-                        stopped = "deadline"
+                    stop = late or ctrl_c.requested
+                    if parallel.any_rank(stop, self.device) if self.parallel else stop:
+                        stopped = "deadline" if late else "interrupted"
                         break
                     last = self.train_step()
                     bar.update(1)
@@ -493,8 +502,12 @@ class Trainer:
                 stopped = "interrupted"
             finally:
                 bar.close()
-                if self.cfg.ckpt_on_exit and self.step > 0:
+                # a step cut in the middle (a second Ctrl-C, an error) leaves the loader, the weights and AdamW's
+                # states between two steps: the last complete checkpoint stays, and --resume replays from it
+                exit_checkpoint = self.cfg.ckpt_on_exit and self.step > 0 and not self._in_step
+                if exit_checkpoint:
                     self.save_checkpoint()
+                self._in_step = False
                 self.step_fn.close()  # frees the captured graph's memory; a later run() captures again
                 self.seconds_before, self._t_run = self.seconds(), None
         finished = self.step >= self.total_steps
@@ -506,6 +519,7 @@ class Trainer:
             "final_loss": last.get("loss"),
             "finished": finished,
             "stopped": stopped if not finished else "finished",
+            "exit_checkpoint": exit_checkpoint,
             "seconds": round(time.time() - t0, 2),
             "seconds_total": round(self.seconds(), 2),
             "peak_memory": self.peak_memory(),
