@@ -129,7 +129,6 @@ def rank(**values: Any) -> None:
 
 rank.__signature__ = inspect.Signature(_rank_options())  # type: ignore[attr-defined]
 rank.__annotations__ = {p.name: p.annotation for p in rank.__signature__.parameters.values()}  # type: ignore[attr-defined]
-app.command("rank")(rank)
 
 
 def _report(r: Any, cfg: Any, budget: str, min_per_layer: int, out: Path, top: int) -> None:
@@ -238,7 +237,6 @@ def _mask_step(r: "object", budget: str, min_per_layer: int, out: Path) -> tuple
     return mask, None
 
 
-@app.command()
 def anatomy(
     run_dir: Path = typer.Argument(..., help="a run directory written by `headscope rank` / Ranking.save"),
     out: Optional[Path] = typer.Option(None, help="output directory (default RUN_DIR/anatomy)"),
@@ -336,7 +334,6 @@ already stored with the same settings; several models evaluated into one OUT sha
 prompts and appear in one table. Every argument is checked before a model loads (errors: one line, exit code 2)."""
 
 
-@app.command("eval", help=_EVAL_HELP)
 def eval_command(
     model: str = typer.Argument(..., help="the model to score: converted folder, HF directory, .gguf, cached hub id or 'smollm2-135m'"),
     teacher: Optional[str] = typer.Option(None, help="reference model scored on the same prompts (retention = accuracy / its accuracy)"),
@@ -373,7 +370,6 @@ def eval_command(
                + (", report.html" if "html" in res["report"] else "") + f", cells/ (per-prompt records); {res['seconds']} s")
 
 
-@app.command()
 def generate(
     model: str = typer.Argument(..., help="converted folder, HF directory, .gguf, cached hub id or 'smollm2-135m'"),
     prompt: Optional[str] = typer.Argument(None, help="the prompt (default: --file, else read from stdin)"),
@@ -414,9 +410,15 @@ def generate(
     typer.echo(summary(res, next(m.parameters()).device, dtype), err=True)
 
 
-app.command(help=CONVERT_HELP)(convert)
-app.command("plan-memory")(plan_memory_command)
-app.command("mask", help=MASK_HELP)(mask_command)
+# the commands in the workflow's order, in three panels of `headscope --help`
+_FIND, _CONVERT, _USE = "Find the heads", "Convert the model", "Evaluate and generate"
+app.command("rank", rich_help_panel=_FIND)(rank)
+app.command("anatomy", rich_help_panel=_FIND)(anatomy)
+app.command("mask", help=MASK_HELP, rich_help_panel=_FIND)(mask_command)
+app.command("plan-memory", rich_help_panel=_CONVERT)(plan_memory_command)
+app.command("convert", help=CONVERT_HELP, rich_help_panel=_CONVERT)(convert)
+app.command("eval", help=_EVAL_HELP, rich_help_panel=_USE)(eval_command)
+app.command("generate", rich_help_panel=_USE)(generate)
 
 
 if __name__ == "__main__":  # pragma: no cover

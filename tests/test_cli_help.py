@@ -98,3 +98,14 @@ def test_setup_descriptions_match_setup_sh():
     layout = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.strip().startswith("setup.sh "))
     for text in (header, layout):
         assert "CPU build of PyTorch" not in text and "PyTorch" in text, text
+
+
+def test_commands_listed_in_the_workflow_order_in_three_panels(monkeypatch):
+    """`headscope --help` lists rank, anatomy, mask | plan-memory, convert | eval, generate under their panels."""
+    text = _help([], monkeypatch)
+    want = ["Find the heads", "rank", "anatomy", "mask", "Convert the model", "plan-memory", "convert",
+            "Evaluate and generate", "eval", "generate"]
+    where = [re.search(rf"[│╭─] {re.escape(w)} ", text) for w in want]
+    assert all(where), [w for w, m in zip(want, where) if m is None]
+    assert [m.start() for m in where] == sorted(m.start() for m in where)
+    assert set(COMMANDS) == {"rank", "anatomy", "mask", "plan-memory", "convert", "eval", "generate"}
