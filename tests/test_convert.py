@@ -110,6 +110,24 @@ def test_three_stages_write_model_folders_and_resume_exactly(setup, small_tokeni
     curve = json.loads((cut / "stage2" / "training.json").read_text())["loss_curve"]["rows"]
     ref = json.loads((tmp_path / "full" / "stage2" / "training.json").read_text())["loss_curve"]["rows"]
     assert curve == ref  # the replayed step 3 is kept once, with the same loss
+    # stage 1-2 folders deleted once stage 3 is complete (disk): --resume has nothing to do, trains nothing again
+    import shutil
+
+    from headscope.train import pipeline as pipeline_mod
+
+    for k in (1, 2):
+        shutil.rmtree(cut / f"stage{k}")
+    real_stage = pipeline_mod.convert_stage
+    pipeline_mod.convert_stage = lambda *a, **kw: pytest.fail("a stage trained again")
+    try:
+        again = convert_model(teacher, tok, MASK, cut, recipe=recipe_c, progress=False, resume=True)
+    finally:
+        pipeline_mod.convert_stage = real_stage
+    assert again["finished"] and again["folder"] == str(cut / "stage3")
+    assert [again["stages"][k]["skipped"] for k in (1, 2, 3)] == [
+        "finished (its folder removed; a later stage is complete)"] * 2 + ["already finished"]
+    with pytest.raises(FileExistsError, match=r"cut holds stage 1 finished \(a later stage's folder is complete\)"):  # without --resume: refused as before
+        convert_model(teacher, tok, MASK, cut, recipe=recipe_c, progress=False)
     # another recipe into the same folder is refused before any work
     with pytest.raises(ValueError, match="another recipe.*s3_wordings: 6 stored, 3 now"):
         convert_model(teacher, tok, MASK, cut, recipe=_recipe(root, s3_wordings=3), resume=True, progress=False)

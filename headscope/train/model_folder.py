@@ -39,6 +39,13 @@ def is_model_folder(path: str | Path) -> bool:
     return (p / RECORD).is_file() and (p / "config.json").is_file()
 
 
+def stage_finished(out: str | Path, stage: int, last_stage: int = 3) -> bool:
+    """True when stage ``stage`` of the conversion folder ``out`` is finished: its ``stage{k}/`` folder is complete, or
+    a later stage's is (earlier stage folders may be deleted once a later stage is done, to save disk; a conversion
+    continued with ``--resume`` does not train them again)."""
+    return any(is_model_folder(Path(out) / f"stage{k}") for k in range(stage, last_stage + 1))
+
+
 def read_record(path: str | Path) -> dict[str, Any]:
     """``training.json`` of a stage folder.
 

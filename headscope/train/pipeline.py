@@ -320,7 +320,7 @@ def convert_model(
         whose previous stage is not finished, a checkpoint of another plan.
     """
     from .determinism import deterministic_mode, fa_kernel_override
-    from .model_folder import is_model_folder
+    from .model_folder import is_model_folder, stage_finished
     from .recipe import ConvertRecipe, DOC_SEED, S2_SEED, S3_SEED, check_convert_dir, recipe_documents, recipe_rows
 
     recipe = recipe or ConvertRecipe()
@@ -340,7 +340,7 @@ def convert_model(
                                 next(teacher.parameters()).device)
     # the documents' sampling and every stage under the setting (headscope.train.determinism)
     with deterministic_mode(det):
-        todo = [k for k in stages if not is_model_folder(out / f"stage{k}")]
+        todo = [k for k in stages if not stage_finished(out, k)]
         data_dir = out / "data"
         docs_info: dict[str, Any] = {}
         train_docs: list = []
@@ -361,8 +361,9 @@ def convert_model(
                  "s2_retrieval": 10 * recipe.seed + S2_SEED, "s3_retrieval": 10 * recipe.seed + S3_SEED}
         for k in stages:
             sd = out / f"stage{k}"
-            if is_model_folder(sd):
-                summaries[k] = {"stage": k, "finished": True, "skipped": "already finished", "folder": str(sd)}
+            if stage_finished(out, k):
+                summaries[k] = {"stage": k, "finished": True, "folder": str(sd), "skipped": "already finished"
+                                if is_model_folder(sd) else "finished (its folder removed; a later stage is complete)"}
                 continue
             f_rows, f_info = data_dir / f"stage{k}_rows.pt", data_dir / f"stage{k}_rows.json"
             for turn in (0, 1):

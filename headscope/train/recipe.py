@@ -303,7 +303,7 @@ def check_convert_dir(out: Any, recipe: Any, stages: tuple[int, ...], resume: bo
     from ..validate import check_out_dir
     from ..errors import InputFileExistsError, InputFileNotFoundError
     from .stage_checks import check_stage, check_stage_files
-    from .model_folder import is_model_folder
+    from .model_folder import is_model_folder, stage_finished
     from .parallel import find_checkpoint
 
     o = "--out" if cli else "out_dir"
@@ -322,14 +322,17 @@ def check_convert_dir(out: Any, recipe: Any, stages: tuple[int, ...], resume: bo
             what = "; ".join(f"{name(k)}: {a!r} stored, {b!r} now" for k, a, b in ((k, *v) for k, v in diff.items()))
             raise HeadscopeInputError(f"{out} was started with another recipe ({what}); pass the same options, or use "
                                       f"another {o}")
-    state = {k: ("finished" if is_model_folder(out / f"stage{k}") else
+    state = {k: ("finished" if stage_finished(out, k) else
                  "checkpoint" if find_checkpoint(out / f"stage{k}" / "checkpoint") is not None else None) for k in stages}
     r = "--resume" if cli else "resume=True"
     if not resume:
         for k, st in state.items():
             if st is not None:
                 what = "a finished stage" if st == "finished" else "a checkpoint"
-                raise InputFileExistsError(f"{out / f'stage{k}'} holds {what}: pass {r} to continue the conversion, or "
+                where = out / f"stage{k}"
+                if st == "finished" and not is_model_folder(where):  # its folder deleted after a later stage finished
+                    where, what = out, f"stage {k} finished (a later stage's folder is complete)"
+                raise InputFileExistsError(f"{where} holds {what}: pass {r} to continue the conversion, or "
                                            f"use another {o}")
     elif not any(state.values()) and not f.exists():
         raise InputFileNotFoundError(f"{r}: {out} holds no conversion to continue; start without {r.split('=')[0]}")
