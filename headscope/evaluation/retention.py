@@ -316,7 +316,6 @@ def evaluate_suite(
             if progress is not None:
                 progress(cfg.n)
             continue
-        f = d / (f"{task}.{fmt}.{L}.json" + (".gz" if compress else ""))
         if deadline is not None and time.time() > deadline:
             left += 1
             continue
@@ -341,10 +340,7 @@ def evaluate_suite(
         t3 = time.time()
         rec.update(seconds=round(t3 - t0, 2), prompt_seconds=round(t1 - t0, 2), score_seconds=round(t2 - t1, 2),
                    gen_seconds=round(t3 - t2, 2), config=conf)
-        write_cell(f, rec)
-        for other in (d / f"{task}.{fmt}.{L}.json", d / f"{task}.{fmt}.{L}.json.gz"):
-            if other != f:
-                other.unlink(missing_ok=True)  # a cell of another config in the other form
+        store_cell(d, task, fmt, L, rec, compress)
         done += 1
         log(f"{name} s{seed} t{tokens} {task} {fmt} {L}: {rec['hits']}/{rec['n']}"
             + (f" (generation {rec['gen_exact_hits']}/{k}, agrees on {rec['gen_agree']})" if k else "")
@@ -361,6 +357,20 @@ def write_cell(path: str | Path, rec: dict[str, Any]) -> None:
         atomic_write_text(path, text)
 
 
+def cell_files(folder: str | Path, task: str, formats: str, length: int) -> tuple[Path, Path]:
+    """The two names a cell's record may have in a model's folder: plain JSON, gzip JSON."""
+    f = Path(folder) / f"{task}.{formats}.{int(length)}.json"
+    return f, f.with_name(f.name + ".gz")
+
+
+def store_cell(folder: str | Path, task: str, formats: str, length: int, rec: dict[str, Any], compress: bool) -> None:
+    """Write a cell's record (:func:`write_cell`, gzip JSON with ``compress``) and remove its other form (a record of
+    another config)."""
+    plain, gz = cell_files(folder, task, formats, length)
+    write_cell(gz if compress else plain, rec)
+    (plain if compress else gz).unlink(missing_ok=True)
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     raw = path.read_bytes()
     return json.loads(gzip.decompress(raw) if path.name.endswith(".gz") else raw)
@@ -368,8 +378,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def read_cell(folder: str | Path, task: str, formats: str, length: int) -> Optional[dict[str, Any]]:
     """The stored record of one cell in a model's folder (:func:`cell_dir`), plain or gzip JSON; None if absent."""
-    for name in (f"{task}.{formats}.{int(length)}.json", f"{task}.{formats}.{int(length)}.json.gz"):
-        f = Path(folder) / name
+    for f in cell_files(folder, task, formats, length):
         if f.exists():
             return _read_json(f)
     return None

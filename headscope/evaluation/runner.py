@@ -261,7 +261,7 @@ def reuse_cells(out: Path, name: str, seed: int, tokens: int, suite: Any, extra:
     Returns:
         {source folder name: cells copied from it}.
     """
-    from .retention import cell_dir, cell_identity, read_cell, write_cell
+    from .retention import cell_dir, cell_identity, read_cell, store_cell
 
     conf = json.loads(json.dumps({**cell_identity(suite), **extra}))
     d = cell_dir(out / "cells", name, seed, tokens)
@@ -275,10 +275,8 @@ def reuse_cells(out: Path, name: str, seed: int, tokens: int, suite: Any, extra:
             rec = read_cell(src, task, fmt, L)
             if rec is not None and rec.get("config") == conf:
                 d.mkdir(parents=True, exist_ok=True)
-                for stale in (d / f"{task}.{fmt}.{L}.json", d / f"{task}.{fmt}.{L}.json.gz"):
-                    stale.unlink(missing_ok=True)  # a cell of another config
-                write_cell(d / f"{task}.{fmt}.{L}.json.gz", {**rec, "model": name, "seed": int(seed),
-                                                               "tokens": int(tokens), "reused_from": src.name})
+                store_cell(d, task, fmt, L, {**rec, "model": name, "seed": int(seed), "tokens": int(tokens),
+                                             "reused_from": src.name}, compress=True)
                 copied[src.name] = copied.get(src.name, 0) + 1
                 break
     return copied
